@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from accounts.api.callers import requester
+
+
+class FindUserView(APIView):
+    """GET /api/v2/find_user: the account of the caller's key."""
+
+    class OutputSerializer(serializers.Serializer):
+        username = serializers.CharField()
+        id = serializers.IntegerField()
+        kudos = serializers.FloatField()
+        trusted = serializers.BooleanField()
+        moderator = serializers.BooleanField()
+        concurrency = serializers.IntegerField()
+        worker_count = serializers.IntegerField()
+        worker_ids = serializers.ListField(child=serializers.CharField())
+
+    @extend_schema(responses=OutputSerializer)
+    def get(self, request):
+        user = requester(request)
+        worker_ids = [str(w) for w in user.workers.values_list("id", flat=True)]
+        body = {
+            "username": user.unique_alias,
+            "id": user.pk,
+            "kudos": float(user.kudos),
+            "trusted": user.trusted,
+            "moderator": user.moderator,
+            "concurrency": user.concurrency,
+            "worker_count": len(worker_ids),
+            "worker_ids": worker_ids,
+        }
+        return Response(self.OutputSerializer(body).data)

@@ -1,0 +1,66 @@
+"""Writes on accounts: creation and every kudos movement (always with its ledger row)."""
+
+from __future__ import annotations
+
+import secrets
+from decimal import Decimal
+from uuid import UUID
+
+from django.db import transaction
+from django.db.models import F
+
+from accounts.models import HordeUser, KudosTransaction, hash_api_key
+
+
+def new_api_key() -> str:
+    return secrets.token_urlsafe(16)
+
+
+@transaction.atomic
+def user_create(
+    *, username: str, kudos: float | Decimal = 0, trusted: bool = False, moderator: bool = False
+) -> tuple[HordeUser, str]:
+    """Create a user; returns it with its plain API key, which is not stored."""
+    api_key = new_api_key()
+    user = HordeUser.objects.create(
+        username=username,
+        api_key_hash=hash_api_key(api_key),
+        trusted=trusted,
+        moderator=moderator,
+    )
+    if kudos:
+        kudos_transfer(user_id=user.pk, amount=Decimal(str(kudos)), kind=KudosTransaction.Kind.GRANT)
+        user.refresh_from_db(fields=["kudos"])
+    return user, api_key
+
+
+def kudos_transfer(
+    *,
+    user_id: int,
+    amount: Decimal,
+    kind: str,
+    request_id: UUID | None = None,
+    generation_id: UUID | None = None,
+    release_held: Decimal = Decimal("0"),
+) -> None:
+    """Move `amount` (signed) into a user's balance and record it; optionally release a hold.
+
+    Callers run inside the transaction that stores what the kudos pay for.
+    """
+    updates: dict = {"kudos": F("kudos") + amount}
+    if release_held:
+        updates["kudos_held"] = F("kudos_held") - release_held
+    HordeUser.objects.filter(pk=user_id).update(**updates)
+    if amount:
+        KudosTransaction.objects.create(
+            user_id=user_id, amount=amount, kind=kind, request_id=request_id, generation_id=generation_id
+        )
+
+
+def kudos_hold(*, user_id: int, amount: Decimal) -> None:
+    HordeUser.objects.filter(pk=user_id).update(kudos_held=F("kudos_held") + amount)
+
+
+def kudos_release(*, user_id: int, amount: Decimal) -> None:
+    if amount:
+        HordeUser.objects.filter(pk=user_id).update(kudos_held=F("kudos_held") - amount)

@@ -1,0 +1,150 @@
+"""Wire shapes of the native text routes (upstream field names, ranges and defaults)."""
+
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from contract.text import (
+    GENERATION_STATES,
+    MAX_BRIDGE_AGENT_LENGTH,
+    MAX_WORKER_NAME_LENGTH,
+    TEXT_MAX_CONTEXT_LENGTH_DEFAULT,
+    TEXT_MAX_CONTEXT_LENGTH_RANGE,
+    TEXT_MAX_LENGTH_DEFAULT,
+    TEXT_MAX_LENGTH_RANGE,
+    TEXT_N_RANGE,
+    TEXT_POP_AMOUNT_RANGE,
+)
+
+
+class TextParamsSerializer(serializers.Serializer):
+    """Sampler parameters; every key KoboldAI Lite and the SDKs send is accepted, unknown keys dropped."""
+
+    n = serializers.IntegerField(min_value=TEXT_N_RANGE[0], max_value=TEXT_N_RANGE[1], default=1)
+    max_length = serializers.IntegerField(
+        min_value=TEXT_MAX_LENGTH_RANGE[0], max_value=TEXT_MAX_LENGTH_RANGE[1], default=TEXT_MAX_LENGTH_DEFAULT
+    )
+    max_context_length = serializers.IntegerField(
+        min_value=TEXT_MAX_CONTEXT_LENGTH_RANGE[0],
+        max_value=TEXT_MAX_CONTEXT_LENGTH_RANGE[1],
+        default=TEXT_MAX_CONTEXT_LENGTH_DEFAULT,
+    )
+    frmtadsnsp = serializers.BooleanField(required=False)
+    frmtrmblln = serializers.BooleanField(required=False)
+    frmtrmspch = serializers.BooleanField(required=False)
+    frmttriminc = serializers.BooleanField(required=False)
+    rep_pen = serializers.FloatField(min_value=1, max_value=3, required=False)
+    rep_pen_range = serializers.IntegerField(min_value=0, max_value=4096, required=False)
+    rep_pen_slope = serializers.FloatField(min_value=0, max_value=10, required=False)
+    singleline = serializers.BooleanField(required=False)
+    temperature = serializers.FloatField(min_value=0, max_value=5, required=False)
+    tfs = serializers.FloatField(min_value=0, max_value=1, required=False)
+    top_a = serializers.FloatField(min_value=0, max_value=1, required=False)
+    top_k = serializers.IntegerField(min_value=0, max_value=100, required=False)
+    top_p = serializers.FloatField(min_value=0.001, max_value=1, required=False)
+    typical = serializers.FloatField(min_value=0, max_value=1, required=False)
+    min_p = serializers.FloatField(min_value=0, max_value=1, required=False)
+    smoothing_factor = serializers.FloatField(min_value=0, max_value=10, required=False)
+    dynatemp_range = serializers.FloatField(min_value=0, max_value=5, required=False)
+    dynatemp_exponent = serializers.FloatField(min_value=0, max_value=5, required=False)
+    sampler_order = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=10), required=False)
+    use_default_badwordsids = serializers.BooleanField(required=False)
+    stop_sequence = serializers.ListField(
+        child=serializers.CharField(allow_blank=False, trim_whitespace=False, max_length=1000),
+        max_length=32,
+        required=False,
+    )
+
+
+class TextAsyncInputSerializer(serializers.Serializer):
+    prompt = serializers.CharField(trim_whitespace=False, allow_blank=False, max_length=4_000_000)
+    params = TextParamsSerializer(required=False)
+    softprompt = serializers.CharField(required=False, allow_blank=True, allow_null=True, max_length=255)
+    trusted_workers = serializers.BooleanField(default=False)
+    validated_backends = serializers.BooleanField(default=True)
+    slow_workers = serializers.BooleanField(default=True)
+    worker_blacklist = serializers.BooleanField(default=False)
+    models = serializers.ListField(
+        child=serializers.CharField(max_length=255), max_length=100, required=False, default=list
+    )
+    workers = serializers.ListField(child=serializers.UUIDField(), max_length=20, required=False, default=list)
+    dry_run = serializers.BooleanField(default=False)
+    allow_downgrade = serializers.BooleanField(default=False)
+    disable_batching = serializers.BooleanField(default=False)
+
+
+class TextAsyncOutputSerializer(serializers.Serializer):
+    id = serializers.UUIDField()
+    kudos = serializers.FloatField()
+    message = serializers.CharField(required=False)
+
+
+class GenerationSerializer(serializers.Serializer):
+    text = serializers.CharField(allow_null=True)
+    seed = serializers.IntegerField()
+    gen_metadata = serializers.ListField(child=serializers.DictField())
+    worker_id = serializers.UUIDField()
+    worker_name = serializers.CharField()
+    model = serializers.CharField()
+    state = serializers.CharField()
+
+
+class TextStatusOutputSerializer(serializers.Serializer):
+    generations = GenerationSerializer(many=True)
+    finished = serializers.IntegerField()
+    processing = serializers.IntegerField()
+    restarted = serializers.IntegerField()
+    waiting = serializers.IntegerField()
+    done = serializers.BooleanField()
+    faulted = serializers.BooleanField()
+    wait_time = serializers.IntegerField()
+    queue_position = serializers.IntegerField()
+    kudos = serializers.FloatField()
+    is_possible = serializers.BooleanField()
+
+
+class TextPopInputSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=MAX_WORKER_NAME_LENGTH, allow_blank=False)
+    models = serializers.ListField(child=serializers.CharField(max_length=255), max_length=100, default=list)
+    max_length = serializers.IntegerField(min_value=1, max_value=1_048_576, default=80)
+    max_context_length = serializers.IntegerField(min_value=1, max_value=1_048_576, default=1024)
+    threads = serializers.IntegerField(min_value=1, max_value=100, default=1)
+    amount = serializers.IntegerField(
+        min_value=TEXT_POP_AMOUNT_RANGE[0], max_value=TEXT_POP_AMOUNT_RANGE[1], default=1
+    )
+    bridge_agent = serializers.CharField(
+        max_length=MAX_BRIDGE_AGENT_LENGTH, default="unknown:0:unknown", allow_blank=True
+    )
+    nsfw = serializers.BooleanField(default=False)
+    softprompts = serializers.ListField(child=serializers.CharField(max_length=255), default=list)
+    priority_usernames = serializers.ListField(child=serializers.CharField(max_length=200), default=list)
+
+
+class TextPopOutputSerializer(serializers.Serializer):
+    payload = serializers.DictField()
+    id = serializers.UUIDField(allow_null=True)
+    ids = serializers.ListField(child=serializers.UUIDField())
+    messages = serializers.ListField(child=serializers.DictField(), allow_null=True)
+    ttl = serializers.IntegerField(allow_null=True)
+    extra_source_images = serializers.ListField(child=serializers.DictField())
+    skipped = serializers.DictField(child=serializers.IntegerField())
+    softprompt = serializers.CharField(allow_null=True)
+    model = serializers.CharField(allow_null=True)
+
+
+class GenMetadataSerializer(serializers.Serializer):
+    type = serializers.CharField(max_length=64)
+    value = serializers.CharField(max_length=64)
+    ref = serializers.CharField(max_length=255, required=False)
+
+
+class TextSubmitInputSerializer(serializers.Serializer):
+    id = serializers.UUIDField()
+    generation = serializers.CharField(allow_blank=True, trim_whitespace=False, default="")
+    state = serializers.ChoiceField(choices=GENERATION_STATES, default="ok")
+    seed = serializers.IntegerField(default=0, min_value=-(2**63), max_value=2**63 - 1)
+    gen_metadata = GenMetadataSerializer(many=True, required=False, default=list)
+
+
+class SubmitOutputSerializer(serializers.Serializer):
+    reward = serializers.FloatField()

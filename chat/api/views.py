@@ -1,0 +1,203 @@
+"""Native text routes: thin views that parse, call a service or selector, and render."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from accounts.api.callers import registered_caller, requester
+from accounts.ratelimit import check_rate_limits, client_address
+from chat import selectors, services
+from chat.api import serializers as s
+from contract.errors import HordeError
+from contract.text import TEXT_JOB_LEASE_SECONDS
+from workers.services import TextWorkerDeclaration, worker_check_in
+
+
+def _not_found(request_id) -> HordeError:
+    return HordeError("RequestNotFound", f"Request with ID '{request_id}' not found.")
+
+
+class TextAsyncView(APIView):
+    """POST /api/v2/generate/text/async: queue a text request (202), or quote it (dry run, 200)."""
+
+    @extend_schema(request=s.TextAsyncInputSerializer, responses={202: s.TextAsyncOutputSerializer})
+    def post(self, request):
+        check_rate_limits(
+            scope="text_async", client=client_address(request), limits=settings.HORDE_TEXT_ASYNC_RATE_LIMITS
+        )
+        body = s.TextAsyncInputSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        params = dict(data.get("params") or s.TextParamsSerializer(data={}).to_internal_value({}))
+        n = params.pop("n", 1)
+        created = services.text_request_create(
+            user=requester(request),
+            data=services.TextRequestInput(
+                prompt=data["prompt"],
+                params=params,
+                n=n,
+                max_length=params.pop("max_length"),
+                max_context_length=params.pop("max_context_length"),
+                models=data["models"],
+                workers=data["workers"],
+                worker_blacklist=data["worker_blacklist"],
+                trusted_workers=data["trusted_workers"],
+                validated_backends=data["validated_backends"],
+                slow_workers=data["slow_workers"],
+                allow_downgrade=data["allow_downgrade"],
+                disable_batching=data["disable_batching"],
+                softprompt=data.get("softprompt") or "",
+                dry_run=data["dry_run"],
+            ),
+            client_agent=request.headers.get("Client-Agent", ""),
+            ip_address=client_address(request),
+        )
+        if created.request is None:
+            return Response({"kudos": float(created.kudos)}, status=200)
+        out = {"id": str(created.request.id), "kudos": float(created.kudos)}
+        if created.message:
+            out["message"] = created.message
+        return Response(out, status=202)
+
+
+class TextStatusView(APIView):
+    """GET (status) and DELETE (cancel) /api/v2/generate/text/status/<id>."""
+
+    @extend_schema(responses=s.TextStatusOutputSerializer)
+    def get(self, request, request_id):
+        wp = selectors.request_get(request_id)
+        if wp is None:
+            raise _not_found(request_id)
+        return Response(selectors.request_status(wp))
+
+    @extend_schema(responses=s.TextStatusOutputSerializer)
+    def delete(self, request, request_id):
+        wp = selectors.request_get(request_id)
+        if wp is None:
+            raise _not_found(request_id)
+        services.request_cancel(request=wp)
+        wp.refresh_from_db()
+        return Response(selectors.request_status(wp))
+
+
+class TextPopView(APIView):
+    """POST /api/v2/generate/text/pop: check in, and take a job when one is eligible."""
+
+    @extend_schema(request=s.TextPopInputSerializer, responses=s.TextPopOutputSerializer)
+    def post(self, request):
+        owner = registered_caller(request, rc="AnonForbiddenWorker")
+        body = s.TextPopInputSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        worker = worker_check_in(
+            owner=owner,
+            declaration=TextWorkerDeclaration(
+                name=data["name"].strip(),
+                models=list(dict.fromkeys(data["models"])),
+                max_length=data["max_length"],
+                max_context_length=data["max_context_length"],
+                threads=data["threads"],
+                bridge_agent=data["bridge_agent"],
+                nsfw=data["nsfw"],
+                softprompts=data["softprompts"],
+                priority_usernames=data["priority_usernames"],
+            ),
+        )
+        worker.owner = owner
+        job = services.worker_pop(worker=worker, amount=data["amount"])
+        if job.request is None:
+            return Response(
+                {
+                    "payload": {},
+                    "id": None,
+                    "ids": [],
+                    "messages": None,
+                    "ttl": None,
+                    "extra_source_images": [],
+                    "skipped": job.skipped,
+                    "softprompt": None,
+                    "model": None,
+                }
+            )
+        wp = job.request
+        payload = {
+            **wp.params,
+            "prompt": wp.prompt,
+            "n": 1,
+            "max_length": wp.max_length,
+            "max_context_length": wp.max_context_length,
+        }
+        ids = [str(g.id) for g in job.generations]
+        return Response(
+            {
+                "payload": payload,
+                "id": ids[0],
+                "ids": ids,
+                "messages": None,
+                "ttl": TEXT_JOB_LEASE_SECONDS,
+                "extra_source_images": [],
+                "skipped": {},
+                "softprompt": wp.softprompt or None,
+                "model": job.model,
+            }
+        )
+
+
+class TextSubmitView(APIView):
+    """POST /api/v2/generate/text/submit: a worker's result; the first submit wins."""
+
+    @extend_schema(request=s.TextSubmitInputSerializer, responses=s.SubmitOutputSerializer)
+    def post(self, request):
+        owner = registered_caller(request, rc="AnonForbiddenWorker")
+        body = s.TextSubmitInputSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        reward = services.generation_submit(
+            user=owner,
+            generation_id=data["id"],
+            text=data["generation"],
+            state=data["state"],
+            seed=data["seed"],
+            gen_metadata=[dict(m) for m in data["gen_metadata"]],
+        )
+        return Response({"reward": float(reward)})
+
+
+class HeartbeatView(APIView):
+    authentication_classes: list = []
+
+    @extend_schema(responses={200: dict})
+    def get(self, request):
+        return Response({"message": "OK", "version": "2.0.0"})
+
+
+class ModelsStatusView(APIView):
+    """GET /api/v2/status/models[?type=text]: the text models the online workers serve."""
+
+    @extend_schema(parameters=[OpenApiParameter("type", str, enum=["image", "text"])], responses={200: dict})
+    def get(self, request):
+        kind = request.query_params.get("type", "image")
+        if kind not in ("image", "text"):
+            raise HordeError("BadRequest", "type must be 'image' or 'text'.")
+        return Response(selectors.text_models_status() if kind == "text" else [])
+
+
+class PerformanceView(APIView):
+    @extend_schema(responses={200: dict})
+    def get(self, request):
+        return Response(selectors.horde_performance())
+
+
+class ModesView(APIView):
+    """PUT /api/v2/status/modes: a moderator switches maintenance mode."""
+
+    @extend_schema(request=dict, responses={200: dict})
+    def put(self, request):
+        maintenance = request.data.get("maintenance") if isinstance(request.data, dict) else None
+        if not isinstance(maintenance, bool):
+            raise HordeError("BadRequest", "maintenance must be true or false.")
+        services.horde_modes_set(actor=registered_caller(request, rc="NotModerator"), maintenance=maintenance)
+        return Response({"maintenance_mode": maintenance})

@@ -1,0 +1,138 @@
+from __future__ import annotations
+
+import uuid
+from decimal import Decimal
+
+from django.db import models
+
+from accounts.models import HordeUser
+from workers.models import Worker
+
+
+class GenerationRequest(models.Model):
+    """A queued text (and later chat) request: one row per client submission, n jobs."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    user = models.ForeignKey(HordeUser, on_delete=models.CASCADE, related_name="requests")
+    is_chat = models.BooleanField(default=False)
+    prompt = models.TextField()
+    params = models.JSONField(default=dict)
+    softprompt = models.CharField(max_length=255, blank=True, default="")
+    n = models.PositiveSmallIntegerField(default=1)
+    # Jobs not yet handed to a worker; a faulted job returns here.
+    jobs_waiting = models.PositiveSmallIntegerField(default=1)
+    max_length = models.PositiveIntegerField()
+    max_context_length = models.PositiveIntegerField()
+    # The requested models, in order; `any_model` when the client named none.
+    requested_models = models.JSONField(default=list)
+    any_model = models.BooleanField(default=True)
+    # The worker list (a whitelist, or a blacklist when worker_blacklist) is in RequestWorker rows.
+    has_worker_list = models.BooleanField(default=False)
+    worker_blacklist = models.BooleanField(default=False)
+    trusted_workers = models.BooleanField(default=False)
+    validated_backends = models.BooleanField(default=True)
+    slow_workers = models.BooleanField(default=True)
+    allow_downgrade = models.BooleanField(default=False)
+    disable_batching = models.BooleanField(default=False)
+    # Priority is the requester's kudos at activation; the queue adds QUEUE_PRIORITY_STEP every
+    # QUEUE_PRIORITY_STEP_SECONDS of waiting, on a horde-wide tick. Ordering by
+    # priority - STEP * tick_at_creation is therefore the same order at every instant, so it is stored.
+    priority = models.BigIntegerField(default=0)
+    queue_score = models.BigIntegerField(default=0)
+    faulted = models.BooleanField(default=False)
+    cancelled = models.BooleanField(default=False)
+    kudos_quote = models.DecimalField(max_digits=18, decimal_places=2, default=Decimal("0"))
+    kudos_held = models.DecimalField(max_digits=18, decimal_places=2, default=Decimal("0"))
+    consumed_kudos = models.DecimalField(max_digits=18, decimal_places=2, default=Decimal("0"))
+    client_agent = models.CharField(max_length=255, blank=True, default="")
+    ip_address = models.CharField(max_length=64, blank=True, default="")
+    created = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "horde_requests"
+        indexes = [
+            # The pop walks waiting requests in queue order.
+            models.Index(
+                fields=["-queue_score", "created"],
+                name="request_queue_order",
+                condition=models.Q(jobs_waiting__gt=0, faulted=False, cancelled=False),
+            ),
+            models.Index(fields=["user", "jobs_waiting"], name="request_user_waiting"),
+            models.Index(fields=["expires_at"], name="request_expiry"),
+        ]
+
+    def __str__(self) -> str:
+        return str(self.id)
+
+
+class RequestModel(models.Model):
+    """One requested model of a request, so the pop can match models with an indexed join."""
+
+    request = models.ForeignKey(GenerationRequest, on_delete=models.CASCADE, related_name="model_rows")
+    name = models.CharField(max_length=255)
+
+    class Meta:
+        db_table = "horde_request_models"
+        indexes = [models.Index(fields=["name", "request"], name="request_model_name")]
+        constraints = [models.UniqueConstraint(fields=["request", "name"], name="request_model_unique")]
+
+
+class RequestWorker(models.Model):
+    """One worker of a request's worker list."""
+
+    request = models.ForeignKey(GenerationRequest, on_delete=models.CASCADE, related_name="worker_rows")
+    worker_id = models.UUIDField()
+
+    class Meta:
+        db_table = "horde_request_workers"
+        constraints = [models.UniqueConstraint(fields=["request", "worker_id"], name="request_worker_unique")]
+
+
+class HordeModes(models.Model):
+    """Horde-wide switches a moderator sets at run time (one row)."""
+
+    maintenance = models.BooleanField(default=False)
+
+    class Meta:
+        db_table = "horde_modes"
+
+
+class Generation(models.Model):
+    """One job handed to a worker, and its result once submitted."""
+
+    class State(models.TextChoices):
+        PROCESSING = "processing"
+        OK = "ok"
+        CENSORED = "censored"
+        CSAM = "csam"
+        FAULTED = "faulted"
+        CANCELLED = "cancelled"
+
+    FINISHED_STATES = (State.OK, State.CENSORED, State.CSAM)
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    request = models.ForeignKey(GenerationRequest, on_delete=models.CASCADE, related_name="generations")
+    worker = models.ForeignKey(Worker, on_delete=models.CASCADE, related_name="generations")
+    model = models.CharField(max_length=255, blank=True, default="")
+    state = models.CharField(max_length=16, choices=State.choices, default=State.PROCESSING)
+    text = models.TextField(null=True, blank=True)
+    seed = models.BigIntegerField(default=0)
+    gen_metadata = models.JSONField(default=list)
+    kudos = models.DecimalField(max_digits=18, decimal_places=2, default=Decimal("0"))
+    created = models.DateTimeField(auto_now_add=True)
+    lease_expires_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "horde_generations"
+        indexes = [
+            models.Index(
+                fields=["lease_expires_at"],
+                name="generation_open_lease",
+                condition=models.Q(state="processing"),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return str(self.id)

@@ -1,0 +1,58 @@
+"""The upstream text kudos formula, in one place."""
+
+from __future__ import annotations
+
+import math
+from decimal import Decimal
+
+from chat.model_reference import is_known_text_model, text_model_multiplier
+from contract.text import TEXT_KUDOS_MIN_TOKENS
+
+CONTEXT_MULTIPLIER_MIN = 0.1
+CONTEXT_MULTIPLIER_MAX = 30.0
+# An unknown model served by a trusted owner is paid as a 2.7B model.
+UNKNOWN_MODEL_TRUSTED_PARAMETERS = 2.7
+
+
+def things_count(text: str | None, max_length: int) -> int:
+    """Tokens a text is counted as: a quarter of its characters, at least 20, at most max_length."""
+    if text is None:
+        return 0
+    return min(max(math.ceil(len(text) / 4), TEXT_KUDOS_MIN_TOKENS), max_length)
+
+
+def context_multiplier(prompt: str, max_length: int) -> float:
+    # Upstream measures the prompt with the same capped count, so it never exceeds max_length.
+    context = things_count(prompt, max_length)
+    multiplier = 1.2 + 2.2 ** math.log2(context / 1024)
+    return min(max(multiplier, CONTEXT_MULTIPLIER_MIN), CONTEXT_MULTIPLIER_MAX)
+
+
+def text_generation_kudos(
+    *, model: str, prompt: str, generation: str, max_length: int, owner_trusted: bool
+) -> Decimal:
+    """What a worker earns for one text generation (and what its requester is charged)."""
+    ctx = context_multiplier(prompt, max_length)
+    tokens = things_count(generation, max_length)
+    if not is_known_text_model(model):
+        if not owner_trusted:
+            kudos = ctx
+        else:
+            kudos = tokens * ctx * (UNKNOWN_MODEL_TRUSTED_PARAMETERS / 100)
+        return Decimal(str(round(kudos, 2)))
+    multiplier = text_model_multiplier(model)
+    parameter_bonus = (max(multiplier, 13) / 13) ** 0.20
+    kudos = tokens * parameter_bonus * multiplier / 100
+    return Decimal(str(round(kudos * ctx, 2)))
+
+
+def text_request_quote(*, models: list[str], prompt: str, max_length: int, n: int) -> Decimal:
+    """The kudos a request is expected to cost: n full-length generations at the first model.
+
+    The quote assumes an untrusted worker and full-length replies, so it bounds the charge.
+    """
+    model = models[0] if models else ""
+    per_generation = text_generation_kudos(
+        model=model, prompt=prompt, generation="x" * (max_length * 4), max_length=max_length, owner_trusted=True
+    )
+    return per_generation * n

@@ -1,0 +1,48 @@
+"""Native error return codes (`rc`) with their upstream HTTP statuses."""
+
+from __future__ import annotations
+
+# rc -> HTTP status, as the upstream AI Horde answers them.
+RC_STATUS: dict[str, int] = {
+    "BadRequest": 400,
+    "InvalidAPIKey": 401,
+    "MissingPrompt": 400,
+    "InvalidSize": 400,
+    "TooManyPrompts": 429,
+    "KudosUpfront": 403,
+    "RequestNotFound": 404,
+    "AnonForbiddenWorker": 403,
+    "AnonForbidden": 403,
+    "MaintenanceMode": 503,
+    "WrongCredentials": 403,
+    "InvalidJobID": 404,
+    "DuplicateGen": 400,
+    "AbortedGen": 400,
+    "WorkerMaintenance": 403,
+    "TooManySameIPs": 403,
+    "RateLimited": 429,
+    "NotTrusted": 403,
+    "NotModerator": 403,
+    "UserNotFound": 404,
+    "WorkerNotFound": 404,
+    "ValidationError": 400,
+    "ProfaneWorkerName": 400,
+    "NoValidWorkers": 400,
+}
+
+
+class HordeError(Exception):
+    """A refusal the native API answers as {"message", "rc"} with the rc's upstream status."""
+
+    def __init__(
+        self, rc: str, message: str, *, status: int | None = None, extra: dict | None = None
+    ) -> None:
+        super().__init__(message)
+        self.rc = rc
+        self.message = message
+        self.status = status if status is not None else RC_STATUS.get(rc, 400)
+        self.extra = extra or {}
+        self.headers: dict[str, str] = {}
+
+    def body(self) -> dict:
+        return {"message": self.message, "rc": self.rc, **self.extra}

@@ -1,0 +1,55 @@
+"""Rules of the base text horde that the server and any worker share (upstream values)."""
+
+from __future__ import annotations
+
+import re
+
+ANONYMOUS_API_KEY = "0000000000"
+
+# Request parameter bounds (upstream text params).
+TEXT_N_RANGE = (1, 20)
+TEXT_MAX_LENGTH_RANGE = (16, 4096)
+TEXT_MAX_LENGTH_DEFAULT = 80
+TEXT_MAX_CONTEXT_LENGTH_RANGE = (80, 1048576)
+TEXT_MAX_CONTEXT_LENGTH_DEFAULT = 2048
+
+# Queue and leases.
+TEXT_REQUEST_TTL_SECONDS = 20 * 60
+TEXT_JOB_LEASE_SECONDS = 150
+STALE_GENERATION_SWEEP_SECONDS = 60
+FAULTED_GENERATIONS_LIMIT = 2
+WORKER_ONLINE_SECONDS = 300
+QUEUE_PRIORITY_STEP = 50
+QUEUE_PRIORITY_STEP_SECONDS = 10
+WORKER_SPEED_SAMPLES = 20
+UNMEASURED_TEXT_WORKER_TOKENS_PER_SECOND = 10
+# Below this many tokens per second a worker is slow; requests with slow_workers=false skip it.
+SLOW_TEXT_WORKER_TOKENS_PER_SECOND = 2
+
+# Kudos.
+TEXT_HORDE_TAX = 1
+TEXT_KUDOS_MIN_TOKENS = 20
+
+# Worker pop limits.
+MAX_BRIDGE_AGENT_LENGTH = 1000
+MAX_WORKER_NAME_LENGTH = 100
+TEXT_POP_AMOUNT_RANGE = (1, 20)
+
+GENERATION_STATES = ("ok", "censored", "faulted", "csam")
+
+# bridge_agent is "name:version:url"; these worker programs validate what their backend serves.
+VALIDATED_TEXT_BRIDGES = frozenset(
+    {"AI Horde Worker reGen", "AI Horde Worker", "KoboldCppEmbedWorker", "horde-bridge"}
+)
+
+_BRIDGE_NAME = re.compile(r"^([^:]*)")
+
+
+def bridge_name(bridge_agent: str) -> str:
+    """The program name of a bridge_agent string ("KoboldCppEmbedWorker:2:url" -> "KoboldCppEmbedWorker")."""
+    match = _BRIDGE_NAME.match(bridge_agent or "")
+    return match.group(1).strip() if match else ""
+
+
+def is_validated_bridge(bridge_agent: str) -> bool:
+    return bridge_name(bridge_agent) in VALIDATED_TEXT_BRIDGES

@@ -1,0 +1,3 @@
+from hordesite.celery import app as celery_app
+
+__all__ = ("celery_app",)

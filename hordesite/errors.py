@@ -1,0 +1,55 @@
+"""One error shape for the native API: {"message", "rc"}; schema failures list their fields."""
+
+from __future__ import annotations
+
+import logging
+
+from django.http import Http404
+from rest_framework import exceptions
+from rest_framework.response import Response
+
+from contract.errors import HordeError
+
+log = logging.getLogger(__name__)
+
+VALIDATION_MESSAGE = "Input payload validation failed"
+
+
+def _flatten(detail, prefix: str = "") -> dict[str, str]:
+    """DRF's nested error detail -> {"params.max_length": "message"}, as upstream's flask-restx does."""
+    out: dict[str, str] = {}
+    if isinstance(detail, dict):
+        for key, value in detail.items():
+            name = key if key != "non_field_errors" else "payload"
+            out.update(_flatten(value, f"{prefix}.{name}" if prefix else str(name)))
+    elif isinstance(detail, list):
+        if detail and all(not isinstance(item, (dict, list)) for item in detail):
+            out[prefix or "payload"] = " ".join(str(item) for item in detail)
+        else:
+            for index, item in enumerate(detail):
+                if item:
+                    out.update(_flatten(item, f"{prefix}[{index}]"))
+    else:
+        out[prefix or "payload"] = str(detail)
+    return out
+
+
+def horde_exception_handler(exc, context):
+    if isinstance(exc, HordeError):
+        return Response(exc.body(), status=exc.status, headers=exc.headers or None)
+    if isinstance(exc, exceptions.ValidationError):
+        return Response({"errors": _flatten(exc.detail), "message": VALIDATION_MESSAGE}, status=400)
+    if isinstance(exc, exceptions.ParseError):
+        return Response({"errors": {"payload": str(exc.detail)}, "message": VALIDATION_MESSAGE}, status=400)
+    if isinstance(exc, Http404):
+        return Response({"message": "Not found", "rc": "NotFound"}, status=404)
+    if isinstance(exc, exceptions.Throttled):
+        headers = {"Retry-After": str(int(exc.wait or 1))}
+        return Response({"message": str(exc.detail), "rc": "RateLimited"}, status=429, headers=headers)
+    if isinstance(exc, exceptions.APIException):
+        rc = {401: "InvalidAPIKey", 403: "Forbidden", 405: "MethodNotAllowed", 415: "BadRequest"}.get(
+            exc.status_code, "BadRequest"
+        )
+        return Response({"message": str(exc.detail), "rc": rc}, status=exc.status_code)
+    log.exception("unhandled error in %s", context.get("view"))
+    return Response({"message": "Internal server error", "rc": "InternalError"}, status=500)

@@ -1,0 +1,184 @@
+"""Settings: read once from the environment (django-environ); every variable is in docs/configuration.md.
+
+With no environment at all the horde runs on the embedded default: SQLite under ./var, no Redis
+(rate limits in process memory, no completion signal), a filesystem Celery broker and local storage.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = BASE_DIR / "var"
+
+env = environ.Env()
+env_file = BASE_DIR / ".env"
+if env_file.exists():
+    environ.Env.read_env(str(env_file))
+
+SECRET_KEY = env.str("SECRET_KEY", default="dev-only-insecure-secret-key-change-me-in-production")
+DEBUG = env.bool("DEBUG", default=False)
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["*"])
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "channels",
+    "accounts",
+    "workers",
+    "chat",
+]
+
+MIDDLEWARE = [
+    "hordesite.middleware.CorsMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+ROOT_URLCONF = "hordesite.urls"
+ASGI_APPLICATION = "hordesite.asgi.application"
+WSGI_APPLICATION = None
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+# --- Database -------------------------------------------------------------------------------
+DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'horde.sqlite3'}")}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # WAL and a busy timeout let the web process and the Celery worker share the file.
+    DATABASES["default"]["OPTIONS"] = {
+        "timeout": 20,
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        "transaction_mode": "IMMEDIATE",
+    }
+else:
+    DATABASES["default"]["CONN_MAX_AGE"] = env.int("DATABASE_CONN_MAX_AGE", default=60)
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+IS_POSTGRES = DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql")
+
+# --- Redis ----------------------------------------------------------------------------------
+REDIS_URL: str | None = env.str("REDIS_URL", default="") or None
+
+if REDIS_URL:
+    CACHES = {
+        "default": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": REDIS_URL,
+            "OPTIONS": {
+                "SOCKET_CONNECT_TIMEOUT": 1,
+                "SOCKET_TIMEOUT": 1,
+                # Redis holds only derivable state: a Redis outage must not fail a request.
+                "IGNORE_EXCEPTIONS": True,
+            },
+        }
+    }
+    CHANNEL_LAYERS = {
+        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
+    }
+else:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# --- Celery ---------------------------------------------------------------------------------
+CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default="") or REDIS_URL or "filesystem://"
+if CELERY_BROKER_URL == "filesystem://":
+    _broker_dir = VAR_DIR / "celery-broker"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_broker_dir),
+        "data_folder_out": str(_broker_dir),
+        "processed_folder": str(VAR_DIR / "celery-processed"),
+        "store_processed": False,
+    }
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
+CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+
+# --- Storage --------------------------------------------------------------------------------
+STORAGE_BACKEND = env.str("STORAGE_BACKEND", default="local")
+MEDIA_ROOT = env.str("MEDIA_ROOT", default=str(VAR_DIR / "media"))
+if STORAGE_BACKEND == "s3":
+    _default_storage = {
+        "BACKEND": "storages.backends.s3.S3Storage",
+        "OPTIONS": {
+            "bucket_name": env.str("AWS_STORAGE_BUCKET_NAME", default=""),
+            "endpoint_url": env.str("AWS_S3_ENDPOINT_URL", default="") or None,
+            "access_key": env.str("AWS_ACCESS_KEY_ID", default=""),
+            "secret_key": env.str("AWS_SECRET_ACCESS_KEY", default=""),
+        },
+    }
+else:
+    _default_storage = {"BACKEND": "django.core.files.storage.FileSystemStorage"}
+STORAGES = {
+    "default": _default_storage,
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+}
+STATIC_URL = "static/"
+STATIC_ROOT = str(VAR_DIR / "static")
+
+# --- DRF ------------------------------------------------------------------------------------
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["accounts.api.authentication.ApiKeyAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": [],
+    "UNAUTHENTICATED_USER": None,
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "EXCEPTION_HANDLER": "hordesite.errors.horde_exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "AI Horde (text and chat)",
+    "VERSION": "2.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
+}
+
+# --- Horde behaviour (HORDE_*) ----------------------------------------------------------------
+# Text model reference: a path or an http(s) URL; the default is the small reference shipped here.
+HORDE_TEXT_MODEL_REFERENCE = env.str(
+    "HORDE_TEXT_MODEL_REFERENCE", default=str(BASE_DIR / "hordesite" / "data" / "text_model_reference.json")
+)
+HORDE_MAINTENANCE = env.bool("HORDE_MAINTENANCE", default=False)
+HORDE_TEXT_ASYNC_RATE_LIMITS = env.list("HORDE_TEXT_ASYNC_RATE_LIMITS", default=["2/second", "90/minute"])
+HORDE_DEFAULT_CONCURRENCY = env.int("HORDE_DEFAULT_CONCURRENCY", default=30)
+HORDE_TEXT_FREE_OUTPUT_FLOOR = env.int("HORDE_TEXT_FREE_OUTPUT_FLOOR", default=512)
+HORDE_UPFRONT_KUDOS_ON_WORKERLIST = env.bool("HORDE_UPFRONT_KUDOS_ON_WORKERLIST", default=False)
+HORDE_ALLOW_ANONYMOUS = env.bool("HORDE_ALLOW_ANONYMOUS", default=True)
+# Proxy hops whose X-Forwarded-For may be trusted for the client address (0: use the socket peer).
+HORDE_TRUSTED_PROXY_COUNT = env.int("HORDE_TRUSTED_PROXY_COUNT", default=0)

@@ -1,0 +1,41 @@
+from django.contrib import admin
+from django.http import JsonResponse
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView
+
+from accounts.api.views import FindUserView
+from chat.api import views as chat_views
+from workers.api.views import WorkerDetailView, WorkerListView
+
+api_v2 = [
+    path("generate/text/async", chat_views.TextAsyncView.as_view()),
+    path("generate/text/status/<uuid:request_id>", chat_views.TextStatusView.as_view()),
+    path("generate/text/pop", chat_views.TextPopView.as_view()),
+    path("generate/text/submit", chat_views.TextSubmitView.as_view()),
+    path("find_user", FindUserView.as_view()),
+    path("workers", WorkerListView.as_view()),
+    path("workers/<uuid:worker_id>", WorkerDetailView.as_view()),
+    path("status/heartbeat", chat_views.HeartbeatView.as_view()),
+    path("status/models", chat_views.ModelsStatusView.as_view()),
+    path("status/performance", chat_views.PerformanceView.as_view()),
+    path("status/modes", chat_views.ModesView.as_view()),
+]
+
+urlpatterns = [
+    path("api/v2/", include(api_v2)),
+    path("api/v2/openapi.json", SpectacularAPIView.as_view(), name="openapi-schema"),
+    path("healthz", lambda request: JsonResponse({"status": "ok"})),
+    path("admin/", admin.site.urls),
+]
+
+
+def json_not_found(request, exception=None):
+    return JsonResponse({"message": "Not found", "rc": "NotFound"}, status=404)
+
+
+def json_server_error(request):
+    return JsonResponse({"message": "Internal server error", "rc": "InternalError"}, status=500)
+
+
+handler404 = json_not_found
+handler500 = json_server_error

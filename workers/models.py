@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import uuid
+from decimal import Decimal
+
+from django.db import models
+
+from accounts.models import HordeUser
+
+
+class Worker(models.Model):
+    """A text worker, registered on its first pop and updated by each later pop (its check-in)."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(max_length=100, unique=True)
+    owner = models.ForeignKey(HordeUser, on_delete=models.CASCADE, related_name="workers")
+    served_models = models.JSONField(default=list)
+    max_length = models.PositiveIntegerField(default=80)
+    max_context_length = models.PositiveIntegerField(default=1024)
+    threads = models.PositiveIntegerField(default=1)
+    bridge_agent = models.CharField(max_length=1000, default="unknown:0:unknown")
+    nsfw = models.BooleanField(default=False)
+    softprompts = models.JSONField(default=list)
+    priority_usernames = models.JSONField(default=list)
+    maintenance = models.BooleanField(default=False)
+    paused = models.BooleanField(default=False)
+    # Tokens per second of the last WORKER_SPEED_SAMPLES completed jobs; speed is their mean.
+    speed_samples = models.JSONField(default=list)
+    speed = models.FloatField(null=True, blank=True)
+    kudos_earned = models.DecimalField(max_digits=18, decimal_places=2, default=Decimal("0"))
+    fulfilments = models.PositiveIntegerField(default=0)
+    aborted_jobs = models.PositiveIntegerField(default=0)
+    tokens_generated = models.BigIntegerField(default=0)
+    last_check_in = models.DateTimeField(db_index=True)
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        db_table = "horde_workers"
+
+    def __str__(self) -> str:
+        return self.name

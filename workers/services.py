@@ -1,0 +1,94 @@
+"""Writes on the worker registry: check-in on every pop, job outcomes, owner settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from accounts.models import HordeUser
+from contract.errors import HordeError
+from contract.text import WORKER_SPEED_SAMPLES
+from workers.models import Worker
+
+
+@dataclass(frozen=True)
+class TextWorkerDeclaration:
+    """What a text worker states on each pop."""
+
+    name: str
+    models: list[str]
+    max_length: int
+    max_context_length: int
+    threads: int
+    bridge_agent: str
+    nsfw: bool
+    softprompts: list[str]
+    priority_usernames: list[str]
+
+
+def worker_check_in(*, owner: HordeUser, declaration: TextWorkerDeclaration) -> Worker:
+    """Register the worker on its first pop, refresh its declaration and check-in on each later one."""
+    now = timezone.now()
+    fields = {
+        "served_models": declaration.models,
+        "max_length": declaration.max_length,
+        "max_context_length": declaration.max_context_length,
+        "threads": declaration.threads,
+        "bridge_agent": declaration.bridge_agent,
+        "nsfw": declaration.nsfw,
+        "softprompts": declaration.softprompts,
+        "priority_usernames": declaration.priority_usernames,
+        "last_check_in": now,
+    }
+    worker = Worker.objects.filter(name=declaration.name).only("id", "owner_id", "maintenance").first()
+    if worker is None:
+        try:
+            with transaction.atomic():
+                return Worker.objects.create(name=declaration.name, owner=owner, **fields)
+        except IntegrityError:
+            # Two first pops raced on the name; the loser checks in on the row the winner made.
+            worker = Worker.objects.filter(name=declaration.name).only("id", "owner_id", "maintenance").get()
+    if worker.owner_id != owner.pk:
+        raise HordeError("WrongCredentials", "Wrong credentials to submit as this worker.")
+    Worker.objects.filter(pk=worker.pk).update(**fields)
+    worker.refresh_from_db()
+    return worker
+
+
+def worker_record_job(*, worker_id, tokens: int, seconds: float, kudos: Decimal) -> None:
+    """A completed job: speed sample (last WORKER_SPEED_SAMPLES), counters and kudos earned."""
+    worker = Worker.objects.select_for_update().only("speed_samples").get(pk=worker_id)
+    samples = list(worker.speed_samples)
+    if seconds > 0 and tokens > 0:
+        samples = (samples + [round(tokens / seconds, 3)])[-WORKER_SPEED_SAMPLES:]
+    speed = sum(samples) / len(samples) if samples else None
+    Worker.objects.filter(pk=worker_id).update(
+        speed_samples=samples,
+        speed=speed,
+        fulfilments=F("fulfilments") + 1,
+        tokens_generated=F("tokens_generated") + tokens,
+        kudos_earned=F("kudos_earned") + kudos,
+    )
+
+
+def worker_record_aborted(*, worker_ids: list) -> None:
+    for worker_id in worker_ids:
+        Worker.objects.filter(pk=worker_id).update(aborted_jobs=F("aborted_jobs") + 1)
+
+
+def worker_update(*, worker: Worker, actor: HordeUser, maintenance: bool | None = None, paused: bool | None = None) -> Worker:
+    if actor.pk != worker.owner_id and not actor.moderator:
+        raise HordeError("WrongCredentials", "Only the worker's owner or a moderator can change it.", status=403)
+    if paused is not None and not actor.moderator:
+        raise HordeError("NotModerator", "Only a moderator can pause a worker.")
+    if maintenance is not None:
+        worker.maintenance = maintenance
+    if paused is not None:
+        worker.paused = paused
+    worker.save(update_fields=["maintenance", "paused"])
+    return worker
+
