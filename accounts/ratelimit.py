@@ -65,12 +65,18 @@ def _hit(key: str, period: int) -> int:
         return count
 
 
+def reset_local_counts() -> None:
+    """Forget the in-process counts (the no-Redis store)."""
+    with _local_lock:
+        _local.clear()
+
+
 def check_rate_limits(*, scope: str, client: str, limits: list[str]) -> None:
     """Count one hit against every limit; raise 429 when any is exceeded."""
     for text in limits:
         allowed, period = parse_limit(text)
         window = int(time.time() // period)
-        if _hit(f"horde:rl:{scope}:{period}:{client}:{window}", period) > allowed:
+        if _hit(f"horde:rl:{scope}:{allowed}/{period}:{client}:{window}", period) > allowed:
             error = HordeError("RateLimited", f"Rate limit exceeded: {text} per client address.", status=429)
             error.headers["Retry-After"] = str(period - int(time.time()) % period or 1)
             raise error

@@ -20,8 +20,13 @@ def _flatten(detail, prefix: str = "") -> dict[str, str]:
     out: dict[str, str] = {}
     if isinstance(detail, dict):
         for key, value in detail.items():
-            name = key if key != "non_field_errors" else "payload"
-            out.update(_flatten(value, f"{prefix}.{name}" if prefix else str(name)))
+            if isinstance(key, int):  # a list item's errors, keyed by index
+                path = f"{prefix}[{key}]"
+            elif key == "non_field_errors":  # the object itself is wrong
+                path = prefix or "payload"
+            else:
+                path = f"{prefix}.{key}" if prefix else str(key)
+            out.update(_flatten(value, path))
     elif isinstance(detail, list):
         if detail and all(not isinstance(item, (dict, list)) for item in detail):
             out[prefix or "payload"] = " ".join(str(item) for item in detail)

@@ -1,0 +1,42 @@
+# Two commands on a fresh machine: `make run` and `make test` (README.md).
+# Both create .venv when it is missing and (re)install requirements.txt only when it changed.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.requirements.stamp
+PORT ?= 8000
+
+.PHONY: run test venv lint bench var
+
+# Serve the web process (daphne) and the Celery worker with beat; Ctrl-C stops both.
+run: venv var
+	$(PY) manage.py migrate --noinput
+	PORT=$(PORT) $(PY) scripts/run.py
+
+# ruff, import-linter, then pytest on PostgreSQL + Redis and on the embedded default (scripts/test.sh).
+# Extra pytest arguments: make test ARGS="-k status -x"
+test: venv
+	VENV=$(VENV) scripts/test.sh $(ARGS)
+
+venv: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): requirements.txt | $(PY)
+	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt
+	touch $(STAMP)
+
+var:
+	mkdir -p var/celery-broker var/celery-processed var/media
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+
+# The queue benchmark (docs/benchmarks.md); runs whatever bench/run.py the benchmark issue provides.
+bench: venv var
+	@if [ -f bench/run.py ]; then $(PY) bench/run.py $(ARGS); \
+	else echo "bench/run.py does not exist yet" >&2; exit 1; fi

@@ -1,0 +1,545 @@
+"""Text queue benchmark (issue 2): pop+submit and status against heartbeat, in one run.
+
+Fills N queued text requests over M models (PostgreSQL + Redis), starts a real daphne web
+process, then alternates three measured phases at the same client concurrency:
+
+  heartbeat  GET  /api/v2/status/heartbeat
+  pop        W registered workers loop: POST /api/v2/generate/text/pop, then
+             POST /api/v2/generate/text/submit when a job came
+  status     GET  /api/v2/generate/text/status/<id> on random queued ids
+
+and prints throughput and p50/p95 latency of each, with the ratios the issue sets as goals:
+pop rps >= 0.5x heartbeat rps, status p95 <= 2x heartbeat p95.
+
+    .venv/bin/python bench/text_queue.py [--requests 10000 --models 50 --workers 100 --duration 90]
+
+The bench database (DATABASE_URL, default postgres://postgres@127.0.0.1:5432/horde_bench) is
+dropped and recreated on every run; the Redis database (REDIS_URL, default
+redis://127.0.0.1:6379/14) is flushed. Do not point them at data you keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse, urlunparse
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+DAPHNE = str(Path(sys.executable).with_name("daphne"))
+
+DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/horde_bench"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/14"
+VALIDATED_BRIDGE = "AI Horde Worker reGen:9.0.0:https://github.com/Haidra-Org/horde-worker-reGen"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--requests", type=int, default=10_000, help="queued text requests to fill (default 10000)")
+    p.add_argument("--models", type=int, default=50, help="distinct model names (default 50)")
+    p.add_argument("--workers", type=int, default=100, help="registered workers popping (default 100)")
+    p.add_argument("--requesters", type=int, default=50, help="requesting users the fill is spread over (default 50)")
+    p.add_argument(
+        "--duration", type=float, default=90.0,
+        help="total measured seconds, split evenly over rounds x 3 phases (default 90)",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="rounds of (heartbeat, pop, status), order rotated (default 3)")
+    p.add_argument("--concurrency", type=int, default=12, help="requests in flight, the same for every phase (default 12)")
+    p.add_argument("--port", type=int, default=8765, help="daphne port (default 8765)")
+    p.add_argument("--database-url", default=os.environ.get("BENCH_DATABASE_URL", DEFAULT_DATABASE_URL))
+    p.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL", DEFAULT_REDIS_URL))
+    p.add_argument(
+        "--conn-max-age", type=int, default=None,
+        help="DATABASE_CONN_MAX_AGE for daphne (default: the server's own setting). Under ASGI every request\n"
+             "runs on a new thread, so a value > 0 leaves one idle PostgreSQL connection per request until GC;\n"
+             "0 closes it when the request ends.",
+    )
+    p.add_argument("--seed", type=int, default=2, help="random seed of the fill and the workers (default 2)")
+    p.add_argument("--keep-server", action="store_true", help="leave daphne running at the end (prints its pid)")
+    return p.parse_args(argv)
+
+
+# --- Environment: database, Redis, migrations ---------------------------------------------------
+
+
+def bench_env(args: argparse.Namespace) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        DJANGO_SETTINGS_MODULE="hordesite.settings",
+        DATABASE_URL=args.database_url,
+        REDIS_URL=args.redis_url,
+        CELERY_BROKER_URL=args.redis_url,
+        HORDE_TEXT_ASYNC_RATE_LIMITS="100000/second",
+        HORDE_MAINTENANCE="false",
+        DEBUG="false",
+        LOG_LEVEL="WARNING",
+        PYTHONUNBUFFERED="1",
+    )
+    if args.conn_max_age is not None:
+        env["DATABASE_CONN_MAX_AGE"] = str(args.conn_max_age)
+    return env
+
+
+def recreate_database(database_url: str) -> None:
+    import psycopg
+    from psycopg import sql
+
+    parts = urlparse(database_url)
+    name = parts.path.lstrip("/")
+    if not name or name in ("postgres", "template0", "template1"):
+        raise SystemExit(f"refusing to recreate database {name!r}: give the bench its own database")
+    admin_url = urlunparse(parts._replace(scheme="postgresql", path="/postgres"))
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+
+
+def flush_redis(redis_url: str) -> None:
+    import redis
+
+    parts = urlparse(redis_url)
+    if parts.path.strip("/") in ("", "0"):
+        raise SystemExit("refusing to flush Redis database 0: give the bench its own database (e.g. /14)")
+    redis.Redis.from_url(redis_url).flushdb()
+
+
+def migrate(env: dict[str, str]) -> None:
+    subprocess.run([PYTHON, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
+
+
+# --- The web process ----------------------------------------------------------------------------
+
+
+class Server:
+    """daphne as a child process in its own process group; stopped on exit and on Ctrl-C."""
+
+    def __init__(self, port: int, env: dict[str, str], log_path: Path):
+        self.port = port
+        self.env = env
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")  # noqa: SIM115  (kept open for the child's lifetime)
+        self.proc = subprocess.Popen(
+            [DAPHNE, "-b", "127.0.0.1", "-p", str(self.port), "hordesite.asgi:application"],
+            cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc and self.proc.poll() is not None:
+                raise SystemExit(f"daphne exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/api/v2/status/heartbeat", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise SystemExit(f"daphne did not answer on port {self.port} within {timeout:.0f}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if not self.proc or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=5)
+
+
+# --- Fill ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerSpec:
+    name: str
+    api_key: str
+    models: list[str]
+    max_length: int
+    max_context_length: int
+    amount: int
+
+
+def model_names(count: int) -> list[str]:
+    return [f"koboldcpp/bench-model-{i:02d}" for i in range(count)]
+
+
+def fill(args: argparse.Namespace, rng: random.Random) -> tuple[list[WorkerSpec], float]:
+    """Requesters and queued requests through chat.services.text_request_create; worker owners.
+    Returns the worker specs and the fill's seconds."""
+    from accounts.models import HordeUser
+    from accounts.services import user_create
+    from chat.services import TextRequestInput, text_request_create
+
+    models = model_names(args.models)
+    requesters = []
+    for i in range(args.requesters):
+        user, _ = user_create(username=f"bench-requester-{i}", kudos=rng.choice([10_000, 100_000, 1_000_000]))
+        requesters.append(user)
+    HordeUser.objects.filter(pk__in=[u.pk for u in requesters]).update(concurrency=args.requests + 100)
+    for user in requesters:
+        user.refresh_from_db()
+
+    started = time.perf_counter()
+    for i in range(args.requests):
+        # 1-2 models per request, a skewed spread so some models have deep queues.
+        first = min(int(rng.paretovariate(1.2)) - 1, args.models - 1)
+        wanted = [models[first]]
+        if rng.random() < 0.3:
+            wanted.append(rng.choice(models))
+        text_request_create(
+            user=requesters[i % len(requesters)],
+            data=TextRequestInput(
+                prompt=f"Bench prompt {i}. " + "Once upon a time " * rng.randint(5, 60),
+                params={"temperature": 0.7, "top_p": 0.9, "rep_pen": 1.1},
+                n=1,
+                max_length=rng.choice([64, 80, 120, 160, 256, 512]),
+                max_context_length=rng.choice([1024, 2048, 4096, 8192]),
+                models=list(dict.fromkeys(wanted)),
+            ),
+            client_agent="bench:1:text_queue",
+            ip_address="127.0.0.1",
+        )
+        if (i + 1) % 2000 == 0:
+            print(f"  filled {i + 1}/{args.requests} ({time.perf_counter() - started:.1f}s)", flush=True)
+    fill_seconds = time.perf_counter() - started
+
+    workers = []
+    for i in range(args.workers):
+        _, api_key = user_create(username=f"bench-owner-{i}")
+        # Most workers serve popular models; every model is served by someone.
+        served = {models[i % args.models]}
+        for _ in range(rng.randint(0, 2)):
+            served.add(models[min(int(rng.paretovariate(1.2)) - 1, args.models - 1)])
+        workers.append(
+            WorkerSpec(
+                name=f"bench-worker-{i:03d}",
+                api_key=api_key,
+                models=sorted(served),
+                max_length=rng.choice([256, 512, 512, 1024]),
+                max_context_length=rng.choice([2048, 4096, 8192, 8192]),
+                amount=rng.choice([1, 1, 1, 2]),
+            )
+        )
+    return workers, fill_seconds
+
+
+def queued_ids(limit: int = 5000) -> list[str]:
+    from chat.matching import waiting_requests
+
+    return [str(pk) for pk in waiting_requests().values_list("id", flat=True)[:limit]]
+
+
+def queue_depth() -> int:
+    from chat.matching import waiting_requests
+
+    return waiting_requests().count()
+
+
+# --- Measurement --------------------------------------------------------------------------------
+
+
+@dataclass
+class PhaseResult:
+    name: str
+    seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)  # of the phase's measured route
+    other_latencies: list[float] = field(default_factory=list)  # submits, in the pop phase
+    errors: dict[str, int] = field(default_factory=dict)
+    jobs: int = 0
+
+    def error(self, key: str) -> None:
+        self.errors[key] = self.errors.get(key, 0) + 1
+
+    def merge(self, other: PhaseResult) -> None:
+        self.seconds += other.seconds
+        self.latencies += other.latencies
+        self.other_latencies += other.other_latencies
+        self.jobs += other.jobs
+        for k, v in other.errors.items():
+            self.errors[k] = self.errors.get(k, 0) + v
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def pop_body(w: WorkerSpec) -> dict:
+    return {
+        "name": w.name,
+        "models": w.models,
+        "max_length": w.max_length,
+        "max_context_length": w.max_context_length,
+        "amount": w.amount,
+        "threads": 1,
+        "bridge_agent": VALIDATED_BRIDGE,
+        "nsfw": False,
+        "softprompts": [],
+        "priority_usernames": [],
+    }
+
+
+async def timed(client, method: str, url: str, result: PhaseResult, bucket: list[float], **kw):
+    t0 = time.perf_counter()
+    try:
+        resp = await client.request(method, url, **kw)
+    except Exception as exc:  # noqa: BLE001  (counted, the phase goes on)
+        result.error(type(exc).__name__)
+        return None
+    bucket.append(time.perf_counter() - t0)
+    if resp.status_code >= 400:
+        result.error(f"HTTP {resp.status_code}")
+        return None
+    return resp
+
+
+async def phase_heartbeat(client, seconds: float, concurrency: int) -> PhaseResult:
+    result = PhaseResult("heartbeat")
+    deadline = time.perf_counter() + seconds
+
+    async def loop():
+        while time.perf_counter() < deadline:
+            await timed(client, "GET", "/api/v2/status/heartbeat", result, result.latencies)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+async def phase_status(client, seconds: float, concurrency: int, ids: list[str], rng: random.Random) -> PhaseResult:
+    result = PhaseResult("status")
+    deadline = time.perf_counter() + seconds
+
+    async def loop():
+        while time.perf_counter() < deadline:
+            await timed(client, "GET", f"/api/v2/generate/text/status/{rng.choice(ids)}", result, result.latencies)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+async def phase_pop(client, seconds: float, concurrency: int, workers: list[WorkerSpec]) -> PhaseResult:
+    """Every worker loops pop -> submit; a semaphore keeps `concurrency` requests in flight."""
+    result = PhaseResult("pop")
+    deadline = time.perf_counter() + seconds
+    gate = asyncio.Semaphore(concurrency)
+
+    async def worker_loop(w: WorkerSpec):
+        headers = {"apikey": w.api_key, "Client-Agent": "bench:1:text_queue"}
+        body = pop_body(w)
+        while time.perf_counter() < deadline:
+            async with gate:
+                resp = await timed(client, "POST", "/api/v2/generate/text/pop", result, result.latencies,
+                                   json=body, headers=headers)
+            if resp is None:
+                continue
+            ids = resp.json().get("ids") or []
+            for gen_id in ids:
+                result.jobs += 1
+                async with gate:
+                    await timed(
+                        client, "POST", "/api/v2/generate/text/submit", result, result.other_latencies,
+                        headers=headers,
+                        json={"id": gen_id, "generation": "The bench worker wrote this. " * 8, "state": "ok",
+                              "seed": 1, "gen_metadata": []},
+                    )
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker_loop(w) for w in workers))
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+async def register_workers(client, workers: list[WorkerSpec], concurrency: int) -> None:
+    """Each worker's first pop registers it (as upstream); its job, if any, is submitted."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def first(w: WorkerSpec):
+        headers = {"apikey": w.api_key}
+        async with gate:
+            resp = await client.post("/api/v2/generate/text/pop", json=pop_body(w), headers=headers)
+        resp.raise_for_status()
+        for gen_id in resp.json().get("ids") or []:
+            async with gate:
+                r = await client.post(
+                    "/api/v2/generate/text/submit", headers=headers,
+                    json={"id": gen_id, "generation": "warm-up", "state": "ok", "seed": 1, "gen_metadata": []},
+                )
+            r.raise_for_status()
+
+    await asyncio.gather(*(first(w) for w in workers))
+
+
+async def measure(args: argparse.Namespace, workers: list[WorkerSpec], rng: random.Random) -> dict[str, PhaseResult]:
+    import httpx
+    from asgiref.sync import sync_to_async
+
+    base = f"http://127.0.0.1:{args.port}"
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    totals = {name: PhaseResult(name) for name in ("heartbeat", "pop", "status")}
+    per_phase = args.duration / (3 * args.rounds)
+    order = ["heartbeat", "pop", "status"]
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60) as client:
+        print(f"registering {len(workers)} workers (first pop each) and warming up ...", flush=True)
+        await register_workers(client, workers, args.concurrency)
+        await phase_heartbeat(client, 2.0, args.concurrency)
+        for r in range(args.rounds):
+            rotated = order[r % 3:] + order[: r % 3]
+            for name in rotated:
+                if name == "heartbeat":
+                    res = await phase_heartbeat(client, per_phase, args.concurrency)
+                elif name == "pop":
+                    res = await phase_pop(client, per_phase, args.concurrency, workers)
+                else:
+                    ids = await sync_to_async(queued_ids)()
+                    res = await phase_status(client, per_phase, args.concurrency, ids, rng)
+                rps = len(res.latencies) / res.seconds if res.seconds else 0
+                extra = f", {res.jobs} jobs submitted" if name == "pop" else ""
+                errs = f", errors {res.errors}" if res.errors else ""
+                print(
+                    f"  round {r + 1} {name:9s} {rps:8.1f} req/s  p50 {pct(res.latencies, 50) * 1000:7.1f} ms  "
+                    f"p95 {pct(res.latencies, 95) * 1000:7.1f} ms{extra}{errs}",
+                    flush=True,
+                )
+                totals[name].merge(res)
+    return totals
+
+
+# --- Report -------------------------------------------------------------------------------------
+
+
+def report(args, totals: dict[str, PhaseResult], fill_seconds: float, depth_before: int, depth_after: int) -> str:
+    hb, pop, st = totals["heartbeat"], totals["pop"], totals["status"]
+
+    def rps(r: PhaseResult) -> float:
+        return len(r.latencies) / r.seconds if r.seconds else 0.0
+
+    def ms(v: float) -> str:
+        return f"{v * 1000:.1f}"
+
+    hb_rps, pop_rps, st_rps = rps(hb), rps(pop), rps(st)
+    hb_p95, pop_p95, st_p95 = pct(hb.latencies, 95), pct(pop.latencies, 95), pct(st.latencies, 95)
+    pop_all_rps = (len(pop.latencies) + len(pop.other_latencies)) / pop.seconds if pop.seconds else 0.0
+    lines = [
+        "",
+        f"Text queue benchmark: {args.requests} requests over {args.models} models, {args.workers} workers, "
+        f"{args.concurrency} in flight, {args.rounds} rounds x 3 phases x {args.duration / (3 * args.rounds):.0f}s, "
+        f"DATABASE_CONN_MAX_AGE={'server default' if args.conn_max_age is None else args.conn_max_age}",
+        f"fill: {fill_seconds:.1f}s through text_request_create; queue depth {depth_before} before the "
+        f"measured phases, {depth_after} after",
+        "",
+        "| route | requests | req/s | p50 ms | p95 ms | errors |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for label, r, others in (
+        ("heartbeat  GET /status/heartbeat", hb, None),
+        ("pop        POST /generate/text/pop", pop, None),
+        ("submit     POST /generate/text/submit (pop phase)", pop, pop.other_latencies),
+        ("status     GET /generate/text/status/<id>", st, None),
+    ):
+        lat = others if others is not None else r.latencies
+        count = len(lat)
+        rate = count / r.seconds if r.seconds else 0
+        errors = ", ".join(f"{k}: {v}" for k, v in r.errors.items()) if others is None and r.errors else ""
+        lines.append(f"| {label} | {count} | {rate:.1f} | {ms(pct(lat, 50))} | {ms(pct(lat, 95))} | {errors} |")
+    lines += [
+        "",
+        f"pop phase: {pop.jobs} jobs popped and submitted ({pop.jobs / pop.seconds if pop.seconds else 0:.1f} jobs/s), "
+        f"{pop_all_rps:.1f} req/s pop+submit together",
+        "",
+        "| ratio | measured | goal | met |",
+        "|---|---:|---:|---|",
+    ]
+    pop_ratio = pop_rps / hb_rps if hb_rps else 0.0
+    pop_p95_ratio = pop_p95 / hb_p95 if hb_p95 else float("inf")
+    st_ratio = st_p95 / hb_p95 if hb_p95 else float("inf")
+    lines += [
+        f"| pop req/s / heartbeat req/s | {pop_ratio:.3f} | >= 0.5 | {'yes' if pop_ratio >= 0.5 else 'NO'} |",
+        f"| pop p95 / heartbeat p95 | {pop_p95_ratio:.1f} | (reported) | |",
+        f"| status p95 / heartbeat p95 | {st_ratio:.2f} | <= 2.0 | {'yes' if st_ratio <= 2.0 else 'NO'} |",
+        f"| status req/s / heartbeat req/s | {st_rps / hb_rps if hb_rps else 0:.3f} | (reported) | |",
+    ]
+    return "\n".join(lines)
+
+
+# --- Main ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rng = random.Random(args.seed)
+    env = bench_env(args)
+    os.chdir(ROOT)
+    sys.path.insert(0, str(ROOT))
+    for key in ("DJANGO_SETTINGS_MODULE", "DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL",
+                "HORDE_TEXT_ASYNC_RATE_LIMITS", "HORDE_MAINTENANCE", "DEBUG", "LOG_LEVEL"):
+        os.environ[key] = env[key]
+
+    print(f"database {args.database_url} (recreated), redis {args.redis_url} (flushed)", flush=True)
+    recreate_database(args.database_url)
+    flush_redis(args.redis_url)
+    migrate(env)
+
+    import django
+
+    django.setup()
+
+    server = Server(args.port, env, ROOT / "var" / "bench-daphne.log")
+
+    def on_signal(signum, frame):
+        server.stop()
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        server.start()
+        print(f"fill: {args.requests} requests over {args.models} models ...", flush=True)
+        workers, fill_seconds = fill(args, rng)
+        from django.db import connection
+
+        connection.close()
+        server.wait_ready()
+        print(f"daphne pid {server.proc.pid} on port {args.port} (log {server.log_path})", flush=True)
+        depth_before = queue_depth()
+        connection.close()
+        totals = asyncio.run(measure(args, workers, rng))
+        depth_after = queue_depth()
+        print(report(args, totals, fill_seconds, depth_before, depth_after))
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    finally:
+        if args.keep_server and server.proc and server.proc.poll() is None:
+            print(f"daphne left running: pid {server.proc.pid} (kill -- -{server.proc.pid})")
+        else:
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Chat request limits and defaults shared by the native route, the OpenAI front and workers.
+
+Names and values are the spec's (chat_requests.md, chat_front.md). Pure Python, no imports of
+the project.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+KIB = 1024
+MIB = 1024 * KIB
+
+# Request body.
+MAX_CHAT_BODY_BYTES = 36 * MIB  # 25 MiB of images as base64 (~33.3 MiB) + 1 MiB text + JSON
+MAX_CHAT_MESSAGE_COUNT = 1024
+MAX_CHAT_TEXT_BYTES = 1 * MIB  # UTF-8 of every text, plus history tool call names and arguments
+MAX_CHAT_MODEL_COUNT = 5
+
+# Token limit: max_tokens / max_completion_tokens map to the text max_length.
+MIN_CHAT_MAX_TOKENS = 16  # the native text API's minimum generation length
+MAX_CHAT_MAX_TOKENS = 16384
+CHAT_MAX_TOKENS_DEFAULT = 512  # OpenAI clients usually omit it; the text default of 80 is too short
+
+# Tools and structured output.
+MAX_CHAT_TOOL_COUNT = 128
+MAX_CHAT_TOOL_SPEC_BYTES = 256 * KIB  # compact JSON of tools, tool_choice and response_format
+MAX_CHAT_SCHEMA_NESTING = 10  # levels below the root, OpenAI's limit for strict schemas
+MAX_CHAT_TOOL_NAME_LENGTH = 64
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+MAX_CHAT_TOOL_CALL_COUNT = 128  # per assistant message and per reply
+MAX_CHAT_TOOL_CALL_ID_LENGTH = 256
+MIN_CHAT_TOOL_CALL_ID_LENGTH = 1
+
+# Images (the source image caps of image requests; totals keep the extra source image costs).
+MAX_CHAT_IMAGE_COUNT = 20
+MAX_CHAT_IMAGE_BYTES = 5 * MIB
+MAX_CHAT_IMAGE_TOTAL_BYTES = 25 * MIB  # trusted users and patrons; every request at parse
+MAX_CHAT_IMAGE_TOTAL_BYTES_UNTRUSTED = 5 * MIB
+MAX_CHAT_IMAGE_PIXELS = 3072 * 3072
+CHAT_IMAGE_PLACEHOLDER = "[image]"  # an image part in the flattened prompt
+CHAT_IMAGE_PROMPT_TOKENS = 512  # what koboldcpp's worker adds per image in its own estimate
+
+# Structured submit.
+MAX_CHAT_NATIVE_FINISH_REASON_LENGTH = 32
+MAX_CHAT_REPORTED_TOKENS = 10_000_000
+MAX_CHAT_FAULT_REASON_LENGTH = 1000
+
+# The OpenAI front only: more stop sequences are refused there with OpenAI's message.
+MAX_CHAT_STOP_SEQUENCES = 4
+
+# OpenAI's sampling ranges, inclusive; the front bounds requests to them.
+OPENAI_SAMPLING_RANGES: MappingProxyType[str, tuple[float, float]] = MappingProxyType(
+    {
+        "temperature": (0.0, 2.0),
+        "top_p": (0.0, 1.0),
+        "frequency_penalty": (-2.0, 2.0),
+        "presence_penalty": (-2.0, 2.0),
+    }
+)
+
+# The native route's penalty range (the text params bound temperature and top_p).
+CHAT_PENALTY_RANGE = (-2.0, 2.0)
+
+# Every sampling field a chat job carries; the client's value or this default, so a worker's
+# own defaults never apply to a chat job.
+CHAT_SAMPLING_DEFAULTS: MappingProxyType[str, float] = MappingProxyType(
+    {
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "rep_pen": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+    }
+)

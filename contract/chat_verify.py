@@ -1,0 +1,345 @@
+"""A chat job's structured submit, and reply verification against the request (ADR 0036, layer 3).
+
+verify_chat_reply checks a reply against the client's stored chat_extras, never against a
+worker's declaration or the narrowed copy the worker received.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from jsonschema import Draft202012Validator
+from jsonschema.validators import validator_for
+from pydantic import Field, StrictStr
+from referencing import Registry
+
+from contract.chat_declaration import ChatFinishReason
+from contract.chat_errors import ChatRefusal
+from contract.chat_limits import (
+    MAX_CHAT_NATIVE_FINISH_REASON_LENGTH,
+    MAX_CHAT_REPORTED_TOKENS,
+    MAX_CHAT_TEXT_BYTES,
+    MAX_CHAT_TOOL_CALL_COUNT,
+)
+from contract.chat_policy import ChatConformance, chat_tool_choice, chat_tools, forced_tool_name
+from contract.chat_shapes import ChatToolCall, _Shape, utf8_size
+from contract.text import TEXT_KUDOS_MIN_TOKENS
+
+# A body carrying any of these is a chat submit; any other is a text submit.
+CHAT_SUBMIT_KEYS = frozenset({"message", "model_id", "finish_reason", "fault_reason"})
+CHAT_SUBMIT_STATES = ("ok", "censored", "csam", "faulted")
+CHARACTERS_PER_TOKEN = 4
+
+
+class ChatReplyMessage(_Shape):
+    role: Literal["assistant"]
+    content: StrictStr | None = None
+    tool_calls: (
+        Annotated[list[ChatToolCall], Field(min_length=1, max_length=MAX_CHAT_TOOL_CALL_COUNT)] | None
+    ) = None
+    reasoning_content: StrictStr | None = None
+
+
+@dataclass(frozen=True)
+class ChatSubmit:
+    """The chat fields of a submit. A faulted job carries no message or finish_reason."""
+
+    model_id: str
+    state: str
+    message: dict[str, Any] | None = None
+    finish_reason: ChatFinishReason | None = None
+    native_finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    fault_reason: str | None = None  # as sent; only a chat job's fault reads it
+
+
+def is_chat_submit(body: Mapping[str, Any]) -> bool:
+    return any(key in body for key in CHAT_SUBMIT_KEYS)
+
+
+def _invalid(text: str, param: str | None = None) -> ChatRefusal:
+    return ChatRefusal("ChatSubmitInvalid", text, param=param)
+
+
+def _count(body: Mapping[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None  # the backend did not report it
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_CHAT_REPORTED_TOKENS:
+        raise _invalid(f"{key} has to be an integer from 0 to {MAX_CHAT_REPORTED_TOKENS}.", key)
+    return value
+
+
+def _reply_message(value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _invalid("A chat submit needs message, an assistant reply object.", "message")
+    try:
+        reply = ChatReplyMessage.model_validate(value)
+    except Exception as exc:  # pydantic's ValidationError, or anything odd in the input
+        errors = getattr(exc, "errors", None)
+        first = errors()[0] if callable(errors) else {"loc": (), "msg": str(exc)}
+        path = ".".join(["message", *(str(item) for item in first["loc"])])
+        raise _invalid(f"Invalid '{path}': {first['msg']}.", path) from None
+    if reply.content is None and not reply.tool_calls:
+        raise _invalid("message.content may be null only with tool_calls.", "message.content")
+    if reply.reasoning_content is not None and utf8_size(reply.reasoning_content) > MAX_CHAT_TEXT_BYTES:
+        raise _invalid(
+            f"message.reasoning_content is over {MAX_CHAT_TEXT_BYTES} bytes.", "message.reasoning_content"
+        )
+    return reply.model_dump(mode="json", exclude_none=True) | {"content": reply.content}
+
+
+def parse_chat_submit(body: Mapping[str, Any]) -> ChatSubmit:
+    """Read a chat job's submit (a body for which is_chat_submit holds); raise ChatSubmitInvalid.
+
+    ChatModelMismatch needs the generation's assigned model and is the route's check.
+    """
+    if "generation" in body and "message" in body:
+        raise _invalid("A chat submit sends message, not generation.", "generation")
+    model_id = body.get("model_id")
+    if not isinstance(model_id, str) or not model_id:
+        raise _invalid("A chat submit needs model_id, the model that served the job.", "model_id")
+    state = body.get("state", "ok")
+    if state not in CHAT_SUBMIT_STATES:
+        raise _invalid("state is ok, censored, csam or faulted.", "state")
+    if state == "faulted":
+        fault_reason = body.get("fault_reason")
+        return ChatSubmit(
+            model_id=model_id,
+            state=state,
+            fault_reason=fault_reason if isinstance(fault_reason, str) else None,
+        )
+    message = _reply_message(body.get("message"))
+    finish_reason = body.get("finish_reason")
+    if finish_reason not in ChatFinishReason.__members__.values():
+        raise _invalid(
+            "A chat submit needs finish_reason: stop, length, content_filter or tool_calls.", "finish_reason"
+        )
+    if finish_reason == ChatFinishReason.TOOL_CALLS and not message.get("tool_calls"):
+        raise _invalid("finish_reason tool_calls needs a non-empty message.tool_calls.", "finish_reason")
+    native = body.get("native_finish_reason")
+    if native is not None and (
+        not isinstance(native, str) or len(native) > MAX_CHAT_NATIVE_FINISH_REASON_LENGTH
+    ):
+        raise _invalid(
+            f"native_finish_reason is a string of at most {MAX_CHAT_NATIVE_FINISH_REASON_LENGTH} characters.",
+            "native_finish_reason",
+        )
+    return ChatSubmit(
+        model_id=model_id,
+        state=state,
+        message=message,
+        finish_reason=ChatFinishReason(finish_reason),
+        native_finish_reason=native,
+        prompt_tokens=_count(body, "prompt_tokens"),
+        completion_tokens=_count(body, "completion_tokens"),
+        reasoning_tokens=_count(body, "reasoning_tokens"),
+    )
+
+
+# --- verification --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatVerifiedReply:
+    message: dict[str, Any]  # tool calls reduced to the first under strict single-call
+    finish_reason: str  # as stored (chat_reply_finish_reason)
+    dropped_tool_calls: int = 0
+
+
+def _nonconformant(text: str) -> ChatRefusal:
+    return ChatRefusal("ChatSubmitNonconformant", text, param="message")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse_json(content: str) -> Any:
+    """Python's json with NaN and Infinity refused; raises ValueError."""
+    return json.loads(content, parse_constant=_refuse_constant)
+
+
+SCHEMA_CANNOT_COMPILE_MESSAGE = (
+    "The request's response format schema cannot be compiled, so the reply cannot be shown to match it."
+)
+
+
+def _local_refs_only(schema: Any) -> bool:
+    """Whether every $ref stays inside the schema; remote or meta-schema refs are refused."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Mapping):
+            for key, value in node.items():
+                if key in ("$ref", "$dynamicRef") and isinstance(value, str) and not value.startswith("#"):
+                    return False
+                stack.append(value)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return True
+
+
+def schema_validator(schema: Any) -> Any:
+    """A jsonschema validator for the draft the schema's $schema declares (2020-12 otherwise),
+    resolving references only inside the schema; raises ValueError when it cannot compile."""
+    if not isinstance(schema, Mapping | bool):
+        raise ValueError("not a schema")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an unknown $schema falls back to 2020-12
+        cls = validator_for(schema, default=Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except Exception as exc:
+        raise ValueError(str(exc)) from None
+    if not _local_refs_only(schema):
+        raise ValueError("remote reference")
+    # An empty registry: nothing is retrieved, so references resolve inside the schema only.
+    return cls(schema, registry=Registry())
+
+
+def schema_mismatch(schema: Any, instance: Any) -> str | None:
+    """The first way `instance` fails `schema`, or None; raises ValueError when the schema
+    cannot be compiled or its references do not resolve."""
+    validator = schema_validator(schema)
+    try:
+        error = next(iter(validator.iter_errors(instance)), None)
+    except Exception as exc:  # unresolvable reference, bad pattern, recursion...
+        raise ValueError(str(exc)) from None
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path) or "(root)"
+    return f"at {where}: {error.message[:200]}"
+
+
+def chat_reply_finish_reason(
+    finish_reason: str, message: Mapping[str, Any], extras: Mapping[str, Any] | None
+) -> str:
+    """The stored finish reason: tool_calls becomes stop under a function tool_choice, since
+    OpenAI finishes such a choice with stop and the worker received it as required."""
+    if (
+        finish_reason == ChatFinishReason.TOOL_CALLS
+        and message.get("tool_calls")
+        and chat_tool_choice(extras or {}) == "function"
+    ):
+        return ChatFinishReason.STOP.value
+    return str(finish_reason)
+
+
+def verify_chat_reply(
+    message: Mapping[str, Any],
+    finish_reason: str,
+    *,
+    extras: Mapping[str, Any] | None,
+    conformance: ChatConformance | str = ChatConformance.STRICT,
+) -> ChatVerifiedReply:
+    """Check a parsed reply (parse_chat_submit's message) against the stored chat_extras.
+
+    Raises ChatSubmitInvalid (both modes) or ChatSubmitNonconformant (strict only).
+    """
+    extras = extras or {}
+    strict = conformance == ChatConformance.STRICT
+    reply = dict(message)
+    calls = list(reply.get("tool_calls") or ())
+    dropped = 0
+    # The single-call reduction runs first, so a call it drops is not checked.
+    if strict and extras.get("parallel_tool_calls") is False and len(calls) > 1:
+        dropped = len(calls) - 1
+        calls = calls[:1]
+        reply["tool_calls"] = calls
+
+    names = {
+        tool["function"].get("name")
+        for tool in chat_tools(extras)
+        if isinstance(tool, Mapping) and isinstance(tool.get("function"), Mapping)
+    }
+    seen: set[str] = set()
+    for call in calls:
+        name = call["function"]["name"]
+        if not names:
+            raise _invalid(
+                "The reply carries tool calls, but the request has no tools.", "message.tool_calls"
+            )
+        if name not in names:
+            raise _invalid(
+                f"The reply calls the function '{name}', which the request's tools do not define.",
+                "message.tool_calls",
+            )
+        if call["id"] in seen:
+            raise _invalid(
+                f"The reply carries two tool calls with the id '{call['id']}'.", "message.tool_calls"
+            )
+        seen.add(call["id"])
+
+    if strict:
+        choice = chat_tool_choice(extras)
+        if choice == "none" and calls:
+            raise _nonconformant("The reply calls a tool under tool_choice none.")
+        if choice == "required" and not calls:
+            raise _nonconformant("The reply does not call a tool under tool_choice required.")
+        if choice == "function":
+            forced = forced_tool_name(extras)
+            if not calls or any(call["function"]["name"] != forced for call in calls):
+                raise _nonconformant(
+                    f"The reply does not call only the function '{forced}' the tool_choice forces."
+                )
+        _verify_response_format(reply, calls, extras)
+
+    return ChatVerifiedReply(
+        message=reply,
+        finish_reason=chat_reply_finish_reason(finish_reason, reply, extras),
+        dropped_tool_calls=dropped,
+    )
+
+
+def _verify_response_format(reply: Mapping[str, Any], calls: list[Any], extras: Mapping[str, Any]) -> None:
+    response_format = extras.get("response_format")
+    if not isinstance(response_format, Mapping):
+        return
+    kind = response_format.get("type")
+    if kind not in ("json_object", "json_schema"):
+        return
+    content = reply.get("content")
+    if not content and calls:
+        return  # a tool call reply is exempt from the response format
+    json_schema = response_format.get("json_schema") if kind == "json_schema" else None
+    strict_schema = isinstance(json_schema, Mapping) and json_schema.get("strict") is True
+    try:
+        document = _parse_json(content or "")
+    except (ValueError, RecursionError):
+        raise _nonconformant("The reply's content is not JSON, as the response format requires.") from None
+    if not strict_schema:
+        if not isinstance(document, dict):
+            raise _nonconformant("The reply's content is not a JSON object, as the response format requires.")
+        return
+    try:
+        mismatch = schema_mismatch(json_schema.get("schema"), document)
+    except ValueError:
+        raise _nonconformant(SCHEMA_CANNOT_COMPILE_MESSAGE) from None
+    if mismatch:
+        raise _nonconformant(f"The reply does not match the response format schema {mismatch}")
+
+
+# --- pricing inputs --------------------------------------------------------------------------------
+
+
+def chat_reply_characters(message: Mapping[str, Any]) -> int:
+    """Characters charged and rewarded: content, reasoning, and each call's name and arguments."""
+    total = len(message.get("content") or "") + len(message.get("reasoning_content") or "")
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") or {}
+        total += len(function.get("name") or "") + len(function.get("arguments") or "")
+    return total
+
+
+def chat_output_tokens(characters: int, max_length: int) -> int:
+    """The output estimate's token count: characters / 4 rounded up, at least the text kudos
+    minimum and at most the requested max_length."""
+    return min(max(math.ceil(characters / CHARACTERS_PER_TOKEN), TEXT_KUDOS_MIN_TOKENS), max_length)

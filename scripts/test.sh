@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The whole check, as `make test` runs it (the venv must exist: make creates it):
+#   1. ruff check .
+#   2. lint-imports (import direction, pyproject.toml [tool.importlinter])
+#   3. pytest over the whole suite on PostgreSQL and Redis
+#        DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test; pytest-django creates and
+#        drops test_<name>[_gwN]) and REDIS_URL (default redis://127.0.0.1:6379), always on the
+#        Redis database HORDE_TEST_REDIS_DB (default 15), which the suite flushes between tests
+#   4. pytest on the embedded default (SQLite, no Redis) over the tests that apply there:
+#        -m "not postgres_only and not redis_only"
+# Arguments are passed to both pytest runs. PYTEST_WORKERS (default 2) sets pytest-xdist's -n;
+# 0 runs in one process.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+export PATH="$PWD/$VENV/bin:$PATH"
+PY="$VENV/bin/python"
+
+step() { printf '\n==> %s\n' "$*"; }
+
+# pytest exits 5 when it ran no test (an empty suite, or every test deselected): not a failure here.
+run_pytest() {
+    local rc=0
+    "$PY" -m pytest -p tests.xdist_env "${XDIST[@]}" "$@" || rc=$?
+    if [ "$rc" -eq 5 ]; then
+        echo "(no tests selected in this pass)"
+        return 0
+    fi
+    return "$rc"
+}
+
+workers=${PYTEST_WORKERS:-2}
+XDIST=()
+if [ "$workers" != "0" ]; then
+    XDIST=(-n "$workers")
+fi
+
+step "ruff check ."
+ruff check .
+
+step "lint-imports"
+lint-imports
+
+pg_url=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
+redis_base=${REDIS_URL:-redis://127.0.0.1:6379}
+# Strip a database number from the URL, then use the dedicated test database.
+redis_base=$(sed -E 's#(redis[s]?://[^/?]*)(/[0-9]*)?#\1#' <<<"$redis_base")
+redis_url="$redis_base/${HORDE_TEST_REDIS_DB:-15}"
+case "$redis_base" in *\?*) redis_url="${redis_base%%\?*}/${HORDE_TEST_REDIS_DB:-15}?${redis_base#*\?}";; esac
+
+step "pytest on PostgreSQL and Redis (DATABASE_URL=$pg_url REDIS_URL=$redis_url)"
+DATABASE_URL="$pg_url" REDIS_URL="$redis_url" CELERY_BROKER_URL="" run_pytest "$@"
+
+mkdir -p var/celery-broker var/celery-processed
+step "pytest on the embedded default (SQLite, no Redis), without postgres_only and redis_only tests"
+DATABASE_URL="sqlite:///$PWD/var/test-embedded.sqlite3" REDIS_URL="" CELERY_BROKER_URL="" \
+    run_pytest -m "not postgres_only and not redis_only" "$@"

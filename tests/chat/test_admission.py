@@ -1,0 +1,182 @@
+"""Admission of text requests: validation, upfront kudos, concurrency, rate limits, errors."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+
+from chat.models import GenerationRequest
+
+MODEL = "Gryphe/MythoMax-L2-13b"
+
+KOBOLD_LITE_PARAMS = {
+    "n": 1, "max_context_length": 2048, "max_length": 120, "rep_pen": 1.07, "temperature": 0.75, "top_p": 0.92,
+    "top_k": 100, "top_a": 0, "typical": 1, "tfs": 1, "rep_pen_range": 360, "rep_pen_slope": 0.7,
+    "sampler_order": [6, 0, 1, 3, 4, 2, 5], "use_default_badwordsids": False, "stop_sequence": ["You:", "\nYou "],
+    "min_p": 0, "dynatemp_range": 0, "dynatemp_exponent": 1, "smoothing_factor": 0, "frmttriminc": True,
+    "frmtrmblln": False, "singleline": False,
+}
+
+
+def test_kobold_lite_request_is_accepted_as_sent(horde, make_user):
+    requester = make_user("lite")
+    response = horde.client.post(
+        "/api/v2/generate/text/async",
+        {"prompt": "You: hi\nBot:", "params": KOBOLD_LITE_PARAMS, "models": [MODEL], "workers": []},
+        format="json",
+        HTTP_APIKEY=requester.key,
+        HTTP_CLIENT_AGENT="KoboldAiLite:17",
+    )
+    assert response.status_code == 202
+    request = GenerationRequest.objects.get(pk=response.json()["id"])
+    assert request.client_agent == "KoboldAiLite:17"
+    assert request.params["stop_sequence"] == ["You:", "\nYou "] and request.max_length == 120
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({}, "prompt"),
+        ({"prompt": "x", "params": {"n": 21}}, "params.n"),
+        ({"prompt": "x", "params": {"max_length": 15}}, "params.max_length"),
+        ({"prompt": "x", "params": {"max_length": 4097}}, "params.max_length"),
+        ({"prompt": "x", "params": {"max_context_length": 79}}, "params.max_context_length"),
+        ({"prompt": "x", "params": {"temperature": 6}}, "params.temperature"),
+        ({"prompt": "x", "params": {"top_p": 0}}, "params.top_p"),
+        ({"prompt": "x", "models": "not-a-list"}, "models"),
+        ({"prompt": "x", "workers": ["not-a-uuid"]}, "workers[0]"),
+        ({"prompt": 5, "params": []}, "params"),
+    ],
+)
+def test_schema_failures_list_the_field(horde, make_user, body, field):
+    requester = make_user("r")
+    response = horde.client.post("/api/v2/generate/text/async", body, format="json", HTTP_APIKEY=requester.key)
+    assert response.status_code == 400
+    assert response.json()["message"] == "Input payload validation failed"
+    assert field in response.json()["errors"]
+    assert not GenerationRequest.objects.exists()
+
+
+def test_unparseable_body_is_a_validation_failure(horde):
+    response = horde.client.post("/api/v2/generate/text/async", "{not json", content_type="application/json")
+    assert response.status_code == 400 and response.json()["message"] == "Input payload validation failed"
+
+
+def test_defaults_match_upstream(horde, make_user):
+    requester = make_user("r")
+    request_id = horde.text_async(requester.key, prompt="x").json()["id"]
+    request = GenerationRequest.objects.get(pk=request_id)
+    assert (request.n, request.max_length, request.max_context_length) == (1, 80, 2048)
+    assert (request.validated_backends, request.slow_workers, request.trusted_workers) == (True, True, False)
+
+
+def test_anonymous_requests_work_without_a_key(horde):
+    response = horde.text_async(None, models=[MODEL])
+    assert response.status_code == 202
+    assert horde.text_async("0000000000", models=[MODEL]).status_code == 202
+
+
+def test_invalid_key_is_401(horde):
+    response = horde.text_async("wrong-key")
+    assert response.status_code == 401 and response.json()["rc"] == "InvalidAPIKey"
+
+
+def test_request_above_the_free_output_floor_needs_kudos_upfront(horde, make_user):
+    poor = make_user("poor", kudos=5)
+    refused = horde.text_async(poor.key, models=[MODEL], params={"max_length": 1024})
+    assert refused.status_code == 403 and refused.json()["rc"] == "KudosUpfront"
+    assert "512 tokens" in refused.json()["message"]
+    assert not GenerationRequest.objects.exists()
+    assert poor.refresh().kudos == Decimal("5")
+
+
+def test_allow_downgrade_lowers_to_the_floor(horde, make_user):
+    poor = make_user("poor", kudos=5)
+    response = horde.text_async(poor.key, models=[MODEL], params={"max_length": 1024}, allow_downgrade=True)
+    assert response.status_code == 202
+    assert "downgraded" in response.json()["message"]
+    assert GenerationRequest.objects.get(pk=response.json()["id"]).max_length == 512
+
+
+def test_upfront_kudos_are_held_and_released_as_generations_settle(horde, make_user):
+    rich, owner = make_user("rich", kudos=1000), make_user("owner")
+    response = horde.text_async(rich.key, models=[MODEL], params={"max_length": 1024})
+    assert response.status_code == 202
+    quote = Decimal(str(response.json()["kudos"]))
+    assert rich.refresh().kudos_held == quote
+    job = horde.pop(owner.key, max_length=1024).json()
+    horde.submit(owner.key, job["id"], "short")
+    assert rich.refresh().kudos_held == 0
+
+
+def test_slow_workers_false_always_holds_upfront(horde, make_user):
+    poor = make_user("poor", kudos=1)
+    refused = horde.text_async(poor.key, models=[MODEL], slow_workers=False)
+    assert refused.status_code == 403 and refused.json()["rc"] == "KudosUpfront"
+
+
+def test_concurrency_limit_counts_waiting_jobs(horde, make_user):
+    requester = make_user("r")
+    assert horde.text_async(requester.key, params={"n": 20}).status_code == 202
+    assert horde.text_async(requester.key, params={"n": 10}).status_code == 202
+    refused = horde.text_async(requester.key, params={"n": 1})
+    assert refused.status_code == 429 and refused.json()["rc"] == "TooManyPrompts"
+    assert refused.json()["message"] == "Parallel requests (31) exceeded user limit (30)."
+
+
+def test_rate_limit_per_address(horde, make_user, settings):
+    settings.HORDE_TEXT_ASYNC_RATE_LIMITS = ["2/second", "90/minute"]
+    requester = make_user("r")
+    responses = [horde.text_async(requester.key) for _ in range(5)]
+    codes = [r.status_code for r in responses]
+    # Five in well under a second: at most two per window, and a burst spans at most two windows.
+    assert codes[0] == 202 and codes.count(202) <= 4 and set(codes) == {202, 429}
+    limited = next(r for r in responses if r.status_code == 429)
+    assert limited.json()["rc"] == "RateLimited" and int(limited["Retry-After"]) >= 1
+    other_address = horde.client.post(
+        "/api/v2/generate/text/async", {"prompt": "x"}, format="json", REMOTE_ADDR="10.0.0.9", HTTP_APIKEY=requester.key
+    )
+    assert other_address.status_code == 202
+
+
+def test_rate_limit_per_minute_is_settable(horde, make_user, settings):
+    settings.HORDE_TEXT_ASYNC_RATE_LIMITS = ["1000/second", "3/minute"]
+    requester = make_user("r")
+    codes = [horde.text_async(requester.key).status_code for _ in range(7)]
+    assert codes[0] == 202 and codes.count(202) <= 6 and 429 in codes
+
+
+def test_find_user(horde, make_user):
+    user = make_user("alice", kudos=42, trusted=True)
+    body = horde.client.get("/api/v2/find_user", HTTP_APIKEY=user.key).json()
+    assert body["username"] == f"alice#{user.user.pk}" and body["kudos"] == 42.0 and body["trusted"] is True
+    anonymous = horde.client.get("/api/v2/find_user", HTTP_APIKEY="0000000000").json()
+    assert anonymous["username"].startswith("Anonymous#")
+    assert horde.client.get("/api/v2/find_user", HTTP_APIKEY="nope").status_code == 401
+
+
+def test_status_routes(horde):
+    assert horde.client.get("/api/v2/status/heartbeat").status_code == 200
+    performance = horde.client.get("/api/v2/status/performance").json()
+    assert performance["queued_text_requests"] == 0 and "text_worker_count" in performance
+    assert horde.client.get("/api/v2/status/models").json() == []
+    assert horde.client.get("/api/v2/status/models?type=sound").json()["rc"] == "BadRequest"
+
+
+def test_browser_preflight_and_cors_headers(horde):
+    preflight = horde.client.options(
+        "/api/v2/generate/text/async",
+        HTTP_ORIGIN="null",
+        HTTP_ACCESS_CONTROL_REQUEST_METHOD="POST",
+        HTTP_ACCESS_CONTROL_REQUEST_HEADERS="apikey, client-agent, content-type",
+    )
+    assert preflight.status_code == 200
+    assert preflight["Access-Control-Allow-Origin"] == "*"
+    allowed = preflight["Access-Control-Allow-Headers"].lower()
+    assert all(h in allowed for h in ("apikey", "client-agent", "content-type", "authorization"))
+    assert "DELETE" in preflight["Access-Control-Allow-Methods"]
+    assert horde.client.get("/api/v2/status/heartbeat", HTTP_ORIGIN="null")["Access-Control-Allow-Origin"] == "*"
+    missing = horde.client.get("/api/v2/nothing-here")
+    assert missing.status_code == 404 and missing.json()["message"]

@@ -1,0 +1,142 @@
+"""Shared fixtures. No fixture here stands in for the database or Redis: tests run on real ones.
+
+scripts/test.sh runs the suite twice: on PostgreSQL and Redis (REDIS_URL on a dedicated database,
+flushed before every test), and on the embedded default (SQLite, REDIS_URL empty) without the tests
+marked `postgres_only` or `redis_only`.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.conf import settings
+
+
+@pytest.fixture
+def redis_url() -> str | None:
+    """The Redis URL the code under test uses (settings.REDIS_URL); None on the embedded default."""
+    return settings.REDIS_URL
+
+
+@pytest.fixture(autouse=True)
+def _flush_test_redis() -> None:
+    """Start every test on an empty Redis database when REDIS_URL is set.
+
+    The test command points REDIS_URL at a database of its own (/15, and /14... per xdist worker);
+    database 0 is refused so that a stray REDIS_URL cannot wipe real data.
+    """
+    url = settings.REDIS_URL
+    if not url:
+        return
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        db = client.connection_pool.connection_kwargs.get("db", 0)
+        if int(db) == 0:
+            pytest.exit(f"REDIS_URL {url!r} is database 0: run the suite on a test database (e.g. /15)", 2)
+        client.flushdb()
+    finally:
+        client.close()
+
+
+# --- API fixtures (lead) ---
+
+import uuid  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from rest_framework.test import APIClient  # noqa: E402
+
+# The public text model reference the tests price against (never copied into the repo).
+SHARED_MODEL_REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "data" / "text_model_reference.json"
+
+
+@pytest.fixture(autouse=True)
+def _public_model_reference(settings):
+    from chat.model_reference import reload_reference
+
+    settings.HORDE_TEXT_MODEL_REFERENCE = str(SHARED_MODEL_REFERENCE)
+    reload_reference()
+    yield
+    reload_reference()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    from django.core.cache import cache
+
+    cache.clear()
+
+
+@pytest.fixture
+def api() -> APIClient:
+    return APIClient()
+
+
+@dataclass
+class Account:
+    user: object
+    key: str
+
+    def refresh(self):
+        self.user.refresh_from_db()
+        return self.user
+
+
+@pytest.fixture
+def make_user(db):
+    from accounts.services import user_create
+
+    def make(name: str = "", *, kudos: float = 0, trusted: bool = False, moderator: bool = False) -> Account:
+        user, key = user_create(
+            username=name or f"user-{uuid.uuid4().hex[:6]}", kudos=kudos, trusted=trusted, moderator=moderator
+        )
+        return Account(user=user, key=key)
+
+    return make
+
+
+class Horde:
+    """A small client over the native routes, as a worker or requester program uses them."""
+
+    def __init__(self, client: APIClient):
+        self.client = client
+
+    def _call(self, method: str, path: str, key: str | None, body=None):
+        headers = {"HTTP_APIKEY": key} if key else {}
+        return getattr(self.client, method)(f"/api/v2/{path}", body, format="json", **headers)
+
+    def text_async(self, key: str | None, **body):
+        body.setdefault("prompt", "Once upon a time")
+        return self._call("post", "generate/text/async", key, body)
+
+    def status(self, request_id, key: str | None = None):
+        return self._call("get", f"generate/text/status/{request_id}", key)
+
+    def cancel(self, request_id, key: str | None = None):
+        return self._call("delete", f"generate/text/status/{request_id}", key)
+
+    def pop(self, key: str, **body):
+        body.setdefault("name", "worker-1")
+        body.setdefault("models", ["Gryphe/MythoMax-L2-13b"])
+        body.setdefault("max_length", 512)
+        body.setdefault("max_context_length", 4096)
+        body.setdefault("bridge_agent", "KoboldCppEmbedWorker:2:https://github.com/LostRuins/koboldcpp")
+        return self._call("post", "generate/text/pop", key, body)
+
+    def submit(self, key: str, job_id, generation: str = "A reply.", **body):
+        return self._call("post", "generate/text/submit", key, {"id": str(job_id), "generation": generation, **body})
+
+
+@pytest.fixture
+def horde(api, db) -> Horde:
+    return Horde(api)
+
+
+@pytest.fixture(autouse=True)
+def _generous_rate_limits(settings):
+    """Most tests submit many requests from one address; the rate limit tests set their own."""
+    from accounts.ratelimit import reset_local_counts
+
+    settings.HORDE_TEXT_ASYNC_RATE_LIMITS = ["10000/second"]
+    reset_local_counts()
