@@ -49,8 +49,33 @@ class GenerationRequest(models.Model):
     created = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField()
 
+    # --- Chat requests (spec: chat_requests.md, "Schema") ---
+    messages = models.JSONField(null=True, blank=True)
+    submitted_prompt = models.TextField(blank=True, default="")
+    operation_key = models.UUIDField(null=True, blank=True)
+    operation_fingerprint = models.CharField(max_length=64, blank=True, default="")
+    context_adjustments = models.JSONField(null=True, blank=True)
+    chat_extras = models.JSONField(null=True, blank=True)
+    chat_required_features = models.JSONField(default=list, blank=True)
+    # The same set as a bitmask over CHAT_DECLARATION_BITS, so the pop tests it in SQL on any database.
+    chat_required_mask = models.BigIntegerField(default=0)
+    chat_conformance = models.CharField(max_length=16, default="strict")
+    chat_tools_temperature = models.FloatField(null=True, blank=True)
+    chat_messages_offloaded = models.BooleanField(default=False)
+    chat_has_images = models.BooleanField(default=False)
+    chat_fault_reason = models.CharField(max_length=1000, null=True, blank=True)
+    chat_fault_rc = models.CharField(max_length=32, null=True, blank=True)
+
     class Meta:
         db_table = "horde_requests"
+        constraints = [
+            # One request per (user, operation key); built CONCURRENTLY on PostgreSQL (migration 0003).
+            models.UniqueConstraint(
+                fields=["user", "operation_key"],
+                condition=models.Q(operation_key__isnull=False),
+                name="ix_requests_user_operation_key",
+            ),
+        ]
         indexes = [
             # The pop walks waiting requests in queue order.
             models.Index(
@@ -123,6 +148,22 @@ class Generation(models.Model):
     created = models.DateTimeField(auto_now_add=True)
     lease_expires_at = models.DateTimeField()
     finished_at = models.DateTimeField(null=True, blank=True)
+
+    # --- Chat jobs ---
+    message = models.JSONField(null=True, blank=True)
+    finish_reason = models.CharField(max_length=32, null=True, blank=True)
+    native_finish_reason = models.CharField(max_length=32, null=True, blank=True)
+    prompt_tokens = models.IntegerField(null=True, blank=True)
+    completion_tokens = models.IntegerField(null=True, blank=True)
+    reasoning_tokens = models.IntegerField(null=True, blank=True)
+    charge_basis = models.CharField(max_length=16, null=True, blank=True)
+    assigned_model = models.CharField(max_length=255, null=True, blank=True)
+    assigned_max_context_length = models.IntegerField(null=True, blank=True)
+    assigned_max_length = models.IntegerField(null=True, blank=True)
+    image_transport = models.CharField(max_length=16, null=True, blank=True)
+    chat_refusal_rc = models.CharField(max_length=32, null=True, blank=True)
+    settled_character_count = models.IntegerField(null=True, blank=True)
+    over_capacity_at_assignment = models.BooleanField(default=False)
 
     class Meta:
         db_table = "horde_generations"

@@ -18,20 +18,17 @@ from django.utils import timezone
 
 from accounts.models import HordeUser, KudosTransaction
 from accounts.services import kudos_hold, kudos_release, kudos_transfer
-from chat.matching import WorkerView, eligibility_filter, skipped_counts, waiting_requests
 from chat.models import Generation, GenerationRequest, HordeModes, RequestModel, RequestWorker
-from chat.pricing import text_generation_kudos, text_request_quote, things_count
+from chat.pricing import text_request_quote
 from contract.errors import HordeError
 from contract.text import (
     FAULTED_GENERATIONS_LIMIT,
     QUEUE_PRIORITY_STEP,
     QUEUE_PRIORITY_STEP_SECONDS,
     TEXT_HORDE_TAX,
-    TEXT_JOB_LEASE_SECONDS,
     TEXT_REQUEST_TTL_SECONDS,
 )
-from workers.models import Worker
-from workers.services import worker_record_aborted, worker_record_job
+from workers.services import worker_record_aborted
 
 log = logging.getLogger(__name__)
 
@@ -184,77 +181,10 @@ def text_request_create(
     return CreatedRequest(request=request, kudos=kudos, message=message)
 
 
-# --- Pop ------------------------------------------------------------------------------------
+# --- Faults ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PoppedJob:
-    request: GenerationRequest | None
-    generations: list[Generation]
-    model: str | None
-    skipped: dict[str, int]
-
-
-def _priority_user_ids(worker: Worker) -> list[int]:
-    """The owner, then each `priority_usernames` entry given as upstream's "alias#id"."""
-    ids = [worker.owner_id]
-    for alias in worker.priority_usernames or []:
-        _, _, tail = str(alias).rpartition("#")
-        if tail.isdigit():
-            ids.append(int(tail))
-    return ids
-
-
-def _generation_model(request: GenerationRequest, worker: Worker) -> str:
-    served = worker.served_models
-    for model in request.requested_models:
-        if model in served:
-            return model
-    return served[0] if served else ""
-
-
-def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
-    """Hand the first eligible request's jobs (up to `amount`) to the worker."""
-    if worker.maintenance:
-        raise HordeError(
-            "WorkerMaintenance",
-            f"Worker {worker.name} is in maintenance mode; it receives no jobs until its owner lifts it.",
-        )
-    view = WorkerView.of(worker)
-    eligible = waiting_requests().filter(eligibility_filter(view)).only(
-        "id", "prompt", "params", "softprompt", "max_length", "max_context_length", "requested_models",
-        "jobs_waiting", "disable_batching", "n",
-    )
-    if worker.paused:
-        return PoppedJob(request=None, generations=[], model=None, skipped={})
-    with transaction.atomic():
-        locking = eligible.select_for_update(skip_locked=True, of=("self",))
-        request = None
-        priority_ids = _priority_user_ids(worker)
-        if GenerationRequest.objects.filter(user_id__in=priority_ids, jobs_waiting__gt=0).exists():
-            request = locking.filter(user_id__in=priority_ids).order_by("-queue_score", "created").first()
-        if request is None:
-            request = locking.order_by("-queue_score", "created").first()
-        if request is None:
-            return PoppedJob(request=None, generations=[], model=None, skipped=skipped_counts(view))
-        jobs = 1 if request.disable_batching else min(amount, request.jobs_waiting)
-        now = timezone.now()
-        model = _generation_model(request, worker)
-        lease = now + timedelta(seconds=TEXT_JOB_LEASE_SECONDS)
-        generations = Generation.objects.bulk_create(
-            [Generation(request=request, worker=worker, model=model, lease_expires_at=lease) for _ in range(jobs)]
-        )
-        GenerationRequest.objects.filter(pk=request.pk).update(
-            jobs_waiting=F("jobs_waiting") - jobs,
-            expires_at=now + timedelta(seconds=TEXT_REQUEST_TTL_SECONDS),
-        )
-    return PoppedJob(request=request, generations=generations, model=model, skipped={})
-
-
-# --- Submit ---------------------------------------------------------------------------------
-
-
-def _fault_request_if_over_limit(request_id: UUID) -> bool:
+def fault_request_if_over_limit(request_id: UUID) -> bool:
     """Fault a request whose faulted jobs exceed FAULTED_GENERATIONS_LIMIT; releases its hold."""
     faults = Generation.objects.filter(request_id=request_id, state=Generation.State.FAULTED).count()
     if faults <= FAULTED_GENERATIONS_LIMIT:
@@ -268,88 +198,11 @@ def _fault_request_if_over_limit(request_id: UUID) -> bool:
     return True
 
 
-def _requeue_faulted(generation_ids: list[UUID], request_id: UUID) -> None:
+def requeue_faulted(generation_ids: list[UUID], request_id: UUID) -> None:
     GenerationRequest.objects.filter(pk=request_id, faulted=False, cancelled=False).update(
         jobs_waiting=F("jobs_waiting") + len(generation_ids)
     )
-    _fault_request_if_over_limit(request_id)
-
-
-def generation_submit(
-    *, user: HordeUser, generation_id: UUID, text: str, state: str, seed: int, gen_metadata: list
-) -> Decimal:
-    """Store a worker's result (the first submit wins), charge the requester, reward the owner."""
-    with transaction.atomic():
-        generation = (
-            Generation.objects.select_related("worker", "worker__owner", "request")
-            .filter(pk=generation_id)
-            .first()
-        )
-        if generation is None:
-            raise HordeError("InvalidJobID", f"Processing Generation with ID {generation_id} does not exist.")
-        worker = generation.worker
-        if worker.owner_id != user.pk:
-            raise HordeError("WrongCredentials", "Wrong credentials to submit as this worker.")
-        now = timezone.now()
-        new_state = state if state in ("ok", "censored", "csam", "faulted") else "ok"
-        won = Generation.objects.filter(pk=generation_id, state=Generation.State.PROCESSING).update(
-            state=new_state,
-            text=None if new_state == "faulted" else text,
-            seed=seed,
-            gen_metadata=gen_metadata,
-            finished_at=now,
-        )
-        if not won:
-            current = Generation.objects.filter(pk=generation_id).values_list("state", flat=True).first()
-            if current in (Generation.State.FAULTED, Generation.State.CANCELLED):
-                raise HordeError(
-                    "AbortedGen",
-                    f"Processing Generation with ID {generation_id} took too long to process and has been "
-                    "aborted! Please check your worker's speed and make sure it can finish within the lease.",
-                )
-            raise HordeError("DuplicateGen", f"Processing Generation with ID {generation_id} already submitted.")
-
-        request = generation.request
-        if new_state == "faulted":
-            worker_record_aborted(worker_ids=[worker.pk])
-            _requeue_faulted([generation.pk], request.pk)
-            return Decimal("0")
-
-        reward = text_generation_kudos(
-            model=generation.model,
-            prompt=request.prompt,
-            generation=text,
-            max_length=request.max_length,
-            owner_trusted=worker.owner.trusted,
-        )
-        charge = Decimal("0") if new_state in ("censored", "csam") else reward
-        Generation.objects.filter(pk=generation_id).update(kudos=reward)
-        tokens = things_count(text, request.max_length)
-        worker_record_job(
-            worker_id=worker.pk, tokens=tokens, seconds=(now - generation.created).total_seconds(), kudos=reward
-        )
-        kudos_transfer(
-            user_id=worker.owner_id,
-            amount=reward,
-            kind=KudosTransaction.Kind.GENERATION_REWARD,
-            request_id=request.pk,
-            generation_id=generation.pk,
-        )
-        # Each generation releases its share of the request's hold as it is charged.
-        locked = GenerationRequest.objects.select_for_update().only("kudos_held", "n").get(pk=request.pk)
-        release = min(locked.kudos_held, (request.kudos_quote / request.n).quantize(Decimal("0.01")))
-        kudos_transfer(
-            user_id=request.user_id,
-            amount=-charge,
-            kind=KudosTransaction.Kind.GENERATION_CHARGE,
-            request_id=request.pk,
-            generation_id=generation.pk,
-            release_held=release,
-        )
-        GenerationRequest.objects.filter(pk=request.pk).update(
-            consumed_kudos=F("consumed_kudos") + charge, kudos_held=F("kudos_held") - release
-        )
-    return reward
+    fault_request_if_over_limit(request_id)
 
 
 # --- Cancel, expiry, stale leases -----------------------------------------------------------
@@ -383,7 +236,7 @@ def abort_stale_generations() -> int:
             ):
                 continue  # submitted meanwhile
             worker_record_aborted(worker_ids=[worker_id])
-            _requeue_faulted([generation_id], request_id)
+            requeue_faulted([generation_id], request_id)
             aborted += 1
     if aborted:
         log.info("aborted %d stale generations", aborted)

@@ -186,3 +186,11 @@ HORDE_UPFRONT_KUDOS_ON_WORKERLIST = env.bool("HORDE_UPFRONT_KUDOS_ON_WORKERLIST"
 HORDE_ALLOW_ANONYMOUS = env.bool("HORDE_ALLOW_ANONYMOUS", default=True)
 # Proxy hops whose X-Forwarded-For may be trusted for the client address (0: use the socket peer).
 HORDE_TRUSTED_PROXY_COUNT = env.int("HORDE_TRUSTED_PROXY_COUNT", default=0)
+
+# --- Chat requests --------------------------------------------------------------------------
+HORDE_CHAT_ADMISSION_ENABLED = env.bool("HORDE_CHAT_ADMISSION_ENABLED", default=True)
+# Unset, each follows the text submit limits (spec: Rate limits).
+HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP = env.str("HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP", default="2/second")
+HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP = env.str("HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP", default="90/minute")
+# The completion signal's Redis (default: REDIS_URL); tests point it elsewhere to show Redis down.
+HORDE_CHAT_SIGNAL_REDIS_URL = env.str("HORDE_CHAT_SIGNAL_REDIS_URL", default="") or None

@@ -4,14 +4,15 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView
 
 from accounts.api.views import FindUserView
+from chat.api import pop_views, submit_views
 from chat.api import views as chat_views
 from workers.api.views import WorkerDetailView, WorkerListView
 
 api_v2 = [
     path("generate/text/async", chat_views.TextAsyncView.as_view()),
     path("generate/text/status/<uuid:request_id>", chat_views.TextStatusView.as_view()),
-    path("generate/text/pop", chat_views.TextPopView.as_view()),
-    path("generate/text/submit", chat_views.TextSubmitView.as_view()),
+    path("generate/text/pop", pop_views.TextPopView.as_view()),
+    path("generate/text/submit", submit_views.TextSubmitView.as_view()),
     path("find_user", FindUserView.as_view()),
     path("workers", WorkerListView.as_view()),
     path("workers/<uuid:worker_id>", WorkerDetailView.as_view()),

@@ -32,6 +32,19 @@ class Worker(models.Model):
     aborted_jobs = models.PositiveIntegerField(default=0)
     tokens_generated = models.BigIntegerField(default=0)
     last_check_in = models.DateTimeField(db_index=True)
+
+    # --- Chat declaration of the latest pop (spec: chat_requests.md, "Chat declaration on pop") ---
+    accepts_chat_jobs = models.BooleanField(default=False)
+    accepts_prompt_jobs = models.BooleanField(default=True)
+    chat_features = models.JSONField(default=list, blank=True)
+    # chat_features as a bitmask over CHAT_DECLARATION_BITS (see GenerationRequest.chat_required_mask).
+    chat_feature_mask = models.BigIntegerField(default=0)
+    chat_max_context_length = models.PositiveIntegerField(null=True, blank=True)
+    chat_max_length = models.PositiveIntegerField(null=True, blank=True)
+    chat_model_id = models.CharField(max_length=255, null=True, blank=True)
+    image_transports = models.JSONField(default=list, blank=True)
+    chat_tools_max_temperature = models.FloatField(null=True, blank=True)
+    nonconformant_replies = models.PositiveIntegerField(default=0)
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -12,8 +12,6 @@ from accounts.ratelimit import check_rate_limits, client_address
 from chat import selectors, services
 from chat.api import serializers as s
 from contract.errors import HordeError
-from contract.text import TEXT_JOB_LEASE_SECONDS
-from workers.services import TextWorkerDeclaration, worker_check_in
 
 
 def _not_found(request_id) -> HordeError:
@@ -81,89 +79,6 @@ class TextStatusView(APIView):
         services.request_cancel(request=wp)
         wp.refresh_from_db()
         return Response(selectors.request_status(wp))
-
-
-class TextPopView(APIView):
-    """POST /api/v2/generate/text/pop: check in, and take a job when one is eligible."""
-
-    @extend_schema(request=s.TextPopInputSerializer, responses=s.TextPopOutputSerializer)
-    def post(self, request):
-        owner = registered_caller(request, rc="AnonForbiddenWorker")
-        body = s.TextPopInputSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        data = body.validated_data
-        worker = worker_check_in(
-            owner=owner,
-            declaration=TextWorkerDeclaration(
-                name=data["name"].strip(),
-                models=list(dict.fromkeys(data["models"])),
-                max_length=data["max_length"],
-                max_context_length=data["max_context_length"],
-                threads=data["threads"],
-                bridge_agent=data["bridge_agent"],
-                nsfw=data["nsfw"],
-                softprompts=data["softprompts"],
-                priority_usernames=data["priority_usernames"],
-            ),
-        )
-        worker.owner = owner
-        job = services.worker_pop(worker=worker, amount=data["amount"])
-        if job.request is None:
-            return Response(
-                {
-                    "payload": {},
-                    "id": None,
-                    "ids": [],
-                    "messages": None,
-                    "ttl": None,
-                    "extra_source_images": [],
-                    "skipped": job.skipped,
-                    "softprompt": None,
-                    "model": None,
-                }
-            )
-        wp = job.request
-        payload = {
-            **wp.params,
-            "prompt": wp.prompt,
-            "n": 1,
-            "max_length": wp.max_length,
-            "max_context_length": wp.max_context_length,
-        }
-        ids = [str(g.id) for g in job.generations]
-        return Response(
-            {
-                "payload": payload,
-                "id": ids[0],
-                "ids": ids,
-                "messages": None,
-                "ttl": TEXT_JOB_LEASE_SECONDS,
-                "extra_source_images": [],
-                "skipped": {},
-                "softprompt": wp.softprompt or None,
-                "model": job.model,
-            }
-        )
-
-
-class TextSubmitView(APIView):
-    """POST /api/v2/generate/text/submit: a worker's result; the first submit wins."""
-
-    @extend_schema(request=s.TextSubmitInputSerializer, responses=s.SubmitOutputSerializer)
-    def post(self, request):
-        owner = registered_caller(request, rc="AnonForbiddenWorker")
-        body = s.TextSubmitInputSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        data = body.validated_data
-        reward = services.generation_submit(
-            user=owner,
-            generation_id=data["id"],
-            text=data["generation"],
-            state=data["state"],
-            seed=data["seed"],
-            gen_metadata=[dict(m) for m in data["gen_metadata"]],
-        )
-        return Response({"reward": float(reward)})
 
 
 class HeartbeatView(APIView):

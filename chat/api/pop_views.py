@@ -1,0 +1,78 @@
+"""POST /api/v2/generate/text/pop: a worker checks in and takes a job (text, and later chat)."""
+
+from __future__ import annotations
+
+from drf_spectacular.utils import extend_schema
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from accounts.api.callers import registered_caller
+from chat.api import serializers as s
+from chat.dispatch import worker_pop
+from contract.text import TEXT_JOB_LEASE_SECONDS
+from workers.services import TextWorkerDeclaration, worker_check_in
+
+
+class TextPopView(APIView):
+    """POST /api/v2/generate/text/pop: check in, and take a job when one is eligible."""
+
+    @extend_schema(request=s.TextPopInputSerializer, responses=s.TextPopOutputSerializer)
+    def post(self, request):
+        owner = registered_caller(request, rc="AnonForbiddenWorker")
+        body = s.TextPopInputSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        worker = worker_check_in(
+            owner=owner,
+            declaration=TextWorkerDeclaration(
+                name=data["name"].strip(),
+                models=list(dict.fromkeys(data["models"])),
+                max_length=data["max_length"],
+                max_context_length=data["max_context_length"],
+                threads=data["threads"],
+                bridge_agent=data["bridge_agent"],
+                nsfw=data["nsfw"],
+                softprompts=data["softprompts"],
+                priority_usernames=data["priority_usernames"],
+            ),
+        )
+        worker.owner = owner
+        job = worker_pop(worker=worker, amount=data["amount"])
+        if job.request is None:
+            return Response(
+                {
+                    "payload": {},
+                    "id": None,
+                    "ids": [],
+                    "messages": None,
+                    "ttl": None,
+                    "extra_source_images": [],
+                    "skipped": job.skipped,
+                    "softprompt": None,
+                    "model": None,
+                }
+            )
+        wp = job.request
+        payload = {
+            **wp.params,
+            "prompt": wp.prompt,
+            "n": 1,
+            "max_length": wp.max_length,
+            "max_context_length": wp.max_context_length,
+        }
+        ids = [str(g.id) for g in job.generations]
+        return Response(
+            {
+                "payload": payload,
+                "id": ids[0],
+                "ids": ids,
+                "messages": None,
+                "ttl": TEXT_JOB_LEASE_SECONDS,
+                "extra_source_images": [],
+                "skipped": {},
+                "softprompt": wp.softprompt or None,
+                "model": job.model,
+            }
+        )
+
+
