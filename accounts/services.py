@@ -6,6 +6,7 @@ import secrets
 from decimal import Decimal
 from uuid import UUID
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import F
 
@@ -27,6 +28,7 @@ def user_create(
         api_key_hash=hash_api_key(api_key),
         trusted=trusted,
         moderator=moderator,
+        concurrency=settings.HORDE_DEFAULT_CONCURRENCY,
     )
     if kudos:
         kudos_transfer(user_id=user.pk, amount=Decimal(str(kudos)), kind=KudosTransaction.Kind.GRANT)

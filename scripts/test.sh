@@ -49,6 +49,15 @@ redis_base=$(sed -E 's#(redis[s]?://[^/?]*)(/[0-9]*)?#\1#' <<<"$redis_base")
 redis_url="$redis_base/${HORDE_TEST_REDIS_DB:-15}"
 case "$redis_base" in *\?*) redis_url="${redis_base%%\?*}/${HORDE_TEST_REDIS_DB:-15}?${redis_base#*\?}";; esac
 
+# The test database names (test_<name>_gwN) and Redis databases are fixed: two runs at once on one
+# machine would drop each other's databases. Runs on one machine take turns.
+lock=${TMPDIR:-/tmp}/hordesite-make-test.lock
+exec 9>"$lock"
+if ! flock -n 9; then
+    echo "another make test is running on this machine: waiting for it (up to 15 minutes)"
+    flock -w 900 9 || { echo "gave up waiting for $lock" >&2; exit 1; }
+fi
+
 step "pytest on PostgreSQL and Redis (DATABASE_URL=$pg_url REDIS_URL=$redis_url)"
 DATABASE_URL="$pg_url" REDIS_URL="$redis_url" CELERY_BROKER_URL="" run_pytest "$@"
 

@@ -55,6 +55,8 @@ SHARED_MODEL_REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "data"
 def _public_model_reference(settings):
     from chat.model_reference import reload_reference
 
+    if not SHARED_MODEL_REFERENCE.exists():
+        pytest.exit(f"the public text model reference is missing at {SHARED_MODEL_REFERENCE}", 2)
     settings.HORDE_TEXT_MODEL_REFERENCE = str(SHARED_MODEL_REFERENCE)
     reload_reference()
     yield

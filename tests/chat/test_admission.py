@@ -180,3 +180,15 @@ def test_browser_preflight_and_cors_headers(horde):
     assert horde.client.get("/api/v2/status/heartbeat", HTTP_ORIGIN="null")["Access-Control-Allow-Origin"] == "*"
     missing = horde.client.get("/api/v2/nothing-here")
     assert missing.status_code == 404 and missing.json()["message"]
+
+
+def test_a_horde_without_anonymous_access_refuses_keyless_requests(horde, settings):
+    settings.HORDE_ALLOW_ANONYMOUS = False
+    refused = horde.text_async(None)
+    assert refused.status_code == 403 and refused.json()["rc"] == "AnonForbidden"
+    assert horde.text_async("0000000000").status_code == 403
+
+
+def test_new_users_get_the_default_concurrency(make_user, settings):
+    settings.HORDE_DEFAULT_CONCURRENCY = 5
+    assert make_user("limited").user.concurrency == 5
