@@ -29,7 +29,9 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse, urlunparse
@@ -44,28 +46,48 @@ VALIDATED_BRIDGE = "AI Horde Worker reGen:9.0.0:https://github.com/Haidra-Org/ho
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--requests", type=int, default=10_000, help="queued text requests to fill (default 10000)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument(
+        "--requests", type=int, default=10_000, help="queued text requests to fill (default 10000)"
+    )
     p.add_argument("--models", type=int, default=50, help="distinct model names (default 50)")
     p.add_argument("--workers", type=int, default=100, help="registered workers popping (default 100)")
-    p.add_argument("--requesters", type=int, default=50, help="requesting users the fill is spread over (default 50)")
     p.add_argument(
-        "--duration", type=float, default=90.0,
+        "--requesters", type=int, default=50, help="requesting users the fill is spread over (default 50)"
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=90.0,
         help="total measured seconds, split evenly over rounds x 3 phases (default 90)",
     )
-    p.add_argument("--rounds", type=int, default=3, help="rounds of (heartbeat, pop, status), order rotated (default 3)")
-    p.add_argument("--concurrency", type=int, default=12, help="requests in flight, the same for every phase (default 12)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="rounds of (heartbeat, pop, status), order rotated (default 3)"
+    )
+    p.add_argument("--fill-threads", type=int, default=4, help="threads filling the queue (default 4)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=12,
+        help="requests in flight, the same for every phase (default 12)",
+    )
     p.add_argument("--port", type=int, default=8765, help="daphne port (default 8765)")
     p.add_argument("--database-url", default=os.environ.get("BENCH_DATABASE_URL", DEFAULT_DATABASE_URL))
     p.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL", DEFAULT_REDIS_URL))
     p.add_argument(
-        "--conn-max-age", type=int, default=None,
+        "--conn-max-age",
+        type=int,
+        default=None,
         help="DATABASE_CONN_MAX_AGE for daphne (default: the server's own setting). Under ASGI every request\n"
-             "runs on a new thread, so a value > 0 leaves one idle PostgreSQL connection per request until GC;\n"
-             "0 closes it when the request ends.",
+        "runs on a new thread, so a value > 0 leaves one idle PostgreSQL connection per request until GC;\n"
+        "0 closes it when the request ends.",
     )
     p.add_argument("--seed", type=int, default=2, help="random seed of the fill and the workers (default 2)")
-    p.add_argument("--keep-server", action="store_true", help="leave daphne running at the end (prints its pid)")
+    p.add_argument(
+        "--keep-server", action="store_true", help="leave daphne running at the end (prints its pid)"
+    )
     return p.parse_args(argv)
 
 
@@ -134,7 +156,11 @@ class Server:
         log = open(self.log_path, "wb")  # noqa: SIM115  (kept open for the child's lifetime)
         self.proc = subprocess.Popen(
             [DAPHNE, "-b", "127.0.0.1", "-p", str(self.port), "hordesite.asgi:application"],
-            cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -145,12 +171,17 @@ class Server:
             if self.proc and self.proc.poll() is not None:
                 raise SystemExit(f"daphne exited with {self.proc.returncode}; see {self.log_path}")
             try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/api/v2/status/heartbeat", timeout=2).status_code == 200:
+                if (
+                    httpx.get(f"http://127.0.0.1:{self.port}/api/v2/status/heartbeat", timeout=2).status_code
+                    == 200
+                ):
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        raise SystemExit(f"daphne did not answer on port {self.port} within {timeout:.0f}s; see {self.log_path}")
+        raise SystemExit(
+            f"daphne did not answer on port {self.port} within {timeout:.0f}s; see {self.log_path}"
+        )
 
     def stop(self) -> None:
         if not self.proc or self.proc.poll() is not None:
@@ -183,7 +214,8 @@ def model_names(count: int) -> list[str]:
 
 
 def fill(args: argparse.Namespace, rng: random.Random) -> tuple[list[WorkerSpec], float]:
-    """Requesters and queued requests through chat.services.text_request_create; worker owners.
+    """Requesters and queued requests through chat.services.text_request_create (the same rows a
+    POST /generate/text/async makes, without the HTTP round trip); worker owners.
     Returns the worker specs and the fill's seconds."""
     from accounts.models import HordeUser
     from accounts.services import user_create
@@ -198,28 +230,58 @@ def fill(args: argparse.Namespace, rng: random.Random) -> tuple[list[WorkerSpec]
     for user in requesters:
         user.refresh_from_db()
 
-    started = time.perf_counter()
+    specs = []
     for i in range(args.requests):
         # 1-2 models per request, a skewed spread so some models have deep queues.
         first = min(int(rng.paretovariate(1.2)) - 1, args.models - 1)
         wanted = [models[first]]
         if rng.random() < 0.3:
             wanted.append(rng.choice(models))
-        text_request_create(
-            user=requesters[i % len(requesters)],
-            data=TextRequestInput(
-                prompt=f"Bench prompt {i}. " + "Once upon a time " * rng.randint(5, 60),
-                params={"temperature": 0.7, "top_p": 0.9, "rep_pen": 1.1},
-                n=1,
-                max_length=rng.choice([64, 80, 120, 160, 256, 512]),
-                max_context_length=rng.choice([1024, 2048, 4096, 8192]),
-                models=list(dict.fromkeys(wanted)),
-            ),
-            client_agent="bench:1:text_queue",
-            ip_address="127.0.0.1",
+        specs.append(
+            (
+                requesters[i % len(requesters)],
+                TextRequestInput(
+                    prompt=f"Bench prompt {i}. " + "Once upon a time " * rng.randint(5, 60),
+                    params={"temperature": 0.7, "top_p": 0.9, "rep_pen": 1.1},
+                    n=1,
+                    max_length=rng.choice([64, 80, 120, 160, 256, 512]),
+                    max_context_length=rng.choice([1024, 2048, 4096, 8192]),
+                    models=list(dict.fromkeys(wanted)),
+                ),
+            )
         )
-        if (i + 1) % 2000 == 0:
-            print(f"  filled {i + 1}/{args.requests} ({time.perf_counter() - started:.1f}s)", flush=True)
+
+    done = 0
+    lock = threading.Lock()
+    started = time.perf_counter()
+
+    def fill_share(share: list) -> None:
+        # One thread per share of the requesters: no two threads lock the same requester row.
+        nonlocal done
+        from django.db import connection
+
+        try:
+            for user, data in share:
+                text_request_create(
+                    user=user, data=data, client_agent="bench:1:text_queue", ip_address="127.0.0.1"
+                )
+                with lock:
+                    done += 1
+                    if done % 2000 == 0:
+                        print(
+                            f"  filled {done}/{args.requests} ({time.perf_counter() - started:.1f}s)",
+                            flush=True,
+                        )
+        finally:
+            connection.close()
+
+    threads = max(1, min(args.fill_threads, len(requesters)))
+    shares = [
+        [spec for k, spec in enumerate(specs) if (k % len(requesters)) % threads == t] for t in range(threads)
+    ]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for future in [pool.submit(fill_share, share) for share in shares]:
+            future.result()
     fill_seconds = time.perf_counter() - started
 
     workers = []
@@ -329,13 +391,17 @@ async def phase_heartbeat(client, seconds: float, concurrency: int) -> PhaseResu
     return result
 
 
-async def phase_status(client, seconds: float, concurrency: int, ids: list[str], rng: random.Random) -> PhaseResult:
+async def phase_status(
+    client, seconds: float, concurrency: int, ids: list[str], rng: random.Random
+) -> PhaseResult:
     result = PhaseResult("status")
     deadline = time.perf_counter() + seconds
 
     async def loop():
         while time.perf_counter() < deadline:
-            await timed(client, "GET", f"/api/v2/generate/text/status/{rng.choice(ids)}", result, result.latencies)
+            await timed(
+                client, "GET", f"/api/v2/generate/text/status/{rng.choice(ids)}", result, result.latencies
+            )
 
     t0 = time.perf_counter()
     await asyncio.gather(*(loop() for _ in range(concurrency)))
@@ -354,8 +420,15 @@ async def phase_pop(client, seconds: float, concurrency: int, workers: list[Work
         body = pop_body(w)
         while time.perf_counter() < deadline:
             async with gate:
-                resp = await timed(client, "POST", "/api/v2/generate/text/pop", result, result.latencies,
-                                   json=body, headers=headers)
+                resp = await timed(
+                    client,
+                    "POST",
+                    "/api/v2/generate/text/pop",
+                    result,
+                    result.latencies,
+                    json=body,
+                    headers=headers,
+                )
             if resp is None:
                 continue
             ids = resp.json().get("ids") or []
@@ -363,10 +436,19 @@ async def phase_pop(client, seconds: float, concurrency: int, workers: list[Work
                 result.jobs += 1
                 async with gate:
                     await timed(
-                        client, "POST", "/api/v2/generate/text/submit", result, result.other_latencies,
+                        client,
+                        "POST",
+                        "/api/v2/generate/text/submit",
+                        result,
+                        result.other_latencies,
                         headers=headers,
-                        json={"id": gen_id, "generation": "The bench worker wrote this. " * 8, "state": "ok",
-                              "seed": 1, "gen_metadata": []},
+                        json={
+                            "id": gen_id,
+                            "generation": "The bench worker wrote this. " * 8,
+                            "state": "ok",
+                            "seed": 1,
+                            "gen_metadata": [],
+                        },
                     )
 
     t0 = time.perf_counter()
@@ -387,15 +469,24 @@ async def register_workers(client, workers: list[WorkerSpec], concurrency: int) 
         for gen_id in resp.json().get("ids") or []:
             async with gate:
                 r = await client.post(
-                    "/api/v2/generate/text/submit", headers=headers,
-                    json={"id": gen_id, "generation": "warm-up", "state": "ok", "seed": 1, "gen_metadata": []},
+                    "/api/v2/generate/text/submit",
+                    headers=headers,
+                    json={
+                        "id": gen_id,
+                        "generation": "warm-up",
+                        "state": "ok",
+                        "seed": 1,
+                        "gen_metadata": [],
+                    },
                 )
             r.raise_for_status()
 
     await asyncio.gather(*(first(w) for w in workers))
 
 
-async def measure(args: argparse.Namespace, workers: list[WorkerSpec], rng: random.Random) -> dict[str, PhaseResult]:
+async def measure(
+    args: argparse.Namespace, workers: list[WorkerSpec], rng: random.Random
+) -> dict[str, PhaseResult]:
     import httpx
     from asgiref.sync import sync_to_async
 
@@ -409,7 +500,7 @@ async def measure(args: argparse.Namespace, workers: list[WorkerSpec], rng: rand
         await register_workers(client, workers, args.concurrency)
         await phase_heartbeat(client, 2.0, args.concurrency)
         for r in range(args.rounds):
-            rotated = order[r % 3:] + order[: r % 3]
+            rotated = order[r % 3 :] + order[: r % 3]
             for name in rotated:
                 if name == "heartbeat":
                     res = await phase_heartbeat(client, per_phase, args.concurrency)
@@ -433,7 +524,9 @@ async def measure(args: argparse.Namespace, workers: list[WorkerSpec], rng: rand
 # --- Report -------------------------------------------------------------------------------------
 
 
-def report(args, totals: dict[str, PhaseResult], fill_seconds: float, depth_before: int, depth_after: int) -> str:
+def report(
+    args, totals: dict[str, PhaseResult], fill_seconds: float, depth_before: int, depth_after: int
+) -> str:
     hb, pop, st = totals["heartbeat"], totals["pop"], totals["status"]
 
     def rps(r: PhaseResult) -> float:
@@ -466,7 +559,9 @@ def report(args, totals: dict[str, PhaseResult], fill_seconds: float, depth_befo
         count = len(lat)
         rate = count / r.seconds if r.seconds else 0
         errors = ", ".join(f"{k}: {v}" for k, v in r.errors.items()) if others is None and r.errors else ""
-        lines.append(f"| {label} | {count} | {rate:.1f} | {ms(pct(lat, 50))} | {ms(pct(lat, 95))} | {errors} |")
+        lines.append(
+            f"| {label} | {count} | {rate:.1f} | {ms(pct(lat, 50))} | {ms(pct(lat, 95))} | {errors} |"
+        )
     lines += [
         "",
         f"pop phase: {pop.jobs} jobs popped and submitted ({pop.jobs / pop.seconds if pop.seconds else 0:.1f} jobs/s), "
@@ -496,8 +591,16 @@ def main(argv: list[str] | None = None) -> int:
     env = bench_env(args)
     os.chdir(ROOT)
     sys.path.insert(0, str(ROOT))
-    for key in ("DJANGO_SETTINGS_MODULE", "DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL",
-                "HORDE_TEXT_ASYNC_RATE_LIMITS", "HORDE_MAINTENANCE", "DEBUG", "LOG_LEVEL"):
+    for key in (
+        "DJANGO_SETTINGS_MODULE",
+        "DATABASE_URL",
+        "REDIS_URL",
+        "CELERY_BROKER_URL",
+        "HORDE_TEXT_ASYNC_RATE_LIMITS",
+        "HORDE_MAINTENANCE",
+        "DEBUG",
+        "LOG_LEVEL",
+    ):
         os.environ[key] = env[key]
 
     print(f"database {args.database_url} (recreated), redis {args.redis_url} (flushed)", flush=True)

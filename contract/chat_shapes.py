@@ -533,7 +533,7 @@ def _check_content(message: Mapping[str, Any], role: str, path: str) -> int:
         part_path = _join(content_path, j)
         part = _object(part, part_path)
         kind = part.get("type")
-        if kind not in CONTENT_PART_TYPES[role]:
+        if not isinstance(kind, str) or kind not in CONTENT_PART_TYPES[role]:
             shown = kind if isinstance(kind, str) else json.dumps(kind, default=str)
             raise _unsupported(
                 _join(part_path, "type"),
@@ -614,7 +614,7 @@ def _check_messages(body: Mapping[str, Any]) -> int:
         path = _join("messages", i)
         message = _object(message, path)
         role = message.get("role")
-        if role not in SUPPORTED_MESSAGE_KEYS:
+        if not isinstance(role, str) or role not in SUPPORTED_MESSAGE_KEYS:
             if role is None:
                 raise _bad(_join(path, "role"), f"Missing required parameter: '{_join(path, 'role')}'.")
             shown = role if isinstance(role, str) else json.dumps(role, default=str)

@@ -258,7 +258,9 @@ def verify_chat_reply(
     names = {
         tool["function"].get("name")
         for tool in chat_tools(extras)
-        if isinstance(tool, Mapping) and isinstance(tool.get("function"), Mapping)
+        if isinstance(tool, Mapping)
+        and isinstance(tool.get("function"), Mapping)
+        and isinstance(tool["function"].get("name"), str)
     }
     seen: set[str] = set()
     for call in calls:

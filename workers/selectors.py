@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+from django.core.cache import cache
 from django.db.models import QuerySet
 from django.utils import timezone
 
+from contract.chat_declaration import ChatDeclaration, ChatLimits
 from contract.text import (
     SLOW_TEXT_WORKER_TOKENS_PER_SECOND,
     UNMEASURED_TEXT_WORKER_TOKENS_PER_SECOND,
@@ -14,6 +16,9 @@ from contract.text import (
     is_validated_bridge,
 )
 from workers.models import Worker
+
+# Single worker details are cached this long (spec: "Worker details").
+WORKER_DETAILS_CACHE_SECONDS = 30
 
 
 def online_cutoff(now: datetime | None = None) -> datetime:
@@ -35,3 +40,47 @@ def worker_is_slow(worker: Worker) -> bool:
 
 def worker_is_validated(worker: Worker) -> bool:
     return is_validated_bridge(worker.bridge_agent)
+
+
+def worker_chat_declaration(worker: Worker) -> ChatDeclaration:
+    """The chat declaration of the worker's latest pop, rebuilt from its columns."""
+    if not worker.accepts_chat_jobs:
+        return ChatDeclaration(chat_jobs=False, prompt_jobs=worker.accepts_prompt_jobs)
+    limits = None
+    if worker.chat_max_context_length is not None and worker.chat_max_length is not None:
+        limits = ChatLimits(
+            max_context_length=worker.chat_max_context_length,
+            max_length=worker.chat_max_length,
+            tools_max_temperature=worker.chat_tools_max_temperature,
+        )
+    return ChatDeclaration(
+        chat_jobs=True,
+        prompt_jobs=worker.accepts_prompt_jobs,
+        chat_features=frozenset(worker.chat_features or ()),
+        chat_limits=limits,
+        model_id=worker.chat_model_id,
+        image_transports=frozenset(worker.image_transports or ()),
+    )
+
+
+def chat_workers_online() -> QuerySet[Worker]:
+    """Online workers, not in maintenance, that serve chat jobs (the chat model list's one query)."""
+    return Worker.objects.filter(
+        last_check_in__gte=online_cutoff(), maintenance=False, accepts_chat_jobs=True
+    ).exclude(chat_model_id=None)
+
+
+def worker_details_cache_key(worker_id) -> str:
+    return f"horde:worker-details:{worker_id}"
+
+
+def worker_get_cached(worker_id) -> Worker | None:
+    """One worker for its details, cached WORKER_DETAILS_CACHE_SECONDS (a changed declaration can
+    take that long to appear, as the spec allows); owner changes clear it (worker_update)."""
+    key = worker_details_cache_key(worker_id)
+    worker = cache.get(key)
+    if worker is None:
+        worker = Worker.objects.select_related("owner").filter(pk=worker_id).first()
+        if worker is not None:
+            cache.set(key, worker, WORKER_DETAILS_CACHE_SECONDS)
+    return worker

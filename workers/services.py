@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 
+from django.core.cache import cache
 from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
 from accounts.models import HordeUser
+from contract.chat_declaration import ChatDeclaration
 from contract.errors import HordeError
 from contract.text import WORKER_SPEED_SAMPLES
+from workers.declarations import declaration_mask
 from workers.models import Worker
+from workers.selectors import worker_details_cache_key
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,26 @@ class TextWorkerDeclaration:
     nsfw: bool
     softprompts: list[str]
     priority_usernames: list[str]
+    # The six chat fields, parsed by the contract; the default is a pop without chat_jobs.
+    chat: ChatDeclaration = field(default_factory=ChatDeclaration)
+
+
+def chat_declaration_columns(chat: ChatDeclaration) -> dict:
+    """The worker columns of a chat declaration. Written at every pop, so a pop without chat_jobs
+    withdraws the whole declaration (every chat column back to its default)."""
+    limits = chat.chat_limits if chat.chat_jobs else None
+    features = sorted(chat.chat_features) if chat.chat_jobs else []
+    return {
+        "accepts_chat_jobs": chat.chat_jobs,
+        "accepts_prompt_jobs": chat.prompt_jobs,
+        "chat_features": features,
+        "chat_feature_mask": declaration_mask(features),
+        "chat_max_context_length": limits.max_context_length if limits else None,
+        "chat_max_length": limits.max_length if limits else None,
+        "chat_tools_max_temperature": limits.tools_max_temperature if limits else None,
+        "chat_model_id": chat.model_id if chat.chat_jobs else None,
+        "image_transports": sorted(chat.image_transports) if chat.chat_jobs else [],
+    }
 
 
 def worker_check_in(*, owner: HordeUser, declaration: TextWorkerDeclaration) -> Worker:
@@ -43,6 +67,7 @@ def worker_check_in(*, owner: HordeUser, declaration: TextWorkerDeclaration) -> 
         "softprompts": declaration.softprompts,
         "priority_usernames": declaration.priority_usernames,
         "last_check_in": now,
+        **chat_declaration_columns(declaration.chat),
     }
     worker = Worker.objects.filter(name=declaration.name).only("id", "owner_id", "maintenance").first()
     if worker is None:
@@ -90,5 +115,7 @@ def worker_update(*, worker: Worker, actor: HordeUser, maintenance: bool | None 
     if paused is not None:
         worker.paused = paused
     worker.save(update_fields=["maintenance", "paused"])
+    # The owner sees their own switch at once, whatever the details cache holds.
+    cache.delete(worker_details_cache_key(worker.pk))
     return worker
 
