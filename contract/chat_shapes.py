@@ -127,7 +127,7 @@ _HTTP_URL = re.compile(r"^https?://[^\s/]+", re.IGNORECASE)
 # --- pydantic shapes -----------------------------------------------------------------------------
 
 
-class _Shape(BaseModel):
+class ChatShape(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
@@ -139,7 +139,7 @@ ToolCallId = Annotated[
 PositiveInt = Annotated[StrictInt, Field(gt=0)]
 
 
-class ChatHordeOptions(_Shape):
+class ChatHordeOptions(ChatShape):
     """The `horde` object: request options OpenAI has no key for."""
 
     only: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
@@ -161,23 +161,23 @@ class ChatHordeOptions(_Shape):
 CHAT_HORDE_KEYS = frozenset(ChatHordeOptions.model_fields)
 
 
-class ChatToolFunction(_Shape):
+class ChatToolFunction(ChatShape):
     name: ToolName
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
 
 
-class ChatTool(_Shape):
+class ChatTool(ChatShape):
     type: Literal["function"]
     function: ChatToolFunction
 
 
-class ChatToolChoiceName(_Shape):
+class ChatToolChoiceName(ChatShape):
     name: StrictStr
 
 
-class ChatToolChoiceFunction(_Shape):
+class ChatToolChoiceFunction(ChatShape):
     type: Literal["function"]
     function: ChatToolChoiceName
 
@@ -185,7 +185,7 @@ class ChatToolChoiceFunction(_Shape):
 ChatToolChoice = Literal["none", "auto", "required"] | ChatToolChoiceFunction
 
 
-class ChatJsonSchema(_Shape):
+class ChatJsonSchema(ChatShape):
     name: ToolName
     # `schema` on the wire; schema_ is the Python name only (an unknown key on the wire).
     schema_: dict[str, Any] = Field(alias="schema")
@@ -193,15 +193,15 @@ class ChatJsonSchema(_Shape):
     strict: StrictBool | None = None
 
 
-class ChatResponseFormatText(_Shape):
+class ChatResponseFormatText(ChatShape):
     type: Literal["text"]
 
 
-class ChatResponseFormatJsonObject(_Shape):
+class ChatResponseFormatJsonObject(ChatShape):
     type: Literal["json_object"]
 
 
-class ChatResponseFormatJsonSchema(_Shape):
+class ChatResponseFormatJsonSchema(ChatShape):
     type: Literal["json_schema"]
     json_schema: ChatJsonSchema
 
@@ -212,28 +212,28 @@ ChatResponseFormat = Annotated[
 ]
 
 
-class ChatToolCallFunction(_Shape):
+class ChatToolCallFunction(ChatShape):
     name: StrictStr
     arguments: StrictStr
 
 
-class ChatToolCall(_Shape):
+class ChatToolCall(ChatShape):
     id: ToolCallId
     type: Literal["function"]
     function: ChatToolCallFunction
 
 
-class ChatTextPart(_Shape):
+class ChatTextPart(ChatShape):
     type: Literal["text"]
     text: StrictStr
 
 
-class ChatImageUrl(_Shape):
+class ChatImageUrl(ChatShape):
     url: StrictStr
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class ChatImagePart(_Shape):
+class ChatImagePart(ChatShape):
     type: Literal["image_url"]
     image_url: ChatImageUrl
 
@@ -241,19 +241,19 @@ class ChatImagePart(_Shape):
 ChatUserPart = Annotated[ChatTextPart | ChatImagePart, Field(discriminator="type")]
 
 
-class ChatSystemMessage(_Shape):
+class ChatSystemMessage(ChatShape):
     role: Literal["system", "developer"]
     content: StrictStr | list[ChatTextPart]
     name: StrictStr | None = None
 
 
-class ChatUserMessage(_Shape):
+class ChatUserMessage(ChatShape):
     role: Literal["user"]
     content: StrictStr | list[ChatUserPart]
     name: StrictStr | None = None
 
 
-class ChatAssistantMessage(_Shape):
+class ChatAssistantMessage(ChatShape):
     role: Literal["assistant"]
     content: StrictStr | list[ChatTextPart] | None = None
     name: StrictStr | None = None
@@ -262,7 +262,7 @@ class ChatAssistantMessage(_Shape):
     ) = None
 
 
-class ChatToolMessage(_Shape):
+class ChatToolMessage(ChatShape):
     role: Literal["tool"]
     content: StrictStr | list[ChatTextPart]
     tool_call_id: ToolCallId
@@ -274,7 +274,7 @@ ChatMessage = Annotated[
 ]
 
 
-class ChatRequest(_Shape):
+class ChatRequest(ChatShape):
     """A validated native chat request body."""
 
     model: StrictStr | None = None

@@ -27,7 +27,7 @@ from contract.chat_limits import (
     MAX_CHAT_TOOL_CALL_COUNT,
 )
 from contract.chat_policy import ChatConformance, chat_tool_choice, chat_tools, forced_tool_name
-from contract.chat_shapes import ChatToolCall, _Shape, utf8_size
+from contract.chat_shapes import ChatShape, ChatToolCall, utf8_size
 from contract.text import TEXT_KUDOS_MIN_TOKENS
 
 # A body carrying any of these is a chat submit; any other is a text submit.
@@ -36,7 +36,7 @@ CHAT_SUBMIT_STATES = ("ok", "censored", "csam", "faulted")
 CHARACTERS_PER_TOKEN = 4
 
 
-class ChatReplyMessage(_Shape):
+class ChatReplyMessage(ChatShape):
     role: Literal["assistant"]
     content: StrictStr | None = None
     tool_calls: (

@@ -46,7 +46,9 @@ def test_vocabularies():
 
 
 def test_fault_reason_lookup_and_metric_label():
-    assert chat_worker_fault_message("tool_violation") == "The model's reply broke the request's tool controls."
+    assert (
+        chat_worker_fault_message("tool_violation") == "The model's reply broke the request's tool controls."
+    )
     assert chat_worker_fault_message("my own words") is None
     assert chat_worker_fault_message(["x"]) is None
     assert chat_worker_fault_metric_reason("prompt_overflow") == "prompt_overflow"
@@ -87,7 +89,9 @@ def test_absent_fields_mean_none_and_a_pop_without_chat_jobs_withdraws():
     bare = parse_chat_declaration(pop(), models=MODELS)
     assert bare.chat_features == frozenset() and bare.image_transports == frozenset()
     assert not bare.receives_images
-    assert parse_chat_declaration(pop(image_transports=["messages_url"]), models=MODELS).receives_images is False
+    assert (
+        parse_chat_declaration(pop(image_transports=["messages_url"]), models=MODELS).receives_images is False
+    )
     withdrawn = parse_chat_declaration({"chat_features": ["tools"], "model_id": "x"}, models=MODELS)
     assert withdrawn == ChatDeclaration()
     assert withdrawn.details() is None
@@ -102,8 +106,16 @@ def test_model_id_is_opaque():
 @pytest.mark.parametrize(
     ("fields", "param", "text"),
     [
-        ({"chat_limits": ...}, "chat_limits", "chat_jobs needs chat_limits with max_context_length and max_length."),
-        ({"chat_limits": {"max_length": 10}}, "chat_limits.max_context_length", "chat_jobs needs chat_limits.max_context_length."),
+        (
+            {"chat_limits": ...},
+            "chat_limits",
+            "chat_jobs needs chat_limits with max_context_length and max_length.",
+        ),
+        (
+            {"chat_limits": {"max_length": 10}},
+            "chat_limits.max_context_length",
+            "chat_jobs needs chat_limits.max_context_length.",
+        ),
         ({"model_id": ...}, "model_id", "chat_jobs needs a model_id."),
         ({"model_id": "mistral"}, "model_id", "model_id 'mistral' is not one of the worker's models."),
         (
@@ -123,12 +135,15 @@ def test_invalid_declarations(fields, param, text):
     with pytest.raises(ChatDeclarationInvalid) as info:
         parse_chat_declaration(pop(**fields), models=MODELS)
     refusal = info.value
-    assert (refusal.status, refusal.rc, refusal.param, refusal.text) == (400, "ChatDeclarationInvalid", param, text)
+    assert (refusal.status, refusal.rc, refusal.param, refusal.text) == (
+        400,
+        "ChatDeclarationInvalid",
+        param,
+        text,
+    )
     assert refusal.body() == {"message": f"'{param}': {text}", "rc": "ChatDeclarationInvalid"}
 
 
 def test_pop_fields_round_trip():
-    declaration = parse_chat_declaration(
-        pop(chat_features=["seed"], image_transports=["url"]), models=MODELS
-    )
+    declaration = parse_chat_declaration(pop(chat_features=["seed"], image_transports=["url"]), models=MODELS)
     assert parse_chat_declaration(declaration.pop_fields(), models=MODELS) == declaration

@@ -171,9 +171,7 @@ def test_service_gap():
     requirements = chat_request_requirements(request)
     full = declaration(["tools", "tool_choice_enforced", "prompt_overflow_refused"])
     assert chat_service_gap(requirements, full, max_context_length=4096, max_length=1024).empty
-    gap = chat_service_gap(
-        requirements, declaration(["tools"], tools_max_temperature=1.0), max_length=2048
-    )
+    gap = chat_service_gap(requirements, declaration(["tools"], tools_max_temperature=1.0), max_length=2048)
     assert gap == ChatServiceGap(
         ("prompt_overflow_refused", "tool_choice_enforced"), ("max_length", "tools_max_temperature")
     )
@@ -292,7 +290,10 @@ def test_tool_message_answering_an_unknown_id():
         ]
     )
     assert refusal.param == "messages[2].tool_call_id"
-    assert refusal.text == "Invalid parameter: 'tool_call_id' of 'zz' not found in 'tool_calls' of previous message."
+    assert (
+        refusal.text
+        == "Invalid parameter: 'tool_call_id' of 'zz' not found in 'tool_calls' of previous message."
+    )
     assert param_from_native_message(refusal.message) == "messages[2].tool_call_id"
 
 
@@ -341,7 +342,12 @@ def test_strict_schema_rules_with_openai_messages():
         "Invalid schema for function 'get_weather': In context=(), 'additionalProperties' is required to be "
         "supplied and to be false."
     )
-    missing_required = {"type": "object", "additionalProperties": False, "properties": {"a": {}, "b": {}}, "required": ["a"]}
+    missing_required = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {"a": {}, "b": {}},
+        "required": ["a"],
+    }
     assert strict_schema_violation(missing_required, kind="function", name="f") == (
         "Invalid schema for function 'f': In context=(), 'required' is required to be supplied and to be an "
         "array including every key in properties. Missing 'b'."
