@@ -78,11 +78,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL", DEFAULT_REDIS_URL))
     p.add_argument(
         "--conn-max-age",
-        type=int,
-        default=None,
-        help="DATABASE_CONN_MAX_AGE for daphne (default: the server's own setting). Under ASGI every request\n"
-        "runs on a new thread, so a value > 0 leaves one idle PostgreSQL connection per request until GC;\n"
-        "0 closes it when the request ends.",
+        default="0",
+        help="DATABASE_CONN_MAX_AGE for daphne, or 'server' for the server's own setting (default 0).\n"
+        "Under ASGI every request runs on a new thread and opens its own PostgreSQL connection; with a\n"
+        "value > 0 it is left open after the request until garbage collection, which exhausts\n"
+        "max_connections under this load (HTTP 500 'too many clients') on a PostgreSQL others share.",
+    )
+    p.add_argument(
+        "--no-analyze",
+        action="store_true",
+        help="skip ANALYZE after the fill (autovacuum would do it in production; it may be off locally)",
     )
     p.add_argument("--seed", type=int, default=2, help="random seed of the fill and the workers (default 2)")
     p.add_argument(
@@ -107,8 +112,8 @@ def bench_env(args: argparse.Namespace) -> dict[str, str]:
         LOG_LEVEL="WARNING",
         PYTHONUNBUFFERED="1",
     )
-    if args.conn_max_age is not None:
-        env["DATABASE_CONN_MAX_AGE"] = str(args.conn_max_age)
+    if args.conn_max_age != "server":
+        env["DATABASE_CONN_MAX_AGE"] = str(int(args.conn_max_age))
     return env
 
 
@@ -542,7 +547,7 @@ def report(
         "",
         f"Text queue benchmark: {args.requests} requests over {args.models} models, {args.workers} workers, "
         f"{args.concurrency} in flight, {args.rounds} rounds x 3 phases x {args.duration / (3 * args.rounds):.0f}s, "
-        f"DATABASE_CONN_MAX_AGE={'server default' if args.conn_max_age is None else args.conn_max_age}",
+        f"DATABASE_CONN_MAX_AGE={args.conn_max_age}, {'no ANALYZE' if args.no_analyze else 'ANALYZE'} after the fill",
         f"fill: {fill_seconds:.1f}s through text_request_create; queue depth {depth_before} before the "
         f"measured phases, {depth_after} after",
         "",
@@ -625,6 +630,9 @@ def main(argv: list[str] | None = None) -> int:
         workers, fill_seconds = fill(args, rng)
         from django.db import connection
 
+        if not args.no_analyze:
+            with connection.cursor() as cursor:
+                cursor.execute("ANALYZE")
         connection.close()
         server.wait_ready()
         print(f"daphne pid {server.proc.pid} on port {args.port} (log {server.log_path})", flush=True)

@@ -1,19 +1,78 @@
-"""The horde's OpenTelemetry instruments (no-ops until a meter provider is configured)."""
+"""The horde's OpenTelemetry instruments (no-ops until a meter provider is configured).
+
+Instruments are created lazily from the current meter provider rather than at import: the API's
+global provider can be set only once per process, so tests swap in their own provider with
+use_meter_provider (an in-memory reader) and every instrument follows it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from opentelemetry import metrics
 
-meter = metrics.get_meter("horde")
+METER_NAME = "horde"
 
-chat_worker_faults = meter.create_counter(
+_override: Any = None  # a provider set by use_meter_provider; None follows the global one
+_instruments: dict[tuple[int, str], Any] = {}
+
+
+def use_meter_provider(provider: Any) -> None:
+    """Record every instrument on `provider` from now on (None: back to the global provider)."""
+    global _override
+    _override = provider
+    _instruments.clear()
+
+
+def _provider() -> Any:
+    return _override if _override is not None else metrics.get_meter_provider()
+
+
+class _LazyInstrument:
+    kind = "counter"
+
+    def __init__(self, name: str, description: str = "", unit: str = "") -> None:
+        self.name = name
+        self.description = description
+        self.unit = unit
+
+    def _instrument(self) -> Any:
+        provider = _provider()
+        key = (id(provider), self.name)
+        instrument = _instruments.get(key)
+        if instrument is None:
+            meter = provider.get_meter(METER_NAME)
+            create = meter.create_histogram if self.kind == "histogram" else meter.create_counter
+            instrument = create(self.name, unit=self.unit, description=self.description)
+            _instruments[key] = instrument
+        return instrument
+
+
+class LazyCounter(_LazyInstrument):
+    def add(self, amount: int | float, attributes: Mapping[str, Any] | None = None) -> None:
+        self._instrument().add(amount, attributes=dict(attributes or {}))
+
+
+class LazyHistogram(_LazyInstrument):
+    kind = "histogram"
+
+    def record(self, amount: int | float, attributes: Mapping[str, Any] | None = None) -> None:
+        self._instrument().record(amount, attributes=dict(attributes or {}))
+
+
+# Kept for code that creates instruments at import; those follow the global provider only, so new
+# instruments should be LazyCounter / LazyHistogram.
+meter = metrics.get_meter(METER_NAME)
+
+chat_worker_faults = LazyCounter(
     "horde.chat.worker_faults", description="Faulted chat submits, by the reason the worker sent"
 )
-chat_max_length_lowered = meter.create_counter(
+chat_max_length_lowered = LazyCounter(
     "horde.chat.max_length_lowered",
     description="Chat requests whose max_length was lowered to the largest declared by serving workers",
 )
-text_context_fit = meter.create_counter(
+text_context_fit = LazyCounter(
     "horde.text.context_fit", description="Requests whose context sizing trimmed or grew them"
 )
 

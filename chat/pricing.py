@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from decimal import Decimal
+from typing import Any
 
 from chat.model_reference import is_known_text_model, text_model_multiplier
+from contract.chat_verify import chat_output_tokens
+from contract.chat_verify import chat_reply_characters as _chat_reply_characters
 from contract.text import TEXT_KUDOS_MIN_TOKENS
 
 CONTEXT_MULTIPLIER_MIN = 0.1
@@ -28,12 +32,45 @@ def context_multiplier(prompt: str, max_length: int) -> float:
     return min(max(multiplier, CONTEXT_MULTIPLIER_MIN), CONTEXT_MULTIPLIER_MAX)
 
 
+# A chat generation's charge_basis: the Horde prices the output it measures (ADR 0027), never a
+# worker-reported token count.
+CHAT_CHARGE_BASIS_OUTPUT_ESTIMATE = "output_estimate"
+
+
+def chat_reply_characters(message: Mapping[str, Any]) -> int:
+    """Characters of a chat reply that are charged, rewarded and timed: content, reasoning, and each
+    tool call's function name and arguments (generation holds the content alone)."""
+    return _chat_reply_characters(message)
+
+
+def chat_charge_basis() -> str:
+    """The one place a chat generation's charge basis is decided."""
+    return CHAT_CHARGE_BASIS_OUTPUT_ESTIMATE
+
+
+def chat_things_count(message: Mapping[str, Any], max_length: int) -> int:
+    """A chat reply's token count for the formula and the speed sample: its characters / 4, rounded
+    up, at least TEXT_KUDOS_MIN_TOKENS, at most the requested max_length."""
+    return chat_output_tokens(chat_reply_characters(message), max_length)
+
+
 def text_generation_kudos(
-    *, model: str, prompt: str, generation: str, max_length: int, owner_trusted: bool
+    *,
+    model: str,
+    prompt: str,
+    generation: str | None,
+    max_length: int,
+    owner_trusted: bool,
+    tokens: int | None = None,
 ) -> Decimal:
-    """What a worker earns for one text generation (and what its requester is charged)."""
+    """What a worker earns for one text generation (and what its requester is charged).
+
+    `tokens` overrides the count taken from `generation`: a chat reply is priced by
+    chat_things_count, which counts reasoning and tool calls beside the content.
+    """
     ctx = context_multiplier(prompt, max_length)
-    tokens = things_count(generation, max_length)
+    if tokens is None:
+        tokens = things_count(generation, max_length)
     if not is_known_text_model(model):
         if not owner_trusted:
             kudos = ctx

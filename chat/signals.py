@@ -21,6 +21,7 @@ CHAT_SIGNAL_CHANNEL_PREFIX = "horde:chat:"
 # The logical database the publishing client uses; pub/sub reaches subscribers on any database.
 CHAT_SIGNAL_DB = 7
 CHAT_SIGNAL_EVENTS = ("generation", "done", "cancelled", "faulted")
+CHAT_SIGNAL_FAULT_KEYS = ("fault_reason", "fault_rc")
 
 
 def chat_signal_channel(request_id: UUID | str) -> str:
@@ -29,7 +30,10 @@ def chat_signal_channel(request_id: UUID | str) -> str:
 
 @lru_cache(maxsize=4)
 def _client(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, db=CHAT_SIGNAL_DB, socket_timeout=0.5, socket_connect_timeout=0.5)
+    pool = redis.ConnectionPool.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    # A database in the URL would win over a keyword; the publisher always uses CHAT_SIGNAL_DB.
+    pool.connection_kwargs["db"] = CHAT_SIGNAL_DB
+    return redis.Redis(connection_pool=pool)
 
 
 def signal_url() -> str | None:
@@ -42,15 +46,17 @@ def publish_now(request_id: UUID | str, event: str, generations: int, **fault: s
     if not url:
         return False
     message = {"id": str(request_id), "event": event, "generations": generations}
-    message.update({key: value for key, value in fault.items() if value})
+    # fault_reason and fault_rc only when present; a message never carries generated text.
+    message.update({key: value for key, value in fault.items() if key in CHAT_SIGNAL_FAULT_KEYS and value})
     try:
         _client(url).publish(chat_signal_channel(request_id), json.dumps(message))
         return True
-    except redis.RedisError as error:
+    except Exception as error:  # best effort: nothing Redis does may fail what published
         log.warning("completion signal %s for %s not published: %s", event, request_id, error)
         return False
 
 
 def publish_chat_signal(request_id: UUID | str, event: str, generations: int, **fault: str | None) -> None:
-    """Publish after the surrounding transaction commits (at once outside one)."""
-    transaction.on_commit(lambda: publish_now(request_id, event, generations, **fault))
+    """Publish after the surrounding transaction commits (at once outside one), so a subscriber woken
+    by the message reads the committed state; a failure never reaches the caller."""
+    transaction.on_commit(lambda: publish_now(request_id, event, generations, **fault), robust=True)

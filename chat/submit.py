@@ -1,97 +1,417 @@
-"""The submit: store a worker's result (the first submit wins), charge and reward in one transaction."""
+"""The submit: store a worker's result (the first submit wins), charge and reward in one transaction.
+
+A text job submits `generation`; a chat job submits a structured reply (spec: chat_requests.md,
+"Structured submit"), verified against the request before the compare-and-set claims the job.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from decimal import Decimal
+from typing import Any, NoReturn
 from uuid import UUID
 
-from django.db import transaction
-from django.db.models import F
+from django.db import DatabaseError, transaction
+from django.db.models import Exists, F, OuterRef
 from django.utils import timezone
 
 from accounts.models import HordeUser, KudosTransaction
 from accounts.services import kudos_transfer
+from chat.metrics import chat_worker_faults
 from chat.models import Generation, GenerationRequest
-from chat.pricing import text_generation_kudos, things_count
-from chat.services import requeue_faulted
+from chat.pricing import chat_charge_basis, chat_things_count, text_generation_kudos, things_count
+from chat.services import (
+    request_completed,
+    requeue_faulted,
+    stored_result_count,
+    worker_record_dropped_job,
+)
+from chat.signals import publish_chat_signal
+from contract.chat_declaration import chat_worker_fault_message, chat_worker_fault_metric_reason
+from contract.chat_errors import ChatRefusal
+from contract.chat_limits import MAX_CHAT_FAULT_REASON_LENGTH
+from contract.chat_verify import parse_chat_submit, verify_chat_reply
 from contract.errors import HordeError
-from workers.services import worker_record_aborted, worker_record_job
+from workers.services import worker_record_job
+
+log = logging.getLogger(__name__)
+
+# The refusals of a reply that are recorded on the request and the generation before the 400.
+CHAT_REFUSAL_RCS = frozenset({"ChatSubmitInvalid", "ChatSubmitNonconformant", "ChatModelMismatch"})
+# chat_fault_rc of a fault the worker explained with a known fault_reason.
+CHAT_WORKER_FAULT_RC = "ChatWorkerFault"
+# PostgreSQL text and JSONB cannot hold NUL; every stored reply string gets this in its place.
+NUL_REPLACEMENT = "\ufffd"
+
+
+@dataclass(frozen=True)
+class TextSubmit:
+    """The validated text fields of a submit."""
+
+    text: str = ""
+    state: str = "ok"
+    seed: int = 0
+    gen_metadata: list = field(default_factory=list)
+
+
+# --- shared ---------------------------------------------------------------------------------
+
+
+def _load_generation(*, user: HordeUser, generation_id: UUID) -> Generation:
+    generation = (
+        Generation.objects.select_related("worker", "worker__owner", "request")
+        .filter(pk=generation_id)
+        .first()
+    )
+    if generation is None:
+        raise HordeError("InvalidJobID", f"Processing Generation with ID {generation_id} does not exist.")
+    if generation.worker.owner_id != user.pk:
+        raise HordeError("WrongCredentials", "Wrong credentials to submit as this worker.")
+    return generation
+
+
+def _not_pending_error(generation_id: UUID, state: str | None) -> HordeError:
+    if state in (Generation.State.FAULTED, Generation.State.CANCELLED):
+        return HordeError(
+            "AbortedGen",
+            f"Processing Generation with ID {generation_id} took too long to process and has been "
+            "aborted! Please check your worker's speed and make sure it can finish within the lease.",
+        )
+    return HordeError("DuplicateGen", f"Processing Generation with ID {generation_id} already submitted.")
+
+
+def _current_state(generation_id: UUID) -> str | None:
+    return Generation.objects.filter(pk=generation_id).values_list("state", flat=True).first()
+
+
+def _apply_fault(generation: Generation, *, now, seed: int = 0, gen_metadata: list | None = None) -> None:
+    """Claim the pending generation as faulted, count the dropped job and restart it, together.
+
+    The worker counter reads the refusal the horde stored, so a worker cannot claim the exemption.
+    """
+    with transaction.atomic():
+        won = Generation.objects.filter(pk=generation.pk, state=Generation.State.PROCESSING).update(
+            state=Generation.State.FAULTED,
+            text=None,
+            seed=seed,
+            gen_metadata=gen_metadata or [],
+            finished_at=now,
+        )
+        if not won:
+            raise _not_pending_error(generation.pk, _current_state(generation.pk))
+        refusal_rc = (
+            Generation.objects.filter(pk=generation.pk).values_list("chat_refusal_rc", flat=True).get()
+        )
+        worker_record_dropped_job(worker_id=generation.worker_id, refusal_rc=refusal_rc)
+        requeue_faulted([generation.pk], generation.request_id)
+
+
+def _settle(generation: Generation, *, state: str, tokens: int, reward: Decimal, now) -> None:
+    """Reward the owner, charge the requester (not for censored results) and release the hold's share.
+
+    Runs inside the transaction whose compare-and-set stored the result.
+    """
+    request = generation.request
+    worker = generation.worker
+    charge = Decimal("0") if state in ("censored", "csam") else reward
+    Generation.objects.filter(pk=generation.pk).update(kudos=reward)
+    worker_record_job(
+        worker_id=worker.pk, tokens=tokens, seconds=(now - generation.created).total_seconds(), kudos=reward
+    )
+    kudos_transfer(
+        user_id=worker.owner_id,
+        amount=reward,
+        kind=KudosTransaction.Kind.GENERATION_REWARD,
+        request_id=request.pk,
+        generation_id=generation.pk,
+    )
+    # Each generation releases its share of the request's hold as it is charged. Locking the request
+    # also serialises the submits of one request, so the completion check after it sees every result.
+    locked = GenerationRequest.objects.select_for_update().only("kudos_held", "n").get(pk=request.pk)
+    release = min(locked.kudos_held, (request.kudos_quote / request.n).quantize(Decimal("0.01")))
+    kudos_transfer(
+        user_id=request.user_id,
+        amount=-charge,
+        kind=KudosTransaction.Kind.GENERATION_CHARGE,
+        request_id=request.pk,
+        generation_id=generation.pk,
+        release_held=release,
+    )
+    GenerationRequest.objects.filter(pk=request.pk).update(
+        consumed_kudos=F("consumed_kudos") + charge, kudos_held=F("kudos_held") - release
+    )
+
+
+# --- entry points ---------------------------------------------------------------------------
 
 
 def generation_submit(
     *, user: HordeUser, generation_id: UUID, text: str, state: str, seed: int, gen_metadata: list
 ) -> Decimal:
-    """Store a worker's result (the first submit wins), charge the requester, reward the owner."""
+    """A text-shaped submit (kept for callers of the text path)."""
+    return job_submit(
+        user=user,
+        generation_id=generation_id,
+        text=TextSubmit(text=text, state=state, seed=seed, gen_metadata=gen_metadata),
+        chat_body=None,
+    )
+
+
+def job_submit(
+    *, user: HordeUser, generation_id: UUID, text: TextSubmit | None, chat_body: Mapping[str, Any] | None
+) -> Decimal:
+    """Store a worker's result for a text or chat job; returns the reward.
+
+    `chat_body` is the whole body when it is chat-shaped (carries message, model_id, finish_reason
+    or fault_reason); `text` is its text fields when they validate (always for a text-shaped body).
+    """
+    generation = _load_generation(user=user, generation_id=generation_id)
+    try:
+        if generation.request.is_chat:
+            if chat_body is None:
+                return _chat_job_text_shaped(generation, text)
+            return _chat_submit(generation, chat_body)
+        if chat_body is not None and ("message" in chat_body or text is None):
+            raise ChatRefusal(
+                "ChatSubmitInvalid", "A text job's submit sends generation, not message.", param="message"
+            )
+    except ChatRefusal as refusal:
+        # The native error body: {"message", "rc"} at the refusal's status.
+        raise HordeError(refusal.rc, refusal.message, status=refusal.status) from None
+    assert text is not None
+    # On a text job the chat keys (model_id, fault_reason...) are ignored.
+    return _text_submit(generation, text)
+
+
+def _text_submit(generation: Generation, data: TextSubmit) -> Decimal:
+    now = timezone.now()
+    state = data.state if data.state in ("ok", "censored", "csam", "faulted") else "ok"
+    if state == "faulted":
+        _apply_fault(generation, now=now, seed=data.seed, gen_metadata=data.gen_metadata)
+        return Decimal("0")
+    request = generation.request
     with transaction.atomic():
-        generation = (
-            Generation.objects.select_related("worker", "worker__owner", "request")
-            .filter(pk=generation_id)
-            .first()
-        )
-        if generation is None:
-            raise HordeError("InvalidJobID", f"Processing Generation with ID {generation_id} does not exist.")
-        worker = generation.worker
-        if worker.owner_id != user.pk:
-            raise HordeError("WrongCredentials", "Wrong credentials to submit as this worker.")
-        now = timezone.now()
-        new_state = state if state in ("ok", "censored", "csam", "faulted") else "ok"
-        won = Generation.objects.filter(pk=generation_id, state=Generation.State.PROCESSING).update(
-            state=new_state,
-            text=None if new_state == "faulted" else text,
-            seed=seed,
-            gen_metadata=gen_metadata,
-            finished_at=now,
+        won = Generation.objects.filter(pk=generation.pk, state=Generation.State.PROCESSING).update(
+            state=state, text=data.text, seed=data.seed, gen_metadata=data.gen_metadata, finished_at=now
         )
         if not won:
-            current = Generation.objects.filter(pk=generation_id).values_list("state", flat=True).first()
-            if current in (Generation.State.FAULTED, Generation.State.CANCELLED):
-                raise HordeError(
-                    "AbortedGen",
-                    f"Processing Generation with ID {generation_id} took too long to process and has been "
-                    "aborted! Please check your worker's speed and make sure it can finish within the lease.",
-                )
-            raise HordeError("DuplicateGen", f"Processing Generation with ID {generation_id} already submitted.")
-
-        request = generation.request
-        if new_state == "faulted":
-            worker_record_aborted(worker_ids=[worker.pk])
-            requeue_faulted([generation.pk], request.pk)
-            return Decimal("0")
-
+            raise _not_pending_error(generation.pk, _current_state(generation.pk))
         reward = text_generation_kudos(
             model=generation.model,
             prompt=request.prompt,
-            generation=text,
+            generation=data.text,
             max_length=request.max_length,
-            owner_trusted=worker.owner.trusted,
+            owner_trusted=generation.worker.owner.trusted,
         )
-        charge = Decimal("0") if new_state in ("censored", "csam") else reward
-        Generation.objects.filter(pk=generation_id).update(kudos=reward)
-        tokens = things_count(text, request.max_length)
-        worker_record_job(
-            worker_id=worker.pk, tokens=tokens, seconds=(now - generation.created).total_seconds(), kudos=reward
-        )
-        kudos_transfer(
-            user_id=worker.owner_id,
-            amount=reward,
-            kind=KudosTransaction.Kind.GENERATION_REWARD,
-            request_id=request.pk,
-            generation_id=generation.pk,
-        )
-        # Each generation releases its share of the request's hold as it is charged.
-        locked = GenerationRequest.objects.select_for_update().only("kudos_held", "n").get(pk=request.pk)
-        release = min(locked.kudos_held, (request.kudos_quote / request.n).quantize(Decimal("0.01")))
-        kudos_transfer(
-            user_id=request.user_id,
-            amount=-charge,
-            kind=KudosTransaction.Kind.GENERATION_CHARGE,
-            request_id=request.pk,
-            generation_id=generation.pk,
-            release_held=release,
-        )
-        GenerationRequest.objects.filter(pk=request.pk).update(
-            consumed_kudos=F("consumed_kudos") + charge, kudos_held=F("kudos_held") - release
+        _settle(
+            generation,
+            state=state,
+            tokens=things_count(data.text, request.max_length),
+            reward=reward,
+            now=now,
         )
     return reward
 
 
+# --- chat -----------------------------------------------------------------------------------
+
+
+def _chat_job_text_shaped(generation: Generation, data: TextSubmit | None) -> Decimal:
+    """A text-shaped body for a chat job: a fault still lands (without a reason); a reply is refused."""
+    if data is not None and data.state == "faulted":
+        _count_worker_fault(generation, None)
+        _apply_fault(generation, now=timezone.now())
+        return Decimal("0")
+    refusal = ChatRefusal(
+        "ChatSubmitInvalid", "A chat job's submit needs message, finish_reason and model_id.", param="message"
+    )
+    _refuse(generation, refusal)
+
+
+def _chat_submit(generation: Generation, body: Mapping[str, Any]) -> Decimal:
+    if body.get("state") == "faulted":
+        return _chat_fault(generation, body)
+    # A reply to a job that is no longer pending is answered before it is checked, so no refusal is
+    # stored on the request for it and the abort counts as a dropped job.
+    current = _current_state(generation.pk)
+    if current != Generation.State.PROCESSING:
+        raise _not_pending_error(generation.pk, current)
+    try:
+        submit = parse_chat_submit(body)
+        _check_model(generation, submit.model_id)
+        request = generation.request
+        verified = verify_chat_reply(
+            submit.message or {},
+            submit.finish_reason,
+            extras=request.chat_extras,
+            conformance=request.chat_conformance,
+        )
+    except ChatRefusal as refusal:
+        _refuse(generation, refusal)
+    return _store_chat_reply(
+        generation,
+        submit=submit,
+        message=verified.message,
+        finish_reason=verified.finish_reason,
+        dropped=verified.dropped_tool_calls,
+    )
+
+
+def _check_model(generation: Generation, model_id: str) -> None:
+    if model_id != generation.assigned_model:
+        raise ChatRefusal(
+            "ChatModelMismatch",
+            f"The job was assigned the model '{generation.assigned_model}', not '{model_id}'.",
+            param="model_id",
+        )
+
+
+def _refuse(generation: Generation, refusal: ChatRefusal) -> NoReturn:
+    """Record a refused reply in its own commit, then send the 400."""
+    if refusal.rc in CHAT_REFUSAL_RCS:
+        record_chat_refusal(generation=generation, rc=refusal.rc, message=refusal.message)
+    raise refusal
+
+
+def record_chat_refusal(*, generation: Generation, rc: str, message: str) -> bool:
+    """Store a refusal of a reply to a pending generation (TextWaitingPrompt.record_chat_refusal).
+
+    The request's chat_fault_reason/rc take the latest refusal (never cleared) and the generation's
+    chat_refusal_rc decides the worker counter of its later fault. Committed on its own, before the
+    400, so it outlives the refused submit; a failed write is logged and the refusal still sent.
+    """
+    try:
+        with transaction.atomic():
+            claimed = Generation.objects.filter(pk=generation.pk, state=Generation.State.PROCESSING).update(
+                chat_refusal_rc=rc
+            )
+            if claimed:
+                GenerationRequest.objects.filter(pk=generation.request_id).update(
+                    chat_fault_reason=message[:MAX_CHAT_FAULT_REASON_LENGTH], chat_fault_rc=rc
+                )
+            return bool(claimed)
+    except DatabaseError:
+        log.exception("could not record the chat refusal %s of generation %s", rc, generation.pk)
+        return False
+
+
+def record_chat_worker_fault(*, generation: Generation, fault_reason: Any) -> bool:
+    """Store the horde's message for a known fault_reason (TextWaitingPrompt.record_chat_worker_fault).
+
+    Only while the generation is pending and the horde has not refused a reply of it: that refusal
+    is more specific, and is what a worker's reply_refused follows. Never stores worker text.
+    Committed before the fault is applied, so a fault crossing the limit signals it.
+    """
+    message = chat_worker_fault_message(fault_reason)
+    if message is None:
+        return False
+    pending_unrefused = Generation.objects.filter(
+        pk=generation.pk,
+        request=OuterRef("pk"),
+        state=Generation.State.PROCESSING,
+        chat_refusal_rc__isnull=True,
+    )
+    try:
+        with transaction.atomic():
+            return bool(
+                GenerationRequest.objects.filter(Exists(pending_unrefused), pk=generation.request_id).update(
+                    chat_fault_reason=message, chat_fault_rc=CHAT_WORKER_FAULT_RC
+                )
+            )
+    except DatabaseError:
+        log.exception("could not record the worker fault of generation %s", generation.pk)
+        return False
+
+
+def _count_worker_fault(generation: Generation, fault_reason: Any) -> None:
+    # Before the fault is applied: a repeated fault submit for a faulted job is counted again.
+    chat_worker_faults.add(
+        1,
+        {
+            "horde.reason": chat_worker_fault_metric_reason(fault_reason),
+            "horde.worker_trusted": bool(generation.worker.owner.trusted),
+        },
+    )
+
+
+def _chat_fault(generation: Generation, body: Mapping[str, Any]) -> Decimal:
+    """A faulted chat job: {id, state: faulted, model_id, fault_reason?}, handled as a faulted text job."""
+    submit = parse_chat_submit(body)  # ChatSubmitInvalid without model_id; not a reply, so not recorded
+    _check_model(generation, submit.model_id)
+    fault_reason = body.get("fault_reason")  # as sent: the metric tells unknown from none
+    _count_worker_fault(generation, fault_reason)
+    record_chat_worker_fault(generation=generation, fault_reason=fault_reason)
+    _apply_fault(generation, now=timezone.now())
+    return Decimal("0")
+
+
+def _clean(value: Any) -> Any:
+    """NUL replaced in every string of a reply (build_stored_reply)."""
+    if isinstance(value, str):
+        return value.replace("\x00", NUL_REPLACEMENT)
+    if isinstance(value, Mapping):
+        return {_clean(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def build_stored_reply(message: Mapping[str, Any]) -> dict[str, Any]:
+    """The stored message: role and content, plus tool_calls and reasoning_content only when submitted."""
+    stored: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+    for key in ("tool_calls", "reasoning_content"):
+        if message.get(key) is not None:
+            stored[key] = message[key]
+    return _clean(stored)
+
+
+def _store_chat_reply(
+    generation: Generation, *, submit, message: Mapping[str, Any], finish_reason: str, dropped: int
+) -> Decimal:
+    request = generation.request
+    stored = build_stored_reply(message)
+    state = submit.state
+    now = timezone.now()
+    # The charge and the speed sample count the verified reply, not generation (the content alone).
+    tokens = chat_things_count(stored, request.max_length)
+    with transaction.atomic():
+        # One update claims the pending job and writes every reply column, so a submit that loses to
+        # a cancel or a duplicate writes none of them.
+        won = Generation.objects.filter(pk=generation.pk, state=Generation.State.PROCESSING).update(
+            state=state,
+            text=stored.get("content") or "",
+            message=stored,
+            finish_reason=finish_reason,
+            native_finish_reason=_clean(submit.native_finish_reason),
+            prompt_tokens=submit.prompt_tokens,
+            completion_tokens=submit.completion_tokens,
+            reasoning_tokens=submit.reasoning_tokens,
+            charge_basis=chat_charge_basis(),
+            finished_at=now,
+        )
+        if not won:
+            raise _not_pending_error(generation.pk, _current_state(generation.pk))
+        # Charged at the model that served it; reported token counts never change the charge.
+        reward = text_generation_kudos(
+            model=generation.assigned_model or generation.model,
+            prompt=request.prompt,
+            generation=None,
+            max_length=request.max_length,
+            owner_trusted=generation.worker.owner.trusted,
+            tokens=tokens,
+        )
+        _settle(generation, state=state, tokens=tokens, reward=reward, now=now)
+        generations = stored_result_count(request.pk)
+        publish_chat_signal(request.pk, "generation", generations)
+        if request_completed(request.pk):
+            publish_chat_signal(request.pk, "done", generations)
+    log.info(
+        "horde.job_submit.done generation=%s request=%s dropped_tool_calls=%d",
+        generation.pk,
+        request.pk,
+        dropped,
+        extra={"generation_id": str(generation.pk), "dropped_tool_calls": dropped},
+    )
+    return reward

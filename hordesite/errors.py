@@ -8,6 +8,7 @@ from django.http import Http404
 from rest_framework import exceptions
 from rest_framework.response import Response
 
+from contract.chat_errors import ChatRefusal
 from contract.errors import HordeError
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ def _flatten(detail, prefix: str = "") -> dict[str, str]:
 def horde_exception_handler(exc, context):
     if isinstance(exc, HordeError):
         return Response(exc.body(), status=exc.status, headers=exc.headers or None)
+    if isinstance(exc, ChatRefusal):
+        return Response({"message": exc.message, "rc": exc.rc}, status=exc.status)
     if isinstance(exc, exceptions.ValidationError):
         return Response({"errors": _flatten(exc.detail), "message": VALIDATION_MESSAGE}, status=400)
     if isinstance(exc, exceptions.ParseError):

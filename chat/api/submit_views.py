@@ -2,32 +2,55 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from drf_spectacular.utils import extend_schema
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.api.callers import registered_caller
 from chat.api import serializers as s
-from chat.submit import generation_submit
+from chat.api import submit_serializers as cs
+from chat.submit import TextSubmit, job_submit
+from contract.chat_verify import is_chat_submit
+
+
+def _text_fields(data: dict) -> TextSubmit:
+    return TextSubmit(
+        text=data["generation"],
+        state=data["state"],
+        seed=data["seed"],
+        gen_metadata=[dict(m) for m in data["gen_metadata"]],
+    )
 
 
 class TextSubmitView(APIView):
-    """POST /api/v2/generate/text/submit: a worker's result; the first submit wins."""
+    """POST /api/v2/generate/text/submit: a worker's result; the first submit wins.
 
-    @extend_schema(request=s.TextSubmitInputSerializer, responses=s.SubmitOutputSerializer)
+    A body carrying message, model_id, finish_reason or fault_reason is a chat submit; any other
+    is a text submit, validated as before.
+    """
+
+    @extend_schema(request=cs.JobSubmitInputSerializer, responses=s.SubmitOutputSerializer)
     def post(self, request):
         owner = registered_caller(request, rc="AnonForbiddenWorker")
-        body = s.TextSubmitInputSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        data = body.validated_data
-        reward = generation_submit(
-            user=owner,
-            generation_id=data["id"],
-            text=data["generation"],
-            state=data["state"],
-            seed=data["seed"],
-            gen_metadata=[dict(m) for m in data["gen_metadata"]],
-        )
+        body = request.data
+        if isinstance(body, Mapping) and is_chat_submit(body):
+            ident = cs.SubmitIdSerializer(data=body)
+            ident.is_valid(raise_exception=True)
+            # The text fields matter only if the job turns out to be a text job.
+            text_form = s.TextSubmitInputSerializer(data=body)
+            text = _text_fields(text_form.validated_data) if text_form.is_valid() else None
+            reward = job_submit(
+                user=owner, generation_id=ident.validated_data["id"], text=text, chat_body=body
+            )
+        else:
+            form = s.TextSubmitInputSerializer(data=body)
+            form.is_valid(raise_exception=True)
+            reward = job_submit(
+                user=owner,
+                generation_id=form.validated_data["id"],
+                text=_text_fields(form.validated_data),
+                chat_body=None,
+            )
         return Response({"reward": float(reward)})
-
-
