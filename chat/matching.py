@@ -1,16 +1,44 @@
 """Which waiting requests a worker may take: one set of rules, as SQL for the pop and as Python
-for availability (is_possible). Later issues add the chat clauses here."""
+for availability (is_possible, impossible_reason).
+
+Text requests (is_chat=False) go to workers that take prompt jobs, under their text limits. Chat
+requests go to workers that declared chat_jobs on their latest pop (spec: chat_requests.md,
+"Eligibility" rules 1-4):
+  1. the worker's chat_model_id is one of the request's models (RequestModel rows);
+  2. every required feature and guarantee is declared (bitmask: required & ~declared == 0), and a
+     request with images finds an image-receiving transport (url or base64);
+  3. max_context_length, max_length and chat_tools_temperature fit the worker's chat limits;
+  4. the usual restrictions (only/ignore, trusted, validated backends, slow workers), shared with text.
+The speed gate (lease capacity) is a later issue: it plugs in at `chat_capacity_clause` and
+`chat_capacity_refusal`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import reduce
+from operator import or_
 
-from django.db.models import Count, Exists, OuterRef, Q
+from django.db.models import Count, Exists, F, OuterRef, Q
+from django.db.models.lookups import Exact
 from django.utils import timezone
 
 from chat.models import GenerationRequest, RequestModel, RequestWorker
+from contract.chat_declaration import ChatDeclaration
+from contract.chat_policy import (
+    ChatConformance,
+    ChatFeature,
+    ChatGuarantee,
+    ChatRequirements,
+    ChatServiceGap,
+    chat_service_gap,
+)
+from workers.declarations import ALL_CHAT_DECLARATIONS_MASK
 from workers.models import Worker
-from workers.selectors import worker_is_slow, worker_is_validated
+from workers.selectors import worker_chat_declaration, worker_is_slow, worker_is_validated
+
+_FEATURES = {f.value: f for f in ChatFeature}
+_GUARANTEES = {g.value: g for g in ChatGuarantee}
 
 
 @dataclass(frozen=True)
@@ -24,6 +52,9 @@ class WorkerView:
     owner_trusted: bool
     validated: bool
     slow: bool
+    accepts_prompt_jobs: bool = True
+    chat: ChatDeclaration = ChatDeclaration()
+    chat_feature_mask: int = 0
 
     @classmethod
     def of(cls, worker: Worker) -> WorkerView:
@@ -35,7 +66,14 @@ class WorkerView:
             owner_trusted=worker.owner.trusted,
             validated=worker_is_validated(worker),
             slow=worker_is_slow(worker),
+            accepts_prompt_jobs=worker.accepts_prompt_jobs,
+            chat=worker_chat_declaration(worker),
+            chat_feature_mask=worker.chat_feature_mask,
         )
+
+    @property
+    def takes_chat(self) -> bool:
+        return self.chat.chat_jobs and self.chat.model_id is not None and self.chat.chat_limits is not None
 
 
 def waiting_requests():
@@ -45,15 +83,51 @@ def waiting_requests():
     )
 
 
-def _reason_filters(worker: WorkerView) -> dict[str, Q]:
-    """Per skip reason, the requests the worker may NOT take for it (upstream `skipped` keys)."""
+# --- SQL ------------------------------------------------------------------------------------
+
+
+def _text_refusals(worker: WorkerView) -> dict[str, Q]:
+    """Per skip reason, the text requests the worker may not take for it."""
     serves_model = Exists(RequestModel.objects.filter(request=OuterRef("pk"), name__in=worker.models))
-    listed = Exists(RequestWorker.objects.filter(request=OuterRef("pk"), worker_id=worker.id))
-    reasons = {
+    return {
         "models": Q(any_model=False) & ~Q(serves_model),
         "max_length": Q(max_length__gt=worker.max_length),
         "max_context_length": Q(max_context_length__gt=worker.max_context_length),
-        "worker_id": Q(has_worker_list=True) & ((Q(worker_blacklist=False) & ~Q(listed)) | (Q(worker_blacklist=True) & Q(listed))),
+    }
+
+
+def _chat_refusals(worker: WorkerView) -> dict[str, Q]:
+    """Per skip reason, the chat requests a chat worker may not take for it (rules 1-3)."""
+    chat = worker.chat
+    limits = chat.chat_limits
+    assert limits is not None and chat.model_id is not None  # takes_chat
+    # The model test probes the (name, request) index once per candidate row.
+    serves_model = Exists(RequestModel.objects.filter(request=OuterRef("pk"), name=chat.model_id))
+    # Rule 2 as bits: any required bit the worker does not declare refuses the request.
+    undeclared = ALL_CHAT_DECLARATIONS_MASK & ~worker.chat_feature_mask
+    features = [~Q(Exact(F("chat_required_mask").bitand(undeclared), 0))] if undeclared else []
+    if not chat.receives_images:
+        # The column chat_has_images stands for the spec's JSONB containment test on messages.
+        features.append(Q(chat_has_images=True))
+    reasons = {
+        "models": ~Q(serves_model),
+        "max_length": Q(max_length__gt=limits.max_length),
+        "max_context_length": Q(max_context_length__gt=limits.max_context_length),
+    }
+    if features:
+        reasons["chat_features"] = reduce(or_, features)
+    if limits.tools_max_temperature is not None:
+        # NULL (no tools forwarded) never compares greater, so it stays eligible.
+        reasons["tools_max_temperature"] = Q(chat_tools_temperature__gt=limits.tools_max_temperature)
+    return reasons
+
+
+def _common_refusals(worker: WorkerView) -> dict[str, Q]:
+    """Rule 4: the restrictions text and chat requests share."""
+    listed = Exists(RequestWorker.objects.filter(request=OuterRef("pk"), worker_id=worker.id))
+    reasons = {
+        "worker_id": Q(has_worker_list=True)
+        & ((Q(worker_blacklist=False) & ~Q(listed)) | (Q(worker_blacklist=True) & Q(listed))),
     }
     if not worker.owner_trusted:
         reasons["untrusted"] = Q(trusted_workers=True)
@@ -64,27 +138,74 @@ def _reason_filters(worker: WorkerView) -> dict[str, Q]:
     return reasons
 
 
-def eligibility_filter(worker: WorkerView) -> Q:
-    """The requests `worker` may take: none of the skip reasons applies."""
-    q = Q(is_chat=False)
-    for refused in _reason_filters(worker).values():
+def chat_capacity_clause(worker: WorkerView) -> Q:
+    """Seam for the speed gate (a later issue): the chat requests the worker's lease capacity
+    admits. Every chat request, for now."""
+    return Q()
+
+
+def _kinds(worker: WorkerView) -> list[tuple[Q, dict[str, Q]]]:
+    """(request kind, its refusals) for each kind of request the worker takes."""
+    kinds = []
+    if worker.accepts_prompt_jobs:
+        kinds.append((Q(is_chat=False), _text_refusals(worker)))
+    if worker.takes_chat:
+        kinds.append((Q(is_chat=True) & chat_capacity_clause(worker), _chat_refusals(worker)))
+    return kinds
+
+
+def _none_of(refusals) -> Q:
+    q = Q()
+    for refused in refusals:
         q &= ~refused
     return q
 
 
+def eligibility_filter(worker: WorkerView) -> Q:
+    """The requests `worker` may take: of a kind it takes, and no refusal applies."""
+    kinds = [kind & _none_of(refusals.values()) for kind, refusals in _kinds(worker)]
+    if not kinds:
+        return Q(pk__in=[])
+    return reduce(or_, kinds) & _none_of(_common_refusals(worker).values())
+
+
+def _reason_filters(worker: WorkerView) -> dict[str, Q]:
+    """Per skip reason (upstream `skipped` keys, plus chat_features and tools_max_temperature), the
+    requests of the kinds the worker takes that the reason keeps from it."""
+    reasons: dict[str, Q] = {}
+    for kind, refusals in _kinds(worker):
+        for name, refused in refusals.items():
+            reasons[name] = reasons[name] | (kind & refused) if name in reasons else kind & refused
+    return {**reasons, **_common_refusals(worker)}
+
+
 def skipped_counts(worker: WorkerView) -> dict[str, int]:
     """How many waiting requests each reason kept from the worker (only reasons that did)."""
+    kinds = [kind for kind, _ in _kinds(worker)]
+    if not kinds:
+        return {}
     aggregates = {name: Count("pk", filter=refused) for name, refused in _reason_filters(worker).items()}
-    counts = waiting_requests().filter(is_chat=False).aggregate(**aggregates)
+    counts = waiting_requests().filter(reduce(or_, kinds)).aggregate(**aggregates)
     return {name: count for name, count in counts.items() if count}
 
 
-def worker_may_take(worker: Worker, request: GenerationRequest, listed_worker_ids: set) -> bool:
-    """Python twin of eligibility_filter, for availability over the online workers."""
-    if not request.any_model and not set(request.requested_models) & set(worker.served_models):
-        return False
-    if request.max_length > worker.max_length or request.max_context_length > worker.max_context_length:
-        return False
+# --- Python twin ----------------------------------------------------------------------------
+
+
+def request_chat_requirements(request: GenerationRequest) -> ChatRequirements:
+    """A stored chat request's requirements, rebuilt from its columns (never its messages)."""
+    stored = [str(v) for v in request.chat_required_features or ()]
+    return ChatRequirements(
+        features=frozenset(_FEATURES[v] for v in stored if v in _FEATURES),
+        guarantees=frozenset(_GUARANTEES[v] for v in stored if v in _GUARANTEES),
+        conformance=ChatConformance(request.chat_conformance or ChatConformance.STRICT),
+        has_images=request.chat_has_images,
+        tools_temperature=request.chat_tools_temperature,
+    )
+
+
+def worker_passes_restrictions(worker: Worker, request: GenerationRequest, listed_worker_ids: set) -> bool:
+    """Rule 4, shared by text and chat requests."""
     if request.has_worker_list and (worker.id in listed_worker_ids) == request.worker_blacklist:
         return False
     if request.trusted_workers and not worker.owner.trusted:
@@ -92,3 +213,43 @@ def worker_may_take(worker: Worker, request: GenerationRequest, listed_worker_id
     if request.validated_backends and not worker_is_validated(worker):
         return False
     return request.slow_workers or not worker_is_slow(worker)
+
+
+def worker_serves_chat_model(worker: Worker, request: GenerationRequest) -> bool:
+    """Rule 1: chat_jobs declared, and the chat model_id is one of the request's models."""
+    declaration = worker_chat_declaration(worker)
+    return declaration.chat_limits is not None and declaration.serves_model(request.requested_models)
+
+
+def chat_declaration_gap(worker: Worker, request: GenerationRequest, *, with_sizes: bool = True) -> ChatServiceGap:
+    """Rules 2 and 3 through the contract's chat_service_gap; empty means the worker can serve it.
+    Without `with_sizes` only the tool temperature limit of rule 3 is checked."""
+    return chat_service_gap(
+        request_chat_requirements(request),
+        worker_chat_declaration(worker),
+        max_context_length=request.max_context_length if with_sizes else None,
+        max_length=request.max_length if with_sizes else None,
+    )
+
+
+def chat_capacity_refusal(worker: Worker, request: GenerationRequest) -> str | None:
+    """Seam for the speed gate (a later issue): "lease_speed" when the worker's lease capacity
+    cannot finish the job. Never, for now."""
+    return None
+
+
+def worker_may_take(worker: Worker, request: GenerationRequest, listed_worker_ids: set) -> bool:
+    """Python twin of eligibility_filter, for availability over the online workers."""
+    if not worker_passes_restrictions(worker, request, listed_worker_ids):
+        return False
+    if request.is_chat:
+        return (
+            worker_serves_chat_model(worker, request)
+            and chat_declaration_gap(worker, request).empty
+            and chat_capacity_refusal(worker, request) is None
+        )
+    if not worker.accepts_prompt_jobs:
+        return False
+    if not request.any_model and not set(request.requested_models) & set(worker.served_models):
+        return False
+    return request.max_length <= worker.max_length and request.max_context_length <= worker.max_context_length

@@ -8,36 +8,28 @@ from uuid import UUID
 from django.core.cache import cache
 from django.db.models import Count, F, Q, Sum
 
-from chat.matching import waiting_requests, worker_may_take
-from chat.models import Generation, GenerationRequest, RequestWorker
-from workers.selectors import worker_speed, workers_online
+from chat.availability import chat_request_availability, online_workers
+from chat.matching import waiting_requests
+from chat.models import Generation, GenerationRequest
+from workers.selectors import chat_workers_online, worker_speed
 
-AVAILABILITY_CACHE_SECONDS = 60
-ONLINE_WORKERS_CACHE_SECONDS = 5
+# GET /status/models answers from a cache keyed by its query string (spec: "Chat model list").
+MODELS_STATUS_CACHE_SECONDS = 2
 
 
 def request_get(request_id: UUID, *, is_chat: bool = False) -> GenerationRequest | None:
+    """Every read filters on is_chat: a chat id is not found on the text routes, and vice versa."""
     return GenerationRequest.objects.filter(pk=request_id, is_chat=is_chat).first()
 
 
 def _online_workers() -> list:
-    """The online workers, cached briefly: availability reads them on every status poll."""
-    workers = cache.get("horde:online-text-workers")
-    if workers is None:
-        workers = [w for w in workers_online().filter(maintenance=False, paused=False)]
-        cache.set("horde:online-text-workers", workers, ONLINE_WORKERS_CACHE_SECONDS)
-    return workers
+    return online_workers()
 
 
 def request_is_possible(request: GenerationRequest) -> bool:
-    """Whether an online worker could take the request (the availability pass, cached 60 s)."""
-    key = f"horde:possible:{request.pk}"
-    possible = cache.get(key)
-    if possible is None:
-        listed = set(RequestWorker.objects.filter(request=request).values_list("worker_id", flat=True))
-        possible = any(worker_may_take(w, request, listed) for w in _online_workers())
-        cache.set(key, possible, AVAILABILITY_CACHE_SECONDS)
-    return possible
+    """Whether an online worker could take the request: the one availability pass (cached 60 s),
+    shared by text and chat requests."""
+    return chat_request_availability(request).is_possible
 
 
 def _horde_tokens_per_second() -> float:
@@ -58,11 +50,16 @@ def request_queue_stats(request: GenerationRequest) -> tuple[int, int]:
     return ahead["count"], wait
 
 
-def request_status(request: GenerationRequest, *, include_generations: bool = True) -> dict:
-    """The upstream text status body, exactly its keys."""
-    counts = dict(
+def generation_state_counts(request: GenerationRequest) -> dict[str, int]:
+    """How many of the request's generations are in each state (one grouped query)."""
+    return dict(
         Generation.objects.filter(request=request).values_list("state").annotate(c=Count("pk")).values_list("state", "c")
     )
+
+
+def request_status(request: GenerationRequest, *, include_generations: bool = True) -> dict:
+    """The upstream text status body, exactly its keys."""
+    counts = generation_state_counts(request)
     finished = sum(counts.get(s, 0) for s in Generation.FINISHED_STATES)
     processing = counts.get(Generation.State.PROCESSING, 0)
     restarted = counts.get(Generation.State.FAULTED, 0)
@@ -103,17 +100,23 @@ def request_status(request: GenerationRequest, *, include_generations: bool = Tr
 
 
 def text_models_status() -> list[dict]:
-    """GET /status/models?type=text: per model, online threads, queued tokens and jobs, eta, speed."""
+    """GET /status/models?type=text: per model, online threads, queued tokens and jobs, eta, speed.
+
+    count leaves out the threads of workers that set prompt_jobs: false, since they do not serve
+    text requests; a model only they serve is still listed, with count 0. queued and jobs are the
+    model's whole queue, which chat requests share with text requests.
+    """
     stats: dict[str, dict] = {}
     for worker in _online_workers():
         for model in worker.served_models:
             entry = stats.setdefault(model, {"count": 0, "speeds": []})
-            entry["count"] += max(worker.threads, 1)
+            if worker.accepts_prompt_jobs:
+                entry["count"] += max(worker.threads, 1)
             entry["speeds"].append(worker_speed(worker))
     queued = {
         row["model_rows__name"]: row
         for row in waiting_requests()
-        .filter(is_chat=False, model_rows__name__in=list(stats))
+        .filter(model_rows__name__in=list(stats))
         .values("model_rows__name")
         .annotate(jobs=Sum("jobs_waiting"), tokens=Sum(F("max_length") * F("jobs_waiting")))
     }
@@ -122,6 +125,7 @@ def text_models_status() -> list[dict]:
         q = queued.get(name, {})
         performance = sum(entry["speeds"]) / len(entry["speeds"])
         tokens = q.get("tokens") or 0
+        throughput = performance * entry["count"]
         result.append(
             {
                 "name": name,
@@ -129,16 +133,60 @@ def text_models_status() -> list[dict]:
                 "performance": round(performance, 2),
                 "queued": tokens,
                 "jobs": q.get("jobs") or 0,
-                "eta": math.ceil(tokens / (performance * entry["count"])) if tokens else 0,
+                "eta": math.ceil(tokens / throughput) if tokens and throughput else 0,
                 "type": "text",
             }
         )
     return result
 
 
+def chat_model_offers() -> dict[str, dict]:
+    """Per model, the chat object of the chat model list, from one query over the online chat workers."""
+    offers: dict[str, dict] = {}
+    rows = chat_workers_online().values_list(
+        "chat_model_id", "chat_max_context_length", "chat_max_length", "chat_features", "created"
+    )
+    for model_id, max_context_length, max_length, features, created in rows:
+        offer = offers.setdefault(
+            model_id,
+            {"workers": 0, "max_context_length": None, "max_length": None, "features": set(), "created": None},
+        )
+        offer["workers"] += 1
+        offer["max_context_length"] = max(offer["max_context_length"] or 0, max_context_length or 0)
+        offer["max_length"] = max(offer["max_length"] or 0, max_length or 0)
+        offer["features"].update(features or ())
+        if created is not None:
+            stamp = int(created.timestamp())
+            offer["created"] = stamp if offer["created"] is None else min(offer["created"], stamp)
+    for offer in offers.values():
+        offer["features"] = sorted(offer["features"])
+    return offers
+
+
+def chat_models_status() -> list[dict]:
+    """GET /status/models?type=text&chat=true: the text models at least one online chat worker
+    serves, each entry with a chat object."""
+    offers = chat_model_offers()
+    return [{**entry, "chat": offers[entry["name"]]} for entry in text_models_status() if entry["name"] in offers]
+
+
+def models_status(*, kind: str, chat: bool, cache_key: str) -> list[dict]:
+    """The models route's body, through its two-second cache keyed by the query string."""
+    key = f"horde:status-models:{cache_key}"
+    body = cache.get(key)
+    if body is None:
+        if kind != "text":
+            body = []
+        else:
+            body = chat_models_status() if chat else text_models_status()
+        cache.set(key, body, MODELS_STATUS_CACHE_SECONDS)
+    return body
+
+
 def horde_performance() -> dict:
     workers = _online_workers()
-    queue = waiting_requests().filter(is_chat=False).aggregate(
+    # Chat requests are text requests to the statistics (spec: chat requests share the text queue).
+    queue = waiting_requests().aggregate(
         requests=Count("pk"), tokens=Sum(F("max_length") * F("jobs_waiting"))
     )
     return {

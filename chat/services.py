@@ -20,6 +20,7 @@ from accounts.models import HordeUser, KudosTransaction
 from accounts.services import kudos_hold, kudos_release, kudos_transfer
 from chat.models import Generation, GenerationRequest, HordeModes, RequestModel, RequestWorker
 from chat.pricing import text_request_quote
+from chat.signals import publish_chat_signal
 from contract.errors import HordeError
 from contract.text import (
     FAULTED_GENERATIONS_LIMIT,
@@ -28,11 +29,14 @@ from contract.text import (
     TEXT_HORDE_TAX,
     TEXT_REQUEST_TTL_SECONDS,
 )
+from workers.models import Worker
 from workers.services import worker_record_aborted
 
 log = logging.getLogger(__name__)
 
 HORDE_TAX = Decimal(TEXT_HORDE_TAX)
+# The stored refusal rc that exempts a dropped job from aborted_jobs (spec: "Refusal record").
+CHAT_SUBMIT_NONCONFORMANT = "ChatSubmitNonconformant"
 
 
 # --- Creation -------------------------------------------------------------------------------
@@ -86,8 +90,91 @@ def queue_score(priority: int, created_epoch: float) -> int:
     return priority - QUEUE_PRIORITY_STEP * math.floor(created_epoch / QUEUE_PRIORITY_STEP_SECONDS)
 
 
-def _needs_upfront_kudos(data: TextRequestInput, free_output_floor: int, on_worker_list: bool) -> bool:
-    return data.max_length > free_output_floor or not data.slow_workers or (on_worker_list and bool(data.workers))
+def needs_upfront_kudos(*, max_length: int, slow_workers: bool, has_worker_list: bool) -> bool:
+    """Above the free output allowance, without slow workers, or (when the setting says so) with a
+    worker list, a request holds its kudos at admission."""
+    from django.conf import settings
+
+    return (
+        max_length > settings.HORDE_TEXT_FREE_OUTPUT_FLOOR
+        or not slow_workers
+        or (settings.HORDE_UPFRONT_KUDOS_ON_WORKERLIST and has_worker_list)
+    )
+
+
+def kudos_upfront_error(*, allowance: int, kudos: Decimal) -> HordeError:
+    """KudosUpfront, stating the allowance (the free output floor until the allowance issue)."""
+    return HordeError(
+        "KudosUpfront",
+        f"Due to heavy demand, for requests over {allowance} tokens, the client needs to already "
+        f"have the required kudos. This request requires {kudos} kudos to fulfil.",
+    )
+
+
+def ensure_not_in_maintenance() -> None:
+    if horde_in_maintenance():
+        raise HordeError("MaintenanceMode", "Horde is in maintenance mode. Please try again later.")
+
+
+def check_concurrency(*, user: HordeUser, n: int) -> None:
+    """TooManyPrompts when the user's waiting jobs plus n exceed its concurrency.
+
+    Run unlocked as an early refusal, and again on the locked user row inside the creation.
+    """
+    waiting = (
+        GenerationRequest.objects.filter(
+            user=user, faulted=False, cancelled=False, expires_at__gt=timezone.now()
+        ).aggregate(total=Sum("jobs_waiting"))["total"]
+        or 0
+    )
+    if waiting + n > user.concurrency:
+        raise HordeError(
+            "TooManyPrompts",
+            f"Parallel requests ({waiting + n}) exceeded user limit ({user.concurrency}).",
+        )
+
+
+def lock_requester(user: HordeUser) -> HordeUser:
+    """The requester's row, locked: concurrency and the hold are checked and taken together."""
+    return HordeUser.objects.select_for_update().get(pk=user.pk)
+
+
+def request_rows_create(
+    *,
+    locked_user: HordeUser,
+    fields: dict,
+    models: list[str],
+    workers: list[UUID],
+    kudos: Decimal,
+    hold: Decimal,
+) -> GenerationRequest:
+    """Insert an active request with its model and worker rows, take its hold and the horde tax.
+
+    Runs inside the caller's transaction, on the locked requester.
+    """
+    now = timezone.now()
+    priority = int(locked_user.kudos)
+    request = GenerationRequest.objects.create(
+        user=locked_user,
+        requested_models=models,
+        any_model=not models,
+        priority=priority,
+        queue_score=queue_score(priority, now.timestamp()),
+        kudos_quote=kudos,
+        kudos_held=hold,
+        expires_at=now + timedelta(seconds=TEXT_REQUEST_TTL_SECONDS),
+        **fields,
+    )
+    RequestModel.objects.bulk_create([RequestModel(request=request, name=m) for m in dict.fromkeys(models)])
+    RequestWorker.objects.bulk_create([RequestWorker(request=request, worker_id=w) for w in dict.fromkeys(workers)])
+    if hold:
+        kudos_hold(user_id=locked_user.pk, amount=hold)
+    kudos_transfer(
+        user_id=locked_user.pk, amount=-HORDE_TAX, kind=KudosTransaction.Kind.HORDE_TAX, request_id=request.id
+    )
+    request.consumed_kudos = HORDE_TAX
+    GenerationRequest.objects.filter(pk=request.pk).update(consumed_kudos=HORDE_TAX)
+    return request
 
 
 def text_request_create(
@@ -96,8 +183,7 @@ def text_request_create(
     """Price, admit and queue a text request (or only quote it, on a dry run)."""
     from django.conf import settings
 
-    if horde_in_maintenance():
-        raise HordeError("MaintenanceMode", "Horde is in maintenance mode. Please try again later.")
+    ensure_not_in_maintenance()
     floor = settings.HORDE_TEXT_FREE_OUTPUT_FLOOR
     message = None
 
@@ -111,73 +197,46 @@ def text_request_create(
         return CreatedRequest(request=None, kudos=kudos)
 
     with transaction.atomic():
-        # Lock the requester: concurrency and the hold are checked and taken together.
-        locked_user = HordeUser.objects.select_for_update().get(pk=user.pk)
-        waiting = (
-            GenerationRequest.objects.filter(
-                user=locked_user, faulted=False, cancelled=False, expires_at__gt=timezone.now()
-            ).aggregate(total=Sum("jobs_waiting"))["total"]
-            or 0
-        )
-        if waiting + data.n > locked_user.concurrency:
-            raise HordeError(
-                "TooManyPrompts",
-                f"Parallel requests ({waiting + data.n}) exceeded user limit ({locked_user.concurrency}).",
-            )
+        locked_user = lock_requester(user)
+        check_concurrency(user=locked_user, n=data.n)
         hold = Decimal("0")
-        if _needs_upfront_kudos(data, floor, settings.HORDE_UPFRONT_KUDOS_ON_WORKERLIST):
+        if needs_upfront_kudos(
+            max_length=data.max_length, slow_workers=data.slow_workers, has_worker_list=bool(data.workers)
+        ):
             if locked_user.kudos_available < kudos:
                 downgradable = data.allow_downgrade and data.slow_workers and data.max_length > floor
                 if not downgradable:
-                    raise HordeError(
-                        "KudosUpfront",
-                        f"Due to heavy demand, for requests over {floor} tokens, the client needs to already "
-                        f"have the required kudos. This request requires {kudos} kudos to fulfil.",
-                    )
+                    raise kudos_upfront_error(allowance=floor, kudos=kudos)
                 data.max_length = floor
                 kudos = quote()
                 message = f"This request was downgraded to {floor} tokens: the requester lacks the kudos upfront."
             else:
                 hold = kudos
-        now = timezone.now()
-        priority = int(locked_user.kudos)
-        request = GenerationRequest.objects.create(
-            user=locked_user,
-            prompt=data.prompt,
-            params=data.params,
-            softprompt=data.softprompt,
-            n=data.n,
-            jobs_waiting=data.n,
-            max_length=data.max_length,
-            max_context_length=data.max_context_length,
-            requested_models=data.models,
-            any_model=not data.models,
-            has_worker_list=bool(data.workers),
-            worker_blacklist=data.worker_blacklist,
-            trusted_workers=data.trusted_workers,
-            validated_backends=data.validated_backends,
-            slow_workers=data.slow_workers,
-            allow_downgrade=data.allow_downgrade,
-            disable_batching=data.disable_batching,
-            priority=priority,
-            queue_score=queue_score(priority, now.timestamp()),
-            kudos_quote=kudos,
-            kudos_held=hold,
-            client_agent=client_agent[:255],
-            ip_address=ip_address[:64],
-            expires_at=now + timedelta(seconds=TEXT_REQUEST_TTL_SECONDS),
+        request = request_rows_create(
+            locked_user=locked_user,
+            fields={
+                "prompt": data.prompt,
+                "params": data.params,
+                "softprompt": data.softprompt,
+                "n": data.n,
+                "jobs_waiting": data.n,
+                "max_length": data.max_length,
+                "max_context_length": data.max_context_length,
+                "has_worker_list": bool(data.workers),
+                "worker_blacklist": data.worker_blacklist,
+                "trusted_workers": data.trusted_workers,
+                "validated_backends": data.validated_backends,
+                "slow_workers": data.slow_workers,
+                "allow_downgrade": data.allow_downgrade,
+                "disable_batching": data.disable_batching,
+                "client_agent": client_agent[:255],
+                "ip_address": ip_address[:64],
+            },
+            models=data.models,
+            workers=data.workers,
+            kudos=kudos,
+            hold=hold,
         )
-        RequestModel.objects.bulk_create([RequestModel(request=request, name=m) for m in dict.fromkeys(data.models)])
-        RequestWorker.objects.bulk_create(
-            [RequestWorker(request=request, worker_id=w) for w in dict.fromkeys(data.workers)]
-        )
-        if hold:
-            kudos_hold(user_id=locked_user.pk, amount=hold)
-        kudos_transfer(
-            user_id=locked_user.pk, amount=-HORDE_TAX, kind=KudosTransaction.Kind.HORDE_TAX, request_id=request.id
-        )
-        request.consumed_kudos = HORDE_TAX
-        GenerationRequest.objects.filter(pk=request.pk).update(consumed_kudos=HORDE_TAX)
     return CreatedRequest(request=request, kudos=kudos, message=message)
 
 
@@ -185,39 +244,99 @@ def text_request_create(
 
 
 def fault_request_if_over_limit(request_id: UUID) -> bool:
-    """Fault a request whose faulted jobs exceed FAULTED_GENERATIONS_LIMIT; releases its hold."""
+    """Fault a request whose faulted jobs exceed FAULTED_GENERATIONS_LIMIT; releases its hold.
+
+    Runs in the transaction that stored the fault crossing the limit, so a chat request's faulted
+    signal goes out when that commits, not at the next sweep.
+    """
     faults = Generation.objects.filter(request_id=request_id, state=Generation.State.FAULTED).count()
     if faults <= FAULTED_GENERATIONS_LIMIT:
         return False
-    request = GenerationRequest.objects.select_for_update().only("user_id", "kudos_held", "faulted").get(pk=request_id)
+    request = (
+        GenerationRequest.objects.select_for_update()
+        .only("user_id", "kudos_held", "faulted", "is_chat", "chat_fault_reason", "chat_fault_rc")
+        .get(pk=request_id)
+    )
     if request.faulted:
         return True
     GenerationRequest.objects.filter(pk=request_id).update(faulted=True, jobs_waiting=0, kudos_held=0)
     kudos_release(user_id=request.user_id, amount=request.kudos_held)
     log.warning("request %s faulted after %d faulted jobs", request_id, faults)
+    if request.is_chat:
+        # The row is kept until it expires; the signal carries why, when the horde knows.
+        publish_chat_signal(
+            request_id,
+            "faulted",
+            stored_result_count(request_id),
+            fault_reason=request.chat_fault_reason,
+            fault_rc=request.chat_fault_rc,
+        )
     return True
 
 
 def requeue_faulted(generation_ids: list[UUID], request_id: UUID) -> None:
+    """Put faulted jobs back in the queue (not after a cancel), then apply the fault limit.
+
+    Called in the transaction that faulted them, so a fault and its restart commit together.
+    """
     GenerationRequest.objects.filter(pk=request_id, faulted=False, cancelled=False).update(
         jobs_waiting=F("jobs_waiting") + len(generation_ids)
     )
     fault_request_if_over_limit(request_id)
 
 
+def stored_result_count(request_id: UUID) -> int:
+    """Generations with a stored result (a faulted or cancelled one is not a result)."""
+    return Generation.objects.filter(request_id=request_id, state__in=Generation.FINISHED_STATES).count()
+
+
+def request_completed(request_id: UUID) -> bool:
+    """Whether a request is done: faulted, or nothing waiting or processing and either every
+    requested result stored or the rest cancelled. Call it with the request row locked, so two
+    submits finishing the last jobs cannot both miss each other's result."""
+    request = GenerationRequest.objects.only("n", "jobs_waiting", "faulted", "cancelled").get(pk=request_id)
+    if request.faulted:
+        return True
+    if request.jobs_waiting:
+        return False
+    if Generation.objects.filter(request_id=request_id, state=Generation.State.PROCESSING).exists():
+        return False
+    return request.cancelled or stored_result_count(request_id) >= request.n
+
+
+def worker_record_dropped_job(*, worker_id: UUID, refusal_rc: str | None) -> None:
+    """Count a job the worker dropped (its fault submit, or a lapsed lease).
+
+    A reply the horde refused as nonconformant counts as nonconformant_replies, not aborted_jobs:
+    the worker generated and the model broke a strict contract, so it must not push the worker
+    towards the aborted-job maintenance threshold. The rc is the stored one, never the worker's word.
+    """
+    if refusal_rc == CHAT_SUBMIT_NONCONFORMANT:
+        # TODO(workers): move to workers.services beside worker_record_aborted.
+        Worker.objects.filter(pk=worker_id).update(nonconformant_replies=F("nonconformant_replies") + 1)
+    else:
+        worker_record_aborted(worker_ids=[worker_id])
+
+
 # --- Cancel, expiry, stale leases -----------------------------------------------------------
 
 
-def request_cancel(*, request: GenerationRequest) -> None:
-    """Stop handing out jobs and release the hold. Jobs in flight still submit and are paid."""
+def request_cancel(*, request: GenerationRequest) -> bool:
+    """Stop handing out jobs and release the hold. Jobs in flight still submit and are paid.
+
+    Returns whether this call claimed the cancellation (False when it was already cancelled).
+    """
     with transaction.atomic():
         locked = GenerationRequest.objects.select_for_update().only("user_id", "kudos_held", "cancelled").get(
             pk=request.pk
         )
         if locked.cancelled:
-            return
+            return False
         GenerationRequest.objects.filter(pk=request.pk).update(cancelled=True, jobs_waiting=0, kudos_held=0)
         kudos_release(user_id=locked.user_id, amount=locked.kudos_held)
+        if request.is_chat:
+            publish_chat_signal(request.pk, "cancelled", stored_result_count(request.pk))
+    return True
 
 
 def abort_stale_generations() -> int:
@@ -235,7 +354,9 @@ def abort_stale_generations() -> int:
                 state=Generation.State.FAULTED, finished_at=now
             ):
                 continue  # submitted meanwhile
-            worker_record_aborted(worker_ids=[worker_id])
+            # Read after the claim: a refusal is only recorded on a pending generation.
+            refusal_rc = Generation.objects.filter(pk=generation_id).values_list("chat_refusal_rc", flat=True).get()
+            worker_record_dropped_job(worker_id=worker_id, refusal_rc=refusal_rc)
             requeue_faulted([generation_id], request_id)
             aborted += 1
     if aborted:
@@ -244,7 +365,12 @@ def abort_stale_generations() -> int:
 
 
 def expire_requests() -> int:
-    """Delete requests past their expiry and release their holds (the 60 s beat task)."""
+    """Delete requests past their expiry and release their holds (the 60 s beat task).
+
+    A chat request that was still open publishes faulted after its deletion commits, so a client
+    woken by it reads the settled state (404); the message carries the stored fault details, since
+    the row that held them is gone.
+    """
     now = timezone.now()
     expired = 0
     for request_id in GenerationRequest.objects.filter(expires_at__lt=now).values_list("id", flat=True)[:1000]:
@@ -252,13 +378,21 @@ def expire_requests() -> int:
             request = (
                 GenerationRequest.objects.select_for_update()
                 .filter(pk=request_id, expires_at__lt=now)
-                .only("user_id", "kudos_held")
+                .only("user_id", "kudos_held", "is_chat", "faulted", "chat_fault_reason", "chat_fault_rc")
                 .first()
             )
             if request is None:
                 continue
+            # A done request already had its done (or faulted) message; only an open one is faulted here.
+            signal = None
+            if request.is_chat and not request_completed(request_id):
+                signal = (stored_result_count(request_id), request.chat_fault_reason, request.chat_fault_rc)
             kudos_release(user_id=request.user_id, amount=request.kudos_held)
             request.delete()
             expired += 1
+            if signal is not None:
+                generations, fault_reason, fault_rc = signal
+                publish_chat_signal(
+                    request_id, "faulted", generations, fault_reason=fault_reason, fault_rc=fault_rc
+                )
     return expired
-

@@ -6,11 +6,14 @@ from drf_spectacular.views import SpectacularAPIView
 from accounts.api.views import FindUserView
 from chat.api import pop_views, submit_views
 from chat.api import views as chat_views
+from chat.api.chat_views import ChatAsyncView, ChatStatusView
 from workers.api.views import WorkerDetailView, WorkerListView
 
 api_v2 = [
     path("generate/text/async", chat_views.TextAsyncView.as_view()),
     path("generate/text/status/<uuid:request_id>", chat_views.TextStatusView.as_view()),
+    path("generate/chat/async", ChatAsyncView.as_view()),
+    path("generate/chat/status/<uuid:request_id>", ChatStatusView.as_view()),
     path("generate/text/pop", pop_views.TextPopView.as_view()),
     path("generate/text/submit", submit_views.TextSubmitView.as_view()),
     path("find_user", FindUserView.as_view()),

@@ -8,7 +8,10 @@ from rest_framework.views import APIView
 
 from accounts.api.callers import registered_caller
 from chat.api import serializers as s
-from chat.dispatch import worker_pop
+from chat.dispatch import build_job_payload, worker_pop
+from contract.chat_declaration import parse_chat_declaration
+from contract.chat_errors import ChatDeclarationInvalid
+from contract.errors import HordeError
 from contract.text import TEXT_JOB_LEASE_SECONDS
 from workers.services import TextWorkerDeclaration, worker_check_in
 
@@ -22,11 +25,16 @@ class TextPopView(APIView):
         body = s.TextPopInputSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
+        models = list(dict.fromkeys(data["models"]))
+        try:
+            chat = parse_chat_declaration(request.data, models=models)
+        except ChatDeclarationInvalid as refusal:
+            raise HordeError(refusal.rc, refusal.message, status=refusal.status) from refusal
         worker = worker_check_in(
             owner=owner,
             declaration=TextWorkerDeclaration(
                 name=data["name"].strip(),
-                models=list(dict.fromkeys(data["models"])),
+                models=models,
                 max_length=data["max_length"],
                 max_context_length=data["max_context_length"],
                 threads=data["threads"],
@@ -34,6 +42,7 @@ class TextPopView(APIView):
                 nsfw=data["nsfw"],
                 softprompts=data["softprompts"],
                 priority_usernames=data["priority_usernames"],
+                chat=chat,
             ),
         )
         worker.owner = owner
@@ -53,26 +62,21 @@ class TextPopView(APIView):
                 }
             )
         wp = job.request
-        payload = {
-            **wp.params,
-            "prompt": wp.prompt,
-            "n": 1,
-            "max_length": wp.max_length,
-            "max_context_length": wp.max_context_length,
-        }
         ids = [str(g.id) for g in job.generations]
-        return Response(
-            {
-                "payload": payload,
-                "id": ids[0],
-                "ids": ids,
-                "messages": None,
-                "ttl": TEXT_JOB_LEASE_SECONDS,
-                "extra_source_images": [],
-                "skipped": {},
-                "softprompt": wp.softprompt or None,
-                "model": job.model,
-            }
-        )
+        body = {
+            "payload": build_job_payload(wp),
+            "id": ids[0],
+            "ids": ids,
+            "messages": None,
+            "ttl": TEXT_JOB_LEASE_SECONDS,
+            "extra_source_images": [],
+            "skipped": {},
+            "softprompt": None if wp.is_chat else wp.softprompt or None,
+            "model": job.model,
+        }
+        # Only a chat job carries the key; text jobs are unchanged.
+        if wp.is_chat:
+            body["chat"] = True
+        return Response(body)
 
 

@@ -118,6 +118,16 @@ class TextPopInputSerializer(serializers.Serializer):
     nsfw = serializers.BooleanField(default=False)
     softprompts = serializers.ListField(child=serializers.CharField(max_length=255), default=list)
     priority_usernames = serializers.ListField(child=serializers.CharField(max_length=200), default=list)
+    # The chat declaration (spec: "Chat declaration on pop"). Typed loosely here on purpose: the
+    # contract's parse_chat_declaration checks them and refuses with ChatDeclarationInvalid.
+    chat_jobs = serializers.JSONField(required=False, help_text="boolean, default false")
+    prompt_jobs = serializers.JSONField(required=False, help_text="boolean, default true; false needs chat_jobs")
+    chat_features = serializers.JSONField(required=False, help_text="array of feature and guarantee names")
+    chat_limits = serializers.JSONField(
+        required=False, help_text="{max_context_length, max_length, tools_max_temperature?}; needed with chat_jobs"
+    )
+    model_id = serializers.JSONField(required=False, help_text="one of models; needed with chat_jobs")
+    image_transports = serializers.JSONField(required=False, help_text="array of url, base64, messages_url")
 
 
 class TextPopOutputSerializer(serializers.Serializer):
@@ -130,6 +140,7 @@ class TextPopOutputSerializer(serializers.Serializer):
     skipped = serializers.DictField(child=serializers.IntegerField())
     softprompt = serializers.CharField(allow_null=True)
     model = serializers.CharField(allow_null=True)
+    chat = serializers.BooleanField(required=False, help_text="true on a chat job only")
 
 
 class GenMetadataSerializer(serializers.Serializer):

@@ -90,14 +90,28 @@ class HeartbeatView(APIView):
 
 
 class ModelsStatusView(APIView):
-    """GET /api/v2/status/models[?type=text]: the text models the online workers serve."""
+    """GET /api/v2/status/models[?type=text][&chat=true]: the text models the online workers serve;
+    with chat=true only those an online chat worker serves, each with its chat object."""
 
-    @extend_schema(parameters=[OpenApiParameter("type", str, enum=["image", "text"])], responses={200: dict})
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("type", str, enum=["image", "text"]),
+            OpenApiParameter("chat", bool, description="Only chat-served text models, with their chat object"),
+        ],
+        responses={200: dict},
+    )
     def get(self, request):
         kind = request.query_params.get("type", "image")
         if kind not in ("image", "text"):
             raise HordeError("BadRequest", "type must be 'image' or 'text'.")
-        return Response(selectors.text_models_status() if kind == "text" else [])
+        chat = request.query_params.get("chat", "false").lower()
+        if chat not in ("true", "false"):
+            raise HordeError("BadRequest", "chat must be true or false.")
+        if chat == "true" and kind != "text":
+            raise HordeError("BadRequest", "chat=true lists text models only: use it with type=text.")
+        return Response(
+            selectors.models_status(kind=kind, chat=chat == "true", cache_key=request.META.get("QUERY_STRING", ""))
+        )
 
 
 class PerformanceView(APIView):

@@ -10,12 +10,18 @@ from rest_framework.views import APIView
 from accounts.api.callers import registered_caller
 from contract.errors import HordeError
 from workers.models import Worker
-from workers.selectors import online_cutoff, worker_speed, workers_online
+from workers.selectors import (
+    online_cutoff,
+    worker_chat_declaration,
+    worker_get_cached,
+    worker_speed,
+    workers_online,
+)
 from workers.services import worker_update
 
 
 def worker_details(worker: Worker) -> dict:
-    return {
+    details = {
         "type": "text",
         "name": worker.name,
         "id": str(worker.id),
@@ -35,11 +41,22 @@ def worker_details(worker: Worker) -> dict:
         "requests_fulfilled": worker.fulfilments,
         "uncompleted_jobs": worker.aborted_jobs,
         "uptime": int((worker.last_check_in - worker.created).total_seconds()),
+        "nonconformant_replies": worker.nonconformant_replies,
+        # The declaration of the latest pop; `chat` is absent for a worker that takes no chat jobs.
+        "accepts_chat_jobs": worker.accepts_chat_jobs,
+        "accepts_prompt_jobs": worker.accepts_prompt_jobs,
     }
+    chat = worker_chat_declaration(worker).details()
+    if chat is not None:
+        details["chat"] = chat
+    return details
 
 
-def _worker_or_404(worker_id) -> Worker:
-    worker = Worker.objects.select_related("owner").filter(pk=worker_id).first()
+def _worker_or_404(worker_id, *, cached: bool = False) -> Worker:
+    if cached:
+        worker = worker_get_cached(worker_id)
+    else:
+        worker = Worker.objects.select_related("owner").filter(pk=worker_id).first()
     if worker is None:
         raise HordeError("WorkerNotFound", f"Worker with ID '{worker_id}' not found.")
     return worker
@@ -60,7 +77,7 @@ class WorkerDetailView(APIView):
 
     @extend_schema(responses={200: dict})
     def get(self, request, worker_id):
-        return Response(worker_details(_worker_or_404(worker_id)))
+        return Response(worker_details(_worker_or_404(worker_id, cached=True)))
 
     @extend_schema(request=UpdateSerializer, responses={200: dict})
     def put(self, request, worker_id):

@@ -1,0 +1,165 @@
+"""Native chat routes: POST /api/v2/generate/chat/async and GET/DELETE .../chat/status/<id>.
+
+Thin: bound and parse the body, validate it with the contract, call the service, render.
+"""
+
+from __future__ import annotations
+
+import json
+
+from django.conf import settings
+from drf_spectacular.utils import OpenApiResponse, extend_schema
+from rest_framework.exceptions import ParseError
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from accounts.api.callers import requester
+from accounts.ratelimit import check_rate_limits, client_address
+from chat import chat_create, chat_selectors
+from chat.api import chat_serializers as cs
+from contract.chat_errors import ChatRefusal
+from contract.chat_limits import MAX_CHAT_BODY_BYTES
+from contract.chat_shapes import validate_chat_request
+from contract.errors import HordeError
+
+# Read a body without a declared length in pieces, to stop one byte past the limit.
+BODY_READ_CHUNK_BYTES = 1024 * 1024
+
+
+def request_too_large() -> HordeError:
+    return HordeError("RequestTooLarge", f"The request body is over {MAX_CHAT_BODY_BYTES} bytes.", status=413)
+
+
+def read_chat_request_body(request) -> bytes:
+    """The raw body, refused with 413 before parsing when it declares or reaches more than
+    MAX_CHAT_BODY_BYTES; a chunked body is read only up to one byte past the limit."""
+    try:
+        declared = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        declared = 0
+    if declared > MAX_CHAT_BODY_BYTES:
+        raise request_too_large()
+    chunks, size = [], 0
+    while size <= MAX_CHAT_BODY_BYTES:
+        chunk = request.read(min(BODY_READ_CHUNK_BYTES, MAX_CHAT_BODY_BYTES + 1 - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    if size > MAX_CHAT_BODY_BYTES:
+        raise request_too_large()
+    return b"".join(chunks)
+
+
+def _clean_strings(value):
+    """NUL is replaced (PostgreSQL text cannot hold it, as in stored replies); a lone surrogate,
+    which UTF-8 cannot encode, refuses the body."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise HordeError("BadRequest", "The request body holds text that is not valid Unicode.") from None
+        return value.replace("\x00", "\ufffd") if "\x00" in value else value
+    if isinstance(value, list):
+        return [_clean_strings(item) for item in value]
+    if isinstance(value, dict):
+        return {_clean_strings(k): _clean_strings(v) for k, v in value.items()}
+    return value
+
+
+def parse_chat_body(raw: bytes):
+    try:
+        return _clean_strings(json.loads(raw))
+    except (ValueError, RecursionError) as error:
+        raise ParseError(f"The body is not valid JSON: {error}") from None
+
+
+def refusal_error(refusal: ChatRefusal) -> HordeError:
+    """A contract refusal as the native body {"message", "rc"}; the message starts with the path."""
+    return HordeError(refusal.rc, refusal.message, status=refusal.status)
+
+
+class ChatAsyncView(APIView):
+    """POST /api/v2/generate/chat/async: queue a chat request (202), answer a repeated operation key
+    or quote a dry run (200)."""
+
+    def perform_authentication(self, request):
+        # Lazy: the body bound (413) and its validation come before the key is looked at.
+        pass
+
+    @extend_schema(
+        request=cs.ChatAsyncInputSerializer,
+        responses={
+            202: cs.ChatAsyncOutputSerializer,
+            200: OpenApiResponse(
+                cs.ChatAsyncRepeatSerializer, description="Repeated operation key, or dry run"
+            ),
+            400: cs.ErrorSerializer,
+            403: cs.ErrorSerializer,
+            404: cs.ErrorSerializer,
+            413: cs.ErrorSerializer,
+            429: cs.ErrorSerializer,
+            503: cs.ErrorSerializer,
+        },
+    )
+    def post(self, request):
+        address = client_address(request)
+        check_rate_limits(
+            scope="chat_async",
+            client=address,
+            limits=[
+                settings.HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP,
+                settings.HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP,
+            ],
+        )
+        body = parse_chat_body(read_chat_request_body(request._request))
+        try:
+            chat = validate_chat_request(body)
+            submission = chat_create.map_chat_request(chat)
+        except ChatRefusal as refusal:
+            raise refusal_error(refusal) from None
+        except RecursionError:
+            raise HordeError("BadRequest", "The request body nests too deeply.") from None
+        created = chat_create.chat_request_create(
+            user=requester(request),
+            submission=submission,
+            client_agent=request.headers.get("Client-Agent", ""),
+            ip_address=address,
+        )
+        if created.request is None:
+            return Response({"kudos": float(created.kudos), **(created.dry_run or {})}, status=200)
+        if created.repeated:
+            return Response({"id": str(created.request.id), "kudos": float(created.kudos)}, status=200)
+        return Response(
+            {
+                "id": str(created.request.id),
+                "kudos": float(created.kudos),
+                "message": created.message,
+                "warnings": created.warnings,
+            },
+            status=202,
+        )
+
+
+def _not_found(request_id) -> HordeError:
+    return HordeError("RequestNotFound", f"Request with ID '{request_id}' not found.")
+
+
+class ChatStatusView(APIView):
+    """GET (status) and DELETE (cancel) /api/v2/generate/chat/status/<id>."""
+
+    @extend_schema(responses={200: cs.ChatStatusOutputSerializer, 404: cs.ErrorSerializer})
+    def get(self, request, request_id):
+        wp = chat_selectors.chat_request_get(request_id)
+        if wp is None:
+            raise _not_found(request_id)
+        return Response(chat_selectors.chat_request_status(wp))
+
+    @extend_schema(responses={200: cs.ChatStatusOutputSerializer, 404: cs.ErrorSerializer})
+    def delete(self, request, request_id):
+        wp = chat_selectors.chat_request_get(request_id)
+        if wp is None:
+            raise _not_found(request_id)
+        chat_create.chat_request_cancel(request=wp)
+        wp.refresh_from_db()
+        return Response(chat_selectors.chat_request_status(wp))

@@ -1,0 +1,127 @@
+"""The availability pass: which online workers could take a request, and, for a chat request no
+worker can take, whether the workers' declarations are the cause (spec: "Impossible reason").
+
+One pass serves text and chat requests alike; the status routes read it (is_possible,
+eligible_worker_threads, impossible_reason) through a 60 second cache per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from django.core.cache import cache
+
+from chat.matching import (
+    chat_capacity_refusal,
+    chat_declaration_gap,
+    worker_may_take,
+    worker_passes_restrictions,
+    worker_serves_chat_model,
+)
+from chat.models import Generation, GenerationRequest, RequestWorker
+from contract.chat_policy import ChatServiceGap, merge_service_gaps
+from workers.models import Worker
+from workers.selectors import workers_online
+
+AVAILABILITY_CACHE_SECONDS = 60
+ONLINE_WORKERS_CACHE_SECONDS = 5
+ONLINE_WORKERS_CACHE_KEY = "horde:online-text-workers"
+
+
+@dataclass(frozen=True)
+class Availability:
+    eligible_worker_threads: int
+    is_possible: bool
+    # {"kind": "declaration_gap", "missing_declarations": [...], "exceeded_limits": [...]} or None.
+    impossible_reason: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """What the cached pass found; impossible_reason is settled at read time from `gap`."""
+
+    eligible_worker_threads: int
+    gap: ChatServiceGap | None  # the declarations gap, only when no worker is eligible
+
+
+def online_workers() -> list[Worker]:
+    """Online workers (checked in within WORKER_ONLINE_SECONDS), not in maintenance or paused,
+    cached briefly: availability reads them on every uncached status poll."""
+    workers = cache.get(ONLINE_WORKERS_CACHE_KEY)
+    if workers is None:
+        workers = list(workers_online().filter(maintenance=False, paused=False))
+        cache.set(ONLINE_WORKERS_CACHE_KEY, workers, ONLINE_WORKERS_CACHE_SECONDS)
+    return workers
+
+
+def _listed_worker_ids(request: GenerationRequest) -> set:
+    if not request.has_worker_list:
+        return set()
+    return set(RequestWorker.objects.filter(request=request).values_list("worker_id", flat=True))
+
+
+def _text_pass(request: GenerationRequest, workers: list[Worker]) -> _Pass:
+    listed = _listed_worker_ids(request)
+    threads = sum(max(w.threads, 1) for w in workers if worker_may_take(w, request, listed))
+    return _Pass(eligible_worker_threads=threads, gap=None)
+
+
+def _chat_pass(request: GenerationRequest, workers: list[Worker]) -> _Pass:
+    """Candidates pass the queue query's rules (1 and 4) without the size limits, so a worker
+    below them reaches the declaration check and its refusal counts toward the gap."""
+    listed = _listed_worker_ids(request)
+    threads = 0
+    gaps: list[ChatServiceGap] = []
+    other_refusal = False
+    for worker in workers:
+        if not worker_serves_chat_model(worker, request) or not worker_passes_restrictions(worker, request, listed):
+            continue
+        gap = chat_declaration_gap(worker, request)
+        if not gap.empty:
+            gaps.append(gap)
+        elif chat_capacity_refusal(worker, request) is not None:
+            other_refusal = True
+        else:
+            threads += max(worker.threads, 1)
+    if threads or other_refusal or not gaps:
+        # A gap is reported only when every candidate was refused for its declaration; no candidate
+        # at all, or another refusal, can change while the request waits.
+        return _Pass(eligible_worker_threads=threads, gap=None)
+    return _Pass(eligible_worker_threads=0, gap=merge_service_gaps(gaps))
+
+
+def availability_cache_key(request_id) -> str:
+    return f"horde:availability:{request_id}"
+
+
+def _processing_count(request: GenerationRequest) -> int:
+    return Generation.objects.filter(request=request, state=Generation.State.PROCESSING).count()
+
+
+def chat_request_availability(request: GenerationRequest, *, processing: int | None = None) -> Availability:
+    """The availability of a text or chat request, from the pass over online workers (cached
+    AVAILABILITY_CACHE_SECONDS per request).
+
+    impossible_reason is set only for a chat request no worker is eligible for, with nothing
+    processing, whose candidates were all refused for their declarations; always None for text.
+    `processing` is the request's processing generations when the caller has it (read otherwise,
+    and only when the reason could apply).
+    """
+    key = availability_cache_key(request.pk)
+    found = cache.get(key)
+    if found is None:
+        workers = online_workers()
+        found = _chat_pass(request, workers) if request.is_chat else _text_pass(request, workers)
+        cache.set(key, found, AVAILABILITY_CACHE_SECONDS)
+    reason = None
+    if found.gap is not None and found.eligible_worker_threads == 0:
+        if processing is None:
+            processing = _processing_count(request)
+        if processing == 0:
+            reason = found.gap.impossible_reason()
+    return Availability(
+        eligible_worker_threads=found.eligible_worker_threads,
+        is_possible=found.eligible_worker_threads > 0,
+        impossible_reason=reason,
+    )

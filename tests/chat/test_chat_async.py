@@ -1,0 +1,592 @@
+"""POST /api/v2/generate/chat/async: the submission order (steps 1-8), mapping, known models,
+worker_max_length, context sizing, the flattened prompt, pricing and the refusals."""
+
+from __future__ import annotations
+
+import io
+import json
+from decimal import Decimal
+
+import pytest
+
+from accounts.models import KudosTransaction
+from chat.chat_create import (
+    estimate_chat_prompt_tokens,
+    flatten_messages,
+)
+from chat.models import GenerationRequest, RequestWorker
+from chat.pricing import text_request_quote
+from contract.chat_limits import MAX_CHAT_BODY_BYTES
+from contract.chat_policy import kudos_cap_message
+from tests.chat.chat_route_helpers import (
+    BIG_MODEL,
+    CHAT_ASYNC,
+    MODEL,
+    SMALL_MODEL,
+    chat_async,
+    chat_body,
+    chat_worker,
+)
+
+TOOLS = [{"type": "function", "function": {"name": "lookup_weather", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture
+def owner(make_user):
+    return make_user("owner")
+
+
+@pytest.fixture
+def served(owner):
+    return chat_worker(owner)
+
+
+# --- 202 and what is stored ---------------------------------------------------------------------
+
+
+def test_chat_request_is_queued_with_its_mapping(horde, make_user, served):
+    requester = make_user("r", kudos=50)
+    response = chat_async(
+        horde.client,
+        requester.key,
+        messages=[
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+        ],
+        temperature=1,
+        top_p=0.9,
+        seed=7,
+        stop="END",
+        stream=True,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        horde={"conformance": "strict"},
+    )
+    assert response.status_code == 202, response.json()
+    body = response.json()
+    assert set(body) == {"id", "kudos", "message", "warnings"}
+    assert body["message"] is None and body["warnings"] == []
+    request = GenerationRequest.objects.get(pk=body["id"])
+    assert request.is_chat and request.n == 1 and request.max_length == 512
+    assert request.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+    ]
+    assert request.params == {"temperature": 1.0, "top_p": 0.9, "seed": 7, "stop_sequence": ["END"]}
+    assert request.chat_extras == {
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "stream_progress": True,
+    }
+    assert request.chat_required_features == sorted(
+        ["seed", "tools", "prompt_overflow_refused", "tool_choice_enforced"]
+    )
+    assert request.chat_required_mask != 0
+    assert request.chat_conformance == "strict" and request.chat_tools_temperature == 1.0
+    assert request.chat_has_images is False and request.context_adjustments is None
+    # Chat defaults: validated_backends and trusted_workers false, slow workers allowed.
+    assert (request.validated_backends, request.trusted_workers, request.slow_workers) == (False, False, True)
+    tools_json = json.dumps(TOOLS, separators=(",", ":"))
+    assert request.prompt == f"system: Be brief.\nuser: Weather?\n{tools_json}"
+    assert request.submitted_prompt == request.prompt
+    assert Decimal(str(body["kudos"])) == request.kudos_quote
+    tax = KudosTransaction.objects.get(user=requester.user, kind="horde_tax", request_id=request.id)
+    assert tax.amount == Decimal("-1")
+
+
+def test_horde_only_and_ignore_become_the_worker_list(horde, make_user, served):
+    requester = make_user("r")
+    ok = chat_async(horde.client, requester.key, horde={"only": [str(served.id)]})
+    request = GenerationRequest.objects.get(pk=ok.json()["id"])
+    assert (request.has_worker_list, request.worker_blacklist) == (True, False)
+    assert list(RequestWorker.objects.filter(request=request).values_list("worker_id", flat=True)) == [served.id]
+    ignored = chat_async(horde.client, requester.key, horde={"ignore": [str(served.id)]})
+    request = GenerationRequest.objects.get(pk=ignored.json()["id"])
+    assert (request.has_worker_list, request.worker_blacklist) == (True, True)
+    # Nobody can serve it: the usual warning, and the status reports is_possible.
+    assert ignored.json()["message"].startswith("Warning: No available workers")
+    assert ignored.json()["warnings"][0]["code"] == "NoAvailableWorker"
+
+
+# --- step 1: body size --------------------------------------------------------------------------
+
+
+def test_declared_length_over_the_cap_is_413_before_parsing(horde, make_user):
+    requester = make_user("r")
+    response = horde.client.generic(
+        "POST",
+        CHAT_ASYNC,
+        b"{not even json",
+        content_type="application/json",
+        CONTENT_LENGTH=str(MAX_CHAT_BODY_BYTES + 1),
+        HTTP_APIKEY=requester.key,
+    )
+    assert response.status_code == 413
+    assert response.json() == {
+        "message": f"The request body is over {MAX_CHAT_BODY_BYTES} bytes.",
+        "rc": "RequestTooLarge",
+    }
+
+
+def test_chunked_body_is_read_only_one_byte_past_the_cap():
+    from chat.api.chat_views import read_chat_request_body
+
+    class Endless(io.RawIOBase):
+        """A body without a declared length that never ends; counts what was read."""
+
+        read_bytes = 0
+
+        def read(self, size=-1):
+            self.read_bytes += size
+            return b"x" * size
+
+    class ChunkedRequest:
+        META: dict = {}
+        stream = Endless()
+
+        def read(self, size):
+            return self.stream.read(size)
+
+    request = ChunkedRequest()
+    with pytest.raises(Exception) as refused:
+        read_chat_request_body(request)
+    assert refused.value.rc == "RequestTooLarge" and refused.value.status == 413
+    assert request.stream.read_bytes == MAX_CHAT_BODY_BYTES + 1
+
+
+def test_unparseable_body_is_a_validation_failure(horde):
+    response = horde.client.post(CHAT_ASYNC, "{nope", content_type="application/json")
+    assert response.status_code == 400 and response.json()["message"] == "Input payload validation failed"
+
+
+# --- step 2: the contract's refusals, as {message, rc} ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "rc", "message"),
+    [
+        (
+            chat_body(logprobs=True),
+            400,
+            "UnsupportedChatParameter",
+            "'logprobs': Unrecognized request argument supplied: logprobs",
+        ),
+        (chat_body(n=2), 400, "UnsupportedChatParameter", "'n': Unsupported value: 'n' is 2; only n=1 is supported."),
+        (
+            {"model": MODEL, "models": [MODEL], "messages": [{"role": "user", "content": "x"}]},
+            400,
+            "ChatRequestConflict",
+            "'models': Send one of 'model' and 'models', not both.",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}]},
+            400,
+            "BadRequest",
+            "'model': A chat request needs 'model' or 'models'.",
+        ),
+        (
+            chat_body(max_tokens=100, max_completion_tokens=200),
+            400,
+            "ChatRequestConflict",
+            "'max_completion_tokens': 'max_tokens' and 'max_completion_tokens' differ; send one of them.",
+        ),
+        (
+            chat_body(horde={"models": ["x"]}),
+            400,
+            "UnsupportedChatParameter",
+            "'horde.models': Unknown parameter: 'horde.models'.",
+        ),
+        (
+            chat_body(tool_choice="auto"),
+            400,
+            "ChatRequestConflict",
+            "'tool_choice': Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are "
+            "specified.",
+        ),
+        (
+            chat_body(
+                tools=TOOLS,
+                messages=[
+                    {"role": "user", "content": "Weather?"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "call_1", "type": "function", "function": {"name": "lookup_weather", "arguments": "{}"}}
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                    {"role": "tool", "tool_call_id": "call_9", "content": "rain"},
+                ],
+            ),
+            400,
+            "UnsupportedChatParameter",
+            "'messages[3].role': Invalid parameter: messages with role 'tool' must be a response to a preceding "
+            "message with 'tool_calls'.",
+        ),
+        (
+            chat_body(
+                tools=TOOLS,
+                messages=[
+                    {"role": "user", "content": "Weather?"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "call_1", "type": "function", "function": {"name": "lookup_weather", "arguments": "{}"}},
+                            {"id": "call_2", "type": "function", "function": {"name": "lookup_weather", "arguments": "{}"}},
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                    {"role": "tool", "tool_call_id": "call_9", "content": "rain"},
+                ],
+            ),
+            400,
+            "UnsupportedChatParameter",
+            "'messages[3].tool_call_id': Invalid parameter: 'tool_call_id' of 'call_9' not found in 'tool_calls' "
+            "of previous message.",
+        ),
+    ],
+)
+def test_contract_refusals_use_the_native_body(horde, make_user, served, body, status, rc, message):
+    requester = make_user("r")
+    response = horde.client.post(CHAT_ASYNC, body, format="json", HTTP_APIKEY=requester.key)
+    assert response.status_code == status
+    assert response.json() == {"message": message, "rc": rc}
+    assert not GenerationRequest.objects.exists()
+
+
+def test_mapped_params_are_validated_as_text_params(horde, make_user, served):
+    requester = make_user("r")
+    response = chat_async(horde.client, requester.key, top_p=0)
+    assert response.status_code == 400
+    assert response.json()["message"] == "Input payload validation failed"
+    assert "top_p" in response.json()["errors"]
+    assert not GenerationRequest.objects.exists()
+
+
+def test_nul_in_text_is_replaced_not_a_500(horde, make_user, served):
+    requester = make_user("r")
+    response = chat_async(horde.client, requester.key, messages=[{"role": "user", "content": "a\x00b"}])
+    assert response.status_code == 202
+    assert GenerationRequest.objects.get().messages[0]["content"] == "a\ufffdb"
+
+
+# --- steps 4-5: admission flag, maintenance, concurrency -----------------------------------------
+
+
+def test_admission_flag_refuses_new_requests_and_dry_runs(horde, make_user, served, settings):
+    settings.HORDE_CHAT_ADMISSION_ENABLED = False
+    requester = make_user("r")
+    for body in ({}, {"horde": {"dry_run": True}}):
+        response = chat_async(horde.client, requester.key, **body)
+        assert response.status_code == 503
+        assert response.json() == {
+            "message": "This horde is not accepting new chat requests at the moment.",
+            "rc": "ChatAdmissionDisabled",
+        }
+    # The text route is not gated.
+    assert horde.text_async(requester.key).status_code == 202
+
+
+def test_maintenance_mode_refuses(horde, make_user, served, settings):
+    settings.HORDE_MAINTENANCE = True
+    response = chat_async(horde.client, make_user("r").key)
+    assert response.status_code == 503 and response.json()["rc"] == "MaintenanceMode"
+
+
+def test_concurrency_comes_before_the_model_check(horde, make_user):
+    requester = make_user("r")
+    requester.user.concurrency = 0
+    requester.user.save()
+    response = chat_async(horde.client, requester.key, model="acme/unknown")
+    assert response.status_code == 429
+    assert response.json() == {"message": "Parallel requests (1) exceeded user limit (0).", "rc": "TooManyPrompts"}
+
+
+def test_invalid_key_is_401(horde, served):
+    assert chat_async(horde.client, "wrong").json()["rc"] == "InvalidAPIKey"
+
+
+def test_anonymous_may_submit(horde, served):
+    assert chat_async(horde.client, None).status_code == 202
+
+
+# --- rate limits --------------------------------------------------------------------------------
+
+
+def test_chat_rate_limit_is_its_own_budget(horde, make_user, served, settings):
+    settings.HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP = "1000/second"
+    settings.HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP = "2/minute"
+    settings.HORDE_TEXT_ASYNC_RATE_LIMITS = ["1000/second", "3/minute"]
+    requester = make_user("r")
+    codes = [chat_async(horde.client, requester.key).status_code for _ in range(4)]
+    assert codes[0] == 202 and 429 in codes
+    limited = chat_async(horde.client, requester.key)
+    assert limited.status_code == 429 and limited.json()["rc"] == "RateLimited"
+    # The chat submits did not spend the text budget.
+    assert horde.text_async(requester.key).status_code == 202
+    other = horde.client.post(
+        CHAT_ASYNC, chat_body(), format="json", REMOTE_ADDR="10.1.2.3", HTTP_APIKEY=requester.key
+    )
+    assert other.status_code == 202
+
+
+# --- step 6: known models ----------------------------------------------------------------------
+
+
+def test_unknown_entry_refuses_the_whole_request_with_its_path(horde, make_user, served):
+    requester = make_user("r")
+    response = chat_async(horde.client, requester.key, models=[MODEL, "acme/unknown"])
+    assert response.status_code == 404
+    assert response.json() == {
+        "message": "'models[1]': The model 'acme/unknown' is not known to this horde.",
+        "rc": "UnknownChatModel",
+    }
+    single = chat_async(horde.client, requester.key, model="acme/unknown", horde={"dry_run": True})
+    assert single.status_code == 404
+    assert single.json()["message"] == "'model': The model 'acme/unknown' is not known to this horde."
+    assert not GenerationRequest.objects.exists()
+    assert not KudosTransaction.objects.filter(kind="horde_tax").exists()
+
+
+def test_a_model_an_online_chat_worker_serves_is_known(horde, make_user, owner):
+    chat_worker(owner, model="acme/private-model")
+    response = chat_async(horde.client, make_user("r").key, model="acme/private-model")
+    assert response.status_code == 202
+
+
+def test_offline_worker_does_not_make_a_model_known(horde, make_user, owner):
+    chat_worker(owner, model="acme/private-model", online=False)
+    response = chat_async(horde.client, make_user("r").key, model="acme/private-model")
+    assert response.status_code == 404 and response.json()["rc"] == "UnknownChatModel"
+
+
+def test_known_model_without_chat_worker_is_no_eligible_worker(horde, make_user, owner):
+    requester = make_user("r")
+    huge = [{"role": "user", "content": "x" * 400_000}]  # would not fit any context: the 403 comes first
+    for extra in ({}, {"horde": {"dry_run": True}}):
+        response = chat_async(horde.client, requester.key, messages=huge, **extra)
+        assert response.status_code == 403
+        assert response.json() == {
+            "message": f"No worker is currently serving the model '{MODEL}'.",
+            "rc": "NoEligibleWorker",
+        }
+    many = chat_async(horde.client, requester.key, models=[MODEL, SMALL_MODEL])
+    assert many.status_code == 403
+    assert many.json() == {
+        "message": f"No worker is currently serving any of the models '{MODEL}', '{SMALL_MODEL}'.",
+        "rc": "NoEligibleWorker",
+    }
+    # A text-only worker does not serve chat requests.
+    horde.pop(owner.key, models=[MODEL])
+    assert chat_async(horde.client, requester.key).status_code == 403
+    assert not GenerationRequest.objects.exists()
+
+
+# --- step 7: worker_max_length -------------------------------------------------------------------
+
+
+def test_max_tokens_above_every_worker_is_lowered(horde, make_user, owner):
+    chat_worker(owner, max_length=1024)
+    chat_worker(owner, max_length=700)
+    requester = make_user("r", kudos=1000)
+    response = chat_async(horde.client, requester.key, max_tokens=4096)
+    assert response.status_code == 202
+    request = GenerationRequest.objects.get(pk=response.json()["id"])
+    assert request.max_length == 1024
+    assert request.context_adjustments == [{"from": 4096, "to": 1024, "reason": "worker_max_length"}]
+    dry = chat_async(horde.client, requester.key, max_completion_tokens=4096, horde={"dry_run": True})
+    assert dry.json()["resolved"]["max_length"] == 1024
+    assert dry.json()["context_adjustments"][0]["reason"] == "worker_max_length"
+
+
+# --- step 8: context sizing ----------------------------------------------------------------------
+
+
+def _long(n_chars: int) -> str:
+    return "y" * n_chars
+
+
+def test_grow_raises_the_context_up_to_the_largest_chat_context(horde, make_user, owner):
+    chat_worker(owner, max_context_length=8192)
+    requester = make_user("r")
+    messages = [{"role": "user", "content": _long(12_000)}]
+    response = chat_async(horde.client, requester.key, messages=messages, horde={"context_fit": "grow"})
+    assert response.status_code == 202
+    request = GenerationRequest.objects.get(pk=response.json()["id"])
+    needed = estimate_chat_prompt_tokens(flatten_messages(messages), 0) + 512
+    assert request.max_context_length == needed
+    assert request.context_adjustments == [{"from": 2048, "to": needed, "reason": "grow"}]
+
+
+def test_reject_and_grow_past_the_bound_are_prompt_exceeds_context(horde, make_user, owner):
+    chat_worker(owner, max_context_length=4096)
+    requester = make_user("r")
+    tokens = estimate_chat_prompt_tokens(flatten_messages([{"role": "user", "content": _long(12_000)}]), 0)
+    rejected = chat_async(
+        horde.client, requester.key, messages=[{"role": "user", "content": _long(12_000)}], horde={"context_fit": "reject"}
+    )
+    assert rejected.status_code == 400
+    assert rejected.json() == {
+        "message": f"The messages are estimated at {tokens} tokens, which with max_length 512 do not fit a context "
+        "of 2048 tokens.",
+        "rc": "PromptExceedsContext",
+    }
+    grown = chat_async(
+        horde.client, requester.key, messages=[{"role": "user", "content": _long(20_000)}], horde={"context_fit": "grow"}
+    )
+    assert grown.status_code == 400 and grown.json()["rc"] == "PromptExceedsContext"
+    assert "a context of 4096 tokens" in grown.json()["message"]
+    assert not GenerationRequest.objects.exists()
+
+
+def test_truncate_oldest_drops_whole_turns_and_keeps_system_and_the_latest_user(horde, make_user, owner):
+    chat_worker(owner, max_context_length=4096)
+    requester = make_user("r")
+    turn = _long(4000)  # about 1000 tokens per message
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": turn},
+        {"role": "assistant", "content": turn},
+        {"role": "user", "content": turn},
+        {"role": "assistant", "content": turn},
+        {"role": "system", "content": "Mid-conversation note."},
+        {"role": "user", "content": "Latest question"},
+        {"role": "assistant", "content": "Partial"},
+    ]
+    response = chat_async(horde.client, requester.key, messages=messages)
+    assert response.status_code == 202, response.json()
+    request = GenerationRequest.objects.get(pk=response.json()["id"])
+    kept = messages[:1] + messages[3:]
+    assert request.messages == kept
+    submitted_tokens = estimate_chat_prompt_tokens(flatten_messages(messages), 0)
+    kept_tokens = estimate_chat_prompt_tokens(flatten_messages(kept), 0)
+    assert request.context_adjustments == [
+        {"from": 2048, "to": 4096, "reason": "grow"},
+        {"from": submitted_tokens, "to": kept_tokens, "reason": "truncate_oldest", "dropped_messages": 2},
+    ]
+    assert request.max_context_length == 4096
+    assert request.prompt == flatten_messages(kept)
+    assert request.submitted_prompt == flatten_messages(messages)
+    # A dry run is trimmed the same way; its text sizing ran as grow.
+    dry = chat_async(horde.client, requester.key, messages=messages, horde={"dry_run": True})
+    assert dry.status_code == 200
+    assert dry.json()["estimated_prompt_tokens"] == kept_tokens
+    assert dry.json()["resolved"]["context_fit"] == "grow"
+
+
+def test_truncate_oldest_that_still_does_not_fit_is_refused(horde, make_user, owner):
+    chat_worker(owner, max_context_length=4096)
+    response = chat_async(horde.client, make_user("r").key, messages=[{"role": "user", "content": _long(40_000)}])
+    assert response.status_code == 400 and response.json()["rc"] == "PromptExceedsContext"
+
+
+def test_tool_rounds_are_dropped_with_their_answers(horde, make_user, owner):
+    chat_worker(owner, max_context_length=4096)
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup_weather", "arguments": _long(10_000)}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": _long(6000)},
+        {"role": "assistant", "content": "Sunny."},
+        {"role": "user", "content": "Thanks, and tomorrow?"},
+    ]
+    response = chat_async(horde.client, make_user("r").key, messages=messages, tools=TOOLS)
+    assert response.status_code == 202, response.json()
+    request = GenerationRequest.objects.get(pk=response.json()["id"])
+    # The user + tool-calling assistant turn goes with its tool message; the lone assistant stays.
+    assert [m["role"] for m in request.messages] == ["assistant", "user"]
+    assert request.context_adjustments[-1]["dropped_messages"] == 3
+
+
+# --- flattened prompt and estimate ------------------------------------------------------------------
+
+
+def test_flattened_prompt_and_image_estimate():
+    messages = [
+        {"role": "system", "content": "S"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Look:"},
+                {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c", "content": "42"},
+    ]
+    prompt = flatten_messages(messages, TOOLS)
+    calls = '[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]'
+    assert prompt == (
+        "system: S\nuser: Look:\n[image]\n"
+        f"assistant: {calls}\n"
+        "tool: 42\n" + json.dumps(TOOLS, separators=(",", ":"))
+    )
+    assert estimate_chat_prompt_tokens(prompt, 1) == -(-len(prompt) // 4) + 512
+
+
+# --- pricing at admission ----------------------------------------------------------------------
+
+
+def test_multi_model_quotes_the_first_and_holds_at_the_highest(horde, make_user, owner):
+    chat_worker(owner, model=SMALL_MODEL)
+    requester = make_user("r", kudos=5000)
+    response = chat_async(horde.client, requester.key, models=[SMALL_MODEL, BIG_MODEL], max_tokens=1024)
+    assert response.status_code == 202, response.json()
+    request = GenerationRequest.objects.get(pk=response.json()["id"])
+    quote = text_request_quote(models=[SMALL_MODEL], prompt=request.prompt, max_length=1024, n=1) + 1
+    hold = text_request_quote(models=[BIG_MODEL], prompt=request.prompt, max_length=1024, n=1) + 1
+    assert Decimal(str(response.json()["kudos"])) == quote == request.kudos_quote
+    assert hold > quote and request.kudos_held == hold
+    assert requester.refresh().kudos_held == hold
+
+
+def test_chat_requests_never_downgrade(horde, make_user, served):
+    poor = make_user("poor", kudos=1)
+    response = chat_async(horde.client, poor.key, max_tokens=1024)
+    assert response.status_code == 403
+    upfront = text_request_quote(models=[MODEL], prompt="user: Hello", max_length=1024, n=1) + 1
+    assert response.json() == {
+        "message": "Due to heavy demand, for requests over 512 tokens, the client needs to already have the "
+        f"required kudos. This request requires {upfront} kudos to fulfil.",
+        "rc": "KudosUpfront",
+    }
+    assert not GenerationRequest.objects.exists()
+    assert poor.refresh().kudos == Decimal("1") and poor.refresh().kudos_held == 0
+
+
+def test_no_eligible_worker_replaces_a_kudos_refusal(horde, make_user, owner):
+    chat_worker(owner, features=["prompt_overflow_refused"])  # serves the model, cannot serve seed
+    poor = make_user("poor", kudos=1)
+    response = chat_async(horde.client, poor.key, max_tokens=1024, seed=3)
+    assert response.status_code == 403
+    assert response.json() == {
+        "message": "No online worker can serve this request: no online worker serving the model declares seed.",
+        "rc": "NoEligibleWorker",
+        "impossible_reason": {"kind": "declaration_gap", "missing_declarations": ["seed"], "exceeded_limits": []},
+    }
+    assert not GenerationRequest.objects.exists()
+    # A request that fits the floor is queued whether or not a worker can serve it.
+    queued = chat_async(horde.client, poor.key, seed=3)
+    assert queued.status_code == 202 and queued.json()["warnings"]
+
+
+def test_max_kudos_caps_the_estimate(horde, make_user, served):
+    requester = make_user("r", kudos=1000)
+    quote = chat_async(horde.client, requester.key, max_tokens=1024, horde={"dry_run": True})
+    assert quote.status_code == 200
+    kudos = quote.json()["kudos"]
+    assert not GenerationRequest.objects.exists()
+    for extra in ({}, {"dry_run": True}):
+        refused = chat_async(horde.client, requester.key, max_tokens=1024, horde={"max_kudos": 1, **extra})
+        assert refused.status_code == 400
+        assert refused.json() == {"message": kudos_cap_message(kudos, 1), "rc": "ChatKudosCapExceeded"}
+    assert not GenerationRequest.objects.exists()
+    assert requester.refresh().kudos_held == 0
+    allowed = chat_async(horde.client, requester.key, max_tokens=1024, horde={"max_kudos": int(kudos) + 1})
+    assert allowed.status_code == 202

@@ -1,0 +1,184 @@
+"""horde.operation_key: the fingerprint, a repeated key, a conflicting key, and the race of two
+concurrent submits on real PostgreSQL connections."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from decimal import Decimal
+
+import pytest
+from django.db import connection
+from rest_framework.test import APIClient
+
+from accounts.models import KudosTransaction
+from chat.chat_create import OPERATION_FINGERPRINT_EXCLUDED_HORDE_KEYS, map_chat_request
+from chat.models import GenerationRequest
+from contract.chat_shapes import validate_chat_request
+from tests.chat.chat_route_helpers import MODEL, SMALL_MODEL, chat_async, chat_body, chat_worker
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def fingerprint(**body) -> str:
+    return map_chat_request(validate_chat_request(chat_body(**body))).fingerprint
+
+
+# --- the fingerprint ------------------------------------------------------------------------------
+
+
+def test_fingerprint_ignores_what_does_not_define_the_operation():
+    base = fingerprint()
+    assert fingerprint(max_tokens=512) == base  # the default, sent
+    assert fingerprint(max_tokens=300) == fingerprint(max_completion_tokens=300)
+    assert fingerprint(model=MODEL) == fingerprint(models=[MODEL], model=None)
+    assert fingerprint(models=[MODEL, SMALL_MODEL], model=None) == fingerprint(models=[SMALL_MODEL, MODEL], model=None)
+    assert fingerprint(horde={"context_fit": "truncate_oldest", "slow_workers": True}) == base
+    assert fingerprint(stream=True, stream_options={"include_usage": True}, user="u", metadata={"a": "b"}) == base
+    assert fingerprint(temperature=1) == fingerprint(temperature=1.0)
+    excluded = {
+        "availability_mode": "fail_fast",
+        "dry_run": True,
+        "include_reasoning": False,
+        "max_kudos": 5,
+        "operation_key": str(uuid.uuid4()),
+    }
+    assert set(excluded) == OPERATION_FINGERPRINT_EXCLUDED_HORDE_KEYS
+    assert fingerprint(horde=excluded) == base
+    assert fingerprint(messages=[{"role": "developer", "content": "x"}]) == fingerprint(
+        messages=[{"role": "system", "content": "x"}]
+    )
+
+
+def test_fingerprint_covers_what_defines_the_operation():
+    base = fingerprint()
+    others = [
+        fingerprint(messages=[{"role": "user", "content": "Hello!"}]),
+        fingerprint(max_tokens=300),
+        fingerprint(temperature=0.5),
+        fingerprint(model=SMALL_MODEL),
+        fingerprint(horde={"conformance": "best_effort"}),
+        fingerprint(horde={"openai_guards": True}),
+        fingerprint(tools=TOOLS),
+        fingerprint(tools=TOOLS, tool_choice="none"),
+    ]
+    assert len({base, *others}) == len(others) + 1
+    assert all(len(f) == 64 for f in others)
+
+
+# --- repeated and conflicting keys ----------------------------------------------------------------
+
+
+@pytest.fixture
+def served(make_user):
+    return chat_worker(make_user("owner"))
+
+
+def test_repeated_key_returns_the_first_request_without_charging(horde, make_user, served, settings):
+    requester = make_user("r", kudos=10_000)
+    key = str(uuid.uuid4())
+    first = chat_async(horde.client, requester.key, max_tokens=1024, horde={"operation_key": key})
+    assert first.status_code == 202
+    kudos_after_first = requester.refresh().kudos
+    held_after_first = requester.refresh().kudos_held
+    again = chat_async(horde.client, requester.key, max_completion_tokens=1024, horde={"operation_key": key})
+    assert again.status_code == 200
+    assert again.json() == {"id": first.json()["id"], "kudos": first.json()["kudos"]}
+    assert GenerationRequest.objects.count() == 1
+    assert (requester.refresh().kudos, requester.refresh().kudos_held) == (kudos_after_first, held_after_first)
+    # Answered before the admission flag and any availability check.
+    settings.HORDE_CHAT_ADMISSION_ENABLED = False
+    served.delete()
+    assert chat_async(horde.client, requester.key, max_tokens=1024, horde={"operation_key": key}).status_code == 200
+
+
+def test_different_request_with_the_key_conflicts(horde, make_user, served):
+    requester = make_user("r")
+    key = str(uuid.uuid4())
+    assert chat_async(horde.client, requester.key, horde={"operation_key": key}).status_code == 202
+    response = chat_async(
+        horde.client, requester.key, messages=[{"role": "user", "content": "Other"}], horde={"operation_key": key}
+    )
+    assert response.status_code == 400
+    assert response.json() == {
+        "message": "The operation_key was already used for a different request: a repeated submission has to "
+        "send the same request.",
+        "rc": "OperationKeyConflict",
+    }
+    assert GenerationRequest.objects.count() == 1
+
+
+def test_same_key_from_another_user_is_a_separate_claim(horde, make_user, served):
+    key = str(uuid.uuid4())
+    first = chat_async(horde.client, make_user("a").key, horde={"operation_key": key})
+    second = chat_async(horde.client, make_user("b").key, horde={"operation_key": key})
+    assert (first.status_code, second.status_code) == (202, 202)
+    assert first.json()["id"] != second.json()["id"]
+
+
+def test_dry_run_neither_looks_up_nor_claims(horde, make_user, served):
+    requester = make_user("r")
+    key = str(uuid.uuid4())
+    dry = chat_async(horde.client, requester.key, horde={"operation_key": key, "dry_run": True})
+    assert dry.status_code == 200 and "id" not in dry.json()
+    assert not GenerationRequest.objects.exists()
+    real = chat_async(horde.client, requester.key, horde={"operation_key": key})
+    assert real.status_code == 202
+    request = GenerationRequest.objects.get()
+    assert str(request.operation_key) == key and len(request.operation_fingerprint) == 64
+    # A dry run with the claimed key still quotes rather than answering the claim.
+    quoted = chat_async(horde.client, requester.key, horde={"operation_key": key, "dry_run": True})
+    assert quoted.status_code == 200 and "id" not in quoted.json()
+
+
+def test_operation_key_must_be_a_uuid(horde, make_user, served):
+    response = chat_async(horde.client, make_user("r").key, horde={"operation_key": "nope"})
+    assert response.status_code == 400 and response.json()["rc"] == "BadRequest"
+    assert response.json()["message"].startswith("'horde.operation_key'")
+
+
+# --- the race -------------------------------------------------------------------------------------
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("same_request", [True, False])
+def test_two_concurrent_submits_with_one_key_create_one_request_and_one_charge(make_user, same_request):
+    requester = make_user("r", kudos=10_000)
+    chat_worker(make_user("owner"))
+    key = str(uuid.uuid4())
+    barrier = threading.Barrier(2)
+    results: list = [None, None]
+
+    def submit(index: int) -> None:
+        try:
+            content = "Hello" if same_request else f"Hello {index}"
+            barrier.wait()
+            results[index] = chat_async(
+                APIClient(),
+                requester.key,
+                max_tokens=1024,
+                messages=[{"role": "user", "content": content}],
+                horde={"operation_key": key},
+            )
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    codes = sorted(r.status_code for r in results)
+    winner = next(r for r in results if r.status_code == 202)
+    loser = next(r for r in results if r is not winner)
+    if same_request:
+        assert codes == [200, 202]
+        assert loser.json() == {"id": winner.json()["id"], "kudos": winner.json()["kudos"]}
+    else:
+        assert codes == [202, 400] and loser.json()["rc"] == "OperationKeyConflict"
+    assert GenerationRequest.objects.count() == 1
+    request = GenerationRequest.objects.get()
+    assert KudosTransaction.objects.filter(kind="horde_tax").count() == 1
+    user = requester.refresh()
+    assert user.kudos == Decimal("9999") and user.kudos_held == request.kudos_held > 0

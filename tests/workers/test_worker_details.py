@@ -1,0 +1,77 @@
+"""Worker details carry the declaration of the worker's latest pop (spec: chat_requests.md, "Worker
+details")."""
+
+from __future__ import annotations
+
+from django.core.cache import cache
+
+from tests.chat.pop_helpers import MODEL, chat_pop
+from workers.models import Worker
+
+
+def _details(horde, name: str) -> dict:
+    worker = Worker.objects.get(name=name)
+    response = horde.client.get(f"/api/v2/workers/{worker.id}")
+    assert response.status_code == 200
+    return response.json()
+
+
+def test_a_text_worker_has_no_chat_object(horde, make_user):
+    owner = make_user("owner")
+    horde.pop(owner.key, name="text")
+    details = _details(horde, "text")
+    assert details["accepts_chat_jobs"] is False and details["accepts_prompt_jobs"] is True
+    assert "chat" not in details
+    assert details["nonconformant_replies"] == 0
+
+
+def test_a_chat_worker_shows_its_declaration(horde, make_user):
+    owner = make_user("owner")
+    chat_pop(
+        horde,
+        owner.key,
+        name="chat",
+        prompt_jobs=False,
+        features=["vision", "seed", "made-up", "prompt_overflow_refused"],
+        limits={"max_context_length": 8192, "max_length": 1024, "tools_max_temperature": 0.8},
+        transports=["url", "base64", "telepathy"],
+    )
+    Worker.objects.filter(name="chat").update(nonconformant_replies=3)
+    details = _details(horde, "chat")
+    assert details["accepts_chat_jobs"] is True and details["accepts_prompt_jobs"] is False
+    assert details["chat"] == {
+        "model_id": MODEL,
+        "features": ["prompt_overflow_refused", "seed", "vision"],
+        "limits": {"max_context_length": 8192, "max_length": 1024, "tools_max_temperature": 0.8},
+        "image_transports": ["base64", "url"],
+    }
+    assert details["nonconformant_replies"] == 3
+
+
+def test_limits_leave_out_an_undeclared_tool_temperature(horde, make_user):
+    owner = make_user("owner")
+    chat_pop(horde, owner.key, name="chat", limits={"max_context_length": 4096, "max_length": 512})
+    assert _details(horde, "chat")["chat"]["limits"] == {"max_context_length": 4096, "max_length": 512}
+
+
+def test_the_worker_list_carries_the_same_fields(horde, make_user):
+    owner = make_user("owner")
+    chat_pop(horde, owner.key, name="chat")
+    horde.pop(owner.key, name="text")
+    listed = {w["name"]: w for w in horde.client.get("/api/v2/workers").json()}
+    assert listed["chat"]["chat"]["model_id"] == MODEL and listed["chat"]["accepts_chat_jobs"] is True
+    assert "chat" not in listed["text"] and listed["text"]["nonconformant_replies"] == 0
+
+
+def test_single_details_are_cached_but_the_owner_switch_shows_at_once(horde, make_user):
+    owner = make_user("owner")
+    chat_pop(horde, owner.key, name="chat")
+    assert "chat" in _details(horde, "chat")
+    horde.pop(owner.key, name="chat")  # withdraws the declaration
+    assert "chat" in _details(horde, "chat")  # cached for 30 seconds
+    worker = Worker.objects.get(name="chat")
+    horde.client.put(f"/api/v2/workers/{worker.id}", {"maintenance": True}, format="json", HTTP_APIKEY=owner.key)
+    details = _details(horde, "chat")
+    assert details["maintenance_mode"] is True and "chat" not in details
+    cache.clear()
+    assert _details(horde, "chat")["accepts_chat_jobs"] is False
