@@ -69,18 +69,20 @@ def worker_check_in(*, owner: HordeUser, declaration: TextWorkerDeclaration) -> 
         "last_check_in": now,
         **chat_declaration_columns(declaration.chat),
     }
-    worker = Worker.objects.filter(name=declaration.name).only("id", "owner_id", "maintenance").first()
+    worker = Worker.objects.filter(name=declaration.name).first()
     if worker is None:
         try:
             with transaction.atomic():
                 return Worker.objects.create(name=declaration.name, owner=owner, **fields)
         except IntegrityError:
             # Two first pops raced on the name; the loser checks in on the row the winner made.
-            worker = Worker.objects.filter(name=declaration.name).only("id", "owner_id", "maintenance").get()
+            worker = Worker.objects.get(name=declaration.name)
     if worker.owner_id != owner.pk:
         raise HordeError("WrongCredentials", "Wrong credentials to submit as this worker.")
     Worker.objects.filter(pk=worker.pk).update(**fields)
-    worker.refresh_from_db()
+    # The row as just written, without reading it back: the pop reads these fields next.
+    for name, value in fields.items():
+        setattr(worker, name, value)
     return worker
 
 
