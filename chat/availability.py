@@ -20,13 +20,11 @@ from chat.matching import (
     worker_serves_chat_model,
 )
 from chat.models import Generation, GenerationRequest, RequestWorker
+from chat.snapshots import online_workers
 from contract.chat_policy import ChatServiceGap, merge_service_gaps
 from workers.models import Worker
-from workers.selectors import workers_online
 
 AVAILABILITY_CACHE_SECONDS = 60
-ONLINE_WORKERS_CACHE_SECONDS = 5
-ONLINE_WORKERS_CACHE_KEY = "horde:online-text-workers"
 
 
 @dataclass(frozen=True)
@@ -43,16 +41,6 @@ class _Pass:
 
     eligible_worker_threads: int
     gap: ChatServiceGap | None  # the declarations gap, only when no worker is eligible
-
-
-def online_workers() -> list[Worker]:
-    """Online workers (checked in within WORKER_ONLINE_SECONDS), not in maintenance or paused,
-    cached briefly: availability reads them on every uncached status poll."""
-    workers = cache.get(ONLINE_WORKERS_CACHE_KEY)
-    if workers is None:
-        workers = list(workers_online().filter(maintenance=False, paused=False))
-        cache.set(ONLINE_WORKERS_CACHE_KEY, workers, ONLINE_WORKERS_CACHE_SECONDS)
-    return workers
 
 
 def _listed_worker_ids(request: GenerationRequest) -> set:

@@ -8,9 +8,10 @@ from uuid import UUID
 from django.core.cache import cache
 from django.db.models import Count, F, Q, Sum
 
-from chat.availability import chat_request_availability, online_workers
+from chat.availability import chat_request_availability
 from chat.matching import waiting_requests
 from chat.models import Generation, GenerationRequest
+from chat.snapshots import online_workers, queue_place
 from workers.selectors import chat_workers_online, worker_speed
 
 # GET /status/models answers from a cache keyed by its query string (spec: "Chat model list").
@@ -41,9 +42,13 @@ def request_queue_stats(request: GenerationRequest) -> tuple[int, int]:
     workers need for the tokens ahead plus this request's own."""
     if request.jobs_waiting == 0 or request.faulted or request.cancelled:
         return 0, 0
-    ahead = waiting_requests().filter(
-        Q(queue_score__gt=request.queue_score) | Q(queue_score=request.queue_score, created__lt=request.created)
-    ).aggregate(count=Count("pk"), tokens=Sum(F("max_length") * F("jobs_waiting")))
+    place = queue_place(request.pk)
+    if place is not None:
+        ahead = {"count": place.position, "tokens": place.tokens_ahead}
+    else:  # newer than the snapshot: one live count
+        ahead = waiting_requests().filter(
+            Q(queue_score__gt=request.queue_score) | Q(queue_score=request.queue_score, created__lt=request.created)
+        ).aggregate(count=Count("pk"), tokens=Sum(F("max_length") * F("jobs_waiting")))
     tokens = (ahead["tokens"] or 0) + request.max_length * request.jobs_waiting
     speed = _horde_tokens_per_second()
     wait = math.ceil(tokens / speed) if speed else 0
@@ -170,9 +175,9 @@ def chat_models_status() -> list[dict]:
     return [{**entry, "chat": offers[entry["name"]]} for entry in text_models_status() if entry["name"] in offers]
 
 
-def models_status(*, kind: str, chat: bool, cache_key: str) -> list[dict]:
-    """The models route's body, through its two-second cache keyed by the query string."""
-    key = f"horde:status-models:{cache_key}"
+def models_status(*, kind: str, chat: bool) -> list[dict]:
+    """The models route's body, through its two-second cache keyed by the (validated) query."""
+    key = f"horde:status-models:{kind}:{chat}"
     body = cache.get(key)
     if body is None:
         if kind != "text":

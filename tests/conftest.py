@@ -67,7 +67,10 @@ def _public_model_reference(settings):
 def _fresh_cache():
     from django.core.cache import cache
 
+    from chat.snapshots import reset_snapshots
+
     cache.clear()
+    reset_snapshots()
 
 
 @pytest.fixture

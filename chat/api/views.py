@@ -110,7 +110,7 @@ class ModelsStatusView(APIView):
         if chat == "true" and kind != "text":
             raise HordeError("BadRequest", "chat=true lists text models only: use it with type=text.")
         return Response(
-            selectors.models_status(kind=kind, chat=chat == "true", cache_key=request.META.get("QUERY_STRING", ""))
+            selectors.models_status(kind=kind, chat=chat == "true")
         )
 
 

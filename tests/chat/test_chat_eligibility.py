@@ -12,6 +12,7 @@ from django.utils import timezone
 from chat.availability import chat_request_availability
 from chat.matching import worker_may_take
 from chat.models import GenerationRequest, RequestWorker
+from chat.snapshots import reset_snapshots
 from tests.chat.pop_helpers import ALL_GUARANTEES, MODEL, OTHER, chat_pop, queue_chat
 from workers.models import Worker
 
@@ -211,6 +212,7 @@ def test_slow_workers(horde, owner, requester):
 def _declare(horde, key, name, **pop):
     assert chat_pop(horde, key, name=name, **pop).status_code == 200
     cache.clear()  # the online workers and availability caches
+    reset_snapshots()
 
 
 def test_availability_counts_eligible_threads(horde, owner, requester):
@@ -284,6 +286,7 @@ def test_offline_and_maintenance_workers_do_not_count(horde, owner, requester):
     Worker.objects.filter(name="a").update(last_check_in=timezone.now() - timedelta(seconds=301))
     Worker.objects.filter(name="b").update(maintenance=True)
     cache.clear()
+    reset_snapshots()
     assert chat_request_availability(request).is_possible is False
 
 
@@ -293,6 +296,7 @@ def test_availability_is_cached_for_a_minute(horde, owner, requester):
     chat_pop(horde, owner.key, name="late")  # a worker comes online (and takes the job)
     assert chat_request_availability(request).is_possible is False  # still the cached pass
     cache.clear()
+    reset_snapshots()
     assert chat_request_availability(request).is_possible is True
 
 
@@ -304,6 +308,7 @@ def test_text_requests_share_the_pass_without_a_reason(horde, owner, requester):
     availability = chat_request_availability(request)
     assert availability.eligible_worker_threads == 2 and availability.impossible_reason is None
     cache.clear()
+    reset_snapshots()
     Worker.objects.filter(name="text").update(max_length=512)
     assert horde.status(request_id).json()["is_possible"] is False
     assert chat_request_availability(request).impossible_reason is None
@@ -322,6 +327,7 @@ def test_chat_model_list(horde, owner, requester):
     earliest = int(Worker.objects.get(name="a").created.timestamp())
     queue_chat(requester.user, max_length=100)
     cache.clear()
+    reset_snapshots()
 
     plain = {m["name"]: m for m in horde.client.get("/api/v2/status/models?type=text").json()}
     assert set(plain) == {MODEL, OTHER, "solo/model"}

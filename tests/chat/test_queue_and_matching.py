@@ -8,6 +8,7 @@ import pytest
 
 from chat.models import GenerationRequest
 from chat.services import queue_score
+from chat.snapshots import reset_snapshots
 
 MODEL = "Gryphe/MythoMax-L2-13b"
 OTHER = "koboldcpp/Pernicious_Prophecy_70B"
@@ -142,6 +143,8 @@ def test_status_models_reports_threads_queue_and_eta(horde, make_user, owner):
     from django.core.cache import cache
 
     cache.clear()
+
+    reset_snapshots()
     models = {m["name"]: m for m in horde.client.get("/api/v2/status/models?type=text").json()}
     assert models[MODEL]["count"] == 3 and models[OTHER]["count"] == 1
     assert models[MODEL]["queued"] == 200 and models[MODEL]["jobs"] == 2

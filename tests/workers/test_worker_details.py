@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from django.core.cache import cache
 
+from chat.snapshots import reset_snapshots
 from tests.chat.pop_helpers import MODEL, chat_pop
 from workers.models import Worker
 
@@ -74,4 +75,5 @@ def test_single_details_are_cached_but_the_owner_switch_shows_at_once(horde, mak
     details = _details(horde, "chat")
     assert details["maintenance_mode"] is True and "chat" not in details
     cache.clear()
+    reset_snapshots()
     assert _details(horde, "chat")["accepts_chat_jobs"] is False

@@ -1,0 +1,26 @@
+"""The reference worker: `python -m workers.bridge` connects an OpenAI-compatible backend to a horde.
+
+A volunteer points it at a horde (the native API under /api/v2/) and at the LLM backend they
+already run (llama.cpp's server, vLLM, Ollama, koboldcpp, TabbyAPI, or any server with an
+OpenAI-compatible /v1/chat/completions and /v1/completions), and it serves chat jobs and text jobs.
+`--backend scripted` answers without any LLM, deterministically from the request (demo, tests).
+
+It is a client of the native API like any third-party worker: it imports nothing of the project
+but `contract` (checked by import-linter) and never Django, and talks HTTP through httpx.
+
+Modules:
+  config    settings from flags and BRIDGE_* environment variables
+  horde     the native API client (find_user, pop, submit)
+  backends  the OpenAI-compatible backend client: capability probe, requests, error classes
+  scripted  the built-in scripted backend (no LLM)
+  jobs      job payload -> backend request, backend reply -> structured submit, reasoning split
+  worker    the loop: threads, backoff, leases, signals, progress lines and the summary
+"""
+
+from __future__ import annotations
+
+BRIDGE_NAME = "horde-bridge"
+BRIDGE_VERSION = "1"
+BRIDGE_URL = "https://github.com/Haidra-Org/AI-Horde"
+# bridge_agent "name:version:url"; the name is one of contract.text.VALIDATED_TEXT_BRIDGES.
+BRIDGE_AGENT = f"{BRIDGE_NAME}:{BRIDGE_VERSION}:{BRIDGE_URL}"
