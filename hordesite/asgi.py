@@ -12,4 +12,6 @@ django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402  (needs the app registry ready)
 
-application = ProtocolTypeRouter({"http": django_asgi_app})
+from hordesite.body_limits import BodyLimitMiddleware  # noqa: E402
+
+application = ProtocolTypeRouter({"http": BodyLimitMiddleware(django_asgi_app)})

@@ -1,0 +1,67 @@
+"""The ASGI body guard answers 413 before Django reads an oversized chat body."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from contract.chat_limits import MAX_CHAT_BODY_BYTES
+from hordesite.body_limits import BodyLimitMiddleware
+
+
+class Recorder:
+    """The inner app: records that it ran and what body it read."""
+
+    def __init__(self):
+        self.body = None
+
+    async def __call__(self, scope, receive, send):
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        self.body = b"".join(chunks)
+        await send({"type": "http.response.start", "status": 202, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+def _run(headers, chunks, path="/api/v2/generate/chat/async"):
+    inner = Recorder()
+    sent, pulled = [], []
+    queue = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+
+    async def receive():
+        pulled.append(1)
+        return queue.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+    asyncio.run(BodyLimitMiddleware(inner)(scope, receive, send))
+    return inner, sent, len(pulled)
+
+
+def test_declared_length_over_the_bound_is_refused_unread():
+    inner, sent, pulled = _run([(b"content-length", str(MAX_CHAT_BODY_BYTES + 1).encode())], [b"x"])
+    assert sent[0]["status"] == 413 and inner.body is None and pulled == 0
+    assert json.loads(sent[1]["body"])["rc"] == "RequestTooLarge"
+
+
+def test_chunked_body_is_read_only_one_byte_past_the_bound():
+    chunk = b"x" * (MAX_CHAT_BODY_BYTES // 4)
+    inner, sent, pulled = _run([], [chunk] * 4 + [b"xy", b"never read"])
+    assert sent[0]["status"] == 413 and inner.body is None
+    assert pulled == 5  # the fifth chunk crossed the bound; the sixth was never pulled
+
+
+def test_body_within_the_bound_reaches_the_app_whole():
+    inner, sent, _ = _run([(b"content-length", b"11")], [b"hello ", b"world"])
+    assert sent[0]["status"] == 202 and inner.body == b"hello world"
+
+
+def test_other_routes_are_not_buffered():
+    inner, sent, _ = _run([(b"content-length", str(MAX_CHAT_BODY_BYTES + 1).encode())], [b"x"], path="/api/v2/generate/text/async")
+    assert sent[0]["status"] == 202
