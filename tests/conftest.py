@@ -132,6 +132,10 @@ class Horde:
     def submit(self, key: str, job_id, generation: str = "A reply.", **body):
         return self._call("post", "generate/text/submit", key, {"id": str(job_id), "generation": generation, **body})
 
+    def chat_submit(self, key: str, job_id, **body):
+        """A chat job's structured submit: message, finish_reason, model_id... and no generation."""
+        return self._call("post", "generate/text/submit", key, {"id": str(job_id), **body})
+
 
 @pytest.fixture
 def horde(api, db) -> Horde:
