@@ -59,6 +59,35 @@ def kudos_transfer(
         )
 
 
+def kudos_settle(
+    *,
+    payee_id: int,
+    payer_id: int,
+    reward: Decimal,
+    charge: Decimal,
+    release_held: Decimal,
+    request_id: UUID,
+    generation_id: UUID,
+) -> None:
+    """A settled generation: the worker's owner earns `reward`, the requester pays `charge` and has
+    `release_held` of its hold released; both ledger rows in one insert."""
+    HordeUser.objects.filter(pk=payee_id).update(kudos=F("kudos") + reward)
+    payer_updates: dict = {"kudos": F("kudos") - charge}
+    if release_held:
+        payer_updates["kudos_held"] = F("kudos_held") - release_held
+    HordeUser.objects.filter(pk=payer_id).update(**payer_updates)
+    rows = [(payee_id, reward, KudosTransaction.Kind.GENERATION_REWARD)]
+    if charge:
+        rows.append((payer_id, -charge, KudosTransaction.Kind.GENERATION_CHARGE))
+    KudosTransaction.objects.bulk_create(
+        [
+            KudosTransaction(user_id=user, amount=amount, kind=kind, request_id=request_id, generation_id=generation_id)
+            for user, amount, kind in rows
+            if amount
+        ]
+    )
+
+
 def kudos_hold(*, user_id: int, amount: Decimal) -> None:
     HordeUser.objects.filter(pk=user_id).update(kudos_held=F("kudos_held") + amount)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import reduce
 from operator import or_
 
+from django.db import connection
 from django.db.models import Count, Exists, F, OuterRef, Q
 from django.db.models.lookups import Exact
 from django.utils import timezone
@@ -86,11 +87,21 @@ def waiting_requests():
 # --- SQL ------------------------------------------------------------------------------------
 
 
+def requests_for_models(names) -> Q:
+    """Requests listing any of `names`. On PostgreSQL a jsonb `?|` on the row's own model list,
+    tested per candidate as the pop walks the queue index; elsewhere an EXISTS on RequestModel
+    rows. (PostgreSQL plans the EXISTS as a hashed subplan over every matching RequestModel row,
+    which costs more than the whole walk.)"""
+    names = list(names)
+    if connection.vendor == "postgresql":
+        return Q(requested_models__has_any_keys=names) if names else Q(pk__in=[])
+    return Q(Exists(RequestModel.objects.filter(request=OuterRef("pk"), name__in=names)))
+
+
 def _text_refusals(worker: WorkerView) -> dict[str, Q]:
     """Per skip reason, the text requests the worker may not take for it."""
-    serves_model = Exists(RequestModel.objects.filter(request=OuterRef("pk"), name__in=worker.models))
     return {
-        "models": Q(any_model=False) & ~Q(serves_model),
+        "models": Q(any_model=False) & ~requests_for_models(worker.models),
         "max_length": Q(max_length__gt=worker.max_length),
         "max_context_length": Q(max_context_length__gt=worker.max_context_length),
     }
@@ -101,8 +112,6 @@ def _chat_refusals(worker: WorkerView) -> dict[str, Q]:
     chat = worker.chat
     limits = chat.chat_limits
     assert limits is not None and chat.model_id is not None  # takes_chat
-    # The model test probes the (name, request) index once per candidate row.
-    serves_model = Exists(RequestModel.objects.filter(request=OuterRef("pk"), name=chat.model_id))
     # Rule 2 as bits: any required bit the worker does not declare refuses the request.
     undeclared = ALL_CHAT_DECLARATIONS_MASK & ~worker.chat_feature_mask
     features = [~Q(Exact(F("chat_required_mask").bitand(undeclared), 0))] if undeclared else []
@@ -110,7 +119,7 @@ def _chat_refusals(worker: WorkerView) -> dict[str, Q]:
         # The column chat_has_images stands for the spec's JSONB containment test on messages.
         features.append(Q(chat_has_images=True))
     reasons = {
-        "models": ~Q(serves_model),
+        "models": ~requests_for_models([chat.model_id]),
         "max_length": Q(max_length__gt=limits.max_length),
         "max_context_length": Q(max_context_length__gt=limits.max_context_length),
     }

@@ -17,8 +17,8 @@ from django.db import DatabaseError, transaction
 from django.db.models import Exists, F, OuterRef
 from django.utils import timezone
 
-from accounts.models import HordeUser, KudosTransaction
-from accounts.services import kudos_transfer
+from accounts.models import HordeUser
+from accounts.services import kudos_settle
 from chat.metrics import chat_worker_faults
 from chat.models import Generation, GenerationRequest
 from chat.pricing import chat_charge_basis, chat_things_count, text_generation_kudos, things_count
@@ -111,33 +111,29 @@ def _apply_fault(generation: Generation, *, now, seed: int = 0, gen_metadata: li
 def _settle(generation: Generation, *, state: str, tokens: int, reward: Decimal, now) -> None:
     """Reward the owner, charge the requester (not for censored results) and release the hold's share.
 
-    Runs inside the transaction whose compare-and-set stored the result.
+    Runs inside the transaction whose compare-and-set stored the result (and its kudos).
     """
     request = generation.request
     worker = generation.worker
     charge = Decimal("0") if state in ("censored", "csam") else reward
-    Generation.objects.filter(pk=generation.pk).update(kudos=reward)
     worker_record_job(
-        worker_id=worker.pk, tokens=tokens, seconds=(now - generation.created).total_seconds(), kudos=reward
+        worker=worker, tokens=tokens, seconds=(now - generation.created).total_seconds(), kudos=reward
     )
-    kudos_transfer(
-        user_id=worker.owner_id,
-        amount=reward,
-        kind=KudosTransaction.Kind.GENERATION_REWARD,
-        request_id=request.pk,
-        generation_id=generation.pk,
-    )
-    # Each generation releases its share of the request's hold as it is charged. Locking the request
-    # also serialises the submits of one request, so the completion check after it sees every result.
-    locked = GenerationRequest.objects.select_for_update().only("kudos_held", "n").get(pk=request.pk)
-    release = min(locked.kudos_held, (request.kudos_quote / request.n).quantize(Decimal("0.01")))
-    kudos_transfer(
-        user_id=request.user_id,
-        amount=-charge,
-        kind=KudosTransaction.Kind.GENERATION_CHARGE,
-        request_id=request.pk,
-        generation_id=generation.pk,
+    release = Decimal("0")
+    if request.is_chat or request.kudos_held:
+        # Each generation releases its share of the request's hold as it is charged. Locking the
+        # request also serialises the submits of one chat request, so the completion check after it
+        # sees every result. A text request without a hold needs neither.
+        locked = GenerationRequest.objects.select_for_update().only("kudos_held").get(pk=request.pk)
+        release = min(locked.kudos_held, (request.kudos_quote / request.n).quantize(Decimal("0.01")))
+    kudos_settle(
+        payee_id=worker.owner_id,
+        payer_id=request.user_id,
+        reward=reward,
+        charge=charge,
         release_held=release,
+        request_id=request.pk,
+        generation_id=generation.pk,
     )
     GenerationRequest.objects.filter(pk=request.pk).update(
         consumed_kudos=F("consumed_kudos") + charge, kudos_held=F("kudos_held") - release
@@ -192,19 +188,24 @@ def _text_submit(generation: Generation, data: TextSubmit) -> Decimal:
         _apply_fault(generation, now=now, seed=data.seed, gen_metadata=data.gen_metadata)
         return Decimal("0")
     request = generation.request
+    reward = text_generation_kudos(
+        model=generation.model,
+        prompt=request.prompt,
+        generation=data.text,
+        max_length=request.max_length,
+        owner_trusted=generation.worker.owner.trusted,
+    )
     with transaction.atomic():
         won = Generation.objects.filter(pk=generation.pk, state=Generation.State.PROCESSING).update(
-            state=state, text=data.text, seed=data.seed, gen_metadata=data.gen_metadata, finished_at=now
+            state=state,
+            text=data.text,
+            seed=data.seed,
+            gen_metadata=data.gen_metadata,
+            finished_at=now,
+            kudos=reward,
         )
         if not won:
             raise _not_pending_error(generation.pk, _current_state(generation.pk))
-        reward = text_generation_kudos(
-            model=generation.model,
-            prompt=request.prompt,
-            generation=data.text,
-            max_length=request.max_length,
-            owner_trusted=generation.worker.owner.trusted,
-        )
         _settle(
             generation,
             state=state,
@@ -376,6 +377,15 @@ def _store_chat_reply(
     now = timezone.now()
     # The charge and the speed sample count the verified reply, not generation (the content alone).
     tokens = chat_things_count(stored, request.max_length)
+    # Charged at the model that served it; reported token counts never change the charge.
+    reward = text_generation_kudos(
+        model=generation.assigned_model or generation.model,
+        prompt=request.prompt,
+        generation=None,
+        max_length=request.max_length,
+        owner_trusted=generation.worker.owner.trusted,
+        tokens=tokens,
+    )
     with transaction.atomic():
         # One update claims the pending job and writes every reply column, so a submit that loses to
         # a cancel or a duplicate writes none of them.
@@ -390,18 +400,10 @@ def _store_chat_reply(
             reasoning_tokens=submit.reasoning_tokens,
             charge_basis=chat_charge_basis(),
             finished_at=now,
+            kudos=reward,
         )
         if not won:
             raise _not_pending_error(generation.pk, _current_state(generation.pk))
-        # Charged at the model that served it; reported token counts never change the charge.
-        reward = text_generation_kudos(
-            model=generation.assigned_model or generation.model,
-            prompt=request.prompt,
-            generation=None,
-            max_length=request.max_length,
-            owner_trusted=generation.worker.owner.trusted,
-            tokens=tokens,
-        )
         _settle(generation, state=state, tokens=tokens, reward=reward, now=now)
         generations = stored_result_count(request.pk)
         publish_chat_signal(request.pk, "generation", generations)

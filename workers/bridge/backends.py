@@ -1,0 +1,324 @@
+"""Backends: an OpenAI-compatible server (llama.cpp, vLLM, Ollama, koboldcpp, TabbyAPI, any other),
+probed for what it really does, and the errors a job can end in.
+
+A backend takes OpenAI-shaped request bodies and returns OpenAI-shaped response bodies; turning a
+horde job into one and the answer into a submit is `jobs`' work, so the scripted backend and a real
+one go through the same code.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+from contract.chat_declaration import ChatFaultReason, ChatImageTransport
+from contract.chat_policy import ChatFeature, ChatGuarantee
+
+DEFAULT_CONTEXT = 4096
+
+
+class BackendError(Exception):
+    """A job the backend could not answer; `fault_reason` is what the faulted submit carries."""
+
+    def __init__(self, message: str, fault_reason: str = ChatFaultReason.GENERATION_ERROR, *, status: int | None = None):
+        super().__init__(message)
+        self.fault_reason = str(fault_reason)
+        self.status = status
+
+
+class BackendDown(BackendError):
+    """The backend cannot be reached (or timed out): fault the job, and pop no more until it is back."""
+
+
+class ProgressSink(Protocol):
+    """The seam for streamed progress (spec: "Streaming progress"; a later issue posts it).
+
+    A backend that streams calls `delta` with the text generated since its previous call; the
+    worker will forward it to POST /api/v2/generate/text/progress for a job whose payload carries
+    stream_progress. `delta` returns False when the horde says stop (the request was cancelled).
+    Today's backends answer whole (stream off) and never call it.
+    """
+
+    def delta(self, content: str, reasoning_content: str | None = None) -> bool: ...
+
+
+@dataclass
+class Capabilities:
+    """What the backend really does, as the chat declaration states it."""
+
+    kind: str
+    model: str
+    context: int | None  # tokens, as the backend reports it; None when it does not say
+    features: set[str] = field(default_factory=set)  # ChatFeature and ChatGuarantee values
+    image_transports: set[str] = field(default_factory=set)
+    chat: bool = True
+    completions: bool = True
+    notes: list[str] = field(default_factory=list)  # how each value was found, for the start log
+
+
+class Backend(Protocol):
+    name: str
+
+    def probe(self, model: str | None) -> Capabilities: ...
+
+    def healthy(self) -> bool: ...
+
+    def chat(self, body: dict[str, Any], *, timeout: float, progress: ProgressSink | None = None) -> dict[str, Any]: ...
+
+    def complete(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+# --- what each kind of server does ------------------------------------------------------------
+# Only what the server applies as sent. Guarantees need the server to enforce the contract:
+# grammar-constrained output (structured_output_enforced, tool_choice_enforced) or a refusal of
+# a prompt over its context instead of truncation (prompt_overflow_refused).
+F, G = ChatFeature, ChatGuarantee
+KIND_FEATURES: dict[str, set[str]] = {
+    # llama.cpp server: sampling keys, response_format json_object/json_schema compiled to a
+    # grammar, tools with --jinja (grammar-forced under required), refuses an over-long prompt
+    # (exceed_context_size_error). It refuses tools together with a response_format grammar.
+    "llamacpp": {F.SEED, F.PRESENCE_PENALTY, F.FREQUENCY_PENALTY, F.JSON_OBJECT, F.JSON_SCHEMA,
+                 G.STRUCTURED_OUTPUT_ENFORCED, G.PROMPT_OVERFLOW_REFUSED},
+    # vLLM: guided decoding for response_format and named/required tool choice; 400 on overflow.
+    "vllm": {F.SEED, F.PRESENCE_PENALTY, F.FREQUENCY_PENALTY, F.JSON_OBJECT, F.JSON_SCHEMA,
+             G.STRUCTURED_OUTPUT_ENFORCED, G.PROMPT_OVERFLOW_REFUSED},
+    # Ollama: format grammars, tools, think/reasoning_effort; it truncates an over-long prompt.
+    "ollama": {F.SEED, F.PRESENCE_PENALTY, F.FREQUENCY_PENALTY, F.JSON_OBJECT, F.JSON_SCHEMA,
+               G.STRUCTURED_OUTPUT_ENFORCED, F.TOOLS, F.REASONING_EFFORT},
+    # koboldcpp's OpenAI adapter: sampling; it truncates (context shifting).
+    "koboldcpp": {F.SEED, F.PRESENCE_PENALTY, F.FREQUENCY_PENALTY},
+    # TabbyAPI (exllama): json_schema through its constrained sampler, tools.
+    "tabbyapi": {F.SEED, F.PRESENCE_PENALTY, F.FREQUENCY_PENALTY, F.JSON_OBJECT, F.JSON_SCHEMA,
+                 G.STRUCTURED_OUTPUT_ENFORCED},
+    # Unknown server: the OpenAI keys every compatible server takes, nothing it may ignore.
+    "openai": set(),
+}
+# Non-OpenAI sampling keys each kind accepts (rep_pen, top_k, min_p of the job payload).
+KIND_EXTRA_SAMPLING: dict[str, dict[str, str]] = {
+    "llamacpp": {"rep_pen": "repeat_penalty", "top_k": "top_k", "min_p": "min_p"},
+    "vllm": {"rep_pen": "repetition_penalty", "top_k": "top_k", "min_p": "min_p"},
+    "ollama": {},
+    "koboldcpp": {"rep_pen": "rep_pen", "top_k": "top_k", "min_p": "min_p"},
+    "tabbyapi": {"rep_pen": "repetition_penalty", "top_k": "top_k", "min_p": "min_p"},
+    "openai": {},
+}
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+_OVERFLOW = re.compile(
+    r"exceed_context_size|exceeds? the available context|context[ _-]?(length|window|size)|"
+    r"maximum context|too many tokens|prompt is too long|input is too long|n_ctx|longer than the model",
+    re.IGNORECASE,
+)
+_GRAMMAR = re.compile(
+    r"grammar|json[ _-]?schema|response_format|tool_choice|unsupported schema|failed to parse schema",
+    re.IGNORECASE,
+)
+
+
+def classify_backend_error(status: int, text: str) -> BackendError:
+    """The fault a backend's error answer means for the job."""
+    message = f"backend answered {status}: {text[:300]}"
+    if _OVERFLOW.search(text):
+        return BackendError(message, ChatFaultReason.PROMPT_OVERFLOW, status=status)
+    if _GRAMMAR.search(text):
+        return BackendError(message, ChatFaultReason.UNBUILDABLE_GRAMMAR, status=status)
+    if status in (502, 503, 504):
+        return BackendDown(message, status=status)
+    return BackendError(message, ChatFaultReason.GENERATION_ERROR, status=status)
+
+
+# --- the OpenAI-compatible backend ----------------------------------------------------------------
+
+
+def normalise_base_url(url: str) -> tuple[str, str]:
+    """(the OpenAI base ending in /v1, the server root without it)."""
+    parts = urlsplit(url.rstrip("/"))
+    path = parts.path.rstrip("/")
+    if not path.endswith("/v1"):
+        path = f"{path}/v1"
+    base = urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+    root = urlunsplit((parts.scheme, parts.netloc, path[: -len("/v1")], "", ""))
+    return base, root
+
+
+def _positive_int(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
+class OpenAIBackend:
+    """Any server with OpenAI-compatible /v1/chat/completions (and /v1/completions for text jobs)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        kind: str = "auto",
+        timeout: float = 600.0,
+        transport: httpx.BaseTransport | None = None,
+    ):
+        self.base, self.root = normalise_base_url(url)
+        self.name = self.base
+        self.kind = kind
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(
+            headers=headers, timeout=httpx.Timeout(timeout, connect=10.0), transport=transport
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    # -- plumbing
+
+    def _get_json(self, url: str, timeout: float = 10.0) -> Any:
+        try:
+            response = self._client.get(url, timeout=timeout)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return None
+
+    def _post(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        try:
+            response = self._client.post(f"{self.base}/{path}", json=body, timeout=max(timeout, 0.1))
+        except httpx.TimeoutException as error:
+            raise BackendDown(f"backend timed out: {error}") from None
+        except httpx.HTTPError as error:
+            raise BackendDown(f"backend unreachable: {type(error).__name__}: {error}") from None
+        if response.status_code != 200:
+            raise classify_backend_error(response.status_code, response.text)
+        try:
+            answer = response.json()
+        except ValueError:
+            raise BackendError("backend answered 200 with a body that is not JSON") from None
+        if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list) or not answer["choices"]:
+            if isinstance(answer, dict) and answer.get("error"):
+                raise classify_backend_error(response.status_code, str(answer["error"]))
+            raise BackendError("backend answered without choices")
+        return answer
+
+    # -- Backend
+
+    def healthy(self) -> bool:
+        try:
+            return self._client.get(f"{self.base}/models", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def chat(self, body: dict[str, Any], *, timeout: float, progress: ProgressSink | None = None) -> dict[str, Any]:
+        # Stream off: the reply comes whole. A streaming variant would read SSE deltas and call
+        # progress.delta for each (the streaming issue).
+        return self._post("chat/completions", {**body, "stream": False}, timeout)
+
+    def complete(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+        return self._post("completions", {**body, "stream": False}, timeout)
+
+    def probe(self, model: str | None) -> Capabilities:
+        """Ask the server what it serves; raise BackendDown when it does not answer."""
+        listing = self._get_json(f"{self.base}/models")
+        if not isinstance(listing, dict):
+            raise BackendDown(f"no model list at {self.base}/models")
+        entries = [e for e in listing.get("data") or [] if isinstance(e, dict) and isinstance(e.get("id"), str)]
+        ids = [e["id"] for e in entries]
+        if model is None:
+            if not ids:
+                raise BackendDown(f"{self.base}/models lists no model: pass --model")
+            model = ids[0]
+        entry = next((e for e in entries if e["id"] == model), {})
+        props = self._get_json(f"{self.root}/props")
+        kind = self.kind if self.kind != "auto" else self._detect_kind(entry, props)
+        caps = Capabilities(kind=kind, model=model, context=None, features=set(KIND_FEATURES.get(kind, set())))
+        caps.notes.append(f"kind {kind}" + (" (detected)" if self.kind == "auto" else ""))
+        caps.context = self._context(kind, entry, props, caps.notes)
+        if kind == "llamacpp" and isinstance(props, dict):
+            self._llamacpp_abilities(props, caps)
+        if kind == "vllm":
+            # vLLM's tool parser is a launch flag the API does not report: declare tools with
+            # --feature tools --feature tool_choice_enforced when it runs with --enable-auto-tool-choice.
+            caps.notes.append("tools: declare with --feature tools when vLLM runs --enable-auto-tool-choice")
+        # The bridge fetches an offloaded messages array itself, whatever the backend.
+        caps.image_transports.add(ChatImageTransport.MESSAGES_URL)
+        return caps
+
+    def _detect_kind(self, entry: dict[str, Any], props: Any) -> str:
+        owned_by = str(entry.get("owned_by") or "").lower()
+        if isinstance(props, dict) and ("default_generation_settings" in props or "n_ctx" in props):
+            return "llamacpp"
+        if owned_by == "vllm" or "max_model_len" in entry:
+            return "vllm"
+        if owned_by in ("library", "ollama") or self._get_json(f"{self.root}/api/version") is not None:
+            return "ollama"
+        if owned_by == "koboldcpp" or self._get_json(f"{self.root}/api/extra/version") is not None:
+            return "koboldcpp"
+        if owned_by == "tabbyapi" or self._get_json(f"{self.base}/model") is not None:
+            return "tabbyapi"
+        return "openai"
+
+    def _context(self, kind: str, entry: dict[str, Any], props: Any, notes: list[str]) -> int | None:
+        """The context the server runs with, where it reports one."""
+        candidates: list[tuple[str, Callable[[], Any]]] = []
+        if kind == "llamacpp":
+            def llama_props() -> Any:
+                if not isinstance(props, dict):
+                    return None
+                settings = props.get("default_generation_settings") or {}
+                return settings.get("n_ctx") or props.get("n_ctx")
+
+            candidates.append(("/props n_ctx", llama_props))
+            candidates.append(("/v1/models meta.n_ctx_train", lambda: (entry.get("meta") or {}).get("n_ctx_train")))
+        candidates.append(("/v1/models max_model_len", lambda: entry.get("max_model_len")))
+        if kind == "koboldcpp":
+            candidates.append(
+                ("/api/extra/true_max_context_length",
+                 lambda: (self._get_json(f"{self.root}/api/extra/true_max_context_length") or {}).get("value"))
+            )
+        if kind == "tabbyapi":
+            candidates.append(
+                ("/v1/model parameters.max_seq_len",
+                 lambda: ((self._get_json(f"{self.base}/model") or {}).get("parameters") or {}).get("max_seq_len"))
+            )
+        candidates.append(("/v1/models context_length", lambda: entry.get("context_length")))
+        for source, read in candidates:
+            value = _positive_int(read())
+            if value:
+                notes.append(f"context {value} from {source}")
+                return value
+        return None
+
+    def _llamacpp_abilities(self, props: dict[str, Any], caps: Capabilities) -> None:
+        template = str(props.get("chat_template") or "")
+        caps_props = props.get("chat_template_caps") or {}
+        if caps_props.get("supports_tools") or ("tools" in template and "tool_call" in template):
+            # With --jinja the server renders tools and, under tool_choice required, forces a call
+            # with a grammar.
+            caps.features |= {ChatFeature.TOOLS, ChatGuarantee.TOOL_CHOICE_ENFORCED}
+            caps.notes.append("tools: the chat template renders tools")
+        modalities = props.get("modalities") or {}
+        if modalities.get("vision"):
+            caps.features.add(ChatFeature.VISION)
+            caps.image_transports.add(ChatImageTransport.BASE64)  # llama.cpp reads data URLs, not http
+            caps.notes.append("vision: /props modalities.vision (base64 transport)")
+
+
+def apply_overrides(caps: Capabilities, *, add: Iterable[str], remove: Iterable[str], transports: set[str] | None) -> None:
+    caps.features |= set(add)
+    caps.features -= set(remove)
+    if transports is not None:
+        caps.image_transports = set(transports)
+    if not caps.image_transports & {ChatImageTransport.URL, ChatImageTransport.BASE64}:
+        caps.features.discard(ChatFeature.VISION)

@@ -1,0 +1,302 @@
+"""A horde job as a backend request, and the backend's answer as the horde submit.
+
+Pure functions over dicts: the job payload (spec: "Chat job pop response"), the OpenAI request and
+response bodies, and the structured submit (spec: "Structured submit", "Reasoning").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from contract.chat_declaration import ChatFaultReason, ChatFinishReason
+from contract.chat_limits import (
+    CHAT_SAMPLING_DEFAULTS,
+    MAX_CHAT_NATIVE_FINISH_REASON_LENGTH,
+    MAX_CHAT_REPORTED_TOKENS,
+    MAX_CHAT_TEXT_BYTES,
+    MAX_CHAT_TOOL_CALL_COUNT,
+    MAX_CHAT_TOOL_CALL_ID_LENGTH,
+)
+from workers.bridge.backends import KIND_EXTRA_SAMPLING, BackendError
+
+CHARS_PER_TOKEN = 4
+TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
+
+
+# --- requests --------------------------------------------------------------------------------------
+
+
+def _sampling(payload: dict[str, Any], kind: str) -> dict[str, Any]:
+    """OpenAI sampling keys, plus the kind's own names for rep_pen/top_k/min_p when not neutral."""
+    body: dict[str, Any] = {}
+    for key in ("temperature", "top_p"):
+        if payload.get(key) is not None:
+            body[key] = payload[key]
+    for key in ("frequency_penalty", "presence_penalty"):
+        if payload.get(key):  # 0 is the default every server applies
+            body[key] = payload[key]
+    neutral = {"rep_pen": 1.0, "top_k": 0, "min_p": 0.0}
+    for key, name in KIND_EXTRA_SAMPLING.get(kind, {}).items():
+        value = payload.get(key)
+        if value is not None and value != neutral[key]:
+            body[name] = value
+    return body
+
+
+def chat_backend_request(payload: dict[str, Any], *, model: str, kind: str) -> dict[str, Any]:
+    """The /v1/chat/completions body for a chat job: messages, sampling, tools as narrowed by the
+    horde, response format and stop sequences; every sampling field the job carries."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": payload.get("messages") or [],
+        "max_tokens": int(payload.get("max_length") or 512),
+        **_sampling(payload, kind),
+    }
+    for key in ("temperature", "top_p"):
+        body.setdefault(key, CHAT_SAMPLING_DEFAULTS[key])
+    if payload.get("seed") is not None:
+        body["seed"] = payload["seed"]
+    if payload.get("reasoning_effort") is not None:
+        body["reasoning_effort"] = payload["reasoning_effort"]
+    if payload.get("stop_sequence"):
+        body["stop"] = list(payload["stop_sequence"])
+    for key in TOOL_KEYS:
+        if payload.get(key) is not None:
+            body[key] = payload[key]
+    return body
+
+
+def text_backend_request(payload: dict[str, Any], *, model: str, kind: str) -> dict[str, Any]:
+    """The /v1/completions body for a text job."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": payload.get("prompt") or "",
+        "max_tokens": int(payload.get("max_length") or 80),
+        **_sampling(payload, kind),
+    }
+    if payload.get("stop_sequence"):
+        body["stop"] = list(payload["stop_sequence"])
+    return body
+
+
+# --- replies ----------------------------------------------------------------------------------------
+
+_THINK_CLOSED = re.compile(r"^\s*<think>(?P<reasoning>.*?)</think>\s*(?P<content>.*)$", re.DOTALL)
+
+
+def split_reasoning(content: str | None, reasoning: str | None = None) -> tuple[str | None, str | None]:
+    """(content, reasoning_content): the backend's reasoning field, or a <think> block at the start
+    of the content (an unclosed block cut off at max_length is all reasoning), or the text before a
+    lone </think> (templates that open the block in the prompt). Reasoning never stays in content."""
+    think: str | None = None
+    if isinstance(content, str):
+        match = _THINK_CLOSED.match(content)
+        if match:
+            think, content = match.group("reasoning").strip(), match.group("content")
+        elif content.lstrip().startswith("<think>"):
+            think, content = content.lstrip()[len("<think>"):].strip(), ""
+        elif "</think>" in content and "<think>" not in content:
+            think, _, content = content.partition("</think>")
+            think, content = think.strip(), content.lstrip()
+    parts = [p for p in (reasoning, think) if p]
+    return content, ("\n".join(parts) if parts else None)
+
+
+def _text_content(content: Any) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return str(content)
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_CHAT_REPORTED_TOKENS:
+        return value
+    return None
+
+
+def _utf8_cut(text: str, limit: int) -> str:
+    data = text.encode("utf-8")
+    return text if len(data) <= limit else data[:limit].decode("utf-8", "ignore")
+
+
+_FINISH = {
+    "stop": ChatFinishReason.STOP,
+    "eos": ChatFinishReason.STOP,
+    "eos_token": ChatFinishReason.STOP,
+    "stop_sequence": ChatFinishReason.STOP,
+    "end_turn": ChatFinishReason.STOP,
+    "length": ChatFinishReason.LENGTH,
+    "max_tokens": ChatFinishReason.LENGTH,
+    "model_length": ChatFinishReason.LENGTH,
+    "content_filter": ChatFinishReason.CONTENT_FILTER,
+    "tool_calls": ChatFinishReason.TOOL_CALLS,
+    "function_call": ChatFinishReason.TOOL_CALLS,
+}
+
+
+def finish_reason(native: Any, has_calls: bool) -> ChatFinishReason:
+    finish = _FINISH.get(str(native).lower(), ChatFinishReason.STOP) if native else ChatFinishReason.STOP
+    if has_calls and finish == ChatFinishReason.STOP:
+        return ChatFinishReason.TOOL_CALLS  # OpenAI finishes a reply with calls as tool_calls
+    if finish == ChatFinishReason.TOOL_CALLS and not has_calls:
+        return ChatFinishReason.STOP
+    return finish
+
+
+def _tool_calls(raw: Any) -> list[dict[str, Any]] | None:
+    """The calls as the backend minted them; an id only where it gave none (or an unusable one)."""
+    if not isinstance(raw, list) or not raw:
+        return None
+    calls = []
+    for call in raw[:MAX_CHAT_TOOL_CALL_COUNT]:
+        if not isinstance(call, dict):
+            raise BackendError("backend answered a tool call that is not an object")
+        function = call.get("function") if isinstance(call.get("function"), dict) else {}
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise BackendError("backend answered a tool call without a function name", ChatFaultReason.TOOL_VIOLATION)
+        arguments = function.get("arguments")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments if arguments is not None else {}, separators=(",", ":"))
+        call_id = call.get("id")
+        if not isinstance(call_id, str) or not 1 <= len(call_id) <= MAX_CHAT_TOOL_CALL_ID_LENGTH:
+            call_id = f"call_{uuid.uuid4().hex[:24]}"
+        calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+    return calls
+
+
+@dataclass
+class ChatReply:
+    content: str | None
+    reasoning: str | None
+    tool_calls: list[dict[str, Any]] | None
+    finish_reason: ChatFinishReason
+    native_finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    reasoning_tokens: int | None
+
+    @property
+    def tokens(self) -> int:
+        """Output tokens: the backend's count, else an estimate from the characters."""
+        if self.completion_tokens is not None:
+            return self.completion_tokens
+        chars = len(self.content or "") + len(self.reasoning or "")
+        chars += sum(len(c["function"]["name"]) + len(c["function"]["arguments"]) for c in self.tool_calls or [])
+        return -(-chars // CHARS_PER_TOKEN)
+
+
+def parse_chat_response(response: dict[str, Any]) -> ChatReply:
+    choice = response["choices"][0] if isinstance(response["choices"][0], dict) else {}
+    message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    content, reasoning = split_reasoning(
+        _text_content(message.get("content")), reasoning if isinstance(reasoning, str) else None
+    )
+    calls = _tool_calls(message.get("tool_calls"))
+    native = choice.get("finish_reason")
+    usage = response.get("usage") if isinstance(response.get("usage"), dict) else {}
+    details = usage.get("completion_tokens_details") if isinstance(usage.get("completion_tokens_details"), dict) else {}
+    if content is None and not calls:
+        content = ""  # an empty reply is a completed reply
+    if calls and not content:
+        content = None  # as OpenAI answers a reply that only calls tools
+    return ChatReply(
+        content=content,
+        reasoning=_utf8_cut(reasoning, MAX_CHAT_TEXT_BYTES) if reasoning else None,
+        tool_calls=calls,
+        finish_reason=finish_reason(native, bool(calls)),
+        native_finish_reason=str(native)[:MAX_CHAT_NATIVE_FINISH_REASON_LENGTH] if native else None,
+        prompt_tokens=_count(usage.get("prompt_tokens")),
+        completion_tokens=_count(usage.get("completion_tokens")),
+        reasoning_tokens=_count(details.get("reasoning_tokens")),
+    )
+
+
+def enforce_tool_controls(payload: dict[str, Any], reply: ChatReply) -> str | None:
+    """Hold the reply to the job's tool controls (as the horde narrowed them); the violation, or None.
+
+    More than one call under parallel_tool_calls false keeps the first (as the horde does under
+    strict), so it is not a violation.
+    """
+    tools = payload.get("tools") or []
+    names = {
+        t["function"].get("name") for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)
+    }
+    calls = reply.tool_calls or []
+    for call in calls:
+        if call["function"]["name"] not in names:
+            return f"the model called '{call['function']['name']}', which the job does not define"
+    ids = [call["id"] for call in calls]
+    if len(set(ids)) != len(ids):
+        return "the model repeated a tool call id"
+    choice = payload.get("tool_choice")
+    if (choice == "required" or isinstance(choice, dict)) and tools and not calls:
+        return "tool_choice required, and the model answered without a call"
+    if choice == "none" and calls:
+        return "tool_choice none, and the model called a tool"
+    if payload.get("parallel_tool_calls") is False and len(calls) > 1:
+        reply.tool_calls = calls[:1]
+    return None
+
+
+def chat_submit_body(job_id: str, model_id: str, reply: ChatReply) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        message["tool_calls"] = reply.tool_calls
+    if reply.reasoning:
+        message["reasoning_content"] = reply.reasoning
+    body: dict[str, Any] = {
+        "id": job_id,
+        "message": message,
+        "finish_reason": str(reply.finish_reason),
+        "model_id": model_id,
+        "state": "ok",
+    }
+    if reply.native_finish_reason:
+        body["native_finish_reason"] = reply.native_finish_reason
+    for key in ("prompt_tokens", "completion_tokens", "reasoning_tokens"):
+        value = getattr(reply, key)
+        if value is not None:  # omitted when the backend did not report it
+            body[key] = value
+    return body
+
+
+def chat_fault_body(job_id: str, model_id: str, fault_reason: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"id": job_id, "state": "faulted", "model_id": model_id}
+    if fault_reason:
+        body["fault_reason"] = str(fault_reason)
+    return body
+
+
+@dataclass
+class TextReply:
+    text: str
+    completion_tokens: int | None
+
+    @property
+    def tokens(self) -> int:
+        return self.completion_tokens if self.completion_tokens is not None else -(-len(self.text) // CHARS_PER_TOKEN)
+
+
+def parse_text_response(response: dict[str, Any]) -> TextReply:
+    choice = response["choices"][0] if isinstance(response["choices"][0], dict) else {}
+    text = choice.get("text")
+    if not isinstance(text, str):
+        raise BackendError("backend answered a completion without text")
+    usage = response.get("usage") if isinstance(response.get("usage"), dict) else {}
+    return TextReply(text=text, completion_tokens=_count(usage.get("completion_tokens")))
+
+
+def text_submit_body(job_id: str, reply: TextReply) -> dict[str, Any]:
+    return {"id": job_id, "generation": reply.text, "seed": 0}
+
+
+def text_fault_body(job_id: str) -> dict[str, Any]:
+    return {"id": job_id, "generation": "", "state": "faulted", "seed": 0}

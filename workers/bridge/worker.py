@@ -1,0 +1,538 @@
+"""The bridge's loop: pop, generate, submit; up to `threads` jobs at once.
+
+Each thread pops for itself (about once a `pop_interval` while idle, at once after a job). Leases:
+a job is given up (faulted) `lease_margin` seconds before its pop's ttl ends, so the request is
+handed out again at once instead of after the horde's stale sweep. Stop: the first SIGINT/SIGTERM
+stops popping and lets held jobs finish for `stop_grace` seconds, then faults what is left; a
+second signal faults at once.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from contract.chat_declaration import ChatDeclaration, ChatFaultReason, ChatLimits
+from contract.text import TEXT_JOB_LEASE_SECONDS
+from workers.bridge import BRIDGE_AGENT
+from workers.bridge.backends import (
+    DEFAULT_CONTEXT,
+    Backend,
+    BackendDown,
+    BackendError,
+    Capabilities,
+    ProgressSink,
+    apply_overrides,
+)
+from workers.bridge.config import BridgeConfig
+from workers.bridge.horde import FATAL_POP_RCS, HordeClient, HordeRefused, HordeUnavailable
+from workers.bridge.jobs import (
+    chat_backend_request,
+    chat_fault_body,
+    chat_submit_body,
+    enforce_tool_controls,
+    parse_chat_response,
+    parse_text_response,
+    text_backend_request,
+    text_fault_body,
+    text_submit_body,
+)
+
+# The horde's stale sweep runs every 60 s: a submit up to then after the lease may still land.
+SUBMIT_GRACE_AFTER_LEASE = 60.0
+REPLY_REFUSAL_RCS = frozenset({"ChatSubmitInvalid", "ChatSubmitNonconformant", "ChatModelMismatch"})
+
+
+class Backoff:
+    """Exponential backoff with jitter: 1, 2, 4 ... `cap` seconds."""
+
+    def __init__(self, base: float = 1.0, cap: float = 60.0):
+        self.base, self.cap, self.failures = base, cap, 0
+
+    def next(self) -> float:
+        delay = min(self.cap, self.base * 2**self.failures)
+        self.failures += 1
+        return delay * (0.75 + random.random() / 4)
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+@dataclass
+class HeldJob:
+    id: str
+    chat: bool
+    model_id: str
+    popped: float  # time.monotonic()
+    ttl: float
+    margin: float
+    owner: str | None = None  # who submits its outcome: "job" (its thread) or "stop" (the main thread)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def lease_end(self) -> float:
+        return self.popped + self.ttl
+
+    @property
+    def deadline(self) -> float:
+        """When the bridge gives the job up: the lease end less the margin (at least half the lease)."""
+        return self.popped + max(self.ttl - self.margin, self.ttl / 2)
+
+    def claim(self, owner: str) -> bool:
+        with self.lock:
+            if self.owner is None:
+                self.owner = owner
+            return self.owner == owner
+
+
+@dataclass
+class Stats:
+    started: float = field(default_factory=time.monotonic)
+    ok: int = 0
+    faulted: int = 0
+    dropped: int = 0  # lease lapsed, duplicate, or the horde unreachable until too late
+    tokens: int = 0
+    generation_seconds: float = 0.0
+    kudos: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def jobs(self) -> int:
+        return self.ok + self.faulted + self.dropped
+
+    def summary(self) -> str:
+        up = time.monotonic() - self.started
+        rate = self.tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0
+        return (
+            f"summary: {self.jobs} jobs ({self.ok} ok, {self.faulted} faulted, {self.dropped} dropped) in "
+            f"{up:.1f} s; {self.tokens} tokens at {rate:.1f} tokens/s while generating; "
+            f"{self.kudos:.2f} kudos earned"
+        )
+
+
+def build_declaration(config: BridgeConfig, caps: Capabilities, horde_model: str) -> ChatDeclaration:
+    context = config.max_context_length or caps.context or DEFAULT_CONTEXT
+    return ChatDeclaration(
+        chat_jobs=config.chat_jobs and caps.chat,
+        prompt_jobs=config.text_jobs and caps.completions,
+        chat_features=frozenset(caps.features),
+        chat_limits=ChatLimits(
+            max_context_length=context,
+            max_length=min(config.max_length, context),
+            tools_max_temperature=config.tools_max_temperature,
+        ),
+        model_id=horde_model,
+        image_transports=frozenset(caps.image_transports),
+    )
+
+
+class Bridge:
+    def __init__(
+        self,
+        config: BridgeConfig,
+        backend: Backend,
+        horde: HordeClient | None = None,
+        *,
+        out: TextIO | None = None,
+        progress_factory: Callable[[HeldJob, dict[str, Any]], ProgressSink | None] | None = None,
+    ):
+        self.config = config
+        self.backend = backend
+        self.horde = horde or HordeClient(config.horde_url, config.api_key)
+        self.out = out or sys.stderr
+        # The streaming seam: a factory that returns a sink posting progress for a job whose
+        # payload carries stream_progress (the streaming issue); None keeps replies whole.
+        self.progress_factory = progress_factory
+        self.stats = Stats()
+        self.stop_event = threading.Event()  # no more pops
+        self.stop_deadline: float | None = None  # set by a signal: fault held jobs after it
+        self.fatal: str | None = None
+        self.held: dict[str, HeldJob] = {}
+        self._lock = threading.Lock()
+        self._print_lock = threading.Lock()
+        self._taken = 0
+        self._backend_ok = threading.Event()
+        self._probe_lock = threading.Lock()
+        self.caps: Capabilities | None = None
+        self.declaration: ChatDeclaration | None = None
+        self.horde_model = config.horde_model or ""
+        self.username = ""
+        self.ready = threading.Event()  # set once the first pop was answered
+
+    # -- output
+
+    def log(self, message: str) -> None:
+        with self._print_lock:
+            stamp = time.strftime("%H:%M:%S")
+            print(f"{stamp} [bridge] {message}", file=self.out, flush=True)
+
+    # -- start
+
+    def start(self) -> None:
+        """Check the key, probe the backend and build the declaration; retry while either is down."""
+        backoff = Backoff()
+        while not self.stop_event.is_set():
+            try:
+                user = self.horde.find_user()
+                self.username = str(user.get("username") or "")
+                break
+            except HordeUnavailable as error:
+                delay = backoff.next()
+                self.log(f"horde unreachable ({error}); retrying in {delay:.0f} s")
+                self.stop_event.wait(delay)
+            except HordeRefused as error:
+                raise SystemExit(f"the horde refused the API key: {error.message}") from None
+        backoff.reset()
+        while not self.stop_event.is_set():
+            try:
+                caps = self.backend.probe(self.config.model)
+                break
+            except BackendError as error:
+                delay = backoff.next()
+                self.log(f"backend not ready ({error}); retrying in {delay:.0f} s")
+                self.stop_event.wait(delay)
+        if self.stop_event.is_set():
+            return
+        apply_overrides(
+            caps,
+            add=self.config.add_features,
+            remove=self.config.remove_features,
+            transports=self.config.image_transports,
+        )
+        self.caps = caps
+        self.horde_model = self.config.horde_model or caps.model
+        self.declaration = build_declaration(self.config, caps, self.horde_model)
+        self._backend_ok.set()
+        d = self.declaration
+        limits = d.chat_limits
+        self.log(
+            f"worker '{self.config.worker_name}' of {self.username or '?'} on {self.config.horde_url}; "
+            f"backend {self.backend.name} ({'; '.join(caps.notes)})"
+        )
+        self.log(
+            f"serving '{self.horde_model}' (backend model '{caps.model}'): chat {'on' if d.chat_jobs else 'off'}, "
+            f"text {'on' if d.prompt_jobs else 'off'}, context {limits.max_context_length}, max_length "
+            f"{limits.max_length}, threads {self.config.threads}; features "
+            f"{', '.join(sorted(d.chat_features)) or 'none'}; image transports "
+            f"{', '.join(sorted(d.image_transports)) or 'none'}"
+        )
+
+    def pop_body(self) -> dict[str, Any]:
+        assert self.declaration is not None and self.declaration.chat_limits is not None
+        limits = self.declaration.chat_limits
+        body: dict[str, Any] = {
+            "name": self.config.worker_name,
+            "models": [self.horde_model],
+            "max_length": limits.max_length,
+            "max_context_length": limits.max_context_length,
+            "threads": self.config.threads,
+            "amount": 1,
+            "bridge_agent": BRIDGE_AGENT,
+            "nsfw": self.config.nsfw,
+            "priority_usernames": [],
+            "softprompts": [],
+        }
+        body.update(self.declaration.pop_fields())
+        return body
+
+    # -- run
+
+    def request_stop(self, *, immediately: bool = False) -> None:
+        now = time.monotonic()
+        grace = 0.0 if immediately else self.config.stop_grace
+        deadline = now + grace
+        self.stop_deadline = deadline if self.stop_deadline is None else min(self.stop_deadline, deadline)
+        self.stop_event.set()
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.stop_deadline is not None:
+            self.log(f"{name} again: faulting held jobs now")
+            self.request_stop(immediately=True)
+            return
+        held = len(self.held)
+        self.log(
+            f"{name}: no more pops; finishing {held} held job(s) within {self.config.stop_grace:.0f} s"
+            if held
+            else f"{name}: stopping"
+        )
+        self.request_stop()
+
+    def run(self, *, install_signals: bool = True) -> int:
+        if install_signals and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._on_signal)
+            signal.signal(signal.SIGTERM, self._on_signal)
+        try:
+            self.start()
+        except SystemExit as error:
+            self.log(str(error))
+            return 2
+        threads = [
+            threading.Thread(target=self._thread_loop, name=f"bridge-{i}", daemon=True)
+            for i in range(self.config.threads)
+        ]
+        if self.declaration is not None:
+            for thread in threads:
+                thread.start()
+        while any(t.is_alive() for t in threads):
+            if self.stop_deadline is not None and time.monotonic() >= self.stop_deadline:
+                self._fault_held_at_stop()
+                break
+            for thread in threads:
+                thread.join(timeout=0.1)
+        self.log(self.stats.summary())
+        self.horde.close()
+        self.backend.close()
+        if self.fatal:
+            self.log(f"stopped: {self.fatal}")
+            return 2
+        return 0
+
+    def _fault_held_at_stop(self) -> None:
+        with self._lock:
+            held = list(self.held.values())
+        for job in held:
+            if not job.claim("stop"):
+                continue
+            # A shutdown is not one of the fault reasons: the fault is sent without one.
+            body = chat_fault_body(job.id, job.model_id, None) if job.chat else text_fault_body(job.id)
+            try:
+                self.horde.submit(body)
+                self.log(f"job {job.id[:8]} faulted at stop (not finished within the stop grace)")
+            except (HordeUnavailable, HordeRefused) as error:
+                self.log(f"job {job.id[:8]} could not be faulted at stop: {error}")
+            with self.stats.lock:
+                self.stats.faulted += 1
+
+    # -- the per-thread loop
+
+    def _thread_loop(self) -> None:
+        backoff = Backoff()
+        while not self.stop_event.is_set():
+            if not self._wait_for_backend():
+                continue
+            try:
+                job = self.horde.pop(self.pop_body())
+            except HordeUnavailable as error:
+                delay = backoff.next()
+                self.log(f"horde unreachable ({error}); retrying in {delay:.0f} s")
+                self.stop_event.wait(delay)
+                continue
+            except HordeRefused as error:
+                if error.rc in FATAL_POP_RCS:
+                    self.fatal = f"pop refused: {error.rc}: {error.message}"
+                    self.log(self.fatal)
+                    self.request_stop()
+                    return
+                delay = backoff.next() if error.rc != "WorkerMaintenance" else 60.0
+                self.log(f"pop refused ({error.rc}: {error.message}); retrying in {delay:.0f} s")
+                self.stop_event.wait(delay)
+                continue
+            backoff.reset()
+            self.ready.set()
+            if not job.get("id"):
+                self.stop_event.wait(self.config.pop_interval)
+                continue
+            with self._lock:
+                self._taken += 1
+                if self.config.max_jobs and self._taken >= self.config.max_jobs:
+                    self.stop_event.set()  # the last job: no more pops, and no stop deadline
+            self._serve(job)
+
+    def _wait_for_backend(self) -> bool:
+        """True when the backend is up; else probe it (one thread at a time) with backoff."""
+        if self._backend_ok.is_set():
+            return True
+        with self._probe_lock:
+            if self._backend_ok.is_set():
+                return True
+            backoff = Backoff()
+            while not self.stop_event.is_set():
+                if self.backend.healthy():
+                    self.log("backend is back: popping again")
+                    self._backend_ok.set()
+                    return True
+                delay = backoff.next()
+                self.log(f"backend down; probing again in {delay:.0f} s")
+                self.stop_event.wait(delay)
+        return False
+
+    def _backend_down(self, error: BackendError) -> None:
+        if self._backend_ok.is_set():
+            self._backend_ok.clear()
+            self.log(f"backend down ({error}): no pops until it answers")
+
+    # -- one job
+
+    def _serve(self, job: dict[str, Any]) -> None:
+        is_chat = bool(job.get("chat"))
+        held = HeldJob(
+            id=str(job["id"]),
+            chat=is_chat,
+            model_id=str(job.get("model") or self.horde_model),
+            popped=time.monotonic(),
+            ttl=float(job.get("ttl") or TEXT_JOB_LEASE_SECONDS),
+            margin=self.config.lease_margin,
+        )
+        with self._lock:
+            self.held[held.id] = held
+        try:
+            if is_chat:
+                self._serve_chat(job, held)
+            else:
+                self._serve_text(job, held)
+        except Exception as error:  # a bug here must not leave the job held until its lease lapses
+            self.log(f"job {held.id[:8]}: unexpected {type(error).__name__}: {error}")
+            self._fault(held, ChatFaultReason.GENERATION_ERROR, f"unexpected error: {error}")
+        finally:
+            with self._lock:
+                self.held.pop(held.id, None)
+
+    def _generate(self, held: HeldJob, call: Callable[[float], dict[str, Any]]) -> tuple[dict[str, Any] | None, float]:
+        """Run the backend call within the job's deadline; (response, seconds) or (None, s) after a fault."""
+        started = time.monotonic()
+        remaining = held.deadline - started
+        if remaining <= 0:
+            self._fault(held, ChatFaultReason.GENERATION_ERROR, "no time left in the lease")
+            return None, 0.0
+        try:
+            return call(remaining), time.monotonic() - started
+        except BackendError as error:
+            elapsed = time.monotonic() - started
+            if time.monotonic() >= held.deadline - 0.5:
+                self._fault(
+                    held,
+                    ChatFaultReason.GENERATION_ERROR,
+                    f"gave the job up {self.config.lease_margin:.0f} s before its {held.ttl:.0f} s lease ends",
+                )
+            else:
+                if isinstance(error, BackendDown):
+                    self._backend_down(error)
+                self._fault(held, error.fault_reason, str(error))
+            return None, elapsed
+
+    def _serve_chat(self, job: dict[str, Any], held: HeldJob) -> None:
+        assert self.caps is not None
+        payload = dict(job.get("payload") or {})
+        if "messages" not in payload and payload.get("messages_url"):
+            try:
+                payload["messages"] = self.horde.fetch_json(payload["messages_url"])
+            except HordeUnavailable as error:
+                self._fault(held, ChatFaultReason.GENERATION_ERROR, str(error))
+                return
+        body = chat_backend_request(payload, model=self.caps.model, kind=self.caps.kind)
+        progress = self.progress_factory(held, payload) if self.progress_factory and payload.get("stream_progress") else None
+        response, seconds = self._generate(held, lambda timeout: self.backend.chat(body, timeout=timeout, progress=progress))
+        if response is None:
+            return
+        try:
+            reply = parse_chat_response(response)
+        except BackendError as error:
+            self._fault(held, error.fault_reason, str(error))
+            return
+        violation = enforce_tool_controls(payload, reply)
+        if violation:
+            self._fault(held, ChatFaultReason.TOOL_VIOLATION, violation)
+            return
+        outcome = self._submit(held, chat_submit_body(held.id, held.model_id, reply))
+        if outcome is None:
+            return
+        status, detail = outcome
+        if status == "refused":
+            self._fault(held, ChatFaultReason.REPLY_REFUSED, f"the horde refused the reply: {detail}", claimed=True)
+            return
+        self._record_ok(held, reply.tokens, seconds, float(detail), f"finish {reply.finish_reason}"
+                        + (f", {len(reply.tool_calls)} tool call(s)" if reply.tool_calls else "")
+                        + (", reasoning" if reply.reasoning else ""))
+
+    def _serve_text(self, job: dict[str, Any], held: HeldJob) -> None:
+        assert self.caps is not None
+        payload = job.get("payload") or {}
+        body = text_backend_request(payload, model=self.caps.model, kind=self.caps.kind)
+        response, seconds = self._generate(held, lambda timeout: self.backend.complete(body, timeout=timeout))
+        if response is None:
+            return
+        try:
+            reply = parse_text_response(response)
+        except BackendError as error:
+            self._fault(held, error.fault_reason, str(error))
+            return
+        outcome = self._submit(held, text_submit_body(held.id, reply))
+        if outcome is None:
+            return
+        status, detail = outcome
+        if status == "refused":  # upstream's worker abandons a text job on a 400
+            self._record_dropped(held, f"the horde refused the text: {detail}")
+            return
+        self._record_ok(held, reply.tokens, seconds, float(detail), "text")
+
+    # -- submits
+
+    def _submit(self, held: HeldJob, body: dict[str, Any], *, claimed: bool = False) -> tuple[str, Any] | None:
+        """("ok", reward) or ("refused", "rc: message"); None when the job ended otherwise (recorded)."""
+        if not claimed and not held.claim("job"):
+            return None  # the main thread faulted it at stop
+        backoff = Backoff(cap=10.0)
+        while True:
+            try:
+                answer = self.horde.submit(body)
+                reward = answer.get("reward", 0) if isinstance(answer, dict) else 0
+                return "ok", reward if isinstance(reward, int | float) else 0
+            except HordeUnavailable as error:
+                if time.monotonic() > held.lease_end + SUBMIT_GRACE_AFTER_LEASE:
+                    self._record_dropped(held, f"the horde stayed unreachable past the lease ({error})")
+                    return None
+                delay = backoff.next()
+                self.log(f"job {held.id[:8]}: submit failed ({error}); retrying in {delay:.0f} s")
+                time.sleep(delay)
+            except HordeRefused as error:
+                if error.rc == "AbortedGen":
+                    self._record_dropped(held, "the lease lapsed before the submit (AbortedGen)")
+                    return None
+                if error.rc in ("DuplicateGen", "InvalidJobID"):
+                    self._record_dropped(held, f"{error.rc}: {error.message}")
+                    return None
+                if held.chat and (error.rc in REPLY_REFUSAL_RCS or error.status == 400) and "message" in body:
+                    return "refused", f"{error.rc}: {error.message}"
+                if not held.chat and error.status == 400:
+                    return "refused", f"{error.rc}: {error.message}"
+                self._record_dropped(held, f"submit refused: {error.rc}: {error.message}")
+                return None
+
+    def _fault(self, held: HeldJob, reason: str, detail: str, *, claimed: bool = False) -> None:
+        """Submit the job as faulted with `reason` (chat jobs; a text fault has no reason field)."""
+        body = chat_fault_body(held.id, held.model_id, reason) if held.chat else text_fault_body(held.id)
+        outcome = self._submit(held, body, claimed=claimed)
+        if outcome is None:
+            return
+        with self.stats.lock:
+            self.stats.faulted += 1
+        if not self.config.quiet:
+            kind = "chat" if held.chat else "text"
+            self.log(f"job {held.id[:8]} {kind} faulted ({reason if held.chat else 'fault'}): {detail}")
+
+    def _record_ok(self, held: HeldJob, tokens: int, seconds: float, reward: float, detail: str) -> None:
+        with self.stats.lock:
+            self.stats.ok += 1
+            self.stats.tokens += tokens
+            self.stats.generation_seconds += seconds
+            self.stats.kudos += reward
+        if not self.config.quiet:
+            rate = tokens / seconds if seconds > 0 else 0.0
+            kind = "chat" if held.chat else "text"
+            self.log(
+                f"job {held.id[:8]} {kind} ok: {tokens} tokens in {seconds:.2f} s ({rate:.1f} tokens/s), "
+                f"{detail}; +{reward:.2f} kudos"
+            )
+
+    def _record_dropped(self, held: HeldJob, detail: str) -> None:
+        with self.stats.lock:
+            self.stats.dropped += 1
+        if not self.config.quiet:
+            self.log(f"job {held.id[:8]} dropped: {detail}")
