@@ -74,12 +74,16 @@ def chat_request_status(request: GenerationRequest) -> dict[str, Any]:
         availability = ChatAvailability(eligible_worker_threads=0, is_possible=True)
     else:
         availability = chat_availability(request)
-    generations = [
-        _chat_generation(generation, request)
-        for generation in Generation.objects.filter(request=request, state__in=Generation.FINISHED_STATES)
-        .select_related("worker")
-        .order_by("finished_at")
-    ]
+    generations = (
+        [
+            _chat_generation(generation, request)
+            for generation in Generation.objects.filter(request=request, state__in=Generation.FINISHED_STATES)
+            .select_related("worker")
+            .order_by("finished_at")
+        ]
+        if finished  # most polls find nothing finished: no second query
+        else []
+    )
     # impossible_reason only when nothing is eligible and nothing is processing.
     impossible_reason = (
         availability.impossible_reason

@@ -72,7 +72,7 @@ def request_status(request: GenerationRequest, *, include_generations: bool = Tr
     done = not request.faulted and (finished >= request.n or (request.cancelled and processing == 0))
     queue_position, wait_time = request_queue_stats(request)
     generations = []
-    if include_generations:
+    if include_generations and finished:  # most polls find nothing finished: no second query
         for gen in (
             Generation.objects.filter(request=request, state__in=Generation.FINISHED_STATES)
             .select_related("worker")

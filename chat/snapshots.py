@@ -69,7 +69,7 @@ def _build_queue() -> dict[UUID, QueuePlace]:
         .annotate(tokens=F("max_length") * F("jobs_waiting"))
         .values_list("id", "tokens")
     )
-    for position, (request_id, request_tokens) in enumerate(rows.iterator(chunk_size=5000)):
+    for position, (request_id, request_tokens) in enumerate(rows):
         places[request_id] = QueuePlace(position=position, tokens_ahead=tokens)
         tokens += request_tokens
     return places
