@@ -23,10 +23,10 @@ def chat_request_get(request_id: UUID) -> GenerationRequest | None:
     return request_get(request_id, is_chat=True)
 
 
-def chat_availability(request: GenerationRequest) -> ChatAvailability:
+def chat_availability(request: GenerationRequest, *, processing: int | None = None) -> ChatAvailability:
     """Eligible worker threads, is_possible and impossible_reason, from the availability pass
     (chat.availability, cached 60 s per request there)."""
-    result = chat_request_availability(request)
+    result = chat_request_availability(request, processing=processing)
     return ChatAvailability(
         eligible_worker_threads=result.eligible_worker_threads,
         is_possible=result.is_possible,
@@ -73,7 +73,7 @@ def chat_request_status(request: GenerationRequest) -> dict[str, Any]:
     if done:
         availability = ChatAvailability(eligible_worker_threads=0, is_possible=True)
     else:
-        availability = chat_availability(request)
+        availability = chat_availability(request, processing=processing)
     generations = (
         [
             _chat_generation(generation, request)

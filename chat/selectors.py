@@ -20,7 +20,12 @@ MODELS_STATUS_CACHE_SECONDS = 2
 
 def request_get(request_id: UUID, *, is_chat: bool = False) -> GenerationRequest | None:
     """Every read filters on is_chat: a chat id is not found on the text routes, and vice versa."""
-    return GenerationRequest.objects.filter(pk=request_id, is_chat=is_chat).first()
+    # The status polls never read the prompt, messages or tool settings: leave them in the row.
+    return (
+        GenerationRequest.objects.filter(pk=request_id, is_chat=is_chat)
+        .defer("prompt", "submitted_prompt", "messages", "params", "chat_extras")
+        .first()
+    )
 
 
 def _online_workers() -> list:

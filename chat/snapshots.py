@@ -38,11 +38,17 @@ class _Snapshot(Generic[T]):
         self._taken = 0.0
 
     def get(self) -> T:
-        if self._value is None or time.monotonic() - self._taken > self._seconds:
-            with self._lock:
+        if self._value is not None and time.monotonic() - self._taken <= self._seconds:
+            return self._value
+        # One thread rebuilds; the others keep reading the previous snapshot meanwhile, and wait
+        # only when there is none yet.
+        if self._lock.acquire(blocking=self._value is None):
+            try:
                 if self._value is None or time.monotonic() - self._taken > self._seconds:
                     self._value = self._build()
                     self._taken = time.monotonic()
+            finally:
+                self._lock.release()
         return self._value  # type: ignore[return-value]
 
     def reset(self) -> None:

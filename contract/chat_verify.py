@@ -11,6 +11,7 @@ import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Annotated, Any, Literal
 
 from jsonschema import Draft202012Validator
@@ -189,9 +190,25 @@ def _local_refs_only(schema: Any) -> bool:
 
 def schema_validator(schema: Any) -> Any:
     """A jsonschema validator for the draft the schema's $schema declares (2020-12 otherwise),
-    resolving references only inside the schema; raises ValueError when it cannot compile."""
+    resolving references only inside the schema; raises ValueError when it cannot compile.
+
+    Compiled validators are kept by the schema's canonical JSON: a request's n replies, and the
+    many requests of one client, share a schema, and compiling is most of a verification."""
     if not isinstance(schema, Mapping | bool):
         raise ValueError("not a schema")
+    try:
+        key = json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError):
+        return _compile_validator(schema)
+    return _cached_validator(key)
+
+
+@lru_cache(maxsize=256)
+def _cached_validator(key: str) -> Any:
+    return _compile_validator(json.loads(key))
+
+
+def _compile_validator(schema: Any) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an unknown $schema falls back to 2020-12
         cls = validator_for(schema, default=Draft202012Validator)
