@@ -5,7 +5,10 @@ Runs, from the project root and with the interpreter that runs this script (the 
 
   web     daphne -b 127.0.0.1 -p $PORT hordesite.asgi:application
   celery  celery -A hordesite worker -B --loglevel=INFO   (worker with the beat scheduler)
-  demo    the demo worker, when DEMO_WORKER_COMMAND is set and HORDE_DEMO_WORKER is not "0"
+  demo    the reference worker on its scripted backend (python -m workers.bridge --backend scripted),
+          unless HORDE_DEMO_WORKER is "0"; it serves the model DEMO_MODEL ("scripted") with the key of
+          the trusted user "demo-worker", made once with `manage.py horde_user create` and kept in
+          var/demo-worker.key (made again when the database no longer knows it)
 
 Ctrl-C (SIGINT) or SIGTERM stops every child with SIGTERM (their graceful shutdown), waits up to
 STOP_TIMEOUT seconds (a second Ctrl-C: none), then kills what is left. If any child exits on its own, the others are stopped
@@ -29,10 +32,24 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 STOP_TIMEOUT = 20.0
 
-# Placeholder for a later issue: the command line of the demo worker process (a list of
-# arguments, e.g. [sys.executable, "-m", "..."]). While it is None no demo worker is started,
-# whatever HORDE_DEMO_WORKER says.
-DEMO_WORKER_COMMAND: list[str] | None = None
+# The demo worker: the reference worker on the scripted backend (no LLM). commands() adds
+# --horde-url for the port; the API key goes in its environment (BRIDGE_API_KEY), not argv.
+DEMO_MODEL = "scripted"
+DEMO_WORKER_COMMAND: list[str] | None = [
+    sys.executable, "-m", "workers.bridge",
+    "--backend", "scripted",
+    "--name", "demo-worker",
+    "--horde-model", DEMO_MODEL,
+    "--threads", "2",
+]
+DEMO_WORKER_KEY_FILE = Path(os.environ.get("HORDE_DEMO_WORKER_KEY_FILE") or ROOT / "var" / "demo-worker.key")
+DEMO_WORKER_USER = "demo-worker"
+
+# Exits 0 when the key in argv[1] belongs to a user of the database the horde runs on.
+_KEY_CHECK = (
+    "import sys; from accounts.selectors import user_get_by_api_key; "
+    "sys.exit(0 if user_get_by_api_key(sys.argv[-1]) else 3)"
+)
 
 
 def _tool(name: str) -> str:
@@ -41,14 +58,51 @@ def _tool(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
+def demo_worker_enabled() -> bool:
+    return os.environ.get("HORDE_DEMO_WORKER", "1") != "0" and bool(DEMO_WORKER_COMMAND)
+
+
 def commands(port: str) -> dict[str, list[str]]:
     cmds = {
         "web": [_tool("daphne"), "-b", "127.0.0.1", "-p", port, "hordesite.asgi:application"],
         "celery": [_tool("celery"), "-A", "hordesite", "worker", "-B", "--loglevel=INFO"],
     }
-    if os.environ.get("HORDE_DEMO_WORKER", "1") != "0" and DEMO_WORKER_COMMAND:
-        cmds["demo"] = list(DEMO_WORKER_COMMAND)
+    if demo_worker_enabled():
+        assert DEMO_WORKER_COMMAND is not None
+        cmds["demo"] = [*DEMO_WORKER_COMMAND, "--horde-url", f"http://127.0.0.1:{port}"]
     return cmds
+
+
+def _manage(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+
+
+def demo_worker_key() -> str | None:
+    """The demo worker's API key: the stored one while the database knows it, else a new user's.
+
+    None (and a message) when no user can be made, e.g. before `manage.py migrate`.
+    """
+    if DEMO_WORKER_KEY_FILE.exists():
+        key = DEMO_WORKER_KEY_FILE.read_text().strip()
+        if key and _manage("shell", "-c", _KEY_CHECK, key).returncode == 0:
+            return key
+    made = _manage("horde_user", "create", DEMO_WORKER_USER, "--trusted")
+    lines = made.stdout.strip().splitlines()
+    if made.returncode != 0 or not lines:
+        print(
+            f"[run] demo: could not create the user {DEMO_WORKER_USER!r} (run `manage.py migrate`?):\n"
+            f"{made.stderr.strip()[-2000:]}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    key = lines[-1].strip()
+    DEMO_WORKER_KEY_FILE.write_text(key + "\n")
+    DEMO_WORKER_KEY_FILE.chmod(0o600)
+    print(f"[run] demo: created the user {DEMO_WORKER_USER!r}; its key is in {DEMO_WORKER_KEY_FILE}", file=sys.stderr)
+    return key
 
 
 def ensure_var_dirs() -> None:
@@ -77,11 +131,26 @@ def main() -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
+    cmds = commands(port)
+    envs: dict[str, dict[str, str]] = {}
+    if "demo" in cmds:
+        key = demo_worker_key()
+        if key is None:
+            del cmds["demo"]
+        else:
+            envs["demo"] = {**os.environ, "BRIDGE_API_KEY": key}
+
     children: dict[str, subprocess.Popen[bytes]] = {}
-    for name, cmd in commands(port).items():
+    for name, cmd in cmds.items():
         print(f"[run] {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-        children[name] = subprocess.Popen(cmd, cwd=ROOT, process_group=0)
+        children[name] = subprocess.Popen(cmd, cwd=ROOT, process_group=0, env=envs.get(name))
     print(f"[run] serving on http://127.0.0.1:{port}/ (Ctrl-C stops)", file=sys.stderr, flush=True)
+    if "demo" in children:
+        print(
+            f"[run] demo worker serves the model {DEMO_MODEL!r} (scripted answers; HORDE_DEMO_WORKER=0 turns it off)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     status = 0
     while not stopping:

@@ -1,0 +1,275 @@
+"""The reference worker's pieces without a horde: configuration, backend probe and errors, reasoning,
+tool controls, the scripted backend's schema instances, and that it imports no Django."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+
+from contract.chat_declaration import ChatFaultReason, ChatFinishReason
+from workers.bridge.backends import BackendDown, OpenAIBackend, classify_backend_error, normalise_base_url
+from workers.bridge.config import ConfigError, load_config
+from workers.bridge.jobs import (
+    chat_backend_request,
+    chat_submit_body,
+    enforce_tool_controls,
+    finish_reason,
+    parse_chat_response,
+    split_reasoning,
+)
+from workers.bridge.scripted import ScriptedBackend, minimal_instance
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_importing_the_bridge_loads_no_django_and_nothing_of_the_project_but_contract():
+    code = (
+        "import sys, workers.bridge.cli, workers.bridge.__main__\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('django', 'rest_framework', 'celery', 'accounts', 'chat', 'hordesite', 'oai') "
+        "or (m.startswith('workers.') and not m.startswith('workers.bridge')))\n"
+        "print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# --- configuration ----------------------------------------------------------------------------------
+
+
+def test_config_from_environment_and_flags():
+    env = {
+        "BRIDGE_API_KEY": "secret",
+        "BRIDGE_BACKEND": "http://127.0.0.1:8080/v1",
+        "BRIDGE_THREADS": "3",
+        "BRIDGE_FEATURES": "tools,tool_choice_enforced",
+        "BRIDGE_TEXT_JOBS": "0",
+        "BRIDGE_MAX_LENGTH": "300",
+    }
+    config = load_config(["--threads", "2", "--horde-model", "koboldcpp/Qwen3-8B"], env)
+    assert config.api_key == "secret" and config.backend == "http://127.0.0.1:8080/v1"
+    assert config.threads == 2  # the flag wins
+    assert config.add_features == {"tools", "tool_choice_enforced"}
+    assert config.text_jobs is False and config.chat_jobs is True
+    assert config.max_length == 300 and config.horde_model == "koboldcpp/Qwen3-8B"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "API key"),
+        (["--api-key", "k", "--feature", "telepathy"], "unknown feature"),
+        (["--api-key", "k", "--no-chat", "--no-text"], "nothing to serve"),
+        (["--api-key", "k", "--threads", "0"], "--threads"),
+    ],
+)
+def test_config_refusals(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(argv, {})
+
+
+def test_base_url_normalised():
+    assert normalise_base_url("http://127.0.0.1:8080") == ("http://127.0.0.1:8080/v1", "http://127.0.0.1:8080")
+    assert normalise_base_url("http://h:11434/v1/") == ("http://h:11434/v1", "http://h:11434")
+
+
+# --- backend probe and errors -------------------------------------------------------------------------
+
+
+def _backend(routes: dict[str, object]) -> OpenAIBackend:
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = routes.get(request.url.path)
+        return httpx.Response(404) if body is None else httpx.Response(200, json=body)
+
+    return OpenAIBackend("http://backend:8000/v1", transport=httpx.MockTransport(handler))
+
+
+def test_probe_vllm_context_from_max_model_len():
+    backend = _backend({"/v1/models": {"data": [{"id": "Qwen/Qwen3-8B", "owned_by": "vllm", "max_model_len": 40960}]}})
+    caps = backend.probe(None)
+    assert (caps.kind, caps.model, caps.context) == ("vllm", "Qwen/Qwen3-8B", 40960)
+    assert "prompt_overflow_refused" in caps.features and "tools" not in caps.features
+
+
+def test_probe_ollama_truncates_so_no_overflow_guarantee():
+    backend = _backend(
+        {"/v1/models": {"data": [{"id": "qwen3:8b", "owned_by": "library"}]}, "/api/version": {"version": "0.12.0"}}
+    )
+    caps = backend.probe(None)
+    assert caps.kind == "ollama" and caps.context is None
+    assert "prompt_overflow_refused" not in caps.features and "reasoning_effort" in caps.features
+
+
+def test_probe_llamacpp_prefers_the_running_context():
+    backend = _backend(
+        {
+            "/v1/models": {"data": [{"id": "m.gguf", "owned_by": "llamacpp", "meta": {"n_ctx_train": 131072}}]},
+            "/props": {"default_generation_settings": {"n_ctx": 4096}, "chat_template": "{{ messages }}",
+                       "modalities": {"vision": True}},
+        }
+    )
+    caps = backend.probe("m.gguf")
+    assert caps.kind == "llamacpp" and caps.context == 4096
+    assert "tools" not in caps.features  # the template does not render tools
+    assert "vision" in caps.features and caps.image_transports == {"base64", "messages_url"}
+
+
+def test_probe_unreachable_backend_is_down():
+    backend = OpenAIBackend("http://127.0.0.1:9/v1")
+    with pytest.raises(BackendDown):
+        backend.probe(None)
+
+
+@pytest.mark.parametrize(
+    ("status", "text", "reason"),
+    [
+        (400, '{"error":{"message":"This model\'s maximum context length is 4096 tokens."}}', ChatFaultReason.PROMPT_OVERFLOW),
+        (400, "the request exceeds the available context size", ChatFaultReason.PROMPT_OVERFLOW),
+        (500, "failed to parse grammar", ChatFaultReason.UNBUILDABLE_GRAMMAR),
+        (400, "Unsupported JSON schema feature: patternProperties", ChatFaultReason.UNBUILDABLE_GRAMMAR),
+        (500, "CUDA out of memory", ChatFaultReason.GENERATION_ERROR),
+    ],
+)
+def test_backend_errors_classified(status, text, reason):
+    assert classify_backend_error(status, text).fault_reason == reason
+
+
+def test_unavailable_backend_is_down():
+    assert isinstance(classify_backend_error(503, "Loading model"), BackendDown)
+
+
+# --- replies ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "reasoning", "expected"),
+    [
+        ("<think>hmm</think>\n\nHello", None, ("Hello", "hmm")),
+        ("<think>cut off at max_len", None, ("", "cut off at max_len")),
+        ("hidden start</think>Answer", None, ("Answer", "hidden start")),
+        ("Plain", "from the parser", ("Plain", "from the parser")),
+        ("Plain", None, ("Plain", None)),
+        (None, None, (None, None)),
+    ],
+)
+def test_split_reasoning(content, reasoning, expected):
+    assert split_reasoning(content, reasoning) == expected
+
+
+def test_finish_reasons():
+    assert finish_reason("stop", True) == ChatFinishReason.TOOL_CALLS
+    assert finish_reason("tool_calls", False) == ChatFinishReason.STOP
+    assert finish_reason("length", False) == ChatFinishReason.LENGTH
+    assert finish_reason("eos", False) == ChatFinishReason.STOP
+    assert finish_reason(None, False) == ChatFinishReason.STOP
+
+
+def test_submit_body_keeps_minted_ids_and_omits_unreported_counts():
+    reply = parse_chat_response(
+        {
+            "choices": [
+                {
+                    "message": {"role": "assistant", "content": "",
+                                "tool_calls": [{"id": "abc", "type": "function",
+                                                "function": {"name": "f", "arguments": {"x": 1}}}]},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 3},
+        }
+    )
+    body = chat_submit_body("job", "model", reply)
+    assert body["message"] == {
+        "role": "assistant", "content": None,
+        "tool_calls": [{"id": "abc", "type": "function", "function": {"name": "f", "arguments": '{"x":1}'}}],
+    }
+    assert body["finish_reason"] == "tool_calls" and body["native_finish_reason"] == "stop"
+    assert body["prompt_tokens"] == 3 and "completion_tokens" not in body and "reasoning_tokens" not in body
+
+
+def _calls(*names):
+    return {"choices": [{"message": {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": "{}"}} for i, n in enumerate(names)
+    ]}, "finish_reason": "tool_calls"}]}
+
+
+def test_tool_controls():
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert enforce_tool_controls({"tools": tools}, parse_chat_response(_calls("g"))) is not None
+    no_call = parse_chat_response({"choices": [{"message": {"role": "assistant", "content": "hi"}}]})
+    assert enforce_tool_controls({"tools": tools, "tool_choice": "required"}, no_call) is not None
+    assert enforce_tool_controls({"tools": tools, "tool_choice": "auto"}, no_call) is None
+    reply = parse_chat_response(_calls("f", "f"))
+    assert enforce_tool_controls({"tools": tools, "parallel_tool_calls": False}, reply) is None
+    assert [c["id"] for c in reply.tool_calls] == ["c0"]  # the first call kept
+
+
+def test_backend_request_carries_the_job():
+    payload = {
+        "messages": [{"role": "user", "content": "x"}], "max_length": 100, "temperature": 0.2, "top_p": 0.9,
+        "frequency_penalty": 0, "presence_penalty": 0.4, "rep_pen": 1.0, "top_k": 0, "min_p": 0.05,
+        "seed": 3, "stop_sequence": ["END"], "response_format": {"type": "json_object"},
+        "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+        "reasoning_effort": "none", "n": 1, "max_context_length": 4096,
+    }
+    body = chat_backend_request(payload, model="m", kind="llamacpp")
+    assert body == {
+        "model": "m", "messages": payload["messages"], "max_tokens": 100, "temperature": 0.2, "top_p": 0.9,
+        "presence_penalty": 0.4, "min_p": 0.05, "seed": 3, "reasoning_effort": "none", "stop": ["END"],
+        "tools": payload["tools"], "tool_choice": "required", "response_format": {"type": "json_object"},
+    }
+    generic = chat_backend_request(payload, model="m", kind="openai")
+    assert "min_p" not in generic and "repeat_penalty" not in generic
+
+
+# --- the scripted backend ----------------------------------------------------------------------------------
+
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "string", "minLength": 3}, "b": {"type": "integer", "minimum": 5}},
+     "required": ["a", "b"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0}, "minItems": 2},
+    {"type": "object", "properties": {"kind": {"enum": ["x", "y"]}, "at": {"type": "string", "format": "date-time"},
+                                      "n": {"type": ["null", "integer"], "multipleOf": 7, "minimum": 1}},
+     "required": ["kind", "at", "n"]},
+    {"$defs": {"p": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}},
+     "type": "object", "properties": {"owner": {"$ref": "#/$defs/p"}, "tags": {"type": "array", "items": {"type": "string"}}},
+     "required": ["owner", "tags"]},
+    {"anyOf": [{"type": "string", "const": "hi"}, {"type": "integer"}]},
+    {"allOf": [{"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]},
+               {"properties": {"b": {"type": "null"}}, "required": ["b"]}]},
+    {"type": "number", "minimum": -3.5, "maximum": -1},
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_minimal_instance_is_valid(schema):
+    jsonschema.validate(minimal_instance(schema), schema, format_checker=jsonschema.FormatChecker())
+
+
+def test_scripted_backend_is_deterministic_and_answers_every_shape():
+    backend = ScriptedBackend()
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 50,
+            "tools": [{"type": "function", "function": {"name": "w", "parameters": SCHEMAS[0]}}]}
+    first, again = backend.chat(body, timeout=5), backend.chat(body, timeout=5)
+    assert first == again
+    call = first["choices"][0]["message"]["tool_calls"][0]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[0])
+
+    schema_body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 50,
+                   "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS[3]}}}
+    jsonschema.validate(json.loads(backend.chat(schema_body, timeout=5)["choices"][0]["message"]["content"]), SCHEMAS[3])
+
+    reply = parse_chat_response(backend.chat({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                              "reasoning_effort": "high"}, timeout=5))
+    assert reply.reasoning and reply.content == "Scripted reply to: Hi"[:16]
+    assert reply.finish_reason == ChatFinishReason.LENGTH
+
+    with pytest.raises(Exception) as overflow:
+        backend.chat({"messages": [{"role": "user", "content": "x" * 200_000}], "max_tokens": 50}, timeout=5)
+    assert overflow.value.fault_reason == ChatFaultReason.PROMPT_OVERFLOW
