@@ -1,7 +1,7 @@
 from django.contrib import admin
 from django.http import JsonResponse
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView
+from drf_spectacular.views import SpectacularJSONAPIView
 
 from accounts.api.views import FindUserView
 from chat.api import pop_views, submit_views
@@ -27,7 +27,9 @@ api_v2 = [
 
 urlpatterns = [
     path("api/v2/", include(api_v2)),
-    path("api/v2/openapi.json", SpectacularAPIView.as_view(), name="openapi-schema"),
+    path("api/v2/openapi.json", SpectacularJSONAPIView.as_view(), name="openapi-schema"),
+    # The OpenAI front (oai), mounted in the web process for the one-machine default.
+    path("v1/", include("oai.urls")),
     path("healthz", lambda request: JsonResponse({"status": "ok"})),
     path("admin/", admin.site.urls),
 ]

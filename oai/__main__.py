@@ -1,0 +1,105 @@
+"""`python -m oai`: the front alone, as its own ASGI process (daphne) against the configured native
+roots, with its telemetry set-up and /healthz. Settings: oai.settings (docs/configuration.md)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+from oai.settings import FrontSettings, load_settings
+
+FRONT_SERVICE_NAME = "horde-oai"
+log = logging.getLogger("oai")
+
+
+def configure_telemetry(settings: FrontSettings) -> bool:
+    """OpenTelemetry (traces and metrics, with the front's histogram views) when
+    HORDE_OAI_TELEMETRY_ENABLED is true and OTEL_SDK_DISABLED is not; Pyroscope when
+    PYROSCOPE_ENABLED is true (also with the SDK disabled). Returns whether OpenTelemetry is on."""
+    if settings.pyroscope_enabled:
+        try:
+            import pyroscope  # type: ignore[import-not-found]
+
+            pyroscope.configure(
+                application_name=settings.service_name or FRONT_SERVICE_NAME,
+                server_address=os.environ.get("PYROSCOPE_SERVER_ADDRESS", "http://localhost:4040"),
+            )
+        except ImportError:
+            log.warning(
+                "PYROSCOPE_ENABLED is set but the pyroscope package is not installed: profiling is off"
+            )
+    if not settings.telemetry_enabled or settings.otel_sdk_disabled:
+        return False
+    from opentelemetry import metrics, trace
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from oai import asgi
+    from oai import metrics as front_metrics
+
+    resource = Resource.create({"service.name": settings.service_name or FRONT_SERVICE_NAME})
+    readers: list[Any] = []
+    tracer_provider = TracerProvider(resource=resource)
+    try:  # the OTLP exporters are optional: without them the SDK records and exports nothing
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter  # type: ignore
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    except ImportError:
+        log.warning("opentelemetry-exporter-otlp is not installed: telemetry is recorded but not exported")
+    metrics.set_meter_provider(
+        MeterProvider(resource=resource, metric_readers=readers, views=front_metrics.histogram_views())
+    )
+    trace.set_tracer_provider(tracer_provider)
+    asgi.set_tracer(trace.get_tracer("horde.oai"))
+    return True
+
+
+def build_application() -> Any:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "oai.django_settings")
+    from django.core.asgi import get_asgi_application
+
+    from oai.asgi import FrontASGI
+
+    return FrontASGI(get_asgi_application(), serve_healthz=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = load_settings()
+    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"))
+    telemetry = configure_telemetry(settings)
+    from oai import app as front_app
+
+    front_app.configure_front(propagate=telemetry)
+    application = build_application()
+    from daphne.server import Server
+    from twisted.internet import defer, reactor
+
+    def drain() -> Any:
+        import asyncio
+
+        async def shutdown_all() -> None:
+            for state in front_app.current_states():
+                await state.shutdown()
+
+        return defer.Deferred.fromFuture(asyncio.ensure_future(shutdown_all()))
+
+    reactor.addSystemEventTrigger("before", "shutdown", drain)
+    log.info(
+        "OpenAI front on http://%s:%s/v1/ over %s",
+        settings.host,
+        settings.port,
+        ", ".join(settings.native_roots),
+    )
+    Server(application=application, endpoints=[f"tcp:port={settings.port}:interface={settings.host}"]).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

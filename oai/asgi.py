@@ -1,0 +1,176 @@
+"""The front's ASGI layer, in front of Django for the /v1/ paths (mounted in the horde's web process
+by hordesite/asgi.py, and the whole application of the standalone front).
+
+It does what has to happen before Django reads a request, and what Django's handler cannot tell a
+waiting view:
+- admission of the body: a declared length over the limit is 413 before anything is read, a body
+  that grows past it is 413 as soon as it does, and a body not received within
+  body_read_timeout_seconds is 408 RequestBodyTimeout (Django would spool any body, however slow);
+- CORS: browser preflights are answered here, and every answer carries
+  Access-Control-Allow-Origin: * and exposes Retry-After and x-should-retry;
+- disconnect: an `asyncio.Event` in scope["oai.disconnected"] is set the moment the server reports
+  http.disconnect, so the view's wait (streamed or not) notices it and cancels the horde request,
+  whichever thread or task Django runs the view on;
+- /healthz for the standalone process, and the server span of each request when telemetry is on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from oai.errors import ChatFrontError
+
+ALLOWED_HEADERS = (
+    "authorization, content-type, apikey, client-agent, x-stainless-retry-count, x-stainless-lang, "
+    "x-stainless-package-version, x-stainless-os, x-stainless-arch, x-stainless-runtime, "
+    "x-stainless-runtime-version, x-stainless-timeout, openai-organization, openai-project, http-referer, x-title"
+)
+EXPOSED_HEADERS = "Retry-After, x-should-retry"
+ALLOWED_METHODS = "GET, POST, OPTIONS"
+
+_tracer: Any = None
+
+
+def set_tracer(tracer: Any) -> None:
+    """Server spans (POST /v1/chat/completions, GET /v1/models) when telemetry is configured."""
+    global _tracer
+    _tracer = tracer
+
+
+def _cors_headers() -> list[tuple[bytes, bytes]]:
+    return [
+        (b"access-control-allow-origin", b"*"),
+        (b"access-control-expose-headers", EXPOSED_HEADERS.encode()),
+    ]
+
+
+async def _send_json(
+    send: Any, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> None:
+    payload = json.dumps(body).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    raw += _cors_headers()
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": payload})
+
+
+async def _refuse(send: Any, error: ChatFrontError) -> None:
+    from oai.app import get_front_state
+
+    (await get_front_state()).metrics.refused(error.status, error.code)
+    await _send_json(send, error.status, error.body(), error.headers())
+
+
+class FrontASGI:
+    def __init__(self, app: Any, *, prefix: str = "/v1/", serve_healthz: bool = False):
+        self.app = app
+        self.prefix = prefix
+        self.serve_healthz = serve_healthz
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        if self.serve_healthz and path == "/healthz":
+            return await _send_json(send, 200, {"status": "ok"})
+        if not path.startswith(self.prefix):
+            return await self.app(scope, receive, send)
+        if _tracer is None:
+            return await self._handle(scope, receive, send)
+        with _tracer.start_as_current_span(f"{scope.get('method', 'GET')} {path}", kind=_server_kind()):
+            return await self._handle(scope, receive, send)
+
+    async def _handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        headers = {k.decode("latin1").lower(): v.decode("latin1") for k, v in scope.get("headers", [])}
+        method = scope.get("method", "GET")
+        if method == "OPTIONS" and "access-control-request-method" in headers:
+            return await self._preflight(send, headers)
+        from oai.app import get_front_state
+
+        settings = (await get_front_state()).settings
+        limit = settings.max_body_bytes
+        declared = headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            return await _refuse(send, _too_large(limit))
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(settings.body_read_timeout_seconds):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        return await _refuse(send, _too_large(limit))
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            return await _refuse(
+                send,
+                ChatFrontError(
+                    408,
+                    "RequestBodyTimeout",
+                    f"The request body did not arrive within {settings.body_read_timeout_seconds:g} seconds.",
+                    type="invalid_request_error",
+                ),
+            )
+        body = b"".join(chunks)
+        disconnected = asyncio.Event()
+        scope = {**scope, "oai.body": body, "oai.disconnected": disconnected}
+        replayed = False
+
+        async def replay_receive() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                disconnected.set()
+            return message
+
+        async def send_with_cors(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                names = {name.lower() for name, _ in message.get("headers", [])}
+                extra = [(k, v) for k, v in _cors_headers() if k not in names]
+                if extra:
+                    message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, replay_receive, send_with_cors)
+
+    async def _preflight(self, send: Any, headers: dict[str, str]) -> None:
+        requested = headers.get("access-control-request-headers", "").strip()
+        allowed = f"{ALLOWED_HEADERS}, {requested}" if requested else ALLOWED_HEADERS
+        raw = [
+            (b"access-control-allow-origin", b"*"),
+            (b"access-control-allow-methods", ALLOWED_METHODS.encode()),
+            (b"access-control-allow-headers", allowed.encode("latin1")),
+            (b"access-control-expose-headers", EXPOSED_HEADERS.encode()),
+            (b"access-control-max-age", b"86400"),
+            (b"content-length", b"0"),
+        ]
+        await send({"type": "http.response.start", "status": 204, "headers": raw})
+        await send({"type": "http.response.body", "body": b""})
+
+
+def _too_large(limit: int) -> ChatFrontError:
+    return ChatFrontError(
+        413,
+        "RequestTooLarge",
+        f"The request body is over {limit} bytes.",
+        type="invalid_request_error",
+        should_retry=False,
+    )
+
+
+def _server_kind() -> Any:
+    from opentelemetry.trace import SpanKind
+
+    return SpanKind.SERVER

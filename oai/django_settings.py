@@ -1,0 +1,36 @@
+"""Django settings of the standalone front (`python -m oai`): no database, no sessions, no admin;
+DRF with the front's views only. The front's own settings come from oai.settings.load_settings."""
+
+from __future__ import annotations
+
+import os
+
+SECRET_KEY = os.environ.get("SECRET_KEY") or "oai-front-has-no-sessions"
+DEBUG = False
+ALLOWED_HOSTS = ["*"]
+INSTALLED_APPS = ["rest_framework", "drf_spectacular"]
+MIDDLEWARE: list[str] = []
+ROOT_URLCONF = "oai.standalone_urls"
+DATABASES: dict = {}
+USE_TZ = True
+REST_FRAMEWORK = {
+    # The front's views set their own authentication and exception handler (oai.views).
+    "DEFAULT_AUTHENTICATION_CLASSES": [],
+    "DEFAULT_PERMISSION_CLASSES": [],
+    "UNAUTHENTICATED_USER": None,
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "AI Horde OpenAI-compatible front",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+}

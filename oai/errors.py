@@ -1,0 +1,86 @@
+"""The front's error envelope, OpenAI's {"error": {"message", "type", "param", "code"}}, and the SSE
+error event. `should_retry=False` sends x-should-retry: false, so the OpenAI SDK's own retries never
+create a second paid request for an answer a retry cannot fix."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    408: "timeout_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class ChatFrontError(Exception):
+    """One error answer: HTTP status, OpenAI type, code, param, message, headers and metadata."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str | None,
+        message: str,
+        *,
+        param: str | None = None,
+        type: str | None = None,
+        retry_after: int | None = None,
+        should_retry: bool | None = None,
+        metadata: dict[str, Any] | None = None,
+        reason: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+        self.type = type or ERROR_TYPES.get(status, "api_error")
+        self.retry_after = retry_after
+        self.should_retry = should_retry
+        self.metadata = metadata or {}
+        # Metric attribute for queue_unavailable (no_eligible_threads, wait_exceeds_budget).
+        self.reason = reason
+
+    def error_object(self, request_id: str | None = None) -> dict[str, Any]:
+        error: dict[str, Any] = {
+            "message": self.message,
+            "type": self.type,
+            "param": self.param,
+            "code": self.code,
+        }
+        metadata = dict(self.metadata)
+        if request_id:
+            metadata.setdefault("request_id", request_id)
+        if self.retry_after is not None:
+            metadata.setdefault("retry_after", self.retry_after)
+        if metadata:
+            error["metadata"] = metadata
+        return error
+
+    def body(self, request_id: str | None = None) -> dict[str, Any]:
+        return {"error": self.error_object(request_id)}
+
+    def headers(self) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(int(self.retry_after))
+        if self.should_retry is not None:
+            headers["x-should-retry"] = "true" if self.should_retry else "false"
+        return headers
+
+    def __repr__(self) -> str:
+        return f"ChatFrontError({self.status}, {self.code!r}, {self.message!r}, param={self.param!r})"
+
+
+def bad_request(message: str, *, param: str | None = None, code: str = "BadRequest") -> ChatFrontError:
+    return ChatFrontError(400, code, message, param=param, should_retry=False)
+
+
+def sse_error_event(error: ChatFrontError, request_id: str | None = None) -> bytes:
+    return b"data: " + json.dumps(error.body(request_id), separators=(",", ":")).encode() + b"\n\n"

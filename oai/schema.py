@@ -1,0 +1,517 @@
+"""OpenAI request, response and error models, and the request screening (spec: chat_front.md,
+Request keys and Message roles).
+
+A body goes through three screening steps before validation: `find_refused_parameter` refuses an
+unknown top-level key, a no-op key holding another value than its default, an unserved role or
+content part type, and tool_calls off an assistant message; `drop_default_no_ops` drops the no-op
+keys at their default; `drop_unknown_nested_keys` drops the unserved keys inside messages, tools and
+tool_choice (as OpenAI ignores them, e.g. the fields the SDK adds when it replays a streamed reply).
+`screen_request` then applies the front's own bounds and the contract's validation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from contract.chat_errors import ChatRefusal
+from contract.chat_limits import (
+    MAX_CHAT_MODEL_COUNT,
+    MAX_CHAT_STOP_SEQUENCES,
+    MIN_CHAT_MAX_TOKENS,
+    OPENAI_SAMPLING_RANGES,
+)
+from contract.chat_shapes import (
+    CONTENT_PART_TYPES,
+    SUPPORTED_MESSAGE_KEYS,
+    ChatRequest,
+    validate_chat_request,
+)
+from oai.errors import ChatFrontError
+
+# Keys the front validates and forwards, or applies itself (stream, stream_options, user, metadata).
+REQUEST_FIELDS = frozenset(
+    {
+        "model",
+        "models",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "stop",
+        "seed",
+        "n",
+        "reasoning_effort",
+        "horde",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
+        "stream",
+        "stream_options",
+        "user",
+        "metadata",
+    }
+)
+# Keys accepted only at their default, then dropped: key -> the default values.
+DEFAULT_NO_OP_PARAMETERS: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+}
+# Applied or accepted by the front, never forwarded.
+FRONT_ONLY_KEYS = ("stream", "stream_options", "user", "metadata")
+
+TOOL_CALL_KEYS = frozenset({"id", "type", "function"})
+TOOL_CALL_FUNCTION_KEYS = frozenset({"name", "arguments"})
+TEXT_PART_KEYS = frozenset({"type", "text"})
+IMAGE_PART_KEYS = frozenset({"type", "image_url"})
+IMAGE_URL_KEYS = frozenset({"url", "detail"})
+TOOL_KEYS = frozenset({"type", "function"})
+TOOL_FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
+TOOL_CHOICE_KEYS = frozenset({"type", "function"})
+TOOL_CHOICE_FUNCTION_KEYS = frozenset({"name"})
+STREAM_OPTIONS_KEYS = frozenset({"include_usage"})
+
+
+def _unsupported(param: str, message: str) -> ChatFrontError:
+    return ChatFrontError(400, "UnsupportedChatParameter", message, param=param, should_retry=False)
+
+
+def _bad(param: str | None, message: str) -> ChatFrontError:
+    return ChatFrontError(400, "BadRequest", message, param=param, should_retry=False)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_body(raw: bytes) -> Any:
+    """JSON, with NaN, Infinity and -Infinity refused (Python's parser accepts them)."""
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as error:
+        raise _bad(None, f"We could not parse the JSON body of your request: {error}") from None
+
+
+# --- step 1: refused parameters -------------------------------------------------------------------
+
+
+def find_refused_parameter(body: Mapping[str, Any]) -> ChatFrontError | None:
+    """The first refusal among the screened keys, or None."""
+    for key, value in body.items():
+        if key in REQUEST_FIELDS:
+            continue
+        if key in DEFAULT_NO_OP_PARAMETERS:
+            if value is None or any(
+                value == d and type(value) is type(d) for d in DEFAULT_NO_OP_PARAMETERS[key]
+            ):
+                continue
+            return _unsupported(
+                key,
+                f"Unsupported value: '{key}' is not supported by the AI Horde; send it at its default "
+                f"({', '.join(json.dumps(d) for d in DEFAULT_NO_OP_PARAMETERS[key])}) or leave it out.",
+            )
+        return _unsupported(str(key), f"Unrecognized request argument supplied: {key}")
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            continue
+        role = message.get("role")
+        if role is not None and (not isinstance(role, str) or role not in SUPPORTED_MESSAGE_KEYS):
+            shown = role if isinstance(role, str) else json.dumps(role)
+            return _unsupported(
+                f"messages[{i}].role",
+                f"Unsupported value: messages[{i}].role={shown}; the AI Horde serves the roles system, "
+                "developer, user, assistant and tool.",
+            )
+        if role != "assistant" and message.get("tool_calls") is not None:
+            return _unsupported(
+                f"messages[{i}].tool_calls",
+                f"Invalid parameter: 'tool_calls' is only allowed on messages with role 'assistant' "
+                f"(messages[{i}] has role '{role}').",
+            )
+        content = message.get("content")
+        if isinstance(content, list) and isinstance(role, str):
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if isinstance(kind, str) and kind not in CONTENT_PART_TYPES[role]:
+                    return _unsupported(
+                        f"messages[{i}].content[{j}].type={kind}",
+                        f"Unsupported value: messages[{i}].content[{j}].type={kind} is not supported on "
+                        f"a {role} message.",
+                    )
+    return None
+
+
+# --- step 2: no-op parameters at their default ----------------------------------------------------
+
+
+def drop_default_no_ops(body: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in body.items() if key not in DEFAULT_NO_OP_PARAMETERS}
+
+
+# --- step 3: unknown nested keys --------------------------------------------------------------------
+
+
+def _keep(obj: Any, keys: frozenset[str]) -> Any:
+    if not isinstance(obj, Mapping):
+        return obj
+    return {key: value for key, value in obj.items() if key in keys}
+
+
+def _clean_tool_call(call: Any) -> Any:
+    call = _keep(call, TOOL_CALL_KEYS)
+    if isinstance(call, dict) and isinstance(call.get("function"), Mapping):
+        call["function"] = _keep(call["function"], TOOL_CALL_FUNCTION_KEYS)
+    return call
+
+
+def _clean_part(part: Any) -> Any:
+    if not isinstance(part, Mapping):
+        return part
+    if part.get("type") == "text":
+        return _keep(part, TEXT_PART_KEYS)
+    if part.get("type") == "image_url":
+        part = _keep(part, IMAGE_PART_KEYS)
+        if isinstance(part.get("image_url"), Mapping):
+            part["image_url"] = _keep(part["image_url"], IMAGE_URL_KEYS)
+    return part
+
+
+def _clean_message(message: Any) -> Any:
+    if not isinstance(message, Mapping) or message.get("role") not in SUPPORTED_MESSAGE_KEYS:
+        return message
+    kept = _keep(message, SUPPORTED_MESSAGE_KEYS[message["role"]])
+    if isinstance(kept.get("tool_calls"), list):
+        kept["tool_calls"] = [_clean_tool_call(call) for call in kept["tool_calls"]]
+    if isinstance(kept.get("content"), list):
+        kept["content"] = [_clean_part(part) for part in kept["content"]]
+    return kept
+
+
+def _clean_tool(tool: Any) -> Any:
+    tool = _keep(tool, TOOL_KEYS)
+    if isinstance(tool, dict) and isinstance(tool.get("function"), Mapping):
+        tool["function"] = _keep(tool["function"], TOOL_FUNCTION_KEYS)  # parameters forwarded unchanged
+    return tool
+
+
+def drop_unknown_nested_keys(body: dict[str, Any]) -> dict[str, Any]:
+    body = dict(body)
+    if isinstance(body.get("messages"), list):
+        body["messages"] = [_clean_message(message) for message in body["messages"]]
+    if isinstance(body.get("tools"), list):
+        body["tools"] = [_clean_tool(tool) for tool in body["tools"]]
+    choice = body.get("tool_choice")
+    if isinstance(choice, Mapping):
+        choice = _keep(choice, TOOL_CHOICE_KEYS)
+        if isinstance(choice.get("function"), Mapping):
+            choice["function"] = _keep(choice["function"], TOOL_CHOICE_FUNCTION_KEYS)
+        body["tool_choice"] = choice
+    return body
+
+
+# --- the front's bounds -----------------------------------------------------------------------------
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value) if not isinstance(value, float) or not value.is_integer() else f"{value:g}"
+
+
+def _check_models(body: Mapping[str, Any]) -> None:
+    has_model, has_models = body.get("model") is not None, body.get("models") is not None
+    if has_model and has_models:
+        raise ChatFrontError(
+            400,
+            "ChatRequestConflict",
+            "Send one of 'model' and 'models', not both.",
+            param="models",
+            should_retry=False,
+        )
+    if not has_model and not has_models:
+        raise _bad("model", "you must provide a model parameter")
+    if has_model:
+        model = body["model"]
+        if isinstance(model, str) and ":" in model:
+            raise model_not_found(model, "model")
+        return
+    models = body["models"]
+    if not isinstance(models, list):
+        return  # the contract refuses the type
+    if len(models) > MAX_CHAT_MODEL_COUNT:
+        raise _unsupported(
+            "models", f"'models' lists {len(models)} models; at most {MAX_CHAT_MODEL_COUNT} are supported."
+        )
+    seen: set[str] = set()
+    for i, entry in enumerate(models):
+        path = f"models[{i}]"
+        if isinstance(entry, str) and not entry:
+            raise _unsupported(path, f"Invalid value for '{path}': expected a non-empty string.")
+        if isinstance(entry, str) and entry in seen:
+            raise _bad(path, f"'models' lists '{entry}' twice.")
+        if isinstance(entry, str):
+            seen.add(entry)
+            if ":" in entry:
+                raise model_not_found(entry, path)
+
+
+def model_not_found(model: str, param: str) -> ChatFrontError:
+    return ChatFrontError(
+        404,
+        "model_not_found",
+        f"The model `{model}` does not exist or you do not have access to it.",
+        param=param,
+        should_retry=False,
+    )
+
+
+def _check_ranges(body: Mapping[str, Any]) -> None:
+    for key, (low, high) in OPENAI_SAMPLING_RANGES.items():
+        value = body.get(key)
+        if not _is_number(value):
+            continue
+        if value > high:
+            raise _unsupported(
+                key,
+                f"Invalid '{key}': decimal above maximum value. Expected a value <= {high:g}, but got "
+                f"{_shown(value)} instead.",
+            )
+        if value < low:
+            raise _unsupported(
+                key,
+                f"Invalid '{key}': decimal below minimum value. Expected a value >= {low:g}, but got "
+                f"{_shown(value)} instead.",
+            )
+    for key in ("max_tokens", "max_completion_tokens", "n"):
+        value = body.get(key)
+        if not _is_number(value):
+            continue
+        floor = 1 if key == "n" or value < 1 else MIN_CHAT_MAX_TOKENS
+        if value < floor:
+            raise _unsupported(
+                key,
+                f"Invalid '{key}': integer below minimum value. Expected a value >= {floor}, but got "
+                f"{_shown(value)} instead.",
+            )
+    stop = body.get("stop")
+    if isinstance(stop, list) and len(stop) > MAX_CHAT_STOP_SEQUENCES:
+        raise _unsupported(
+            "stop",
+            f"Invalid 'stop': array too long. Expected an array with maximum length {MAX_CHAT_STOP_SEQUENCES}, "
+            f"but got an array with length {len(stop)} instead.",
+        )
+    if isinstance(body.get("messages"), list) and not body["messages"]:
+        raise _bad(
+            "messages",
+            "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead.",
+        )
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, Mapping):
+            raise _bad("stream_options", "Invalid type for 'stream_options': expected an object.")
+        for key in options:
+            if key not in STREAM_OPTIONS_KEYS:
+                raise _unsupported(f"stream_options.{key}", f"Unknown parameter: 'stream_options.{key}'.")
+        if options.get("include_usage") is not None and not isinstance(options["include_usage"], bool):
+            raise _bad(
+                "stream_options.include_usage",
+                "Invalid type for 'stream_options.include_usage': expected a boolean.",
+            )
+
+
+def refusal_error(refusal: ChatRefusal) -> ChatFrontError:
+    """A contract refusal with OpenAI's message and param (the message is not prefixed with the path)."""
+    status = refusal.status
+    return ChatFrontError(status, refusal.rc, refusal.text, param=refusal.param, should_retry=False)
+
+
+# --- request and response models -------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    """A screened and validated request: the contract's request plus the keys the front applies."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    chat: ChatRequest
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    native_body: dict[str, Any]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def include_reasoning(self) -> bool:
+        return self.chat.horde.include_reasoning
+
+    @property
+    def fail_fast(self) -> bool:
+        return self.chat.horde.availability_mode == "fail_fast"
+
+    @property
+    def requested_models(self) -> list[str]:
+        return self.chat.model_list
+
+
+def screen_request(raw_body: Any) -> ChatCompletionRequest:
+    """The three screening steps, the front's bounds, then the contract's validation; raises
+    ChatFrontError with OpenAI's message and param."""
+    if not isinstance(raw_body, Mapping):
+        raise _bad(None, "The request body has to be a JSON object.")
+    refused = find_refused_parameter(raw_body)
+    if refused is not None:
+        raise refused
+    body = drop_unknown_nested_keys(drop_default_no_ops(dict(raw_body)))
+    body = {key: value for key, value in body.items() if value is not None}  # null counts as omitted
+    _check_models(body)
+    _check_ranges(body)
+    from oai.mapping import build_native_chat_body  # noqa: PLC0415 (mapping imports this module)
+
+    native = build_native_chat_body(body)
+    try:
+        chat = validate_chat_request(native)
+    except ChatRefusal as refusal:
+        raise refusal_error(refusal) from None
+    except RecursionError:
+        raise _bad(None, "The request body nests too deeply.") from None
+    stream = body.get("stream") is True
+    return ChatCompletionRequest(
+        chat=chat,
+        stream=stream,
+        stream_options=StreamOptions(**body["stream_options"]) if body.get("stream_options") else None,
+        native_body=native,
+    )
+
+
+# --- response shapes ------------------------------------------------------------------------------
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class IndexedToolCall(ToolCall):
+    index: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+
+class HordeChoiceExtension(BaseModel):
+    notice: str | None = None
+    context_adjustments: list[dict[str, Any]] | None = None
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str
+    native_finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[Choice]
+    usage: Usage
+    x_horde: dict[str, Any] = Field(default_factory=dict)
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[IndexedToolCall] | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChunkDelta
+    finish_reason: str | None = None
+    native_finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    x_horde: dict[str, Any] | None = None
+
+
+class ErrorMetadata(BaseModel):
+    request_id: str | None = None
+    retry_after: int | None = None
+    submit_outcome: str | None = None
+    kudos_estimate: float | None = None
+    max_kudos: int | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ai-horde"
+    name: str
+    context_length: int | None
+    architecture: dict[str, Any]
+    top_provider: dict[str, Any]
+    supported_parameters: list[str]
+    x_horde: dict[str, Any]
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

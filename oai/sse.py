@@ -1,0 +1,81 @@
+"""Streamed chunks and keepalive comments (spec: chat_front.md, the stream's events 1-7).
+
+A reply is delivered whole: role chunk, reasoning chunk (under horde.include_reasoning), content
+chunk, tool-call chunk (each call whole with its index, without content), the finish chunk with
+x_horde, the usage chunk when stream_options.include_usage, then [DONE]. `build_delta_events` is the
+seam the delta relay (a later issue) fills.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from oai.errors import ChatFrontError, sse_error_event
+from oai.mapping import Completion
+
+DONE_EVENT = b"data: [DONE]\n\n"
+KEEPALIVE_EVENT = b": keepalive\n\n"
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def _chunk(completion: Completion, delta: dict[str, Any], **choice: Any) -> dict[str, Any]:
+    return {
+        "id": completion.id,
+        "object": "chat.completion.chunk",
+        "created": completion.created,
+        "model": completion.model,
+        "system_fingerprint": completion.fingerprint,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None, **choice}],
+    }
+
+
+def build_keepalive_event() -> bytes:
+    return KEEPALIVE_EVENT
+
+
+def build_completion_events(completion: Completion, *, include_usage: bool) -> list[bytes]:
+    events = [_event(_chunk(completion, {"role": "assistant"}))]
+    if completion.reasoning:
+        events.append(_event(_chunk(completion, {"reasoning_content": completion.reasoning})))
+    if completion.content:
+        events.append(_event(_chunk(completion, {"content": completion.content})))
+    if completion.tool_calls:
+        calls = [
+            {
+                "index": i,
+                "id": c["id"],
+                "type": "function",
+                "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+            }
+            for i, c in enumerate(completion.tool_calls)
+        ]
+        events.append(_event(_chunk(completion, {"tool_calls": calls})))
+    finish = _chunk(
+        completion,
+        {},
+        finish_reason=completion.finish_reason,
+        native_finish_reason=completion.native_finish_reason,
+    )
+    if completion.x_horde:
+        finish["x_horde"] = completion.x_horde
+    events.append(_event(finish))
+    if include_usage:
+        usage_chunk = _chunk(completion, {})
+        usage_chunk["choices"] = []
+        usage_chunk["usage"] = completion.usage.model_dump(exclude_none=True)
+        events.append(_event(usage_chunk))
+    events.append(DONE_EVENT)
+    return events
+
+
+def build_delta_events(*_args: Any, **_kwargs: Any) -> list[bytes]:  # pragma: no cover - later issue
+    """Relayed deltas from worker progress: not served yet (see mapping.relays_deltas)."""
+    raise NotImplementedError("delta relay is not served yet")
+
+
+def build_error_events(error: ChatFrontError, request_id: str | None) -> list[bytes]:
+    return [sse_error_event(error, request_id), DONE_EVENT]

@@ -1,0 +1,202 @@
+"""DRF (adrf async) views of the OpenAI routes: POST /v1/chat/completions and GET /v1/models.
+
+DRF runs authentication (the Bearer key is the horde API key), the error envelope (OpenAI's, through
+`openai_exception_handler`) and the OpenAPI schema for them. A streamed answer is Django's async
+StreamingHttpResponse returned from the same view (docs/adr/0007-oai-front-on-drf.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from adrf.views import APIView
+from django.http import StreamingHttpResponse
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
+from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema, inline_serializer
+from rest_framework import exceptions, serializers
+from rest_framework.authentication import BaseAuthentication
+from rest_framework.response import Response
+
+from oai import app
+from oai.errors import ChatFrontError
+
+
+class FrontCaller:
+    """The caller DRF sees: its key is passed on to the horde, which authenticates it."""
+
+    is_authenticated = True
+
+    def __init__(self, api_key: str):
+        self.api_key = api_key
+
+
+class BearerKeyAuthentication(BaseAuthentication):
+    """`Authorization: Bearer <horde API key>`; the upstream `apikey` header is accepted too. The key
+    is checked by the horde at submit: a key it does not know is 401 authentication_error there."""
+
+    def authenticate(self, request):
+        header = request.META.get("HTTP_AUTHORIZATION", "")
+        scheme, _, key = header.partition(" ")
+        key = key.strip() if scheme.lower() == "bearer" else ""
+        key = key or request.META.get("HTTP_APIKEY", "").strip()
+        if not key:
+            return None
+        return FrontCaller(key), key
+
+    def authenticate_header(self, request) -> str:
+        return 'Bearer realm="ai-horde"'
+
+
+class BearerKeyScheme(OpenApiAuthenticationExtension):
+    """The Bearer key in the OpenAPI schema."""
+
+    target_class = "oai.views.BearerKeyAuthentication"
+    name = "HordeBearerKey"
+
+    def get_security_definition(self, auto_schema):
+        return {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "The horde API key (anonymous where allowed).",
+        }
+
+
+def openai_exception_handler(exc, context) -> Response:
+    """Every error of these views in OpenAI's envelope."""
+    if isinstance(exc, ChatFrontError):
+        error = exc
+    elif isinstance(exc, exceptions.NotAuthenticated | exceptions.AuthenticationFailed):
+        error = ChatFrontError(
+            401, "invalid_api_key", str(exc.detail), type="authentication_error", should_retry=False
+        )
+    elif isinstance(exc, exceptions.MethodNotAllowed):
+        error = ChatFrontError(405, "method_not_allowed", str(exc.detail), should_retry=False)
+    elif isinstance(exc, exceptions.Throttled):
+        error = ChatFrontError(
+            429,
+            "rate_limit_exceeded",
+            str(exc.detail),
+            type="rate_limit_error",
+            retry_after=int(exc.wait or 1),
+        )
+    elif isinstance(exc, exceptions.APIException):
+        error = ChatFrontError(exc.status_code, "BadRequest", str(exc.detail), should_retry=False)
+    else:
+        import logging
+
+        logging.getLogger("oai").exception("unhandled error in the OpenAI front")
+        error = ChatFrontError(
+            500, "InternalError", "The AI Horde front failed to handle the request.", type="api_error"
+        )
+    return Response(error.body(), status=error.status, headers=error.headers())
+
+
+def client_source(request, trusted_proxy_count: int) -> str:
+    """The client address the per-source in-flight cap counts: the socket peer, or the address the
+    trusted proxies forwarded."""
+    if trusted_proxy_count > 0:
+        forwarded = [a.strip() for a in request.META.get("HTTP_X_FORWARDED_FOR", "").split(",") if a.strip()]
+        if len(forwarded) >= trusted_proxy_count:
+            return forwarded[-trusted_proxy_count]
+    return request.META.get("REMOTE_ADDR") or "unknown"
+
+
+_ERROR = inline_serializer(
+    "OpenAIError",
+    {
+        "error": inline_serializer(
+            "OpenAIErrorObject",
+            {
+                "message": serializers.CharField(),
+                "type": serializers.CharField(),
+                "param": serializers.CharField(allow_null=True),
+                "code": serializers.CharField(allow_null=True),
+            },
+        )
+    },
+)
+
+
+class FrontView(APIView):
+    authentication_classes = [BearerKeyAuthentication]
+    permission_classes: list = []
+    throttle_classes: list = []
+
+    def get_exception_handler(self):
+        return openai_exception_handler
+
+
+def _response(answer: app.JsonAnswer) -> Response:
+    return Response(answer.body, status=answer.status, headers=answer.headers or None)
+
+
+class ChatCompletionsView(FrontView):
+    """POST /v1/chat/completions (OpenAI's chat completions, whole or streamed)."""
+
+    @extend_schema(
+        operation_id="oai_chat_completions",
+        tags=["openai"],
+        request=inline_serializer(
+            "ChatCompletionRequest",
+            {
+                "model": serializers.CharField(required=False),
+                "models": serializers.ListField(child=serializers.CharField(), required=False),
+                "messages": serializers.ListField(child=serializers.DictField()),
+                "stream": serializers.BooleanField(required=False),
+                "max_tokens": serializers.IntegerField(required=False),
+                "horde": serializers.DictField(required=False),
+            },
+        ),
+        responses={
+            200: OpenApiResponse(
+                description="chat.completion, or text/event-stream of chat.completion.chunk"
+            ),
+            400: _ERROR,
+            401: _ERROR,
+            404: _ERROR,
+            408: _ERROR,
+            413: _ERROR,
+            429: _ERROR,
+            502: _ERROR,
+            503: _ERROR,
+        },
+        examples=[
+            OpenApiExample(
+                "hello",
+                value={"model": "Gryphe/MythoMax-L2-13b", "messages": [{"role": "user", "content": "Hello"}]},
+                request_only=True,
+            )
+        ],
+    )
+    async def post(self, request, *args: Any, **kwargs: Any):
+        django_request = request._request
+        raw = django_request.scope.get("oai.body") if hasattr(django_request, "scope") else None
+        if raw is None:
+            raw = django_request.read()
+        state = await app.get_front_state()
+        headers = {key.lower(): value for key, value in request.headers.items()}
+        answer = await app.chat_completions(
+            raw_body=raw,
+            api_key=request.auth,
+            headers=headers,
+            source=client_source(django_request, state.settings.trusted_proxy_count),
+            disconnected=getattr(django_request, "scope", {}).get("oai.disconnected"),
+        )
+        if isinstance(answer, app.StreamAnswer):
+            response = StreamingHttpResponse(answer.events, content_type="text/event-stream")
+            response["Cache-Control"] = "no-cache"
+            response["X-Accel-Buffering"] = "no"
+            return response
+        return _response(answer)
+
+
+class ModelsView(FrontView):
+    """GET /v1/models: each text model with at least one online chat worker, as a model card."""
+
+    @extend_schema(
+        operation_id="oai_models",
+        tags=["openai"],
+        responses={200: OpenApiResponse(description="list of model cards")},
+    )
+    async def get(self, request, *args: Any, **kwargs: Any):
+        return _response(await app.list_models())

@@ -1,0 +1,280 @@
+"""The wait: one completion signal subscription per process, and each request's wake sources.
+
+`CompletionSignalListener` holds one Redis pub/sub connection for the whole process. A request
+registers its id (SUBSCRIBE horde:chat:<id>) and gets a `Wake` that the listener sets for each
+message on its channel. A liveness ping runs every signal_ping_seconds; a ping or read that fails
+drops the connection, every registered request is woken (a recheck reads its status, so nothing a
+lost message announced is missed), and the listener reconnects and subscribes again. Without Redis
+there is no listener and waits poll the status route every poll_seconds.
+
+`ChatRequestWatcher` decides when a waiting request reads its status next: at once after the
+submit (immediate), on a signal, at each recheck (signal_recheck_seconds with Redis, poll_seconds
+without), at the grace or positioned-read end, at the budget's deadline, or never again once the
+client disconnected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+log = logging.getLogger("oai.waiter")
+
+CHAT_SIGNAL_CHANNEL_PREFIX = "horde:chat:"
+# Under fail_fast, reads after the first wait at most this long for a status carrying queue information.
+POSITIONED_READ_WAIT_SECONDS = 2.0
+QUEUE_UNAVAILABLE_RETRY_AFTER_CAP_SECONDS = 600
+NO_ELIGIBLE_WORKER_RETRY_AFTER_SECONDS = 30
+
+
+class WakeSource(StrEnum):
+    IMMEDIATE = "immediate"
+    SIGNAL = "signal"
+    RECHECK = "recheck"
+    POLL = "poll"
+    DEADLINE = "deadline"
+    DISCONNECT = "disconnect"
+
+
+class NoEligibleWorkerError(Exception):
+    """No worker became eligible within the grace."""
+
+
+class DeclarationGapError(Exception):
+    """The status reports a declaration gap: no online worker declares what the request needs."""
+
+    def __init__(self, reason: dict[str, Any]):
+        super().__init__("declaration gap")
+        self.reason = reason
+
+
+@dataclass(eq=False)
+class Wake:
+    """One request's wake-up flag, set by the listener for each message on its channel."""
+
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled_signal: bool = False
+    signal_lost: bool = False
+    last_message: dict[str, Any] | None = None
+
+    def set(self, message: dict[str, Any] | None) -> None:
+        if message is not None:
+            self.last_message = message
+            if message.get("event") == "cancelled":
+                self.cancelled_signal = True
+        else:
+            self.signal_lost = True
+        self.event.set()
+
+
+class CompletionSignalListener:
+    """One pub/sub connection per process, with a liveness ping and reconnection."""
+
+    def __init__(self, redis_url: str, *, ping_seconds: float = 5.0):
+        self.redis_url = redis_url
+        self.ping_seconds = ping_seconds
+        self._wakes: dict[str, set[Wake]] = {}
+        self._client: Any = None
+        self._pubsub: Any = None
+        self._task: asyncio.Task | None = None
+        self._ready = asyncio.Event()
+        self._closing = False
+        self.healthy = False
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="oai-completion-signal")
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        await self._drop()
+
+    async def register(self, request_id: str) -> Wake:
+        wake = Wake()
+        channel = CHAT_SIGNAL_CHANNEL_PREFIX + request_id
+        wakes = self._wakes.setdefault(channel, set())
+        wakes.add(wake)
+        if len(wakes) == 1 and self._pubsub is not None and self.healthy:
+            try:
+                await self._pubsub.subscribe(channel)
+            except Exception as error:  # the reader reconnects; the request still rechecks
+                log.warning("completion signal subscribe failed: %s", error)
+                self._fail()
+        return wake
+
+    async def unregister(self, request_id: str, wake: Wake) -> None:
+        channel = CHAT_SIGNAL_CHANNEL_PREFIX + request_id
+        wakes = self._wakes.get(channel)
+        if not wakes:
+            return
+        wakes.discard(wake)
+        if not wakes:
+            del self._wakes[channel]
+            if self._pubsub is not None and self.healthy:
+                with contextlib.suppress(Exception):
+                    await self._pubsub.unsubscribe(channel)
+
+    def _fail(self) -> None:
+        self.healthy = False
+        for wakes in self._wakes.values():
+            for wake in wakes:
+                wake.set(None)
+
+    async def _drop(self) -> None:
+        pubsub, client = self._pubsub, self._client
+        self._pubsub = self._client = None
+        if pubsub is not None:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
+    async def _connect(self) -> None:
+        import redis.asyncio as aioredis
+
+        self._client = aioredis.Redis.from_url(
+            self.redis_url, socket_connect_timeout=2, socket_timeout=None, health_check_interval=0
+        )
+        self._pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        # Subscribe to a fixed channel first so the connection exists even with no request waiting.
+        await self._pubsub.subscribe(CHAT_SIGNAL_CHANNEL_PREFIX + "front-liveness")
+        if self._wakes:
+            await self._pubsub.subscribe(*self._wakes)
+        self.healthy = True
+        self._ready.set()
+
+    async def _run(self) -> None:
+        backoff = 0.5
+        while not self._closing:
+            try:
+                await self._connect()
+                backoff = 0.5
+                last_ping = time.monotonic()
+                while True:
+                    timeout = max(0.05, self.ping_seconds - (time.monotonic() - last_ping))
+                    message = await asyncio.wait_for(
+                        self._pubsub.get_message(ignore_subscribe_messages=False, timeout=timeout),
+                        timeout + 2.0,
+                    )
+                    if message is not None:
+                        self._dispatch(message)
+                    if time.monotonic() - last_ping >= self.ping_seconds:
+                        await asyncio.wait_for(self._pubsub.ping(), self.ping_seconds)
+                        last_ping = time.monotonic()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                if not self._closing:
+                    log.warning("completion signal connection lost (%s): reconnecting", error)
+                self._fail()
+                await self._drop()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        if message.get("type") != "message":
+            return
+        channel = message.get("channel")
+        if isinstance(channel, bytes):
+            channel = channel.decode()
+        wakes = self._wakes.get(channel)
+        if not wakes:
+            return
+        try:
+            data = json.loads(message.get("data") or b"{}")
+        except ValueError:
+            data = {}
+        for wake in list(wakes):
+            wake.set(data if isinstance(data, dict) else {})
+
+
+@dataclass
+class WaitBudget:
+    """The request's deadline, from its arrival: nonstream_timeout_seconds or stream_timeout_seconds."""
+
+    started: float
+    seconds: float
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.seconds
+
+    def left(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+
+class ChatRequestWatcher:
+    """Waits for the next reason to read one request's status."""
+
+    def __init__(
+        self,
+        *,
+        wake: Wake | None,
+        budget: WaitBudget,
+        recheck_seconds: float,
+        poll_seconds: float,
+        disconnected: asyncio.Event | None,
+    ):
+        self.wake = wake
+        self.budget = budget
+        self.recheck_seconds = recheck_seconds if wake is not None else poll_seconds
+        self.periodic_source = WakeSource.RECHECK if wake is not None else WakeSource.POLL
+        self.disconnected = disconnected
+
+    async def next_wake(
+        self, *, not_after: float | None = None, keepalive_at: float | None = None
+    ) -> WakeSource | None:
+        """Block until the next read is due. Returns its source, or None when `keepalive_at` came
+        first (the caller sends a keepalive comment and calls again)."""
+        now = time.monotonic()
+        due = min(now + self.recheck_seconds, self.budget.deadline)
+        source = self.periodic_source if due < self.budget.deadline else WakeSource.DEADLINE
+        if not_after is not None and not_after < due:
+            due, source = not_after, WakeSource.RECHECK
+        timer_source = source
+        if keepalive_at is not None and keepalive_at < due:
+            due, timer_source = keepalive_at, None
+        waiters: list[asyncio.Future] = []
+        if self.wake is not None:
+            if self.wake.event.is_set():
+                return self._take_signal()
+            waiters.append(asyncio.ensure_future(self.wake.event.wait()))
+        if self.disconnected is not None:
+            if self.disconnected.is_set():
+                return WakeSource.DISCONNECT
+            waiters.append(asyncio.ensure_future(self.disconnected.wait()))
+        try:
+            if waiters:
+                await asyncio.wait(
+                    waiters, timeout=max(0.0, due - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+                )
+            else:
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+        finally:
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.cancel()
+        if self.disconnected is not None and self.disconnected.is_set():
+            return WakeSource.DISCONNECT
+        if self.wake is not None and self.wake.event.is_set():
+            return self._take_signal()
+        return timer_source
+
+    def _take_signal(self) -> WakeSource:
+        """A message woke the request (signal), or the listener lost its connection (recheck)."""
+        self.wake.event.clear()
+        if self.wake.signal_lost:
+            self.wake.signal_lost = False
+            return WakeSource.RECHECK
+        return WakeSource.SIGNAL

@@ -1,0 +1,350 @@
+"""A live horde for the OpenAI front's tests: daphne serving hordesite.asgi:application (the native
+API and the mounted /v1/ front, through the Channels router) in a thread of the test process, on a
+free port, against the test database; and a test worker that pops chat jobs over HTTP and submits
+scripted replies.
+
+Why a thread of the test process: pytest-django's test database (test_<name>[_gwN], or SQLite's
+shared in-memory database) is configured in this process, so the server thread's connections reach
+it with nothing to pass along; the tests use `transactional_db` so what they write is committed and
+visible to the server, and what the server writes is flushed after each test. Twisted's reactor
+runs once per process, so the server is session-scoped; the front's state (its settings, metrics
+meter) is rebuilt per test on the server's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from django.conf import settings as django_settings
+
+from oai.settings import FrontSettings
+
+MODEL = "Gryphe/MythoMax-L2-13b"
+OTHER_MODEL = "koboldcpp/Marx-3B-V3"
+ALL_DECLARATIONS = [
+    "seed",
+    "reasoning_effort",
+    "presence_penalty",
+    "frequency_penalty",
+    "vision",
+    "tools",
+    "json_object",
+    "json_schema",
+    "tools_with_response_format",
+    "tool_choice_enforced",
+    "single_tool_call_enforced",
+    "structured_output_enforced",
+    "prompt_overflow_refused",
+]
+
+
+def pytest_configure(config) -> None:
+    """On SQLite, a file test database instead of the shared in-memory one: the live server's
+    threads write concurrently, which SQLite's shared cache refuses ("database table is locked")
+    where a file database in WAL mode waits for its busy timeout. pytest-django adds the xdist
+    worker suffix to the name."""
+    database = django_settings.DATABASES["default"]
+    if database["ENGINE"] == "django.db.backends.sqlite3" and not database.get("TEST", {}).get("NAME"):
+        folder = Path(django_settings.BASE_DIR) / "var"
+        folder.mkdir(exist_ok=True)
+        database.setdefault("TEST", {})["NAME"] = str(folder / "test-live.sqlite3")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class LiveHorde:
+    port: int
+    loop: asyncio.AbstractEventLoop
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def v1(self) -> str:
+        return f"{self.url}/v1"
+
+    def run(self, coro: Any, timeout: float = 10) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+@pytest.fixture(scope="session")
+def live_horde(django_db_setup, django_db_blocker) -> LiveHorde:
+    import daphne.server  # installs the asyncio reactor first
+    from twisted.internet import reactor
+
+    from hordesite.asgi import application
+
+    port = _free_port()
+    server = daphne.server.Server(
+        application=application,
+        endpoints=[f"tcp:port={port}:interface=127.0.0.1"],
+        signal_handlers=False,
+        http_timeout=None,
+    )
+    thread = threading.Thread(target=server.run, name="live-daphne", daemon=True)
+    with django_db_blocker.unblock():
+        thread.start()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                time.sleep(0.05)
+        loop = reactor._asyncioEventloop
+        yield LiveHorde(port=port, loop=loop)
+        reactor.callFromThread(reactor.stop)
+        thread.join(5)
+
+
+def front_settings(live: LiveHorde, **overrides: Any) -> FrontSettings:
+    base = dict(
+        native_roots=[f"{live.url}/api/v2"],
+        redis_url=django_settings.REDIS_URL,
+        poll_seconds=0.1,
+        signal_recheck_seconds=0.5,
+        keepalive_seconds=0.5,
+        fail_fast_grace_seconds=1.0,
+        nonstream_timeout_seconds=20.0,
+        stream_timeout_seconds=20.0,
+        cancel_timeout_seconds=1.5,
+        cancel_retry_seconds=0.5,
+    )
+    base.update(overrides)
+    return FrontSettings(**base)
+
+
+@dataclass
+class Front:
+    live: LiveHorde
+    reader: Any
+    provider: Any
+
+    def configure(self, **overrides: Any) -> FrontSettings:
+        """A new front state with these settings, and a new meter (the gauges read the new state)."""
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+        from oai import app
+        from oai.metrics import histogram_views
+
+        settings = front_settings(self.live, **overrides)
+        self.reader = InMemoryMetricReader()
+        self.provider = MeterProvider(metric_readers=[self.reader], views=histogram_views())
+
+        async def reset() -> None:
+            for state in app.current_states():
+                await state.shutdown()
+            app.configure_front(meter=self.provider.get_meter("test"), settings=settings)
+            await app.get_front_state()
+
+        self.live.run(reset())
+        return settings
+
+    def state(self) -> Any:
+        from oai import app
+
+        return self.live.run(app.get_front_state())
+
+    def metrics(self) -> dict[str, list[tuple[dict, Any]]]:
+        """name -> [(attributes, value)] from the in-memory reader."""
+        data = self.reader.get_metrics_data()
+        out: dict[str, list[tuple[dict, Any]]] = {}
+        for resource in data.resource_metrics if data else ():
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    for point in metric.data.data_points:
+                        value = getattr(point, "value", None)
+                        if value is None:
+                            value = (point.count, point.sum)
+                        out.setdefault(metric.name, []).append((dict(point.attributes), value))
+        return out
+
+
+def _restore_anonymous_user() -> None:
+    """The anonymous user comes from a data migration, which transactional_db's flush removes."""
+    import hashlib
+
+    from accounts.models import HordeUser
+
+    HordeUser.objects.get_or_create(
+        api_key_hash=hashlib.sha256(b"0000000000").hexdigest(),
+        defaults={"username": "Anonymous", "is_anonymous": True, "concurrency": 30},
+    )
+
+
+@pytest.fixture
+def front(live_horde, transactional_db) -> Front:
+    _restore_anonymous_user()
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from oai.metrics import histogram_views
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader], views=histogram_views())
+    f = Front(live=live_horde, reader=reader, provider=provider)
+    f.configure()
+    yield f
+    f.live.run(_shutdown_states(), timeout=15)
+
+
+async def _shutdown_states() -> None:
+    from oai import app
+
+    for state in app.current_states():
+        await state.shutdown()
+    app.configure_front()
+
+
+# --- the test worker --------------------------------------------------------------------------------
+
+
+Reply = Callable[[dict[str, Any]], dict[str, Any] | None]
+
+
+def text_reply(text: str = "Hello from the horde.", **extra: Any) -> Reply:
+    def reply(job: dict[str, Any]) -> dict[str, Any]:
+        return {"message": {"role": "assistant", "content": text}, "finish_reason": "stop", **extra}
+
+    return reply
+
+
+@dataclass
+class HordeTestWorker:
+    live: LiveHorde
+    key: str
+    model: str = MODEL
+    features: list[str] = field(default_factory=lambda: list(ALL_DECLARATIONS))
+    max_length: int = 2048
+    max_context_length: int = 8192
+    reply: Reply = field(default_factory=text_reply)
+    delay: float = 0.0
+    name: str = field(default_factory=lambda: f"oai-test-worker-{uuid.uuid4().hex[:6]}")
+    jobs: list[dict[str, Any]] = field(default_factory=list)
+    submits: list[httpx.Response] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    paused: threading.Event = field(default_factory=threading.Event)
+
+    def pop_body(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "models": [self.model],
+            "max_length": 512,
+            "max_context_length": 4096,
+            "bridge_agent": "oai-test-worker:1:https://example.org",
+            "chat_jobs": True,
+            "prompt_jobs": False,
+            "chat_features": self.features,
+            "chat_limits": {"max_context_length": self.max_context_length, "max_length": self.max_length},
+            "model_id": self.model,
+        }
+
+    def check_in(self) -> dict[str, Any]:
+        response = httpx.post(
+            f"{self.live.url}/api/v2/generate/text/pop",
+            json=self.pop_body(),
+            headers={"apikey": self.key},
+            timeout=10,
+        )
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def start(self) -> HordeTestWorker:
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(10)
+
+    def _run(self) -> None:
+        with httpx.Client(
+            base_url=f"{self.live.url}/api/v2", headers={"apikey": self.key}, timeout=10
+        ) as client:
+            while not self._stop.is_set():
+                if self.paused.is_set():
+                    time.sleep(0.02)
+                    continue
+                try:
+                    response = client.post("/generate/text/pop", json=self.pop_body())
+                except httpx.HTTPError:
+                    time.sleep(0.05)
+                    continue
+                job = response.json() if response.status_code == 200 else {}
+                if not job.get("id"):
+                    time.sleep(0.03)
+                    continue
+                self.jobs.append(job)
+                if self.delay:
+                    time.sleep(self.delay)
+                body = self.reply(job)
+                if body is None:
+                    continue  # the job is left to lapse
+                body = {"id": job["id"], "model_id": self.model, **body}
+                answer = client.post("/generate/text/submit", json=body)
+                self.submits.append(answer)
+                if answer.status_code == 400:  # as the reference worker: a refused reply faults the job
+                    client.post(
+                        "/generate/text/submit",
+                        json={
+                            "id": job["id"],
+                            "state": "faulted",
+                            "model_id": self.model,
+                            "fault_reason": "reply_refused",
+                        },
+                    )
+
+
+@pytest.fixture
+def worker_owner(make_user):
+    return make_user(f"owner-{uuid.uuid4().hex[:6]}")
+
+
+@pytest.fixture
+def requester(make_user):
+    return make_user(f"requester-{uuid.uuid4().hex[:6]}", kudos=100_000)
+
+
+@pytest.fixture
+def start_worker(live_horde, worker_owner):
+    workers: list[HordeTestWorker] = []
+
+    def start(**kwargs: Any) -> HordeTestWorker:
+        worker = HordeTestWorker(live=live_horde, key=worker_owner.key, **kwargs)
+        worker.check_in()
+        workers.append(worker.start())
+        return worker
+
+    yield start
+    for worker in workers:
+        worker.stop()
+
+
+@pytest.fixture
+def client(front, requester):
+    """The real OpenAI SDK against the live front, with the SDK's own retries off."""
+    import openai
+
+    sdk = openai.OpenAI(base_url=front.live.v1, api_key=requester.key, max_retries=0, timeout=30)
+    yield sdk
+    sdk.close()

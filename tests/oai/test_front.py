@@ -1,0 +1,465 @@
+"""The front around the request: disconnects, operation keys and lost-submit recovery, admission,
+CORS, model cards, metrics, the finished-request log line and the standalone process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.oai.conftest import MODEL, OTHER_MODEL, HordeTestWorker, _free_port
+
+pytestmark = pytest.mark.slow
+
+USER = [{"role": "user", "content": "Hello?"}]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _requests():
+    from chat.models import GenerationRequest
+
+    return list(GenerationRequest.objects.filter(is_chat=True))
+
+
+def _wait_for(predicate, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    return predicate()
+
+
+def _idle_worker(live_horde, worker_owner) -> HordeTestWorker:
+    """A chat worker that checked in (so the model is served) but does not pop."""
+    worker = HordeTestWorker(live=live_horde, key=worker_owner.key)
+    worker.check_in()
+    return worker
+
+
+# --- disconnects ----------------------------------------------------------------------------------
+
+
+def _post_and_drop(url: str, key: str, body: dict, after: float) -> None:
+    """Send the request and close the connection after `after` seconds (a stream: once it opened)."""
+    headers = {"Authorization": f"Bearer {key}"}
+    if body.get("stream"):
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=10) as response:
+            assert response.status_code == 200
+            next(response.iter_lines())  # the opening comment: the stream is open and waiting
+            time.sleep(after)
+        return
+    with contextlib.suppress(httpx.TimeoutException):
+        httpx.post(url, json=body, headers=headers, timeout=after)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_cancels_the_horde_request_within_2s(
+    front, requester, live_horde, worker_owner, stream
+):
+    _idle_worker(live_horde, worker_owner)
+    body = {"model": MODEL, "messages": USER, "stream": stream}
+    thread = threading.Thread(
+        target=_post_and_drop, args=(f"{front.live.v1}/chat/completions", requester.key, body, 1.0)
+    )
+    thread.start()
+    assert _wait_for(_requests, 5), "the request was not submitted"
+    thread.join()
+    dropped_at = time.monotonic()
+    cancelled = _wait_for(lambda: all(r.cancelled for r in _requests()) and _requests(), 3)
+    assert cancelled, "the horde request was not cancelled"
+    assert time.monotonic() - dropped_at < 2.0
+    metrics = front.metrics()
+    assert ({"horde.outcome": "acknowledged"}, 1) in metrics["horde.oai.cancels"]
+    assert any(a["horde.wake_source"] == "disconnect" for a, _ in metrics["horde.oai.wakes"])
+
+
+def test_stream_disconnect_while_streaming_through_the_sdk(front, requester, live_horde, worker_owner):
+    _idle_worker(live_horde, worker_owner)
+    sdk = openai.OpenAI(base_url=front.live.v1, api_key=requester.key, max_retries=0)
+    stream = sdk.chat.completions.create(model=MODEL, messages=USER, stream=True)
+    assert _wait_for(_requests, 5)
+    stream.close()  # the SDK closes the response while the front waits
+    started = time.monotonic()
+    assert _wait_for(lambda: all(r.cancelled for r in _requests()), 3)
+    assert time.monotonic() - started < 2.0
+    sdk.close()
+
+
+# --- operation key and lost-submit recovery ------------------------------------------------------
+
+
+class _LosingProxy(BaseHTTPRequestHandler):
+    """Forwards a chat submit to the real horde, then drops the connection without an answer."""
+
+    target = ""
+    seen: list[dict] = []
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        headers = {
+            k: v for k, v in self.headers.items() if k.lower() in ("apikey", "client-agent", "content-type")
+        }
+        httpx.post(self.target + self.path.removeprefix("/api/v2"), content=body, headers=headers, timeout=10)
+        import json
+
+        _LosingProxy.seen.append(json.loads(body))
+        self.close_connection = True
+        self.connection.shutdown(socket.SHUT_RDWR)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_lost_submit_is_recovered_with_its_operation_key(front, client, start_worker, live_horde):
+    _LosingProxy.target = f"{live_horde.url}/api/v2"
+    _LosingProxy.seen = []
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _LosingProxy)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        front.configure(
+            native_roots=[f"http://127.0.0.1:{proxy.server_address[1]}/api/v2", f"{live_horde.url}/api/v2"]
+        )
+        start_worker()
+        completion = client.chat.completions.create(model=MODEL, messages=USER)
+        assert completion.choices[0].message.content
+    finally:
+        proxy.shutdown()
+    requests = _requests()
+    assert len(requests) == 1  # the re-sent submit found the first one's claim: one request, one charge
+    assert str(requests[0].operation_key) == _LosingProxy.seen[0]["horde"]["operation_key"]
+    assert completion.id == f"chatcmpl-{requests[0].id}"
+    assert ({"horde.existing_claim": True}, 1) in front.metrics()["horde.oai.submit.recoveries"]
+
+
+def test_native_root_rotation_on_connection_failure(front, client, start_worker, live_horde):
+    dead = f"http://127.0.0.1:{_free_port()}/api/v2"
+    front.configure(native_roots=[dead, f"{live_horde.url}/api/v2"])
+    start_worker()
+    assert client.chat.completions.create(model=MODEL, messages=USER).choices[0].message.content
+    assert front.state().client.roots[front.state().client._current] == f"{live_horde.url}/api/v2"
+
+
+def test_unreachable_horde_is_503(front, client):
+    front.configure(native_roots=[f"http://127.0.0.1:{_free_port()}/api/v2"])
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.chat.completions.create(model=MODEL, messages=USER)
+    assert caught.value.status_code == 503 and caught.value.code == "HordeUnavailable"
+
+
+# --- the wait's other ends --------------------------------------------------------------------------
+
+
+def test_cancelled_elsewhere_is_chat_request_no_generation(front, client, live_horde, worker_owner):
+    _idle_worker(live_horde, worker_owner)
+    result: dict = {}
+
+    def call():
+        try:
+            client.chat.completions.create(model=MODEL, messages=USER)
+        except openai.APIStatusError as error:
+            result["error"] = error
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    request = _wait_for(_requests, 5)[0]
+    assert httpx.delete(f"{live_horde.url}/api/v2/generate/chat/status/{request.id}").status_code == 200
+    thread.join(10)
+    error = result["error"]
+    assert (error.status_code, error.code) == (502, "ChatRequestNoGeneration")
+    assert error.response.headers["x-should-retry"] == "false"
+
+
+def test_budget_end_is_408_and_cancels(front, client, live_horde, worker_owner):
+    front.configure(nonstream_timeout_seconds=1.0)
+    _idle_worker(live_horde, worker_owner)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(model=MODEL, messages=USER)
+    assert (caught.value.status_code, caught.value.code) == (408, "ChatRequestTimeout")
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    assert _wait_for(lambda: all(r.cancelled for r in _requests()), 3)
+
+
+def test_stream_error_after_headers_is_an_sse_error_event(front, client, live_horde, worker_owner):
+    front.configure(stream_timeout_seconds=1.0)
+    _idle_worker(live_horde, worker_owner)
+    stream = client.chat.completions.create(model=MODEL, messages=USER, stream=True)
+    with pytest.raises(openai.APIError) as caught:
+        list(stream)
+    assert "ChatRequestTimeout" in str(caught.value.body) or caught.value.code == "ChatRequestTimeout"
+    assert ({"horde.code": "ChatRequestTimeout"}, 1) in front.metrics()["horde.oai.stream.failures"]
+
+
+# --- admission ------------------------------------------------------------------------------------
+
+
+def test_body_over_the_limit_is_413(front, requester):
+    front.configure(max_body_bytes=1000)
+    response = httpx.post(
+        f"{front.live.v1}/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x" * 2000}]},
+        headers={"Authorization": f"Bearer {requester.key}"},
+    )
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "RequestTooLarge"
+    assert response.headers["x-should-retry"] == "false"
+
+
+def test_slow_body_is_408(front, live_horde):
+    """At the ASGI level (daphne reads a body whole before calling the application; a server that
+    streams bodies, such as uvicorn, hands the front a slow one)."""
+    import asyncio
+
+    from oai.asgi import FrontASGI
+
+    front.configure(body_read_timeout_seconds=0.3)
+    sent: list[dict] = []
+
+    async def never_app(scope, receive, send):  # pragma: no cover - must not be reached
+        raise AssertionError("the body never arrived")
+
+    async def receive():
+        if not sent and not getattr(receive, "first", False):
+            receive.first = True
+            return {"type": "http.request", "body": b'{"model"', "more_body": True}
+        await asyncio.sleep(10)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(b"content-length", b"100")],
+    }
+    live_horde.run(FrontASGI(never_app)(scope, receive, send))
+    assert sent[0]["status"] == 408
+    assert b"RequestBodyTimeout" in sent[1]["body"]
+
+
+def test_inflight_cap_per_source_is_503_front_at_capacity(front, client, requester, live_horde, worker_owner):
+    front.configure(max_inflight_per_source=1)
+    worker = _idle_worker(live_horde, worker_owner)
+    thread = threading.Thread(target=lambda: client.chat.completions.create(model=MODEL, messages=USER))
+    thread.start()
+    assert _wait_for(_requests, 5)
+    gauges = front.metrics()
+    assert gauges["horde.oai.inflight"][0][1] == 1 and gauges["horde.oai.inflight.source_max"][0][1] == 1
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.chat.completions.create(model=MODEL, messages=USER)
+    assert (caught.value.status_code, caught.value.code) == (503, "FrontAtCapacity")
+    assert caught.value.response.headers["retry-after"]
+    worker.start()
+    thread.join(20)
+    worker.stop()
+    assert ({"horde.status_code": 503, "horde.code": "FrontAtCapacity"}, 1) in front.metrics()[
+        "horde.oai.requests.refused"
+    ]
+
+
+# --- CORS -----------------------------------------------------------------------------------------
+
+
+def test_browser_preflight(front):
+    response = httpx.options(
+        f"{front.live.v1}/chat/completions",
+        headers={
+            "Origin": "null",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
+    assert response.status_code in (200, 204)
+    assert response.headers["access-control-allow-origin"] == "*"
+    allowed = [h.strip().lower() for h in response.headers["access-control-allow-headers"].split(",")]
+    assert "authorization" in allowed and "content-type" in allowed
+    assert "POST" in response.headers["access-control-allow-methods"]
+    exposed = response.headers["access-control-expose-headers"].lower()
+    assert "retry-after" in exposed and "x-should-retry" in exposed
+
+
+def test_every_answer_allows_any_origin(front, requester, start_worker):
+    start_worker()
+    headers = {"Origin": "null", "Authorization": f"Bearer {requester.key}"}
+    for response in (
+        httpx.get(f"{front.live.v1}/models", headers=headers),
+        httpx.post(
+            f"{front.live.v1}/chat/completions",
+            json={"model": MODEL, "messages": USER},
+            headers=headers,
+            timeout=20,
+        ),
+        httpx.post(f"{front.live.v1}/chat/completions", json={"messages": USER}, headers=headers),
+    ):
+        assert response.headers["access-control-allow-origin"] == "*"
+        assert "x-should-retry" in response.headers["access-control-expose-headers"].lower()
+
+
+# --- model cards ------------------------------------------------------------------------------------
+
+
+def test_models_match_the_workers_online(front, client, start_worker):
+    start_worker(
+        features=["tools", "tool_choice_enforced", "json_schema", "seed", "vision"],
+        max_length=1024,
+        max_context_length=4096,
+    )
+    start_worker(
+        model=OTHER_MODEL, features=["prompt_overflow_refused"], max_length=512, max_context_length=2048
+    )
+    cards = {model.id: model for model in client.models.list()}
+    assert set(cards) == {MODEL, OTHER_MODEL}
+    card = cards[MODEL].model_dump()
+    assert card["context_length"] == 4096 and card["top_provider"]["max_completion_tokens"] == 1024
+    assert card["architecture"]["input_modalities"] == ["text", "image"]
+    assert card["supported_parameters"] == [
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "stop",
+        "seed",
+        "tools",
+        "tool_choice",
+        "response_format",
+    ]
+    assert card["x_horde"]["workers"] == 1
+    other = cards[OTHER_MODEL].model_dump()
+    assert other["supported_parameters"] == ["max_tokens", "temperature", "top_p", "stop"]
+    assert other["architecture"]["input_modalities"] == ["text"]
+
+
+# --- metrics and the finished line ------------------------------------------------------------------
+
+
+def test_metrics_of_a_delivered_completion(front, client, start_worker):
+    start_worker()
+    client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=USER, extra_headers={"x-stainless-retry-count": "1"}
+    )
+    metrics = front.metrics()
+    assert ({"horde.streamed": False}, 1) in metrics["horde.oai.requests.admitted"]
+    assert ({"horde.model": MODEL, "horde.estimated_usage": True}, 1) in metrics["horde.oai.completions"]
+    assert metrics["horde.oai.client_retry_hints"][0][1] == 1
+    call_types = {a["horde.call_type"] for a, _ in metrics["horde.oai.native.duration"]}
+    assert {"submit", "status"} <= call_types
+    assert any(a["horde.wake_source"] == "immediate" for a, _ in metrics["horde.oai.wakes"])
+    assert any(a["horde.found_finished"] for a, _ in metrics["horde.oai.wakes"])
+    durations = dict((tuple(sorted(a.items())), v) for a, v in metrics["horde.oai.request.duration"])
+    assert durations[(("horde.code", "ok"), ("horde.status_code", 200), ("horde.streamed", False))][0] == 1
+    for name in ("horde.oai.queue_wait", "horde.oai.first_content.duration", "horde.oai.request.body_bytes"):
+        assert metrics[name], name
+    assert metrics["horde.oai.inflight"][0][1] == 0
+
+
+def test_metrics_of_refusals_and_errors(front, client):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=USER, temperature=5)
+    with pytest.raises(openai.InternalServerError):
+        client.chat.completions.create(model=MODEL, messages=USER)
+    metrics = front.metrics()
+    assert ({"horde.status_code": 400, "horde.code": "UnsupportedChatParameter"}, 1) in metrics[
+        "horde.oai.requests.refused"
+    ]
+    assert (
+        {
+            "horde.status_code": 503,
+            "horde.code": "no_eligible_worker",
+            "horde.streamed": False,
+            "horde.reason": "",
+        },
+        1,
+    ) in metrics["horde.oai.requests.errors"]
+
+
+LINE = re.compile(
+    r"^Chat request (?P<id>[0-9a-f-]{36}) finished: streamed=False submitted_at=\d+\.\d+ woke_at=\d+\.\d+ "
+    r"woke_by=(signal|immediate|poll|recheck) waited=\d+\.\d+s status=200 code=ok wakes=\d+ estimated_usage=True "
+    r"done_without_generation_reads=0 requested_model=Gryphe/MythoMax-L2-13b served_model=Gryphe/MythoMax-L2-13b "
+    r"retry_after=none first_read_wait_time=none first_read_eligible_worker_threads=none$"
+)
+
+
+def test_finished_request_log_line(front, client, start_worker, caplog):
+    start_worker()
+    caplog.set_level("INFO", logger="oai.requests")
+    completion = client.chat.completions.create(model=MODEL, messages=USER)
+    records = [r for r in caplog.records if r.name == "oai.requests"]
+    assert len(records) == 1
+    record = records[0]
+    assert LINE.match(record.getMessage()), record.getMessage()
+    assert completion.id == f"chatcmpl-{record.request_id}"
+    assert record.status_code == 200 and record.code == "ok" and record.served_model == MODEL
+    assert record.streamed is False and record.estimated_usage is True
+
+
+def test_queue_unavailable_line_and_unsubmitted_line(front, client, start_worker, caplog):
+    start_worker()
+    caplog.set_level("INFO", logger="oai.requests")
+    with pytest.raises(openai.InternalServerError):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            extra_body={"horde": {"trusted_workers": True, "availability_mode": "fail_fast"}},
+        )
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=USER, extra_body={"horde": {"max_kudos": 1}})
+    lines = [r.getMessage() for r in caplog.records if r.name == "oai.requests"]
+    assert " status=503 code=queue_unavailable " in lines[0] and " retry_after=30 " in lines[0]
+    assert " queue_reason=no_eligible_threads wait_time=" in lines[0]
+    assert "eligible_worker_threads=0 first_read_wait_time=" in lines[0]
+    assert lines[1].startswith("Unsubmitted chat request finished: streamed=False submitted_at=none")
+    assert " status=400 code=max_kudos_exceeded " in lines[1]
+
+
+# --- the standalone front --------------------------------------------------------------------------
+
+
+def test_python_m_oai_serves_the_front_alone(front, client, start_worker, live_horde, requester):
+    start_worker()
+    port = _free_port()
+    env = {
+        **os.environ,
+        "HORDE_OAI_NATIVE_ROOTS": f"{live_horde.url}/api/v2",
+        "HORDE_OAI_PORT": str(port),
+        "HORDE_OAI_POLL_SECONDS": "0.1",
+        "HORDE_OAI_SIGNAL_RECHECK_SECONDS": "0.5",
+    }
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "oai"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        assert _wait_for(lambda: _healthy(base), 20), (
+            process.stderr.read1().decode() if process.poll() else "no answer"
+        )
+        sdk = openai.OpenAI(base_url=f"{base}/v1", api_key=requester.key, max_retries=0)
+        assert [m.id for m in sdk.models.list()] == [MODEL]
+        assert sdk.chat.completions.create(model=MODEL, messages=USER).choices[0].message.content
+        chunks = list(sdk.chat.completions.create(model=MODEL, messages=USER, stream=True))
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        assert httpx.get(f"{base}/v1/openapi.json").status_code == 200
+        sdk.close()
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/healthz", timeout=1).json() == {"status": "ok"}
+    except (httpx.HTTPError, ValueError):
+        return False

@@ -1,0 +1,311 @@
+"""Every refusal as the OpenAI SDK raises it: exception class, status, param and code (spec:
+chat_front.md, Request keys, Message roles, No eligible worker, Kudos cap)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.oai.conftest import MODEL, OTHER_MODEL
+
+pytestmark = pytest.mark.slow
+
+USER = [{"role": "user", "content": "Hello?"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+REFUSALS = [
+    # (request keys, SDK exception, param, code)
+    ({"foo": 1}, openai.BadRequestError, "foo", "UnsupportedChatParameter"),
+    ({"logprobs": True}, openai.BadRequestError, "logprobs", "UnsupportedChatParameter"),
+    ({"service_tier": "flex"}, openai.BadRequestError, "service_tier", "UnsupportedChatParameter"),
+    ({"temperature": 2.5}, openai.BadRequestError, "temperature", "UnsupportedChatParameter"),
+    ({"top_p": -0.1}, openai.BadRequestError, "top_p", "UnsupportedChatParameter"),
+    ({"presence_penalty": 3}, openai.BadRequestError, "presence_penalty", "UnsupportedChatParameter"),
+    ({"max_tokens": 0}, openai.BadRequestError, "max_tokens", "UnsupportedChatParameter"),
+    (
+        {"max_completion_tokens": 8},
+        openai.BadRequestError,
+        "max_completion_tokens",
+        "UnsupportedChatParameter",
+    ),
+    ({"n": 0}, openai.BadRequestError, "n", "UnsupportedChatParameter"),
+    ({"n": 2}, openai.BadRequestError, "n", "UnsupportedChatParameter"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, openai.BadRequestError, "stop", "UnsupportedChatParameter"),
+    ({"messages": []}, openai.BadRequestError, "messages", "BadRequest"),
+    (
+        {"messages": [{"role": "function", "content": "x", "name": "f"}]},
+        openai.BadRequestError,
+        "messages[0].role",
+        "UnsupportedChatParameter",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+        openai.BadRequestError,
+        "messages[0].content[0].type=input_audio",
+        "UnsupportedChatParameter",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+        openai.BadRequestError,
+        "messages[0].tool_calls",
+        "UnsupportedChatParameter",
+    ),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "x"},
+                {"role": "tool", "content": "y", "tool_call_id": "c"},
+            ]
+        },
+        openai.BadRequestError,
+        "messages[1].role",
+        "UnsupportedChatParameter",
+    ),
+    ({"models": [MODEL]}, openai.BadRequestError, "models", "ChatRequestConflict"),
+    ({"model": None}, openai.BadRequestError, "model", "BadRequest"),
+    (
+        {"model": None, "models": ["a", "b", "c", "d", "e", "f"]},
+        openai.BadRequestError,
+        "models",
+        "UnsupportedChatParameter",
+    ),
+    ({"model": None, "models": [MODEL, ""]}, openai.BadRequestError, "models[1]", "UnsupportedChatParameter"),
+    (
+        {"model": None, "models": [MODEL, OTHER_MODEL, MODEL]},
+        openai.BadRequestError,
+        "models[2]",
+        "BadRequest",
+    ),
+    ({"model": "llama3:8b"}, openai.NotFoundError, "model", "model_not_found"),
+    ({"model": None, "models": [MODEL, "a:b"]}, openai.NotFoundError, "models[1]", "model_not_found"),
+    ({"tool_choice": "auto"}, openai.BadRequestError, "tool_choice", "ChatRequestConflict"),
+    ({"parallel_tool_calls": False}, openai.BadRequestError, "parallel_tool_calls", "ChatRequestConflict"),
+    (
+        {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        openai.BadRequestError,
+        "tool_choice",
+        "ChatRequestConflict",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "c",
+                    "strict": True,
+                    "schema": {"type": "object", "properties": {"a": {"type": "string"}}},
+                },
+            }
+        },
+        openai.BadRequestError,
+        "response_format.json_schema.schema",
+        "UnsupportedChatParameter",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "c", "schema_": {"type": "object"}},
+            }
+        },
+        openai.BadRequestError,
+        "response_format.json_schema.schema_",
+        "UnsupportedChatParameter",
+    ),
+    (
+        {"stream_options": {"include_usage": True, "extra": 1}},
+        openai.BadRequestError,
+        "stream_options.extra",
+        "UnsupportedChatParameter",
+    ),
+    (
+        {"response_format": {"type": "json_object"}, "horde": {"openai_guards": True}},
+        openai.BadRequestError,
+        "messages",
+        "ChatRequestConflict",
+    ),
+    ({"horde": {"nope": True}}, openai.BadRequestError, "horde.nope", "UnsupportedChatParameter"),
+    ({"max_tokens": 20000}, openai.BadRequestError, "max_tokens", "BadRequest"),
+]
+
+
+@pytest.mark.parametrize(("keys", "exception", "param", "code"), REFUSALS)
+def test_refusal_maps_to_the_sdk_exception(client, keys, exception, param, code):
+    body = {"model": MODEL, "messages": USER, **keys}
+    model = body.pop("model")
+    messages = body.pop("messages")
+    kwargs = {"model": model} if model is not None else {}
+    with pytest.raises(exception) as caught:
+        client.chat.completions.create(
+            messages=messages, extra_body=body, **kwargs
+        ) if model is not None else client.chat.completions.with_raw_response.create(
+            model=openai.NOT_GIVEN, messages=messages, extra_body=body
+        )
+    error = caught.value
+    assert (error.param, error.code) == (param, code), error.body
+    assert error.response.headers["x-should-retry"] == "false"
+    assert error.response.headers["access-control-allow-origin"] == "*"
+
+
+def test_no_model_sent(front, requester):
+    response = httpx.post(
+        f"{front.live.v1}/chat/completions",
+        json={"messages": USER},
+        headers={"Authorization": f"Bearer {requester.key}"},
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "model"
+
+
+def test_unknown_model_from_the_horde(client, start_worker):
+    start_worker()
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="nobody/knows-this-model", messages=USER)
+    assert (caught.value.param, caught.value.code) == ("model", "model_not_found")
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(
+            model=openai.NOT_GIVEN, messages=USER, extra_body={"models": [MODEL, "nobody/knows-this-model"]}
+        )
+    assert caught.value.param == "models[1]"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "m", "temperature": NaN, "messages": []}',
+        b"{not json",
+        b'{"model": "m", "messages": [], "top_p": Infinity}',
+    ],
+)
+def test_not_json_or_nan_is_bad_request(front, requester, body):
+    response = httpx.post(
+        f"{front.live.v1}/chat/completions",
+        content=body,
+        headers={"Authorization": f"Bearer {requester.key}", "Content-Type": "application/json"},
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "BadRequest"
+
+
+def test_bad_key_is_authentication_error(front, start_worker):
+    start_worker()
+    sdk = openai.OpenAI(base_url=front.live.v1, api_key="not-a-horde-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        sdk.chat.completions.create(model=MODEL, messages=USER)
+    assert caught.value.status_code == 401 and caught.value.type == "authentication_error"
+
+
+def test_anonymous_only_where_allowed(front, start_worker):
+    start_worker()
+    url = f"{front.live.v1}/chat/completions"
+    response = httpx.post(url, json={"model": MODEL, "messages": USER}, timeout=20)
+    assert response.status_code == 200, response.text
+    front.configure(allow_anonymous=False)
+    response = httpx.post(url, json={"model": MODEL, "messages": USER}, timeout=20)
+    assert response.status_code == 401
+    assert response.json()["error"]["type"] == "authentication_error"
+
+
+# --- availability ---------------------------------------------------------------------------------
+
+
+def test_no_chat_worker_serving_the_model(client):
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.chat.completions.create(model=MODEL, messages=USER)
+    assert caught.value.status_code == 503 and caught.value.code == "no_eligible_worker"
+    assert caught.value.response.headers["retry-after"] == "30"
+
+
+def _pending_requests():
+    from chat.models import GenerationRequest
+
+    return list(GenerationRequest.objects.filter(is_chat=True).values_list("cancelled", flat=True))
+
+
+def test_no_eligible_worker_after_the_grace(client, start_worker):
+    start_worker()  # untrusted owner: a trusted_workers request has no eligible worker
+    started = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=USER, extra_body={"horde": {"trusted_workers": True}}
+        )
+    elapsed = time.monotonic() - started
+    assert caught.value.status_code == 503 and caught.value.code == "no_eligible_worker"
+    assert caught.value.response.headers["retry-after"] == "30"
+    assert 1.0 <= elapsed < 8
+    assert _pending_requests() == [True]  # cancelled
+
+
+def test_declaration_gap_is_404_at_once(client, start_worker):
+    start_worker(features=["prompt_overflow_refused"])  # no tools
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model=MODEL, messages=USER, tools=[TOOL])
+    assert caught.value.code == "no_worker_supports_features"
+    assert "tools" in caught.value.message
+    assert "retry-after" not in caught.value.response.headers
+    assert _pending_requests() == [True]
+
+
+def test_limit_gap_is_400_no_worker_supports_limit(client, start_worker):
+    start_worker(max_context_length=4096)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=USER, extra_body={"horde": {"max_context_length": 8192}}
+        )
+    assert (caught.value.code, caught.value.param) == ("no_worker_supports_limit", "horde.max_context_length")
+    assert "a context length that high" in caught.value.message and "4096 tokens" in caught.value.message
+
+
+def test_streamed_refusal_at_the_first_read_has_the_same_status(client, start_worker):
+    start_worker(features=["prompt_overflow_refused"])
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model=MODEL, messages=USER, tools=[TOOL], stream=True)
+    assert caught.value.code == "no_worker_supports_features"
+
+
+def test_fail_fast_with_zero_eligible_threads(client, start_worker):
+    start_worker()
+    started = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            extra_body={"horde": {"trusted_workers": True, "availability_mode": "fail_fast"}},
+        )
+    assert time.monotonic() - started < 1.0  # decided at the first read, before the grace
+    error = caught.value
+    assert (error.status_code, error.code, error.param) == (
+        503,
+        "queue_unavailable",
+        "horde.availability_mode",
+    )
+    assert error.response.headers["retry-after"] == "30"
+    assert "0 eligible worker threads" in error.message
+    assert _pending_requests() == [True]
+
+
+def test_fail_fast_admits_a_request_a_worker_can_serve(front, client, start_worker):
+    front.configure(nonstream_timeout_seconds=300)  # the horde-wide wait estimate fits this budget
+    start_worker()
+    completion = client.chat.completions.create(
+        model=MODEL, messages=USER, extra_body={"horde": {"availability_mode": "fail_fast"}}
+    )
+    assert completion.choices[0].message.content
+
+
+def test_kudos_cap(client, start_worker):
+    start_worker()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=USER, extra_body={"horde": {"max_kudos": 1}})
+    error = caught.value
+    assert (error.code, error.param, error.type) == (
+        "max_kudos_exceeded",
+        "horde.max_kudos",
+        "invalid_request_error",
+    )
+    assert error.body["metadata"]["max_kudos"] == 1
+    assert error.body["metadata"]["kudos_estimate"] > 1
+    assert _pending_requests() == []
