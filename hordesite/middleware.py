@@ -1,27 +1,50 @@
 """CORS for browser clients (KoboldAI Lite runs from file://, origin null): every answer carries
-Access-Control-Allow-Origin, and preflights are answered here."""
+Access-Control-Allow-Origin, and preflights are answered here.
+
+The middleware is sync and async capable, so under ASGI an async view (the OpenAI front) is not
+sent through a thread for it."""
 
 from __future__ import annotations
 
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.http import HttpResponse
 
 ALLOWED_HEADERS = "apikey, client-agent, content-type, authorization, x-stainless-retry-count"
 EXPOSED_HEADERS = "Retry-After, x-should-retry"
 
 
+def _is_preflight(request) -> bool:
+    return request.method == "OPTIONS" and "HTTP_ACCESS_CONTROL_REQUEST_METHOD" in request.META
+
+
+def _preflight(request) -> HttpResponse:
+    response = HttpResponse(status=200)
+    response["Access-Control-Allow-Methods"] = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
+    requested = request.META.get("HTTP_ACCESS_CONTROL_REQUEST_HEADERS")
+    response["Access-Control-Allow-Headers"] = f"{ALLOWED_HEADERS}, {requested}" if requested else ALLOWED_HEADERS
+    response["Access-Control-Max-Age"] = "86400"
+    return response
+
+
+def _with_cors(response):
+    response["Access-Control-Allow-Origin"] = "*"
+    response["Access-Control-Expose-Headers"] = EXPOSED_HEADERS
+    return response
+
+
 class CorsMiddleware:
+    sync_capable = True
+    async_capable = True
+
     def __init__(self, get_response):
         self.get_response = get_response
+        if iscoroutinefunction(get_response):
+            markcoroutinefunction(self)
 
     def __call__(self, request):
-        if request.method == "OPTIONS" and "HTTP_ACCESS_CONTROL_REQUEST_METHOD" in request.META:
-            response = HttpResponse(status=200)
-            response["Access-Control-Allow-Methods"] = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
-            requested = request.META.get("HTTP_ACCESS_CONTROL_REQUEST_HEADERS")
-            response["Access-Control-Allow-Headers"] = f"{ALLOWED_HEADERS}, {requested}" if requested else ALLOWED_HEADERS
-            response["Access-Control-Max-Age"] = "86400"
-        else:
-            response = self.get_response(request)
-        response["Access-Control-Allow-Origin"] = "*"
-        response["Access-Control-Expose-Headers"] = EXPOSED_HEADERS
-        return response
+        if iscoroutinefunction(self):
+            return self._acall(request)
+        return _with_cors(_preflight(request) if _is_preflight(request) else self.get_response(request))
+
+    async def _acall(self, request):
+        return _with_cors(_preflight(request) if _is_preflight(request) else await self.get_response(request))
