@@ -9,6 +9,7 @@ from __future__ import annotations
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from chat.api.serializers import TextStatusOutputSerializer
 from contract.chat_limits import (
     CHAT_MAX_TOKENS_DEFAULT,
     MAX_CHAT_MAX_TOKENS,
@@ -246,18 +247,10 @@ class ChatContextAdjustmentSerializer(serializers.Serializer):
 ChatContextAdjustmentSerializer._declared_fields["from"] = serializers.IntegerField()
 
 
-class ChatStatusOutputSerializer(serializers.Serializer):
+class ChatStatusOutputSerializer(TextStatusOutputSerializer):
+    """The text status keys, with structured generations, plus the chat request's own keys."""
+
     generations = ChatStatusGenerationSerializer(many=True)
-    finished = serializers.IntegerField()
-    processing = serializers.IntegerField()
-    restarted = serializers.IntegerField()
-    waiting = serializers.IntegerField()
-    done = serializers.BooleanField()
-    faulted = serializers.BooleanField()
-    wait_time = serializers.IntegerField()
-    queue_position = serializers.IntegerField()
-    kudos = serializers.FloatField()
-    is_possible = serializers.BooleanField()
     eligible_worker_threads = serializers.IntegerField()
     impossible_reason = serializers.DictField(allow_null=True)
     context_adjustments = ChatContextAdjustmentSerializer(many=True, allow_null=True)

@@ -3,16 +3,14 @@ declaration on pop", "Chat job pop response")."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-from django.db import connection
 from rest_framework.test import APIClient
 
 from chat.models import Generation
 from contract.chat_limits import CHAT_SAMPLING_DEFAULTS
 from tests.chat.pop_helpers import ALL_GUARANTEES, MODEL, OTHER, chat_pop, queue_chat
 from tests.conftest import Horde
+from tests.races import race
 from workers.declarations import declaration_mask
 from workers.models import Worker
 
@@ -218,33 +216,13 @@ def test_the_assignment_snapshot_survives_a_changed_declaration(horde, owner, re
 # --- Race ------------------------------------------------------------------------------------
 
 
-def _race(calls):
-    """Run the calls at once, each on its own thread and so its own database connection."""
-    barrier = threading.Barrier(len(calls))
-    results: list = [None] * len(calls)
-
-    def run(index, call):
-        try:
-            barrier.wait()
-            results[index] = call()
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return results
-
-
 @pytest.mark.postgres_only
 @pytest.mark.django_db(transaction=True)
 def test_two_chat_workers_racing_for_one_chat_job_get_it_once(make_user):
     requester, owner = make_user("r", kudos=100), make_user("o")
     for round_ in range(5):
         request = queue_chat(requester.user, {"messages": [{"role": "user", "content": f"round {round_}"}]})
-        results = _race([lambda n=n: chat_pop(Horde(APIClient()), owner.key, name=f"racer-{n}").json()
+        results = race([lambda n=n: chat_pop(Horde(APIClient()), owner.key, name=f"racer-{n}").json()
                          for n in range(4)])
         winners = [r for r in results if r["id"]]
         assert len(winners) == 1, results

@@ -3,12 +3,10 @@ concurrent submits on real PostgreSQL connections."""
 
 from __future__ import annotations
 
-import threading
 import uuid
 from decimal import Decimal
 
 import pytest
-from django.db import connection
 from rest_framework.test import APIClient
 
 from accounts.models import KudosTransaction
@@ -16,6 +14,7 @@ from chat.chat_create import OPERATION_FINGERPRINT_EXCLUDED_HORDE_KEYS, map_chat
 from chat.models import GenerationRequest
 from contract.chat_shapes import validate_chat_request
 from tests.chat.chat_route_helpers import MODEL, SMALL_MODEL, chat_async, chat_body, chat_worker
+from tests.races import race
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
@@ -147,28 +146,17 @@ def test_two_concurrent_submits_with_one_key_create_one_request_and_one_charge(m
     requester = make_user("r", kudos=10_000)
     chat_worker(make_user("owner"))
     key = str(uuid.uuid4())
-    barrier = threading.Barrier(2)
-    results: list = [None, None]
+    def submit(index: int):
+        content = "Hello" if same_request else f"Hello {index}"
+        return chat_async(
+            APIClient(),
+            requester.key,
+            max_tokens=1024,
+            messages=[{"role": "user", "content": content}],
+            horde={"operation_key": key},
+        )
 
-    def submit(index: int) -> None:
-        try:
-            content = "Hello" if same_request else f"Hello {index}"
-            barrier.wait()
-            results[index] = chat_async(
-                APIClient(),
-                requester.key,
-                max_tokens=1024,
-                messages=[{"role": "user", "content": content}],
-                horde={"operation_key": key},
-            )
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=submit, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = race([lambda: submit(0), lambda: submit(1)])
     codes = sorted(r.status_code for r in results)
     winner = next(r for r in results if r.status_code == 202)
     loser = next(r for r in results if r is not winner)

@@ -2,39 +2,18 @@
 
 from __future__ import annotations
 
-import threading
 from decimal import Decimal
 
 import pytest
-from django.db import connection
 from rest_framework.test import APIClient
 
 from accounts.models import KudosTransaction
 from tests.conftest import Horde
+from tests.races import race
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
 MODEL = "Gryphe/MythoMax-L2-13b"
-
-
-def _race(calls):
-    """Run the calls at once, each on a fresh thread (and so a fresh database connection)."""
-    barrier = threading.Barrier(len(calls))
-    results: list = [None] * len(calls)
-
-    def run(index, call):
-        try:
-            barrier.wait()
-            results[index] = call()
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return results
 
 
 def test_two_workers_racing_for_one_job_get_it_once(make_user):
@@ -42,7 +21,7 @@ def test_two_workers_racing_for_one_job_get_it_once(make_user):
     horde = Horde(APIClient())
     for round_ in range(5):
         request_id = horde.text_async(requester.key, models=[MODEL], prompt=f"round {round_}").json()["id"]
-        pops = _race([lambda n=n: Horde(APIClient()).pop(owner.key, name=f"racer-{n}").json() for n in range(4)])
+        pops = race([lambda n=n: Horde(APIClient()).pop(owner.key, name=f"racer-{n}").json() for n in range(4)])
         winners = [p for p in pops if p["id"]]
         assert len(winners) == 1, pops
         status = horde.status(request_id).json()
@@ -55,7 +34,7 @@ def test_two_submits_of_one_job_pay_once(make_user):
     horde = Horde(APIClient())
     horde.text_async(requester.key, models=[MODEL], prompt="a" * 4000, params={"max_length": 200})
     job = horde.pop(owner.key).json()
-    results = _race([lambda: Horde(APIClient()).submit(owner.key, job["id"], "b" * 400) for _ in range(3)])
+    results = race([lambda: Horde(APIClient()).submit(owner.key, job["id"], "b" * 400) for _ in range(3)])
     codes = sorted(r.status_code for r in results)
     assert codes == [200, 400, 400]
     assert {r.json()["rc"] for r in results if r.status_code == 400} == {"DuplicateGen"}
@@ -66,5 +45,5 @@ def test_two_submits_of_one_job_pay_once(make_user):
 
 def test_concurrent_submits_cannot_exceed_concurrency(make_user):
     requester = make_user("r")
-    results = _race([lambda: Horde(APIClient()).text_async(requester.key, params={"n": 20}) for _ in range(3)])
+    results = race([lambda: Horde(APIClient()).text_async(requester.key, params={"n": 20}) for _ in range(3)])
     assert sorted(r.status_code for r in results) == [202, 429, 429]
