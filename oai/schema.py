@@ -26,6 +26,7 @@ from contract.chat_limits import (
     OPENAI_SAMPLING_RANGES,
 )
 from contract.chat_shapes import (
+    CHAT_REQUEST_KEYS,
     CONTENT_PART_TYPES,
     SUPPORTED_MESSAGE_KEYS,
     ChatRequest,
@@ -33,33 +34,9 @@ from contract.chat_shapes import (
 )
 from oai.errors import ChatFrontError
 
-# Keys the front validates and forwards, or applies itself (stream, stream_options, user, metadata).
-REQUEST_FIELDS = frozenset(
-    {
-        "model",
-        "models",
-        "messages",
-        "max_tokens",
-        "max_completion_tokens",
-        "temperature",
-        "top_p",
-        "frequency_penalty",
-        "presence_penalty",
-        "stop",
-        "seed",
-        "n",
-        "reasoning_effort",
-        "horde",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "response_format",
-        "stream",
-        "stream_options",
-        "user",
-        "metadata",
-    }
-)
+# Keys the front validates and forwards, or applies itself (stream, stream_options, user, metadata):
+# the native route's keys, one list in the contract.
+REQUEST_FIELDS = CHAT_REQUEST_KEYS
 # Keys accepted only at their default, then dropped: key -> the default values.
 DEFAULT_NO_OP_PARAMETERS: dict[str, tuple[Any, ...]] = {
     "logprobs": (False,),
