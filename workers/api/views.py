@@ -63,7 +63,7 @@ def _worker_or_404(worker_id, *, cached: bool = False) -> Worker:
 
 
 class WorkerListView(APIView):
-    @extend_schema(responses={200: dict})
+    @extend_schema(responses={200: dict}, operation_id="api_v2_workers_list")
     def get(self, request):
         if request.query_params.get("type", "text") != "text":
             return Response([])
