@@ -10,6 +10,7 @@ from uuid import UUID
 from chat.availability import chat_request_availability
 from chat.models import Generation, GenerationRequest
 from chat.selectors import generation_state_counts, request_get, request_queue_stats
+from chat.status_cache import cached_status
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,16 @@ def _chat_generation(generation: Generation, request: GenerationRequest) -> dict
         # Creation to assignment: a generation row is created at its pop.
         "queue_wait_seconds": round(max(wait, 0.0), 3),
     }
+
+
+def chat_status_body(request_id: UUID) -> dict[str, Any] | None:
+    """GET /generate/chat/status/<id>: the status body (cached briefly), None when not found."""
+
+    def build() -> dict[str, Any] | None:
+        request = chat_request_get(request_id)
+        return chat_request_status(request) if request is not None else None
+
+    return cached_status(request_id, is_chat=True, build=build)
 
 
 def chat_request_status(request: GenerationRequest) -> dict[str, Any]:

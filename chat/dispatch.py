@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from chat.matching import WorkerView, eligibility_filter, skipped_counts, waiting_requests
 from chat.models import Generation, GenerationRequest
+from chat.status_cache import status_changed
 from contract.chat_limits import CHAT_SAMPLING_DEFAULTS
 from contract.errors import HordeError
 from contract.text import TEXT_JOB_LEASE_SECONDS, TEXT_REQUEST_TTL_SECONDS
@@ -109,6 +110,7 @@ def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
             jobs_waiting=F("jobs_waiting") - jobs,
             expires_at=now + timedelta(seconds=TEXT_REQUEST_TTL_SECONDS),
         )
+        status_changed(request.pk)
     return PoppedJob(request=request, generations=generations, model=model, skipped={})
 
 

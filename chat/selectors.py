@@ -12,6 +12,7 @@ from chat.availability import chat_request_availability
 from chat.matching import waiting_requests
 from chat.models import Generation, GenerationRequest
 from chat.snapshots import online_workers, queue_place
+from chat.status_cache import cached_status
 from workers.selectors import chat_workers_online, worker_speed
 
 # GET /status/models answers from a cache keyed by its query string (spec: "Chat model list").
@@ -65,6 +66,16 @@ def generation_state_counts(request: GenerationRequest) -> dict[str, int]:
     return dict(
         Generation.objects.filter(request=request).values_list("state").annotate(c=Count("pk")).values_list("state", "c")
     )
+
+
+def text_status_body(request_id: UUID) -> dict | None:
+    """GET /generate/text/status/<id>: the status body (cached briefly), None when not found."""
+
+    def build() -> dict | None:
+        request = request_get(request_id)
+        return request_status(request) if request is not None else None
+
+    return cached_status(request_id, is_chat=False, build=build)
 
 
 def request_status(request: GenerationRequest, *, include_generations: bool = True) -> dict:

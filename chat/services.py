@@ -21,6 +21,7 @@ from accounts.services import kudos_hold, kudos_release, kudos_transfer
 from chat.models import Generation, GenerationRequest, HordeModes, RequestModel, RequestWorker
 from chat.pricing import text_request_quote
 from chat.signals import publish_chat_signal
+from chat.status_cache import status_changed
 from contract.errors import HordeError
 from contract.text import (
     FAULTED_GENERATIONS_LIMIT,
@@ -283,6 +284,7 @@ def requeue_faulted(generation_ids: list[UUID], request_id: UUID) -> None:
         jobs_waiting=F("jobs_waiting") + len(generation_ids)
     )
     fault_request_if_over_limit(request_id)
+    status_changed(request_id)
 
 
 def stored_result_count(request_id: UUID) -> int:
@@ -334,6 +336,7 @@ def request_cancel(*, request: GenerationRequest) -> bool:
             return False
         GenerationRequest.objects.filter(pk=request.pk).update(cancelled=True, jobs_waiting=0, kudos_held=0)
         kudos_release(user_id=locked.user_id, amount=locked.kudos_held)
+        status_changed(request.pk)
         if request.is_chat:
             publish_chat_signal(request.pk, "cancelled", stored_result_count(request.pk))
     return True
@@ -389,6 +392,7 @@ def expire_requests() -> int:
                 signal = (stored_result_count(request_id), request.chat_fault_reason, request.chat_fault_rc)
             kudos_release(user_id=request.user_id, amount=request.kudos_held)
             request.delete()
+            status_changed(request_id)
             expired += 1
             if signal is not None:
                 generations, fault_reason, fault_rc = signal

@@ -29,6 +29,7 @@ from chat.services import (
     worker_record_dropped_job,
 )
 from chat.signals import publish_chat_signal
+from chat.status_cache import status_changed
 from contract.chat_declaration import chat_worker_fault_message, chat_worker_fault_metric_reason
 from contract.chat_errors import ChatRefusal
 from contract.chat_limits import MAX_CHAT_FAULT_REASON_LENGTH
@@ -138,6 +139,7 @@ def _settle(generation: Generation, *, state: str, tokens: int, reward: Decimal,
     GenerationRequest.objects.filter(pk=request.pk).update(
         consumed_kudos=F("consumed_kudos") + charge, kudos_held=F("kudos_held") - release
     )
+    status_changed(request.pk)
 
 
 # --- entry points ---------------------------------------------------------------------------

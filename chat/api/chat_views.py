@@ -150,10 +150,10 @@ class ChatStatusView(APIView):
 
     @extend_schema(responses={200: cs.ChatStatusOutputSerializer, 404: cs.ErrorSerializer})
     def get(self, request, request_id):
-        wp = chat_selectors.chat_request_get(request_id)
-        if wp is None:
+        body = chat_selectors.chat_status_body(request_id)
+        if body is None:
             raise _not_found(request_id)
-        return Response(chat_selectors.chat_request_status(wp))
+        return Response(body)
 
     @extend_schema(responses={200: cs.ChatStatusOutputSerializer, 404: cs.ErrorSerializer})
     def delete(self, request, request_id):

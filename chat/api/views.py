@@ -66,10 +66,10 @@ class TextStatusView(APIView):
 
     @extend_schema(responses=s.TextStatusOutputSerializer)
     def get(self, request, request_id):
-        wp = selectors.request_get(request_id)
-        if wp is None:
+        body = selectors.text_status_body(request_id)
+        if body is None:
             raise _not_found(request_id)
-        return Response(selectors.request_status(wp))
+        return Response(body)
 
     @extend_schema(responses=s.TextStatusOutputSerializer)
     def delete(self, request, request_id):
