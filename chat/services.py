@@ -283,8 +283,10 @@ def requeue_faulted(generation_ids: list[UUID], request_id: UUID) -> None:
     GenerationRequest.objects.filter(pk=request_id, faulted=False, cancelled=False).update(
         jobs_waiting=F("jobs_waiting") + len(generation_ids)
     )
-    fault_request_if_over_limit(request_id)
+    # Before the fault limit's signal: on commit the cached status goes first, so a client woken
+    # by the faulted signal reads the new state.
     status_changed(request_id)
+    fault_request_if_over_limit(request_id)
 
 
 def stored_result_count(request_id: UUID) -> int:
