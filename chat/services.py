@@ -30,8 +30,7 @@ from contract.text import (
     TEXT_HORDE_TAX,
     TEXT_REQUEST_TTL_SECONDS,
 )
-from workers.models import Worker
-from workers.services import worker_record_aborted
+from workers.services import worker_record_aborted, worker_record_nonconformant
 
 log = logging.getLogger(__name__)
 
@@ -316,8 +315,7 @@ def worker_record_dropped_job(*, worker_id: UUID, refusal_rc: str | None) -> Non
     towards the aborted-job maintenance threshold. The rc is the stored one, never the worker's word.
     """
     if refusal_rc == CHAT_SUBMIT_NONCONFORMANT:
-        # TODO(workers): move to workers.services beside worker_record_aborted.
-        Worker.objects.filter(pk=worker_id).update(nonconformant_replies=F("nonconformant_replies") + 1)
+        worker_record_nonconformant(worker_id=worker_id)
     else:
         worker_record_aborted(worker_ids=[worker_id])
 

@@ -117,6 +117,11 @@ def worker_record_aborted(*, worker_ids: list) -> None:
         Worker.objects.filter(pk=worker_id).update(aborted_jobs=F("aborted_jobs") + 1)
 
 
+def worker_record_nonconformant(*, worker_id) -> None:
+    """A dropped job whose reply the horde refused as nonconformant: not an aborted job."""
+    Worker.objects.filter(pk=worker_id).update(nonconformant_replies=F("nonconformant_replies") + 1)
+
+
 def worker_update(*, worker: Worker, actor: HordeUser, maintenance: bool | None = None, paused: bool | None = None) -> Worker:
     if actor.pk != worker.owner_id and not actor.moderator:
         raise HordeError("WrongCredentials", "Only the worker's owner or a moderator can change it.", status=403)
