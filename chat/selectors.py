@@ -22,9 +22,14 @@ MODELS_STATUS_CACHE_SECONDS = 2
 def request_get(request_id: UUID, *, is_chat: bool = False) -> GenerationRequest | None:
     """Every read filters on is_chat: a chat id is not found on the text routes, and vice versa."""
     # The status polls never read the prompt, messages or tool settings: leave them in the row.
+    # The generation counts by state come in the same query (see generation_state_counts).
+    counts = {
+        f"gen_{state}": Count("generations", filter=Q(generations__state=state)) for state in Generation.State.values
+    }
     return (
         GenerationRequest.objects.filter(pk=request_id, is_chat=is_chat)
         .defer("prompt", "submitted_prompt", "messages", "params", "chat_extras")
+        .annotate(**counts)
         .first()
     )
 
@@ -62,7 +67,10 @@ def request_queue_stats(request: GenerationRequest) -> tuple[int, int]:
 
 
 def generation_state_counts(request: GenerationRequest) -> dict[str, int]:
-    """How many of the request's generations are in each state (one grouped query)."""
+    """How many of the request's generations are in each state: read with the request by
+    request_get, else one grouped query."""
+    if hasattr(request, "gen_processing"):
+        return {state: getattr(request, f"gen_{state}") for state in Generation.State.values}
     return dict(
         Generation.objects.filter(request=request).values_list("state").annotate(c=Count("pk")).values_list("state", "c")
     )

@@ -161,5 +161,7 @@ class ChatStatusView(APIView):
         if wp is None:
             raise _not_found(request_id)
         chat_create.chat_request_cancel(request=wp)
-        wp.refresh_from_db()
+        wp = chat_selectors.chat_request_get(request_id)  # re-read: the cancel changed it
+        if wp is None:  # expired meanwhile
+            raise _not_found(request_id)
         return Response(chat_selectors.chat_request_status(wp))

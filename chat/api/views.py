@@ -77,7 +77,9 @@ class TextStatusView(APIView):
         if wp is None:
             raise _not_found(request_id)
         services.request_cancel(request=wp)
-        wp.refresh_from_db()
+        wp = selectors.request_get(request_id)  # re-read: the cancel changed it
+        if wp is None:  # expired meanwhile
+            raise _not_found(request_id)
         return Response(selectors.request_status(wp))
 
 
