@@ -101,11 +101,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8775, help="daphne port (default 8775)")
     p.add_argument("--database-url", default=os.environ.get("BENCH_CHAT_DATABASE_URL", DEFAULT_DATABASE_URL))
     p.add_argument("--redis-url", default=os.environ.get("BENCH_CHAT_REDIS_URL", DEFAULT_REDIS_URL))
-    p.add_argument(
-        "--conn-max-age",
-        default="0",
-        help="DATABASE_CONN_MAX_AGE for daphne, or 'server' (default 0; see text_queue.py --help)",
-    )
     p.add_argument("--no-analyze", action="store_true", help="skip ANALYZE after the fill")
     p.add_argument("--seed", type=int, default=3, help="random seed of the fill and the workers (default 3)")
     p.add_argument(

@@ -77,14 +77,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--database-url", default=os.environ.get("BENCH_DATABASE_URL", DEFAULT_DATABASE_URL))
     p.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL", DEFAULT_REDIS_URL))
     p.add_argument(
-        "--conn-max-age",
-        default="0",
-        help="DATABASE_CONN_MAX_AGE for daphne, or 'server' for the server's own setting (default 0).\n"
-        "Under ASGI every request runs on a new thread and opens its own PostgreSQL connection; with a\n"
-        "value > 0 it is left open after the request until garbage collection, which exhausts\n"
-        "max_connections under this load (HTTP 500 'too many clients') on a PostgreSQL others share.",
-    )
-    p.add_argument(
         "--no-analyze",
         action="store_true",
         help="skip ANALYZE after the fill (autovacuum would do it in production; it may be off locally)",
@@ -112,8 +104,6 @@ def bench_env(args: argparse.Namespace) -> dict[str, str]:
         LOG_LEVEL="WARNING",
         PYTHONUNBUFFERED="1",
     )
-    if args.conn_max_age != "server":
-        env["DATABASE_CONN_MAX_AGE"] = str(int(args.conn_max_age))
     return env
 
 
@@ -547,7 +537,7 @@ def report(
         "",
         f"Text queue benchmark: {args.requests} requests over {args.models} models, {args.workers} workers, "
         f"{args.concurrency} in flight, {args.rounds} rounds x 3 phases x {args.duration / (3 * args.rounds):.0f}s, "
-        f"DATABASE_CONN_MAX_AGE={args.conn_max_age}, {'no ANALYZE' if args.no_analyze else 'ANALYZE'} after the fill",
+        f"pooled PostgreSQL connections, {'no ANALYZE' if args.no_analyze else 'ANALYZE'} after the fill",
         f"fill: {fill_seconds:.1f}s through text_request_create; queue depth {depth_before} before the "
         f"measured phases, {depth_after} after",
         "",

@@ -258,16 +258,20 @@ class FrontState:
         return task
 
     async def shutdown(self) -> None:
-        """Drain: cancel the requests still open, send the failed cancels once more, close."""
-        await _cancel_open_requests(self)
+        """Drain: cancel the requests still open, send the failed cancels once more, close.
+
+        Every step is bounded: a shutdown must end even when Redis or a native root stops answering
+        (closing a pub/sub connection can wait on its reader)."""
+        bound = self.settings.cancel_timeout_seconds + 0.5
+        await _bounded(_cancel_open_requests(self), bound)
         if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self.settings.cancel_timeout_seconds + 0.5)
-        await _retry_failed_cancels(self)
+            await asyncio.wait(list(self._tasks), timeout=bound)
+        await _bounded(_retry_failed_cancels(self), bound)
         if self._retry_task:
             self._retry_task.cancel()
         if self.listener is not None:
-            await self.listener.close()
-        await self.client.aclose()
+            await _bounded(self.listener.close(), bound)
+        await _bounded(self.client.aclose(), bound)
 
     async def _retry_failed_cancels_loop(self) -> None:
         while True:
@@ -311,6 +315,14 @@ def current_states() -> list[FrontState]:
 
 
 # --- cancels ------------------------------------------------------------------------------------------
+
+
+async def _bounded(step, seconds: float) -> None:
+    """Run one shutdown step for at most `seconds`; a step that fails or overruns is logged."""
+    try:
+        await asyncio.wait_for(step, timeout=seconds)
+    except Exception as error:  # TimeoutError included
+        log.warning("front shutdown step did not finish cleanly: %r", error)
 
 
 async def _cancel_within_budget(state: FrontState, request_id: str) -> str:

@@ -2,8 +2,8 @@
 
 A reply is delivered whole: role chunk, reasoning chunk (under horde.include_reasoning), content
 chunk, tool-call chunk (each call whole with its index, without content), the finish chunk with
-x_horde, the usage chunk when stream_options.include_usage, then [DONE]. `build_delta_events` is the
-seam the delta relay (a later issue) fills.
+x_horde, the usage chunk when stream_options.include_usage, then [DONE]. The delta relay (a later
+issue) adds its events beside these, behind `oai.mapping.relays_deltas`.
 """
 
 from __future__ import annotations
@@ -70,11 +70,6 @@ def build_completion_events(completion: Completion, *, include_usage: bool) -> l
         events.append(_event(usage_chunk))
     events.append(DONE_EVENT)
     return events
-
-
-def build_delta_events(*_args: Any, **_kwargs: Any) -> list[bytes]:  # pragma: no cover - later issue
-    """Relayed deltas from worker progress: not served yet (see mapping.relays_deltas)."""
-    raise NotImplementedError("delta relay is not served yet")
 
 
 def build_error_events(error: ChatFrontError, request_id: str | None) -> list[bytes]:

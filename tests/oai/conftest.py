@@ -202,7 +202,7 @@ def front(live_horde, transactional_db) -> Front:
     f = Front(live=live_horde, reader=reader, provider=provider)
     f.configure()
     yield f
-    # The drain is bounded by the cancel timeouts; a loaded 2-core box can stretch it past 15 s.
+    # FrontState.shutdown bounds each of its steps; this only guards against a hung event loop.
     f.live.run(_shutdown_states(), timeout=60)
 
 
