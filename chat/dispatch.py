@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import lru_cache
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from chat.matching import WorkerView, eligibility_filter, skipped_counts, waiting_requests
@@ -51,6 +54,8 @@ POP_REQUEST_FIELDS = (
     "id", "is_chat", "prompt", "params", "softprompt", "max_length", "max_context_length",
     "requested_models", "jobs_waiting", "disable_batching", "n", "messages", "chat_extras",
 )
+# The declaration a chat generation is assigned under (Generation columns).
+_ASSIGNED_COLUMNS = ("assigned_model", "assigned_max_context_length", "assigned_max_length")
 
 
 def _generation_model(request: GenerationRequest, worker: Worker) -> str:
@@ -65,41 +70,49 @@ def _generation_model(request: GenerationRequest, worker: Worker) -> str:
 
 
 def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
-    """Hand the first eligible request's jobs (up to `amount`) to the worker."""
+    """Hand the first eligible request's jobs (up to `amount`) to the worker: the owner's and its
+    priority users' requests first, then by queue score, oldest first."""
     if worker.maintenance:
         raise HordeError(
             "WorkerMaintenance",
             f"Worker {worker.name} is in maintenance mode; it receives no jobs until its owner lifts it.",
         )
-    view = WorkerView.of(worker)
-    eligible = waiting_requests().filter(eligibility_filter(view)).only(*POP_REQUEST_FIELDS)
     if worker.paused:
         return PoppedJob(request=None, generations=[], model=None, skipped={})
+    view = WorkerView.of(worker)
+    now = timezone.now()
+    if connection.vendor == "postgresql":
+        popped = _pop_in_one_statement(worker=worker, view=view, amount=amount, now=now)
+    else:
+        popped = _pop_in_transaction(worker=worker, view=view, amount=amount, now=now)
+    if popped is None:
+        return PoppedJob(request=None, generations=[], model=None, skipped=skipped_counts(view))
+    status_changed(popped.request.pk)
+    return popped
+
+
+def _assigned_declaration(worker: Worker) -> dict[str, Any]:
+    """A chat generation records the declaration it was assigned under, so a later change to the
+    worker's declaration does not redefine work already handed out."""
+    return {
+        "assigned_model": worker.chat_model_id,
+        "assigned_max_context_length": worker.chat_max_context_length,
+        "assigned_max_length": worker.chat_max_length,
+    }
+
+
+def _pop_in_transaction(*, worker: Worker, view: WorkerView, amount: int, now) -> PoppedJob | None:
+    """The pop as ORM statements in one transaction (SQLite, the embedded default)."""
+    eligible = waiting_requests().filter(eligibility_filter(view)).only(*POP_REQUEST_FIELDS)
     with transaction.atomic():
-        locking = eligible.select_for_update(skip_locked=True, of=("self",))
-        request = None
-        priority_ids = _priority_user_ids(worker)
-        if GenerationRequest.objects.filter(user_id__in=priority_ids, jobs_waiting__gt=0).exists():
-            request = locking.filter(user_id__in=priority_ids).order_by("-queue_score", "created").first()
+        locking = eligible.select_for_update(skip_locked=True, of=("self",)).order_by("-queue_score", "created")
+        request = locking.filter(user_id__in=_priority_user_ids(worker)).first() or locking.first()
         if request is None:
-            request = locking.order_by("-queue_score", "created").first()
-        if request is None:
-            return PoppedJob(request=None, generations=[], model=None, skipped=skipped_counts(view))
+            return None
         jobs = 1 if request.disable_batching else min(amount, request.jobs_waiting)
-        now = timezone.now()
         model = _generation_model(request, worker)
         lease = now + timedelta(seconds=TEXT_JOB_LEASE_SECONDS)
-        # A chat generation records the declaration it was assigned under, so a later change to the
-        # worker's declaration does not redefine work already handed out.
-        assigned = (
-            {
-                "assigned_model": worker.chat_model_id,
-                "assigned_max_context_length": worker.chat_max_context_length,
-                "assigned_max_length": worker.chat_max_length,
-            }
-            if request.is_chat
-            else {}
-        )
+        assigned = _assigned_declaration(worker) if request.is_chat else {}
         generations = Generation.objects.bulk_create(
             [
                 Generation(request=request, worker=worker, model=model, lease_expires_at=lease, **assigned)
@@ -110,10 +123,131 @@ def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
             jobs_waiting=F("jobs_waiting") - jobs,
             expires_at=now + timedelta(seconds=TEXT_REQUEST_TTL_SECONDS),
         )
-        status_changed(request.pk)
     return PoppedJob(request=request, generations=generations, model=model, skipped={})
 
 
+# --- PostgreSQL: the pop as one statement ------------------------------------------------------
+#
+# Lock the first eligible request (the owner's and priority users' first), insert its generations
+# and take its jobs in one round trip: a pop is what a busy horde does most, and each statement of
+# the transactional form costs a round trip plus the ORM's compile. The statement is atomic on its
+# own, and the rows are the ones _pop_in_transaction writes.
+
+# POP_REQUEST_FIELDS in the model's field order, the order Model.from_db reads values in.
+_POP_REQUEST_COLUMNS = tuple(
+    f.attname for f in GenerationRequest._meta.concrete_fields if f.attname in POP_REQUEST_FIELDS
+)
+# Generation columns whose value the statement computes from the request it locks.
+_POP_COMPUTED_COLUMNS = ("id", "request_id", "model", *_ASSIGNED_COLUMNS)
+
+
+@lru_cache(maxsize=4096)
+def _eligible_select(view: WorkerView, priority_ids: tuple[int, ...] | None) -> tuple[str, tuple]:
+    """SELECT of the first eligible request for the worker (under priority_ids: only theirs), as
+    SQL and params. Compiled once per declaration; `now()` keeps it free of per-pop values."""
+    qs = (
+        GenerationRequest.objects.filter(jobs_waiting__gt=0, faulted=False, cancelled=False, expires_at__gt=Now())
+        .filter(eligibility_filter(view))
+        .only(*POP_REQUEST_FIELDS)
+        .order_by("-queue_score", "created")
+    )
+    if priority_ids is not None:
+        qs = qs.filter(user_id__in=priority_ids)
+    sql, params = qs[:1].query.sql_with_params()
+    return sql, tuple(params)
+
+
+def _generation_template_columns(worker: Worker, lease) -> tuple[list[str], list[str], list[Any]]:
+    """(columns, typed placeholders, values) of a new generation's other columns, from the model's
+    own defaults, so a column added to Generation is filled here as the ORM would fill it."""
+    template = Generation(worker=worker, lease_expires_at=lease)
+    columns, placeholders, values = [], [], []
+    for f in Generation._meta.concrete_fields:
+        if f.column in _POP_COMPUTED_COLUMNS:
+            continue
+        columns.append(connection.ops.quote_name(f.column))
+        placeholders.append(f"%s::{f.db_type(connection)}")
+        values.append(f.get_db_prep_save(f.pre_save(template, add=True), connection))
+    return columns, placeholders, values
+
+
+def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now) -> PoppedJob | None:
+    priority_sql, priority_params = _eligible_select(view, tuple(_priority_user_ids(worker)))
+    rest_sql, rest_params = _eligible_select(view, None)
+    lease = now + timedelta(seconds=TEXT_JOB_LEASE_SECONDS)
+    columns, placeholders, template_values = _generation_template_columns(worker, lease)
+    served = list(worker.served_models or [])
+    assigned = _assigned_declaration(worker)
+    generation_ids = [uuid.uuid4() for _ in range(max(1, amount))]
+    fields = ", ".join(f"p.{connection.ops.quote_name(name)}" for name in _POP_REQUEST_COLUMNS)
+    sql = f"""
+        WITH priority AS ({priority_sql} FOR UPDATE SKIP LOCKED),
+        rest AS (
+            SELECT * FROM ({rest_sql} FOR UPDATE SKIP LOCKED) AS r WHERE NOT EXISTS (SELECT 1 FROM priority)
+        ),
+        picked AS (
+            SELECT p.*,
+                CASE WHEN p.disable_batching THEN 1 ELSE LEAST(%s, p.jobs_waiting) END AS take,
+                CASE WHEN p.is_chat THEN %s::varchar ELSE COALESCE(
+                    (SELECT m FROM jsonb_array_elements_text(p.requested_models) WITH ORDINALITY AS t(m, i)
+                     WHERE m = ANY(%s::text[]) ORDER BY i LIMIT 1),
+                    %s::varchar)
+                END AS job_model
+            FROM (SELECT * FROM priority UNION ALL SELECT * FROM rest LIMIT 1) AS p
+        ),
+        generations AS (
+            INSERT INTO horde_generations (id, request_id, model, {", ".join(_ASSIGNED_COLUMNS)}, {", ".join(columns)})
+            SELECT g.id, p.id, p.job_model,
+                CASE WHEN p.is_chat THEN %s::varchar END,
+                CASE WHEN p.is_chat THEN %s::integer END,
+                CASE WHEN p.is_chat THEN %s::integer END,
+                {", ".join(placeholders)}
+            FROM picked AS p, unnest(%s::uuid[]) WITH ORDINALITY AS g(id, position)
+            WHERE g.position <= p.take
+        ),
+        taken AS (
+            UPDATE horde_requests AS r SET jobs_waiting = r.jobs_waiting - p.take, expires_at = %s
+            FROM picked AS p WHERE r.id = p.id
+        )
+        SELECT {fields}, p.take, p.job_model FROM picked AS p
+    """
+    params = [
+        *priority_params,
+        *rest_params,
+        amount,
+        worker.chat_model_id or "",
+        served,
+        served[0] if served else "",
+        assigned["assigned_model"],
+        assigned["assigned_max_context_length"],
+        assigned["assigned_max_length"],
+        *template_values,
+        generation_ids,
+        now + timedelta(seconds=TEXT_REQUEST_TTL_SECONDS),
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    *values, take, model = row
+    request = GenerationRequest.from_db(
+        connection.alias,
+        list(_POP_REQUEST_COLUMNS),
+        [_from_db(name, value) for name, value in zip(_POP_REQUEST_COLUMNS, values, strict=True)],
+    )
+    generations = [
+        Generation(id=gid, request=request, worker=worker, model=model, lease_expires_at=lease)
+        for gid in generation_ids[:take]
+    ]
+    return PoppedJob(request=request, generations=generations, model=model, skipped={})
+
+
+def _from_db(name: str, value: Any) -> Any:
+    """A raw column value as the ORM would load it (JSON columns arrive as text)."""
+    field = GenerationRequest._meta.get_field(name)
+    from_db_value = getattr(field, "from_db_value", None)
+    return from_db_value(value, None, connection) if from_db_value and value is not None else value
 
 
 # --- Job payloads ---------------------------------------------------------------------------

@@ -6,6 +6,7 @@ A text job submits `generation`; a chat job submits a structured reply (spec: ch
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -13,12 +14,12 @@ from decimal import Decimal
 from typing import Any, NoReturn
 from uuid import UUID
 
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import Exists, F, OuterRef
 from django.utils import timezone
 
 from accounts.models import HordeUser
-from accounts.services import kudos_settle
+from accounts.services import kudos_settle, kudos_settle_ctes
 from chat.metrics import chat_worker_faults
 from chat.models import Generation, GenerationRequest
 from chat.pricing import chat_charge_basis, chat_things_count, text_generation_kudos, things_count
@@ -35,7 +36,7 @@ from contract.chat_errors import ChatRefusal
 from contract.chat_limits import MAX_CHAT_FAULT_REASON_LENGTH
 from contract.chat_verify import parse_chat_submit, verify_chat_reply
 from contract.errors import HordeError
-from workers.services import worker_record_job
+from workers.services import worker_record_job, worker_record_job_cte
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +62,10 @@ class TextSubmit:
 
 
 def _load_generation(*, user: HordeUser, generation_id: UUID) -> Generation:
-    generation = (
-        Generation.objects.select_related("worker", "worker__owner", "request")
-        .filter(pk=generation_id)
-        .first()
+    # Not .first(): its ORDER BY pk makes Django resolve the ordering against every joined column.
+    generation = next(
+        iter(Generation.objects.select_related("worker", "worker__owner", "request").filter(pk=generation_id)),
+        None,
     )
     if generation is None:
         raise HordeError("InvalidJobID", f"Processing Generation with ID {generation_id} does not exist.")
@@ -197,6 +198,13 @@ def _text_submit(generation: Generation, data: TextSubmit) -> Decimal:
         max_length=request.max_length,
         owner_trusted=generation.worker.owner.trusted,
     )
+    tokens = things_count(data.text, request.max_length)
+    if connection.vendor == "postgresql":
+        won = _text_submit_in_one_statement(generation, data, state=state, tokens=tokens, reward=reward, now=now)
+        if not won:
+            raise _not_pending_error(generation.pk, _current_state(generation.pk))
+        status_changed(request.pk)
+        return reward
     with transaction.atomic():
         won = Generation.objects.filter(pk=generation.pk, state=Generation.State.PROCESSING).update(
             state=state,
@@ -208,14 +216,73 @@ def _text_submit(generation: Generation, data: TextSubmit) -> Decimal:
         )
         if not won:
             raise _not_pending_error(generation.pk, _current_state(generation.pk))
-        _settle(
-            generation,
-            state=state,
-            tokens=things_count(data.text, request.max_length),
-            reward=reward,
-            now=now,
-        )
+        _settle(generation, state=state, tokens=tokens, reward=reward, now=now)
     return reward
+
+
+def _text_submit_in_one_statement(
+    generation: Generation, data: TextSubmit, *, state: str, tokens: int, reward: Decimal, now
+) -> bool:
+    """PostgreSQL: the compare-and-set and the whole settlement of _text_submit's transaction as one
+    statement, every write gated on the claim (CTE `won`); True when this submit won.
+
+    The request row is locked (FOR UPDATE) before its hold is read, as _settle does, so two
+    generations of one request release their shares one after the other.
+    """
+    request = generation.request
+    charge = Decimal("0") if state in ("censored", "csam") else reward
+    share = (request.kudos_quote / request.n).quantize(Decimal("0.01"))
+    ctes: list[tuple[str, str, list]] = [
+        (
+            "won",
+            "UPDATE horde_generations SET state = %s, text = %s, seed = %s, gen_metadata = %s::jsonb,"
+            " finished_at = %s, kudos = %s WHERE id = %s AND state = %s RETURNING id",
+            [
+                state,
+                data.text,
+                data.seed,
+                json.dumps(data.gen_metadata),
+                now,
+                reward,
+                generation.pk,
+                Generation.State.PROCESSING,
+            ],
+        ),
+        (
+            "held",
+            "SELECT r.id, LEAST(r.kudos_held, %s) AS release FROM horde_requests AS r"
+            " WHERE r.id = %s AND EXISTS (SELECT 1 FROM won) FOR UPDATE",
+            [share, request.pk],
+        ),
+        (
+            "request_settled",
+            "UPDATE horde_requests AS r SET consumed_kudos = r.consumed_kudos + %s,"
+            " kudos_held = r.kudos_held - h.release FROM held AS h WHERE r.id = h.id",
+            [charge],
+        ),
+        *kudos_settle_ctes(
+            gate="won",
+            release_held="(SELECT release FROM held)",
+            payee_id=generation.worker.owner_id,
+            payer_id=request.user_id,
+            reward=reward,
+            charge=charge,
+            request_id=request.pk,
+            generation_id=generation.pk,
+            now=now,
+        ),
+        worker_record_job_cte(
+            gate="won",
+            worker=generation.worker,
+            tokens=tokens,
+            seconds=(now - generation.created).total_seconds(),
+            kudos=reward,
+        ),
+    ]
+    sql = "WITH " + ", ".join(f"{name} AS ({body})" for name, body, _ in ctes) + " SELECT count(*) FROM won"
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [param for _, _, params in ctes for param in params])
+        return bool(cursor.fetchone()[0])
 
 
 # --- chat -----------------------------------------------------------------------------------

@@ -67,10 +67,12 @@ def _public_model_reference(settings):
 def _fresh_cache():
     from django.core.cache import cache
 
+    from accounts.selectors import reset_user_caches
     from chat.snapshots import reset_snapshots
 
     cache.clear()
     reset_snapshots()
+    reset_user_caches()
 
 
 @pytest.fixture

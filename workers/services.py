@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal
@@ -74,7 +75,7 @@ def worker_check_in(*, owner: HordeUser, declaration: TextWorkerDeclaration) -> 
         "last_check_in": now,
         **chat_declaration_columns(declaration.chat),
     }
-    worker = Worker.objects.filter(name=declaration.name).first()
+    worker = next(iter(Worker.objects.filter(name=declaration.name)), None)  # unique name: no ORDER BY
     if worker is None:
         try:
             with transaction.atomic():
@@ -99,9 +100,7 @@ def worker_record_job(*, worker: Worker, tokens: int, seconds: float, kudos: Dec
     The samples are those of the worker row the submit loaded; two submits of one worker in the
     same instant may keep one sample of the two, which a rolling mean of 20 does not notice.
     """
-    samples = list(worker.speed_samples or [])
-    if seconds > 0 and tokens > 0:
-        samples = (samples + [round(tokens / seconds, 3)])[-WORKER_SPEED_SAMPLES:]
+    samples = _speed_samples_after(worker, tokens=tokens, seconds=seconds)
     speed = sum(samples) / len(samples) if samples else None
     Worker.objects.filter(pk=worker.pk).update(
         speed_samples=samples,
@@ -110,6 +109,28 @@ def worker_record_job(*, worker: Worker, tokens: int, seconds: float, kudos: Dec
         tokens_generated=F("tokens_generated") + tokens,
         kudos_earned=F("kudos_earned") + kudos,
     )
+
+
+def worker_record_job_cte(
+    *, gate: str, worker: Worker, tokens: int, seconds: float, kudos: Decimal
+) -> tuple[str, str, list]:
+    """worker_record_job as a PostgreSQL CTE (name, SQL, params) that writes only when the CTE
+    `gate` holds a row, for a caller's single statement."""
+    samples = _speed_samples_after(worker, tokens=tokens, seconds=seconds)
+    speed = sum(samples) / len(samples) if samples else None
+    sql = (
+        "UPDATE horde_workers SET speed_samples = %s::jsonb, speed = %s, fulfilments = fulfilments + 1,"
+        " tokens_generated = tokens_generated + %s, kudos_earned = kudos_earned + %s"
+        f" WHERE id = %s AND EXISTS (SELECT 1 FROM {gate})"
+    )
+    return ("worker_recorded", sql, [json.dumps(samples), speed, tokens, kudos, worker.pk])
+
+
+def _speed_samples_after(worker: Worker, *, tokens: int, seconds: float) -> list[float]:
+    samples = list(worker.speed_samples or [])
+    if seconds > 0 and tokens > 0:
+        samples = (samples + [round(tokens / seconds, 3)])[-WORKER_SPEED_SAMPLES:]
+    return samples
 
 
 def worker_record_aborted(*, worker_ids: list) -> None:

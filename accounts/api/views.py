@@ -6,6 +6,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.api.callers import requester
+from accounts.selectors import user_get_fresh
 
 
 class FindUserView(APIView):
@@ -23,7 +24,8 @@ class FindUserView(APIView):
 
     @extend_schema(responses=OutputSerializer)
     def get(self, request):
-        user = requester(request)
+        # The caller's identity may come from the process's key cache; the balance must not.
+        user = user_get_fresh(requester(request))
         worker_ids = [str(w) for w in user.workers.values_list("id", flat=True)]
         body = {
             "username": user.unique_alias,

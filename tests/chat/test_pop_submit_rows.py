@@ -1,0 +1,88 @@
+"""What a pop and a submit write, row by row (on PostgreSQL each is one statement; on SQLite a
+transaction of ORM statements): the same rows either way."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.utils import timezone
+
+from accounts.models import HordeUser, KudosTransaction
+from chat.models import Generation, GenerationRequest
+from workers.models import Worker
+
+MODEL = "Gryphe/MythoMax-L2-13b"
+OTHER = "koboldcpp/LLaMA2-13B-Psyfighter2"
+
+
+def test_a_pop_creates_its_generations_and_takes_the_jobs(horde, make_user):
+    requester, owner = make_user("r", kudos=1000), make_user("o")
+    created = horde.text_async(requester.key, models=[OTHER, MODEL], params={"n": 3})
+    request_id = created.json()["id"]
+    before = timezone.now()
+    job = horde.pop(owner.key, models=[MODEL, OTHER], amount=2).json()
+    after = timezone.now()
+
+    assert len(job["ids"]) == 2 and job["id"] == job["ids"][0]
+    # The request's own order picks the model among those the worker serves.
+    assert job["model"] == OTHER
+    worker = Worker.objects.get(name="worker-1")
+    rows = list(Generation.objects.filter(request_id=request_id).order_by("created"))
+    assert sorted(str(g.id) for g in rows) == sorted(job["ids"])
+    for g in rows:
+        assert g.worker_id == worker.id and g.model == OTHER and g.state == Generation.State.PROCESSING
+        assert before <= g.created <= after
+        assert g.lease_expires_at - g.created == pytest.approx(timedelta(seconds=150), abs=timedelta(seconds=1))
+        assert g.text is None and g.kudos == 0 and g.gen_metadata == [] and g.finished_at is None
+        assert g.assigned_model is None  # a text job records no chat declaration
+    request = GenerationRequest.objects.get(pk=request_id)
+    assert request.jobs_waiting == 1
+    assert before + timedelta(minutes=20) <= request.expires_at <= after + timedelta(minutes=20)
+
+    # The last job; a third pop finds nothing, and the request's row says so.
+    assert horde.pop(owner.key, models=[MODEL, OTHER], amount=5).json()["ids"] != []
+    assert horde.pop(owner.key, models=[MODEL, OTHER]).json()["id"] is None
+    assert GenerationRequest.objects.get(pk=request_id).jobs_waiting == 0
+    assert Generation.objects.filter(request_id=request_id).count() == 3
+
+
+def test_an_owner_serving_its_own_request_is_charged_and_rewarded_once_each(horde, make_user):
+    account = make_user("self-served", kudos=1000)
+    request_id = horde.text_async(account.key, models=[MODEL], params={"max_length": 100}).json()["id"]
+    before = HordeUser.objects.get(pk=account.user.pk)
+    consumed_before = GenerationRequest.objects.get(pk=request_id).consumed_kudos  # the horde tax
+    job = horde.pop(account.key).json()
+    assert job["id"]
+    reward = Decimal(str(horde.submit(account.key, job["id"], "A reply of a few words.").json()["reward"]))
+    assert reward > 0
+
+    after = HordeUser.objects.get(pk=account.user.pk)
+    # Paid and earned the same amount: the balance is unchanged, the hold released.
+    assert after.kudos == before.kudos
+    assert after.kudos_held == 0
+    ledger = KudosTransaction.objects.filter(generation_id=job["id"]).order_by("kind")
+    assert [(t.user_id, t.amount, t.kind) for t in ledger] == [
+        (account.user.pk, -reward, KudosTransaction.Kind.GENERATION_CHARGE),
+        (account.user.pk, reward, KudosTransaction.Kind.GENERATION_REWARD),
+    ]
+    request = GenerationRequest.objects.get(pk=request_id)
+    assert request.consumed_kudos == consumed_before + reward and request.kudos_held == 0
+
+
+def test_a_losing_submit_writes_nothing(horde, make_user):
+    requester, owner = make_user("r", kudos=1000), make_user("o")
+    horde.text_async(requester.key, models=[MODEL])
+    job = horde.pop(owner.key).json()
+    assert horde.submit(owner.key, job["id"], "first").status_code == 200
+    balances = {u.pk: (u.kudos, u.kudos_held) for u in HordeUser.objects.filter(pk__in=[requester.user.pk, owner.user.pk])}
+    worker = Worker.objects.get(name="worker-1")
+
+    again = horde.submit(owner.key, job["id"], "second")
+    assert again.status_code == 400 and again.json()["rc"] == "DuplicateGen"
+    assert {u.pk: (u.kudos, u.kudos_held) for u in HordeUser.objects.filter(pk__in=balances)} == balances
+    assert KudosTransaction.objects.filter(generation_id=job["id"]).count() == 2
+    fresh = Worker.objects.get(pk=worker.pk)
+    assert (fresh.fulfilments, fresh.speed_samples) == (worker.fulfilments, worker.speed_samples) == (1, worker.speed_samples)
+    assert Generation.objects.get(pk=job["id"]).text == "first"
