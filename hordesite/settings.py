@@ -192,6 +192,8 @@ HORDE_UPFRONT_KUDOS_ON_WORKERLIST = env.bool("HORDE_UPFRONT_KUDOS_ON_WORKERLIST"
 HORDE_ALLOW_ANONYMOUS = env.bool("HORDE_ALLOW_ANONYMOUS", default=True)
 # Seconds a process reuses the user row it read for an API key (0: read it on every request).
 HORDE_API_KEY_CACHE_SECONDS = env.float("HORDE_API_KEY_CACHE_SECONDS", default=5.0)
+# Seconds a process reuses the worker row its pop read (0: read it on every pop).
+HORDE_WORKER_CACHE_SECONDS = env.float("HORDE_WORKER_CACHE_SECONDS", default=5.0)
 # Proxy hops whose X-Forwarded-For may be trusted for the client address (0: use the socket peer).
 HORDE_TRUSTED_PROXY_COUNT = env.int("HORDE_TRUSTED_PROXY_COUNT", default=0)
 

@@ -69,10 +69,12 @@ def _fresh_cache():
 
     from accounts.selectors import reset_user_caches
     from chat.snapshots import reset_snapshots
+    from workers.services import worker_rows
 
     cache.clear()
     reset_snapshots()
     reset_user_caches()
+    worker_rows.clear()
 
 
 @pytest.fixture

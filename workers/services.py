@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal
 
+from django.conf import settings
 from django.core.cache import cache
 from django.db import IntegrityError, transaction
 from django.db.models import F
@@ -75,14 +78,20 @@ def worker_check_in(*, owner: HordeUser, declaration: TextWorkerDeclaration) -> 
         "last_check_in": now,
         **chat_declaration_columns(declaration.chat),
     }
-    worker = next(iter(Worker.objects.filter(name=declaration.name)), None)  # unique name: no ORDER BY
+    worker = worker_rows.get(declaration.name)
     if worker is None:
-        try:
-            with transaction.atomic():
-                return Worker.objects.create(name=declaration.name, owner=owner, **fields)
-        except IntegrityError:
-            # Two first pops raced on the name; the loser checks in on the row the winner made.
-            worker = Worker.objects.get(name=declaration.name)
+        worker = next(iter(Worker.objects.filter(name=declaration.name)), None)  # unique name: no ORDER BY
+        if worker is None:
+            try:
+                with transaction.atomic():
+                    worker = Worker.objects.create(name=declaration.name, owner=owner, **fields)
+            except IntegrityError:
+                # Two first pops raced on the name; the loser checks in on the row the winner made.
+                worker = Worker.objects.get(name=declaration.name)
+            else:
+                worker_rows.remember(worker)
+                return worker
+        worker_rows.remember(worker)
     if worker.owner_id != owner.pk:
         raise HordeError("WrongCredentials", "Wrong credentials to submit as this worker.")
     changed = any(getattr(worker, name) != value for name, value in fields.items() if name != "last_check_in")
@@ -91,7 +100,45 @@ def worker_check_in(*, owner: HordeUser, declaration: TextWorkerDeclaration) -> 
         # The row as just written, without reading it back: the pop reads these fields next.
         for name, value in fields.items():
             setattr(worker, name, value)
+        worker_rows.written(worker)
     return worker
+
+
+class _WorkerRows:
+    """The worker rows this process read by name, reused for HORDE_WORKER_CACHE_SECONDS: a worker
+    pops about once a second, and its row changes only through its own check-in (written here)
+    or its owner's and moderators' switches, which take at most that long to reach the pop in
+    another process (worker_update forgets the row in its own process at once)."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, tuple[float, Worker]] = {}
+
+    def get(self, name: str) -> Worker | None:
+        hit = self._rows.get(name)
+        if hit is None or time.monotonic() - hit[0] >= settings.HORDE_WORKER_CACHE_SECONDS:
+            return None
+        return copy.copy(hit[1])
+
+    def remember(self, worker: Worker) -> None:
+        if settings.HORDE_WORKER_CACHE_SECONDS > 0:
+            if len(self._rows) >= 100_000:
+                self._rows.clear()
+            self._rows[worker.name] = (time.monotonic(), copy.copy(worker))
+
+    def written(self, worker: Worker) -> None:
+        """Our own write: the row's other fields are as old as the read, which keeps its time."""
+        hit = self._rows.get(worker.name)
+        if hit is not None:
+            self._rows[worker.name] = (hit[0], copy.copy(worker))
+
+    def forget(self, name: str) -> None:
+        self._rows.pop(name, None)
+
+    def clear(self) -> None:
+        self._rows.clear()
+
+
+worker_rows = _WorkerRows()
 
 
 def worker_record_job(*, worker: Worker, tokens: int, seconds: float, kudos: Decimal) -> None:
@@ -153,6 +200,7 @@ def worker_update(*, worker: Worker, actor: HordeUser, maintenance: bool | None 
     if paused is not None:
         worker.paused = paused
     worker.save(update_fields=["maintenance", "paused"])
+    worker_rows.forget(worker.name)
     # The owner sees their own switch at once, whatever the details cache holds.
     cache.delete(worker_details_cache_key(worker.pk))
     return worker
