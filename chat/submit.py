@@ -11,6 +11,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
+from functools import lru_cache
 from typing import Any, NoReturn
 from uuid import UUID
 
@@ -36,6 +37,7 @@ from contract.chat_errors import ChatRefusal
 from contract.chat_limits import MAX_CHAT_FAULT_REASON_LENGTH
 from contract.chat_verify import parse_chat_submit, verify_chat_reply
 from contract.errors import HordeError
+from workers.models import Worker
 from workers.services import worker_record_job, worker_record_job_cte
 
 log = logging.getLogger(__name__)
@@ -62,15 +64,63 @@ class TextSubmit:
 
 
 def _load_generation(*, user: HordeUser, generation_id: UUID) -> Generation:
-    # Not .first(): its ORDER BY pk makes Django resolve the ordering against every joined column.
-    generation = next(
-        iter(Generation.objects.select_related("worker", "worker__owner", "request").filter(pk=generation_id)),
-        None,
-    )
+    if connection.vendor == "postgresql":
+        generation = _generation_with_relations(generation_id)
+    else:
+        # Not .first(): its ORDER BY pk makes Django resolve the ordering against every joined column.
+        generation = next(
+            iter(Generation.objects.select_related("worker", "worker__owner", "request").filter(pk=generation_id)),
+            None,
+        )
     if generation is None:
         raise HordeError("InvalidJobID", f"Processing Generation with ID {generation_id} does not exist.")
     if generation.worker.owner_id != user.pk:
         raise HordeError("WrongCredentials", "Wrong credentials to submit as this worker.")
+    return generation
+
+
+# The generation, its request, its worker and the worker's owner: what every submit reads.
+_GENERATION_JOINS = (
+    (Generation, "g", ""),
+    (GenerationRequest, "r", "JOIN horde_requests AS r ON r.id = g.request_id"),
+    (Worker, "w", "JOIN horde_workers AS w ON w.id = g.worker_id"),
+    (HordeUser, "u", "JOIN horde_users AS u ON u.id = w.owner_id"),
+)
+
+
+@lru_cache(maxsize=1)
+def _generation_with_relations_sql() -> str:
+    columns = [
+        f"{alias}.{connection.ops.quote_name(f.column)}"
+        for model, alias, _ in _GENERATION_JOINS
+        for f in model._meta.concrete_fields
+    ]
+    joins = " ".join(join for _, _, join in _GENERATION_JOINS if join)
+    return f"SELECT {', '.join(columns)} FROM horde_generations AS g {joins} WHERE g.id = %s"
+
+
+def _generation_with_relations(generation_id: UUID) -> Generation | None:
+    """select_related("worker", "worker__owner", "request") as one prepared SQL text: the ORM would
+    compile its hundred columns on every submit (PostgreSQL, where values arrive typed)."""
+    with connection.cursor() as cursor:
+        cursor.execute(_generation_with_relations_sql(), [generation_id])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    instances = []
+    position = 0
+    for model, _, _ in _GENERATION_JOINS:
+        fields = model._meta.concrete_fields
+        values = [
+            f.from_db_value(value, None, connection) if value is not None and hasattr(f, "from_db_value") else value
+            for f, value in zip(fields, row[position : position + len(fields)], strict=True)
+        ]
+        position += len(fields)
+        instances.append(model.from_db(connection.alias, [f.attname for f in fields], values))
+    generation, request, worker, owner = instances
+    worker.owner = owner
+    generation.worker = worker
+    generation.request = request
     return generation
 
 
