@@ -68,8 +68,8 @@ class AdminOnlyMiddleware:
         from django.contrib.auth.middleware import AuthenticationMiddleware
         from django.contrib.messages.middleware import MessageMiddleware
         from django.contrib.sessions.middleware import SessionMiddleware
-        from django.middleware.common import CommonMiddleware
         from django.middleware.clickjacking import XFrameOptionsMiddleware
+        from django.middleware.common import CommonMiddleware
         from django.middleware.security import SecurityMiddleware
 
         self.get_response = get_response

@@ -8,6 +8,7 @@ from rest_framework.views import APIView
 
 from accounts.api.callers import registered_caller
 from chat.api import serializers as s
+from chat.api.fast_validation import validated_body
 from chat.dispatch import build_job_payload, worker_pop
 from contract.chat_declaration import parse_chat_declaration
 from contract.chat_errors import ChatDeclarationInvalid
@@ -22,9 +23,7 @@ class TextPopView(APIView):
     @extend_schema(request=s.TextPopInputSerializer, responses=s.TextPopOutputSerializer)
     def post(self, request):
         owner = registered_caller(request, rc="AnonForbiddenWorker")
-        body = s.TextPopInputSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        data = body.validated_data
+        data = validated_body(s.TextPopInputSerializer, request.data)
         models = list(dict.fromkeys(data["models"]))
         try:
             chat = parse_chat_declaration(request.data, models=models)

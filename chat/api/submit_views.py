@@ -11,6 +11,7 @@ from rest_framework.views import APIView
 from accounts.api.callers import registered_caller
 from chat.api import serializers as s
 from chat.api import submit_serializers as cs
+from chat.api.fast_validation import canonical_validated_data, validated_body
 from chat.submit import TextSubmit, job_submit
 from contract.chat_verify import is_chat_submit
 
@@ -36,21 +37,15 @@ class TextSubmitView(APIView):
         owner = registered_caller(request, rc="AnonForbiddenWorker")
         body = request.data
         if isinstance(body, Mapping) and is_chat_submit(body):
-            ident = cs.SubmitIdSerializer(data=body)
-            ident.is_valid(raise_exception=True)
+            ident = validated_body(cs.SubmitIdSerializer, body)
             # The text fields matter only if the job turns out to be a text job.
-            text_form = s.TextSubmitInputSerializer(data=body)
-            text = _text_fields(text_form.validated_data) if text_form.is_valid() else None
-            reward = job_submit(
-                user=owner, generation_id=ident.validated_data["id"], text=text, chat_body=body
-            )
+            text_data = canonical_validated_data(s.TextSubmitInputSerializer, body)
+            if text_data is None:
+                text_form = s.TextSubmitInputSerializer(data=body)
+                text_data = text_form.validated_data if text_form.is_valid() else None
+            text = _text_fields(text_data) if text_data is not None else None
+            reward = job_submit(user=owner, generation_id=ident["id"], text=text, chat_body=body)
         else:
-            form = s.TextSubmitInputSerializer(data=body)
-            form.is_valid(raise_exception=True)
-            reward = job_submit(
-                user=owner,
-                generation_id=form.validated_data["id"],
-                text=_text_fields(form.validated_data),
-                chat_body=None,
-            )
+            data = validated_body(s.TextSubmitInputSerializer, body)
+            reward = job_submit(user=owner, generation_id=data["id"], text=_text_fields(data), chat_body=None)
         return Response({"reward": float(reward)})
