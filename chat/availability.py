@@ -20,9 +20,9 @@ from chat.matching import (
     worker_serves_chat_model,
 )
 from chat.models import Generation, GenerationRequest, RequestWorker
-from chat.snapshots import online_workers
+from chat.snapshots import OnlineWorkers, online_worker_facts
+from chat.status_cache import StatusRead
 from contract.chat_policy import ChatServiceGap, merge_service_gaps
-from workers.models import Worker
 
 AVAILABILITY_CACHE_SECONDS = 60
 
@@ -49,15 +49,24 @@ def _listed_worker_ids(request: GenerationRequest) -> set:
     return set(RequestWorker.objects.filter(request=request).values_list("worker_id", flat=True))
 
 
-def _text_pass(request: GenerationRequest, workers: list[Worker]) -> _Pass:
+def _text_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
+    # Only the workers serving one of the request's models (all text workers for any model) can
+    # pass worker_may_take: the snapshot's per-model index spares testing the others.
+    workers = online.text_candidates(request.requested_models or (), any_model=request.any_model)
+    if not workers:
+        return _Pass(eligible_worker_threads=0, gap=None)
     listed = _listed_worker_ids(request)
     threads = sum(max(w.threads, 1) for w in workers if worker_may_take(w, request, listed))
     return _Pass(eligible_worker_threads=threads, gap=None)
 
 
-def _chat_pass(request: GenerationRequest, workers: list[Worker]) -> _Pass:
+def _chat_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
     """Candidates pass the queue query's rules (1 and 4) without the size limits, so a worker
     below them reaches the declaration check and its refusal counts toward the gap."""
+    # Rule 1 through the snapshot's index: only workers whose chat model_id is requested.
+    workers = online.chat_candidates(request.requested_models or ())
+    if not workers:
+        return _Pass(eligible_worker_threads=0, gap=None)
     listed = _listed_worker_ids(request)
     threads = 0
     gaps: list[ChatServiceGap] = []
@@ -87,21 +96,28 @@ def _processing_count(request: GenerationRequest) -> int:
     return Generation.objects.filter(request=request, state=Generation.State.PROCESSING).count()
 
 
-def chat_request_availability(request: GenerationRequest, *, processing: int | None = None) -> Availability:
+def chat_request_availability(
+    request: GenerationRequest, *, processing: int | None = None, read: StatusRead | None = None
+) -> Availability:
     """The availability of a text or chat request, from the pass over online workers (cached
     AVAILABILITY_CACHE_SECONDS per request).
 
     impossible_reason is set only for a chat request no worker is eligible for, with nothing
     processing, whose candidates were all refused for their declarations; always None for text.
     `processing` is the request's processing generations when the caller has it (read otherwise,
-    and only when the reason could apply).
+    and only when the reason could apply). A status build passes its `read`, which holds the
+    cached pass when there is one (it asked for availability_cache_key with the body) and takes
+    the write of a new one, sent with the body's.
     """
     key = availability_cache_key(request.pk)
-    found = cache.get(key)
-    if found is None:
-        workers = online_workers()
-        found = _chat_pass(request, workers) if request.is_chat else _text_pass(request, workers)
-        cache.set(key, found, AVAILABILITY_CACHE_SECONDS)
+    found = cache.get(key) if read is None else read.prefetched.get(key)
+    if not isinstance(found, _Pass):
+        online = online_worker_facts()
+        found = _chat_pass(request, online) if request.is_chat else _text_pass(request, online)
+        if read is None:
+            cache.set(key, found, AVAILABILITY_CACHE_SECONDS)
+        else:
+            read.set_later(key, found, AVAILABILITY_CACHE_SECONDS)
     reason = None
     if found.gap is not None and found.eligible_worker_threads == 0:
         if processing is None:

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
-from chat.availability import chat_request_availability
+from chat.availability import availability_cache_key, chat_request_availability
 from chat.models import Generation, GenerationRequest
 from chat.selectors import generation_state_counts, request_get, request_queue_stats
-from chat.status_cache import cached_status
+from chat.status_cache import StatusRead, cached_status
 
 
 @dataclass(frozen=True)
@@ -24,10 +24,12 @@ def chat_request_get(request_id: UUID) -> GenerationRequest | None:
     return request_get(request_id, is_chat=True)
 
 
-def chat_availability(request: GenerationRequest, *, processing: int | None = None) -> ChatAvailability:
+def chat_availability(
+    request: GenerationRequest, *, processing: int | None = None, read: StatusRead | None = None
+) -> ChatAvailability:
     """Eligible worker threads, is_possible and impossible_reason, from the availability pass
-    (chat.availability, cached 60 s per request there)."""
-    result = chat_request_availability(request, processing=processing)
+    (chat.availability, cached 60 s per request there; `read`: see chat_request_availability)."""
+    result = chat_request_availability(request, processing=processing, read=read)
     return ChatAvailability(
         eligible_worker_threads=result.eligible_worker_threads,
         is_possible=result.is_possible,
@@ -59,18 +61,19 @@ def _chat_generation(generation: Generation, request: GenerationRequest) -> dict
 
 
 def chat_status_body(request_id: UUID) -> dict[str, Any] | None:
-    """GET /generate/chat/status/<id>: the status body (cached briefly), None when not found."""
+    """GET /generate/chat/status/<id>: the status body (cached briefly), None when not found.
+    The availability cache is read with the body's, in one round trip."""
 
-    def build() -> dict[str, Any] | None:
+    def build(read: StatusRead) -> dict[str, Any] | None:
         request = chat_request_get(request_id)
-        return chat_request_status(request) if request is not None else None
+        return chat_request_status(request, read=read) if request is not None else None
 
-    return cached_status(request_id, is_chat=True, build=build)
+    return cached_status(request_id, is_chat=True, build=build, prefetch=(availability_cache_key(request_id),))
 
 
-def chat_request_status(request: GenerationRequest) -> dict[str, Any]:
+def chat_request_status(request: GenerationRequest, *, read: StatusRead | None = None) -> dict[str, Any]:
     """The chat status body: the text status keys, the chat request's own, and each finished
-    generation with its structured reply."""
+    generation with its structured reply (`read`: see chat_request_availability)."""
     counts = generation_state_counts(request)
     finished = sum(counts.get(s, 0) for s in Generation.FINISHED_STATES)
     processing = counts.get(Generation.State.PROCESSING, 0)
@@ -84,7 +87,7 @@ def chat_request_status(request: GenerationRequest) -> dict[str, Any]:
     if done:
         availability = ChatAvailability(eligible_worker_threads=0, is_possible=True)
     else:
-        availability = chat_availability(request, processing=processing)
+        availability = chat_availability(request, processing=processing, read=read)
     generations = (
         [
             _chat_generation(generation, request)

@@ -3,49 +3,142 @@
 from __future__ import annotations
 
 import math
+import threading
+from dataclasses import dataclass
+from typing import Any
 from uuid import UUID
 
 from django.core.cache import cache
+from django.db import connections, router
 from django.db.models import Count, F, Q, Sum
 
-from chat.availability import chat_request_availability
+from chat.availability import availability_cache_key, chat_request_availability
 from chat.matching import waiting_requests
 from chat.models import Generation, GenerationRequest
-from chat.snapshots import online_workers, queue_place
-from chat.status_cache import cached_status
+from chat.snapshots import on_reset, online_worker_facts, online_workers, queue_place
+from chat.status_cache import StatusRead, cached_status
 from workers.selectors import chat_workers_online, worker_speed
 
 # GET /status/models answers from a cache keyed by its query string (spec: "Chat model list").
 MODELS_STATUS_CACHE_SECONDS = 2
 
 
-def request_get(request_id: UUID, *, is_chat: bool = False) -> GenerationRequest | None:
-    """Every read filters on is_chat: a chat id is not found on the text routes, and vice versa."""
-    # The status polls never read the prompt, messages or tool settings: leave them in the row.
-    # The generation counts by state come in the same query (see generation_state_counts).
-    counts = {
-        f"gen_{state}": Count("generations", filter=Q(generations__state=state)) for state in Generation.State.values
-    }
-    return (
-        GenerationRequest.objects.filter(pk=request_id, is_chat=is_chat)
-        .defer("prompt", "submitted_prompt", "messages", "params", "chat_extras")
-        .annotate(**counts)
-        .first()
-    )
+# The status polls never read the prompt, messages or tool settings: leave them in the row.
+_REQUEST_DEFERRED = ("prompt", "submitted_prompt", "messages", "params", "chat_extras")
+# Stands for the request id while the read is compiled; replaced by the real id at each read.
+_ID_PLACEHOLDER = UUID("5e1ec7ed-0000-4000-8000-00000000c0de")
+
+
+@dataclass(frozen=True)
+class _CompiledRequestRead:
+    """request_get's statement, compiled once per process and database: the ORM spends more
+    building this SQL (the annotated counts) than the database spends answering it."""
+
+    alias: str
+    sql: str
+    params: tuple
+    id_param: int  # which param is the request id
+    init_list: tuple[str, ...]  # the model's columns, as ModelIterable passes them to from_db
+    model_slice: tuple[int, int]
+    annotations: tuple[tuple[str, int], ...]
+    # (column, converters, expression): the backend's and fields' conversions of raw values.
+    # They read only the connection's settings, the same for every connection to the alias.
+    converters: tuple[tuple[int, tuple, Any], ...]
+
+    @classmethod
+    def compile(cls, alias: str, *, is_chat: bool) -> _CompiledRequestRead:
+        counts = {
+            f"gen_{state}": Count("generations", filter=Q(generations__state=state))
+            for state in Generation.State.values
+        }
+        queryset = (
+            GenerationRequest.objects.using(alias)
+            .filter(pk=_ID_PLACEHOLDER, is_chat=is_chat)
+            .defer(*_REQUEST_DEFERRED)
+            .annotate(**counts)
+        )
+        compiler = queryset.query.get_compiler(using=alias)
+        sql, params = compiler.as_sql()
+        placeholder = GenerationRequest._meta.pk.get_db_prep_value(_ID_PLACEHOLDER, connections[alias])
+        positions = [i for i, value in enumerate(params) if value == placeholder]
+        if len(positions) != 1:  # pragma: no cover - a Django change; the tests would show it
+            raise RuntimeError(f"request_get: the id is not one parameter of {sql!r}")
+        select, klass_info = compiler.select, compiler.klass_info
+        start, end = klass_info["select_fields"][0], klass_info["select_fields"][-1] + 1
+        return cls(
+            alias=alias,
+            sql=sql,
+            params=tuple(params),
+            id_param=positions[0],
+            init_list=tuple(column[0].target.attname for column in select[start:end]),
+            model_slice=(start, end),
+            annotations=tuple(compiler.annotation_col_map.items()),
+            converters=tuple(
+                (position, tuple(convs), expression)
+                for position, (convs, expression) in compiler.get_converters([c[0] for c in select]).items()
+            ),
+        )
+
+    def read(self, request_id: UUID | str) -> GenerationRequest | None:
+        connection = connections[self.alias]
+        params = list(self.params)
+        params[self.id_param] = GenerationRequest._meta.pk.get_db_prep_value(request_id, connection)
+        with connection.cursor() as cursor:
+            cursor.execute(self.sql, params)
+            row = cursor.fetchone()
+        if row is None:
+            return None
+        row = list(row)
+        for position, convs, expression in self.converters:
+            value = row[position]
+            for convert in convs:
+                value = convert(value, expression, connection)
+            row[position] = value
+        start, end = self.model_slice
+        request = GenerationRequest.from_db(self.alias, list(self.init_list), row[start:end])
+        for name, position in self.annotations:
+            setattr(request, name, row[position])
+        return request
+
+
+_compiled_reads: dict[tuple[str, bool], _CompiledRequestRead] = {}
+_compiled_reads_lock = threading.Lock()
+
+
+@on_reset
+def _forget_compiled_reads() -> None:
+    with _compiled_reads_lock:
+        _compiled_reads.clear()
+
+
+def request_get(request_id: UUID | str, *, is_chat: bool = False) -> GenerationRequest | None:
+    """Every read filters on is_chat: a chat id is not found on the text routes, and vice versa.
+
+    The row comes without the prompt, messages or tool settings (deferred), with the generation
+    counts by state (see generation_state_counts), in one query compiled once per process."""
+    alias = router.db_for_read(GenerationRequest)
+    compiled = _compiled_reads.get((alias, is_chat))
+    if compiled is None:
+        with _compiled_reads_lock:
+            compiled = _compiled_reads.get((alias, is_chat))
+            if compiled is None:
+                compiled = _CompiledRequestRead.compile(alias, is_chat=is_chat)
+                _compiled_reads[(alias, is_chat)] = compiled
+    return compiled.read(request_id)
 
 
 def _online_workers() -> list:
     return online_workers()
 
 
-def request_is_possible(request: GenerationRequest) -> bool:
+def request_is_possible(request: GenerationRequest, *, read: StatusRead | None = None) -> bool:
     """Whether an online worker could take the request: the one availability pass (cached 60 s),
-    shared by text and chat requests."""
-    return chat_request_availability(request).is_possible
+    shared by text and chat requests (`read`: see chat_request_availability)."""
+    return chat_request_availability(request, read=read).is_possible
 
 
 def _horde_tokens_per_second() -> float:
-    return sum(worker_speed(w) * max(w.threads, 1) for w in _online_workers())
+    return online_worker_facts().tokens_per_second
 
 
 def request_queue_stats(request: GenerationRequest) -> tuple[int, int]:
@@ -77,17 +170,18 @@ def generation_state_counts(request: GenerationRequest) -> dict[str, int]:
 
 
 def text_status_body(request_id: UUID) -> dict | None:
-    """GET /generate/text/status/<id>: the status body (cached briefly), None when not found."""
+    """GET /generate/text/status/<id>: the status body (cached briefly), None when not found.
+    The availability cache is read with the body's, in one round trip."""
 
-    def build() -> dict | None:
+    def build(read: StatusRead) -> dict | None:
         request = request_get(request_id)
-        return request_status(request) if request is not None else None
+        return request_status(request, read=read) if request is not None else None
 
-    return cached_status(request_id, is_chat=False, build=build)
+    return cached_status(request_id, is_chat=False, build=build, prefetch=(availability_cache_key(request_id),))
 
 
-def request_status(request: GenerationRequest, *, include_generations: bool = True) -> dict:
-    """The upstream text status body, exactly its keys."""
+def request_status(request: GenerationRequest, *, include_generations: bool = True, read: StatusRead | None = None) -> dict:
+    """The upstream text status body, exactly its keys (`read`: see chat_request_availability)."""
     counts = generation_state_counts(request)
     finished = sum(counts.get(s, 0) for s in Generation.FINISHED_STATES)
     processing = counts.get(Generation.State.PROCESSING, 0)
@@ -124,7 +218,7 @@ def request_status(request: GenerationRequest, *, include_generations: bool = Tr
         "wait_time": wait_time,
         "queue_position": queue_position,
         "kudos": float(request.consumed_kudos),
-        "is_possible": True if done else request_is_possible(request),
+        "is_possible": True if done else request_is_possible(request, read=read),
     }
 
 

@@ -1,0 +1,289 @@
+"""The status routes' cheap reads: request_get compiled once per process, the online-worker and
+queue snapshots with their derived facts, and the status cache's two round trips."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+import pytest
+from django.core.cache import cache
+from django.db import connection
+from django.db.models import Count, Q
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from chat import selectors, snapshots
+from chat.availability import _chat_pass, _text_pass, availability_cache_key, chat_request_availability
+from chat.matching import worker_may_take
+from chat.models import Generation, GenerationRequest
+from chat.status_cache import STATUS_CACHE_SECONDS, cached_status
+from tests.chat.chat_route_helpers import MODEL, chat_async, chat_status, chat_worker
+from workers.models import Worker
+
+OTHER = "koboldcpp/Marx-3B-V3"
+THIRD = "koboldcpp/Enterredaas-65b"
+
+
+@pytest.fixture
+def owner(make_user):
+    return make_user("owner")
+
+
+@pytest.fixture
+def requester(make_user):
+    return make_user("r", kudos=100_000)
+
+
+def _orm_read(request_id, *, is_chat: bool) -> GenerationRequest | None:
+    counts = {
+        f"gen_{state}": Count("generations", filter=Q(generations__state=state)) for state in Generation.State.values
+    }
+    return (
+        GenerationRequest.objects.filter(pk=request_id, is_chat=is_chat)
+        .defer("prompt", "submitted_prompt", "messages", "params", "chat_extras")
+        .annotate(**counts)
+        .first()
+    )
+
+
+def _facts(request: GenerationRequest) -> dict:
+    loaded = {f.attname: getattr(request, f.attname) for f in GenerationRequest._meta.concrete_fields
+              if f.attname in request.__dict__}
+    loaded.update({k: v for k, v in request.__dict__.items() if k.startswith("gen_")})
+    return loaded
+
+
+# --- request_get ------------------------------------------------------------------------------
+
+
+def test_compiled_read_matches_the_orm_read(horde, owner, requester):
+    horde.pop(owner.key, name="w")  # registers the worker
+    request_id = horde.text_async(
+        requester.key, models=[MODEL, OTHER], params={"n": 3, "max_length": 100}
+    ).json()["id"]
+    worker = Worker.objects.get(name="w")
+    lease = timezone.now() + timedelta(seconds=150)
+    for state in ("processing", "ok", "faulted", "ok"):
+        Generation.objects.create(request_id=request_id, worker=worker, model=MODEL, state=state,
+                                  lease_expires_at=lease)
+    compiled = selectors.request_get(request_id)
+    expected = _orm_read(request_id, is_chat=False)
+    assert _facts(compiled) == _facts(expected)
+    assert compiled.gen_ok == 2 and compiled.gen_processing == 1 and compiled.gen_faulted == 1
+    assert compiled.requested_models == [MODEL, OTHER]  # JSON converted as the ORM converts it
+    assert compiled._state.adding is False and compiled._state.db == "default"
+    # Deferred fields load on access, as from the ORM read.
+    assert compiled.prompt == "Once upon a time"
+
+
+def test_compiled_read_keeps_route_families_apart(horde, owner, requester):
+    chat_worker(owner)
+    chat_id = chat_async(horde.client, requester.key).json()["id"]
+    text_id = horde.text_async(requester.key).json()["id"]
+    assert selectors.request_get(chat_id) is None
+    assert selectors.request_get(text_id, is_chat=True) is None
+    assert selectors.request_get(uuid.uuid4()) is None
+    chat = selectors.request_get(chat_id, is_chat=True)
+    assert _facts(chat) == _facts(_orm_read(chat_id, is_chat=True))
+    assert str(selectors.request_get(str(text_id)).pk) == text_id  # a string id reads too
+
+
+def test_compiled_reads_are_forgotten_by_reset_snapshots(horde, requester):
+    request_id = horde.text_async(requester.key).json()["id"]
+    assert selectors.request_get(request_id) is not None
+    assert selectors._compiled_reads
+    snapshots.reset_snapshots()
+    assert not selectors._compiled_reads
+    assert selectors.request_get(request_id) is not None
+
+
+def test_an_uncached_status_is_one_query_and_a_cached_one_none(horde, owner, requester):
+    horde.pop(owner.key, name="w", models=[MODEL])
+    request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
+    horde.status(request_id)  # snapshots taken
+    cache.clear()
+    with CaptureQueriesContext(connection) as queries:
+        body = horde.status(request_id).json()
+    assert len(queries) == 1, [q["sql"] for q in queries]
+    assert body["is_possible"] is True and body["queue_position"] == 0 and body["waiting"] == 1
+    with CaptureQueriesContext(connection) as queries:
+        assert horde.status(request_id).json() == body
+    assert len(queries) == 0
+
+
+# --- The online-worker snapshot's facts ---------------------------------------------------------
+
+
+def _worker(owner, name, models, **fields) -> Worker:
+    defaults = dict(
+        max_length=512, max_context_length=4096, threads=1, last_check_in=timezone.now(),
+        bridge_agent="KoboldCppEmbedWorker:2:https://github.com/LostRuins/koboldcpp",
+    )
+    defaults.update(fields)
+    return Worker.objects.create(name=name, owner=owner.user, served_models=models, **defaults)
+
+
+def test_candidates_are_the_workers_serving_a_requested_model_in_snapshot_order(owner):
+    a = _worker(owner, "a", [MODEL, OTHER], threads=2)
+    b = _worker(owner, "b", [OTHER])
+    c = _worker(owner, "c", [THIRD], accepts_prompt_jobs=False)
+    d = chat_worker(owner, model=OTHER)  # text jobs too (served_models [OTHER])
+    online = snapshots.online_workers_of([a, b, c, d])
+    assert online.tokens_per_second == 10.0 * 5
+    assert [w.name for w in online.text_candidates([OTHER, MODEL], any_model=False)] == ["a", "b", d.name]
+    assert online.text_candidates([THIRD], any_model=False) == []  # c takes no prompt jobs
+    assert [w.name for w in online.text_candidates([], any_model=True)] == ["a", "b", d.name]
+    assert [w.name for w in online.chat_candidates([MODEL, OTHER])] == [d.name]
+    assert online.chat_candidates([MODEL]) == []
+
+
+def test_the_indexed_pass_finds_what_the_full_pass_finds(horde, owner, requester):
+    workers = [
+        _worker(owner, "a", [MODEL], threads=2),
+        _worker(owner, "b", [MODEL, OTHER], max_length=64),
+        _worker(owner, "c", [OTHER], max_context_length=1024, threads=3),
+        _worker(owner, "d", [THIRD], bridge_agent="unknown:1:x"),
+        _worker(owner, "e", [MODEL], speed=0.5),
+        _worker(owner, "f", [MODEL], accepts_prompt_jobs=False),
+        chat_worker(owner, model=MODEL, max_length=256),
+        chat_worker(owner, model=OTHER, features=[]),
+    ]
+    online = snapshots.online_workers_of(workers)
+    bodies = [
+        {"models": [MODEL]},
+        {"models": [OTHER], "params": {"max_length": 100, "max_context_length": 2048}},
+        {"models": [MODEL, OTHER, THIRD], "params": {"max_length": 100}},
+        {"models": [THIRD], "validated_backends": False},
+        {"models": [MODEL], "slow_workers": False},
+        {"models": []},
+        {"models": ["nobody/serves-this"]},
+    ]
+    for body in bodies:
+        request = GenerationRequest.objects.get(pk=horde.text_async(requester.key, **body).json()["id"])
+        full = sum(max(w.threads, 1) for w in workers if worker_may_take(w, request, set()))
+        assert _text_pass(request, online).eligible_worker_threads == full, body
+    chat_request = GenerationRequest.objects.get(
+        pk=chat_async(horde.client, requester.key, models=[MODEL, OTHER], max_tokens=128).json()["id"]
+    )
+    full = sum(max(w.threads, 1) for w in workers if worker_may_take(w, chat_request, set()))
+    assert full > 0 and _chat_pass(chat_request, online).eligible_worker_threads == full
+
+
+def test_wait_time_uses_the_snapshot_throughput(horde, owner, requester):
+    horde.pop(owner.key, name="a", models=[MODEL], threads=2)
+    horde.pop(owner.key, name="b", models=[OTHER])
+    first = horde.text_async(requester.key, models=[MODEL], params={"max_length": 300}).json()["id"]
+    second = horde.text_async(requester.key, models=[MODEL], params={"max_length": 300}).json()["id"]
+    snapshots.reset_snapshots()
+    body = horde.status(second).json()
+    assert body["queue_position"] == 1
+    assert body["wait_time"] == 20  # 600 tokens over 3 threads at 10 tokens/s
+    assert horde.status(first).json()["queue_position"] == 0
+
+
+# --- The queue snapshot ---------------------------------------------------------------------
+
+
+def test_queue_snapshot_positions_and_tokens(horde, requester, make_user):
+    rich = make_user("rich", kudos=1_000_000)
+    ids = [horde.text_async(requester.key, params={"max_length": 100 + i, "n": 1}).json()["id"] for i in range(3)]
+    ahead = horde.text_async(rich.key, params={"max_length": 50, "n": 2}).json()["id"]
+    GenerationRequest.objects.filter(pk=ids[2]).update(cancelled=True)
+    snapshots.reset_snapshots()
+    places = {i: snapshots.queue_place(uuid.UUID(i)) for i in [ahead, *ids]}
+    assert places[ahead] == snapshots.QueuePlace(position=0, tokens_ahead=0)
+    assert places[ids[0]] == snapshots.QueuePlace(position=1, tokens_ahead=100)
+    assert places[ids[1]] == snapshots.QueuePlace(position=2, tokens_ahead=200)
+    assert places[ids[2]] is None  # not waiting
+
+
+def test_a_request_newer_than_the_snapshot_is_counted_live(horde, requester):
+    first = horde.text_async(requester.key, params={"max_length": 80}).json()["id"]
+    assert horde.status(first).json()["queue_position"] == 0  # the snapshot is taken
+    newer = horde.text_async(requester.key, params={"max_length": 80}).json()["id"]
+    assert snapshots.queue_place(uuid.UUID(newer)) is None
+    assert horde.status(newer).json()["queue_position"] == 1
+
+
+# --- The status cache -------------------------------------------------------------------------
+
+
+def test_a_miss_reads_the_availability_with_the_body_and_writes_both(horde, owner, requester, monkeypatch):
+    horde.pop(owner.key, name="w", models=[MODEL], threads=2)
+    request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
+    cache.clear()
+    calls, depth = [], [0]
+    for name in ("get", "get_many", "set", "set_many"):
+        original = getattr(cache, name)
+
+        def spy(*args, _name=name, _original=original, **kwargs):
+            if not depth[0]:  # the callers' calls, not the backend's own (locmem's get_many gets)
+                calls.append(_name)
+            depth[0] += 1
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        monkeypatch.setattr(cache, name, spy)
+    horde.status(request_id)
+    assert calls[0] == "get_many" and "get" not in calls
+    assert cache.get(availability_cache_key(request_id)).eligible_worker_threads == 2
+    calls.clear()
+    horde.status(request_id)
+    assert calls == ["get_many"]  # a hit: one read
+
+
+def test_a_request_that_does_not_exist_is_not_cached(db):
+    request_id = uuid.uuid4()
+    assert cached_status(request_id, is_chat=False, build=lambda read: None) is None
+    assert cache.get(f"horde:status:text:{request_id}") is None
+
+
+def test_the_chat_status_reads_a_cached_pass(horde, owner, requester):
+    chat_worker(owner, threads=3, max_length=1024)
+    request_id = chat_async(horde.client, requester.key, max_tokens=512).json()["id"]
+    request = GenerationRequest.objects.get(pk=request_id)
+    assert chat_request_availability(request).eligible_worker_threads == 3  # the pass is cached
+    Worker.objects.update(maintenance=True)
+    snapshots.reset_snapshots()
+    body = chat_status(horde.client, request_id).json()
+    assert body["eligible_worker_threads"] == 3 and body["is_possible"] is True  # cached 60 s
+    cache.clear()
+    body = chat_status(horde.client, request_id).json()
+    assert body["eligible_worker_threads"] == 0 and body["is_possible"] is False
+
+
+@pytest.mark.redis_only
+def test_both_writes_keep_their_lifetimes_on_redis(horde, owner, requester):
+    from django_redis import get_redis_connection
+
+    horde.pop(owner.key, name="w", models=[MODEL])
+    request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
+    cache.clear()
+    horde.status(request_id)
+    redis = get_redis_connection("default")
+    status_ttl = redis.pttl(cache.make_key(f"horde:status:text:{request_id}"))
+    availability_ttl = redis.pttl(cache.make_key(availability_cache_key(request_id)))
+    assert 0 < status_ttl <= STATUS_CACHE_SECONDS * 1000
+    assert STATUS_CACHE_SECONDS * 1000 < availability_ttl <= 60_000
+
+
+@pytest.mark.redis_only
+def test_status_answers_with_the_cache_down(horde, owner, requester, settings):
+    horde.pop(owner.key, name="w", models=[MODEL], threads=2)
+    request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
+    chat_worker(owner)
+    chat_id = chat_async(horde.client, requester.key).json()["id"]
+    settings.CACHES = {
+        "default": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": "redis://127.0.0.1:1/0",  # a closed port
+            "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 0.2, "SOCKET_TIMEOUT": 0.2, "IGNORE_EXCEPTIONS": True},
+        }
+    }
+    body = horde.status(request_id).json()
+    assert body["waiting"] == 1 and body["is_possible"] is True
+    chat = chat_status(horde.client, chat_id).json()
+    assert chat["waiting"] == 1 and chat["eligible_worker_threads"] == 1
