@@ -157,25 +157,50 @@ def _eligible_select(view: WorkerView, priority_ids: tuple[int, ...] | None) -> 
     return sql, tuple(params)
 
 
-def _generation_template_columns(worker: Worker, lease) -> tuple[list[str], list[str], list[Any]]:
-    """(columns, typed placeholders, values) of a new generation's other columns, from the model's
-    own defaults, so a column added to Generation is filled here as the ORM would fill it."""
-    template = Generation(worker=worker, lease_expires_at=lease)
-    columns, placeholders, values = [], [], []
+# Generation columns a pop sets per call, beside the computed ones.
+_POP_VARYING_COLUMNS = ("worker_id", "created", "lease_expires_at")
+
+
+def _takes_fresh_default(f) -> bool:
+    """A default computed per row (a callable other than an empty container's constructor)."""
+    return f.has_default() and callable(f.default) and f.default not in (list, dict)
+
+
+@lru_cache(maxsize=1)
+def _generation_insert_columns() -> tuple[list[str], list[str], list[str]]:
+    """(columns, SQL values, per-call attnames) of a new generation's columns outside
+    _POP_COMPUTED_COLUMNS: the model's constant defaults rendered once as literals, a typed
+    placeholder for the rest, so a column added to Generation is filled as the ORM fills it."""
+    template = Generation()
+    columns, values, per_call = [], [], []
     for f in Generation._meta.concrete_fields:
         if f.column in _POP_COMPUTED_COLUMNS:
             continue
         columns.append(connection.ops.quote_name(f.column))
-        placeholders.append(f"%s::{f.db_type(connection)}")
-        values.append(f.get_db_prep_save(f.pre_save(template, add=True), connection))
-    return columns, placeholders, values
+        typed = f"%s::{f.db_type(connection)}"
+        if f.column in _POP_VARYING_COLUMNS or _takes_fresh_default(f):
+            values.append(typed)
+            per_call.append(f.attname)
+        else:
+            literal = connection.ops.compose_sql(typed, [f.get_db_prep_save(getattr(template, f.attname), connection)])
+            values.append(literal.replace("%", "%%"))
+    return columns, values, per_call
+
+
+def _generation_per_call_values(worker: Worker, lease) -> list[Any]:
+    template = Generation(worker=worker, lease_expires_at=lease)
+    fields = {f.attname: f for f in Generation._meta.concrete_fields}
+    return [
+        fields[name].get_db_prep_save(fields[name].pre_save(template, add=True), connection)
+        for name in _generation_insert_columns()[2]
+    ]
 
 
 def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now) -> PoppedJob | None:
     priority_sql, priority_params = _eligible_select(view, tuple(_priority_user_ids(worker)))
     rest_sql, rest_params = _eligible_select(view, None)
     lease = now + timedelta(seconds=TEXT_JOB_LEASE_SECONDS)
-    columns, placeholders, template_values = _generation_template_columns(worker, lease)
+    columns, placeholders, _ = _generation_insert_columns()
     served = list(worker.served_models or [])
     assigned = _assigned_declaration(worker)
     generation_ids = [uuid.uuid4() for _ in range(max(1, amount))]
@@ -221,7 +246,7 @@ def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now)
         assigned["assigned_model"],
         assigned["assigned_max_context_length"],
         assigned["assigned_max_length"],
-        *template_values,
+        *_generation_per_call_values(worker, lease),
         generation_ids,
         now + timedelta(seconds=TEXT_REQUEST_TTL_SECONDS),
     ]
