@@ -7,8 +7,10 @@ signal's wake latency, and 1,000 concurrent waiting requests held by one web pro
    postgres://postgres@127.0.0.1:5432/horde_bench_front, or BENCH_FRONT_DATABASE_URL), flushes its
    Redis database (redis://127.0.0.1:6379/9, or BENCH_FRONT_REDIS_URL), creates a worker owner and
    a requester (manage.py horde_user), and starts daphne (hordesite.asgi:application: the native API
-   and the mounted /v1/ front) on port 8785 with the rate limits lifted, the front's in-flight caps
-   raised above --waiters, and the front's native root pointed at that same process.
+   and the mounted /v1/ front) on port 8785 with the rate limits lifted and the front's in-flight caps
+   raised above --waiters. The mounted front calls the native API in process, the default
+   (docs/adr/0008-oai-native-calls-in-process.md); --native-over-http points its native root at that
+   same daphne over TCP loopback instead (the setup before 2026-11-30).
 2. An instant test worker runs in this process: --worker-loops asyncio loops (one worker name
    each, declaring every chat feature for the model) that POST /generate/text/pop and, when a job
    comes, POST /generate/text/submit a fixed reply at once, recording when the submit returned.
@@ -138,6 +140,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--redis-url", default=os.environ.get("BENCH_FRONT_REDIS_URL", DEFAULT_REDIS_URL))
     p.add_argument("--skip-waiters", action="store_true", help="only the latency phases")
     p.add_argument(
+        "--native-over-http",
+        action="store_true",
+        help="the front calls the native API over TCP loopback to its own daphne (HORDE_OAI_NATIVE_ROOTS\n"
+        "set to it) instead of in process, the default when mounted",
+    )
+    p.add_argument(
         "--keep-server", action="store_true", help="leave daphne running at the end (prints its pid)"
     )
     p.add_argument(
@@ -162,8 +170,7 @@ def bench_env(args: argparse.Namespace, port: int) -> dict[str, str]:
         HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP="10000000/minute",
         HORDE_DEFAULT_CONCURRENCY="1000000",  # users made now: every waiter queued by one requester
         HORDE_MAINTENANCE="false",
-        # The front mounted in this process calls this process's native API.
-        HORDE_OAI_NATIVE_ROOTS=f"http://127.0.0.1:{port}/api/v2",
+        PORT=str(port),
         HORDE_OAI_MAX_INFLIGHT=str(max(2000, 2 * args.waiters)),
         HORDE_OAI_MAX_INFLIGHT_PER_SOURCE=str(max(50, 2 * args.waiters)),  # every bench request is 127.0.0.1
         HORDE_OAI_KEEPALIVE_SECONDS=str(args.keepalive),
@@ -172,6 +179,12 @@ def bench_env(args: argparse.Namespace, port: int) -> dict[str, str]:
         LOG_LEVEL="WARNING",
         PYTHONUNBUFFERED="1",
     )
+    # The front mounted in this process calls this process's native API: in process by default (the
+    # one-process default), or with --native-over-http over TCP loopback to this same daphne.
+    env.pop("HORDE_OAI_NATIVE_IN_PROCESS", None)
+    env.pop("HORDE_OAI_NATIVE_ROOTS", None)
+    if args.native_over_http:
+        env["HORDE_OAI_NATIVE_ROOTS"] = f"http://127.0.0.1:{port}/api/v2"
     for item in args.server_env:
         name, _, value = item.partition("=")
         env[name] = value
@@ -402,9 +415,24 @@ class Latencies:
     front_pickup: list[float] = field(default_factory=list)  # client send -> worker popped
     native_pickup: list[float] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
+    pending: list[tuple[str, str, float, float]] = field(default_factory=list)  # path, tag, sent, replied
 
     def error(self, key: str) -> None:
         self.errors[key] = self.errors.get(key, 0) + 1
+
+    def settle(self, worker: InstantWorker) -> None:
+        """Wake (worker's submit answer -> client's reply; negative when the reply came first) and
+        pick-up of each measured request, once the worker recorded its submit."""
+        for path, tag, t0, t1 in self.pending:
+            if tag in worker.submitted:
+                wake, pickup = (
+                    (self.front_wake, self.front_pickup)
+                    if path == "front"
+                    else (self.native_wake, self.native_pickup)
+                )
+                wake.append(t1 - worker.submitted[tag])
+                pickup.append(worker.popped[tag] - t0)
+        self.pending.clear()
 
 
 async def front_request(client, worker: InstantWorker, i: int, lat: Latencies | None) -> None:
@@ -420,9 +448,9 @@ async def front_request(client, worker: InstantWorker, i: int, lat: Latencies | 
         return
     if lat is not None:
         lat.front.append(t1 - t0)
-        if tag in worker.submitted:
-            lat.front_wake.append(t1 - worker.submitted[tag])
-            lat.front_pickup.append(worker.popped[tag] - t0)
+        # The front may hold its reply before the worker's submit answer returns (the signal goes out
+        # inside the submit): the wake is taken once the worker recorded it (Latencies.settle).
+        lat.pending.append(("front", tag, t0, t1))
 
 
 async def native_request(
@@ -449,9 +477,7 @@ async def native_request(
         return
     if lat is not None:
         lat.native.append(t1 - t0)
-        if tag in worker.submitted:
-            lat.native_wake.append(t1 - worker.submitted[tag])
-            lat.native_pickup.append(worker.popped[tag] - t0)
+        lat.pending.append(("native", tag, t0, t1))
 
 
 async def latency_phase(client, worker, listener, pairs: int, warmup: int) -> Latencies:
@@ -485,6 +511,8 @@ async def poll_reference(base: str, worker: InstantWorker, key: str, count: int)
         lat = Latencies()
         for i in range(count):
             await front_request(client, worker, 10_000 + i, lat)
+        await asyncio.sleep(0.5)
+        lat.settle(worker)
         wakes = lat.front_wake
         if lat.errors:
             print(f"  poll reference errors: {lat.errors}", flush=True)
@@ -779,6 +807,8 @@ async def run(
         ) as client:
             print(f"latency: {args.warmup} warm-up pairs, then {args.pairs} measured pairs ...", flush=True)
             lat = await latency_phase(client, worker, listener, args.pairs, args.warmup)
+            await asyncio.sleep(0.5)  # the last submit answers reach the worker
+            lat.settle(worker)
         poll_wakes: list[float] = []
         if poll_server is not None:
             print(

@@ -11,10 +11,36 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hordesite.settings")
 django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402  (needs the app registry ready)
+from django.core.handlers.wsgi import WSGIHandler  # noqa: E402
 
-from hordesite.body_limits import BodyLimitMiddleware  # noqa: E402
-from oai.asgi import FrontASGI  # noqa: E402
+from hordesite.body_limits import BODY_LIMITS, BodyLimitMiddleware, too_large_body  # noqa: E402
+from oai.asgi import FrontASGI, front_django_handler  # noqa: E402
+from oai.horde_client import mount_native_app  # noqa: E402
+
+
+def native_in_process_app(app):
+    """The native API as the mounted front calls it in process: this process's Django application
+    (WSGI, each call start to end on one of the front's threads) behind the same declared-length
+    body bound as BodyLimitMiddleware (the front always declares the length)."""
+
+    def guarded(environ, start_response):
+        limit = BODY_LIMITS.get((environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", "")))
+        declared = environ.get("CONTENT_LENGTH") or ""
+        if limit is not None and declared.isdigit() and int(declared) > limit:
+            start_response("413 Request Entity Too Large", [("Content-Type", "application/json")])
+            return [too_large_body(limit)]
+        return app(environ, start_response)
+
+    return guarded
+
+
+# The front mounted here calls this process's native API in process, not back over TCP, unless
+# HORDE_OAI_NATIVE_ROOTS points it elsewhere (docs/adr/0008-oai-native-calls-in-process.md).
+mount_native_app(native_in_process_app(WSGIHandler()), root_path="/api/v2")
 
 # /v1/ (the OpenAI front, mounted for the one-machine default) passes the front's ASGI layer first:
-# its body admission (413, 408), CORS and disconnect notice; every other path goes on unchanged.
-application = ProtocolTypeRouter({"http": FrontASGI(BodyLimitMiddleware(django_asgi_app))})
+# its body admission (413, 408), CORS and disconnect notice, then Django with the front's own
+# middleware (none, as standalone); every other path goes on unchanged.
+application = ProtocolTypeRouter(
+    {"http": FrontASGI(BodyLimitMiddleware(django_asgi_app), front_app=front_django_handler())}
+)

@@ -42,6 +42,7 @@ from oai.waiter import (
 
 log = logging.getLogger("oai.requests")
 
+
 ANONYMOUS_API_KEY = "0000000000"
 HORDE_CHAT_REQUEST_EXPIRY_SECONDS = 20 * 60
 MAX_FAILED_CANCELS = 10_000

@@ -64,9 +64,35 @@ async def _refuse(send: Any, error: ChatFrontError) -> None:
     await _send_json(send, error.status, error.body(), error.headers())
 
 
+def front_django_handler() -> Any:
+    """A Django ASGI handler for the front's own routes, with the front's middleware: none, as in
+    the standalone front (oai.django_settings). Mounted in the horde's process, /v1/ goes through it
+    instead of the horde's middleware (sessions, messages, auth, security, common): those serve the
+    admin and the native routes, and each sync middleware step of an async view is a thread hop
+    (MiddlewareMixin runs process_request and process_response through sync_to_async), about ten
+    per request. This layer already does the front's CORS, body admission and disconnect; DRF
+    does its authentication; the URLconf, signals and error handlers are the project's."""
+    from django.core.handlers.asgi import ASGIHandler
+    from django.core.handlers.exception import convert_exception_to_response
+
+    class FrontDjangoHandler(ASGIHandler):
+        def load_middleware(self, is_async: bool = False) -> None:
+            self._view_middleware = []
+            self._template_response_middleware = []
+            self._exception_middleware = []
+            get_response = self._get_response_async if is_async else self._get_response
+            self._middleware_chain = convert_exception_to_response(get_response)
+
+    return FrontDjangoHandler()
+
+
 class FrontASGI:
-    def __init__(self, app: Any, *, prefix: str = "/v1/", serve_healthz: bool = False):
+    """`app` serves every path outside `prefix`; `front_app`, when given, serves the front's routes
+    (else `app` serves them too)."""
+
+    def __init__(self, app: Any, *, prefix: str = "/v1/", serve_healthz: bool = False, front_app: Any = None):
         self.app = app
+        self.front_app = front_app or app
         self.prefix = prefix
         self.serve_healthz = serve_healthz
 
@@ -143,7 +169,7 @@ class FrontASGI:
                     message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
 
-        await self.app(scope, replay_receive, send_with_cors)
+        await self.front_app(scope, replay_receive, send_with_cors)
 
     async def _preflight(self, send: Any, headers: dict[str, str]) -> None:
         requested = headers.get("access-control-request-headers", "").strip()

@@ -4,11 +4,25 @@ A call that cannot connect to a root (nothing was sent) moves to the next root a
 the root that answered stays current for later calls. A submit whose answer was lost after it was
 sent (timeout, reset) raises `SubmitAnswerLost`: the caller re-sends it with the same operation key
 (lost-submit recovery) and the horde answers 200 with the claim when the first one landed.
+
+In process: when the front is mounted in the horde's own web process, `hordesite/asgi.py` hands it
+that process's native application (`mount_native_app`, a WSGI callable), and with
+`native_in_process` (the default when HORDE_OAI_NATIVE_ROOTS is unset) each call is the same HTTP
+request given to that application directly, start to end on one of the front's threads, instead of
+a TCP round trip back into the process (docs/adr/0008-oai-native-calls-in-process.md). The request,
+its headers, the native views and their answers are the same; the call slots, the native timeout
+(an answer that does not come in time is a lost answer) and the metrics apply alike. Root rotation
+does not apply: there is one application.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import io
+import json as jsonlib
+import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +35,27 @@ from oai.settings import FrontSettings
 SUBMIT_PATH = "/generate/chat/async"
 STATUS_PATH = "/generate/chat/status/{id}"
 MODELS_PATH = "/status/models?type=text&chat=true"
+
+
+# The native ASGI application of the process the front is mounted in, and the path it serves the
+# native API under; set by the horde (hordesite/asgi.py), never by the standalone front.
+_native_app: Any = None
+_native_app_root = "/api/v2"
+# Threads of the in-process calls: each runs one native request start to end (its views are sync
+# and use the database; more threads than the horde's database pool would only wait on it).
+IN_PROCESS_THREADS = 16
+
+
+def mount_native_app(app: Any, *, root_path: str = "/api/v2") -> None:
+    """The horde's web process hands the mounted front its native application, a WSGI callable
+    (None: unmount)."""
+    global _native_app, _native_app_root
+    _native_app = app
+    _native_app_root = root_path.rstrip("/")
+
+
+def mounted_native_app() -> Any:
+    return _native_app
 
 
 class NativeUnreachable(Exception):
@@ -67,10 +102,26 @@ class HordeClient:
         self.cancel_http = create_http_client(settings, max_connections=cancel_max_connections(settings))
         self._cancel_slots = asyncio.Semaphore(cancel_max_connections(settings))
         self._propagate = propagate
+        # In process: the mounted horde's native application, with as many call slots as the HTTP
+        # pool, run on a small pool of threads of the front's own.
+        self.app = _native_app if settings.native_in_process else None
+        self._app_root = _native_app_root
+        self._app_slots = asyncio.Semaphore(settings.native_max_connections)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        root = httpx.URL(self.roots[0]) if self.roots else httpx.URL("http://127.0.0.1:8000")
+        self._app_host = root.netloc.decode("ascii") or "127.0.0.1"
+        self._app_server_name = root.host or "127.0.0.1"
+        self._app_server_port = str(root.port or 80)
+
+    @property
+    def in_process(self) -> bool:
+        return self.app is not None
 
     async def aclose(self) -> None:
         await self.http.aclose()
         await self.cancel_http.aclose()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
     def _headers(self, extra: dict[str, str] | None) -> dict[str, str]:
         headers = dict(extra or {})
@@ -110,6 +161,16 @@ class HordeClient:
     ) -> NativeAnswer:
         """One call, moving through the roots on connection failure. Raises NativeUnreachable when no
         root could be connected to, SubmitAnswerLost when the request went out and no answer came."""
+        if self.app is not None:
+            return await self._send_in_process(
+                method,
+                path,
+                call_type=call_type,
+                json=json,
+                headers=headers,
+                timeout=timeout,
+                slots=self._cancel_slots if client is self.cancel_http else self._app_slots,
+            )
         client = client or self.http
         count = len(self.roots)
         first = self._current if start_root is None else start_root % count
@@ -146,6 +207,92 @@ class HordeClient:
             return NativeAnswer(response.status_code, body, response.headers)
         self.metrics.native(call_type, "unreachable", time.perf_counter() - started)
         raise NativeUnreachable(f"no native root answered ({', '.join(self.roots)})")
+
+    async def _send_in_process(
+        self,
+        method: str,
+        path: str,
+        *,
+        call_type: str,
+        json: Any,
+        headers: dict[str, str] | None,
+        timeout: float | None,
+        slots: asyncio.Semaphore,
+    ) -> NativeAnswer:
+        """One call given to the mounted native application on a thread of the front's pool. Raises
+        NativeUnreachable when no call slot freed up within the timeout (nothing was sent),
+        SubmitAnswerLost when the answer did not come within it (the view may still complete, as
+        over HTTP)."""
+        started = time.perf_counter()
+        budget = self.settings.native_timeout_seconds if timeout is None else timeout
+        holds_slot = slots is self._app_slots  # a cancel already holds its cancel slot
+        if holds_slot:
+            try:
+                await asyncio.wait_for(slots.acquire(), timeout=budget)
+            except TimeoutError:
+                self.metrics.native(call_type, "unreachable", time.perf_counter() - started)
+                raise NativeUnreachable("no native call slot became free in time") from None
+        try:
+            body = b"" if json is None else _json_bytes(json)
+            environ = self._environ(method, path, body, self._headers(headers))
+            loop = asyncio.get_running_loop()
+            try:
+                status, response_headers, content = await asyncio.wait_for(
+                    loop.run_in_executor(self._executor(), _call_wsgi, self.app, environ), timeout=budget
+                )
+            except TimeoutError:
+                self.metrics.native(call_type, "unreachable", time.perf_counter() - started)
+                raise SubmitAnswerLost("in-process native call: timeout") from None
+        finally:
+            if holds_slot:
+                slots.release()
+        try:
+            parsed = jsonlib.loads(content) if content else None
+        except ValueError:
+            parsed = None
+        self.metrics.native(call_type, "ok" if status < 400 else "refused", time.perf_counter() - started)
+        return NativeAnswer(status, parsed, httpx.Headers(response_headers))
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=IN_PROCESS_THREADS, thread_name_prefix="oai-native"
+            )
+        return self._pool
+
+    def _environ(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> dict[str, Any]:
+        """The WSGI environ of one native request, as a WSGI server builds it (PEP 3333)."""
+        full, _, query = (self._app_root + path).partition("?")
+        environ: dict[str, Any] = {
+            "REQUEST_METHOD": method,
+            "SCRIPT_NAME": "",
+            "PATH_INFO": full,
+            "QUERY_STRING": query,
+            "SERVER_NAME": self._app_server_name,
+            "SERVER_PORT": self._app_server_port,
+            "SERVER_PROTOCOL": "HTTP/1.1",
+            "REMOTE_ADDR": "127.0.0.1",
+            "REMOTE_PORT": "0",
+            "HTTP_HOST": self._app_host,
+            "HTTP_ACCEPT": "application/json",
+            "wsgi.version": (1, 0),
+            "wsgi.url_scheme": "http",
+            "wsgi.input": io.BytesIO(body),
+            "wsgi.errors": sys.stderr,
+            "wsgi.multithread": True,
+            "wsgi.multiprocess": True,
+            "wsgi.run_once": False,
+        }
+        if body:
+            environ["CONTENT_TYPE"] = "application/json"
+            environ["CONTENT_LENGTH"] = str(len(body))
+        for name, value in headers.items():
+            key = name.upper().replace("-", "_")
+            if key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+                environ[key] = value
+            else:
+                environ["HTTP_" + key] = value
+        return environ
 
     async def submit(
         self, body: dict[str, Any], headers: dict[str, str], *, call_type: str = "submit"
@@ -190,3 +337,31 @@ class HordeClient:
         if answer.status == 404:
             return "already_gone"
         return "acknowledged" if answer.ok else "failed"
+
+
+def _json_bytes(value: Any) -> bytes:
+    # As httpx encodes a json= body.
+    return jsonlib.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def _call_wsgi(app: Any, environ: dict[str, Any]) -> tuple[int, list[tuple[str, str]], bytes]:
+    """One request through a WSGI application, on the calling thread: status, headers, whole body."""
+    answer: dict[str, Any] = {}
+
+    def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        answer["status"] = int(status.split(" ", 1)[0])
+        answer["headers"] = headers
+        return lambda data: None
+
+    try:
+        result = app(environ, start_response)
+        try:
+            content = b"".join(result)
+        finally:
+            close = getattr(result, "close", None)
+            if close is not None:
+                close()  # Django's request_finished, as a WSGI server does after the body
+    except Exception:  # as a server would: an application error is a 500
+        logging.getLogger("oai").exception("the in-process native call failed")
+        return 500, [], b""
+    return answer.get("status", 500), answer.get("headers", []), content

@@ -49,6 +49,9 @@ class FrontSettings:
     native_roots: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000/api/v2"])
     native_timeout_seconds: float = 10.0
     native_max_connections: int = 200
+    # Mounted in the horde's web process: call its native API in process (no TCP round trip) rather
+    # than over HTTP to native_roots. load_settings turns it on when HORDE_OAI_NATIVE_ROOTS is unset.
+    native_in_process: bool = False
     # Redis for the completion signal; None: waits poll the status route.
     redis_url: str | None = None
     stream_redis_db: int = 7
@@ -92,6 +95,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> FrontSettings:
         native_roots=_list(env, "HORDE_OAI_NATIVE_ROOTS", [f"http://127.0.0.1:{port}/api/v2"]),
         native_timeout_seconds=_float(env, "HORDE_OAI_NATIVE_TIMEOUT_SECONDS", 10.0),
         native_max_connections=_int(env, "HORDE_OAI_NATIVE_MAX_CONNECTIONS", 200),
+        native_in_process=_bool(
+            env, "HORDE_OAI_NATIVE_IN_PROCESS", env.get("HORDE_OAI_NATIVE_ROOTS") in (None, "")
+        ),
         redis_url=redis_url or None,
         stream_redis_db=_int(env, "HORDE_OAI_STREAM_REDIS_DB", 7),
         nonstream_timeout_seconds=_float(env, "HORDE_OAI_NONSTREAM_TIMEOUT_SECONDS", 300.0),

@@ -7,10 +7,12 @@ StreamingHttpResponse returned from the same view (docs/adr/0007-oai-front-on-dr
 
 from __future__ import annotations
 
+import inspect
+import json
 from typing import Any
 
 from adrf.views import APIView
-from django.http import StreamingHttpResponse
+from django.http import HttpResponse, StreamingHttpResponse
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import exceptions, serializers
@@ -125,9 +127,38 @@ class FrontView(APIView):
     def get_exception_handler(self):
         return openai_exception_handler
 
+    async def async_dispatch(self, request, *args: Any, **kwargs: Any):
+        """adrf's dispatch, with `initial` run on the event loop: for these views it does no I/O (the
+        Bearer key is read from a header; no permission or throttle classes), where adrf sends it
+        through sync_to_async, a thread hop per request."""
+        self.args = args
+        self.kwargs = kwargs
+        request = self.initialize_request(request, *args, **kwargs)
+        self.request = request
+        self.headers = self.default_response_headers
+        try:
+            self.initial(request, *args, **kwargs)
+            method = request.method.lower()
+            handler = getattr(self, method, None) if method in self.http_method_names else None
+            handler = handler or self.http_method_not_allowed
+            response = handler(request, *args, **kwargs)
+            if inspect.isawaitable(response):
+                response = await response
+        except Exception as exc:
+            response = self.handle_exception(exc)
+        self.response = self.finalize_response(request, response, *args, **kwargs)
+        return self.response
 
-def _response(answer: app.JsonAnswer) -> Response:
-    return Response(answer.body, status=answer.status, headers=answer.headers or None)
+
+def _response(answer: app.JsonAnswer) -> HttpResponse:
+    """The answer rendered here, as DRF's JSONRenderer renders it (compact, UTF-8): a DRF Response
+    is rendered by Django's handler through sync_to_async, one more thread hop per request."""
+    content = json.dumps(answer.body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    response = HttpResponse(content, status=answer.status, content_type="application/json")
+    response["Content-Length"] = str(len(content))
+    for name, value in (answer.headers or {}).items():
+        response[name] = value
+    return response
 
 
 class ChatCompletionsView(FrontView):
@@ -175,6 +206,7 @@ class ChatCompletionsView(FrontView):
             raw = django_request.read()
         state = await app.get_front_state()
         headers = {key.lower(): value for key, value in request.headers.items()}
+
         answer = await app.chat_completions(
             raw_body=raw,
             api_key=request.auth,

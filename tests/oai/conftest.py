@@ -116,6 +116,8 @@ def live_horde(django_db_setup, django_db_blocker) -> LiveHorde:
 def front_settings(live: LiveHorde, **overrides: Any) -> FrontSettings:
     base = dict(
         native_roots=[f"{live.url}/api/v2"],
+        # The default when mounted (hordesite.asgi, which the live server serves): native calls in process.
+        native_in_process=True,
         redis_url=django_settings.REDIS_URL,
         poll_seconds=0.1,
         signal_recheck_seconds=0.5,
@@ -144,6 +146,9 @@ class Front:
         from oai import app
         from oai.metrics import histogram_views
 
+        # As load_settings: with native roots given, the front calls them over HTTP.
+        if "native_roots" in overrides:
+            overrides.setdefault("native_in_process", False)
         settings = front_settings(self.live, **overrides)
         self.reader = InMemoryMetricReader()
         self.provider = MeterProvider(metric_readers=[self.reader], views=histogram_views())
