@@ -1,9 +1,11 @@
 """The status body of a request, cached for a couple of seconds.
 
 Clients poll a request's status every half second or so, and most polls find nothing changed.
-Every write that changes what the status shows (pop, submit, fault, cancel, expiry) drops the
-cached body when it commits, so a poll after a completion signal always reads the new state;
-the short lifetime bounds what the writes do not announce (queue position, availability).
+Every write that changes what the status shows (pop, submit, fault, cancel, expiry) bumps the
+request's status version when it commits, and a body is served only under the version it was
+built at (read before the build's database read). So a poll after a completion signal always
+reads the new state, even when a poll that read the database before the commit stores its body
+after it; the short lifetime bounds what the writes do not announce (queue position, availability).
 
 A poll costs at most two cache round trips: one read of the body with the keys a miss needs
 (the request's availability), and, on a miss, one write of the body with what the build cached.
@@ -23,10 +25,16 @@ from django.db import transaction
 logger = logging.getLogger(__name__)
 
 STATUS_CACHE_SECONDS = 2
+# A request lives 20 minutes from its last pop; its version key a little longer.
+STATUS_VERSION_SECONDS = 30 * 60
 
 
 def _key(request_id: UUID | str, *, is_chat: bool) -> str:
     return f"horde:status:{'chat' if is_chat else 'text'}:{request_id}"
+
+
+def _version_key(request_id: UUID | str) -> str:
+    return f"horde:status:version:{request_id}"
 
 
 @dataclass
@@ -73,26 +81,44 @@ def cached_status(
     The `prefetch` keys are read in the same round trip as the body; the writes the build leaves
     in `read` go out with the body's."""
     key = _key(request_id, is_chat=is_chat)
-    if prefetch:
-        prefetched = cache.get_many([key, *prefetch])
-        body = prefetched.pop(key, None)
-    else:
-        prefetched = {}
-        body = cache.get(key)
-    if body is None:
-        read = StatusRead(prefetched=prefetched)
-        body = build(read)
-        if body is not None:
-            read.writes.insert(0, (key, body, STATUS_CACHE_SECONDS))
-        _set_together(read.writes)
+    version_key = _version_key(request_id)
+    found = cache.get_many([key, version_key, *prefetch])
+    entry = found.pop(key, None)
+    version = found.pop(version_key, None) or 0
+    if isinstance(entry, tuple) and len(entry) == 2 and entry[0] == version:
+        return entry[1]
+    read = StatusRead(prefetched=found)
+    body = build(read)
+    if body is not None:
+        read.writes.insert(0, (key, (version, body), STATUS_CACHE_SECONDS))
+    _set_together(read.writes)
     return body
 
 
 def status_changed(request_id: UUID | str) -> None:
-    """Drop the cached bodies of a request now, and again when the surrounding transaction commits:
-    a poll between the two may cache the state before the commit, which the second drop clears."""
-    keys = [_key(request_id, is_chat=False), _key(request_id, is_chat=True)]
-    cache.delete_many(keys)
-    # Outside a transaction (a one-statement pop or submit) the write has committed already.
+    """Make the request's cached bodies stale now and, inside a transaction, again when it commits:
+    a body built from an earlier read no longer matches the version."""
+    _bump_version(request_id)
     if transaction.get_connection().in_atomic_block:
-        transaction.on_commit(lambda: cache.delete_many(keys))
+        transaction.on_commit(lambda: _bump_version(request_id), robust=True)
+
+
+def _bump_version(request_id: UUID | str) -> None:
+    key = _version_key(request_id)
+    client = getattr(cache, "client", None)
+    try:
+        if hasattr(client, "get_client"):
+            # django-redis: INCR creates the key; one round trip with its expiry.
+            raw_key = cache.make_key(key)
+            pipeline = client.get_client(write=True).pipeline(transaction=False)
+            pipeline.incr(raw_key)
+            pipeline.expire(raw_key, STATUS_VERSION_SECONDS)
+            pipeline.execute()
+        else:
+            cache.add(key, 0, STATUS_VERSION_SECONDS)
+            cache.incr(key)
+    except Exception:
+        # As the cache's IGNORE_EXCEPTIONS does: with Redis down no body is served from it either.
+        if not getattr(cache, "_ignore_exceptions", False):
+            raise
+        logger.warning("status version bump failed for %s", request_id, exc_info=True)
