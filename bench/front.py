@@ -120,7 +120,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=5.0,
         help="HORDE_OAI_KEEPALIVE_SECONDS (default 5; server default 10)",
     )
-    p.add_argument("--worker-loops", type=int, default=4, help="the instant worker's pop loops (default 4)")
+    p.add_argument("--worker-loops", type=int, default=4, help="the instant worker's pop loops in the drain (default 4)")
+    p.add_argument(
+        "--latency-loops",
+        type=int,
+        default=1,
+        help="of those, the loops that pop in the sequential latency phase (default 1; the earlier\n"
+        "figures used all 4, whose empty pops contended with the measured request)",
+    )
     p.add_argument(
         "--pop-retry",
         type=float,
@@ -226,6 +233,7 @@ class InstantWorker:
     key: str
     loops: int
     pop_retry: float
+    latency_loops: int = 1
     submitted: dict[str, float] = field(default_factory=dict)  # request tag -> perf_counter at submit 200
     popped: dict[str, float] = field(default_factory=dict)
     demand: int = 0  # kicked requests not yet served (latency phase)
@@ -256,8 +264,10 @@ class InstantWorker:
         self.demand += 1
         self.wakeup.set()
 
-    def _active(self) -> bool:
-        return self.drain or self.demand > 0
+    def _active(self, i: int) -> bool:
+        # The latency phase sends one request at a time: one loop serves it. More loops would only
+        # add empty pops that contend with the measured request for the one web process.
+        return self.drain or (self.demand > 0 and i < self.latency_loops)
 
     def error(self, key: str) -> None:
         self.errors[key] = self.errors.get(key, 0) + 1
@@ -282,7 +292,7 @@ class InstantWorker:
     async def _loop(self, client, i: int) -> None:
         body = self.pop_body(i)
         while True:
-            if not self._active():
+            if not self._active(i):
                 self.wakeup.clear()
                 await self.wakeup.wait()
                 continue
@@ -793,7 +803,7 @@ async def run(
         timeout=30,
         limits=httpx.Limits(max_connections=args.worker_loops + 2),
     )
-    worker = InstantWorker(base, worker_key, args.worker_loops, args.pop_retry)
+    worker = InstantWorker(base, worker_key, args.worker_loops, args.pop_retry, latency_loops=args.latency_loops)
     await worker.check_in(worker_client)
     worker.start(worker_client)
     listener = SignalListener(args.redis_url)
