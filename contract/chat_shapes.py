@@ -862,6 +862,30 @@ def _check_images(body: Mapping[str, Any], count: int) -> None:
         raise images_total_exceeded(total, MAX_CHAT_IMAGE_TOTAL_BYTES)
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate_path(value: Any, path: str) -> str | None:
+    """The path of the first string (key or value) holding a lone surrogate: JSON's "\\ud800"
+    escape parses to one, and no UTF-8 text (the database, the worker, the reply) can carry it."""
+    if isinstance(value, str):
+        return path if _LONE_SURROGATE.search(value) else None
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            child = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and _LONE_SURROGATE.search(key):
+                return child
+            found = _lone_surrogate_path(item, child)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _lone_surrogate_path(item, f"{path}[{index}]")
+            if found:
+                return found
+    return None
+
+
 def validate_chat_request(body: Any) -> ChatRequest:
     """Validate a native chat request body (parsed JSON); raise ChatRefusal.
 
@@ -870,6 +894,9 @@ def validate_chat_request(body: Any) -> ChatRequest:
     """
     if not isinstance(body, Mapping):
         raise _bad(None, "The request body has to be a JSON object.")
+    surrogate_at = _lone_surrogate_path(body, "")
+    if surrogate_at is not None:
+        raise _bad(surrogate_at, f"Invalid value for '{surrogate_at}': the text holds a lone surrogate, which is not valid Unicode.")
     body = {key: value for key, value in body.items() if value is not None}
     for key in body:
         if key not in CHAT_REQUEST_KEYS:

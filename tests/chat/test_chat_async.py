@@ -590,3 +590,14 @@ def test_max_kudos_caps_the_estimate(horde, make_user, served):
     assert requester.refresh().kudos_held == 0
     allowed = chat_async(horde.client, requester.key, max_tokens=1024, horde={"max_kudos": int(kudos) + 1})
     assert allowed.status_code == 202
+
+
+def test_a_lone_surrogate_escape_is_400_and_queues_nothing(horde, make_user):
+    requester = make_user("surrogate", kudos=100)
+    raw = '{"model": "m", "messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 16}'
+    answer = horde.client.post(
+        "/api/v2/generate/chat/async", data=raw, content_type="application/json", HTTP_APIKEY=requester.key
+    )
+    assert answer.status_code == 400
+    assert answer.json()["rc"] == "BadRequest" and "Unicode" in answer.json()["message"]
+    assert not GenerationRequest.objects.filter(user=requester.user).exists()

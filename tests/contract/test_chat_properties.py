@@ -316,3 +316,18 @@ def test_submits_are_refused_only_by_chat_refusal(body, extras, conformance):
             verify_chat_reply(submit.message, submit.finish_reason, extras=extras, conformance=conformance)
     except ChatRefusal as refusal:
         assert refusal.rc in ("ChatSubmitInvalid", "ChatSubmitNonconformant")
+
+
+def test_a_lone_surrogate_anywhere_is_refused_with_its_path():
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
+    for body, path in (
+        ({**base, "model": "\ud800"}, "model"),
+        ({**base, "messages": [{"role": "user", "content": "a\udfffb"}]}, "messages[0].content"),
+        ({**base, "stop": ["ok", "\ud83d"]}, "stop[1]"),
+    ):
+        try:
+            validate_chat_request(body)
+        except ChatRefusal as refusal:
+            assert (refusal.rc, refusal.param) == ("BadRequest", path)
+        else:
+            raise AssertionError(f"accepted {body!r}")
