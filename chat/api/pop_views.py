@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.db import IntegrityError
 from drf_spectacular.utils import extend_schema
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -14,7 +15,7 @@ from contract.chat_declaration import parse_chat_declaration
 from contract.chat_errors import ChatDeclarationInvalid
 from contract.errors import HordeError
 from contract.text import TEXT_JOB_LEASE_SECONDS
-from workers.services import TextWorkerDeclaration, worker_check_in
+from workers.services import TextWorkerDeclaration, worker_check_in, worker_rows
 
 
 class TextPopView(APIView):
@@ -29,23 +30,29 @@ class TextPopView(APIView):
             chat = parse_chat_declaration(request.data, models=models)
         except ChatDeclarationInvalid as refusal:
             raise HordeError(refusal.rc, refusal.message, status=refusal.status) from refusal
-        worker = worker_check_in(
-            owner=owner,
-            declaration=TextWorkerDeclaration(
-                name=data["name"].strip(),
-                models=models,
-                max_length=data["max_length"],
-                max_context_length=data["max_context_length"],
-                threads=data["threads"],
-                bridge_agent=data["bridge_agent"],
-                nsfw=data["nsfw"],
-                softprompts=data["softprompts"],
-                priority_usernames=data["priority_usernames"],
-                chat=chat,
-            ),
+        declaration = TextWorkerDeclaration(
+            name=data["name"].strip(),
+            models=models,
+            max_length=data["max_length"],
+            max_context_length=data["max_context_length"],
+            threads=data["threads"],
+            bridge_agent=data["bridge_agent"],
+            nsfw=data["nsfw"],
+            softprompts=data["softprompts"],
+            priority_usernames=data["priority_usernames"],
+            chat=chat,
         )
+        worker = worker_check_in(owner=owner, declaration=declaration)
         worker.owner = owner
-        job = worker_pop(worker=worker, amount=data["amount"])
+        try:
+            job = worker_pop(worker=worker, amount=data["amount"])
+        except IntegrityError:
+            # The process's copy of the worker row outlived the row (an operator deleted it): the
+            # pop wrote nothing; check in afresh, which registers the worker again, and pop once more.
+            worker_rows.forget(declaration.name)
+            worker = worker_check_in(owner=owner, declaration=declaration)
+            worker.owner = owner
+            job = worker_pop(worker=worker, amount=data["amount"])
         if job.request is None:
             return Response(
                 {

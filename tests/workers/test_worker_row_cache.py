@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from workers.models import Worker
 
 MODEL = "Gryphe/MythoMax-L2-13b"
@@ -51,3 +53,16 @@ def test_another_owner_cannot_pop_as_a_cached_worker(horde, make_user, settings)
     assert horde.pop(owner.key).status_code == 200
     refused = horde.pop(intruder.key)
     assert refused.status_code == 403 and refused.json()["rc"] == "WrongCredentials"
+
+
+# Committed writes: the generation's foreign key to the worker is checked at commit.
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_deleted_behind_the_cache_registers_again_on_its_next_pop(horde, make_user, settings):
+    settings.HORDE_WORKER_CACHE_SECONDS = 60
+    owner, requester = make_user("owner"), make_user("requester", kudos=100)
+    assert horde.pop(owner.key).json()["id"] is None
+    Worker.objects.filter(name="worker-1").delete()  # an operator, in the admin
+    horde.text_async(requester.key, models=[MODEL])
+    job = horde.pop(owner.key)
+    assert job.status_code == 200 and job.json()["id"] is not None
+    assert Worker.objects.filter(name="worker-1", owner=owner.user).count() == 1
