@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 from django.core.asgi import get_asgi_application
@@ -44,3 +45,7 @@ mount_native_app(native_in_process_app(WSGIHandler()), root_path="/api/v2")
 application = ProtocolTypeRouter(
     {"http": FrontASGI(BodyLimitMiddleware(django_asgi_app), front_app=front_django_handler())}
 )
+
+# Everything loaded so far lives as long as the process: keep it out of the collector's full
+# passes, which otherwise walk every module, model and URL pattern again and again.
+gc.freeze()
