@@ -10,7 +10,7 @@ from functools import lru_cache
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import F
+from django.db.models import F, Field
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -167,8 +167,8 @@ def _takes_fresh_default(f) -> bool:
 
 
 @lru_cache(maxsize=1)
-def _generation_insert_columns() -> tuple[list[str], list[str], list[str]]:
-    """(columns, SQL values, per-call attnames) of a new generation's columns outside
+def _generation_insert_columns() -> tuple[list[str], list[str], list[Field]]:
+    """(columns, SQL values, per-call fields) of a new generation's columns outside
     _POP_COMPUTED_COLUMNS: the model's constant defaults rendered once as literals, a typed
     placeholder for the rest, so a column added to Generation is filled as the ORM fills it."""
     template = Generation()
@@ -180,7 +180,7 @@ def _generation_insert_columns() -> tuple[list[str], list[str], list[str]]:
         typed = f"%s::{f.db_type(connection)}"
         if f.column in _POP_VARYING_COLUMNS or _takes_fresh_default(f):
             values.append(typed)
-            per_call.append(f.attname)
+            per_call.append(f)
         else:
             literal = connection.ops.compose_sql(typed, [f.get_db_prep_save(getattr(template, f.attname), connection)])
             values.append(literal.replace("%", "%%"))
@@ -189,11 +189,7 @@ def _generation_insert_columns() -> tuple[list[str], list[str], list[str]]:
 
 def _generation_per_call_values(worker: Worker, lease) -> list[Any]:
     template = Generation(worker=worker, lease_expires_at=lease)
-    fields = {f.attname: f for f in Generation._meta.concrete_fields}
-    return [
-        fields[name].get_db_prep_save(fields[name].pre_save(template, add=True), connection)
-        for name in _generation_insert_columns()[2]
-    ]
+    return [f.get_db_prep_save(f.pre_save(template, add=True), connection) for f in _generation_insert_columns()[2]]
 
 
 def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now) -> PoppedJob | None:
