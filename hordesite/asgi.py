@@ -15,6 +15,7 @@ from channels.routing import ProtocolTypeRouter  # noqa: E402  (needs the app re
 from django.core.handlers.wsgi import WSGIHandler  # noqa: E402
 
 from hordesite.body_limits import BODY_LIMITS, BodyLimitMiddleware, too_large_body  # noqa: E402
+from hordesite.hot_routes import HotRoutesASGI  # noqa: E402
 from oai.asgi import FrontASGI, front_django_handler  # noqa: E402
 from oai.horde_client import mount_native_app  # noqa: E402
 
@@ -41,9 +42,15 @@ mount_native_app(native_in_process_app(WSGIHandler()), root_path="/api/v2")
 
 # /v1/ (the OpenAI front, mounted for the one-machine default) passes the front's ASGI layer first:
 # its body admission (413, 408), CORS and disconnect notice, then Django with the front's own
-# middleware (none, as standalone); every other path goes on unchanged.
+# middleware (none, as standalone). Pop, submit and the text status poll are served by the hot
+# route layer (same views, without Django's per-request thread and hops); every other path goes
+# on to Django unchanged.
 application = ProtocolTypeRouter(
-    {"http": FrontASGI(BodyLimitMiddleware(django_asgi_app), front_app=front_django_handler())}
+    {
+        "http": FrontASGI(
+            BodyLimitMiddleware(HotRoutesASGI(django_asgi_app)), front_app=front_django_handler()
+        )
+    }
 )
 
 # Everything loaded so far lives as long as the process: keep it out of the collector's full
