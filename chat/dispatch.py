@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from chat.matching import WorkerView, eligibility_filter, skipped_counts, waiting_requests
 from chat.models import Generation, GenerationRequest
+from chat.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember
 from chat.status_cache import status_changed
 from contract.chat_limits import CHAT_SAMPLING_DEFAULTS
 from contract.errors import HordeError
@@ -80,13 +81,19 @@ def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
     if worker.paused:
         return PoppedJob(request=None, generations=[], model=None, skipped={})
     view = WorkerView.of(worker)
+    check = empty_pop_lookup(view)
+    if check.skipped is not None:  # found nothing last time, and nothing joined the queue since
+        return PoppedJob(request=None, generations=[], model=None, skipped=check.skipped)
     now = timezone.now()
     if connection.vendor == "postgresql":
         popped = _pop_in_one_statement(worker=worker, view=view, amount=amount, now=now)
     else:
         popped = _pop_in_transaction(worker=worker, view=view, amount=amount, now=now)
     if popped is None:
-        return PoppedJob(request=None, generations=[], model=None, skipped=skipped_counts(view))
+        skipped = skipped_counts(view)
+        empty_pop_remember(view, check, skipped)
+        return PoppedJob(request=None, generations=[], model=None, skipped=skipped)
+    empty_pop_forget(view)
     status_changed(popped.request.pk)
     return popped
 

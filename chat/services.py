@@ -19,6 +19,7 @@ from django.utils import timezone
 from accounts.models import HordeUser, KudosTransaction
 from accounts.services import kudos_hold, kudos_release, kudos_transfer
 from chat.models import Generation, GenerationRequest, HordeModes, RequestModel, RequestWorker
+from chat.pop_cache import queue_grew
 from chat.pricing import text_request_quote
 from chat.signals import publish_chat_signal
 from chat.status_cache import status_changed
@@ -174,6 +175,7 @@ def request_rows_create(
     )
     request.consumed_kudos = HORDE_TAX
     GenerationRequest.objects.filter(pk=request.pk).update(consumed_kudos=HORDE_TAX)
+    queue_grew()
     return request
 
 
@@ -282,6 +284,7 @@ def requeue_faulted(generation_ids: list[UUID], request_id: UUID) -> None:
     GenerationRequest.objects.filter(pk=request_id, faulted=False, cancelled=False).update(
         jobs_waiting=F("jobs_waiting") + len(generation_ids)
     )
+    queue_grew()
     # Before the fault limit's signal: on commit the cached status goes first, so a client woken
     # by the faulted signal reads the new state.
     status_changed(request_id)

@@ -68,6 +68,7 @@ def _fresh_cache():
     from django.core.cache import cache
 
     from accounts.selectors import reset_user_caches
+    from chat.pop_cache import reset_empty_pops
     from chat.snapshots import reset_snapshots
     from workers.services import worker_rows
 
@@ -75,6 +76,7 @@ def _fresh_cache():
     reset_snapshots()
     reset_user_caches()
     worker_rows.clear()
+    reset_empty_pops()
 
 
 @pytest.fixture

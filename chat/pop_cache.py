@@ -1,0 +1,129 @@
+"""Empty pops answered from memory while the queue has not grown.
+
+A worker that finds nothing in the queue finds nothing again until a request joins the queue or a
+job goes back to it, yet proving it walks every waiting request (nothing matches, so nothing stops
+the walk) and then counts them by skip reason: the most expensive pop is the one that hands out
+nothing, and idle workers ask about once a second.
+
+So every addition to the queue (a new request, a requeued job) bumps a shared count in Redis, at
+once and again when it commits. A web process remembers a worker's empty answer with the count
+it was found at; the worker's next pop with the same declaration, while the count is unchanged,
+gets the same answer without a database read. The count is read only for workers whose last pop
+was empty, and before their pop's statement, so an addition committed after the read always
+changes it. Without Redis (the embedded default) every pop walks the queue: Celery requeues jobs
+in another process, which a per-process count would not see.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+from django.core.cache import cache
+from django.db import transaction
+
+logger = logging.getLogger(__name__)
+
+QUEUE_ADDITIONS_KEY = "horde:queue:additions"
+# Entries of workers gone quiet are dropped past this many (a dict per web process).
+_MAX_ENTRIES = 100_000
+
+
+@dataclass(frozen=True)
+class _EmptyPop:
+    view: Any  # the WorkerView the answer was found for
+    counted: bool  # whether the queue's addition count was read before the pop
+    additions: bytes | None  # that count (None: no addition yet)
+    skipped: dict[str, int]
+    at: float
+
+
+_empty_pops: dict[Any, _EmptyPop] = {}
+_lock = threading.Lock()
+
+
+def _redis():
+    client = getattr(cache, "client", None)
+    if not settings.REDIS_URL or not hasattr(client, "get_client"):
+        return None
+    return client.get_client(write=True)
+
+
+def _enabled() -> bool:
+    return settings.HORDE_EMPTY_POP_CACHE_SECONDS > 0 and _redis() is not None
+
+
+def queue_grew() -> None:
+    """A request joined the queue or a job went back to it: cached empty pops no longer hold.
+    Bumped now and, inside a transaction, again when it commits (a pop that read the count
+    between the two could not see the uncommitted rows)."""
+    if _redis() is None:
+        return
+    _bump()
+    if transaction.get_connection().in_atomic_block:
+        transaction.on_commit(_bump, robust=True)
+
+
+def _bump() -> None:
+    try:
+        _redis().incr(cache.make_key(QUEUE_ADDITIONS_KEY))
+    except Exception:
+        # With Redis down the count cannot be read either, so no empty pop is answered from memory.
+        logger.warning("queue additions bump failed", exc_info=True)
+
+
+def _additions() -> bytes | None:
+    return _redis().get(cache.make_key(QUEUE_ADDITIONS_KEY))
+
+
+@dataclass
+class EmptyPopCheck:
+    """The outcome of looking a worker up before its pop: `skipped` when the remembered empty
+    answer still holds; else the count to remember an empty answer under (if read)."""
+
+    skipped: dict[str, int] | None = None
+    additions: bytes | None = None
+    read: bool = False
+
+
+def empty_pop_lookup(view: Any) -> EmptyPopCheck:
+    if not _enabled():
+        return EmptyPopCheck()
+    entry = _empty_pops.get(view.id)
+    if entry is None:
+        return EmptyPopCheck()  # the last pop was not empty: no read (most pops of a busy horde)
+    try:
+        additions = _additions()
+    except Exception:
+        logger.warning("queue additions read failed", exc_info=True)
+        return EmptyPopCheck()
+    fresh = time.monotonic() - entry.at < settings.HORDE_EMPTY_POP_CACHE_SECONDS
+    if entry.view == view and entry.counted and entry.additions == additions and fresh:
+        return EmptyPopCheck(skipped=dict(entry.skipped), additions=additions, read=True)
+    return EmptyPopCheck(additions=additions, read=True)
+
+
+def empty_pop_remember(view: Any, check: EmptyPopCheck, skipped: dict[str, int]) -> None:
+    """The pop found nothing; remember it under the count read before it (if it was read, the next
+    empty pop can be answered from memory; if not, the next pop reads the count first)."""
+    if not _enabled():
+        return
+    with _lock:
+        if len(_empty_pops) >= _MAX_ENTRIES:
+            _empty_pops.clear()
+        _empty_pops[view.id] = _EmptyPop(view, check.read, check.additions, dict(skipped), time.monotonic())
+
+
+def empty_pop_forget(view: Any) -> None:
+    """The worker got a job: its next pop walks the queue without reading the count."""
+    if _empty_pops:
+        _empty_pops.pop(view.id, None)
+
+
+def reset_empty_pops() -> None:
+    """Forget every remembered empty pop (tests; a process that changed workers wholesale)."""
+    _empty_pops.clear()
