@@ -17,6 +17,7 @@ from django.utils import timezone
 from chat.matching import WorkerView, eligibility_filter, skipped_counts, waiting_requests
 from chat.models import Generation, GenerationRequest
 from chat.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember
+from chat.prepared import prepared_cursor
 from chat.status_cache import status_changed
 from contract.chat_limits import CHAT_SAMPLING_DEFAULTS
 from contract.errors import HordeError
@@ -253,7 +254,7 @@ def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now)
         generation_ids,
         now + timedelta(seconds=TEXT_REQUEST_TTL_SECONDS),
     ]
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()
     if row is None:

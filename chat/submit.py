@@ -23,6 +23,7 @@ from accounts.models import HordeUser
 from accounts.services import kudos_settle, kudos_settle_ctes
 from chat.metrics import chat_worker_faults
 from chat.models import Generation, GenerationRequest
+from chat.prepared import prepared_cursor
 from chat.pricing import chat_charge_basis, chat_things_count, text_generation_kudos, things_count
 from chat.services import (
     request_completed,
@@ -102,7 +103,7 @@ def _generation_with_relations_sql() -> str:
 def _generation_with_relations(generation_id: UUID) -> Generation | None:
     """select_related("worker", "worker__owner", "request") as one prepared SQL text: the ORM would
     compile its hundred columns on every submit (PostgreSQL, where values arrive typed)."""
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(_generation_with_relations_sql(), [generation_id])
         row = cursor.fetchone()
     if row is None:
@@ -330,7 +331,7 @@ def _text_submit_in_one_statement(
         ),
     ]
     sql = "WITH " + ", ".join(f"{name} AS ({body})" for name, body, _ in ctes) + " SELECT count(*) FROM won"
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(sql, [param for _, _, params in ctes for param in params])
         return bool(cursor.fetchone()[0])
 

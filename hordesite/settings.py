@@ -83,6 +83,10 @@ elif DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql"):
         "max_size": env.int("DATABASE_POOL_MAX_SIZE", default=20),
         "timeout": env.int("DATABASE_POOL_TIMEOUT", default=10),
     }
+    # The pop's and submit's statements are prepared on each connection (chat/prepared.py); no
+    # other statement is (a threshold never reached). Off (None) behind a transaction-mode pooler.
+    if env.bool("DATABASE_PREPARED_STATEMENTS", default=True):
+        DATABASES["default"]["OPTIONS"].setdefault("prepare_threshold", 2**31 - 1)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 IS_POSTGRES = DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql")
 

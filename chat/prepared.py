@@ -1,0 +1,50 @@
+"""Server-side prepared statements for the few SQL texts every pop and submit runs (PostgreSQL).
+
+Django binds parameters on the client, so PostgreSQL parses and plans each pop and submit anew:
+measured on the bench queue, planning took 2-3 times as long as running them (pop 0.85 ms planned,
+0.4 ms run; the submit's generation read 0.3 ms planned, 0.1 ms run). These statements are fixed
+texts with their values as parameters, so each connection prepares them once; PostgreSQL plans
+the first executions with their values and then keeps a generic plan when it costs no more.
+
+The cursor is Django's own wrapping (errors as django.db errors, queries logged when logging is
+on) around a server-binding psycopg cursor that prepares every statement it runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import connection
+
+
+def _prepared_cursor_class() -> type:
+    from django.db.backends.postgresql.base import ServerBindingCursor
+
+    class PreparedCursor(ServerBindingCursor):
+        def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None, binary: bool | None = None):
+            return super().execute(query, params, prepare=True, binary=binary)
+
+    return PreparedCursor
+
+
+_PreparedCursor: type | None = None
+
+
+def prepared_cursor():
+    """A cursor (use as a context manager) whose statements are prepared on the connection."""
+    global _PreparedCursor
+    if _PreparedCursor is None:
+        _PreparedCursor = _prepared_cursor_class()
+    from django.db.backends.postgresql.base import TIMESTAMPTZ_OID
+    from django.db.backends.postgresql.psycopg_any import register_tzloader
+    from psycopg.pq import Format
+
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    with connection.wrap_database_errors:
+        cursor = _PreparedCursor(connection.connection)
+        # As Django's create_cursor: the cursor reads timestamps in the connection's time zone.
+        if connection.timezone != connection.connection.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT).timezone:
+            register_tzloader(connection.timezone, cursor)
+        # Django's wrapping of a cursor it made (thread check, errors, query logging).
+        return connection._prepare_cursor(cursor)
