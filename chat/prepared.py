@@ -12,6 +12,7 @@ on) around a server-binding psycopg cursor that prepares every statement it runs
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 from django.db import connection
@@ -28,6 +29,24 @@ def _prepared_cursor_class() -> type:
 
 
 _PreparedCursor: type | None = None
+
+
+@lru_cache(maxsize=1)
+def _debug_wrapper_class() -> type:
+    from django.db.backends.postgresql.base import CursorDebugWrapper
+
+    class PreparedDebugWrapper(CursorDebugWrapper):
+        """Logs the statement with its values (psycopg keeps no text of a prepared execution)."""
+
+        def execute(self, sql: str, params: Any = None):
+            try:
+                logged = self.db.ops.compose_sql(sql, params)
+            except Exception:  # noqa: BLE001  (only the log's text)
+                logged = sql
+            with self.debug_sql(logged, params):
+                return self._execute_with_wrappers(sql, params, many=False, executor=self._execute)
+
+    return PreparedDebugWrapper
 
 
 def prepared_cursor():
@@ -47,4 +66,7 @@ def prepared_cursor():
         if connection.timezone != connection.connection.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT).timezone:
             register_tzloader(connection.timezone, cursor)
         # Django's wrapping of a cursor it made (thread check, errors, query logging).
-        return connection._prepare_cursor(cursor)
+        connection.validate_thread_sharing()
+        if connection.queries_logged:
+            return _debug_wrapper_class()(cursor, connection)
+        return connection.make_cursor(cursor)
