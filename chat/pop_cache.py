@@ -91,10 +91,8 @@ class EmptyPopCheck:
 
 
 def empty_pop_lookup(view: Any) -> EmptyPopCheck:
-    if not _enabled():
-        return EmptyPopCheck()
     entry = _empty_pops.get(view.id)
-    if entry is None:
+    if entry is None or not _enabled():
         return EmptyPopCheck()  # the last pop was not empty: no read (most pops of a busy horde)
     try:
         additions = _additions()

@@ -14,6 +14,7 @@ A poll costs at most two cache round trips: one read of the body with the keys a
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,12 +109,11 @@ def _bump_version(request_id: UUID | str) -> None:
     client = getattr(cache, "client", None)
     try:
         if hasattr(client, "get_client"):
-            # django-redis: INCR creates the key; one round trip with its expiry.
-            raw_key = cache.make_key(key)
-            pipeline = client.get_client(write=True).pipeline(transaction=False)
-            pipeline.incr(raw_key)
-            pipeline.expire(raw_key, STATUS_VERSION_SECONDS)
-            pipeline.execute()
+            # django-redis: one SET of a fresh random version with its expiry (a version is only
+            # compared for equality); stored as a plain integer, which django-redis reads back as one.
+            client.get_client(write=True).set(
+                cache.make_key(key), secrets.randbits(62) + 1, ex=STATUS_VERSION_SECONDS
+            )
         else:
             cache.add(key, 0, STATUS_VERSION_SECONDS)
             cache.incr(key)
