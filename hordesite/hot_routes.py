@@ -3,7 +3,7 @@
 Under ASGI a Django request pays for a new thread (ThreadSensitiveContext), thread hops for its
 signals, its view and its response, the URL resolver and DRF's dispatch: about as much CPU as
 the pop or submit view itself. The routes that every worker and polling client calls every
-second (pop, submit, the text status poll) are dispatched here instead, to the same DRF view
+second (pop, submit, the text and chat status polls) are dispatched here instead, to the same DRF view
 methods, on a fixed pool of threads, with the same authentication, exception handler, JSON and
 headers as Django would give them.
 
@@ -34,6 +34,7 @@ from rest_framework.settings import api_settings
 from rest_framework.views import APIView
 
 from accounts.api.authentication import ApiKeyAuthentication
+from chat.api.chat_views import ChatStatusView
 from chat.api.pop_views import TextPopView
 from chat.api.submit_views import TextSubmitView
 from chat.api.views import TextStatusView
@@ -61,6 +62,9 @@ HOT_ROUTES: tuple[HotRoute, ...] = (
     HotRoute("POST", re.compile(r"/api/v2/generate/text/submit"), TextSubmitView, {}),
     HotRoute(
         "GET", re.compile(rf"/api/v2/generate/text/status/(?P<request_id>{_UUID})"), TextStatusView, {"request_id": UUID}
+    ),
+    HotRoute(
+        "GET", re.compile(rf"/api/v2/generate/chat/status/(?P<request_id>{_UUID})"), ChatStatusView, {"request_id": UUID}
     ),
 )
 

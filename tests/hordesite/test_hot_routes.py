@@ -17,6 +17,7 @@ from django.core.asgi import get_asgi_application
 from chat.models import Generation, GenerationRequest
 from hordesite.body_limits import BodyLimitMiddleware
 from hordesite.hot_routes import HotRoutesASGI
+from tests.chat.pop_helpers import queue_chat
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -124,6 +125,7 @@ def test_answers_match_djangos_for_the_same_requests(stacks, make_user, horde):
     django_app, hot, plain = stacks
     worker, requester = make_user("hot-owner"), make_user("hot-requester", kudos=100)
     queued = queue_request(horde, requester.key)
+    chat = queue_chat(requester.user)
     cases = [
         ("POST", "/api/v2/generate/text/pop", {"key": "not-a-key", "body": pop_body()}),
         ("POST", "/api/v2/generate/text/pop", {"body": pop_body()}),
@@ -138,6 +140,8 @@ def test_answers_match_djangos_for_the_same_requests(stacks, make_user, horde):
         ("POST", "/api/v2/generate/text/submit", {"key": worker.key, "body": [1, 2]}),
         ("GET", f"/api/v2/generate/text/status/{queued}", {}),
         ("GET", "/api/v2/generate/text/status/00000000-0000-0000-0000-000000000000", {}),
+        ("GET", f"/api/v2/generate/chat/status/{chat.id}", {}),
+        ("GET", "/api/v2/generate/chat/status/00000000-0000-0000-0000-000000000000", {}),
     ]
     call(plain, "POST", "/api/v2/generate/text/pop", key=worker.key, body=pop_body(models=["nobody/wants-this"]))
     for method, path, kw in cases:
