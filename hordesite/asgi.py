@@ -42,7 +42,7 @@ mount_native_app(native_in_process_app(WSGIHandler()), root_path="/api/v2")
 
 # /v1/ (the OpenAI front, mounted for the one-machine default) passes the front's ASGI layer first:
 # its body admission (413, 408), CORS and disconnect notice, then Django with the front's own
-# middleware (none, as standalone). Pop, submit and the text status poll are served by the hot
+# middleware (none, as standalone). Pop, submit and the status polls are served by the hot
 # route layer (same views, without Django's per-request thread and hops); every other path goes
 # on to Django unchanged.
 application = ProtocolTypeRouter(
