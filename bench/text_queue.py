@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import random
 import signal
@@ -85,6 +86,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--keep-server", action="store_true", help="leave daphne running at the end (prints its pid)"
     )
+    p.add_argument(
+        "--client",
+        choices=("raw", "httpx"),
+        default="raw",
+        help="load generator: raw (keep-alive HTTP/1.1 over asyncio streams, light) or httpx (default raw)",
+    )
+    p.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra environment for daphne (repeatable), e.g. HORDE_HOT_ROUTES=false",
+    )
     return p.parse_args(argv)
 
 
@@ -104,6 +118,9 @@ def bench_env(args: argparse.Namespace) -> dict[str, str]:
         LOG_LEVEL="WARNING",
         PYTHONUNBUFFERED="1",
     )
+    for item in getattr(args, "server_env", []):
+        name, _, value = item.partition("=")
+        env[name] = value
     return env
 
 
@@ -311,7 +328,128 @@ def queue_depth() -> int:
     return waiting_requests().count()
 
 
+# --- The load generator -------------------------------------------------------------------------
+
+
+class RawResponse:
+    def __init__(self, status_code: int, content: bytes):
+        self.status_code = status_code
+        self.content = content
+
+    def json(self):
+        return json.loads(self.content)
+
+    def raise_for_status(self) -> None:
+        if self.status_code >= 400:
+            raise RuntimeError(f"HTTP {self.status_code}: {self.content[:200]!r}")
+
+
+class RawHTTPClient:
+    """Keep-alive HTTP/1.1 connections over asyncio streams, at most `limit` open. The load
+    generator shares the machine's cores with daphne and PostgreSQL; httpx spends 2-3 ms of CPU
+    per request, this about a tenth of that, so the server's figures are less its client's."""
+
+    def __init__(self, host: str, port: int, limit: int, timeout: float = 60.0):
+        self.host, self.port, self.timeout = host, port, timeout
+        self.gate = asyncio.Semaphore(limit)
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def __aenter__(self) -> RawHTTPClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for _, writer in self.idle:
+            writer.close()
+        self.idle.clear()
+
+    async def post(self, url: str, **kw) -> RawResponse:
+        return await self.request("POST", url, **kw)
+
+    async def request(self, method: str, url: str, *, json: object = None, headers: dict | None = None) -> RawResponse:
+        async with self.gate:
+            conn = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
+            try:
+                response, keep = await asyncio.wait_for(self._exchange(conn, method, url, json, headers), self.timeout)
+            except BaseException:
+                conn[1].close()
+                raise
+            if keep:
+                self.idle.append(conn)
+            else:
+                conn[1].close()
+            return response
+
+    async def _exchange(self, conn, method: str, url: str, body_json: object, headers: dict | None):
+        reader, writer = conn
+        body = b"" if body_json is None else _json_dumps(body_json).encode()
+        head = [f"{method} {url} HTTP/1.1", f"Host: {self.host}:{self.port}", "Accept: */*"]
+        if body_json is not None:
+            head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+        head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+        raw_head = await reader.readuntil(b"\r\n\r\n")
+        lines = raw_head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        fields = {}
+        for line in lines[1:]:
+            if line:
+                name, _, value = line.partition(":")
+                fields[name.strip().lower()] = value.strip()
+        if "content-length" in fields:
+            content = await reader.readexactly(int(fields["content-length"]))
+        elif fields.get("transfer-encoding", "").lower() == "chunked":
+            chunks = []
+            while True:
+                size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                chunks.append(await reader.readexactly(size + 2))
+                if size == 0:
+                    break
+            content = b"".join(c[:-2] for c in chunks)
+        else:
+            content = await reader.read()
+            return RawResponse(status, content), False
+        return RawResponse(status, content), fields.get("connection", "").lower() != "close"
+
+
+def _json_dumps(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
 # --- Measurement --------------------------------------------------------------------------------
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds_by_process(server_pid: int | None) -> dict[str, float]:
+    """CPU seconds (user + system) so far of daphne (its process group), PostgreSQL's processes,
+    Redis and this client, from /proc (Linux; empty elsewhere). Sampled around each phase, the
+    differences say where each request's CPU went on this machine."""
+    totals: dict[str, float] = {}
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return totals
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        seconds = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+        pgid = int(fields[2])
+        if int(entry.name) == os.getpid():
+            group = "client"
+        elif server_pid is not None and pgid == server_pid:
+            group = "daphne"
+        elif cmdline.startswith("postgres") or "postgres:" in cmdline:
+            group = "postgres"
+        elif "redis-server" in cmdline:
+            group = "redis"
+        else:
+            continue
+        totals[group] = totals.get(group, 0.0) + seconds
+    return totals
 
 
 @dataclass
@@ -322,6 +460,7 @@ class PhaseResult:
     other_latencies: list[float] = field(default_factory=list)  # submits, in the pop phase
     errors: dict[str, int] = field(default_factory=dict)
     jobs: int = 0
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per process group
 
     def error(self, key: str) -> None:
         self.errors[key] = self.errors.get(key, 0) + 1
@@ -333,6 +472,8 @@ class PhaseResult:
         self.jobs += other.jobs
         for k, v in other.errors.items():
             self.errors[k] = self.errors.get(k, 0) + v
+        for k, v in other.cpu.items():
+            self.cpu[k] = self.cpu.get(k, 0.0) + v
 
 
 def pct(values: list[float], q: float) -> float:
@@ -480,30 +621,37 @@ async def register_workers(client, workers: list[WorkerSpec], concurrency: int) 
 
 
 async def measure(
-    args: argparse.Namespace, workers: list[WorkerSpec], rng: random.Random
+    args: argparse.Namespace, workers: list[WorkerSpec], rng: random.Random, server_pid: int | None = None
 ) -> dict[str, PhaseResult]:
     import httpx
     from asgiref.sync import sync_to_async
 
     base = f"http://127.0.0.1:{args.port}"
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    if args.client == "raw":
+        client_context = RawHTTPClient("127.0.0.1", args.port, args.concurrency)
+    else:
+        client_context = httpx.AsyncClient(base_url=base, limits=limits, timeout=60)
     totals = {name: PhaseResult(name) for name in ("heartbeat", "pop", "status")}
     per_phase = args.duration / (3 * args.rounds)
     order = ["heartbeat", "pop", "status"]
-    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60) as client:
+    async with client_context as client:
         print(f"registering {len(workers)} workers (first pop each) and warming up ...", flush=True)
         await register_workers(client, workers, args.concurrency)
         await phase_heartbeat(client, 2.0, args.concurrency)
         for r in range(args.rounds):
             rotated = order[r % 3 :] + order[: r % 3]
             for name in rotated:
+                ids = await sync_to_async(queued_ids)() if name == "status" else []
+                before = cpu_seconds_by_process(server_pid)
                 if name == "heartbeat":
                     res = await phase_heartbeat(client, per_phase, args.concurrency)
                 elif name == "pop":
                     res = await phase_pop(client, per_phase, args.concurrency, workers)
                 else:
-                    ids = await sync_to_async(queued_ids)()
                     res = await phase_status(client, per_phase, args.concurrency, ids, rng)
+                after = cpu_seconds_by_process(server_pid)
+                res.cpu = {k: after[k] - before.get(k, 0.0) for k in after}
                 rps = len(res.latencies) / res.seconds if res.seconds else 0
                 extra = f", {res.jobs} jobs submitted" if name == "pop" else ""
                 errs = f", errors {res.errors}" if res.errors else ""
@@ -537,7 +685,8 @@ def report(
         "",
         f"Text queue benchmark: {args.requests} requests over {args.models} models, {args.workers} workers, "
         f"{args.concurrency} in flight, {args.rounds} rounds x 3 phases x {args.duration / (3 * args.rounds):.0f}s, "
-        f"pooled PostgreSQL connections, {'no ANALYZE' if args.no_analyze else 'ANALYZE'} after the fill",
+        f"pooled PostgreSQL connections, {'no ANALYZE' if args.no_analyze else 'ANALYZE'} after the fill, "
+        f"{args.client} client" + (f", server env {' '.join(args.server_env)}" if args.server_env else ""),
         f"fill: {fill_seconds:.1f}s through text_request_create; queue depth {depth_before} before the "
         f"measured phases, {depth_after} after",
         "",
@@ -561,6 +710,19 @@ def report(
         "",
         f"pop phase: {pop.jobs} jobs popped and submitted ({pop.jobs / pop.seconds if pop.seconds else 0:.1f} jobs/s), "
         f"{pop_all_rps:.1f} req/s pop+submit together",
+        "",
+        "CPU per request (ms, user + system, from /proc; the pop phase counts pops and submits):",
+        "",
+        "| phase | daphne | postgres | redis | client |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r, count in ((hb, len(hb.latencies)), (pop, len(pop.latencies) + len(pop.other_latencies)), (st, len(st.latencies))):
+        cells = [f"{r.cpu.get(g, 0.0) / count * 1000:.2f}" if count and r.cpu else "-" for g in ("daphne", "postgres", "redis", "client")]
+        busy = [f"{r.cpu.get(g, 0.0) / r.seconds * 100:.0f}%" if r.seconds and r.cpu else "-" for g in ("daphne", "postgres", "redis", "client")]
+        lines.append(f"| {r.name} | " + " | ".join(f"{c} ({b})" for c, b in zip(cells, busy, strict=True)) + " |")
+    lines += [
+        "",
+        "(in parentheses: share of one core over the phase)",
         "",
         "| ratio | measured | goal | met |",
         "|---|---:|---:|---|",
@@ -628,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"daphne pid {server.proc.pid} on port {args.port} (log {server.log_path})", flush=True)
         depth_before = queue_depth()
         connection.close()
-        totals = asyncio.run(measure(args, workers, rng))
+        totals = asyncio.run(measure(args, workers, rng, server.proc.pid))
         depth_after = queue_depth()
         print(report(args, totals, fill_seconds, depth_before, depth_after))
     except KeyboardInterrupt:
