@@ -15,7 +15,6 @@ Accept header asking for something else. So every error shape for odd input stay
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import logging
 import re
@@ -239,10 +238,12 @@ class HotRoutesASGI:
 
             return await self.app(scope, replay, send)
         request = HotRequest(scope, headers, data)
-        context = contextvars.copy_context()
         loop = asyncio.get_running_loop()
         try:
-            answer = await loop.run_in_executor(self.pool, context.run, serve_hot_request, route, request, kwargs)
+            # In the pool thread's own context, as a WSGI server's thread runs one request after
+            # another: per-context objects Django keeps (each cache backend, its Redis client) are
+            # made once per thread, not once per request as in a fresh copy of the loop's context.
+            answer = await loop.run_in_executor(self.pool, serve_hot_request, route, request, kwargs)
         except Exception:
             log.exception("hot route %s %s failed", scope.get("method"), scope.get("path"))
             answer = HotResponse(
