@@ -12,6 +12,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hordesite.settings")
 django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402  (needs the app registry ready)
+from django.core.cache import caches  # noqa: E402
 from django.core.handlers.wsgi import WSGIHandler  # noqa: E402
 
 from hordesite.body_limits import BODY_LIMITS, BodyLimitMiddleware, too_large_body  # noqa: E402
@@ -52,6 +53,11 @@ application = ProtocolTypeRouter(
         )
     }
 )
+
+# Django keeps a cache backend per context, and under ASGI each request starts from a copy of this
+# module's context: a backend made here is the one every request finds (with django-redis, one Redis
+# client for the process instead of a new client object for each request that reads the cache).
+caches["default"]
 
 # Everything loaded so far lives as long as the process: keep it out of the collector's full
 # passes, which otherwise walk every module, model and URL pattern again and again.
