@@ -10,7 +10,8 @@ from functools import lru_cache
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import F, Field
+from django.db.models import BooleanField, F, Field
+from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -149,12 +150,22 @@ _POP_REQUEST_COLUMNS = tuple(
 _POP_COMPUTED_COLUMNS = ("id", "request_id", "model", *_ASSIGNED_COLUMNS)
 
 
+# The queue index's own condition as literal SQL, not parameters: the statement is prepared, and a
+# generic plan can use the partial index request_queue_order only when its WHERE visibly implies the
+# index's (with `jobs_waiting > $1` it scans and sorts every waiting request instead).
+_WAITING_AS_INDEXED = RawSQL(
+    '"horde_requests"."jobs_waiting" > 0 AND NOT "horde_requests"."faulted" AND NOT "horde_requests"."cancelled"',
+    (),
+    output_field=BooleanField(),
+)
+
+
 @lru_cache(maxsize=4096)
 def _eligible_select(view: WorkerView, priority_ids: tuple[int, ...] | None) -> tuple[str, tuple]:
     """SELECT of the first eligible request for the worker (under priority_ids: only theirs), as
     SQL and params. Compiled once per declaration; `now()` keeps it free of per-pop values."""
     qs = (
-        GenerationRequest.objects.filter(jobs_waiting__gt=0, faulted=False, cancelled=False, expires_at__gt=Now())
+        GenerationRequest.objects.filter(_WAITING_AS_INDEXED, expires_at__gt=Now())
         .filter(eligibility_filter(view))
         .only(*POP_REQUEST_FIELDS)
         .order_by("-queue_score", "created")

@@ -3,8 +3,11 @@
 Django binds parameters on the client, so PostgreSQL parses and plans each pop and submit anew:
 measured on the bench queue, planning took 2-3 times as long as running them (pop 0.85 ms planned,
 0.4 ms run; the submit's generation read 0.3 ms planned, 0.1 ms run). These statements are fixed
-texts with their values as parameters, so each connection prepares them once; PostgreSQL plans
-the first executions with their values and then keeps a generic plan when it costs no more.
+texts with their values as parameters, so each connection prepares them once, and keeps one
+generic plan for each (hordesite/settings.py sets plan_cache_mode=force_generic_plan, which only
+prepared statements read): their plans do not depend on the values (the pop walks the queue index;
+the others are primary-key lookups), and re-planning the pop with its values cost more than running
+it. The pop's WHERE spells the queue index's condition as literal SQL so the generic plan can use it.
 
 The cursor is Django's own wrapping (errors as django.db errors, queries logged when logging is
 on) around a server-binding psycopg cursor that prepares every statement it runs.

@@ -87,6 +87,11 @@ elif DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql"):
     # other statement is (a threshold never reached). Off (None) behind a transaction-mode pooler.
     if env.bool("DATABASE_PREPARED_STATEMENTS", default=True):
         DATABASES["default"]["OPTIONS"].setdefault("prepare_threshold", 2**31 - 1)
+        # Those statements keep one generic plan: planning a pop cost more than running it, and
+        # its plan (walk the queue index) does not depend on the values. Only prepared statements
+        # read this setting, and no other statement is prepared.
+        options = DATABASES["default"]["OPTIONS"].get("options", "")
+        DATABASES["default"]["OPTIONS"]["options"] = f"{options} -c plan_cache_mode=force_generic_plan".strip()
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 IS_POSTGRES = DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql")
 
