@@ -100,6 +100,19 @@ def _generation_with_relations_sql() -> str:
     return f"SELECT {', '.join(columns)} FROM horde_generations AS g {joins} WHERE g.id = %s"
 
 
+@lru_cache(maxsize=1)
+def _generation_row_layout() -> list[tuple[type, int, int, list[str], list[tuple[int, Any]]]]:
+    """Per joined model: its slice of the row, its attnames, and the (index, from_db_value) of the
+    fields that convert a raw value (JSON columns arrive as text), worked out once."""
+    layout, position = [], 0
+    for model, _, _ in _GENERATION_JOINS:
+        fields = model._meta.concrete_fields
+        converters = [(i, f.from_db_value) for i, f in enumerate(fields) if hasattr(f, "from_db_value")]
+        layout.append((model, position, position + len(fields), [f.attname for f in fields], converters))
+        position += len(fields)
+    return layout
+
+
 def _generation_with_relations(generation_id: UUID) -> Generation | None:
     """select_related("worker", "worker__owner", "request") as one prepared SQL text: the ORM would
     compile its hundred columns on every submit (PostgreSQL, where values arrive typed)."""
@@ -109,15 +122,12 @@ def _generation_with_relations(generation_id: UUID) -> Generation | None:
     if row is None:
         return None
     instances = []
-    position = 0
-    for model, _, _ in _GENERATION_JOINS:
-        fields = model._meta.concrete_fields
-        values = [
-            f.from_db_value(value, None, connection) if value is not None and hasattr(f, "from_db_value") else value
-            for f, value in zip(fields, row[position : position + len(fields)], strict=True)
-        ]
-        position += len(fields)
-        instances.append(model.from_db(connection.alias, [f.attname for f in fields], values))
+    for model, start, stop, attnames, converters in _generation_row_layout():
+        values = list(row[start:stop])
+        for index, convert in converters:
+            if values[index] is not None:
+                values[index] = convert(values[index], None, connection)
+        instances.append(model.from_db(connection.alias, attnames, values))
     generation, request, worker, owner = instances
     worker.owner = owner
     generation.worker = worker
