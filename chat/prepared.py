@@ -21,6 +21,7 @@ from typing import Any
 from django.db import connection
 
 
+@lru_cache(maxsize=1)
 def _prepared_cursor_class() -> type:
     from django.db.backends.postgresql.base import ServerBindingCursor
 
@@ -29,9 +30,6 @@ def _prepared_cursor_class() -> type:
             return super().execute(query, params, prepare=True, binary=binary)
 
     return PreparedCursor
-
-
-_PreparedCursor: type | None = None
 
 
 @lru_cache(maxsize=1)
@@ -54,9 +52,6 @@ def _debug_wrapper_class() -> type:
 
 def prepared_cursor():
     """A cursor (use as a context manager) whose statements are prepared on the connection."""
-    global _PreparedCursor
-    if _PreparedCursor is None:
-        _PreparedCursor = _prepared_cursor_class()
     from django.db.backends.postgresql.base import TIMESTAMPTZ_OID
     from django.db.backends.postgresql.psycopg_any import register_tzloader
     from psycopg.pq import Format
@@ -64,7 +59,7 @@ def prepared_cursor():
     connection.close_if_health_check_failed()
     connection.ensure_connection()
     with connection.wrap_database_errors:
-        cursor = _PreparedCursor(connection.connection)
+        cursor = _prepared_cursor_class()(connection.connection)
         # As Django's create_cursor: the cursor reads timestamps in the connection's time zone.
         if connection.timezone != connection.connection.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT).timezone:
             register_tzloader(connection.timezone, cursor)

@@ -8,8 +8,8 @@ methods, on a fixed pool of threads, with the same authentication, exception han
 headers as Django would give them.
 
 A request this layer does not fully understand goes on to Django unchanged, body replayed:
-another method or path, a query string, a body that is not plain JSON or does not parse, an
-Accept header asking for something else. So every error shape for odd input stays Django's.
+another method or path, a query string, a body that is not plain JSON or does not parse or is over
+DATA_UPLOAD_MAX_MEMORY_SIZE, an Accept header asking for something else. So every error shape for odd input stays Django's.
 """
 
 from __future__ import annotations
@@ -220,17 +220,27 @@ class HotRoutesASGI:
         for raw_name, raw_value in scope.get("headers") or ():
             name, value = raw_name.decode("latin-1").lower(), raw_value.decode("latin-1")
             headers[name] = f"{headers[name]},{value}" if name in headers else value
+        # Buffered here up to Django's in-memory bound; a bigger body goes on to Django, which
+        # spools it to disk (the worker loop's bodies are a few kilobytes).
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
         messages: list[dict[str, Any]] = []
-        body = b""
+        size, over_limit = 0, False
         while True:
             message = await receive()
             if message["type"] != "http.request":
                 return  # the client went away
             messages.append(message)
-            body += message.get("body", b"")
+            size += len(message.get("body", b""))
+            if limit is not None and size > limit:
+                over_limit = True
+                break
             if not message.get("more_body", False):
                 break
-        data = self._understood(route, headers, body)
+        data = (
+            _NOT_UNDERSTOOD
+            if over_limit
+            else self._understood(route, headers, b"".join(m.get("body", b"") for m in messages))
+        )
         if data is _NOT_UNDERSTOOD:
 
             async def replay() -> dict[str, Any]:
