@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import pytest
 from django.core.asgi import get_asgi_application
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from chat.models import Generation, GenerationRequest
 from hordesite.body_limits import BodyLimitMiddleware
@@ -244,3 +247,49 @@ def test_racing_submits_through_the_layer_have_one_winner(stacks, make_user, hor
     worker_kudos = worker.refresh().kudos
     reward = next(a.json()["reward"] for a in answers if a.status == 200)
     assert float(worker_kudos) == pytest.approx(reward, abs=0.01)  # paid once
+
+
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**12), 10**12)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+_submit_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "id": st.uuids().map(str) | st.text(max_size=40) | _json,
+        "generation": st.text(max_size=40) | _json,
+        "state": st.sampled_from(["ok", "censored", "faulted", "csam", "nonsense"]) | _json,
+        "seed": st.integers(-(2**70), 2**70) | _json,
+        "gen_metadata": _json,
+        "message": _json,
+        "finish_reason": _json,
+    },
+) | _json
+_content_types = st.sampled_from(
+    ["application/json", "application/json; charset=utf-8", "text/plain", "application/x-www-form-urlencoded"]
+)
+_accepts = st.sampled_from(["", "*/*", "application/json", "application/*", "text/html", "application/json, text/plain"])
+
+
+@hypothesis_settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(body=_submit_bodies, content_type=_content_types, accept=_accepts)
+def test_fuzzed_submits_get_djangos_answer(stacks, make_user, body, content_type, accept):
+    """Whatever the body and headers, the layer answers a submit of no existing job exactly as
+    Django does (the layer's own answer or, for what it does not take, Django's)."""
+    _, hot, plain = stacks
+    worker = make_user()
+    headers = {"Content-Type": content_type, **({"Accept": accept} if accept else {})}
+    raw = json.dumps(body).encode()
+    kw = {"key": worker.key, "body": raw, "headers": headers}
+    via_layer = call(hot, "POST", "/api/v2/generate/text/submit", **kw)
+    via_django = call(plain, "POST", "/api/v2/generate/text/submit", **kw)
+    assert (via_layer.status, via_layer.body) == (via_django.status, via_django.body), (body, headers)
+    assert via_layer.header_set() == via_django.header_set()
+    assert via_layer.status < 500
