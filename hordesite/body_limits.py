@@ -9,6 +9,8 @@ the declared Content-Length at once, and reads a chunked body only up to one byt
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from typing import Any
 
 from contract.chat_limits import MAX_CHAT_BODY_BYTES
 
@@ -18,6 +20,43 @@ BODY_LIMITS: dict[tuple[str, str], int] = {("POST", "/api/v2/generate/chat/async
 
 def too_large_body(limit: int) -> bytes:
     return json.dumps({"message": f"The request body is over {limit} bytes.", "rc": "RequestTooLarge"}).encode()
+
+
+@dataclass
+class BufferedBody:
+    """The request body messages read so far; over_limit: reading stopped past the bound."""
+
+    messages: list[dict[str, Any]]
+    over_limit: bool
+
+    @property
+    def content(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.messages)
+
+    def replay(self, receive: Any) -> Any:
+        """A receive that gives the buffered messages again, then whatever is left."""
+
+        async def replaying() -> dict[str, Any]:
+            return self.messages.pop(0) if self.messages else await receive()
+
+        return replaying
+
+
+async def read_body(receive: Any, limit: int | None) -> BufferedBody | None:
+    """Read a request's body messages, stopping at the first that takes it past `limit` (None: no
+    bound). None when the client went away."""
+    messages: list[dict[str, Any]] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        messages.append(message)
+        size += len(message.get("body", b""))
+        if limit is not None and size > limit:
+            return BufferedBody(messages, over_limit=True)
+        if not message.get("more_body", False):
+            return BufferedBody(messages, over_limit=False)
 
 
 class BodyLimitMiddleware:
@@ -32,22 +71,12 @@ class BodyLimitMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return await self._refuse(send, limit)
         # Read the body here (as Django would), stopping one byte past the bound.
-        messages, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            messages.append(message)
-            size += len(message.get("body", b""))
-            if size > limit:
-                return await self._refuse(send, limit)
-            if not message.get("more_body", False):
-                break
-
-        async def replay():
-            return messages.pop(0) if messages else await receive()
-
-        return await self.app(scope, replay, send)
+        body = await read_body(receive, limit)
+        if body is None:
+            return  # the client went away
+        if body.over_limit:
+            return await self._refuse(send, limit)
+        return await self.app(scope, body.replay(receive), send)
 
     @staticmethod
     async def _refuse(send, limit: int) -> None:

@@ -37,6 +37,7 @@ from chat.api.chat_views import ChatStatusView
 from chat.api.pop_views import TextPopView
 from chat.api.submit_views import TextSubmitView
 from chat.api.views import TextStatusView
+from hordesite.body_limits import read_body
 from hordesite.errors import horde_exception_handler
 from hordesite.middleware import EXPOSED_HEADERS
 
@@ -222,31 +223,12 @@ class HotRoutesASGI:
             headers[name] = f"{headers[name]},{value}" if name in headers else value
         # Buffered here up to Django's in-memory bound; a bigger body goes on to Django, which
         # spools it to disk (the worker loop's bodies are a few kilobytes).
-        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
-        messages: list[dict[str, Any]] = []
-        size, over_limit = 0, False
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            messages.append(message)
-            size += len(message.get("body", b""))
-            if limit is not None and size > limit:
-                over_limit = True
-                break
-            if not message.get("more_body", False):
-                break
-        data = (
-            _NOT_UNDERSTOOD
-            if over_limit
-            else self._understood(route, headers, b"".join(m.get("body", b"") for m in messages))
-        )
+        body = await read_body(receive, settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
+        if body is None:
+            return  # the client went away
+        data = _NOT_UNDERSTOOD if body.over_limit else self._understood(route, headers, body.content)
         if data is _NOT_UNDERSTOOD:
-
-            async def replay() -> dict[str, Any]:
-                return messages.pop(0) if messages else await receive()
-
-            return await self.app(scope, replay, send)
+            return await self.app(scope, body.replay(receive), send)
         request = HotRequest(scope, headers, data)
         loop = asyncio.get_running_loop()
         try:
