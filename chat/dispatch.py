@@ -15,6 +15,7 @@ from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from chat.handed_out import handed_out
 from chat.matching import WorkerView, eligibility_filter, skipped_counts, waiting_requests
 from chat.models import Generation, GenerationRequest
 from chat.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember
@@ -52,10 +53,12 @@ CHAT_PAYLOAD_SAMPLING_KEYS = ("temperature", "top_p", "frequency_penalty", "pres
 CHAT_PAYLOAD_OPTIONAL_KEYS = ("stop_sequence", "seed", "reasoning_effort")
 CHAT_EXTRAS_KEYS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
 
-# The fields a pop reads from the request it takes (the locked row).
+# The fields a pop reads from the request it takes (the locked row), and what the job's submit
+# reads of it (requester and quote).
 POP_REQUEST_FIELDS = (
     "id", "is_chat", "prompt", "params", "softprompt", "max_length", "max_context_length",
     "requested_models", "jobs_waiting", "disable_batching", "n", "messages", "chat_extras",
+    "user", "kudos_quote",
 )
 # The declaration a chat generation is assigned under (Generation columns).
 _ASSIGNED_COLUMNS = ("assigned_model", "assigned_max_context_length", "assigned_max_length")
@@ -144,7 +147,7 @@ def _pop_in_transaction(*, worker: Worker, view: WorkerView, amount: int, now) -
 
 # POP_REQUEST_FIELDS in the model's field order, the order Model.from_db reads values in.
 _POP_REQUEST_COLUMNS = tuple(
-    f.attname for f in GenerationRequest._meta.concrete_fields if f.attname in POP_REQUEST_FIELDS
+    f.attname for f in GenerationRequest._meta.concrete_fields if f.name in POP_REQUEST_FIELDS
 )
 # Generation columns whose value the statement computes from the request it locks.
 _POP_COMPUTED_COLUMNS = ("id", "request_id", "model", *_ASSIGNED_COLUMNS)
@@ -206,8 +209,9 @@ def _generation_insert_columns() -> tuple[list[str], list[str], list[Field]]:
     return columns, values, per_call
 
 
-def _generation_per_call_values(worker: Worker, lease) -> list[Any]:
-    template = Generation(worker=worker, lease_expires_at=lease)
+def _generation_per_call_values(template: Generation) -> list[Any]:
+    """The per-call columns' values, as the ORM's insert would set them on `template` (its
+    `created` included)."""
     return [f.get_db_prep_save(f.pre_save(template, add=True), connection) for f in _generation_insert_columns()[2]]
 
 
@@ -218,6 +222,7 @@ def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now)
     columns, placeholders, _ = _generation_insert_columns()
     served = list(worker.served_models or [])
     assigned = _assigned_declaration(worker)
+    template = Generation(worker=worker, lease_expires_at=lease)
     generation_ids = [uuid.uuid4() for _ in range(max(1, amount))]
     fields = ", ".join(f"p.{connection.ops.quote_name(name)}" for name in _POP_REQUEST_COLUMNS)
     sql = f"""
@@ -261,7 +266,7 @@ def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now)
         assigned["assigned_model"],
         assigned["assigned_max_context_length"],
         assigned["assigned_max_length"],
-        *_generation_per_call_values(worker, lease),
+        *_generation_per_call_values(template),
         generation_ids,
         now + timedelta(seconds=TEXT_REQUEST_TTL_SECONDS),
     ]
@@ -277,9 +282,11 @@ def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now)
         [_from_db(name, value) for name, value in zip(_POP_REQUEST_COLUMNS, values, strict=True)],
     )
     generations = [
-        Generation(id=gid, request=request, worker=worker, model=model, lease_expires_at=lease)
+        Generation(id=gid, request=request, worker=worker, model=model, lease_expires_at=lease, created=template.created)
         for gid in generation_ids[:take]
     ]
+    if not request.is_chat:
+        handed_out.remember(generations)
     return PoppedJob(request=request, generations=generations, model=model, skipped={})
 
 

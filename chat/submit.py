@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from accounts.models import HordeUser
 from accounts.services import kudos_settle, kudos_settle_ctes
+from chat.handed_out import handed_out
 from chat.metrics import chat_worker_faults
 from chat.models import Generation, GenerationRequest
 from chat.prepared import prepared_cursor
@@ -66,6 +67,11 @@ class TextSubmit:
 
 def _load_generation(*, user: HordeUser, generation_id: UUID) -> Generation:
     if connection.vendor == "postgresql":
+        # A text job this process handed out needs no read (chat.handed_out says why that is safe).
+        generation = handed_out.take(generation_id)
+        if generation is not None and generation.worker.owner_id == user.pk:
+            generation.worker.owner = user  # the caller, as authentication read it (roles included)
+            return generation
         generation = _generation_with_relations(generation_id)
     else:
         # Not .first(): its ORDER BY pk makes Django resolve the ordering against every joined column.
@@ -136,6 +142,8 @@ def _generation_with_relations(generation_id: UUID) -> Generation | None:
 
 
 def _not_pending_error(generation_id: UUID, state: str | None) -> HordeError:
+    if state is None:  # gone since it was read (its request expired or was deleted)
+        return HordeError("InvalidJobID", f"Processing Generation with ID {generation_id} does not exist.")
     if state in (Generation.State.FAULTED, Generation.State.CANCELLED):
         return HordeError(
             "AbortedGen",
@@ -334,7 +342,7 @@ def _text_submit_in_one_statement(
         ),
         worker_record_job_cte(
             gate="won",
-            worker=generation.worker,
+            worker_id=generation.worker_id,
             tokens=tokens,
             seconds=(now - generation.created).total_seconds(),
             kudos=reward,

@@ -68,6 +68,7 @@ def _fresh_cache():
     from django.core.cache import cache
 
     from accounts.selectors import reset_user_caches
+    from chat.handed_out import handed_out
     from chat.pop_cache import reset_empty_pops
     from chat.snapshots import reset_snapshots
     from workers.services import worker_rows
@@ -77,6 +78,7 @@ def _fresh_cache():
     reset_user_caches()
     worker_rows.clear()
     reset_empty_pops()
+    handed_out.clear()
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal
+from uuid import UUID
 
 from django.conf import settings
 from django.core.cache import cache
@@ -159,18 +160,25 @@ def worker_record_job(*, worker: Worker, tokens: int, seconds: float, kudos: Dec
 
 
 def worker_record_job_cte(
-    *, gate: str, worker: Worker, tokens: int, seconds: float, kudos: Decimal
+    *, gate: str, worker_id: UUID, tokens: int, seconds: float, kudos: Decimal
 ) -> tuple[str, str, list]:
     """worker_record_job as a PostgreSQL CTE (name, SQL, params) that writes only when the CTE
-    `gate` holds a row, for a caller's single statement."""
-    samples = _speed_samples_after(worker, tokens=tokens, seconds=seconds)
-    speed = sum(samples) / len(samples) if samples else None
-    sql = (
-        "UPDATE horde_workers SET speed_samples = %s::jsonb, speed = %s, fulfilments = fulfilments + 1,"
-        " tokens_generated = tokens_generated + %s, kudos_earned = kudos_earned + %s"
-        f" WHERE id = %s AND EXISTS (SELECT 1 FROM {gate})"
+    `gate` holds a row, for a caller's single statement. The samples are the updated row's own,
+    so two submits of one worker in the same instant both keep theirs."""
+    sample = [round(tokens / seconds, 3)] if seconds > 0 and tokens > 0 else []
+    last = (
+        "SELECT v, i FROM jsonb_array_elements(COALESCE(w.speed_samples, '[]'::jsonb) || %s::jsonb)"
+        f" WITH ORDINALITY AS t(v, i) ORDER BY i DESC LIMIT {WORKER_SPEED_SAMPLES}"
     )
-    return ("worker_recorded", sql, [json.dumps(samples), speed, tokens, kudos, worker.pk])
+    sql = (
+        "UPDATE horde_workers AS w SET"
+        f" speed_samples = (SELECT COALESCE(jsonb_agg(v ORDER BY i), '[]'::jsonb) FROM ({last}) AS s),"
+        f" speed = (SELECT avg(v::float8 ORDER BY i) FROM ({last}) AS s),"
+        " fulfilments = w.fulfilments + 1, tokens_generated = w.tokens_generated + %s,"
+        " kudos_earned = w.kudos_earned + %s"
+        f" WHERE w.id = %s AND EXISTS (SELECT 1 FROM {gate})"
+    )
+    return ("worker_recorded", sql, [json.dumps(sample), json.dumps(sample), tokens, kudos, worker_id])
 
 
 def _speed_samples_after(worker: Worker, *, tokens: int, seconds: float) -> list[float]:

@@ -86,3 +86,40 @@ def test_a_losing_submit_writes_nothing(horde, make_user):
     fresh = Worker.objects.get(pk=worker.pk)
     assert (fresh.fulfilments, fresh.speed_samples) == (worker.fulfilments, worker.speed_samples) == (1, worker.speed_samples)
     assert Generation.objects.get(pk=job["id"]).text == "first"
+
+
+def test_a_submit_after_its_request_is_gone_is_an_invalid_job(horde, make_user):
+    requester, owner = make_user("r", kudos=1000), make_user("o")
+    request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
+    job = horde.pop(owner.key).json()
+    GenerationRequest.objects.filter(pk=request_id).delete()  # as the expiry sweep does
+
+    late = horde.submit(owner.key, job["id"], "too late")
+    assert late.status_code == 404 and late.json()["rc"] == "InvalidJobID"
+    assert not KudosTransaction.objects.filter(generation_id=job["id"]).exists()
+    assert Worker.objects.get(name="worker-1").fulfilments == 0
+
+
+def test_a_submit_by_another_user_is_refused_and_the_owner_still_submits(horde, make_user):
+    requester, owner, stranger = make_user("r", kudos=1000), make_user("o"), make_user("s")
+    horde.text_async(requester.key, models=[MODEL])
+    job = horde.pop(owner.key).json()
+
+    refused = horde.submit(stranger.key, job["id"], "not mine")
+    assert refused.status_code == 403 and refused.json()["rc"] == "WrongCredentials"
+    assert horde.submit(owner.key, job["id"], "mine").status_code == 200
+    assert Generation.objects.get(pk=job["id"]).text == "mine"
+
+
+def test_a_worker_keeps_its_last_twenty_speed_samples(horde, make_user):
+    requester, owner = make_user("r", kudos=1000), make_user("o")
+    horde.text_async(requester.key, models=[MODEL])
+    job = horde.pop(owner.key).json()
+    old = [float(i) for i in range(1, 21)]
+    Worker.objects.filter(name="worker-1").update(speed_samples=old, speed=10.5)
+
+    assert horde.submit(owner.key, job["id"], "A reply of several words for the sample.").status_code == 200
+    worker = Worker.objects.get(name="worker-1")
+    assert len(worker.speed_samples) == 20 and worker.speed_samples[:19] == old[1:]
+    assert worker.speed_samples[19] > 0
+    assert worker.speed == pytest.approx(sum(worker.speed_samples) / 20)

@@ -10,6 +10,7 @@ from rest_framework.test import APIClient
 from accounts.models import KudosTransaction
 from tests.conftest import Horde
 from tests.races import race
+from workers.models import Worker
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
@@ -47,3 +48,17 @@ def test_concurrent_submits_cannot_exceed_concurrency(make_user):
     requester = make_user("r")
     results = race([lambda: Horde(APIClient()).text_async(requester.key, params={"n": 20}) for _ in range(3)])
     assert sorted(r.status_code for r in results) == [202, 429, 429]
+
+
+def test_racing_submits_of_one_worker_each_keep_their_speed_sample(make_user):
+    requester, owner = make_user("r", kudos=1000), make_user("o")
+    horde = Horde(APIClient())
+    horde.text_async(requester.key, models=[MODEL], params={"n": 4})
+    job = horde.pop(owner.key, amount=4).json()
+    assert len(job["ids"]) == 4
+    results = race([lambda gid=gid: Horde(APIClient()).submit(owner.key, gid, "c" * 200) for gid in job["ids"]])
+    assert [r.status_code for r in results] == [200] * 4
+    worker = Worker.objects.get(name="worker-1")
+    # Each sample is written from the row as locked by its own update: none lost to another's.
+    assert worker.fulfilments == 4 and len(worker.speed_samples) == 4
+    assert worker.speed == pytest.approx(sum(worker.speed_samples) / 4)
