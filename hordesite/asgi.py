@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 from django.core.asgi import get_asgi_application
 
@@ -12,6 +13,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hordesite.settings")
 django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402  (needs the app registry ready)
+from django.conf import settings  # noqa: E402
 from django.core.cache import caches  # noqa: E402
 from django.core.handlers.wsgi import WSGIHandler  # noqa: E402
 
@@ -58,6 +60,10 @@ application = ProtocolTypeRouter(
 # module's context: a backend made here is the one every request finds (with django-redis, one Redis
 # client for the process instead of a new client object for each request that reads the cache).
 caches["default"]
+
+# The web process's threads mostly wait on sockets and run briefly between waits: a thread whose
+# answer arrived should not wait Python's default 5 ms for the interpreter.
+sys.setswitchinterval(settings.HORDE_GIL_SWITCH_INTERVAL_MS / 1000)
 
 # Everything loaded so far lives as long as the process: keep it out of the collector's full
 # passes, which otherwise walk every module, model and URL pattern again and again.
