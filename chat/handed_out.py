@@ -3,7 +3,7 @@
 A text submit needs the generation, its request and its worker: exactly the rows the pop that
 handed the job out had just read or written. The pop leaves them here, and the submit takes them
 instead of reading them back (PostgreSQL's one-statement submit; a submit that reaches another
-process, or comes after a restart, reads them as before).
+process, comes after a restart, or finds its job evicted reads them as before).
 
 Nothing a submit decides rests on this copy alone: its compare-and-set (`state = processing`) is
 checked by the statement that stores the result, so a job cancelled, faulted or already submitted
@@ -14,37 +14,76 @@ owner. The worker's speed samples are read by the statement itself, from the row
 
 from __future__ import annotations
 
+import threading
 import time
 from uuid import UUID
 
 from chat.models import Generation
 from contract.text import TEXT_JOB_LEASE_SECONDS
 
-# A bound on memory, far above what one process hands out in a lease (clearing only costs reads).
-_MAX_JOBS = 100_000
+# Memory bounds: jobs kept, and prompt characters kept (the prompt is most of a job's size; a
+# job evicted or never kept only costs its submit one read).
+HANDED_OUT_MAX_JOBS = 50_000
+HANDED_OUT_MAX_PROMPT_CHARS = 64 * 1024 * 1024
+# A job with a longer prompt is not kept (it would push out many others).
+HANDED_OUT_MAX_JOB_PROMPT_CHARS = 1024 * 1024
 
 
 class HandedOutJobs:
-    def __init__(self) -> None:
-        self._jobs: dict[UUID, tuple[float, Generation]] = {}
+    def __init__(
+        self,
+        *,
+        max_jobs: int = HANDED_OUT_MAX_JOBS,
+        max_chars: int = HANDED_OUT_MAX_PROMPT_CHARS,
+        max_job_chars: int = HANDED_OUT_MAX_JOB_PROMPT_CHARS,
+    ):
+        self.max_jobs = max_jobs
+        self.max_chars = max_chars
+        self.max_job_chars = max_job_chars
+        # In the order handed out, so the oldest are first to go.
+        self._jobs: dict[UUID, tuple[float, int, Generation]] = {}
+        self._chars = 0
+        self._lock = threading.Lock()
 
     def remember(self, generations: list[Generation]) -> None:
         """Generations just handed out, each with its request and worker (owner_id set) attached."""
-        if len(self._jobs) + len(generations) > _MAX_JOBS:
-            self._jobs.clear()
         now = time.monotonic()
-        for generation in generations:
-            self._jobs[generation.pk] = (now, generation)
+        with self._lock:
+            for generation in generations:
+                size = len(generation.request.prompt or "")
+                if size > self.max_job_chars:
+                    continue
+                self._jobs[generation.pk] = (now, size, generation)
+                self._chars += size
+            self._evict(now)
+
+    def _evict(self, now: float) -> None:
+        while self._jobs:
+            oldest = next(iter(self._jobs))
+            at, size, _ = self._jobs[oldest]
+            over = len(self._jobs) > self.max_jobs or self._chars > self.max_chars
+            if not over and now - at < TEXT_JOB_LEASE_SECONDS:
+                return
+            del self._jobs[oldest]
+            self._chars -= size
 
     def take(self, generation_id: UUID) -> Generation | None:
         """The job as handed out, once; None when this process did not hand it out within its lease."""
-        hit = self._jobs.pop(generation_id, None)
-        if hit is None or time.monotonic() - hit[0] >= TEXT_JOB_LEASE_SECONDS:
-            return None
-        return hit[1]
+        with self._lock:
+            hit = self._jobs.pop(generation_id, None)
+            if hit is None:
+                return None
+            self._chars -= hit[1]
+        at, _, generation = hit
+        return generation if time.monotonic() - at < TEXT_JOB_LEASE_SECONDS else None
+
+    def __len__(self) -> int:
+        return len(self._jobs)
 
     def clear(self) -> None:
-        self._jobs.clear()
+        with self._lock:
+            self._jobs.clear()
+            self._chars = 0
 
 
 handed_out = HandedOutJobs()
