@@ -18,6 +18,7 @@ from django.core.cache import caches  # noqa: E402
 from django.core.handlers.wsgi import WSGIHandler  # noqa: E402
 
 from hordesite.body_limits import BODY_LIMITS, BodyLimitMiddleware, too_large_body  # noqa: E402
+from hordesite.daphne_requests import use_requests_without_form_parsing  # noqa: E402
 from hordesite.hot_routes import HotRoutesASGI  # noqa: E402
 from oai.asgi import FrontASGI, front_django_handler  # noqa: E402
 from oai.horde_client import mount_native_app  # noqa: E402
@@ -60,6 +61,9 @@ application = ProtocolTypeRouter(
 # module's context: a backend made here is the one every request finds (with django-redis, one Redis
 # client for the process instead of a new client object for each request that reads the cache).
 caches["default"]
+
+# daphne hands bodies to the application raw: Twisted need not parse form posts first.
+use_requests_without_form_parsing()
 
 # The web process's threads mostly wait on sockets and run briefly between waits: a thread whose
 # answer arrived should not wait Python's default 5 ms for the interpreter.

@@ -1,0 +1,23 @@
+"""Bodies reach the application as sent: daphne's requests skip Twisted's form parsing
+(hordesite/daphne_requests.py), so a form-typed body gets the route's own answer, not Twisted's."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_a_multipart_body_twisted_cannot_parse_gets_the_routes_json_answer(live_horde):
+    response = httpx.post(
+        f"{live_horde.url}/api/v2/generate/text/pop",
+        content=b"not a multipart body",
+        headers={"Content-Type": "multipart/form-data; boundary=xyz"},
+        timeout=10,
+    )
+    # Twisted alone would answer a bare 400 with no body before the application saw the request.
+    assert response.status_code == 403
+    assert response.headers["content-type"] == "application/json"
+    assert response.json()["rc"] == "AnonForbiddenWorker"
+
