@@ -145,10 +145,11 @@ worker_rows = _WorkerRows()
 def worker_record_job(*, worker: Worker, tokens: int, seconds: float, kudos: Decimal) -> None:
     """A completed job: speed sample (last WORKER_SPEED_SAMPLES), counters and kudos earned.
 
-    The samples are those of the worker row the submit loaded; two submits of one worker in the
-    same instant may keep one sample of the two, which a rolling mean of 20 does not notice.
+    Called inside the transaction that stores the result. The samples are read there, with the
+    worker's row locked, so two submits of one worker in the same instant both keep theirs.
     """
-    samples = _speed_samples_after(worker, tokens=tokens, seconds=seconds)
+    stored = Worker.objects.select_for_update().filter(pk=worker.pk).values_list("speed_samples", flat=True)
+    samples = _speed_samples_after(next(iter(stored), None) or [], tokens=tokens, seconds=seconds)
     speed = sum(samples) / len(samples) if samples else None
     Worker.objects.filter(pk=worker.pk).update(
         speed_samples=samples,
@@ -181,8 +182,8 @@ def worker_record_job_cte(
     return ("worker_recorded", sql, [json.dumps(sample), json.dumps(sample), tokens, kudos, worker_id])
 
 
-def _speed_samples_after(worker: Worker, *, tokens: int, seconds: float) -> list[float]:
-    samples = list(worker.speed_samples or [])
+def _speed_samples_after(stored: list[float], *, tokens: int, seconds: float) -> list[float]:
+    samples = list(stored)
     if seconds > 0 and tokens > 0:
         samples = (samples + [round(tokens / seconds, 3)])[-WORKER_SPEED_SAMPLES:]
     return samples

@@ -8,6 +8,8 @@ import pytest
 from rest_framework.test import APIClient
 
 from accounts.models import KudosTransaction
+from tests.chat.chat_jobs import make_chat_request, make_chat_worker, pop_chat_job, reply
+from tests.chat.chat_jobs import submit as chat_submit
 from tests.conftest import Horde
 from tests.races import race
 from workers.models import Worker
@@ -62,3 +64,14 @@ def test_racing_submits_of_one_worker_each_keep_their_speed_sample(make_user):
     # Each sample is written from the row as locked by its own update: none lost to another's.
     assert worker.fulfilments == 4 and len(worker.speed_samples) == 4
     assert worker.speed == pytest.approx(sum(worker.speed_samples) / 4)
+
+
+def test_racing_chat_submits_of_one_worker_each_keep_their_speed_sample(make_user):
+    requester, owner = make_user("r", kudos=1000), make_user("o")
+    worker = make_chat_worker(owner.user)
+    jobs = [pop_chat_job(make_chat_request(requester.user), worker)[0] for _ in range(4)]
+    results = race([lambda job=job: chat_submit(APIClient(), owner.key, job.id, reply("A reply of some words.")) for job in jobs])
+    assert [r.status_code for r in results] == [200] * 4
+    worker.refresh_from_db()
+    # Each submit reads the samples with the worker's row locked: none lost to another's.
+    assert worker.fulfilments == 4 and len(worker.speed_samples) == 4
