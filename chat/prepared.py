@@ -25,8 +25,8 @@ from django.db import connection
 def _cached_conversion_query_class() -> type | None:
     """psycopg converts a query text to PostgreSQL's placeholders once per text, but only for texts
     under 4 KB; the pop's and the submit's are longer and were converted again on every call (a
-    fifth of a pop's and a submit's CPU outside the HTTP server, measured in process). Their texts are few, so this cursor's queries always use the cache.
-    None (psycopg's own class) if psycopg's internals have moved."""
+    fifth of their CPU outside the HTTP server, measured in process). Their texts are few, so this
+    cursor's queries always use the cache. None (psycopg's own class) if psycopg's internals moved."""
     from psycopg import _queries
 
     if not hasattr(_queries, "_query2pg") or not hasattr(_queries, "PostgresQuery"):

@@ -3,10 +3,9 @@
 Twisted's http.Request parses every POST body that declares a form type (urlencoded or
 multipart/form-data) into `request.args`, and to tell, parses every POST's Content-Type through the
 email package. daphne never reads `args`: it hands the raw body to the ASGI application, which parses
-it itself. So the parse is pure cost: about 0.1 ms of the event loop's time for each pop and
-submit (a tenth of what daphne spends on one outside the view), a second copy in memory of a large
-upload, and a bare HTML 400 from Twisted, before the application sees it, for a multipart body
-Twisted cannot parse. Twisted's own switch for this is the request's `parsePOSTFormSubmission`;
+it itself. So the parse is pure cost: 3.8% of daphne's interpreter time under the benchmark's pop
+load (py-spy), a second copy in memory of a large form upload, and a bare 400 with no body from
+Twisted, before the application sees it, for a multipart body Twisted cannot parse. Twisted's own switch for this is the request's `parsePOSTFormSubmission`;
 daphne makes its requests without it, so its request class is replaced by one that passes it.
 """
 
