@@ -308,3 +308,154 @@ def test_unknown_v1_paths_on_the_standalone_front(settings):
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "unknown_url"
     assert Client().get("/v1/openapi.json").status_code == 200
+
+
+# --- metrics -------------------------------------------------------------------------------------------
+
+
+def test_body_bytes_counts_every_body_received_whole(front, requester):
+    front.configure(allow_anonymous=False, max_body_bytes=1000)
+    bodies = [
+        (f"{front.live.v1}/completions", {"model": MODEL, "prompt": PROMPT}, {}),  # 401: no key
+        (f"{front.live.v1}/completions", {"model": MODEL, "prompt": PROMPT, "foo": 1}, {}),  # 400
+        (f"{front.live.v1}/chat/completions", {"model": MODEL, "messages": []}, {}),  # 400
+        (f"{front.live.v1}/embeddings", {"model": MODEL, "input": "x"}, {}),  # 404
+    ]
+    sizes = []
+    statuses = []
+    for url, body, _ in bodies:
+        content = json.dumps(body).encode()
+        sizes.append(len(content))
+        headers = {"Content-Type": "application/json"}
+        if "foo" in body or "messages" in body:
+            headers["Authorization"] = f"Bearer {requester.key}"
+        statuses.append(httpx.post(url, content=content, headers=headers, timeout=10).status_code)
+    assert statuses == [401, 400, 400, 404]
+    # Over the limit: a refusal (413), not a body received whole.
+    too_large = httpx.post(
+        f"{front.live.v1}/completions",
+        json={"model": MODEL, "prompt": "x" * 2000},
+        headers={"Authorization": f"Bearer {requester.key}"},
+        timeout=10,
+    )
+    assert too_large.status_code == 413
+    metrics = front.metrics()
+    [(attributes, (count, total))] = metrics["horde.oai.request.body_bytes"]
+    assert attributes == {} and (count, total) == (4, sum(sizes))
+    refused = {(a["horde.status_code"], a["horde.code"]): v for a, v in metrics["horde.oai.requests.refused"]}
+    assert refused[(401, "invalid_api_key")] == 1 and refused[(413, "RequestTooLarge")] == 1
+
+
+class DelayingProxy:
+    """A TCP relay in front of the live horde that holds back the answer to each request whose first
+    line starts with one of `delays` (a slow network or a slow root, nothing of the horde changed)."""
+
+    def __init__(self, upstream_port: int, delays: dict[bytes, float]):
+        import socket
+        import threading
+
+        self.upstream_port = upstream_port
+        self.delays = delays
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.port = self.listener.getsockname()[1]
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def root(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api/v2"
+
+    def close(self) -> None:
+        self.closed = True
+        self.listener.close()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self.closed:
+            try:
+                downstream, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            hold = {"seconds": 0.0}
+            threading.Thread(target=self._requests, args=(downstream, upstream, hold), daemon=True).start()
+            threading.Thread(target=self._answers, args=(upstream, downstream, hold), daemon=True).start()
+
+    def _requests(self, source, target, hold) -> None:
+        try:
+            while data := source.recv(65536):
+                for prefix, seconds in self.delays.items():
+                    if data.startswith(prefix):
+                        hold["seconds"] = seconds
+                target.sendall(data)
+        except OSError:
+            pass
+        finally:
+            target.close()
+
+    def _answers(self, source, target, hold) -> None:
+        import time
+
+        try:
+            while data := source.recv(65536):
+                if hold["seconds"]:
+                    time.sleep(hold["seconds"])
+                    hold["seconds"] = 0.0
+                target.sendall(data)
+        except OSError:
+            pass
+        finally:
+            target.close()
+
+
+@pytest.fixture
+def delaying_proxy(live_horde):
+    proxies = []
+
+    def make(delays: dict[bytes, float]) -> DelayingProxy:
+        proxy = DelayingProxy(live_horde.port, delays)
+        proxies.append(proxy)
+        return proxy
+
+    yield make
+    for proxy in proxies:
+        proxy.close()
+
+
+def test_a_status_read_the_budget_outlives_is_abandoned(front, client, delaying_proxy):
+    from chat.models import GenerationRequest
+
+    proxy = delaying_proxy({b"GET /api/v2/generate/text/status/": 4.0})
+    front.configure(native_roots=[proxy.root], nonstream_timeout_seconds=1.5)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32)
+    assert caught.value.status_code == 408 and caught.value.code == "ChatRequestTimeout"
+    durations = {
+        (a["horde.call_type"], a["horde.outcome"]): v for a, v in front.metrics()["horde.oai.native.duration"]
+    }
+    count, seconds = durations[("status", "abandoned")]
+    assert count == 1 and seconds < 1.5  # abandoned when the budget ended, not when the answer came
+    assert durations[("submit", "ok")][0] == 1
+    assert durations[("cancel", "ok")][0] == 1
+    assert GenerationRequest.objects.get().cancelled is True
+
+
+def test_a_lost_text_submit_is_not_sent_again(front, client, delaying_proxy):
+    from chat.models import GenerationRequest
+
+    proxy = delaying_proxy({b"POST /api/v2/generate/text/async": 3.0})
+    front.configure(native_roots=[proxy.root], native_timeout_seconds=1.0)
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32)
+    assert caught.value.status_code == 502
+    assert caught.value.body["metadata"] == {"submit_outcome": "unknown"}
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    metrics = front.metrics()
+    assert [v for _, v in metrics["horde.oai.submit.outcome_unknown"]] == [1]
+    call_types = {a["horde.call_type"] for a, _ in metrics["horde.oai.native.duration"]}
+    assert "recovery" not in call_types
+    assert GenerationRequest.objects.count() == 1  # the one submit landed; nothing was queued twice
