@@ -1,4 +1,5 @@
-"""The request lifecycle of POST /v1/chat/completions and GET /v1/models (spec: chat_front.md).
+"""The request lifecycle of POST /v1/chat/completions and GET /v1/models (spec: chat_front.md), and
+of POST /v1/completions, the same lifecycle over a native text request (docs/adr/0014-legacy-completions.md).
 
 One `FrontState` per process (per event loop): settings, metrics, the native client, the completion
 signal listener, the in-flight limiter and the failed cancels. A chat request is screened, admitted
@@ -62,7 +63,6 @@ NATIVE_FIELD_PARAMETERS = {
     "stop_sequence": "stop",
     "max_context_length": "horde.max_context_length",
     "rep_pen": "presence_penalty",
-    "models": "models",
     "trusted_workers": "horde.trusted_workers",
     "validated_backends": "horde.validated_backends",
     "slow_workers": "horde.slow_workers",

@@ -459,3 +459,71 @@ def test_a_lost_text_submit_is_not_sent_again(front, client, delaying_proxy):
     call_types = {a["horde.call_type"] for a, _ in metrics["horde.oai.native.duration"]}
     assert "recovery" not in call_types
     assert GenerationRequest.objects.count() == 1  # the one submit landed; nothing was queued twice
+
+
+def test_fail_fast_is_served_by_an_idle_worker_and_refused_without_one(client, start_text_worker):
+    fail_fast = {"horde": {"availability_mode": "fail_fast"}}
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, extra_body=fail_fast)
+    # The text status reports no eligible worker threads: no worker is refused by the grace.
+    assert caught.value.status_code == 503 and caught.value.code == "no_eligible_worker"
+    start_text_worker()
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, extra_body=fail_fast)
+    assert completion.choices[0].text == " there was a horde."
+
+
+@pytest.fixture
+def standalone_front(live_horde):
+    """`python -m oai` in its own process, over HTTP to the live horde."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    env.update(
+        HORDE_OAI_PORT=str(port),
+        HORDE_OAI_NATIVE_ROOTS=f"{live_horde.url}/api/v2",
+        HORDE_OAI_REDIS_URL="",
+        HORDE_OAI_POLL_SECONDS="0.1",
+        HORDE_OAI_FAIL_FAST_GRACE_SECONDS="1",
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "oai"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    yield url
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def test_standalone_front_serves_completions_and_404s_unknown_paths(
+    transactional_db, standalone_front, requester, start_text_worker
+):
+    from tests.oai.conftest import _restore_anonymous_user
+
+    _restore_anonymous_user()
+    start_text_worker()
+    sdk = openai.OpenAI(base_url=f"{standalone_front}/v1", api_key=requester.key, max_retries=0, timeout=30)
+    completion = sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32)
+    assert completion.choices[0].text == " there was a horde."
+    streamed = list(sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == " there was a horde."
+    with pytest.raises(openai.NotFoundError) as caught:
+        sdk.embeddings.create(model=MODEL, input="Hello")
+    assert caught.value.body["code"] == "unknown_url"
+    assert httpx.get(f"{standalone_front}/v1/openapi.json", timeout=10).status_code == 200
