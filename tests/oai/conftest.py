@@ -371,7 +371,9 @@ class ScribeTextWorker:
     model: str = MODEL
     max_length: int = 512
     max_context_length: int = 4096
-    generation: Callable[[dict[str, Any]], str] = field(default_factory=lambda: lambda job: " there was a horde.")
+    generation: Callable[[dict[str, Any]], str] = field(
+        default_factory=lambda: lambda job: " there was a horde."
+    )
     name: str = field(default_factory=lambda: f"scribe-{uuid.uuid4().hex[:6]}")
     jobs: list[dict[str, Any]] = field(default_factory=list)
     submits: list[httpx.Response] = field(default_factory=list)
@@ -410,7 +412,9 @@ class ScribeTextWorker:
             self._thread.join(10)
 
     def _run(self) -> None:
-        with httpx.Client(base_url=f"{self.live.url}/api/v2", headers={"apikey": self.key}, timeout=40) as client:
+        with httpx.Client(
+            base_url=f"{self.live.url}/api/v2", headers={"apikey": self.key}, timeout=40
+        ) as client:
             while not self._stop.is_set():
                 try:
                     response = client.post("/generate/text/pop", json=self.pop_body())
