@@ -1,4 +1,5 @@
-"""The request lifecycle of POST /v1/chat/completions and GET /v1/models (spec: chat_front.md).
+"""The request lifecycle of POST /v1/chat/completions and GET /v1/models (spec: chat_front.md), and
+of POST /v1/completions, the same lifecycle over a native text request (docs/adr/0014-legacy-completions.md).
 
 One `FrontState` per process (per event loop): settings, metrics, the native client, the completion
 signal listener, the in-flight limiter and the failed cancels. A chat request is screened, admitted
@@ -13,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import re
 import time
 import uuid
 import weakref
@@ -30,6 +32,13 @@ from oai.mapping import Completion, build_completion, build_model_card, build_na
 from oai.metrics import FrontMetrics
 from oai.schema import ChatCompletionRequest, parse_body, screen_request
 from oai.settings import FrontSettings, load_settings
+from oai.text_completions import (
+    TextCompletion,
+    TextCompletionRequest,
+    build_text_completion,
+    build_text_completion_events,
+    screen_text_request,
+)
 from oai.waiter import (
     NO_ELIGIBLE_WORKER_RETRY_AFTER_SECONDS,
     POSITIONED_READ_WAIT_SECONDS,
@@ -47,8 +56,19 @@ ANONYMOUS_API_KEY = "0000000000"
 HORDE_CHAT_REQUEST_EXPIRY_SECONDS = 20 * 60
 MAX_FAILED_CANCELS = 10_000
 FRONT_AT_CAPACITY_RETRY_AFTER_SECONDS = 2
-# Native text param keys that differ from the OpenAI parameter they come from.
-NATIVE_FIELD_PARAMETERS = {"max_length": "max_tokens", "stop_sequence": "stop"}
+# Native text param keys that differ from the OpenAI parameter they come from (the chat route's and
+# the text route's, whose sampler keys sit under params.).
+NATIVE_FIELD_PARAMETERS = {
+    "max_length": "max_tokens",
+    "stop_sequence": "stop",
+    "max_context_length": "horde.max_context_length",
+    "rep_pen": "presence_penalty",
+    "trusted_workers": "horde.trusted_workers",
+    "validated_backends": "horde.validated_backends",
+    "slow_workers": "horde.slow_workers",
+}
+# A native field path: its name, then any index suffix ("stop_sequence[0]").
+NATIVE_FIELD_PATTERN = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P<rest>.*)$")
 GAP_GUARANTEES = frozenset(
     {
         "tool_choice_enforced",
@@ -132,6 +152,8 @@ class RequestTrace:
     first_read_wait_time: float | None = None
     first_read_eligible_worker_threads: int | None = None
     finished: bool = False
+    # "Chat" for /v1/chat/completions, "Text" for /v1/completions (the finished line's first word).
+    kind: str = "Chat"
 
     def fields(self) -> dict[str, Any]:
         end = time.time()
@@ -172,9 +194,9 @@ class RequestTrace:
             return "none" if value is None else str(value)
 
         head = (
-            f"Chat request {f['request_id']} finished:"
+            f"{self.kind} request {f['request_id']} finished:"
             if f["request_id"]
-            else "Unsubmitted chat request finished:"
+            else f"Unsubmitted {self.kind.lower()} request finished:"
         )
         text = (
             f"{head} streamed={f['streamed']} submitted_at={n(f['submitted_at'])} woke_at={n(f['woke_at'])} "
@@ -228,9 +250,10 @@ class FrontState:
             if settings.redis_url
             else None
         )
-        # request id -> submit time (monotonic) of cancels to send again, oldest first.
-        self.failed_cancels: collections.OrderedDict[str, float] = collections.OrderedDict()
-        self.open_requests: dict[str, float] = {}
+        # request id -> (submit time (monotonic), text request) of cancels to send again, oldest first;
+        # a text request (POST /v1/completions) is cancelled on the native text route.
+        self.failed_cancels: collections.OrderedDict[str, tuple[float, bool]] = collections.OrderedDict()
+        self.open_requests: dict[str, tuple[float, bool]] = {}
         self._tasks: set[asyncio.Task] = set()
         self._retry_task: asyncio.Task | None = None
         self.started = False
@@ -326,13 +349,13 @@ async def _bounded(step, seconds: float) -> None:
         log.warning("front shutdown step did not finish cleanly: %r", error)
 
 
-async def _cancel_within_budget(state: FrontState, request_id: str) -> str:
-    submitted = state.open_requests.pop(request_id, time.monotonic())
-    outcome = await state.client.cancel(request_id)
+async def _cancel_within_budget(state: FrontState, request_id: str, *, text: bool = False) -> str:
+    submitted, text = state.open_requests.pop(request_id, (time.monotonic(), text))
+    outcome = await state.client.cancel(request_id, text=text)
     state.metrics.cancels.add(1, {"horde.outcome": outcome})
     if outcome in ("failed", "timed_out", "not_started"):
         state.ensure_cancel_retries()
-        state.failed_cancels[request_id] = submitted
+        state.failed_cancels[request_id] = (submitted, text)
         state.failed_cancels.move_to_end(request_id)
         while len(state.failed_cancels) > MAX_FAILED_CANCELS:
             state.failed_cancels.popitem(last=False)
@@ -341,11 +364,11 @@ async def _cancel_within_budget(state: FrontState, request_id: str) -> str:
 
 async def _retry_failed_cancels(state: FrontState) -> None:
     now = time.monotonic()
-    for request_id, submitted in list(state.failed_cancels.items()):
+    for request_id, (submitted, text) in list(state.failed_cancels.items()):
         if now - submitted > HORDE_CHAT_REQUEST_EXPIRY_SECONDS:
             state.failed_cancels.pop(request_id, None)
             continue
-        outcome = await state.client.cancel(request_id)
+        outcome = await state.client.cancel(request_id, text=text)
         state.metrics.cancels.add(1, {"horde.outcome": outcome})
         if outcome not in ("failed", "timed_out", "not_started"):
             state.failed_cancels.pop(request_id, None)
@@ -386,15 +409,41 @@ def _kudos_cap_error(message: str) -> ChatFrontError:
     )
 
 
-def _native_submit_error(answer: NativeAnswer, request: ChatCompletionRequest) -> ChatFrontError:
+def native_field_param(field: str, request: ChatCompletionRequest | TextCompletionRequest) -> str | None:
+    """The OpenAI param of a native schema failure's field: `params.stop_sequence[0]` is `stop[0]`
+    (`stop` when the client sent one string), `workers[1]` the horde list it came from."""
+    if field == "payload":
+        return None
+    field = field.removeprefix("params.")
+    match = NATIVE_FIELD_PATTERN.match(field)
+    if match is None:
+        return field
+    name, rest = match["name"], match["rest"]
+    if name == "workers":
+        return f"horde.{getattr(request, 'worker_list_key', None) or 'only'}{rest}"
+    if name == "models" and getattr(request, "model_key", "models") == "model":
+        return "model"
+    if name == "stop_sequence":
+        stop = (
+            request.stop_is_string
+            if isinstance(request, TextCompletionRequest)
+            else isinstance(request.chat.stop, str)
+        )
+        if stop and rest == "[0]":
+            return "stop"
+    return NATIVE_FIELD_PARAMETERS.get(name, name) + rest
+
+
+def _native_submit_error(
+    answer: NativeAnswer, request: ChatCompletionRequest | TextCompletionRequest
+) -> ChatFrontError:
     body = answer.body if isinstance(answer.body, dict) else {}
     status = answer.status
     rc = body.get("rc")
     message = body.get("message") or f"The AI Horde answered {status}."
     if status == 400 and isinstance(body.get("errors"), dict) and body["errors"]:
         field_name, text = next(iter(body["errors"].items()))
-        leaf = str(field_name).split(".")[-1]
-        param = NATIVE_FIELD_PARAMETERS.get(leaf, leaf if leaf != "payload" else None)
+        param = native_field_param(str(field_name), request)
         return ChatFrontError(400, "BadRequest", f"{message}: {text}", param=param, should_retry=False)
     if rc == "ChatKudosCapExceeded":
         return _kudos_cap_error(message)
@@ -533,6 +582,22 @@ class StreamAnswer:
     headers: dict[str, str]
 
 
+class _BudgetEnded(Exception):
+    """The request's budget ended while a native call was under way."""
+
+
+def _text_submit_lost() -> ChatFrontError:
+    return ChatFrontError(
+        502,
+        "HordeUnavailable",
+        "The AI Horde did not answer the submit: the text request may or may not be queued (the native text "
+        "route has no operation key to send it again safely).",
+        type="api_error",
+        should_retry=False,
+        metadata={"submit_outcome": "unknown"},
+    )
+
+
 class _Finished(Exception):
     def __init__(self, completion: Completion):
         self.completion = completion
@@ -544,7 +609,7 @@ class ChatRun:
     def __init__(
         self,
         state: FrontState,
-        request: ChatCompletionRequest,
+        request: ChatCompletionRequest | TextCompletionRequest,
         trace: RequestTrace,
         slot: InflightSlot,
         disconnected: asyncio.Event | None,
@@ -569,24 +634,32 @@ class ChatRun:
         self.done_without_generation_at: float | None = None
         self.first_read_at: float | None = None
         self.first_decided = not request.fail_fast
+        self.is_text = isinstance(request, TextCompletionRequest)
         self.cancelled = False
         self.closed = False
 
     # submit ---------------------------------------------------------------------------------------
 
     async def submit(self, api_key: str, headers: dict[str, str]) -> None:
-        operation_key = str(uuid.uuid4())
-        body = build_native_chat_body(self.request.native_body, operation_key=operation_key)
+        if self.is_text:  # the native text route has no operation key (docs/adr/0014-legacy-completions.md)
+            body = self.request.native_body
+        else:
+            body = build_native_chat_body(self.request.native_body, operation_key=str(uuid.uuid4()))
         native_headers = {"Client-Agent": build_client_agent(headers)}
         if api_key != ANONYMOUS_API_KEY:  # no key: the horde's anonymous user
             native_headers["apikey"] = api_key
         try:
-            answer = await self.state.client.submit(body, native_headers)
+            answer = await self._native(
+                "submit", self.state.client.submit(body, native_headers, text=self.is_text), bounded=False
+            )
         except NativeUnreachable as error:
             raise ChatFrontError(
                 503, "HordeUnavailable", f"The AI Horde could not be reached: {error}", type="api_error"
             ) from None
         except SubmitAnswerLost:
+            if self.is_text:
+                self.state.metrics.submit_outcome_unknown.add(1)
+                raise _text_submit_lost() from None
             answer = await self._recover_submit(body, native_headers)
         if not answer.ok:
             raise _native_submit_error(answer, self.request)
@@ -603,13 +676,15 @@ class ChatRun:
         self.trace.request_id = self.request_id
         self.trace.submitted_at = time.time()
         self.trace.submitted_mono = time.monotonic()
-        self.state.open_requests[self.request_id] = time.monotonic()
+        self.state.open_requests[self.request_id] = (time.monotonic(), self.is_text)
 
     async def _recover_submit(self, body: dict[str, Any], headers: dict[str, str]) -> NativeAnswer:
         """A submit whose answer was lost is sent again with the same operation key: the horde answers
         200 with the claim when the first one landed, 202 when it did not."""
         try:
-            answer = await self.state.client.submit(body, headers, call_type="recovery")
+            answer = await self._native(
+                "recovery", self.state.client.submit(body, headers, call_type="recovery"), bounded=False
+            )
         except (NativeUnreachable, SubmitAnswerLost):
             self.state.metrics.submit_outcome_unknown.add(1)
             raise ChatFrontError(
@@ -627,8 +702,31 @@ class ChatRun:
 
     # reads --------------------------------------------------------------------------------------
 
+    async def _native(self, call_type: str, call: Any, *, bounded: bool = True) -> Any:
+        """One native call of this request. A call the request stops waiting for, because its budget
+        ended first (`bounded`) or its client left, is recorded with outcome abandoned (the client
+        records every other outcome); the budget's end raises _BudgetEnded."""
+        started = time.perf_counter()
+        try:
+            if not bounded:
+                return await call
+            async with asyncio.timeout(self.budget.left()) as timeout:
+                try:
+                    return await call
+                except asyncio.CancelledError:
+                    if timeout.expired():
+                        raise _BudgetEnded from None
+                    raise
+        except _BudgetEnded:
+            self.state.metrics.native(call_type, "abandoned", time.perf_counter() - started)
+            raise
+        except asyncio.CancelledError:
+            self.state.metrics.native(call_type, "abandoned", time.perf_counter() - started)
+            raise
+
     async def start_wait(self) -> None:
-        listener = await self.state.ensure_listener()
+        # No completion signal is published for text requests: their waits poll.
+        listener = None if self.is_text else await self.state.ensure_listener()
         if listener is not None and listener.healthy:
             self.wake = await listener.register(self.request_id)
         self.watcher = ChatRequestWatcher(
@@ -643,7 +741,15 @@ class ChatRun:
         """One status read; raises _Finished or ChatFrontError, else returns the time the next read
         is due at the latest (None: the watcher's own schedule)."""
         try:
-            answer = await self.state.client.status(self.request_id)
+            answer = await self._native(
+                "status",
+                self.state.client.status(self.request_id, text=self.is_text),
+                bounded=source != WakeSource.DEADLINE,
+            )
+        except _BudgetEnded:
+            self.trace.wake_count += 1
+            self.state.metrics.wake(source, False, False)
+            raise await self._timeout() from None
         except NativeUnreachable:
             self.trace.wake_count += 1
             self.state.metrics.wake(source, False, False)
@@ -667,7 +773,8 @@ class ChatRun:
         if generations:
             self.trace.woke_at = time.time()
             self.trace.woke_by = str(source)
-            raise _Finished(Completion(self.request, self.request_id, self.created, status))
+            completion_class = TextCompletion if self.is_text else Completion
+            raise _Finished(completion_class(self.request, self.request_id, self.created, status))
         if status.get("faulted"):
             raise self._faulted(status)
         if source == WakeSource.DEADLINE:
@@ -795,12 +902,12 @@ class ChatRun:
         if self.cancelled or self.request_id is None:
             return
         self.cancelled = True
-        await _cancel_within_budget(self.state, self.request_id)
+        await _cancel_within_budget(self.state, self.request_id, text=self.is_text)
 
     def cancel_in_background(self) -> None:
         if not self.cancelled and self.request_id is not None:
             self.cancelled = True
-            self.state.spawn(_cancel_within_budget(self.state, self.request_id))
+            self.state.spawn(_cancel_within_budget(self.state, self.request_id, text=self.is_text))
 
     async def close(self) -> None:
         if self.closed:
@@ -877,6 +984,45 @@ async def chat_completions(
     disconnected: asyncio.Event | None = None,
 ) -> JsonAnswer | StreamAnswer:
     """POST /v1/chat/completions: the JSON answer, or the stream once the first read passed."""
+    return await _completions(
+        screen_request,
+        raw_body=raw_body,
+        api_key=api_key,
+        headers=headers,
+        source=source,
+        disconnected=disconnected,
+    )
+
+
+async def text_completions(
+    *,
+    raw_body: bytes,
+    api_key: str | None,
+    headers: dict[str, str],
+    source: str,
+    disconnected: asyncio.Event | None = None,
+) -> JsonAnswer | StreamAnswer:
+    """POST /v1/completions (OpenAI's legacy completions) over a native text request: the same
+    authentication, admission, wait, errors and cancels as chat completions."""
+    return await _completions(
+        screen_text_request,
+        raw_body=raw_body,
+        api_key=api_key,
+        headers=headers,
+        source=source,
+        disconnected=disconnected,
+    )
+
+
+async def _completions(
+    screen: Any,
+    *,
+    raw_body: bytes,
+    api_key: str | None,
+    headers: dict[str, str],
+    source: str,
+    disconnected: asyncio.Event | None,
+) -> JsonAnswer | StreamAnswer:
     state = await get_front_state()
     metrics = state.metrics
     if api_key is None:
@@ -892,11 +1038,10 @@ async def chat_completions(
             return _json_error(error)
         api_key = ANONYMOUS_API_KEY
     try:
-        request = screen_request(parse_body(raw_body))
+        request = screen(parse_body(raw_body))
     except ChatFrontError as error:
         metrics.refused(error.status, error.code)
         return _json_error(error)
-    metrics.body_bytes.record(len(raw_body))
     retry_count = headers.get("x-stainless-retry-count", "0")
     if retry_count.isdigit() and int(retry_count) > 0:
         metrics.client_retry_hints.add(1)
@@ -914,7 +1059,11 @@ async def chat_completions(
             )
         )
     metrics.requests_admitted.add(1, {"horde.streamed": request.stream})
-    trace = RequestTrace(streamed=request.stream, requested_model=",".join(request.requested_models))
+    trace = RequestTrace(
+        streamed=request.stream,
+        requested_model=",".join(request.requested_models),
+        kind="Text" if isinstance(request, TextCompletionRequest) else "Chat",
+    )
     run = ChatRun(state, request, trace, slot, disconnected)
     streaming_started = False
     try:
@@ -927,7 +1076,8 @@ async def chat_completions(
         if completion is None:
             completion = await run.wait(run._not_after)
         run.delivered(completion)
-        return JsonAnswer(200, build_completion(completion), {})
+        body = build_text_completion(completion) if run.is_text else build_completion(completion)
+        return JsonAnswer(200, body, {})
     except ChatFrontError as error:
         trace.fail(error)
         metrics.error(error.status, error.code, request.stream, error.reason)
@@ -972,7 +1122,8 @@ async def _stream_completion(run: ChatRun, completion: Completion | None) -> Asy
             except _Finished as finished:
                 completion = finished.completion
         run.delivered(completion)
-        for event in sse.build_completion_events(completion, include_usage=run.request.include_usage):
+        build_events = build_text_completion_events if run.is_text else sse.build_completion_events
+        for event in build_events(completion, include_usage=run.request.include_usage):
             yield event
     except ChatFrontError as error:
         run.trace.fail(error, after_headers=True)

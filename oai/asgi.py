@@ -6,6 +6,7 @@ waiting view:
 - admission of the body: a declared length over the limit is 413 before anything is read, a body
   that grows past it is 413 as soon as it does, and a body not received within
   body_read_timeout_seconds is 408 RequestBodyTimeout (Django would spool any body, however slow);
+- the size of each POST body received whole (horde.oai.request.body_bytes);
 - CORS: browser preflights are answered here, and every answer carries
   Access-Control-Allow-Origin: * and exposes Retry-After and x-should-retry;
 - disconnect: an `asyncio.Event` in scope["oai.disconnected"] is set the moment the server reports
@@ -116,7 +117,8 @@ class FrontASGI:
             return await self._preflight(send, headers)
         from oai.app import get_front_state
 
-        settings = (await get_front_state()).settings
+        state = await get_front_state()
+        settings = state.settings
         limit = settings.max_body_bytes
         declared = headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
@@ -147,6 +149,8 @@ class FrontASGI:
                 ),
             )
         body = b"".join(chunks)
+        if method == "POST":  # every body received whole, whatever the answer (a refusal included)
+            state.metrics.body_bytes.record(len(body))
         disconnected = asyncio.Event()
         scope = {**scope, "oai.body": body, "oai.disconnected": disconnected}
         replayed = False

@@ -35,6 +35,9 @@ from oai.settings import FrontSettings
 SUBMIT_PATH = "/generate/chat/async"
 STATUS_PATH = "/generate/chat/status/{id}"
 MODELS_PATH = "/status/models?type=text&chat=true"
+# POST /v1/completions is served over native text requests (docs/adr/0014-legacy-completions.md).
+TEXT_SUBMIT_PATH = "/generate/text/async"
+TEXT_STATUS_PATH = "/generate/text/status/{id}"
 
 
 # The native ASGI application of the process the front is mounted in, and the path it serves the
@@ -295,14 +298,16 @@ class HordeClient:
         return environ
 
     async def submit(
-        self, body: dict[str, Any], headers: dict[str, str], *, call_type: str = "submit"
+        self, body: dict[str, Any], headers: dict[str, str], *, call_type: str = "submit", text: bool = False
     ) -> NativeAnswer:
         # A lost answer already moved the current root on: the recovery goes to the next root.
-        return await self._send("POST", SUBMIT_PATH, call_type=call_type, json=body, headers=headers)
+        path = TEXT_SUBMIT_PATH if text else SUBMIT_PATH
+        return await self._send("POST", path, call_type=call_type, json=body, headers=headers)
 
-    async def status(self, request_id: str) -> NativeAnswer:
+    async def status(self, request_id: str, *, text: bool = False) -> NativeAnswer:
+        path = (TEXT_STATUS_PATH if text else STATUS_PATH).format(id=request_id)
         try:
-            return await self._send("GET", STATUS_PATH.format(id=request_id), call_type="status")
+            return await self._send("GET", path, call_type="status")
         except SubmitAnswerLost as error:
             raise NativeUnreachable(str(error)) from None
 
@@ -312,7 +317,7 @@ class HordeClient:
         except SubmitAnswerLost as error:
             raise NativeUnreachable(str(error)) from None
 
-    async def cancel(self, request_id: str) -> str:
+    async def cancel(self, request_id: str, *, text: bool = False) -> str:
         """DELETE the request within the cancel timeout; returns the outcome (acknowledged, failed,
         timed_out, not_started, already_gone)."""
         budget = self.settings.cancel_timeout_seconds
@@ -323,7 +328,7 @@ class HordeClient:
         try:
             answer = await self._send(
                 "DELETE",
-                STATUS_PATH.format(id=request_id),
+                (TEXT_STATUS_PATH if text else STATUS_PATH).format(id=request_id),
                 call_type="cancel",
                 timeout=budget,
                 client=self.cancel_http,

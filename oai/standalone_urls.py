@@ -8,8 +8,9 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView
 
 urlpatterns = [
-    path("v1/", include("oai.urls")),
+    # Before the OpenAI routes, whose last pattern answers every other /v1/ path with a 404.
     path("v1/openapi.json", SpectacularAPIView.as_view(), name="oai-openapi-schema"),
+    path("v1/", include("oai.urls")),
 ]
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from django.urls import path
+from django.urls import path, re_path
 
-from oai.views import ChatCompletionsView, ModelsView
+from oai.views import ChatCompletionsView, ModelsView, TextCompletionsView, unknown_path
 
 urlpatterns = [
     path("chat/completions", ChatCompletionsView.as_view()),
+    path("completions", TextCompletionsView.as_view()),
     path("models", ModelsView.as_view()),
+    # Last: every other /v1/ path is 404 in OpenAI's error shape.
+    re_path(r"^.*$", unknown_path),
 ]

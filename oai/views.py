@@ -1,4 +1,5 @@
-"""DRF (adrf async) views of the OpenAI routes: POST /v1/chat/completions and GET /v1/models.
+"""DRF (adrf async) views of the OpenAI routes: POST /v1/chat/completions, POST /v1/completions and
+GET /v1/models; every other /v1/ path is `unknown_path`'s 404 in OpenAI's error shape.
 
 DRF runs authentication (the Bearer key is the horde API key), the error envelope (OpenAI's, through
 `openai_exception_handler`) and the OpenAPI schema for them. A streamed answer is Django's async
@@ -12,7 +13,7 @@ import json
 from typing import Any
 
 from adrf.views import APIView
-from django.http import HttpResponse, StreamingHttpResponse
+from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import exceptions, serializers
@@ -200,26 +201,81 @@ class ChatCompletionsView(FrontView):
         ],
     )
     async def post(self, request, *args: Any, **kwargs: Any):
-        django_request = request._request
-        raw = django_request.scope.get("oai.body") if hasattr(django_request, "scope") else None
-        if raw is None:
-            raw = django_request.read()
-        state = await app.get_front_state()
-        headers = {key.lower(): value for key, value in request.headers.items()}
+        return await _completions_answer(app.chat_completions, request)
 
-        answer = await app.chat_completions(
-            raw_body=raw,
-            api_key=request.auth,
-            headers=headers,
-            source=client_source(django_request, state.settings.trusted_proxy_count),
-            disconnected=getattr(django_request, "scope", {}).get("oai.disconnected"),
-        )
-        if isinstance(answer, app.StreamAnswer):
-            response = StreamingHttpResponse(answer.events, content_type="text/event-stream")
-            response["Cache-Control"] = "no-cache"
-            response["X-Accel-Buffering"] = "no"
-            return response
-        return _response(answer)
+
+async def _completions_answer(serve: Any, request) -> HttpResponse:
+    """One completions request handed to `serve` (app.chat_completions or app.text_completions):
+    the JSON answer, or the event stream."""
+    django_request = request._request
+    raw = django_request.scope.get("oai.body") if hasattr(django_request, "scope") else None
+    if raw is None:
+        raw = django_request.read()
+    state = await app.get_front_state()
+    headers = {key.lower(): value for key, value in request.headers.items()}
+
+    answer = await serve(
+        raw_body=raw,
+        api_key=request.auth,
+        headers=headers,
+        source=client_source(django_request, state.settings.trusted_proxy_count),
+        disconnected=getattr(django_request, "scope", {}).get("oai.disconnected"),
+    )
+    if isinstance(answer, app.StreamAnswer):
+        response = StreamingHttpResponse(answer.events, content_type="text/event-stream")
+        response["Cache-Control"] = "no-cache"
+        response["X-Accel-Buffering"] = "no"
+        return response
+    return _response(answer)
+
+
+class TextCompletionsView(FrontView):
+    """POST /v1/completions (OpenAI's legacy completions, whole or streamed) over a native text request."""
+
+    @extend_schema(
+        operation_id="oai_completions",
+        tags=["openai"],
+        request=inline_serializer(
+            "TextCompletionRequest",
+            {
+                "model": serializers.CharField(required=False),
+                "models": serializers.ListField(child=serializers.CharField(), required=False),
+                "prompt": serializers.CharField(),
+                "max_tokens": serializers.IntegerField(required=False),
+                "temperature": serializers.FloatField(required=False),
+                "top_p": serializers.FloatField(required=False),
+                "stop": serializers.ListField(child=serializers.CharField(), required=False),
+                "stream": serializers.BooleanField(required=False),
+                "horde": serializers.DictField(required=False),
+            },
+        ),
+        responses={
+            200: OpenApiResponse(
+                description="text_completion, or text/event-stream of text_completion chunks"
+            ),
+            400: _ERROR,
+            401: _ERROR,
+            404: _ERROR,
+            408: _ERROR,
+            413: _ERROR,
+            429: _ERROR,
+            502: _ERROR,
+            503: _ERROR,
+        },
+        examples=[
+            OpenApiExample(
+                "once upon a time",
+                value={
+                    "model": "koboldcpp/LLaMA2-13B-Psyfighter2",
+                    "prompt": "Once upon a time",
+                    "max_tokens": 80,
+                },
+                request_only=True,
+            )
+        ],
+    )
+    async def post(self, request, *args: Any, **kwargs: Any):
+        return await _completions_answer(app.text_completions, request)
 
 
 class ModelsView(FrontView):
@@ -232,3 +288,15 @@ class ModelsView(FrontView):
     )
     async def get(self, request, *args: Any, **kwargs: Any):
         return _response(await app.list_models())
+
+
+async def unknown_path(request, *args: Any, **kwargs: Any) -> JsonResponse:
+    """Any other /v1/ path, whatever the method: 404 in OpenAI's error shape (OpenAI's own message)."""
+    error = ChatFrontError(
+        404,
+        "unknown_url",
+        f"Invalid URL ({request.method} {request.path}): the AI Horde serves /v1/chat/completions, "
+        "/v1/completions and /v1/models.",
+        should_retry=False,
+    )
+    return JsonResponse(error.body(), status=404, headers=error.headers())

@@ -354,3 +354,92 @@ def client(front, requester):
     sdk = openai.OpenAI(base_url=front.live.v1, api_key=requester.key, max_retries=0, timeout=30)
     yield sdk
     sdk.close()
+
+
+# --- a text worker, as the AI-Horde-Worker "scribe" runs one ----------------------------------------
+
+SCRIBE_BRIDGE_AGENT = "AI Horde Worker~unknown~kai:24:https://github.com/db0/AI-Horde-Worker"
+
+
+@dataclass
+class ScribeTextWorker:
+    """Pops text jobs with the scribe's body (only the apikey header) and submits
+    `{id, generation, seed: 0}`, as AI-Horde-Worker v24 does."""
+
+    live: LiveHorde
+    key: str
+    model: str = MODEL
+    max_length: int = 512
+    max_context_length: int = 4096
+    generation: Callable[[dict[str, Any]], str] = field(
+        default_factory=lambda: lambda job: " there was a horde."
+    )
+    name: str = field(default_factory=lambda: f"scribe-{uuid.uuid4().hex[:6]}")
+    jobs: list[dict[str, Any]] = field(default_factory=list)
+    submits: list[httpx.Response] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def pop_body(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "models": [self.model],
+            "max_length": self.max_length,
+            "max_context_length": self.max_context_length,
+            "priority_usernames": [],
+            "softprompts": [],
+            "bridge_agent": SCRIBE_BRIDGE_AGENT,
+            "threads": 1,
+        }
+
+    def check_in(self) -> None:
+        response = httpx.post(
+            f"{self.live.url}/api/v2/generate/text/pop",
+            json=self.pop_body(),
+            headers={"apikey": self.key},
+            timeout=10,
+        )
+        assert response.status_code == 200, response.text
+
+    def start(self) -> ScribeTextWorker:
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(10)
+
+    def _run(self) -> None:
+        with httpx.Client(
+            base_url=f"{self.live.url}/api/v2", headers={"apikey": self.key}, timeout=40
+        ) as client:
+            while not self._stop.is_set():
+                try:
+                    response = client.post("/generate/text/pop", json=self.pop_body())
+                except httpx.HTTPError:
+                    time.sleep(0.05)
+                    continue
+                job = response.json() if response.status_code == 200 else {}
+                if not job.get("id"):
+                    time.sleep(0.03)
+                    continue
+                self.jobs.append(job)
+                body = {"id": job["id"], "generation": self.generation(job), "seed": 0}
+                self.submits.append(client.post("/generate/text/submit", json=body))
+
+
+@pytest.fixture
+def start_text_worker(live_horde, worker_owner):
+    workers: list[ScribeTextWorker] = []
+
+    def start(**kwargs: Any) -> ScribeTextWorker:
+        worker = ScribeTextWorker(live=live_horde, key=worker_owner.key, **kwargs)
+        worker.check_in()
+        workers.append(worker.start())
+        return worker
+
+    yield start
+    for worker in workers:
+        worker.stop()

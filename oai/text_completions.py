@@ -1,0 +1,359 @@
+"""POST /v1/completions, OpenAI's legacy completions, over native text requests
+(docs/adr/0014-legacy-completions.md).
+
+Request side: `screen_text_request` refuses what the text API cannot serve (an unknown key, a chat-only
+horde option, more than one prompt, n above 1, echo/suffix/logprobs/best_of/logit_bias away from their
+defaults), applies the front's bounds shared with chat completions (oai.schema), and builds the native
+text body: the prompt unchanged, max_tokens as params.max_length, stop as params.stop_sequence,
+presence_penalty as rep_pen, the worker filters from the horde object.
+
+Reply side: `TextCompletion` is the delivered generation read from the native text status, with the
+stop sequence cut off as OpenAI does; `build_text_completion` writes the `text_completion` object and
+`build_text_completion_events` its stream chunks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from contract.chat_limits import CHAT_MAX_TOKENS_DEFAULT
+from contract.text import TEXT_MAX_CONTEXT_LENGTH_RANGE
+from oai.errors import ChatFrontError
+from oai.mapping import build_system_fingerprint, estimate_tokens
+from oai.schema import _bad, _check_models, _check_ranges, _is_number, _unsupported
+from oai.sse import DONE_EVENT
+
+# Keys validated and forwarded, or applied by the front (stream, stream_options, user, echo, seed).
+TEXT_REQUEST_FIELDS = frozenset(
+    {
+        "model",
+        "models",
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "stop",
+        "seed",
+        "n",
+        "stream",
+        "stream_options",
+        "user",
+        "echo",
+        "horde",
+    }
+)
+# Accepted only at their default (or null), then dropped: key -> its defaults.
+TEXT_DEFAULT_NO_OP_PARAMETERS: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,),
+    "suffix": ("",),
+    "logit_bias": ({},),
+    "logprobs": (),
+}
+# The horde options a text request has; the chat-only ones are refused at their path.
+TEXT_HORDE_KEYS = frozenset(
+    {
+        "availability_mode",
+        "max_context_length",
+        "only",
+        "ignore",
+        "trusted_workers",
+        "validated_backends",
+        "slow_workers",
+    }
+)
+AVAILABILITY_MODES = ("wait", "fail_fast")
+TEXT_COMPLETION_ID_PREFIX = "cmpl-"
+
+
+@dataclass
+class TextCompletionRequest:
+    """A screened legacy completions request and its native text body."""
+
+    models: list[str]
+    model_key: str
+    prompt: str
+    max_tokens: int
+    stop: list[str]
+    stop_is_string: bool
+    echo: bool
+    stream: bool
+    include_usage: bool
+    fail_fast: bool
+    worker_list_key: str | None
+    native_body: dict[str, Any] = field(default_factory=dict)
+
+    is_text = True
+
+    @property
+    def requested_models(self) -> list[str]:
+        return self.models
+
+
+def _type_error(param: str, expected: str) -> ChatFrontError:
+    return _bad(param, f"Invalid type for '{param}': expected {expected}.")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _refused_parameter(body: Mapping[str, Any]) -> ChatFrontError | None:
+    for key, value in body.items():
+        if key in TEXT_REQUEST_FIELDS:
+            continue
+        if key in TEXT_DEFAULT_NO_OP_PARAMETERS:
+            defaults = TEXT_DEFAULT_NO_OP_PARAMETERS[key]
+            if value is None or any(value == d and type(value) is type(d) for d in defaults):
+                continue
+            shown = ", ".join(json.dumps(d) for d in (*defaults, None))
+            return _unsupported(
+                key,
+                f"Unsupported value: '{key}' is not supported by the AI Horde's text completions; send it "
+                f"at its default ({shown}) or leave it out.",
+            )
+        return _unsupported(str(key), f"Unrecognized request argument supplied: {key}")
+    return None
+
+
+def _prompt(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        if len(value) == 1 and isinstance(value[0], str):
+            return value[0]
+        if len(value) > 1:
+            raise _unsupported(
+                "prompt",
+                f"'prompt' holds {len(value)} prompts; the AI Horde serves one prompt per request.",
+            )
+        if value and _is_int(value[0]):
+            raise _unsupported("prompt", "Token id prompts are not supported by the AI Horde: send text.")
+    raise _type_error("prompt", "a string or an array of one string")
+
+
+def _check_types(body: Mapping[str, Any]) -> None:
+    if "prompt" not in body:
+        raise _bad("prompt", "Missing required parameter: 'prompt'.")
+    for key in ("max_tokens", "n", "seed"):
+        if key in body and not _is_int(body[key]):
+            raise _type_error(key, "an integer")
+    for key in ("temperature", "top_p", "frequency_penalty", "presence_penalty"):
+        if key in body and not _is_number(body[key]):
+            raise _type_error(key, "a number")
+    for key in ("stream", "echo"):
+        if key in body and not isinstance(body[key], bool):
+            raise _type_error(key, "a boolean")
+    if "user" in body and not isinstance(body["user"], str):
+        raise _type_error("user", "a string")
+    stop = body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise _type_error("stop", "a string or an array of strings")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _type_error("model", "a string")
+    models = body.get("models")
+    if models is not None and not (
+        isinstance(models, list) and models and all(isinstance(m, str) for m in models)
+    ):
+        raise _type_error("models", "a non-empty array of strings")
+    if body.get("n", 1) > 1:
+        raise _unsupported("n", "Invalid 'n': the AI Horde serves one completion per request (n = 1).")
+
+
+def _check_horde(horde: Any) -> dict[str, Any]:
+    if not isinstance(horde, Mapping):
+        raise _type_error("horde", "an object")
+    horde = {key: value for key, value in horde.items() if value is not None}
+    for key in horde:
+        if key not in TEXT_HORDE_KEYS:
+            raise _unsupported(
+                f"horde.{key}",
+                f"Unsupported parameter: 'horde.{key}' is not served on /v1/completions (text requests); "
+                "use /v1/chat/completions for it.",
+            )
+    mode = horde.get("availability_mode", "wait")
+    if mode not in AVAILABILITY_MODES:
+        raise _bad(
+            "horde.availability_mode", "Invalid 'horde.availability_mode': expected 'wait' or 'fail_fast'."
+        )
+    for key in ("trusted_workers", "validated_backends", "slow_workers"):
+        if key in horde and not isinstance(horde[key], bool):
+            raise _type_error(f"horde.{key}", "a boolean")
+    if "max_context_length" in horde and not (
+        _is_int(horde["max_context_length"]) and horde["max_context_length"] > 0
+    ):
+        raise _type_error("horde.max_context_length", "a positive integer")
+    if "only" in horde and "ignore" in horde:
+        raise ChatFrontError(
+            400,
+            "ChatRequestConflict",
+            "Send one of 'horde.only' and 'horde.ignore', not both.",
+            param="horde.ignore",
+            should_retry=False,
+        )
+    for key in ("only", "ignore"):
+        listed = horde.get(key)
+        if listed is not None and not (
+            isinstance(listed, list) and listed and all(isinstance(i, str) and i for i in listed)
+        ):
+            raise _type_error(f"horde.{key}", "a non-empty array of worker ids")
+    return horde
+
+
+def screen_text_request(raw_body: Any) -> TextCompletionRequest:
+    """Screening, the front's bounds and the native text body; raises ChatFrontError with OpenAI's
+    message and param."""
+    if not isinstance(raw_body, Mapping):
+        raise _bad(None, "The request body has to be a JSON object.")
+    refused = _refused_parameter(raw_body)
+    if refused is not None:
+        raise refused
+    body = {
+        key: value
+        for key, value in raw_body.items()
+        if value is not None and key not in TEXT_DEFAULT_NO_OP_PARAMETERS
+    }
+    _check_types(body)
+    _check_models(body)
+    _check_ranges(body)
+    horde = _check_horde(body.get("horde", {}))
+    prompt = _prompt(body["prompt"])
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    max_tokens = body.get("max_tokens", CHAT_MAX_TOKENS_DEFAULT)
+    models = list(body["models"]) if "models" in body else [body["model"]]
+
+    params: dict[str, Any] = {"n": 1, "max_length": max_tokens}
+    # The context the request needs: its prompt (the horde's own estimate) and its completion, unless
+    # the client says; a worker with a smaller context cannot take it.
+    params["max_context_length"] = horde.get(
+        "max_context_length", max(TEXT_MAX_CONTEXT_LENGTH_RANGE[0], estimate_tokens(prompt) + max_tokens)
+    )
+    for key in ("temperature", "top_p"):
+        if key in body:
+            params[key] = body[key]
+    if stops:
+        params["stop_sequence"] = stops
+    if body.get("presence_penalty", 0) > 0:
+        # KoboldAI's repetition penalty, as KoboldAI Lite maps it to presence_penalty (rep_pen - 1).
+        params["rep_pen"] = 1 + body["presence_penalty"]
+    native: dict[str, Any] = {
+        "prompt": prompt,
+        "models": models,
+        "params": params,
+        "trusted_workers": horde.get("trusted_workers", False),
+        "validated_backends": horde.get("validated_backends", False),
+        "slow_workers": horde.get("slow_workers", True),
+    }
+    worker_list_key = "only" if "only" in horde else "ignore" if "ignore" in horde else None
+    if worker_list_key is not None:
+        native["workers"] = list(horde[worker_list_key])
+        native["worker_blacklist"] = worker_list_key == "ignore"
+    options = body.get("stream_options") or {}
+    return TextCompletionRequest(
+        models=models,
+        model_key="models" if "models" in body else "model",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        stop=stops,
+        stop_is_string=isinstance(stop, str),
+        echo=body.get("echo", False),
+        stream=body.get("stream", False),
+        include_usage=bool(options.get("include_usage")),
+        fail_fast=horde.get("availability_mode") == "fail_fast",
+        worker_list_key=worker_list_key,
+        native_body=native,
+    )
+
+
+# --- the reply ---------------------------------------------------------------------------------------
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """The text up to the first stop sequence (OpenAI leaves it out), and whether one was found."""
+    cuts = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    if not cuts:
+        return text, False
+    return text[: min(cuts)], True
+
+
+class TextCompletion:
+    """The delivered text generation, shared by the JSON body and the stream's chunks."""
+
+    estimated_usage = True  # a text worker reports no token counts
+    queue_wait = None  # the text status does not carry it
+
+    def __init__(
+        self, request: TextCompletionRequest, request_id: str, created: int, status: Mapping[str, Any]
+    ):
+        generation = status["generations"][0]
+        text, stopped = cut_at_stop(generation.get("text") or "", request.stop)
+        self.id = TEXT_COMPLETION_ID_PREFIX + request_id
+        self.created = created
+        self.model = generation.get("model") or request.models[0]
+        self.fingerprint = build_system_fingerprint(generation.get("worker_id"), generation.get("model"))
+        self.generated = text
+        self.text = request.prompt + text if request.echo else text
+        completion_tokens = estimate_tokens(text)
+        if generation.get("state") in ("censored", "csam"):
+            self.finish_reason = "content_filter"
+        elif not stopped and completion_tokens >= request.max_tokens:
+            self.finish_reason = "length"
+        else:
+            self.finish_reason = "stop"
+        prompt_tokens = estimate_tokens(request.prompt)
+        self.usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+    @property
+    def empty(self) -> bool:
+        return not self.generated
+
+
+def _object(completion: TextCompletion, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "id": completion.id,
+        "object": "text_completion",
+        "created": completion.created,
+        "model": completion.model,
+        "system_fingerprint": completion.fingerprint,
+        "choices": choices,
+    }
+
+
+def _choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+
+
+def build_text_completion(completion: TextCompletion) -> dict[str, Any]:
+    body = _object(completion, [_choice(completion.text, completion.finish_reason)])
+    body["usage"] = dict(completion.usage)
+    return body
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def build_text_completion_events(completion: TextCompletion, *, include_usage: bool) -> list[bytes]:
+    """The text chunk (when there is text), the finish chunk, the usage chunk when asked for, [DONE]."""
+    events = []
+    if completion.text:
+        events.append(_event(_object(completion, [_choice(completion.text, None)])))
+    events.append(_event(_object(completion, [_choice("", completion.finish_reason)])))
+    if include_usage:
+        usage_chunk = _object(completion, [])
+        usage_chunk["usage"] = dict(completion.usage)
+        events.append(_event(usage_chunk))
+    events.append(DONE_EVENT)
+    return events

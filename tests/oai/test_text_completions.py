@@ -1,0 +1,529 @@
+"""POST /v1/completions (OpenAI's legacy completions) over native text requests, with the real openai
+client and the programs that call it (LangChain's OpenAI class, KoboldAI Lite's text mode) against a
+live horde and a text worker popping as the AI-Horde-Worker scribe does (docs/adr/0014-legacy-completions.md)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.oai.conftest import MODEL
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Once upon a time"
+
+
+def test_whole_completion_through_the_openai_client(client, start_text_worker):
+    worker = start_text_worker()
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=64)
+    assert completion.object == "text_completion"
+    assert completion.id.startswith("cmpl-")
+    assert completion.model == MODEL
+    choice = completion.choices[0]
+    assert (choice.text, choice.index, choice.logprobs, choice.finish_reason) == (
+        " there was a horde.",
+        0,
+        None,
+        "stop",
+    )
+    assert completion.system_fingerprint.startswith("fp_")
+    assert completion.usage.prompt_tokens == 4 and completion.usage.completion_tokens == 5
+    assert completion.usage.total_tokens == 9
+    payload = worker.jobs[0]["payload"]
+    assert payload["prompt"] == PROMPT and payload["max_length"] == 64
+
+
+def test_streamed_completion_with_usage(client, start_text_worker):
+    start_text_worker()
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=64, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert all(c.object == "text_completion" for c in chunks)
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == " there was a horde."
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 9
+
+
+def test_stream_wire_ends_with_done_and_no_usage_unasked(front, requester, start_text_worker):
+    start_text_worker()
+    with httpx.stream(
+        "POST",
+        f"{front.live.v1}/completions",
+        json={"model": MODEL, "prompt": PROMPT, "stream": True},
+        headers={"Authorization": f"Bearer {requester.key}"},
+        timeout=20,
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    data = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+    assert lines[0].startswith(":")  # the opening comment, before the first read's decision
+    assert data[-1] == "[DONE]"
+    assert all("usage" not in json.loads(d) for d in data[:-1])
+
+
+def test_stop_sequence_is_cut_off_and_forwarded(client, start_text_worker):
+    worker = start_text_worker(generation=lambda job: " a dragon slept.\nYou: and then?")
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=64, stop="\nYou:")
+    assert completion.choices[0].text == " a dragon slept."
+    assert completion.choices[0].finish_reason == "stop"
+    assert worker.jobs[0]["payload"]["stop_sequence"] == ["\nYou:"]
+
+
+def test_length_finish_and_echo(client, start_text_worker):
+    start_text_worker(generation=lambda job: "x" * 64 * 4)
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=64, echo=True)
+    assert completion.choices[0].text == PROMPT + "x" * 256
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage.completion_tokens == 64
+
+
+# --- the programs' own requests ----------------------------------------------------------------------
+
+
+def test_langchain_openai_class_replay(client, start_text_worker):
+    """langchain_openai.OpenAI (1.x) calls `client.completions.create(prompt=[prompt], **params)` with its
+    default params, and streams with `prompt=prompt, stream=True`."""
+    worker = start_text_worker()
+    params = {
+        "model": MODEL,
+        "temperature": 0.7,
+        "top_p": 1,
+        "frequency_penalty": 0,
+        "presence_penalty": 0,
+        "n": 1,
+        "seed": None,
+        "logprobs": None,
+        "max_tokens": 256,
+    }
+    completion = client.completions.create(prompt=["Tell me a joke."], stop=["\n\n"], **params)
+    assert completion.choices[0].text == " there was a horde."
+    assert {"completion_tokens", "prompt_tokens", "total_tokens"} <= set(completion.usage.model_dump())
+    streamed = list(client.completions.create(prompt="Tell me a joke.", stream=True, **params))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == " there was a horde."
+    payload = worker.jobs[0]["payload"]
+    assert payload["prompt"] == "Tell me a joke."
+    assert payload["max_length"] == 256 and payload["temperature"] == 0.7 and payload["top_p"] == 1
+    assert payload["stop_sequence"] == ["\n\n"] and "rep_pen" not in payload
+
+
+LITE_BODY = {
+    # KoboldAI Lite's text mode ("OpenAI Compatible API", "Use ChatCompletions API" unticked): its
+    # default settings (max_length 768, temperature 0.75, top_p 0.92, rep_pen 1.05 sent as
+    # presence_penalty = rep_pen - 1, its first four stop sequences), streamed over SSE.
+    "max_tokens": 768,
+    "model": MODEL,
+    "temperature": 0.75,
+    "top_p": 0.92,
+    "stop": ["\nYou:", "\nKoboldAI:"],
+    "presence_penalty": 1.05 - 1.0,
+    "prompt": "\nYou: Hello there!\nKoboldAI:",
+    "stream": True,
+}
+
+
+def test_kobold_lite_text_mode_replay(front, requester, start_text_worker):
+    worker = start_text_worker(max_length=1024, generation=lambda job: " Hi! How can I help?\nYou: more")
+    origin = {"Origin": "null"}  # Lite from file://
+    preflight = httpx.options(
+        f"{front.live.v1}/completions",
+        headers={
+            **origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+    )
+    assert preflight.status_code == 204
+    assert "authorization" in preflight.headers["access-control-allow-headers"]
+    text = ""
+    with httpx.stream(
+        "POST",
+        f"{front.live.v1}/completions",
+        content=json.dumps(LITE_BODY),
+        headers={**origin, "Content-Type": "application/json", "Authorization": f"Bearer {requester.key}"},
+        timeout=30,
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["access-control-allow-origin"] == "*"
+        buffer = response.read().decode()
+    # As Lite parses it: every `data: <json>` event, reading choices[0].text.
+    for event in buffer.split("\n\n"):
+        if event.startswith("data: ") and event != "data: [DONE]":
+            data = json.loads(event[len("data: ") :])
+            if data["choices"] and data["choices"][0]["text"]:
+                text += data["choices"][0]["text"]
+    assert text == " Hi! How can I help?"
+    assert buffer.rstrip().endswith("data: [DONE]")
+    payload = worker.jobs[0]["payload"]
+    assert payload["prompt"] == LITE_BODY["prompt"] and payload["max_length"] == 768
+    assert payload["stop_sequence"] == ["\nYou:", "\nKoboldAI:"]
+    assert payload["rep_pen"] == pytest.approx(1.05) and payload["top_p"] == 0.92
+
+
+# --- refusals, in OpenAI's error shape -----------------------------------------------------------------
+
+REFUSALS = [
+    # (request keys, SDK exception, param, code)
+    ({"foo": 1}, openai.BadRequestError, "foo", "UnsupportedChatParameter"),
+    ({"n": 2}, openai.BadRequestError, "n", "UnsupportedChatParameter"),
+    ({"prompt": ["one", "two"]}, openai.BadRequestError, "prompt", "UnsupportedChatParameter"),
+    ({"prompt": [1, 2, 3]}, openai.BadRequestError, "prompt", "UnsupportedChatParameter"),
+    ({"prompt": 5}, openai.BadRequestError, "prompt", "BadRequest"),
+    ({"logprobs": 5}, openai.BadRequestError, "logprobs", "UnsupportedChatParameter"),
+    ({"best_of": 2}, openai.BadRequestError, "best_of", "UnsupportedChatParameter"),
+    ({"suffix": "The end."}, openai.BadRequestError, "suffix", "UnsupportedChatParameter"),
+    ({"logit_bias": {"50256": -100}}, openai.BadRequestError, "logit_bias", "UnsupportedChatParameter"),
+    ({"max_tokens": 8}, openai.BadRequestError, "max_tokens", "UnsupportedChatParameter"),
+    ({"temperature": 2.5}, openai.BadRequestError, "temperature", "UnsupportedChatParameter"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, openai.BadRequestError, "stop", "UnsupportedChatParameter"),
+    ({"models": [MODEL]}, openai.BadRequestError, "models", "ChatRequestConflict"),
+    ({"model": "a:b"}, openai.NotFoundError, "model", "model_not_found"),
+    ({"horde": {"include_reasoning": False}}, openai.BadRequestError, "horde.include_reasoning", None),
+    (
+        {"horde": {"availability_mode": "now"}},
+        openai.BadRequestError,
+        "horde.availability_mode",
+        "BadRequest",
+    ),
+    # Refused by the native text route, its field named as the client sent it.
+    ({"stop": ["\nYou:", ""]}, openai.BadRequestError, "stop[1]", "BadRequest"),
+    ({"stop": ""}, openai.BadRequestError, "stop", "BadRequest"),
+    ({"max_tokens": 5000}, openai.BadRequestError, "max_tokens", "BadRequest"),
+    ({"top_p": 0}, openai.BadRequestError, "top_p", "BadRequest"),
+    ({"horde": {"only": ["scribe-1"]}}, openai.BadRequestError, "horde.only[0]", "BadRequest"),
+    ({"horde": {"max_context_length": 10}}, openai.BadRequestError, "horde.max_context_length", "BadRequest"),
+]
+
+
+@pytest.mark.parametrize(("keys", "exception", "param", "code"), REFUSALS)
+def test_refusals(front, requester, keys, exception, param, code):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 32, **keys}
+    response = httpx.post(
+        f"{front.live.v1}/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {requester.key}"},
+        timeout=20,
+    )
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    assert response.headers["x-should-retry"] == "false"
+    # The SDK raises the class a client catches, with the same param.
+    sdk = openai.OpenAI(base_url=front.live.v1, api_key=requester.key, max_retries=0)
+    with pytest.raises(exception) as caught:
+        sdk.post("/completions", body=body, cast_to=object)
+    assert caught.value.body["param"] == param
+
+
+def test_chat_route_stop_refusal_names_the_openai_param(client, start_worker):
+    start_worker()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], stop=["x", ""]
+        )
+    assert caught.value.body["param"] == "stop[1]"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], stop="")
+    assert caught.value.body["param"] == "stop"
+
+
+def test_authentication(front, requester):
+    bad = openai.OpenAI(base_url=front.live.v1, api_key="not-a-horde-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        bad.completions.create(model=MODEL, prompt=PROMPT)
+    assert caught.value.body["type"] == "authentication_error"
+    front.configure(allow_anonymous=False)
+    response = httpx.post(f"{front.live.v1}/completions", json={"model": MODEL, "prompt": PROMPT}, timeout=10)
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_no_worker_is_503_after_the_grace_and_the_request_is_cancelled(client):
+    from chat.models import GenerationRequest
+
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32)
+    assert caught.value.status_code == 503 and caught.value.code == "no_eligible_worker"
+    assert caught.value.response.headers["retry-after"] == "30"
+    request = GenerationRequest.objects.get()
+    assert request.is_chat is False and request.cancelled is True
+
+
+def test_client_disconnect_cancels_the_text_request(front, requester):
+    import time
+
+    from chat.models import GenerationRequest
+
+    front.configure(fail_fast_grace_seconds=30.0)
+    with httpx.stream(
+        "POST",
+        f"{front.live.v1}/completions",
+        json={"model": MODEL, "prompt": PROMPT, "stream": True},
+        headers={"Authorization": f"Bearer {requester.key}"},
+        timeout=20,
+    ) as response:
+        assert response.status_code == 200
+        next(response.iter_lines())  # the stream is open: the request is queued
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not GenerationRequest.objects.filter(cancelled=True).exists():
+        time.sleep(0.1)
+    assert GenerationRequest.objects.get().cancelled is True
+
+
+# --- every other /v1 path --------------------------------------------------------------------------------
+
+
+def test_unknown_v1_paths_are_404_in_openai_shape(front, client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.embeddings.create(model=MODEL, input="Hello")
+    assert caught.value.body["code"] == "unknown_url"
+    assert caught.value.body["type"] == "invalid_request_error"
+    for method, path in (("GET", "/v1/"), ("POST", "/v1/engines/x/completions"), ("DELETE", "/v1/models/x")):
+        response = httpx.request(method, f"{front.live.url}{path}", timeout=10)
+        assert response.status_code == 404
+        assert response.json()["error"]["message"] == (
+            f"Invalid URL ({method} {path}): the AI Horde serves /v1/chat/completions, /v1/completions and "
+            "/v1/models."
+        )
+        assert response.headers["access-control-allow-origin"] == "*"
+    # A known path with another method keeps its 405, in the same shape.
+    response = httpx.get(f"{front.live.v1}/completions", timeout=10)
+    assert response.status_code == 405 and response.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_unknown_v1_paths_on_the_standalone_front(settings):
+    from django.test import Client
+
+    settings.ROOT_URLCONF = "oai.standalone_urls"
+    response = Client().post("/v1/embeddings", data={}, content_type="application/json")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "unknown_url"
+    assert Client().get("/v1/openapi.json").status_code == 200
+
+
+# --- metrics -------------------------------------------------------------------------------------------
+
+
+def test_body_bytes_counts_every_body_received_whole(front, requester):
+    front.configure(allow_anonymous=False, max_body_bytes=1000)
+    bodies = [
+        (f"{front.live.v1}/completions", {"model": MODEL, "prompt": PROMPT}, {}),  # 401: no key
+        (f"{front.live.v1}/completions", {"model": MODEL, "prompt": PROMPT, "foo": 1}, {}),  # 400
+        (f"{front.live.v1}/chat/completions", {"model": MODEL, "messages": []}, {}),  # 400
+        (f"{front.live.v1}/embeddings", {"model": MODEL, "input": "x"}, {}),  # 404
+    ]
+    sizes = []
+    statuses = []
+    for url, body, _ in bodies:
+        content = json.dumps(body).encode()
+        sizes.append(len(content))
+        headers = {"Content-Type": "application/json"}
+        if "foo" in body or "messages" in body:
+            headers["Authorization"] = f"Bearer {requester.key}"
+        statuses.append(httpx.post(url, content=content, headers=headers, timeout=10).status_code)
+    assert statuses == [401, 400, 400, 404]
+    # Over the limit: a refusal (413), not a body received whole.
+    too_large = httpx.post(
+        f"{front.live.v1}/completions",
+        json={"model": MODEL, "prompt": "x" * 2000},
+        headers={"Authorization": f"Bearer {requester.key}"},
+        timeout=10,
+    )
+    assert too_large.status_code == 413
+    metrics = front.metrics()
+    [(attributes, (count, total))] = metrics["horde.oai.request.body_bytes"]
+    assert attributes == {} and (count, total) == (4, sum(sizes))
+    refused = {(a["horde.status_code"], a["horde.code"]): v for a, v in metrics["horde.oai.requests.refused"]}
+    assert refused[(401, "invalid_api_key")] == 1 and refused[(413, "RequestTooLarge")] == 1
+
+
+class DelayingProxy:
+    """A TCP relay in front of the live horde that holds back the answer to each request whose first
+    line starts with one of `delays` (a slow network or a slow root, nothing of the horde changed)."""
+
+    def __init__(self, upstream_port: int, delays: dict[bytes, float]):
+        import socket
+        import threading
+
+        self.upstream_port = upstream_port
+        self.delays = delays
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.port = self.listener.getsockname()[1]
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def root(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api/v2"
+
+    def close(self) -> None:
+        self.closed = True
+        self.listener.close()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self.closed:
+            try:
+                downstream, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            hold = {"seconds": 0.0}
+            threading.Thread(target=self._requests, args=(downstream, upstream, hold), daemon=True).start()
+            threading.Thread(target=self._answers, args=(upstream, downstream, hold), daemon=True).start()
+
+    def _requests(self, source, target, hold) -> None:
+        try:
+            while data := source.recv(65536):
+                for prefix, seconds in self.delays.items():
+                    if data.startswith(prefix):
+                        hold["seconds"] = seconds
+                target.sendall(data)
+        except OSError:
+            pass
+        finally:
+            target.close()
+
+    def _answers(self, source, target, hold) -> None:
+        import time
+
+        try:
+            while data := source.recv(65536):
+                if hold["seconds"]:
+                    time.sleep(hold["seconds"])
+                    hold["seconds"] = 0.0
+                target.sendall(data)
+        except OSError:
+            pass
+        finally:
+            target.close()
+
+
+@pytest.fixture
+def delaying_proxy(live_horde):
+    proxies = []
+
+    def make(delays: dict[bytes, float]) -> DelayingProxy:
+        proxy = DelayingProxy(live_horde.port, delays)
+        proxies.append(proxy)
+        return proxy
+
+    yield make
+    for proxy in proxies:
+        proxy.close()
+
+
+def test_a_status_read_the_budget_outlives_is_abandoned(front, client, delaying_proxy):
+    from chat.models import GenerationRequest
+
+    proxy = delaying_proxy({b"GET /api/v2/generate/text/status/": 4.0})
+    front.configure(native_roots=[proxy.root], nonstream_timeout_seconds=1.5)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32)
+    assert caught.value.status_code == 408 and caught.value.code == "ChatRequestTimeout"
+    durations = {
+        (a["horde.call_type"], a["horde.outcome"]): v for a, v in front.metrics()["horde.oai.native.duration"]
+    }
+    count, seconds = durations[("status", "abandoned")]
+    assert count == 1 and seconds < 1.5  # abandoned when the budget ended, not when the answer came
+    assert durations[("submit", "ok")][0] == 1
+    assert durations[("cancel", "ok")][0] == 1
+    assert GenerationRequest.objects.get().cancelled is True
+
+
+def test_a_lost_text_submit_is_not_sent_again(front, client, delaying_proxy):
+    from chat.models import GenerationRequest
+
+    proxy = delaying_proxy({b"POST /api/v2/generate/text/async": 3.0})
+    front.configure(native_roots=[proxy.root], native_timeout_seconds=1.0)
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32)
+    assert caught.value.status_code == 502
+    assert caught.value.body["metadata"] == {"submit_outcome": "unknown"}
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    metrics = front.metrics()
+    assert [v for _, v in metrics["horde.oai.submit.outcome_unknown"]] == [1]
+    call_types = {a["horde.call_type"] for a, _ in metrics["horde.oai.native.duration"]}
+    assert "recovery" not in call_types
+    assert GenerationRequest.objects.count() == 1  # the one submit landed; nothing was queued twice
+
+
+def test_fail_fast_is_served_by_an_idle_worker_and_refused_without_one(client, start_text_worker):
+    fail_fast = {"horde": {"availability_mode": "fail_fast"}}
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, extra_body=fail_fast)
+    # The text status reports no eligible worker threads: no worker is refused by the grace.
+    assert caught.value.status_code == 503 and caught.value.code == "no_eligible_worker"
+    start_text_worker()
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, extra_body=fail_fast)
+    assert completion.choices[0].text == " there was a horde."
+
+
+@pytest.fixture
+def standalone_front(live_horde):
+    """`python -m oai` in its own process, over HTTP to the live horde."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    env.update(
+        HORDE_OAI_PORT=str(port),
+        HORDE_OAI_NATIVE_ROOTS=f"{live_horde.url}/api/v2",
+        HORDE_OAI_REDIS_URL="",
+        HORDE_OAI_POLL_SECONDS="0.1",
+        HORDE_OAI_FAIL_FAST_GRACE_SECONDS="1",
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "oai"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    yield url
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def test_standalone_front_serves_completions_and_404s_unknown_paths(
+    transactional_db, standalone_front, requester, start_text_worker
+):
+    from tests.oai.conftest import _restore_anonymous_user
+
+    _restore_anonymous_user()
+    start_text_worker()
+    sdk = openai.OpenAI(base_url=f"{standalone_front}/v1", api_key=requester.key, max_retries=0, timeout=30)
+    completion = sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32)
+    assert completion.choices[0].text == " there was a horde."
+    streamed = list(sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == " there was a horde."
+    with pytest.raises(openai.NotFoundError) as caught:
+        sdk.embeddings.create(model=MODEL, input="Hello")
+    assert caught.value.body["code"] == "unknown_url"
+    assert httpx.get(f"{standalone_front}/v1/openapi.json", timeout=10).status_code == 200
