@@ -50,8 +50,6 @@ CHAT_STREAM_PROGRESS_KEY = "stream_progress"
 CHAT_MAX_CONTEXT_LENGTH_DEFAULT = TEXT_MAX_CONTEXT_LENGTH_DEFAULT
 # The text path's character-based estimate: a token is about four characters.
 CHARS_PER_TOKEN_ESTIMATE = 4
-# The extra tool keys chat_extras may hold, in the shape the client sent.
-CHAT_EXTRA_TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
 
 NO_AVAILABLE_WORKER_WARNING = (
     "Warning: No available workers can fulfill this request. It will expire in 20 minutes unless a "

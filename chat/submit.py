@@ -215,18 +215,6 @@ def _settle(generation: Generation, *, state: str, tokens: int, reward: Decimal,
 # --- entry points ---------------------------------------------------------------------------
 
 
-def generation_submit(
-    *, user: HordeUser, generation_id: UUID, text: str, state: str, seed: int, gen_metadata: list
-) -> Decimal:
-    """A text-shaped submit (kept for callers of the text path)."""
-    return job_submit(
-        user=user,
-        generation_id=generation_id,
-        text=TextSubmit(text=text, state=state, seed=seed, gen_metadata=gen_metadata),
-        chat_body=None,
-    )
-
-
 def job_submit(
     *, user: HordeUser, generation_id: UUID, text: TextSubmit | None, chat_body: Mapping[str, Any] | None
 ) -> Decimal:

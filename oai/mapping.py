@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from oai.schema import (
+    FRONT_ONLY_KEYS,
     AssistantMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -32,7 +33,7 @@ def build_native_chat_body(body: Mapping[str, Any], *, operation_key: str | None
     tools and response_format at their default are dropped, and horde.operation_key is added."""
     native: dict[str, Any] = {}
     for key, value in body.items():
-        if value is None or key in ("stream", "stream_options", "user", "metadata"):
+        if value is None or key in FRONT_ONLY_KEYS:
             continue
         if key == "tools" and value == []:
             continue

@@ -42,18 +42,6 @@ class WakeSource(StrEnum):
     DISCONNECT = "disconnect"
 
 
-class NoEligibleWorkerError(Exception):
-    """No worker became eligible within the grace."""
-
-
-class DeclarationGapError(Exception):
-    """The status reports a declaration gap: no online worker declares what the request needs."""
-
-    def __init__(self, reason: dict[str, Any]):
-        super().__init__("declaration gap")
-        self.reason = reason
-
-
 @dataclass(eq=False)
 class Wake:
     """One request's wake-up flag, set by the listener for each message on its channel."""
