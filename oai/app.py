@@ -580,8 +580,13 @@ class ChatRun:
         native_headers = {"Client-Agent": build_client_agent(headers)}
         if api_key != ANONYMOUS_API_KEY:  # no key: the horde's anonymous user
             native_headers["apikey"] = api_key
+        native_headers.update(self.state.client.forwarding_headers(self.slot.source))
         try:
-            answer = await self.state.client.submit(body, native_headers)
+            answer = await self.state.client.submit(
+                body,
+                native_headers,
+                rate_limit_wait_seconds=min(self.settings.rate_limit_wait_seconds, self.budget.left()),
+            )
         except NativeUnreachable as error:
             raise ChatFrontError(
                 503, "HordeUnavailable", f"The AI Horde could not be reached: {error}", type="api_error"
