@@ -25,7 +25,13 @@ from contract.chat_policy import parse_kudos_cap_message
 from oai import sse
 from oai.attribution import build_client_agent
 from oai.errors import ChatFrontError
-from oai.horde_client import HordeClient, NativeAnswer, NativeUnreachable, SubmitAnswerLost
+from oai.horde_client import (
+    HordeClient,
+    NativeAnswer,
+    NativeUnreachable,
+    SubmitAnswerLost,
+    rate_limit_pause,
+)
 from oai.mapping import Completion, build_completion, build_model_card, build_native_chat_body
 from oai.metrics import FrontMetrics
 from oai.schema import ChatCompletionRequest, parse_body, screen_request
@@ -614,7 +620,16 @@ class ChatRun:
         """A submit whose answer was lost is sent again with the same operation key: the horde answers
         200 with the claim when the first one landed, 202 when it did not."""
         try:
-            answer = await self.state.client.submit(body, headers, call_type="recovery")
+            answer = await self.state.client.submit(
+                body,
+                headers,
+                call_type="recovery",
+                rate_limit_wait_seconds=min(self.settings.rate_limit_wait_seconds, self.budget.left()),
+            )
+            if rate_limit_pause(answer) is not None:
+                # The limits are counted before the operation key is looked up: this refusal does not
+                # say whether the first submit landed.
+                raise SubmitAnswerLost("the recovery was rate limited")
         except (NativeUnreachable, SubmitAnswerLost):
             self.state.metrics.submit_outcome_unknown.add(1)
             raise ChatFrontError(

@@ -452,6 +452,54 @@ def test_a_limit_that_cannot_be_read_fails_at_start(settings, name, value):
         validate_rate_limit_settings()
 
 
+# --- lost-submit recovery under the limits ---------------------------------------------------------
+
+
+@pytest.fixture
+def losing_root(live_horde):
+    """A first native root that forwards the submit to the horde and drops its answer."""
+    from http.server import ThreadingHTTPServer
+
+    from tests.oai.test_front import _LosingProxy
+
+    _LosingProxy.target = f"{live_horde.url}/api/v2"
+    _LosingProxy.seen = []
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _LosingProxy)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{proxy.server_address[1]}/api/v2"
+    proxy.shutdown()
+
+
+def test_a_recovery_waits_out_the_per_key_window(
+    front, live_horde, losing_root, requester, start_worker, settings
+):
+    """The limits are counted before the operation key is looked up, so the re-sent submit of a lost
+    answer meets the per-key limit its first send spent: it is sent again when the second has passed,
+    and finds the first one's claim."""
+    settings.HORDE_API_KEY_RATE_LIMITS = ["1/second"]
+    front.configure(native_roots=[losing_root, f"{live_horde.url}/api/v2"])
+    start_worker()
+    response = _completion(front.live.v1, requester.key, "127.0.0.2")
+    assert response.status_code == 200, response.text
+    assert len(_stored_addresses()) == 1
+    assert ({"horde.existing_claim": True}, 1) in front.metrics()["horde.oai.submit.recoveries"]
+
+
+def test_a_recovery_refused_by_a_long_window_is_an_unknown_outcome(
+    front, live_horde, losing_root, requester, start_worker, settings
+):
+    """A 429 to the re-sent submit does not say whether the first landed: not a plain 429, which a
+    client would retry as a new request."""
+    settings.HORDE_API_KEY_RATE_LIMITS = ["1/hour"]
+    front.configure(native_roots=[losing_root, f"{live_horde.url}/api/v2"])
+    start_worker()
+    _fresh_window()
+    response = _completion(front.live.v1, requester.key, "127.0.0.2")
+    assert response.status_code == 502 and response.headers["x-should-retry"] == "false"
+    assert response.json()["error"]["metadata"]["submit_outcome"] == "unknown"
+    assert len(_stored_addresses()) == 1  # the first submit did land
+
+
 # --- the standalone front ---------------------------------------------------------------------------
 
 
