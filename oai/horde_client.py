@@ -57,6 +57,8 @@ IN_PROCESS_THREADS = 16
 # is told this value (hordesite/asgi.py), so the mounted front forwards its clients' addresses
 # without one being configured.
 IN_PROCESS_PROXY_PASSKEY = secrets.token_urlsafe(32)
+# A rate-limited submit is sent again no sooner than this, whatever Retry-After says (0 would spin).
+RATE_LIMIT_MIN_PAUSE_SECONDS = 0.5
 
 
 def mount_native_app(app: Any, *, root_path: str = "/api/v2") -> None:
@@ -324,8 +326,8 @@ class HordeClient:
         rate_limit_wait_seconds: float = 0.0,
     ) -> NativeAnswer:
         """POST the chat submit. Refused by a rate limit whose window ends within
-        `rate_limit_wait_seconds`, it is sent again when the window has passed (the horde counted
-        nothing else of it: the limit is its first check)."""
+        `rate_limit_wait_seconds`, it is sent again when the window has passed (nothing was created:
+        the limits are the route's first check)."""
         deadline = time.monotonic() + rate_limit_wait_seconds
         while True:
             # A lost answer already moved the current root on: the recovery goes to the next root.
@@ -383,7 +385,7 @@ def rate_limit_pause(answer: NativeAnswer) -> float | None:
         seconds = float(answer.headers.get("Retry-After", ""))
     except ValueError:
         return None
-    return max(seconds, 0.0)
+    return max(seconds, RATE_LIMIT_MIN_PAUSE_SECONDS)
 
 
 def _json_bytes(value: Any) -> bytes:

@@ -452,6 +452,20 @@ def test_a_limit_that_cannot_be_read_fails_at_start(settings, name, value):
         validate_rate_limit_settings()
 
 
+def test_only_a_rate_limit_refusal_is_waited_out():
+    from oai.horde_client import NativeAnswer, rate_limit_pause
+
+    after = httpx.Headers({"Retry-After": "3"})
+    assert rate_limit_pause(NativeAnswer(429, {"rc": "RateLimited", "message": "..."}, after)) == 3
+    # The concurrency limit is not a window: waiting a few seconds would not lift it.
+    assert rate_limit_pause(NativeAnswer(429, {"rc": "TooManyPrompts", "message": "..."}, after)) is None
+    assert rate_limit_pause(NativeAnswer(429, {"rc": "RateLimited"}, httpx.Headers())) is None
+    assert rate_limit_pause(NativeAnswer(202, {"id": "x"}, after)) is None
+    assert (
+        rate_limit_pause(NativeAnswer(429, {"rc": "RateLimited"}, httpx.Headers({"Retry-After": "0"}))) == 0.5
+    )
+
+
 # --- lost-submit recovery under the limits ---------------------------------------------------------
 
 
