@@ -1,11 +1,16 @@
-"""Fixed-window rate limits per client address, in Redis when configured, else in process.
+"""Fixed-window rate limits of the generate routes, in Redis when configured, else in process.
 
-Limits use upstream's notation: "2/second", "90/minute". A Redis failure lets the request through:
+Limits use upstream's (flask-limiter's) notation: "2/second", "90/minute". Each route counts apart
+(its scope), per client address and per API key, as upstream's limiter does (spec chat_requests.md,
+Rate limits; docs/adr/0015-rate-limits-behind-a-front.md). A Redis failure lets the request through:
 limits protect the horde, they must not take it down with Redis.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
 import logging
 import threading
 import time
@@ -15,10 +20,14 @@ import redis
 from django.conf import settings
 
 from contract.errors import HordeError
+from contract.rate_limits import PROXIED_FOR_HEADER, PROXY_PASSKEY_HEADER
+from contract.text import ANONYMOUS_API_KEY
 
 log = logging.getLogger(__name__)
 
 PERIODS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
+_PROXY_PASSKEY_META = "HTTP_" + PROXY_PASSKEY_HEADER.upper().replace("-", "_")
+_PROXIED_FOR_META = "HTTP_" + PROXIED_FOR_HEADER.upper().replace("-", "_")
 
 
 def parse_limit(text: str) -> tuple[int, int]:
@@ -71,19 +80,44 @@ def reset_local_counts() -> None:
         _local.clear()
 
 
-def check_rate_limits(*, scope: str, client: str, limits: list[str]) -> None:
+def check_rate_limits(*, scope: str, client: str, limits: list[str], per: str = "client address") -> None:
     """Count one hit against every limit; raise 429 when any is exceeded."""
     for text in limits:
         allowed, period = parse_limit(text)
         window = int(time.time() // period)
         if _hit(f"horde:rl:{scope}:{allowed}/{period}:{client}:{window}", period) > allowed:
-            error = HordeError("RateLimited", f"Rate limit exceeded: {text} per client address.", status=429)
+            error = HordeError("RateLimited", f"Rate limit exceeded: {text} per {per}.", status=429)
             error.headers["Retry-After"] = str(period - int(time.time()) % period or 1)
             raise error
 
 
-def client_address(request) -> str:
-    """The client's address: the socket peer, or X-Forwarded-For behind trusted proxies."""
+# --- who is counted --------------------------------------------------------------------------------
+
+# Passkeys this process made for the front mounted in it (hordesite/asgi.py): its in-process calls
+# never leave the process, so no operator has to configure one for them.
+_process_passkeys: set[str] = set()
+
+
+def trust_process_passkey(passkey: str) -> None:
+    """Know `passkey` in this process, as if it were listed in HORDE_PROXY_PASSKEYS."""
+    if passkey:
+        _process_passkeys.add(passkey)
+
+
+def is_known_proxy_passkey(passkey: str) -> bool:
+    known = [*settings.HORDE_PROXY_PASSKEYS, *_process_passkeys]
+    return any(hmac.compare_digest(passkey.encode(), key.encode()) for key in known if key)
+
+
+def _normalised_address(value: str) -> str | None:
+    try:
+        return ipaddress.ip_address(value.strip()).compressed
+    except ValueError:
+        return None
+
+
+def peer_address(request) -> str:
+    """The socket peer, or X-Forwarded-For behind HORDE_TRUSTED_PROXY_COUNT trusted proxies."""
     hops = settings.HORDE_TRUSTED_PROXY_COUNT
     forwarded = request.META.get("HTTP_X_FORWARDED_FOR", "")
     if hops and forwarded:
@@ -91,3 +125,108 @@ def client_address(request) -> str:
         if chain:
             return chain[max(len(chain) - hops, 0)]
     return request.META.get("REMOTE_ADDR", "") or "unknown"
+
+
+def client_address(request) -> str:
+    """The address the rate limits count: the `Proxied-For` address of a request carrying a known
+    proxy passkey, else the peer address. An unknown passkey, or none, leaves `Proxied-For` unread."""
+    peer = peer_address(request)
+    passkey = request.META.get(_PROXY_PASSKEY_META, "").strip()
+    if not passkey:
+        return peer
+    if not is_known_proxy_passkey(passkey):
+        log.info("unknown proxy passkey from %s: %s ignored", peer, PROXIED_FOR_HEADER)
+        return peer
+    forwarded = request.META.get(_PROXIED_FOR_META, "")
+    address = _normalised_address(forwarded) if forwarded else None
+    if address is None:
+        if forwarded:
+            log.info("known proxy %s forwarded %r, not an address: counted as itself", peer, forwarded[:64])
+        return peer
+    return address
+
+
+@lru_cache(maxsize=8)
+def _networks(entries: tuple[str, ...]) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    return tuple(ipaddress.ip_network(entry.strip(), strict=False) for entry in entries if entry.strip())
+
+
+def is_whitelisted_service(address: str) -> bool:
+    """Whether HORDE_WHITELISTED_SERVICE_IPS lists `address` (an address or a network)."""
+    networks = _networks(tuple(settings.HORDE_WHITELISTED_SERVICE_IPS))
+    if not networks:
+        return False
+    try:
+        parsed = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(parsed in network for network in networks)
+
+
+# --- the generate routes' limits -------------------------------------------------------------------
+
+
+def _shortest_and_longest(limits: list[str]) -> list[str]:
+    if not limits:
+        return []
+    ordered = sorted(limits, key=lambda text: parse_limit(text)[1])
+    return [ordered[0]] if len(ordered) == 1 else [ordered[0], ordered[-1]]
+
+
+def chat_request_limits_per_ip() -> list[str]:
+    """HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP and HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP; an unset one
+    follows the text submit limit it stands beside (the short window the shortest of
+    HORDE_TEXT_ASYNC_RATE_LIMITS, the long window the longest)."""
+    short, long = (_shortest_and_longest(settings.HORDE_TEXT_ASYNC_RATE_LIMITS) + [None, None])[:2]
+    long = long or short
+    chosen = [
+        settings.HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP or short,
+        settings.HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP or long,
+    ]
+    return list(dict.fromkeys(text for text in chosen if text))
+
+
+def check_submit_rate_limits(request, *, scope: str, limits_per_ip: list[str]) -> str:
+    """Count one submit of a generate route (its own scope): per client address (a whitelisted
+    service address gets HORDE_WHITELISTED_SERVICE_RATE_LIMITS instead) and per API key (the
+    anonymous key has its own, higher limit, since everyone without a key shares it). Raises 429;
+    returns the counted client address."""
+    address = client_address(request)
+    if is_whitelisted_service(address):
+        limits_per_ip = settings.HORDE_WHITELISTED_SERVICE_RATE_LIMITS
+    check_rate_limits(scope=scope, client=address, limits=limits_per_ip)
+    key = request.META.get("HTTP_APIKEY", "").strip() or ANONYMOUS_API_KEY
+    key_limits = (
+        settings.HORDE_ANONYMOUS_KEY_RATE_LIMITS
+        if key == ANONYMOUS_API_KEY
+        else settings.HORDE_API_KEY_RATE_LIMITS
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    check_rate_limits(scope=f"{scope}:key", client=digest, limits=key_limits, per="API key")
+    return address
+
+
+def validate_rate_limit_settings() -> None:
+    """Refuse to start on a limit or whitelist entry that cannot be read."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    limits = {
+        "HORDE_TEXT_ASYNC_RATE_LIMITS": settings.HORDE_TEXT_ASYNC_RATE_LIMITS,
+        "HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP": [settings.HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP or "1/second"],
+        "HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP": [
+            settings.HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP or "1/second"
+        ],
+        "HORDE_WHITELISTED_SERVICE_RATE_LIMITS": settings.HORDE_WHITELISTED_SERVICE_RATE_LIMITS,
+        "HORDE_API_KEY_RATE_LIMITS": settings.HORDE_API_KEY_RATE_LIMITS,
+        "HORDE_ANONYMOUS_KEY_RATE_LIMITS": settings.HORDE_ANONYMOUS_KEY_RATE_LIMITS,
+    }
+    try:
+        for name, texts in limits.items():
+            for text in texts:
+                try:
+                    parse_limit(text)
+                except ValueError as error:
+                    raise ImproperlyConfigured(f"{name}: {error}") from None
+        _networks(tuple(settings.HORDE_WHITELISTED_SERVICE_IPS))
+    except ValueError as error:
+        raise ImproperlyConfigured(f"HORDE_WHITELISTED_SERVICE_IPS: {error}") from None

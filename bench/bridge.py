@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP="100000/second",
         HORDE_DEFAULT_CONCURRENCY="1000000",  # users made now: the whole backlog queued by one requester
         HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP="10000000/minute",
+        HORDE_API_KEY_RATE_LIMITS="100000/second",  # one requester key submits the whole load
         DEBUG="false",
         LOG_LEVEL="WARNING",
         PYTHONUNBUFFERED="1",

@@ -902,6 +902,7 @@ def main(argv: list[str] | None = None) -> int:
         "REDIS_URL",
         "CELERY_BROKER_URL",
         "HORDE_TEXT_ASYNC_RATE_LIMITS",
+        "HORDE_API_KEY_RATE_LIMITS",
         "HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP",
         "HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP",
         "HORDE_CHAT_ADMISSION_ENABLED",

@@ -175,6 +175,7 @@ def bench_env(args: argparse.Namespace, port: int) -> dict[str, str]:
         HORDE_TEXT_ASYNC_RATE_LIMITS="100000/second",
         HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP="100000/second",
         HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP="10000000/minute",
+        HORDE_API_KEY_RATE_LIMITS="100000/second",  # one requester key submits the whole load
         HORDE_DEFAULT_CONCURRENCY="1000000",  # users made now: every waiter queued by one requester
         HORDE_MAINTENANCE="false",
         PORT=str(port),

@@ -113,6 +113,7 @@ def bench_env(args: argparse.Namespace) -> dict[str, str]:
         REDIS_URL=args.redis_url,
         CELERY_BROKER_URL=args.redis_url,
         HORDE_TEXT_ASYNC_RATE_LIMITS="100000/second",
+        HORDE_API_KEY_RATE_LIMITS="100000/second",  # one requester key submits the whole load
         HORDE_MAINTENANCE="false",
         DEBUG="false",
         LOG_LEVEL="WARNING",
@@ -754,6 +755,7 @@ def main(argv: list[str] | None = None) -> int:
         "REDIS_URL",
         "CELERY_BROKER_URL",
         "HORDE_TEXT_ASYNC_RATE_LIMITS",
+        "HORDE_API_KEY_RATE_LIMITS",
         "HORDE_MAINTENANCE",
         "DEBUG",
         "LOG_LEVEL",

@@ -17,11 +17,12 @@ from django.conf import settings  # noqa: E402
 from django.core.cache import caches  # noqa: E402
 from django.core.handlers.wsgi import WSGIHandler  # noqa: E402
 
+from accounts.ratelimit import trust_process_passkey  # noqa: E402
 from hordesite.body_limits import BODY_LIMITS, BodyLimitMiddleware, too_large_body  # noqa: E402
 from hordesite.daphne_requests import use_requests_without_form_parsing  # noqa: E402
 from hordesite.hot_routes import HotRoutesASGI  # noqa: E402
 from oai.asgi import FrontASGI, front_django_handler  # noqa: E402
-from oai.horde_client import mount_native_app  # noqa: E402
+from oai.horde_client import IN_PROCESS_PROXY_PASSKEY, mount_native_app  # noqa: E402
 
 
 def native_in_process_app(app):
@@ -43,6 +44,8 @@ def native_in_process_app(app):
 # The front mounted here calls this process's native API in process, not back over TCP, unless
 # HORDE_OAI_NATIVE_ROOTS points it elsewhere (docs/adr/0008-oai-native-calls-in-process.md).
 mount_native_app(native_in_process_app(WSGIHandler()), root_path="/api/v2")
+# Its in-process submits forward their clients' addresses with this process's own passkey.
+trust_process_passkey(IN_PROCESS_PROXY_PASSKEY)
 
 # /v1/ (the OpenAI front, mounted for the one-machine default) passes the front's ASGI layer first:
 # its body admission (413, 408), CORS and disconnect notice, then Django with the front's own

@@ -213,8 +213,21 @@ HORDE_TRUSTED_PROXY_COUNT = env.int("HORDE_TRUSTED_PROXY_COUNT", default=0)
 
 # --- Chat requests --------------------------------------------------------------------------
 HORDE_CHAT_ADMISSION_ENABLED = env.bool("HORDE_CHAT_ADMISSION_ENABLED", default=True)
-# Unset, each follows the text submit limits (spec: Rate limits).
-HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP = env.str("HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP", default="2/second")
-HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP = env.str("HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP", default="90/minute")
+# Unset, each follows the text submit limit (spec: Rate limits; accounts.ratelimit.chat_request_limits_per_ip).
+HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP = env.str("HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP", default="") or None
+HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP = env.str("HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP", default="") or None
 # The completion signal's Redis (default: REDIS_URL); tests point it elsewhere to show Redis down.
 HORDE_CHAT_SIGNAL_REDIS_URL = env.str("HORDE_CHAT_SIGNAL_REDIS_URL", default="") or None
+
+# --- Rate limits of the generate routes (accounts/ratelimit.py; docs/adr/0015) ----------------
+# Passkeys of the fronts whose Proxied-For address counts instead of their own (Proxy-Authorization).
+HORDE_PROXY_PASSKEYS = env.list("HORDE_PROXY_PASSKEYS", default=[])
+# Service addresses (or networks) with the whitelisted per-address limits, as upstream's
+# WHITELISTED_SERVICE_IPS.
+HORDE_WHITELISTED_SERVICE_IPS = env.list("HORDE_WHITELISTED_SERVICE_IPS", default=[])
+HORDE_WHITELISTED_SERVICE_RATE_LIMITS = env.list(
+    "HORDE_WHITELISTED_SERVICE_RATE_LIMITS", default=["10/second", "300/minute"]
+)
+# Per API key and route; the anonymous key, which everyone without a key shares, has its own.
+HORDE_API_KEY_RATE_LIMITS = env.list("HORDE_API_KEY_RATE_LIMITS", default=["2/second"])
+HORDE_ANONYMOUS_KEY_RATE_LIMITS = env.list("HORDE_ANONYMOUS_KEY_RATE_LIMITS", default=["60/second"])

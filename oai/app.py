@@ -27,7 +27,13 @@ from contract.chat_policy import parse_kudos_cap_message
 from oai import sse
 from oai.attribution import build_client_agent
 from oai.errors import ChatFrontError
-from oai.horde_client import HordeClient, NativeAnswer, NativeUnreachable, SubmitAnswerLost
+from oai.horde_client import (
+    HordeClient,
+    NativeAnswer,
+    NativeUnreachable,
+    SubmitAnswerLost,
+    rate_limit_pause,
+)
 from oai.mapping import Completion, build_completion, build_model_card, build_native_chat_body
 from oai.metrics import FrontMetrics
 from oai.schema import ChatCompletionRequest, parse_body, screen_request
@@ -648,9 +654,17 @@ class ChatRun:
         native_headers = {"Client-Agent": build_client_agent(headers)}
         if api_key != ANONYMOUS_API_KEY:  # no key: the horde's anonymous user
             native_headers["apikey"] = api_key
+        native_headers.update(self.state.client.forwarding_headers(self.slot.source))
         try:
             answer = await self._native(
-                "submit", self.state.client.submit(body, native_headers, text=self.is_text), bounded=False
+                "submit",
+                self.state.client.submit(
+                    body,
+                    native_headers,
+                    text=self.is_text,
+                    rate_limit_wait_seconds=min(self.settings.rate_limit_wait_seconds, self.budget.left()),
+                ),
+                bounded=False,
             )
         except NativeUnreachable as error:
             raise ChatFrontError(
@@ -683,8 +697,19 @@ class ChatRun:
         200 with the claim when the first one landed, 202 when it did not."""
         try:
             answer = await self._native(
-                "recovery", self.state.client.submit(body, headers, call_type="recovery"), bounded=False
+                "recovery",
+                self.state.client.submit(
+                    body,
+                    headers,
+                    call_type="recovery",
+                    rate_limit_wait_seconds=min(self.settings.rate_limit_wait_seconds, self.budget.left()),
+                ),
+                bounded=False,
             )
+            if rate_limit_pause(answer) is not None:
+                # The limits are counted before the operation key is looked up: this refusal does not
+                # say whether the first submit landed.
+                raise SubmitAnswerLost("the recovery was rate limited")
         except (NativeUnreachable, SubmitAnswerLost):
             self.state.metrics.submit_outcome_unknown.add(1)
             raise ChatFrontError(

@@ -13,6 +13,13 @@ a TCP round trip back into the process (docs/adr/0008-oai-native-calls-in-proces
 its headers, the native views and their answers are the same; the call slots, the native timeout
 (an answer that does not come in time is a lost answer) and the metrics apply alike. Root rotation
 does not apply: there is one application.
+
+Rate limits: a front's users all reach the horde from the front's address. With a passkey the horde
+knows (HORDE_OAI_PROXY_PASSKEY over HTTP; in process, the passkey this process made, which
+hordesite/asgi.py gives the horde), each submit carries `Proxy-Authorization` and, in `Proxied-For`,
+its client's address, and the horde counts that address instead. A submit the horde's short-window
+limit refuses (429 RateLimited, Retry-After) is sent again once the window has passed, within
+HORDE_OAI_RATE_LIMIT_WAIT_SECONDS (docs/adr/0015-rate-limits-behind-a-front.md).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import concurrent.futures
 import io
 import json as jsonlib
 import logging
+import secrets
 import sys
 import time
 from dataclasses import dataclass
@@ -29,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from contract.rate_limits import PROXIED_FOR_HEADER, PROXY_PASSKEY_HEADER
 from oai.metrics import FrontMetrics
 from oai.settings import FrontSettings
 
@@ -47,6 +56,12 @@ _native_app_root = "/api/v2"
 # Threads of the in-process calls: each runs one native request start to end (its views are sync
 # and use the database; more threads than the horde's database pool would only wait on it).
 IN_PROCESS_THREADS = 16
+# The passkey of this process's in-process calls: they never leave the process, and the horde in it
+# is told this value (hordesite/asgi.py), so the mounted front forwards its clients' addresses
+# without one being configured.
+IN_PROCESS_PROXY_PASSKEY = secrets.token_urlsafe(32)
+# A rate-limited submit is sent again no sooner than this, whatever Retry-After says (0 would spin).
+RATE_LIMIT_MIN_PAUSE_SECONDS = 0.5
 
 
 def mount_native_app(app: Any, *, root_path: str = "/api/v2") -> None:
@@ -297,12 +312,35 @@ class HordeClient:
                 environ["HTTP_" + key] = value
         return environ
 
+    def forwarding_headers(self, client_address: str | None) -> dict[str, str]:
+        """The headers that make the horde count `client_address` instead of this front's address:
+        none without a passkey or without a known address."""
+        passkey = IN_PROCESS_PROXY_PASSKEY if self.in_process else self.settings.proxy_passkey
+        if not passkey or not client_address or client_address == "unknown":
+            return {}
+        return {PROXY_PASSKEY_HEADER: passkey, PROXIED_FOR_HEADER: client_address}
+
     async def submit(
-        self, body: dict[str, Any], headers: dict[str, str], *, call_type: str = "submit", text: bool = False
+        self,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        *,
+        call_type: str = "submit",
+        text: bool = False,
+        rate_limit_wait_seconds: float = 0.0,
     ) -> NativeAnswer:
-        # A lost answer already moved the current root on: the recovery goes to the next root.
+        """POST the chat submit (the text submit with `text`). Refused by a rate limit whose window
+        ends within `rate_limit_wait_seconds`, it is sent again when the window has passed (nothing
+        was created: the limits are the route's first check)."""
         path = TEXT_SUBMIT_PATH if text else SUBMIT_PATH
-        return await self._send("POST", path, call_type=call_type, json=body, headers=headers)
+        deadline = time.monotonic() + rate_limit_wait_seconds
+        while True:
+            # A lost answer already moved the current root on: the recovery goes to the next root.
+            answer = await self._send("POST", path, call_type=call_type, json=body, headers=headers)
+            pause = rate_limit_pause(answer)
+            if pause is None or time.monotonic() + pause > deadline:
+                return answer
+            await asyncio.sleep(pause)
 
     async def status(self, request_id: str, *, text: bool = False) -> NativeAnswer:
         path = (TEXT_STATUS_PATH if text else STATUS_PATH).format(id=request_id)
@@ -342,6 +380,18 @@ class HordeClient:
         if answer.status == 404:
             return "already_gone"
         return "acknowledged" if answer.ok else "failed"
+
+
+def rate_limit_pause(answer: NativeAnswer) -> float | None:
+    """Seconds until the horde's rate limit admits the call again: its 429 RateLimited's
+    Retry-After; None for any other answer."""
+    if answer.status != 429 or not isinstance(answer.body, dict) or answer.body.get("rc") != "RateLimited":
+        return None
+    try:
+        seconds = float(answer.headers.get("Retry-After", ""))
+    except ValueError:
+        return None
+    return max(seconds, RATE_LIMIT_MIN_PAUSE_SECONDS)
 
 
 def _json_bytes(value: Any) -> bytes:

@@ -74,6 +74,11 @@ class FrontSettings:
     max_inflight_per_source: int = 50
     trusted_proxy_count: int = 0
     allow_anonymous: bool = True
+    # Rate limits (docs/adr/0015): the passkey the horde knows this front by (HORDE_PROXY_PASSKEYS),
+    # sent with each submit's client address; and how long a submit may wait out the horde's
+    # short-window rate limit before its 429 reaches the client.
+    proxy_passkey: str = ""
+    rate_limit_wait_seconds: float = 5.0
     # Standalone process.
     host: str = "127.0.0.1"
     port: int = 8001
@@ -116,6 +121,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> FrontSettings:
         max_inflight_per_source=_int(env, "HORDE_OAI_MAX_INFLIGHT_PER_SOURCE", 50),
         trusted_proxy_count=_int(env, "HORDE_OAI_TRUSTED_PROXY_COUNT", 0),
         allow_anonymous=_bool(env, "HORDE_OAI_ALLOW_ANONYMOUS", True),
+        # Rate limits.
+        proxy_passkey=(env.get("HORDE_OAI_PROXY_PASSKEY") or "").strip(),
+        rate_limit_wait_seconds=_float(env, "HORDE_OAI_RATE_LIMIT_WAIT_SECONDS", 5.0),
         host=env.get("HORDE_OAI_HOST") or "127.0.0.1",
         port=_int(env, "HORDE_OAI_PORT", 8001),
         telemetry_enabled=_bool(env, "HORDE_OAI_TELEMETRY_ENABLED", False),

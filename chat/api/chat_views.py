@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 
-from django.conf import settings
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework.exceptions import ParseError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.api.callers import requester
-from accounts.ratelimit import check_rate_limits, client_address
+from accounts.ratelimit import chat_request_limits_per_ip, check_submit_rate_limits
 from chat import chat_create, chat_selectors
 from chat.api import chat_serializers as cs
 from contract.chat_errors import ChatRefusal
@@ -103,15 +102,7 @@ class ChatAsyncView(APIView):
         },
     )
     def post(self, request):
-        address = client_address(request)
-        check_rate_limits(
-            scope="chat_async",
-            client=address,
-            limits=[
-                settings.HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP,
-                settings.HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP,
-            ],
-        )
+        address = check_submit_rate_limits(request, scope="chat_async", limits_per_ip=chat_request_limits_per_ip())
         body = parse_chat_body(read_chat_request_body(request._request))
         try:
             chat = validate_chat_request(body)

@@ -8,7 +8,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.api.callers import registered_caller, requester
-from accounts.ratelimit import check_rate_limits, client_address
+from accounts.ratelimit import check_submit_rate_limits
 from chat import selectors, services
 from chat.api import serializers as s
 from contract.errors import HordeError
@@ -23,8 +23,8 @@ class TextAsyncView(APIView):
 
     @extend_schema(request=s.TextAsyncInputSerializer, responses={202: s.TextAsyncOutputSerializer})
     def post(self, request):
-        check_rate_limits(
-            scope="text_async", client=client_address(request), limits=settings.HORDE_TEXT_ASYNC_RATE_LIMITS
+        address = check_submit_rate_limits(
+            request, scope="text_async", limits_per_ip=settings.HORDE_TEXT_ASYNC_RATE_LIMITS
         )
         body = s.TextAsyncInputSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -51,7 +51,7 @@ class TextAsyncView(APIView):
                 dry_run=data["dry_run"],
             ),
             client_agent=request.headers.get("Client-Agent", ""),
-            ip_address=client_address(request),
+            ip_address=address,
         )
         if created.request is None:
             return Response({"kudos": float(created.kudos)}, status=200)
