@@ -88,6 +88,9 @@ def test_every_scribe_engine_gets_an_ordinary_request_and_is_paid(live, make_use
     idle = scribe_pop(live, owner.key, "scribe", engine)  # its first pop registers it
     assert idle["id"] is None and idle["skipped"] == {}
     request_id = lite_request(live, requester.key, "You: Hello\nBot:")
+    # Lite gives up on a poll with is_possible false: the online scribe can serve it.
+    first_poll = lite_status(live, request_id)
+    assert (first_poll["is_possible"], first_poll["waiting"], first_poll["faulted"]) == (True, 1, False)
     job = scribe_pop(live, owner.key, "scribe", engine)
     assert_scribe_job(job, "You: Hello\nBot:")
     # Its submit: {id, generation, seed: 0}; it needs 200 with a numeric reward.
