@@ -40,10 +40,12 @@ GENERATION_STATES = ("ok", "censored", "faulted", "csam")
 
 # bridge_agent is "name:version:url". A worker's backend is validated when its program name (the
 # part before the first ":", with the "~engine" suffixes the upstream worker adds) is one the horde
-# vouches for: upstream's list of validated LLM backends, plus this project's reference worker.
+# vouches for: upstream's list of validated LLM backends, plus upstream's other official worker
+# program (reGen) and this project's reference worker.
 VALIDATED_TEXT_BRIDGES = frozenset(
     {
         "AI Horde Worker",
+        "AI Horde Worker reGen",
         "AI Horde Worker~aphrodite~kai",
         "AI Horde Worker~aphrodite~oai",
         "KoboldCppEmbedWorker",

@@ -19,6 +19,7 @@ URL = "https://github.com/db0/AI-Horde-Worker"
         ("KoboldCppEmbedWorker:2:https://github.com/LostRuins/koboldcpp", True),
         ("TabbyAPI:0.0.1:https://github.com/theroyallab/tabbyAPI", True),
         ("horde-bridge:1:https://example.invalid", True),  # this project's reference worker
+        ("AI Horde Worker reGen:9.0.2:https://github.com/Haidra-Org/horde-worker-reGen", True),  # upstream's official
         # the scribe in front of an unknown KoboldAI backend, or an OpenAI one, is not vouched for
         (f"AI Horde Worker~unknown~kai:24:{URL}", False),
         (f"AI Horde Worker~oai:24:{URL}", False),
@@ -30,7 +31,6 @@ URL = "https://github.com/db0/AI-Horde-Worker"
         # near misses are not collapsed into a listed name
         (f"AI Horde Worker~aphrodite~kai~kaix:24:{URL}", False),
         (f"AI Horde Worker~aphrodite:24:{URL}", False),
-        ("AI Horde Worker reGen:9.0.2:https://github.com/Haidra-Org/horde-worker-reGen", False),  # images only
         ("my-own-bridge:1:x", False),
         ("", False),
     ],
