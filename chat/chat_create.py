@@ -474,19 +474,12 @@ def _validate_mapped_params(params: dict[str, Any], max_context_length: int) -> 
 
 
 def _worker_list(submission: ChatSubmission) -> tuple[bool, bool, list[UUID]]:
-    """(has_worker_list, blacklist, ids). Ids that are not worker ids match no worker: an `only`
-    list of them leaves no worker, an `ignore` list of them excludes none."""
+    """(has_worker_list, blacklist, ids). The contract admits worker ids (UUIDs) only."""
     horde = submission.horde
     listed = horde.only if horde.only is not None else horde.ignore
     if listed is None:
         return False, False, []
-    ids = []
-    for value in listed:
-        try:
-            ids.append(UUID(value))
-        except ValueError:
-            continue
-    return True, horde.ignore is not None, ids
+    return True, horde.ignore is not None, list(listed)
 
 
 def _quote(models: list[str], prompt: str, max_length: int) -> Decimal:

@@ -30,7 +30,7 @@ class GenerationRequest(models.Model):
     has_worker_list = models.BooleanField(default=False)
     worker_blacklist = models.BooleanField(default=False)
     trusted_workers = models.BooleanField(default=False)
-    validated_backends = models.BooleanField(default=True)
+    validated_backends = models.BooleanField(default=False)
     slow_workers = models.BooleanField(default=True)
     allow_downgrade = models.BooleanField(default=False)
     disable_batching = models.BooleanField(default=False)

@@ -56,7 +56,7 @@ class TextRequestInput:
     workers: list[UUID] = field(default_factory=list)
     worker_blacklist: bool = False
     trusted_workers: bool = False
-    validated_backends: bool = True
+    validated_backends: bool = False
     slow_workers: bool = True
     allow_downgrade: bool = False
     disable_batching: bool = False

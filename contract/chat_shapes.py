@@ -16,7 +16,17 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 from uuid import UUID
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
+from pydantic_core import PydanticCustomError
 
 from contract.chat_errors import ChatRefusal
 from contract.chat_limits import (
@@ -139,11 +149,28 @@ ToolCallId = Annotated[
 PositiveInt = Annotated[StrictInt, Field(gt=0)]
 
 
+def _worker_id(value: Any) -> Any:
+    """A string that is not a UUID (a worker's name, say) gets a message saying what is wanted;
+    anything else is left to UUID's own check."""
+    if isinstance(value, str):
+        try:
+            return UUID(value)
+        except ValueError:
+            raise PydanticCustomError(
+                "worker_id", "'{value}' is not a worker id: workers are named by their id (a UUID)", {"value": value}
+            ) from None
+    return value
+
+
+WorkerId = Annotated[UUID, BeforeValidator(_worker_id)]
+
+
 class ChatHordeOptions(ChatShape):
     """The `horde` object: request options OpenAI has no key for."""
 
-    only: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
-    ignore: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    # Worker ids, as the spec types them: a worker's name is refused, never ignored.
+    only: Annotated[list[WorkerId], Field(min_length=1)] | None = None
+    ignore: Annotated[list[WorkerId], Field(min_length=1)] | None = None
     trusted_workers: StrictBool = False
     validated_backends: StrictBool = False
     slow_workers: StrictBool = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 ANONYMOUS_API_KEY = "0000000000"
 
@@ -37,12 +38,26 @@ TEXT_POP_AMOUNT_RANGE = (1, 20)
 
 GENERATION_STATES = ("ok", "censored", "faulted", "csam")
 
-# bridge_agent is "name:version:url"; these worker programs validate what their backend serves.
+# bridge_agent is "name:version:url". A worker's backend is validated when its program name (the
+# part before the first ":", with the "~engine" suffixes the upstream worker adds) is one the horde
+# vouches for: upstream's list of validated LLM backends, plus upstream's other official worker
+# program (reGen) and this project's reference worker.
 VALIDATED_TEXT_BRIDGES = frozenset(
-    {"AI Horde Worker reGen", "AI Horde Worker", "KoboldCppEmbedWorker", "horde-bridge"}
+    {
+        "AI Horde Worker",
+        "AI Horde Worker reGen",
+        "AI Horde Worker~aphrodite~kai",
+        "AI Horde Worker~aphrodite~oai",
+        "KoboldCppEmbedWorker",
+        "TabbyAPI",
+        "horde-bridge",
+    }
 )
 
 _BRIDGE_NAME = re.compile(r"^([^:]*)")
+# The upstream text worker appends "~kai" again on every config reload ("~aphrodite~kai~kai"):
+# a segment repeating the one before it names nothing new.
+_REPEATED_ENGINE = re.compile(r"(~[^~]*)(?:\1)+(?=~|$)")
 
 
 def bridge_name(bridge_agent: str) -> str:
@@ -51,5 +66,12 @@ def bridge_name(bridge_agent: str) -> str:
     return match.group(1).strip() if match else ""
 
 
+def validated_bridge_name(bridge_agent: str) -> str:
+    """The program name as the validated list spells it: repeated "~engine" segments collapsed
+    ("AI Horde Worker~aphrodite~kai~kai" -> "AI Horde Worker~aphrodite~kai")."""
+    return _REPEATED_ENGINE.sub(r"\1", bridge_name(bridge_agent))
+
+
+@lru_cache(maxsize=1024)  # read on every pop; a horde sees few distinct bridge_agent strings
 def is_validated_bridge(bridge_agent: str) -> bool:
-    return bridge_name(bridge_agent) in VALIDATED_TEXT_BRIDGES
+    return validated_bridge_name(bridge_agent) in VALIDATED_TEXT_BRIDGES

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
+from chat.api.strict_fields import (
+    StrictBooleanField,
+    StrictCharField,
+    StrictFloatField,
+    StrictIntegerField,
+    WorkerIdField,
+)
 from contract.text import (
     GENERATION_STATES,
     MAX_BRIDGE_AGENT_LENGTH,
@@ -18,59 +25,72 @@ from contract.text import (
 
 
 class TextParamsSerializer(serializers.Serializer):
-    """Sampler parameters; every key KoboldAI Lite and the SDKs send is accepted, unknown keys dropped."""
+    """Sampler parameters; every key KoboldAI Lite and the SDKs send is accepted, unknown keys dropped.
+    Each value only in its JSON type (strict_fields), as upstream's schema has it."""
 
-    n = serializers.IntegerField(min_value=TEXT_N_RANGE[0], max_value=TEXT_N_RANGE[1], default=1)
-    max_length = serializers.IntegerField(
+    n = StrictIntegerField(min_value=TEXT_N_RANGE[0], max_value=TEXT_N_RANGE[1], default=1)
+    max_length = StrictIntegerField(
         min_value=TEXT_MAX_LENGTH_RANGE[0], max_value=TEXT_MAX_LENGTH_RANGE[1], default=TEXT_MAX_LENGTH_DEFAULT
     )
-    max_context_length = serializers.IntegerField(
+    max_context_length = StrictIntegerField(
         min_value=TEXT_MAX_CONTEXT_LENGTH_RANGE[0],
         max_value=TEXT_MAX_CONTEXT_LENGTH_RANGE[1],
         default=TEXT_MAX_CONTEXT_LENGTH_DEFAULT,
     )
-    frmtadsnsp = serializers.BooleanField(required=False)
-    frmtrmblln = serializers.BooleanField(required=False)
-    frmtrmspch = serializers.BooleanField(required=False)
-    frmttriminc = serializers.BooleanField(required=False)
-    rep_pen = serializers.FloatField(min_value=1, max_value=3, required=False)
-    rep_pen_range = serializers.IntegerField(min_value=0, max_value=4096, required=False)
-    rep_pen_slope = serializers.FloatField(min_value=0, max_value=10, required=False)
-    singleline = serializers.BooleanField(required=False)
-    temperature = serializers.FloatField(min_value=0, max_value=5, required=False)
-    tfs = serializers.FloatField(min_value=0, max_value=1, required=False)
-    top_a = serializers.FloatField(min_value=0, max_value=1, required=False)
-    top_k = serializers.IntegerField(min_value=0, max_value=100, required=False)
-    top_p = serializers.FloatField(min_value=0.001, max_value=1, required=False)
-    typical = serializers.FloatField(min_value=0, max_value=1, required=False)
-    min_p = serializers.FloatField(min_value=0, max_value=1, required=False)
-    smoothing_factor = serializers.FloatField(min_value=0, max_value=10, required=False)
-    dynatemp_range = serializers.FloatField(min_value=0, max_value=5, required=False)
-    dynatemp_exponent = serializers.FloatField(min_value=0, max_value=5, required=False)
-    sampler_order = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=10), required=False)
-    use_default_badwordsids = serializers.BooleanField(required=False)
+    frmtadsnsp = StrictBooleanField(required=False)
+    frmtrmblln = StrictBooleanField(required=False)
+    frmtrmspch = StrictBooleanField(required=False)
+    frmttriminc = StrictBooleanField(required=False)
+    rep_pen = StrictFloatField(min_value=1, max_value=3, required=False)
+    rep_pen_range = StrictIntegerField(min_value=0, max_value=4096, required=False)
+    rep_pen_slope = StrictFloatField(min_value=0, max_value=10, required=False)
+    singleline = StrictBooleanField(required=False)
+    temperature = StrictFloatField(min_value=0, max_value=5, required=False)
+    tfs = StrictFloatField(min_value=0, max_value=1, required=False)
+    top_a = StrictFloatField(min_value=0, max_value=1, required=False)
+    top_k = StrictIntegerField(min_value=0, max_value=200, required=False)
+    top_p = StrictFloatField(min_value=0.001, max_value=1, required=False)
+    typical = StrictFloatField(min_value=0, max_value=1, required=False)
+    min_p = StrictFloatField(min_value=0, max_value=1, required=False)
+    smoothing_factor = StrictFloatField(min_value=0, max_value=10, required=False)
+    dynatemp_range = StrictFloatField(min_value=0, max_value=5, required=False)
+    dynatemp_exponent = StrictFloatField(min_value=0, max_value=5, required=False)
+    sampler_order = serializers.ListField(child=StrictIntegerField(min_value=0, max_value=10), required=False)
+    use_default_badwordsids = StrictBooleanField(required=False)
     stop_sequence = serializers.ListField(
-        child=serializers.CharField(allow_blank=False, trim_whitespace=False, max_length=1000),
+        child=StrictCharField(allow_blank=False, trim_whitespace=False, max_length=1000),
         max_length=32,
         required=False,
     )
 
 
 class TextAsyncInputSerializer(serializers.Serializer):
-    prompt = serializers.CharField(trim_whitespace=False, allow_blank=False, max_length=4_000_000)
+    """The text request body. Every key upstream's schema types is held to its JSON type; the ones
+    this horde does not apply (webhook, style, proxied_account, extra_slow_workers,
+    extra_source_images) are accepted as upstream accepts them and dropped."""
+
+    prompt = StrictCharField(trim_whitespace=False, allow_blank=False, max_length=4_000_000)
     params = TextParamsSerializer(required=False)
-    softprompt = serializers.CharField(required=False, allow_blank=True, allow_null=True, max_length=255)
-    trusted_workers = serializers.BooleanField(default=False)
-    validated_backends = serializers.BooleanField(default=True)
-    slow_workers = serializers.BooleanField(default=True)
-    worker_blacklist = serializers.BooleanField(default=False)
+    softprompt = StrictCharField(required=False, allow_blank=True, allow_null=True, max_length=255)
+    trusted_workers = StrictBooleanField(default=False)
+    # Upstream's request parser defaults it to false (ADR 0012).
+    validated_backends = StrictBooleanField(default=False)
+    slow_workers = StrictBooleanField(default=True)
+    worker_blacklist = StrictBooleanField(default=False)
     models = serializers.ListField(
-        child=serializers.CharField(max_length=255), max_length=100, required=False, default=list
+        child=StrictCharField(max_length=255), max_length=100, required=False, default=list
     )
-    workers = serializers.ListField(child=serializers.UUIDField(), max_length=20, required=False, default=list)
-    dry_run = serializers.BooleanField(default=False)
-    allow_downgrade = serializers.BooleanField(default=False)
-    disable_batching = serializers.BooleanField(default=False)
+    workers = serializers.ListField(child=WorkerIdField(), max_length=20, required=False, default=list)
+    dry_run = StrictBooleanField(default=False)
+    allow_downgrade = StrictBooleanField(default=False)
+    disable_batching = StrictBooleanField(default=False)
+    extra_slow_workers = StrictBooleanField(required=False, help_text="accepted, not applied")
+    webhook = StrictCharField(required=False, allow_blank=True, help_text="accepted, not applied")
+    style = StrictCharField(required=False, min_length=3, max_length=1024, help_text="accepted, not applied")
+    proxied_account = StrictCharField(required=False, allow_blank=True, help_text="accepted, not applied")
+    extra_source_images = serializers.ListField(
+        child=serializers.DictField(), required=False, help_text="accepted, not applied"
+    )
 
 
 class TextAsyncOutputSerializer(serializers.Serializer):

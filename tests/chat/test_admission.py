@@ -69,7 +69,8 @@ def test_defaults_match_upstream(horde, make_user):
     request_id = horde.text_async(requester.key, prompt="x").json()["id"]
     request = GenerationRequest.objects.get(pk=request_id)
     assert (request.n, request.max_length, request.max_context_length) == (1, 80, 2048)
-    assert (request.validated_backends, request.slow_workers, request.trusted_workers) == (True, True, False)
+    # validated_backends defaults to false, as upstream's request parser has it (ADR 0012).
+    assert (request.validated_backends, request.slow_workers, request.trusted_workers) == (False, True, False)
 
 
 def test_anonymous_requests_work_without_a_key(horde):

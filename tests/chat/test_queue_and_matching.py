@@ -106,10 +106,10 @@ def test_trusted_workers_only(horde, make_user, owner):
 
 def test_validated_backends(horde, make_user, owner):
     requester = make_user("r")
-    horde.text_async(requester.key, models=[MODEL])
+    horde.text_async(requester.key, models=[MODEL], validated_backends=True)
     unvalidated = horde.pop(owner.key, name="homebrew", bridge_agent="my-own-bridge:1:x").json()
     assert unvalidated["skipped"] == {"bridge_version": 1}
-    horde.text_async(requester.key, models=[MODEL], validated_backends=False)
+    horde.text_async(requester.key, models=[MODEL])  # the default: any backend
     assert horde.pop(owner.key, name="homebrew", bridge_agent="my-own-bridge:1:x").json()["id"]
 
 

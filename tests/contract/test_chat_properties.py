@@ -129,7 +129,7 @@ def valid_bodies(draw):
                 "max_kudos": st.integers(1, 1000),
                 "dry_run": st.booleans(),
                 "operation_key": st.uuids().map(str),
-                "only": st.lists(names, min_size=1, max_size=2),
+                "only": st.lists(st.uuids().map(str), min_size=1, max_size=2),
             },
         ),
     }

@@ -66,6 +66,13 @@ def test_defaults():
     assert request.horde.availability_mode == "wait"
 
 
+def test_worker_lists_hold_worker_ids():
+    worker_id = uuid.uuid4()
+    request = validate_chat_request(body(horde={"ignore": [str(worker_id).upper()]}))
+    assert request.horde.ignore == [worker_id]
+    assert request.horde.model_dump(mode="json")["ignore"] == [str(worker_id)]
+
+
 def test_assistant_content_absent_is_stored_as_null():
     request = validate_chat_request(
         body(
@@ -148,6 +155,17 @@ REFUSALS = [
     ({"horde": {"operation_key": "not-a-uuid"}}, 400, "BadRequest", "horde.operation_key", None),
     ({"horde": {"dry_run": "yes"}}, 400, "BadRequest", "horde.dry_run", None),
     ({"horde": {"only": []}}, 400, "BadRequest", "horde.only", None),
+    # only and ignore hold worker ids: a worker's name is refused, never dropped
+    (
+        {"horde": {"ignore": ["alice-worker"]}},
+        400,
+        "BadRequest",
+        "horde.ignore[0]",
+        "Invalid value for 'horde.ignore[0]': 'alice-worker' is not a worker id: workers are named by their id (a UUID).",
+    ),
+    ({"horde": {"only": [str(uuid.uuid4()), "bob"]}}, 400, "BadRequest", "horde.only[1]", None),
+    ({"horde": {"only": [5]}}, 400, "BadRequest", "horde.only[0]", None),
+    ({"horde": {"ignore": [""]}}, 400, "BadRequest", "horde.ignore[0]", None),
     ({"horde": {"max_kudos": 0}}, 400, "BadRequest", "horde.max_kudos", None),
     ({"horde": "strict"}, 400, "BadRequest", "horde", None),
     ({"models": ["a"]}, 400, "ChatRequestConflict", "models", None),

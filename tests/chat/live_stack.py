@@ -1,0 +1,49 @@
+"""The native API as the web process serves it (hordesite.asgi: BodyLimitMiddleware, the hot route
+layer, Django's ASGI handler), called in process over HTTP semantics with a program's own headers
+and body bytes. Tests using it need `django_db(transaction=True)`: the layer's threads and Django's
+have their own database connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+from django.core.asgi import get_asgi_application
+
+from hordesite.body_limits import BodyLimitMiddleware
+from hordesite.hot_routes import HotRoutesASGI
+
+# What python-requests sends beside a program's own headers (the upstream worker uses requests).
+REQUESTS_HEADERS = {
+    "User-Agent": "python-requests/2.32.3",
+    "Accept-Encoding": "gzip, deflate",
+    "Accept": "*/*",
+    "Connection": "keep-alive",
+}
+
+
+class LiveStack:
+    def __init__(self) -> None:
+        self.hot = HotRoutesASGI(get_asgi_application(), enabled=True, threads=4)
+        self.app = BodyLimitMiddleware(self.hot)
+
+    def close(self) -> None:
+        if self.hot._pool is not None:
+            self.hot._pool.shutdown(wait=True)
+
+    def request(self, method: str, path: str, *, headers: dict[str, str], body: Any = None) -> httpx.Response:
+        # requests' json= encoding: json.dumps with its default separators.
+        content = json.dumps(body).encode() if body is not None else None
+        sent = dict(headers)
+        if content is not None:
+            sent.setdefault("Content-Type", "application/json")
+
+        async def go() -> httpx.Response:
+            transport = httpx.ASGITransport(app=self.app, client=("127.0.0.1", 41000))
+            async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+                return await client.request(method, path, headers=sent, content=content)
+
+        return asyncio.run(go())

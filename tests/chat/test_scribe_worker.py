@@ -1,0 +1,144 @@
+"""The upstream text worker (AI-Horde-Worker "scribe", bridge version 24) and KoboldAI Lite against
+the live routes, with their own bodies and headers (spec: existing-clients.md; ADR 0012).
+
+The scribe sends only `apikey`, pops with the same eight keys about once a second, and names its
+engine in `bridge_agent` (`~unknown~kai`, `~aphrodite~kai`, `~oai`), one more `~kai` after every
+config reload. Lite never sends `validated_backends`: its requests must reach every one of them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from chat.models import Generation
+from tests.chat.live_stack import REQUESTS_HEADERS, LiveStack
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MODEL = "koboldcpp/Fimbulvetr-11B-v2"
+SCRIBE_URL = "https://github.com/db0/AI-Horde-Worker"
+
+
+def scribe_agent(engine: str) -> str:
+    return f"AI Horde Worker{engine}:24:{SCRIBE_URL}"
+
+
+UNVALIDATED_ENGINES = ["~unknown~kai", "~oai", "~unknown~kai~kai~kai", "~kai~kai~kai"]
+VALIDATED_ENGINES = ["~aphrodite~kai", "~aphrodite~oai", "~aphrodite~kai~kai~kai"]
+
+# KoboldAI Lite's request as it sends it (Client-Agent, workers: [], its sampler params), at the
+# lengths a scribe with max_length 80 and max_context_length 1024 serves.
+LITE_PARAMS = {
+    "n": 1, "max_context_length": 1024, "max_length": 80, "rep_pen": 1.07, "temperature": 0.75, "top_p": 0.92,
+    "top_k": 100, "top_a": 0, "typical": 1, "tfs": 1, "rep_pen_range": 360, "rep_pen_slope": 0.7,
+    "sampler_order": [6, 0, 1, 3, 4, 2, 5], "use_default_badwordsids": False, "stop_sequence": ["You:", "\nYou "],
+    "min_p": 0, "dynatemp_range": 0, "dynatemp_exponent": 1, "smoothing_factor": 0, "frmttriminc": True,
+    "frmtrmblln": False, "singleline": False,
+}
+
+
+@pytest.fixture
+def live():
+    stack = LiveStack()
+    yield stack
+    stack.close()
+
+
+def scribe_pop(live: LiveStack, key: str, name: str, engine: str):
+    body = {
+        "name": name,
+        "models": [MODEL],
+        "max_length": 80,
+        "max_context_length": 1024,
+        "priority_usernames": [],
+        "softprompts": [],
+        "bridge_agent": scribe_agent(engine),
+        "threads": 1,
+    }
+    response = live.request("POST", "/api/v2/generate/text/pop", headers={**REQUESTS_HEADERS, "apikey": key}, body=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def lite_request(live: LiveStack, key: str, prompt: str, **extra) -> str:
+    headers = {"apikey": key, "Client-Agent": "KoboldAiLite:17", "Origin": "null"}
+    body = {"prompt": prompt, "params": LITE_PARAMS, "models": [MODEL], "workers": [], **extra}
+    response = live.request("POST", "/api/v2/generate/text/async", headers=headers, body=body)
+    assert response.status_code == 202, response.text
+    return response.json()["id"]
+
+
+def lite_status(live: LiveStack, request_id: str) -> dict:
+    response = live.request("GET", f"/api/v2/generate/text/status/{request_id}", headers={"Origin": "null"})
+    assert response.status_code == 200 and response.headers["access-control-allow-origin"] == "*"
+    return response.json()
+
+
+def assert_scribe_job(job: dict, prompt: str) -> None:
+    assert job["id"] is not None, job
+    payload = job["payload"]
+    assert payload["prompt"] == prompt
+    assert (payload["max_length"], payload["max_context_length"]) == (80, 1024)
+    assert not {"width", "length", "steps"} & payload.keys()  # keys that make the scribe fault the job
+
+
+@pytest.mark.parametrize("engine", UNVALIDATED_ENGINES + VALIDATED_ENGINES)
+def test_every_scribe_engine_gets_an_ordinary_request_and_is_paid(live, make_user, engine):
+    owner, requester = make_user("scribe-owner"), make_user("lite-user", kudos=50)
+    idle = scribe_pop(live, owner.key, "scribe", engine)  # its first pop registers it
+    assert idle["id"] is None and idle["skipped"] == {}
+    request_id = lite_request(live, requester.key, "You: Hello\nBot:")
+    # Lite gives up on a poll with is_possible false: the online scribe can serve it.
+    first_poll = lite_status(live, request_id)
+    assert (first_poll["is_possible"], first_poll["waiting"], first_poll["faulted"]) == (True, 1, False)
+    job = scribe_pop(live, owner.key, "scribe", engine)
+    assert_scribe_job(job, "You: Hello\nBot:")
+    # Its submit: {id, generation, seed: 0}; it needs 200 with a numeric reward.
+    submitted = live.request(
+        "POST",
+        "/api/v2/generate/text/submit",
+        headers={**REQUESTS_HEADERS, "apikey": owner.key},
+        body={"id": job["id"], "generation": " Hi there!", "seed": 0},
+    )
+    assert submitted.status_code == 200 and type(submitted.json()["reward"]) in (int, float)
+    assert submitted.json()["reward"] > 0
+    status = lite_status(live, request_id)
+    assert status["done"] is True and status["faulted"] is False
+    assert status["generations"][0]["text"] == " Hi there!"
+    assert status["generations"][0]["worker_name"] == "scribe"
+    assert Generation.objects.get(pk=job["id"]).worker.bridge_agent == scribe_agent(engine)
+
+
+def test_the_engine_name_growing_on_every_reload_keeps_the_jobs_coming(live, make_user):
+    owner, requester = make_user("reloading-owner"), make_user("lite-user", kudos=50)
+    for reloads in range(4):
+        engine = "~unknown~kai" + "~kai" * reloads  # 69, 73, 77, 81 characters of program name and url
+        lite_request(live, requester.key, f"Prompt {reloads}")
+        assert_scribe_job(scribe_pop(live, owner.key, "reloading-scribe", engine), f"Prompt {reloads}")
+
+
+@pytest.mark.parametrize("engine", UNVALIDATED_ENGINES)
+def test_a_validated_only_request_skips_the_unvalidated_engines(live, make_user, engine):
+    owner, requester = make_user("scribe-owner"), make_user("careful-user", kudos=50)
+    scribe_pop(live, owner.key, "scribe", engine)
+    request_id = lite_request(live, requester.key, "Only vetted backends.", validated_backends=True)
+    skipped = scribe_pop(live, owner.key, "scribe", engine)
+    assert skipped["id"] is None and skipped["skipped"] == {"bridge_version": 1}
+    # A validated program beside it takes the request.
+    other = live.request(
+        "POST",
+        "/api/v2/generate/text/pop",
+        headers={"apikey": owner.key},
+        body={"name": "embedded", "models": [MODEL], "max_length": 80, "max_context_length": 1024,
+              "bridge_agent": "KoboldCppEmbedWorker:2:https://github.com/LostRuins/koboldcpp"},
+    ).json()
+    assert_scribe_job(other, "Only vetted backends.")
+    assert lite_status(live, request_id)["processing"] == 1
+
+
+@pytest.mark.parametrize("engine", VALIDATED_ENGINES)
+def test_a_validated_only_request_goes_to_the_validated_engines(live, make_user, engine):
+    owner, requester = make_user("scribe-owner"), make_user("careful-user", kudos=50)
+    scribe_pop(live, owner.key, "scribe", engine)
+    lite_request(live, requester.key, "Only vetted backends.", validated_backends=True)
+    assert_scribe_job(scribe_pop(live, owner.key, "scribe", engine), "Only vetted backends.")
