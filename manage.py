@@ -7,6 +7,9 @@ def main() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hordesite.settings")
     from django.core.management import execute_from_command_line
 
+    from hordesite.local_state import make_local_state_dirs
+
+    make_local_state_dirs()  # e.g. the folder of the embedded default's SQLite file, before migrate
     execute_from_command_line(sys.argv)
 
 
