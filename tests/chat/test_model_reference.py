@@ -33,7 +33,7 @@ def _shipped() -> dict[str, dict]:
 
 
 def test_the_suite_prices_against_the_shipped_reference_which_is_the_default():
-    assert settings.HORDE_TEXT_MODEL_REFERENCE == str(SHIPPED_MODEL_REFERENCE)
+    assert str(SHIPPED_MODEL_REFERENCE) == settings.HORDE_TEXT_MODEL_REFERENCE
     default = Path(settings.BASE_DIR) / "hordesite" / "data" / "text_model_reference.json"
     assert default == SHIPPED_MODEL_REFERENCE
     for name, billions in MODELS_THE_TESTS_NAME.items():
