@@ -22,9 +22,9 @@ class FolderMakingScheduler(PersistentScheduler):
     missing folder for a corrupted schedule and dies while the worker carries on."""
 
     def setup_schedule(self) -> None:
-        from hordesite.local_state import make_local_state_dirs
+        from hordesite.local_state import make_broker_dirs
 
-        make_local_state_dirs()  # a standalone beat publishes into the filesystem broker too
+        make_broker_dirs()  # a standalone beat publishes into the filesystem broker too
         Path(self.schedule_filename).parent.mkdir(parents=True, exist_ok=True)
         super().setup_schedule()
 
@@ -33,8 +33,8 @@ app.conf.beat_scheduler = "hordesite.celery:FolderMakingScheduler"
 
 
 @celeryd_init.connect
-def _make_local_state_dirs(**_kwargs) -> None:
+def _make_broker_dirs(**_kwargs) -> None:
     """The worker consumes from the filesystem broker's folders (embedded default): create them at start."""
-    from hordesite.local_state import make_local_state_dirs
+    from hordesite.local_state import make_broker_dirs
 
-    make_local_state_dirs()
+    make_broker_dirs()

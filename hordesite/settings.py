@@ -154,6 +154,8 @@ if CELERY_BROKER_URL == "filesystem://":
     }
     # kombu's filesystem transport expects its folders to exist: the worker and beat create them at
     # start (hordesite/local_state.py), as manage.py does for the SQLite file's folder.
+    # kombu's transport, writing each message whole before the worker can see it.
+    CELERY_BROKER_TRANSPORT = "hordesite.filesystem_broker:Transport"
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
 # Beat's own record of its last runs; its folder is created when beat starts (hordesite/celery.py).
