@@ -18,7 +18,12 @@ def test_a_reader_polling_while_a_writer_publishes_reads_every_message_whole(tmp
     transport = TRANSPORT
     folder = tmp_path / "broker"
     folder.mkdir()
-    options = {"data_folder_in": str(folder), "data_folder_out": str(folder), "store_processed": False}
+    options = {
+        "data_folder_in": str(folder),
+        "data_folder_out": str(folder),
+        "control_folder": str(tmp_path / "control"),
+        "store_processed": False,
+    }
     payload = "x" * 50_000  # a long write: a wide window for a reader to see a file unfinished
     received: list[int] = []
     failures: list[BaseException] = []
