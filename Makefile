@@ -1,26 +1,31 @@
 # Two commands on a fresh machine: `make run` and `make test` (README.md).
-# Both create .venv when it is missing and (re)install requirements.txt only when it changed.
+# Both create .venv when it is missing. `make run` installs what the server runs (requirements.txt),
+# `make test` that plus the tests' and tools' requirements (requirements-dev.txt); each (re)installs
+# only when its files changed.
 
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements.stamp
+DEV_STAMP := $(VENV)/.requirements-dev.stamp
 PORT ?= 8000
 
-.PHONY: run test venv lint bench var
+.PHONY: run test venv venv-dev lint bench var
 
-# Serve the web process (daphne) and the Celery worker with beat; Ctrl-C stops both.
+# Serve the web process (daphne), the Celery worker with beat and the demo worker; Ctrl-C stops them.
 run: venv var
 	$(PY) manage.py migrate --noinput
 	PORT=$(PORT) $(PY) scripts/run.py
 
 # ruff, import-linter, then pytest on PostgreSQL + Redis and on the embedded default (scripts/test.sh).
 # Extra pytest arguments: make test ARGS="-k status -x"
-test: venv
+test: venv-dev
 	VENV=$(VENV) bash scripts/test.sh $(ARGS)
 
 venv: $(STAMP)
+
+venv-dev: $(DEV_STAMP)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,10 +34,15 @@ $(STAMP): requirements.txt | $(PY)
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt
 	touch $(STAMP)
 
-var:
-	mkdir -p var/celery-broker var/celery-processed var/media
+$(DEV_STAMP): requirements-dev.txt requirements.txt | $(PY)
+	$(PY) -m pip install --disable-pip-version-check -q -r requirements-dev.txt
+	touch $(STAMP) $(DEV_STAMP)
 
-lint: venv
+# The embedded default's local state (the processes also create what they need when they start).
+var:
+	mkdir -p var
+
+lint: venv-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 

@@ -181,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP="10000000/minute",
         HORDE_API_KEY_RATE_LIMITS="100000/second",  # one requester key submits the whole load
         DEBUG="false",
+        # A deployment's settings (DATABASE_URL set, DEBUG off) need both (docs/configuration.md).
+        SECRET_KEY=os.environ.get("SECRET_KEY") or "bench-only-secret-key-not-for-production-0123456789",
+        ALLOWED_HOSTS=os.environ.get("ALLOWED_HOSTS") or "127.0.0.1,localhost",
         LOG_LEVEL="WARNING",
         PYTHONUNBUFFERED="1",
     )

@@ -908,6 +908,8 @@ def main(argv: list[str] | None = None) -> int:
         "HORDE_CHAT_ADMISSION_ENABLED",
         "HORDE_MAINTENANCE",
         "DEBUG",
+        "SECRET_KEY",
+        "ALLOWED_HOSTS",
         "LOG_LEVEL",
     ):
         os.environ[key] = env[key]

@@ -184,6 +184,9 @@ def bench_env(args: argparse.Namespace, port: int) -> dict[str, str]:
         HORDE_OAI_KEEPALIVE_SECONDS=str(args.keepalive),
         HORDE_OAI_SIGNAL_RECHECK_SECONDS=str(args.recheck),
         DEBUG="false",
+        # A deployment's settings (DATABASE_URL set, DEBUG off) need both (docs/configuration.md).
+        SECRET_KEY=os.environ.get("SECRET_KEY") or "bench-only-secret-key-not-for-production-0123456789",
+        ALLOWED_HOSTS=os.environ.get("ALLOWED_HOSTS") or "127.0.0.1,localhost",
         LOG_LEVEL="WARNING",
         PYTHONUNBUFFERED="1",
     )

@@ -116,6 +116,9 @@ def bench_env(args: argparse.Namespace) -> dict[str, str]:
         HORDE_API_KEY_RATE_LIMITS="100000/second",  # one requester key submits the whole load
         HORDE_MAINTENANCE="false",
         DEBUG="false",
+        # A deployment's settings (DATABASE_URL set, DEBUG off) need both (docs/configuration.md).
+        SECRET_KEY=os.environ.get("SECRET_KEY") or "bench-only-secret-key-not-for-production-0123456789",
+        ALLOWED_HOSTS=os.environ.get("ALLOWED_HOSTS") or "127.0.0.1,localhost",
         LOG_LEVEL="WARNING",
         PYTHONUNBUFFERED="1",
     )
@@ -758,6 +761,8 @@ def main(argv: list[str] | None = None) -> int:
         "HORDE_API_KEY_RATE_LIMITS",
         "HORDE_MAINTENANCE",
         "DEBUG",
+        "SECRET_KEY",
+        "ALLOWED_HOSTS",
         "LOG_LEVEL",
     ):
         os.environ[key] = env[key]

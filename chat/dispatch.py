@@ -9,6 +9,7 @@ from datetime import timedelta
 from functools import lru_cache
 from typing import Any
 
+from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import BooleanField, F, Field
 from django.db.models.expressions import RawSQL
@@ -23,7 +24,6 @@ from chat.prepared import prepared_cursor
 from chat.status_cache import status_changed
 from contract.chat_limits import CHAT_SAMPLING_DEFAULTS
 from contract.errors import HordeError
-from contract.text import TEXT_JOB_LEASE_SECONDS, TEXT_REQUEST_TTL_SECONDS
 from workers.models import Worker
 
 
@@ -123,7 +123,7 @@ def _pop_in_transaction(*, worker: Worker, view: WorkerView, amount: int, now) -
             return None
         jobs = 1 if request.disable_batching else min(amount, request.jobs_waiting)
         model = _generation_model(request, worker)
-        lease = now + timedelta(seconds=TEXT_JOB_LEASE_SECONDS)
+        lease = now + timedelta(seconds=settings.HORDE_TEXT_JOB_LEASE_SECONDS)
         assigned = _assigned_declaration(worker) if request.is_chat else {}
         generations = Generation.objects.bulk_create(
             [
@@ -133,7 +133,7 @@ def _pop_in_transaction(*, worker: Worker, view: WorkerView, amount: int, now) -
         )
         GenerationRequest.objects.filter(pk=request.pk).update(
             jobs_waiting=F("jobs_waiting") - jobs,
-            expires_at=now + timedelta(seconds=TEXT_REQUEST_TTL_SECONDS),
+            expires_at=now + timedelta(seconds=settings.HORDE_TEXT_REQUEST_TTL_SECONDS),
         )
     return PoppedJob(request=request, generations=generations, model=model, skipped={})
 
@@ -218,7 +218,7 @@ def _generation_per_call_values(template: Generation) -> list[Any]:
 def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now) -> PoppedJob | None:
     priority_sql, priority_params = _eligible_select(view, tuple(_priority_user_ids(worker)))
     rest_sql, rest_params = _eligible_select(view, None)
-    lease = now + timedelta(seconds=TEXT_JOB_LEASE_SECONDS)
+    lease = now + timedelta(seconds=settings.HORDE_TEXT_JOB_LEASE_SECONDS)
     columns, placeholders, _ = _generation_insert_columns()
     served = list(worker.served_models or [])
     assigned = _assigned_declaration(worker)
@@ -268,7 +268,7 @@ def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now)
         assigned["assigned_max_length"],
         *_generation_per_call_values(template),
         generation_ids,
-        now + timedelta(seconds=TEXT_REQUEST_TTL_SECONDS),
+        now + timedelta(seconds=settings.HORDE_TEXT_REQUEST_TTL_SECONDS),
     ]
     with prepared_cursor() as cursor:
         cursor.execute(sql, params)

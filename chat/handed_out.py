@@ -18,8 +18,9 @@ import threading
 import time
 from uuid import UUID
 
+from django.conf import settings
+
 from chat.models import Generation
-from contract.text import TEXT_JOB_LEASE_SECONDS
 
 # Memory bounds: jobs kept, and prompt characters kept (the prompt is most of a job's size; a
 # job evicted or never kept only costs its submit one read).
@@ -62,7 +63,7 @@ class HandedOutJobs:
             oldest = next(iter(self._jobs))
             at, size, _ = self._jobs[oldest]
             over = len(self._jobs) > self.max_jobs or self._chars > self.max_chars
-            if not over and now - at < TEXT_JOB_LEASE_SECONDS:
+            if not over and now - at < settings.HORDE_TEXT_JOB_LEASE_SECONDS:
                 return
             del self._jobs[oldest]
             self._chars -= size
@@ -75,7 +76,7 @@ class HandedOutJobs:
                 return None
             self._chars -= hit[1]
         at, _, generation = hit
-        return generation if time.monotonic() - at < TEXT_JOB_LEASE_SECONDS else None
+        return generation if time.monotonic() - at < settings.HORDE_TEXT_JOB_LEASE_SECONDS else None
 
     def __len__(self) -> int:
         return len(self._jobs)

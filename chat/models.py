@@ -177,3 +177,14 @@ class Generation(models.Model):
 
     def __str__(self) -> str:
         return str(self.id)
+
+
+class SweepRun(models.Model):
+    """When each periodic sweep (a beat task, chat/tasks.py) last finished: /healthz shows a dead beat."""
+
+    task = models.CharField(primary_key=True, max_length=100)
+    finished_at = models.DateTimeField()
+    rows = models.IntegerField(default=0)  # what the last run changed (jobs faulted, requests deleted)
+
+    class Meta:
+        db_table = "horde_sweep_runs"

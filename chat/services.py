@@ -29,7 +29,6 @@ from contract.text import (
     QUEUE_PRIORITY_STEP,
     QUEUE_PRIORITY_STEP_SECONDS,
     TEXT_HORDE_TAX,
-    TEXT_REQUEST_TTL_SECONDS,
 )
 from workers.services import worker_record_aborted, worker_record_nonconformant
 
@@ -153,6 +152,8 @@ def request_rows_create(
 
     Runs inside the caller's transaction, on the locked requester.
     """
+    from django.conf import settings
+
     now = timezone.now()
     priority = int(locked_user.kudos)
     request = GenerationRequest.objects.create(
@@ -163,7 +164,7 @@ def request_rows_create(
         queue_score=queue_score(priority, now.timestamp()),
         kudos_quote=kudos,
         kudos_held=hold,
-        expires_at=now + timedelta(seconds=TEXT_REQUEST_TTL_SECONDS),
+        expires_at=now + timedelta(seconds=settings.HORDE_TEXT_REQUEST_TTL_SECONDS),
         **fields,
     )
     RequestModel.objects.bulk_create([RequestModel(request=request, name=m) for m in dict.fromkeys(models)])

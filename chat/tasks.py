@@ -1,15 +1,23 @@
-"""Beat tasks: thin wrappers over the sweeps in chat.services."""
+"""Beat tasks: thin wrappers over the sweeps in chat.services, each recording when it finished
+(SweepRun, read by /healthz)."""
 
 from celery import shared_task
+from django.utils import timezone
 
 from chat import services
+from chat.models import SweepRun
+
+
+def _finished(task: str, rows: int) -> int:
+    SweepRun.objects.update_or_create(task=task, defaults={"finished_at": timezone.now(), "rows": rows})
+    return rows
 
 
 @shared_task(name="chat.tasks.abort_stale_generations")
 def abort_stale_generations() -> int:
-    return services.abort_stale_generations()
+    return _finished("chat.tasks.abort_stale_generations", services.abort_stale_generations())
 
 
 @shared_task(name="chat.tasks.expire_requests")
 def expire_requests() -> int:
-    return services.expire_requests()
+    return _finished("chat.tasks.expire_requests", services.expire_requests())

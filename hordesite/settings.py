@@ -9,6 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
+
+from contract.text import STALE_GENERATION_SWEEP_SECONDS, TEXT_JOB_LEASE_SECONDS, TEXT_REQUEST_TTL_SECONDS
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = BASE_DIR / "var"
@@ -18,9 +21,27 @@ env_file = BASE_DIR / ".env"
 if env_file.exists():
     environ.Env.read_env(str(env_file))
 
-SECRET_KEY = env.str("SECRET_KEY", default="dev-only-insecure-secret-key-change-me-in-production")
 DEBUG = env.bool("DEBUG", default=False)
-ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["*"])
+# Fail closed: only the embedded default (no DATABASE_URL) and DEBUG fall back to a development key
+# and any host; a deployment (DATABASE_URL set, DEBUG off) must name both (docs/adr/0017).
+DEPLOYED = bool(env.str("DATABASE_URL", default="")) and not DEBUG
+DEV_SECRET_KEY = "dev-only-insecure-secret-key-change-me-in-production"
+if DEPLOYED:
+    _missing = [name for name in ("SECRET_KEY", "ALLOWED_HOSTS") if not env.str(name, default="")]
+    if _missing:
+        raise ImproperlyConfigured(
+            f"Set {' and '.join(_missing)}: required when DATABASE_URL is set and DEBUG is off (docs/configuration.md)"
+        )
+    SECRET_KEY = env.str("SECRET_KEY")
+    if SECRET_KEY == DEV_SECRET_KEY:
+        raise ImproperlyConfigured("SECRET_KEY is the public development key: set a long random value")
+    ALLOWED_HOSTS = env.list("ALLOWED_HOSTS")
+    # The admin is the one cookie user (the API authenticates by header).
+    SESSION_COOKIE_SECURE = env.bool("SESSION_COOKIE_SECURE", default=True)
+    CSRF_COOKIE_SECURE = env.bool("CSRF_COOKIE_SECURE", default=True)
+else:
+    SECRET_KEY = env.str("SECRET_KEY", default=DEV_SECRET_KEY)
+    ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["*"])
 
 INSTALLED_APPS = [
     "daphne",
@@ -44,7 +65,9 @@ MIDDLEWARE = [
     "hordesite.middleware.AdminOnlyMiddleware",
 ]
 # The admin's checks look for its middleware in MIDDLEWARE; AdminOnlyMiddleware runs it for /admin/.
-SILENCED_SYSTEM_CHECKS = ["admin.E408", "admin.E409", "admin.E410"]
+# So do `check --deploy`'s security, clickjacking and CSRF checks (the admin's views protect their
+# own forms with csrf_protect; the API takes keys in headers, no cookies).
+SILENCED_SYSTEM_CHECKS = ["admin.E408", "admin.E409", "admin.E410", "security.W001", "security.W002", "security.W003"]
 
 ROOT_URLCONF = "hordesite.urls"
 ASGI_APPLICATION = "hordesite.asgi.application"
@@ -129,12 +152,26 @@ if CELERY_BROKER_URL == "filesystem://":
         "control_folder": str(VAR_DIR / "celery-control"),
         "store_processed": False,
     }
-    # kombu's filesystem transport expects its folders to exist.
-    for _folder in ("celery-broker", "celery-processed", "celery-control"):
-        (VAR_DIR / _folder).mkdir(parents=True, exist_ok=True)
+    # kombu's filesystem transport expects its folders to exist: the worker and beat create them at
+    # start (hordesite/local_state.py), as manage.py does for the SQLite file's folder.
+    # kombu's transport, writing each message whole before the worker can see it.
+    CELERY_BROKER_TRANSPORT = "hordesite.filesystem_broker:Transport"
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
-CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+# Beat's own record of its last runs; its folder is created when beat starts (hordesite/celery.py).
+CELERY_BEAT_SCHEDULE_FILENAME = env.str("CELERY_BEAT_SCHEDULE_FILENAME", default=str(VAR_DIR / "celerybeat-schedule"))
+
+# A popped job's lease (the pop's `ttl`), a request's time to live, and how often beat runs the
+# sweeps that fault lapsed leases and delete expired requests. /healthz answers 503 when a sweep
+# has not finished for HORDE_SWEEP_LATE_SECONDS (default: three intervals).
+HORDE_TEXT_JOB_LEASE_SECONDS = env.int("HORDE_TEXT_JOB_LEASE_SECONDS", default=TEXT_JOB_LEASE_SECONDS)
+HORDE_TEXT_REQUEST_TTL_SECONDS = env.int("HORDE_TEXT_REQUEST_TTL_SECONDS", default=TEXT_REQUEST_TTL_SECONDS)
+HORDE_SWEEP_INTERVAL_SECONDS = env.float("HORDE_SWEEP_INTERVAL_SECONDS", default=STALE_GENERATION_SWEEP_SECONDS)
+HORDE_SWEEP_LATE_SECONDS = env.float("HORDE_SWEEP_LATE_SECONDS", default=3 * HORDE_SWEEP_INTERVAL_SECONDS)
+CELERY_BEAT_SCHEDULE = {
+    "abort-stale-generations": {"task": "chat.tasks.abort_stale_generations", "schedule": HORDE_SWEEP_INTERVAL_SECONDS},
+    "expire-requests": {"task": "chat.tasks.expire_requests", "schedule": HORDE_SWEEP_INTERVAL_SECONDS},
+}
 
 # --- Storage --------------------------------------------------------------------------------
 STORAGE_BACKEND = env.str("STORAGE_BACKEND", default="local")
@@ -172,6 +209,8 @@ SPECTACULAR_SETTINGS = {
     "TITLE": "AI Horde (text and chat)",
     "VERSION": "2.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # Two choice sets of fields named "type" (a tool's, a response format's): name the tool's.
+    "ENUM_NAME_OVERRIDES": {"FunctionTypeEnum": ["function"]},
 }
 
 LANGUAGE_CODE = "en-us"

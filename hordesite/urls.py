@@ -7,6 +7,7 @@ from accounts.api.views import FindUserView
 from chat.api import pop_views, submit_views
 from chat.api import views as chat_views
 from chat.api.chat_views import ChatAsyncView, ChatStatusView
+from hordesite.health import healthz
 from workers.api.views import WorkerDetailView, WorkerListView
 
 api_v2 = [
@@ -30,7 +31,7 @@ urlpatterns = [
     path("api/v2/openapi.json", SpectacularJSONAPIView.as_view(), name="openapi-schema"),
     # The OpenAI front (oai), mounted in the web process for the one-machine default.
     path("v1/", include("oai.urls")),
-    path("healthz", lambda request: JsonResponse({"status": "ok"})),
+    path("healthz", healthz),
     path("admin/", admin.site.urls),
 ]
 

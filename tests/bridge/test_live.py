@@ -178,10 +178,8 @@ def test_refused_reply_is_faulted_as_reply_refused(live_horde, fake_backend):
     assert Generation.objects.filter(chat_refusal_rc="ChatSubmitNonconformant").exists()
 
 
-def test_lease_is_honoured_job_given_up_before_it_ends(live_horde, fake_backend, monkeypatch):
-    import chat.api.pop_views
-
-    monkeypatch.setattr(chat.api.pop_views, "TEXT_JOB_LEASE_SECONDS", 4)  # the pop's ttl
+def test_lease_is_honoured_job_given_up_before_it_ends(live_horde, fake_backend, settings):
+    settings.HORDE_TEXT_JOB_LEASE_SECONDS = 4  # the pop's ttl
     fake_backend.delay = 30
     with running_bridge(live_horde, fake_backend.url, lease_margin=1.0) as (bridge, out):
         request_id = live_horde.chat()

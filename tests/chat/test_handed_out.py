@@ -47,13 +47,14 @@ def test_a_job_with_a_prompt_over_the_job_bound_is_not_kept_and_evicts_nothing()
     assert jobs.take(small.pk) is small
 
 
-def test_a_job_past_its_lease_is_not_given(monkeypatch):
+def test_a_job_past_its_lease_is_not_given(monkeypatch, settings):
+    lease = settings.HORDE_TEXT_JOB_LEASE_SECONDS
     jobs = HandedOutJobs()
     now = [1000.0]
     monkeypatch.setattr(module.time, "monotonic", lambda: now[0])
     stale, fresh = _job(), _job()
     jobs.remember([stale])
-    now[0] += module.TEXT_JOB_LEASE_SECONDS - 1
+    now[0] += lease - 1
     jobs.remember([fresh])
     now[0] += 2
     assert jobs.take(stale.pk) is None
@@ -61,6 +62,6 @@ def test_a_job_past_its_lease_is_not_given(monkeypatch):
     # Remembering sweeps what outlived its lease.
     late = _job()
     jobs.remember([late])
-    now[0] += module.TEXT_JOB_LEASE_SECONDS
+    now[0] += lease
     jobs.remember([_job()])
     assert len(jobs) == 1

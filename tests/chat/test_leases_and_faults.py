@@ -115,3 +115,18 @@ def test_worker_maintenance_stops_its_pops(horde, people, make_user):
     paused = horde.pop(owner.key)
     assert paused.status_code == 403 and paused.json()["rc"] == "WorkerMaintenance"
     assert horde.client.get(f"/api/v2/workers/{worker_id}").json()["maintenance_mode"] is True
+
+
+def test_the_lease_and_the_request_time_to_live_are_settings(horde, people, settings):
+    settings.HORDE_TEXT_JOB_LEASE_SECONDS = 30
+    settings.HORDE_TEXT_REQUEST_TTL_SECONDS = 90
+    requester, owner = people
+    before = timezone.now()
+    request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
+    job = horde.pop(owner.key).json()
+    after = timezone.now()
+    assert job["ttl"] == 30
+    lease = Generation.objects.get(pk=job["id"]).lease_expires_at
+    assert before + timedelta(seconds=30) <= lease <= after + timedelta(seconds=30)
+    expiry = GenerationRequest.objects.get(pk=request_id).expires_at
+    assert before + timedelta(seconds=90) <= expiry <= after + timedelta(seconds=90)

@@ -1,0 +1,38 @@
+"""kombu's filesystem transport (the embedded default's Celery broker), each message written whole.
+
+kombu writes a message into the folder the worker reads under its final name, then fills it; a
+worker polling at that moment takes the empty file, fails to decode it and stops
+("Unrecoverable error: JSONDecodeError", kombu issue 1551). Beat publishes the sweeps while the
+worker polls, so on the embedded default this stopped the worker now and then. Here a message is
+written under a name the reader skips and renamed into place once complete (a rename within one
+folder is atomic). Everything else is kombu's, through the extension points of its virtual
+transport (Channel._put, Transport.Channel)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from time import monotonic
+
+from kombu.exceptions import ChannelError
+from kombu.transport import filesystem
+from kombu.utils.encoding import str_to_bytes
+from kombu.utils.json import dumps
+
+
+class Channel(filesystem.Channel):
+    def _put(self, queue, payload, **kwargs):
+        name = f"{int(round(monotonic() * 1000))}_{uuid.uuid4()}.{queue}.msg"
+        final = os.path.join(self.data_folder_out, name)
+        # The reader takes names of the form "<id>.<queue>.msg"; ".<name>.part" is not one.
+        partial = os.path.join(self.data_folder_out, f".{name}.part")
+        try:
+            with open(partial, "wb") as f:
+                f.write(str_to_bytes(dumps(payload)))
+            os.replace(partial, final)
+        except OSError as exc:
+            raise ChannelError(f"Cannot add file {final!r} to directory") from exc
+
+
+class Transport(filesystem.Transport):
+    Channel = Channel

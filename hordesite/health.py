@@ -1,0 +1,40 @@
+"""/healthz: the web process answers, the database answers, and beat's sweeps keep running.
+
+Each sweep records when it finished (chat.models.SweepRun). One that has not finished for
+HORDE_SWEEP_LATE_SECONDS (never, counted from this process's start) is late, and a late sweep
+makes the answer 503: a dead beat is otherwise invisible (the worker keeps reporting ready)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import DatabaseError
+from django.http import JsonResponse
+from django.utils import timezone
+
+from chat.models import SweepRun
+
+PROCESS_STARTED = timezone.now()
+
+
+def scheduled_sweeps() -> list[str]:
+    return sorted({entry["task"] for entry in settings.CELERY_BEAT_SCHEDULE.values()})
+
+
+def healthz(request) -> JsonResponse:
+    now = timezone.now()
+    late_after = timedelta(seconds=settings.HORDE_SWEEP_LATE_SECONDS)
+    try:
+        finished: dict[str, datetime] = dict(SweepRun.objects.values_list("task", "finished_at"))
+    except DatabaseError:
+        return JsonResponse({"status": "unhealthy", "database": "unreachable"}, status=503)
+    sweeps = {}
+    for task in scheduled_sweeps():
+        last = finished.get(task)
+        sweeps[task] = {
+            "last_finished_at": last.isoformat() if last else None,
+            "late": now - (last or PROCESS_STARTED) > late_after,
+        }
+    healthy = not any(sweep["late"] for sweep in sweeps.values())
+    return JsonResponse({"status": "ok" if healthy else "unhealthy", "sweeps": sweeps}, status=200 if healthy else 503)

@@ -1,0 +1,52 @@
+"""The embedded default's broker (hordesite/filesystem_broker.py): a reader polling while a writer
+publishes gets every message, whole and once. kombu's own filesystem transport can hand the reader
+a file the writer has created but not yet filled; the worker then stops on the decode error. That
+showed under load (a full test run on two busy cores), not on demand, so this test checks the
+transport's delivery, and test_beat.py runs beat and the worker on it."""
+
+from __future__ import annotations
+
+import threading
+
+from kombu import Connection
+
+TRANSPORT = "hordesite.filesystem_broker:Transport"
+MESSAGES = 300
+
+
+def test_a_reader_polling_while_a_writer_publishes_reads_every_message_whole(tmp_path):
+    transport = TRANSPORT
+    folder = tmp_path / "broker"
+    folder.mkdir()
+    options = {
+        "data_folder_in": str(folder),
+        "data_folder_out": str(folder),
+        "control_folder": str(tmp_path / "control"),
+        "store_processed": False,
+    }
+    payload = "x" * 50_000  # a long write: a wide window for a reader to see a file unfinished
+    received: list[int] = []
+    failures: list[BaseException] = []
+
+    def read() -> None:
+        with Connection("filesystem://", transport=transport, transport_options=options) as conn:
+            queue = conn.SimpleQueue("sweeps")
+            try:
+                while len(received) < MESSAGES:
+                    message = queue.get(timeout=20)
+                    received.append(message.payload["n"])
+                    assert message.payload["pad"] == payload
+                    message.ack()
+            except BaseException as exc:  # reported to the test thread
+                failures.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    with Connection("filesystem://", transport=transport, transport_options=options) as conn:
+        queue = conn.SimpleQueue("sweeps")
+        for n in range(MESSAGES):
+            queue.put({"n": n, "pad": payload})
+    reader.join(60)
+    assert not reader.is_alive()
+    assert not failures, failures[0]
+    assert sorted(received) == list(range(MESSAGES))

@@ -1,0 +1,66 @@
+"""/healthz reports when each beat sweep last finished, and answers 503 once one is late."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from chat import tasks
+from chat.models import GenerationRequest, SweepRun
+
+SWEEPS = {"chat.tasks.abort_stale_generations", "chat.tasks.expire_requests"}
+
+pytestmark = pytest.mark.django_db
+
+
+def test_the_sweeps_record_when_they_finished_and_healthz_reports_it(api, horde, make_user):
+    requester = make_user("requester", kudos=1000)
+    queued = horde.text_async(requester.key, models=["Gryphe/MythoMax-L2-13b"]).json()["id"]
+    GenerationRequest.objects.filter(pk=queued).update(expires_at=timezone.now() - timedelta(seconds=1))
+    before = timezone.now()
+    assert tasks.expire_requests.apply().get() == 1
+    assert tasks.abort_stale_generations.apply().get() == 0
+
+    runs = {run.task: run for run in SweepRun.objects.all()}
+    assert set(runs) == SWEEPS
+    assert runs["chat.tasks.expire_requests"].rows == 1 and runs["chat.tasks.abort_stale_generations"].rows == 0
+    assert all(run.finished_at >= before for run in runs.values())
+
+    response = api.get("/healthz")
+    assert response.status_code == 200
+    body = response.json()
+    assert body["status"] == "ok"
+    assert body["sweeps"] == {
+        task: {"last_finished_at": runs[task].finished_at.isoformat(), "late": False} for task in SWEEPS
+    }
+
+
+def test_healthz_is_unhealthy_when_a_sweep_is_late(api, settings):
+    settings.HORDE_SWEEP_LATE_SECONDS = 180
+    now = timezone.now()
+    SweepRun.objects.create(task="chat.tasks.abort_stale_generations", finished_at=now - timedelta(seconds=10))
+    SweepRun.objects.create(task="chat.tasks.expire_requests", finished_at=now - timedelta(seconds=181))
+
+    response = api.get("/healthz")
+    assert response.status_code == 503
+    body = response.json()
+    assert body["status"] == "unhealthy"
+    assert body["sweeps"]["chat.tasks.expire_requests"]["late"] is True
+    assert body["sweeps"]["chat.tasks.abort_stale_generations"]["late"] is False
+
+    SweepRun.objects.filter(task="chat.tasks.expire_requests").update(finished_at=now)
+    assert api.get("/healthz").status_code == 200
+
+
+def test_healthz_is_unhealthy_when_no_sweep_ever_ran_within_the_late_delay(api, settings):
+    settings.HORDE_SWEEP_LATE_SECONDS = 3600  # this process started less than an hour ago: not late yet
+    response = api.get("/healthz")
+    assert response.status_code == 200
+    assert response.json()["sweeps"]["chat.tasks.expire_requests"] == {"last_finished_at": None, "late": False}
+
+    settings.HORDE_SWEEP_LATE_SECONDS = 0
+    response = api.get("/healthz")
+    assert response.status_code == 503
+    assert response.json()["sweeps"]["chat.tasks.expire_requests"] == {"last_finished_at": None, "late": True}

@@ -1,0 +1,112 @@
+"""The settings fail closed outside the embedded default, create nothing when imported, and read
+variables by the same rules as the OpenAI front."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oai.settings import load_settings
+from tests.hordesite.clone import clean_env, clone_like_copy, run_python
+
+DEPLOYED_DATABASE = "postgres://horde:secret@db.invalid:5432/horde"
+STRONG_KEY = "k" * 10 + "3xq9-VzL2_pW8mRt5yN0aB7cD4eF6gH1jK!sU@oI#"
+
+SHOW_SETTINGS = (
+    "import json, django; django.setup(); from django.conf import settings as s; "
+    "print(json.dumps({'key': s.SECRET_KEY, 'hosts': s.ALLOWED_HOSTS, "
+    "'secure_cookies': [s.SESSION_COOKIE_SECURE, s.CSRF_COOKIE_SECURE], "
+    "'booleans': {name: getattr(s, name) for name in %r}}))"
+)
+# The horde's boolean settings with no effect on reading the others.
+HORDE_BOOLEANS = [
+    "HORDE_ALLOW_ANONYMOUS",
+    "HORDE_MAINTENANCE",
+    "HORDE_UPFRONT_KUDOS_ON_WORKERLIST",
+    "HORDE_CHAT_ADMISSION_ENABLED",
+    "HORDE_HOT_ROUTES",
+    "CELERY_TASK_ALWAYS_EAGER",
+    "DEBUG",
+]
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory):
+    return clone_like_copy(tmp_path_factory.mktemp("settings") / "clone")
+
+
+def _settings(clone, **env) -> dict:
+    shown = run_python(clone, clean_env(DJANGO_SETTINGS_MODULE="hordesite.settings", **env), "-c", SHOW_SETTINGS % HORDE_BOOLEANS)
+    assert shown.returncode == 0, shown.stderr
+    return json.loads(shown.stdout.strip().splitlines()[-1])
+
+
+def _refusal(clone, **env) -> str:
+    shown = run_python(clone, clean_env(DJANGO_SETTINGS_MODULE="hordesite.settings", **env), "-c", SHOW_SETTINGS % HORDE_BOOLEANS)
+    assert shown.returncode != 0, shown.stdout
+    return shown.stderr.strip().splitlines()[-1]
+
+
+def test_a_deployment_without_secret_key_or_allowed_hosts_does_not_start(clone):
+    assert _refusal(clone, DATABASE_URL=DEPLOYED_DATABASE) == (
+        "django.core.exceptions.ImproperlyConfigured: Set SECRET_KEY and ALLOWED_HOSTS: "
+        "required when DATABASE_URL is set and DEBUG is off (docs/configuration.md)"
+    )
+    assert "Set ALLOWED_HOSTS:" in _refusal(clone, DATABASE_URL=DEPLOYED_DATABASE, SECRET_KEY=STRONG_KEY)
+    assert "Set SECRET_KEY:" in _refusal(clone, DATABASE_URL=DEPLOYED_DATABASE, ALLOWED_HOSTS="horde.example")
+    public_key = _refusal(
+        clone,
+        DATABASE_URL=DEPLOYED_DATABASE,
+        ALLOWED_HOSTS="horde.example",
+        SECRET_KEY="dev-only-insecure-secret-key-change-me-in-production",
+    )
+    assert "SECRET_KEY is the public development key" in public_key
+
+
+def test_a_deployment_uses_what_it_names_with_secure_cookies(clone):
+    shown = _settings(
+        clone, DATABASE_URL=DEPLOYED_DATABASE, SECRET_KEY=STRONG_KEY, ALLOWED_HOSTS="horde.example,api.horde.example"
+    )
+    assert shown["key"] == STRONG_KEY
+    assert shown["hosts"] == ["horde.example", "api.horde.example"]
+    assert shown["secure_cookies"] == [True, True]
+
+
+def test_the_embedded_default_and_debug_fall_back_to_development_values(clone):
+    embedded = _settings(clone)
+    assert embedded["key"] == "dev-only-insecure-secret-key-change-me-in-production"
+    assert embedded["hosts"] == ["*"]
+    debug = _settings(clone, DATABASE_URL=DEPLOYED_DATABASE, DEBUG="true")
+    assert debug["hosts"] == ["*"]
+
+
+def test_importing_the_settings_creates_no_directory(clone):
+    _settings(clone)
+    _settings(clone, DATABASE_URL=DEPLOYED_DATABASE, SECRET_KEY=STRONG_KEY, ALLOWED_HOSTS="horde.example")
+    assert not (clone / "var").exists()
+
+
+def test_check_deploy_is_clean_with_a_production_environment(clone):
+    env = clean_env(
+        DATABASE_URL=DEPLOYED_DATABASE,
+        REDIS_URL="redis://redis.invalid:6379/0",
+        SECRET_KEY=STRONG_KEY,
+        ALLOWED_HOSTS="horde.example",
+    )
+    checked = run_python(clone, env, "manage.py", "check", "--deploy", "--fail-level", "WARNING")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "System check identified no issues" in checked.stdout
+
+
+BOOLEAN_VALUES = ["true", "True", "on", "ok", "y", "yes", "1", "2", "false", "0", "no", "off", "", "flase"]
+
+
+def test_the_front_reads_a_boolean_as_the_horde_does(clone):
+    for start in range(0, len(BOOLEAN_VALUES), len(HORDE_BOOLEANS)):
+        values = dict(zip(HORDE_BOOLEANS, BOOLEAN_VALUES[start:], strict=False))
+        horde = _settings(clone, **values)["booleans"]
+        for name, value in values.items():
+            front = load_settings({"HORDE_OAI_ALLOW_ANONYMOUS": value}).allow_anonymous
+            assert (value, front) == (value, horde[name])
+            assert horde[name] is (value.lower() in {"true", "on", "ok", "y", "yes", "1", "2"})
