@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('chat', '0003_operation_key_unique_index'),
+        ('chat', '0004_validated_backends_default_false'),
     ]
 
     operations = [
