@@ -17,7 +17,7 @@ from django.conf import settings  # noqa: E402
 from django.core.cache import caches  # noqa: E402
 from django.core.handlers.wsgi import WSGIHandler  # noqa: E402
 
-from hordesite.body_limits import BODY_LIMITS, BodyLimitMiddleware, too_large_body  # noqa: E402
+from hordesite.body_limits import BodyLimitMiddleware, body_limit, too_large_body  # noqa: E402
 from hordesite.daphne_requests import use_requests_without_form_parsing  # noqa: E402
 from hordesite.hot_routes import HotRoutesASGI  # noqa: E402
 from oai.asgi import FrontASGI, front_django_handler  # noqa: E402
@@ -30,7 +30,7 @@ def native_in_process_app(app):
     body bound as BodyLimitMiddleware (the front always declares the length)."""
 
     def guarded(environ, start_response):
-        limit = BODY_LIMITS.get((environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", "")))
+        limit = body_limit(environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", ""))
         declared = environ.get("CONTENT_LENGTH") or ""
         if limit is not None and declared.isdigit() and int(declared) > limit:
             start_response("413 Request Entity Too Large", [("Content-Type", "application/json")])

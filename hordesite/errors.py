@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import Http404
 from rest_framework import exceptions
 from rest_framework.response import Response
@@ -14,6 +16,7 @@ from contract.errors import HordeError
 log = logging.getLogger(__name__)
 
 VALIDATION_MESSAGE = "Input payload validation failed"
+TOO_DEEP_MESSAGE = "The request body nests too deeply."
 
 
 def _flatten(detail, prefix: str = "") -> dict[str, str]:
@@ -45,10 +48,18 @@ def horde_exception_handler(exc, context):
         return Response(exc.body(), status=exc.status, headers=exc.headers or None)
     if isinstance(exc, ChatRefusal):
         return Response({"message": exc.message, "rc": exc.rc}, status=exc.status)
+    if isinstance(exc, RecursionError) or isinstance(exc.__context__, RecursionError):
+        # Only a request body nests deep enough: the JSON parser (DRF's lets RecursionError through;
+        # the chat route's turns it into a ParseError), or what walks the parsed body.
+        return Response({"message": TOO_DEEP_MESSAGE, "rc": "BadRequest"}, status=400)
     if isinstance(exc, exceptions.ValidationError):
         return Response({"errors": _flatten(exc.detail), "message": VALIDATION_MESSAGE}, status=400)
     if isinstance(exc, exceptions.ParseError):
         return Response({"errors": {"payload": str(exc.detail)}, "message": VALIDATION_MESSAGE}, status=400)
+    if isinstance(exc, RequestDataTooBig):
+        # A chunked body past DATA_UPLOAD_MAX_MEMORY_SIZE where no ASGI guard ran (WSGI).
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        return Response({"message": f"The request body is over {limit} bytes.", "rc": "RequestTooLarge"}, status=413)
     if isinstance(exc, Http404):
         return Response({"message": "Not found", "rc": "NotFound"}, status=404)
     if isinstance(exc, exceptions.Throttled):

@@ -8,8 +8,9 @@ methods, on a fixed pool of threads, with the same authentication, exception han
 headers as Django would give them.
 
 A request this layer does not fully understand goes on to Django unchanged, body replayed:
-another method or path, a query string, a body that is not plain JSON or does not parse or is over
-DATA_UPLOAD_MAX_MEMORY_SIZE, an Accept header asking for something else. So every error shape for odd input stays Django's.
+another method or path, a query string, a body that is not plain JSON or does not parse or nests
+too deeply, an Accept header asking for something else (BodyLimitMiddleware, in front, refused a
+body over DATA_UPLOAD_MAX_MEMORY_SIZE). So every error shape for odd input stays Django's.
 """
 
 from __future__ import annotations
@@ -258,7 +259,7 @@ class HotRoutesASGI:
             return _NOT_UNDERSTOOD
         try:
             return json.loads(body.decode("utf-8"), parse_constant=_refuse_constant)
-        except ValueError:
+        except (ValueError, RecursionError):  # Django answers: a parse error, or nested too deeply
             return _NOT_UNDERSTOOD
 
 

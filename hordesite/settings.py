@@ -42,6 +42,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "hordesite.middleware.CorsMiddleware",
     "hordesite.middleware.AdminOnlyMiddleware",
+    "hordesite.middleware.JsonBodyMiddleware",
 ]
 # The admin's checks look for its middleware in MIDDLEWARE; AdminOnlyMiddleware runs it for /admin/.
 SILENCED_SYSTEM_CHECKS = ["admin.E408", "admin.E409", "admin.E410"]
