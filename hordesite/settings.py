@@ -219,3 +219,26 @@ HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP = env.str("HORDE_CHAT_REQUEST_2SEC_LIMIT_PE
 HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP = env.str("HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP", default="90/minute")
 # The completion signal's Redis (default: REDIS_URL); tests point it elsewhere to show Redis down.
 HORDE_CHAT_SIGNAL_REDIS_URL = env.str("HORDE_CHAT_SIGNAL_REDIS_URL", default="") or None
+
+# --- Failure bounds: a hung Redis, a lost or unreachable PostgreSQL (docs/adr/0018) ------------
+# Every Redis call on a request path waits at most these seconds, and a timeout or lost connection
+# marks that Redis unavailable in the process for HORDE_REDIS_UNAVAILABLE_SECONDS: its calls then
+# fail at once into the no-Redis fallbacks (hordesite/redis_guard.py).
+HORDE_REDIS_SOCKET_TIMEOUT = env.float("HORDE_REDIS_SOCKET_TIMEOUT", default=0.5)
+HORDE_REDIS_CONNECT_TIMEOUT = env.float("HORDE_REDIS_CONNECT_TIMEOUT", default=0.5)
+HORDE_REDIS_UNAVAILABLE_SECONDS = env.float("HORDE_REDIS_UNAVAILABLE_SECONDS", default=5.0)
+# What the project's own Redis clients are built with: redis.ConnectionPool.from_url(url, **...).
+HORDE_REDIS_POOL_CLASS = "hordesite.redis_guard.GuardedConnectionPool"
+HORDE_REDIS_POOL_KWARGS = {
+    "socket_timeout": HORDE_REDIS_SOCKET_TIMEOUT,
+    "socket_connect_timeout": HORDE_REDIS_CONNECT_TIMEOUT,
+}
+if REDIS_URL:
+    CACHES["default"]["OPTIONS"].update(
+        {
+            "CONNECTION_POOL_CLASS": HORDE_REDIS_POOL_CLASS,
+            "SOCKET_TIMEOUT": HORDE_REDIS_SOCKET_TIMEOUT,
+            "SOCKET_CONNECT_TIMEOUT": HORDE_REDIS_CONNECT_TIMEOUT,
+        }
+    )
+    CHANNEL_LAYERS["default"]["CONFIG"]["hosts"] = [{"address": REDIS_URL, **HORDE_REDIS_POOL_KWARGS}]

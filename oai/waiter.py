@@ -4,8 +4,10 @@
 registers its id (SUBSCRIBE horde:chat:<id>) and gets a `Wake` that the listener sets for each
 message on its channel. A liveness ping runs every signal_ping_seconds; a ping or read that fails
 drops the connection, every registered request is woken (a recheck reads its status, so nothing a
-lost message announced is missed), and the listener reconnects and subscribes again. Without Redis
-there is no listener and waits poll the status route every poll_seconds.
+lost message announced is missed) and polls every poll_seconds until the listener has reconnected
+and subscribed again. A ping or subscribe slower than SIGNAL_COMMAND_TIMEOUT_SECONDS counts as
+failed, so a hung Redis is noticed within a ping interval plus that. Without Redis there is no
+listener and waits poll the status route every poll_seconds.
 
 `ChatRequestWatcher` decides when a waiting request reads its status next: at once after the
 submit (immediate), on a signal, at each recheck (signal_recheck_seconds with Redis, poll_seconds
@@ -31,6 +33,9 @@ CHAT_SIGNAL_CHANNEL_PREFIX = "horde:chat:"
 POSITIONED_READ_WAIT_SECONDS = 2.0
 QUEUE_UNAVAILABLE_RETRY_AFTER_CAP_SECONDS = 600
 NO_ELIGIBLE_WORKER_RETRY_AFTER_SECONDS = 30
+# A liveness ping or a subscribe that takes longer means a hung Redis: the connection is dropped and
+# waiting requests poll as without Redis until it is back (docs/adr/0018).
+SIGNAL_COMMAND_TIMEOUT_SECONDS = 1.0
 
 
 class WakeSource(StrEnum):
@@ -61,6 +66,8 @@ class Wake:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled_signal: bool = False
     signal_lost: bool = False
+    # False while the listener has no live subscription for it: the request polls meanwhile.
+    listening: bool = True
     last_message: dict[str, Any] | None = None
 
     def set(self, message: dict[str, Any] | None) -> None:
@@ -106,10 +113,11 @@ class CompletionSignalListener:
         wakes.add(wake)
         if len(wakes) == 1 and self._pubsub is not None and self.healthy:
             try:
-                await self._pubsub.subscribe(channel)
+                await asyncio.wait_for(self._pubsub.subscribe(channel), SIGNAL_COMMAND_TIMEOUT_SECONDS)
             except Exception as error:  # the reader reconnects; the request still rechecks
                 log.warning("completion signal subscribe failed: %s", error)
                 self._fail()
+        wake.listening = self.healthy
         return wake
 
     async def unregister(self, request_id: str, wake: Wake) -> None:
@@ -128,6 +136,7 @@ class CompletionSignalListener:
         self.healthy = False
         for wakes in self._wakes.values():
             for wake in wakes:
+                wake.listening = False
                 wake.set(None)
 
     async def _drop(self) -> None:
@@ -152,6 +161,9 @@ class CompletionSignalListener:
         if self._wakes:
             await self._pubsub.subscribe(*self._wakes)
         self.healthy = True
+        for wakes in self._wakes.values():
+            for wake in wakes:
+                wake.listening = True
         self._ready.set()
 
     async def _run(self) -> None:
@@ -170,7 +182,9 @@ class CompletionSignalListener:
                     if message is not None:
                         self._dispatch(message)
                     if time.monotonic() - last_ping >= self.ping_seconds:
-                        await asyncio.wait_for(self._pubsub.ping(), self.ping_seconds)
+                        await asyncio.wait_for(
+                            self._pubsub.ping(), min(self.ping_seconds, SIGNAL_COMMAND_TIMEOUT_SECONDS)
+                        )
                         last_ping = time.monotonic()
             except asyncio.CancelledError:
                 raise
@@ -229,6 +243,7 @@ class ChatRequestWatcher:
         self.wake = wake
         self.budget = budget
         self.recheck_seconds = recheck_seconds if wake is not None else poll_seconds
+        self.poll_seconds = poll_seconds
         self.periodic_source = WakeSource.RECHECK if wake is not None else WakeSource.POLL
         self.disconnected = disconnected
 
@@ -238,8 +253,11 @@ class ChatRequestWatcher:
         """Block until the next read is due. Returns its source, or None when `keepalive_at` came
         first (the caller sends a keepalive comment and calls again)."""
         now = time.monotonic()
-        due = min(now + self.recheck_seconds, self.budget.deadline)
-        source = self.periodic_source if due < self.budget.deadline else WakeSource.DEADLINE
+        # While the listener has lost Redis, no signal can come: poll as without Redis.
+        listening = self.wake is None or self.wake.listening
+        interval, periodic = (self.recheck_seconds, self.periodic_source) if listening else (self.poll_seconds, WakeSource.POLL)
+        due = min(now + interval, self.budget.deadline)
+        source = periodic if due < self.budget.deadline else WakeSource.DEADLINE
         if not_after is not None and not_after < due:
             due, source = not_after, WakeSource.RECHECK
         timer_source = source
