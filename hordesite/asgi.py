@@ -16,9 +16,11 @@ from channels.routing import ProtocolTypeRouter  # noqa: E402  (needs the app re
 from django.conf import settings  # noqa: E402
 from django.core.cache import caches  # noqa: E402
 from django.core.handlers.wsgi import WSGIHandler  # noqa: E402
+from django.db.backends.signals import connection_created  # noqa: E402
 
 from hordesite.body_limits import BodyLimitMiddleware, body_limit, too_large_body  # noqa: E402
 from hordesite.daphne_requests import use_requests_without_form_parsing  # noqa: E402
+from hordesite.db_guard import DatabaseGuardASGI, install_statement_counter, retrying_wsgi  # noqa: E402
 from hordesite.hot_routes import HotRoutesASGI  # noqa: E402
 from oai.asgi import FrontASGI, front_django_handler  # noqa: E402
 from oai.horde_client import mount_native_app  # noqa: E402
@@ -42,7 +44,7 @@ def native_in_process_app(app):
 
 # The front mounted here calls this process's native API in process, not back over TCP, unless
 # HORDE_OAI_NATIVE_ROOTS points it elsewhere (docs/adr/0008-oai-native-calls-in-process.md).
-mount_native_app(native_in_process_app(WSGIHandler()), root_path="/api/v2")
+mount_native_app(retrying_wsgi(native_in_process_app(WSGIHandler())), root_path="/api/v2")
 
 # /v1/ (the OpenAI front, mounted for the one-machine default) passes the front's ASGI layer first:
 # its body admission (413, 408), CORS and disconnect notice, then Django with the front's own
@@ -52,10 +54,14 @@ mount_native_app(native_in_process_app(WSGIHandler()), root_path="/api/v2")
 application = ProtocolTypeRouter(
     {
         "http": FrontASGI(
-            BodyLimitMiddleware(HotRoutesASGI(django_asgi_app)), front_app=front_django_handler()
+            BodyLimitMiddleware(DatabaseGuardASGI(HotRoutesASGI(django_asgi_app))), front_app=front_django_handler()
         )
     }
 )
+
+# Each request's completed statements are counted: one that lost its connection before any completed
+# is run again on a fresh connection (hordesite/db_guard.py).
+connection_created.connect(install_statement_counter)
 
 # Django keeps a cache backend per context, and under ASGI each request starts from a copy of this
 # module's context: a backend made here is the one every request finds (with django-redis, one Redis

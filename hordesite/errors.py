@@ -12,6 +12,7 @@ from rest_framework.response import Response
 
 from contract.chat_errors import ChatRefusal
 from contract.errors import HordeError
+from hordesite import db_guard
 
 log = logging.getLogger(__name__)
 
@@ -70,5 +71,10 @@ def horde_exception_handler(exc, context):
             exc.status_code, "BadRequest"
         )
         return Response({"message": str(exc.detail), "rc": rc}, status=exc.status_code)
+    if db_guard.is_connection_failure(exc):
+        # A lost or unobtainable connection: 503 with Retry-After, marked for one more run when
+        # nothing was written (hordesite/db_guard.py).
+        retry = db_guard.on_connection_failure(exc)
+        return Response(db_guard.unavailable_body(), status=503, headers=db_guard.unavailable_headers(retry=retry))
     log.exception("unhandled error in %s", context.get("view"))
     return Response({"message": "Internal server error", "rc": "InternalError"}, status=500)

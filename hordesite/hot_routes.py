@@ -39,6 +39,7 @@ from chat.api.pop_views import TextPopView
 from chat.api.submit_views import TextSubmitView
 from chat.api.views import TextStatusView
 from hordesite.body_limits import read_body
+from hordesite.db_guard import start_request
 from hordesite.errors import horde_exception_handler
 from hordesite.middleware import EXPOSED_HEADERS
 
@@ -166,6 +167,7 @@ def serve_hot_request(route: HotRoute, request: HotRequest, kwargs: dict[str, An
     negotiation (JSON only) and with Django's request signals, which close the thread's database
     connection at the end as for any request."""
     signals.request_started.send(sender=HotRoutesASGI, scope=request.scope)
+    start_request()  # this thread's context: DatabaseGuardASGI's count does not reach it
     view = route.view_class()
     view.args, view.kwargs, view.request, view.format_kwarg = (), kwargs, request, None
     view.headers = {}

@@ -242,3 +242,11 @@ if REDIS_URL:
         }
     )
     CHANNEL_LAYERS["default"]["CONFIG"]["hosts"] = [{"address": REDIS_URL, **HORDE_REDIS_POOL_KWARGS}]
+# A connection attempt to PostgreSQL gives up after this many seconds (libpq's connect_timeout,
+# whole seconds, at least 2); a request whose connection was lost or could not be had answers 503
+# DatabaseUnavailable with Retry-After, and for HORDE_DATABASE_UNAVAILABLE_SECONDS after a failed
+# probe every request does so at once (hordesite/db_guard.py).
+HORDE_DATABASE_CONNECT_TIMEOUT = env.int("DATABASE_CONNECT_TIMEOUT", default=2)
+HORDE_DATABASE_UNAVAILABLE_SECONDS = env.float("HORDE_DATABASE_UNAVAILABLE_SECONDS", default=2.0)
+if IS_POSTGRES:
+    DATABASES["default"]["OPTIONS"].setdefault("connect_timeout", max(2, HORDE_DATABASE_CONNECT_TIMEOUT))
