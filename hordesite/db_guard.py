@@ -144,7 +144,12 @@ def _check_pool(alias: str = DEFAULT_DB_ALIAS) -> None:
 
 
 def is_connection_failure(exc: BaseException) -> bool:
-    return isinstance(exc, (OperationalError, InterfaceError)) and _connection_gone()
+    """A PostgreSQL connection lost or never obtained (SQLite's errors are the file's, not a server's)."""
+    return (
+        isinstance(exc, (OperationalError, InterfaceError))
+        and connections[DEFAULT_DB_ALIAS].vendor == "postgresql"
+        and _connection_gone()
+    )
 
 
 def _connection_gone(alias: str = DEFAULT_DB_ALIAS) -> bool:
