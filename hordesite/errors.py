@@ -49,7 +49,9 @@ def horde_exception_handler(exc, context):
         return Response(exc.body(), status=exc.status, headers=exc.headers or None)
     if isinstance(exc, ChatRefusal):
         return Response({"message": exc.message, "rc": exc.rc}, status=exc.status)
-    if isinstance(exc, RecursionError) or isinstance(exc.__context__, RecursionError):
+    if isinstance(exc, RecursionError) or (
+        isinstance(exc, exceptions.ParseError) and isinstance(exc.__context__, RecursionError)
+    ):
         # Only a request body nests deep enough: the JSON parser (DRF's lets RecursionError through;
         # the chat route's turns it into a ParseError), or what walks the parsed body.
         return Response({"message": TOO_DEEP_MESSAGE, "rc": "BadRequest"}, status=400)

@@ -181,3 +181,30 @@ def test_chat_async_on_a_hung_redis_costs_at_most_its_timeout(live_horde, pointe
         assert took < bound, took
         status, took = timed("GET", f"{live_horde.url}/api/v2/generate/chat/status/{response.json()['id']}")
         assert status.status_code == 200 and took < bound, (status.status_code, took)
+
+
+def test_a_completion_on_a_hung_redis_polls_instead_of_waiting_for_the_signal(
+    live_horde, pointed_at, front, requester, start_worker
+):
+    """The front's listener on the test's own Redis: stopped, its PONG does not come back, the
+    connection is dropped, and waiting requests poll. With the default recheck (5 s) and ping (5 s)
+    intervals, a completion costs about the busy ping interval plus the PONG timeout, not a recheck."""
+    from oai.waiter import SIGNAL_BUSY_PING_SECONDS, SIGNAL_COMMAND_TIMEOUT_SECONDS
+
+    process, url = pointed_at
+    settings = front.configure(redis_url=url, signal_recheck_seconds=5.0, signal_ping_seconds=5.0, poll_seconds=0.2)
+    start_worker(delay=0.2)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}
+    headers = {"Authorization": f"Bearer {requester.key}"}
+    warm, _ = timed("POST", f"{front.live.v1}/chat/completions", json=body, headers=headers)
+    assert warm.status_code == 200, warm.text
+    assert front.state().listener.healthy
+
+    os.kill(process.pid, signal.SIGSTOP)
+    bound = SIGNAL_BUSY_PING_SECONDS + SIGNAL_COMMAND_TIMEOUT_SECONDS + settings.poll_seconds + 1.5
+    for _round in range(2):
+        answer, took = timed("POST", f"{front.live.v1}/chat/completions", json=body, headers=headers)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"]
+        assert took < bound < settings.signal_recheck_seconds, (took, bound)
+    assert not front.state().listener.healthy  # it noticed the hung Redis
