@@ -17,7 +17,10 @@ waiting out the pool's timeout; the first request after the window probes again 
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+import io
+import json
 import logging
 import threading
 import time
@@ -26,6 +29,8 @@ from typing import Any
 
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections
+
+from hordesite.body_limits import BufferedBody, read_body
 
 log = logging.getLogger(__name__)
 
@@ -191,8 +196,6 @@ NATIVE_PREFIX = "/api/v2/"
 
 
 def _unavailable_start_and_body() -> tuple[dict[str, Any], dict[str, Any]]:
-    import json
-
     body = json.dumps(unavailable_body()).encode()
     start = {
         "type": "http.response.start",
@@ -217,10 +220,6 @@ class DatabaseGuardASGI:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not scope.get("path", "").startswith(NATIVE_PREFIX):
             return await self.app(scope, receive, send)
-        import asyncio
-
-        from hordesite.body_limits import BufferedBody, read_body
-
         if _unavailable_until and await asyncio.to_thread(refuse_while_unavailable):
             start, body = _unavailable_start_and_body()
             await send(start)
@@ -259,7 +258,6 @@ class DatabaseGuardASGI:
 
 def retrying_wsgi(app: Any) -> Any:
     """The same for a WSGI application (the mounted front's in-process native calls)."""
-    import io
 
     def guarded(environ: dict[str, Any], start_response: Any) -> Any:
         if not environ.get("PATH_INFO", "").startswith(NATIVE_PREFIX):
