@@ -18,6 +18,7 @@ from functools import lru_cache
 
 import redis
 from django.conf import settings
+from django.utils.module_loading import import_string
 
 from contract.errors import HordeError
 from contract.rate_limits import PROXIED_FOR_HEADER, PROXY_PASSKEY_HEADER
@@ -43,7 +44,9 @@ def parse_limit(text: str) -> tuple[int, int]:
 def _redis_client() -> redis.Redis | None:
     if not settings.REDIS_URL:
         return None
-    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=0.5, socket_connect_timeout=0.5)
+    # Short timeouts, and refused at once while this Redis is marked unavailable (hordesite/redis_guard.py).
+    pool = import_string(settings.HORDE_REDIS_POOL_CLASS).from_url(settings.REDIS_URL, **settings.HORDE_REDIS_POOL_KWARGS)
+    return redis.Redis(connection_pool=pool)
 
 
 _local: dict[str, tuple[int, float]] = {}

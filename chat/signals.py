@@ -14,6 +14,7 @@ from uuid import UUID
 import redis
 from django.conf import settings
 from django.db import transaction
+from django.utils.module_loading import import_string
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,8 @@ def chat_signal_channel(request_id: UUID | str) -> str:
 
 @lru_cache(maxsize=4)
 def _client(url: str) -> redis.Redis:
-    pool = redis.ConnectionPool.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    # Short timeouts, and refused at once while this Redis is marked unavailable (hordesite/redis_guard.py).
+    pool = import_string(settings.HORDE_REDIS_POOL_CLASS).from_url(url, **settings.HORDE_REDIS_POOL_KWARGS)
     # A database in the URL would win over a keyword; the publisher always uses CHAT_SIGNAL_DB.
     pool.connection_kwargs["db"] = CHAT_SIGNAL_DB
     return redis.Redis(connection_pool=pool)

@@ -16,10 +16,12 @@ from channels.routing import ProtocolTypeRouter  # noqa: E402  (needs the app re
 from django.conf import settings  # noqa: E402
 from django.core.cache import caches  # noqa: E402
 from django.core.handlers.wsgi import WSGIHandler  # noqa: E402
+from django.db.backends.signals import connection_created  # noqa: E402
 
 from accounts.ratelimit import trust_process_passkey  # noqa: E402
-from hordesite.body_limits import BODY_LIMITS, BodyLimitMiddleware, too_large_body  # noqa: E402
+from hordesite.body_limits import BodyLimitMiddleware, body_limit, too_large_body  # noqa: E402
 from hordesite.daphne_requests import use_requests_without_form_parsing  # noqa: E402
+from hordesite.db_guard import DatabaseGuardASGI, install_statement_counter, retrying_wsgi  # noqa: E402
 from hordesite.hot_routes import HotRoutesASGI  # noqa: E402
 from oai.asgi import FrontASGI, front_django_handler  # noqa: E402
 from oai.horde_client import IN_PROCESS_PROXY_PASSKEY, mount_native_app  # noqa: E402
@@ -31,7 +33,7 @@ def native_in_process_app(app):
     body bound as BodyLimitMiddleware (the front always declares the length)."""
 
     def guarded(environ, start_response):
-        limit = BODY_LIMITS.get((environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", "")))
+        limit = body_limit(environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", ""))
         declared = environ.get("CONTENT_LENGTH") or ""
         if limit is not None and declared.isdigit() and int(declared) > limit:
             start_response("413 Request Entity Too Large", [("Content-Type", "application/json")])
@@ -43,7 +45,7 @@ def native_in_process_app(app):
 
 # The front mounted here calls this process's native API in process, not back over TCP, unless
 # HORDE_OAI_NATIVE_ROOTS points it elsewhere (docs/adr/0008-oai-native-calls-in-process.md).
-mount_native_app(native_in_process_app(WSGIHandler()), root_path="/api/v2")
+mount_native_app(retrying_wsgi(native_in_process_app(WSGIHandler())), root_path="/api/v2")
 # Its in-process submits forward their clients' addresses with this process's own passkey.
 trust_process_passkey(IN_PROCESS_PROXY_PASSKEY)
 
@@ -55,10 +57,14 @@ trust_process_passkey(IN_PROCESS_PROXY_PASSKEY)
 application = ProtocolTypeRouter(
     {
         "http": FrontASGI(
-            BodyLimitMiddleware(HotRoutesASGI(django_asgi_app)), front_app=front_django_handler()
+            BodyLimitMiddleware(DatabaseGuardASGI(HotRoutesASGI(django_asgi_app))), front_app=front_django_handler()
         )
     }
 )
+
+# Each request's completed statements are counted: one that lost its connection before any completed
+# is run again on a fresh connection (hordesite/db_guard.py).
+connection_created.connect(install_statement_counter)
 
 # Django keeps a cache backend per context, and under ASGI each request starts from a copy of this
 # module's context: a backend made here is the one every request finds (with django-redis, one Redis

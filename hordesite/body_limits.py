@@ -1,9 +1,11 @@
-"""ASGI guard for bodies with a size bound, before Django spools them.
+"""ASGI guard for the native API's request bodies, before Django spools them.
 
 Django's ASGI handler reads a whole body into a temporary file before any view runs, so a view
-can only refuse an oversized body after receiving all of it. This middleware answers 413 from
-the declared Content-Length at once, and reads a chunked body only up to one byte past the bound
-(spec: chat_requests.md, Routes, step 1).
+can only refuse an oversized body after receiving all of it. This middleware answers 413
+RequestTooLarge from the declared Content-Length at once, and reads a chunked body only up to one
+byte past the bound (spec: chat_requests.md, Routes, step 1). Every native route that takes a body
+has a bound: the chat submission MAX_CHAT_BODY_BYTES, every other one Django's
+DATA_UPLOAD_MAX_MEMORY_SIZE, past which `request.body` would raise (docs/adr/0018).
 """
 
 from __future__ import annotations
@@ -12,10 +14,21 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from django.conf import settings
+
 from contract.chat_limits import MAX_CHAT_BODY_BYTES
 
-# (method, path) -> bound in bytes
+NATIVE_PREFIX = "/api/v2/"
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# (method, path) -> bound in bytes, for the routes whose bound is not Django's.
 BODY_LIMITS: dict[tuple[str, str], int] = {("POST", "/api/v2/generate/chat/async"): MAX_CHAT_BODY_BYTES}
+
+
+def body_limit(method: str, path: str) -> int | None:
+    """The body bound of a native route in bytes; None: not a native route that takes a body."""
+    if method not in BODY_METHODS or not path.startswith(NATIVE_PREFIX):
+        return None
+    return BODY_LIMITS.get((method, path), settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
 
 
 def too_large_body(limit: int) -> bytes:
@@ -64,7 +77,7 @@ class BodyLimitMiddleware:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        limit = BODY_LIMITS.get((scope.get("method", ""), scope.get("path", ""))) if scope["type"] == "http" else None
+        limit = body_limit(scope.get("method", ""), scope.get("path", "")) if scope["type"] == "http" else None
         if limit is None:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import logging
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import Http404
 from rest_framework import exceptions
 from rest_framework.response import Response
 
 from contract.chat_errors import ChatRefusal
 from contract.errors import HordeError
+from hordesite import db_guard
 
 log = logging.getLogger(__name__)
 
 VALIDATION_MESSAGE = "Input payload validation failed"
+TOO_DEEP_MESSAGE = "The request body nests too deeply."
 
 
 def _flatten(detail, prefix: str = "") -> dict[str, str]:
@@ -45,10 +49,20 @@ def horde_exception_handler(exc, context):
         return Response(exc.body(), status=exc.status, headers=exc.headers or None)
     if isinstance(exc, ChatRefusal):
         return Response({"message": exc.message, "rc": exc.rc}, status=exc.status)
+    if isinstance(exc, RecursionError) or (
+        isinstance(exc, exceptions.ParseError) and isinstance(exc.__context__, RecursionError)
+    ):
+        # Only a request body nests deep enough: the JSON parser (DRF's lets RecursionError through;
+        # the chat route's turns it into a ParseError), or what walks the parsed body.
+        return Response({"message": TOO_DEEP_MESSAGE, "rc": "BadRequest"}, status=400)
     if isinstance(exc, exceptions.ValidationError):
         return Response({"errors": _flatten(exc.detail), "message": VALIDATION_MESSAGE}, status=400)
     if isinstance(exc, exceptions.ParseError):
         return Response({"errors": {"payload": str(exc.detail)}, "message": VALIDATION_MESSAGE}, status=400)
+    if isinstance(exc, RequestDataTooBig):
+        # A chunked body past DATA_UPLOAD_MAX_MEMORY_SIZE where no ASGI guard ran (WSGI).
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        return Response({"message": f"The request body is over {limit} bytes.", "rc": "RequestTooLarge"}, status=413)
     if isinstance(exc, Http404):
         return Response({"message": "Not found", "rc": "NotFound"}, status=404)
     if isinstance(exc, exceptions.Throttled):
@@ -59,5 +73,10 @@ def horde_exception_handler(exc, context):
             exc.status_code, "BadRequest"
         )
         return Response({"message": str(exc.detail), "rc": rc}, status=exc.status_code)
+    if db_guard.is_connection_failure(exc):
+        # A lost or unobtainable connection: 503 with Retry-After, marked for one more run when
+        # nothing was written (hordesite/db_guard.py).
+        retry = db_guard.on_connection_failure(exc)
+        return Response(db_guard.unavailable_body(), status=503, headers=db_guard.unavailable_headers(retry=retry))
     log.exception("unhandled error in %s", context.get("view"))
     return Response({"message": "Internal server error", "rc": "InternalError"}, status=500)

@@ -8,8 +8,9 @@ methods, on a fixed pool of threads, with the same authentication, exception han
 headers as Django would give them.
 
 A request this layer does not fully understand goes on to Django unchanged, body replayed:
-another method or path, a query string, a body that is not plain JSON or does not parse or is over
-DATA_UPLOAD_MAX_MEMORY_SIZE, an Accept header asking for something else. So every error shape for odd input stays Django's.
+another method or path, a query string, a body that is not plain JSON or does not parse or nests
+too deeply, an Accept header asking for something else (BodyLimitMiddleware, in front, refused a
+body over DATA_UPLOAD_MAX_MEMORY_SIZE). So every error shape for odd input stays Django's.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from chat.api.pop_views import TextPopView
 from chat.api.submit_views import TextSubmitView
 from chat.api.views import TextStatusView
 from hordesite.body_limits import read_body
+from hordesite.db_guard import start_request
 from hordesite.errors import horde_exception_handler
 from hordesite.middleware import EXPOSED_HEADERS
 
@@ -165,6 +167,7 @@ def serve_hot_request(route: HotRoute, request: HotRequest, kwargs: dict[str, An
     negotiation (JSON only) and with Django's request signals, which close the thread's database
     connection at the end as for any request."""
     signals.request_started.send(sender=HotRoutesASGI, scope=request.scope)
+    start_request()  # this thread's context: DatabaseGuardASGI's count does not reach it
     view = route.view_class()
     view.args, view.kwargs, view.request, view.format_kwarg = (), kwargs, request, None
     view.headers = {}
@@ -258,7 +261,7 @@ class HotRoutesASGI:
             return _NOT_UNDERSTOOD
         try:
             return json.loads(body.decode("utf-8"), parse_constant=_refuse_constant)
-        except ValueError:
+        except (ValueError, RecursionError):  # Django answers: a parse error, or nested too deeply
             return _NOT_UNDERSTOOD
 
 

@@ -7,7 +7,11 @@ sent through a thread for it."""
 from __future__ import annotations
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
-from django.http import HttpResponse
+from django.http import HttpResponse, JsonResponse
+from rest_framework.exceptions import UnsupportedMediaType
+from rest_framework.utils.mediatypes import media_type_matches
+
+from hordesite.body_limits import body_limit
 
 ALLOWED_HEADERS = "apikey, client-agent, content-type, authorization, x-stainless-retry-count"
 EXPOSED_HEADERS = "Retry-After, x-should-retry"
@@ -101,3 +105,49 @@ def _api_headers(response):
     if not response.streaming and "Content-Length" not in response:
         response["Content-Length"] = str(len(response.content))
     return response
+
+
+# --- one body rule for every native JSON route ---------------------------------------------------
+
+JSON_MEDIA_TYPE = "application/json"
+
+
+def _has_body(request) -> bool:
+    length = request.META.get("CONTENT_LENGTH") or ""
+    return (length.isdigit() and int(length) > 0) or "HTTP_TRANSFER_ENCODING" in request.META
+
+
+def _body_refusal(request) -> JsonResponse | None:
+    """413 for a declared length over the route's bound, 415 for a body that is not JSON (as DRF's
+    JSON parser decides it): the same for the routes DRF parses and the one that reads its own body
+    (chat/async), on ASGI and WSGI alike. A body-less request is left to the view."""
+    limit = body_limit(request.method, request.path)
+    if limit is None or not _has_body(request):
+        return None
+    length = request.META.get("CONTENT_LENGTH") or ""
+    if length.isdigit() and int(length) > limit:
+        return JsonResponse(
+            {"message": f"The request body is over {limit} bytes.", "rc": "RequestTooLarge"}, status=413
+        )
+    content_type = request.META.get("CONTENT_TYPE", "")
+    if not media_type_matches(JSON_MEDIA_TYPE, content_type):
+        return JsonResponse({"message": str(UnsupportedMediaType(content_type).detail), "rc": "BadRequest"}, status=415)
+    return None
+
+
+class JsonBodyMiddleware:
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+        if iscoroutinefunction(get_response):
+            markcoroutinefunction(self)
+
+    def __call__(self, request):
+        if iscoroutinefunction(self):
+            return self._acall(request)
+        return _body_refusal(request) or self.get_response(request)
+
+    async def _acall(self, request):
+        return _body_refusal(request) or await self.get_response(request)

@@ -63,6 +63,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "hordesite.middleware.CorsMiddleware",
     "hordesite.middleware.AdminOnlyMiddleware",
+    "hordesite.middleware.JsonBodyMiddleware",
 ]
 # The admin's checks look for its middleware in MIDDLEWARE; AdminOnlyMiddleware runs it for /admin/.
 # So do `check --deploy`'s security, clickjacking and CSRF checks (the admin's views protect their
@@ -270,3 +271,34 @@ HORDE_WHITELISTED_SERVICE_RATE_LIMITS = env.list(
 # Per API key and route; the anonymous key, which everyone without a key shares, has its own.
 HORDE_API_KEY_RATE_LIMITS = env.list("HORDE_API_KEY_RATE_LIMITS", default=["2/second"])
 HORDE_ANONYMOUS_KEY_RATE_LIMITS = env.list("HORDE_ANONYMOUS_KEY_RATE_LIMITS", default=["60/second"])
+
+# --- Failure bounds: a hung Redis, a lost or unreachable PostgreSQL (docs/adr/0018) ------------
+# Every Redis call on a request path waits at most these seconds, and a timeout or lost connection
+# marks that Redis unavailable in the process for HORDE_REDIS_UNAVAILABLE_SECONDS: its calls then
+# fail at once into the no-Redis fallbacks (hordesite/redis_guard.py).
+HORDE_REDIS_SOCKET_TIMEOUT = env.float("HORDE_REDIS_SOCKET_TIMEOUT", default=0.5)
+HORDE_REDIS_CONNECT_TIMEOUT = env.float("HORDE_REDIS_CONNECT_TIMEOUT", default=0.5)
+HORDE_REDIS_UNAVAILABLE_SECONDS = env.float("HORDE_REDIS_UNAVAILABLE_SECONDS", default=5.0)
+# What the project's own Redis clients are built with: redis.ConnectionPool.from_url(url, **...).
+HORDE_REDIS_POOL_CLASS = "hordesite.redis_guard.GuardedConnectionPool"
+HORDE_REDIS_POOL_KWARGS = {
+    "socket_timeout": HORDE_REDIS_SOCKET_TIMEOUT,
+    "socket_connect_timeout": HORDE_REDIS_CONNECT_TIMEOUT,
+}
+if REDIS_URL:
+    CACHES["default"]["OPTIONS"].update(
+        {
+            "CONNECTION_POOL_CLASS": HORDE_REDIS_POOL_CLASS,
+            "SOCKET_TIMEOUT": HORDE_REDIS_SOCKET_TIMEOUT,
+            "SOCKET_CONNECT_TIMEOUT": HORDE_REDIS_CONNECT_TIMEOUT,
+        }
+    )
+    CHANNEL_LAYERS["default"]["CONFIG"]["hosts"] = [{"address": REDIS_URL, **HORDE_REDIS_POOL_KWARGS}]
+# A connection attempt to PostgreSQL gives up after this many seconds (libpq's connect_timeout,
+# whole seconds, at least 2); a request whose connection was lost or could not be had answers 503
+# DatabaseUnavailable with Retry-After, and for HORDE_DATABASE_UNAVAILABLE_SECONDS after a failed
+# probe every request does so at once (hordesite/db_guard.py).
+HORDE_DATABASE_CONNECT_TIMEOUT = env.int("DATABASE_CONNECT_TIMEOUT", default=2)
+HORDE_DATABASE_UNAVAILABLE_SECONDS = env.float("HORDE_DATABASE_UNAVAILABLE_SECONDS", default=2.0)
+if IS_POSTGRES:
+    DATABASES["default"]["OPTIONS"].setdefault("connect_timeout", max(2, HORDE_DATABASE_CONNECT_TIMEOUT))

@@ -472,7 +472,11 @@ def _native_submit_error(
         return ChatFrontError(404, "model_not_found", text, param=param or "model", should_retry=False)
     param, text = _strip_path(message)
     if status >= 500:
-        return ChatFrontError(status, rc or "HordeUnavailable", text, param=param, type="api_error")
+        # A horde 503 (its database unavailable) tells the client when to come back.
+        return ChatFrontError(
+            status, rc or "HordeUnavailable", text, param=param, type="api_error",
+            retry_after=_int_header(answer, "Retry-After"),
+        )
     return ChatFrontError(status, rc or "BadRequest", text, param=param, should_retry=False)
 
 

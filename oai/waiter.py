@@ -2,10 +2,14 @@
 
 `CompletionSignalListener` holds one Redis pub/sub connection for the whole process. A request
 registers its id (SUBSCRIBE horde:chat:<id>) and gets a `Wake` that the listener sets for each
-message on its channel. A liveness ping runs every signal_ping_seconds; a ping or read that fails
-drops the connection, every registered request is woken (a recheck reads its status, so nothing a
-lost message announced is missed), and the listener reconnects and subscribes again. Without Redis
-there is no listener and waits poll the status route every poll_seconds.
+message on its channel. A liveness ping runs every signal_ping_seconds (every
+SIGNAL_BUSY_PING_SECONDS while requests wait); a ping or read that fails, or a PONG that does not
+come back in time, drops the connection, every registered request is woken (a recheck reads its status, so nothing a
+lost message announced is missed) and polls every poll_seconds until the listener has reconnected
+and subscribed again (a PONG first: a hung server still accepts connections). A PONG or subscribe
+slower than SIGNAL_COMMAND_TIMEOUT_SECONDS counts as failed, so a hung Redis is noticed within a
+ping interval plus that. Without Redis there is no
+listener and waits poll the status route every poll_seconds.
 
 `ChatRequestWatcher` decides when a waiting request reads its status next: at once after the
 submit (immediate), on a signal, at each recheck (signal_recheck_seconds with Redis, poll_seconds
@@ -31,6 +35,12 @@ CHAT_SIGNAL_CHANNEL_PREFIX = "horde:chat:"
 POSITIONED_READ_WAIT_SECONDS = 2.0
 QUEUE_UNAVAILABLE_RETRY_AFTER_CAP_SECONDS = 600
 NO_ELIGIBLE_WORKER_RETRY_AFTER_SECONDS = 30
+# A PONG or a subscribe that takes longer means a hung Redis: the connection is dropped and waiting
+# requests poll as without Redis until it is back (docs/adr/0018).
+SIGNAL_COMMAND_TIMEOUT_SECONDS = 1.0
+# While requests wait on the listener it pings at least this often, so a hung Redis costs a waiting
+# request about this plus SIGNAL_COMMAND_TIMEOUT_SECONDS before it polls.
+SIGNAL_BUSY_PING_SECONDS = 1.0
 
 
 class WakeSource(StrEnum):
@@ -49,6 +59,8 @@ class Wake:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled_signal: bool = False
     signal_lost: bool = False
+    # False while the listener has no live subscription for it: the request polls meanwhile.
+    listening: bool = True
     last_message: dict[str, Any] | None = None
 
     def set(self, message: dict[str, Any] | None) -> None:
@@ -94,10 +106,11 @@ class CompletionSignalListener:
         wakes.add(wake)
         if len(wakes) == 1 and self._pubsub is not None and self.healthy:
             try:
-                await self._pubsub.subscribe(channel)
+                await asyncio.wait_for(self._pubsub.subscribe(channel), SIGNAL_COMMAND_TIMEOUT_SECONDS)
             except Exception as error:  # the reader reconnects; the request still rechecks
                 log.warning("completion signal subscribe failed: %s", error)
                 self._fail()
+        wake.listening = self.healthy
         return wake
 
     async def unregister(self, request_id: str, wake: Wake) -> None:
@@ -116,6 +129,7 @@ class CompletionSignalListener:
         self.healthy = False
         for wakes in self._wakes.values():
             for wake in wakes:
+                wake.listening = False
                 wake.set(None)
 
     async def _drop(self) -> None:
@@ -139,7 +153,13 @@ class CompletionSignalListener:
         await self._pubsub.subscribe(CHAT_SIGNAL_CHANNEL_PREFIX + "front-liveness")
         if self._wakes:
             await self._pubsub.subscribe(*self._wakes)
+        # A hung server still accepts the connection and the commands: only a PONG shows it answers.
+        await asyncio.wait_for(self._pubsub.ping(), SIGNAL_COMMAND_TIMEOUT_SECONDS)
+        await self._await_pong(time.monotonic() + SIGNAL_COMMAND_TIMEOUT_SECONDS)
         self.healthy = True
+        for wakes in self._wakes.values():
+            for wake in wakes:
+                wake.listening = True
         self._ready.set()
 
     async def _run(self) -> None:
@@ -149,17 +169,26 @@ class CompletionSignalListener:
                 await self._connect()
                 backoff = 0.5
                 last_ping = time.monotonic()
+                pong_due: float | None = None
                 while True:
-                    timeout = max(0.05, self.ping_seconds - (time.monotonic() - last_ping))
+                    interval = min(self.ping_seconds, SIGNAL_BUSY_PING_SECONDS) if self._wakes else self.ping_seconds
+                    # Woken at least every second, so a request that registers meets the shorter interval.
+                    timeout = max(0.05, min(SIGNAL_BUSY_PING_SECONDS, interval - (time.monotonic() - last_ping)))
                     message = await asyncio.wait_for(
                         self._pubsub.get_message(ignore_subscribe_messages=False, timeout=timeout),
                         timeout + 2.0,
                     )
                     if message is not None:
-                        self._dispatch(message)
-                    if time.monotonic() - last_ping >= self.ping_seconds:
-                        await asyncio.wait_for(self._pubsub.ping(), self.ping_seconds)
-                        last_ping = time.monotonic()
+                        if message.get("type") == "pong":
+                            pong_due = None
+                        else:
+                            self._dispatch(message)
+                    now = time.monotonic()
+                    if pong_due is not None and now > pong_due:
+                        raise TimeoutError(f"no PONG within {SIGNAL_COMMAND_TIMEOUT_SECONDS} s")
+                    if pong_due is None and now - last_ping >= interval:
+                        await asyncio.wait_for(self._pubsub.ping(), SIGNAL_COMMAND_TIMEOUT_SECONDS)
+                        last_ping, pong_due = now, now + SIGNAL_COMMAND_TIMEOUT_SECONDS
             except asyncio.CancelledError:
                 raise
             except Exception as error:
@@ -169,6 +198,19 @@ class CompletionSignalListener:
                 await self._drop()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+    async def _await_pong(self, deadline: float) -> None:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no PONG within {SIGNAL_COMMAND_TIMEOUT_SECONDS} s")
+            message = await asyncio.wait_for(
+                self._pubsub.get_message(ignore_subscribe_messages=False, timeout=left), left + 1.0
+            )
+            if message is not None and message.get("type") == "pong":
+                return
+            if message is not None:
+                self._dispatch(message)
 
     def _dispatch(self, message: dict[str, Any]) -> None:
         if message.get("type") != "message":
@@ -217,6 +259,7 @@ class ChatRequestWatcher:
         self.wake = wake
         self.budget = budget
         self.recheck_seconds = recheck_seconds if wake is not None else poll_seconds
+        self.poll_seconds = poll_seconds
         self.periodic_source = WakeSource.RECHECK if wake is not None else WakeSource.POLL
         self.disconnected = disconnected
 
@@ -226,8 +269,11 @@ class ChatRequestWatcher:
         """Block until the next read is due. Returns its source, or None when `keepalive_at` came
         first (the caller sends a keepalive comment and calls again)."""
         now = time.monotonic()
-        due = min(now + self.recheck_seconds, self.budget.deadline)
-        source = self.periodic_source if due < self.budget.deadline else WakeSource.DEADLINE
+        # While the listener has lost Redis, no signal can come: poll as without Redis.
+        listening = self.wake is None or self.wake.listening
+        interval, periodic = (self.recheck_seconds, self.periodic_source) if listening else (self.poll_seconds, WakeSource.POLL)
+        due = min(now + interval, self.budget.deadline)
+        source = periodic if due < self.budget.deadline else WakeSource.DEADLINE
         if not_after is not None and not_after < due:
             due, source = not_after, WakeSource.RECHECK
         timer_source = source

@@ -1,4 +1,4 @@
-"""The ASGI body guard answers 413 before Django reads an oversized chat body."""
+"""The ASGI body guard answers 413 before Django reads an oversized native body."""
 
 from __future__ import annotations
 
@@ -62,6 +62,15 @@ def test_body_within_the_bound_reaches_the_app_whole():
     assert sent[0]["status"] == 202 and inner.body == b"hello world"
 
 
-def test_other_routes_are_not_buffered():
-    inner, sent, _ = _run([(b"content-length", str(MAX_CHAT_BODY_BYTES + 1).encode())], [b"x"], path="/api/v2/generate/text/async")
+def test_other_native_routes_are_bounded_at_djangos_bound(settings):
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
+    inner, sent, pulled = _run([(b"content-length", b"1001")], [b"x"], path="/api/v2/generate/text/async")
+    assert sent[0]["status"] == 413 and inner.body is None and pulled == 0
+    assert json.loads(sent[1]["body"]) == {"message": "The request body is over 1000 bytes.", "rc": "RequestTooLarge"}
+    inner, sent, _ = _run([(b"content-length", b"1000")], [b"x" * 1000], path="/api/v2/generate/text/async")
+    assert sent[0]["status"] == 202 and len(inner.body) == 1000
+
+
+def test_routes_outside_the_native_api_are_not_buffered():
+    inner, sent, _ = _run([(b"content-length", str(MAX_CHAT_BODY_BYTES + 1).encode())], [b"x"], path="/v1/chat/completions")
     assert sent[0]["status"] == 202

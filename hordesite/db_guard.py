@@ -1,0 +1,299 @@
+"""PostgreSQL lost or unreachable: one retry on a fresh connection, else a quick 503 (issue 13;
+docs/adr/0018).
+
+After a restart (or `pg_terminate_backend`) the pool still holds connections whose server side is
+gone; each fails on its first statement. A request whose connection was lost before any of its
+statements completed has written nothing, so it is run once more on a fresh connection: the
+exception handler recycles the connection (the pool discards it and checks the others), probes
+the server with a short connect timeout, and marks the 503 it answers (RETRY_HEADER) for the retry
+that `DatabaseGuardASGI` (every native route, hot ones included) and the mounted front's
+in-process calls (hordesite.asgi) make with the same body. A request that loses its connection
+after a statement completed is not run again (it may have written); it answers 503.
+
+When the probe fails the database is marked unavailable for HORDE_DATABASE_UNAVAILABLE_SECONDS:
+every request meanwhile answers 503 DatabaseUnavailable with Retry-After at once, instead of
+waiting out the pool's timeout; the first request after the window probes again (one at a time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import io
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections
+
+from hordesite.body_limits import BufferedBody, read_body
+
+log = logging.getLogger(__name__)
+
+DATABASE_UNAVAILABLE_RC = "DatabaseUnavailable"
+DATABASE_UNAVAILABLE_MESSAGE = "The database is unavailable; try again shortly."
+# On a 503 from the exception handler: the request wrote nothing and may run again once. Never sent
+# to a client: the layers that retry remove it.
+RETRY_HEADER = "X-Horde-Retry-Fresh-Connection"
+
+
+@dataclass
+class StatementCount:
+    """Statements of the current request that completed (0: nothing can have been written)."""
+
+    completed: int = 0
+
+
+_statements: contextvars.ContextVar[StatementCount | None] = contextvars.ContextVar("horde_statements", default=None)
+
+
+def start_request() -> StatementCount:
+    """Count this request's statements from here (the view's thread shares the context's object)."""
+    count = StatementCount()
+    _statements.set(count)
+    return count
+
+
+def count_statements(execute, sql, params, many, context):
+    result = execute(sql, params, many, context)
+    count = _statements.get()
+    if count is not None:
+        count.completed += 1
+    return result
+
+
+def install_statement_counter(sender: Any, connection: Any, **kwargs: Any) -> None:
+    """connection_created: every connection Django opens (each pool checkout) counts statements."""
+    if count_statements not in connection.execute_wrappers:
+        connection.execute_wrappers.append(count_statements)
+
+
+# --- unavailable window and probe ---------------------------------------------------------------
+
+_unavailable_until = 0.0
+_probe_lock = threading.Lock()
+
+
+def retry_after_seconds() -> int:
+    return max(1, round(settings.HORDE_DATABASE_UNAVAILABLE_SECONDS))
+
+
+def unavailable_body() -> dict[str, str]:
+    return {"message": DATABASE_UNAVAILABLE_MESSAGE, "rc": DATABASE_UNAVAILABLE_RC}
+
+
+def _mark_unavailable(error: BaseException | str) -> None:
+    global _unavailable_until
+    first = time.monotonic() >= _unavailable_until
+    _unavailable_until = time.monotonic() + settings.HORDE_DATABASE_UNAVAILABLE_SECONDS
+    if first:
+        log.warning(
+            "database unavailable (%s): answering 503 for %.1f s", error, settings.HORDE_DATABASE_UNAVAILABLE_SECONDS
+        )
+
+
+def forget_unavailable() -> None:
+    global _unavailable_until
+    _unavailable_until = 0.0
+
+
+def probe(alias: str = DEFAULT_DB_ALIAS) -> bool:
+    """Whether the server accepts a new connection within HORDE_DATABASE_CONNECT_TIMEOUT."""
+    import psycopg
+
+    wrapper = connections[alias]
+    params = dict(wrapper.get_connection_params())
+    params["connect_timeout"] = max(1, round(settings.HORDE_DATABASE_CONNECT_TIMEOUT))
+    params.pop("cursor_factory", None)
+    try:
+        psycopg.connect(**params, autocommit=True).close()
+        return True
+    except psycopg.Error as error:
+        _mark_unavailable(error)
+        return False
+
+
+def refuse_while_unavailable() -> bool:
+    """True: answer 503 now. Inside the window, or while another request probes; the first request
+    after the window probes the server itself."""
+    if not _unavailable_until:
+        return False
+    if time.monotonic() < _unavailable_until:
+        return True
+    if not _probe_lock.acquire(blocking=False):
+        return True
+    try:
+        if not probe():
+            return True
+        forget_unavailable()
+        _check_pool()
+        return False
+    finally:
+        _probe_lock.release()
+
+
+def _check_pool(alias: str = DEFAULT_DB_ALIAS) -> None:
+    pool = getattr(connections[alias], "pool", None)
+    if pool is not None:
+        try:
+            pool.check()  # discards every idle connection whose server side is gone
+        except Exception:
+            log.warning("connection pool check failed", exc_info=True)
+
+
+# --- the exception handler's part ---------------------------------------------------------------
+
+
+def is_connection_failure(exc: BaseException) -> bool:
+    """A PostgreSQL connection lost or never obtained (SQLite's errors are the file's, not a server's)."""
+    return (
+        isinstance(exc, (OperationalError, InterfaceError))
+        and connections[DEFAULT_DB_ALIAS].vendor == "postgresql"
+        and _connection_gone()
+    )
+
+
+def _connection_gone(alias: str = DEFAULT_DB_ALIAS) -> bool:
+    raw = connections[alias].connection
+    return raw is None or bool(getattr(raw, "closed", False)) or bool(getattr(raw, "broken", False))
+
+
+def on_connection_failure(exc: BaseException) -> bool:
+    """After a view failed for a lost or unobtainable connection: whether to run it again. The
+    connection is given back (the pool discards a broken one) and the pool's idle ones checked.
+    A pool timeout (every connection busy, or none could be made) is not run again."""
+    from psycopg_pool import PoolTimeout
+
+    count = _statements.get()
+    unwritten = count is not None and count.completed == 0 and not isinstance(exc.__cause__, PoolTimeout)
+    try:
+        connections[DEFAULT_DB_ALIAS].close()
+    except Exception:
+        log.debug("closing the lost connection failed", exc_info=True)
+    if not probe():
+        return False
+    _check_pool()
+    if unwritten:
+        log.warning("database connection lost before any statement completed (%s): retrying once", exc)
+    return unwritten
+
+
+def unavailable_headers(*, retry: bool = False) -> dict[str, str]:
+    headers = {"Retry-After": str(retry_after_seconds())}
+    if retry:
+        headers[RETRY_HEADER] = "1"
+    return headers
+
+
+# --- the retrying layers ------------------------------------------------------------------------
+
+_RETRY_HEADER_BYTES = RETRY_HEADER.lower().encode()
+NATIVE_PREFIX = "/api/v2/"
+
+
+def _unavailable_start_and_body() -> tuple[dict[str, Any], dict[str, Any]]:
+    body = json.dumps(unavailable_body()).encode()
+    start = {
+        "type": "http.response.start",
+        "status": 503,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"retry-after", str(retry_after_seconds()).encode()),
+            (b"access-control-allow-origin", b"*"),
+        ],
+    }
+    return start, {"type": "http.response.body", "body": body}
+
+
+class DatabaseGuardASGI:
+    """ASGI, for the native routes: 503 at once while the database is marked unavailable, and one
+    more run, with the same body, of a request the exception handler marked for a retry."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope.get("path", "").startswith(NATIVE_PREFIX):
+            return await self.app(scope, receive, send)
+        if _unavailable_until and await asyncio.to_thread(refuse_while_unavailable):
+            start, body = _unavailable_start_and_body()
+            await send(start)
+            await send(body)
+            return
+        buffered = await read_body(receive, None)
+        if buffered is None:
+            return  # the client went away
+        # Counted here for Django's thread (it shares this context); the hot layer counts its own.
+        start_request()
+        retry = await self._attempt(scope, BufferedBody(list(buffered.messages), False).replay(receive), send, last=False)
+        if retry:
+            start_request()
+            await self._attempt(scope, BufferedBody(list(buffered.messages), False).replay(receive), send, last=True)
+
+    async def _attempt(self, scope: dict[str, Any], receive: Any, send: Any, *, last: bool) -> bool:
+        """Run the app once; True when it asked for a retry (nothing was sent to the client then)."""
+        swallowed = False
+
+        async def guarded_send(message: dict[str, Any]) -> None:
+            nonlocal swallowed
+            if message["type"] == "http.response.start":
+                headers = message.get("headers") or []
+                if any(name.lower() == _RETRY_HEADER_BYTES for name, _ in headers):
+                    if not last:
+                        swallowed = True
+                        return
+                    message = {**message, "headers": [(n, v) for n, v in headers if n.lower() != _RETRY_HEADER_BYTES]}
+            elif swallowed:
+                return
+            await send(message)
+
+        await self.app(scope, receive, guarded_send)
+        return swallowed
+
+
+def retrying_wsgi(app: Any) -> Any:
+    """The same for a WSGI application (the mounted front's in-process native calls)."""
+
+    def guarded(environ: dict[str, Any], start_response: Any) -> Any:
+        if not environ.get("PATH_INFO", "").startswith(NATIVE_PREFIX):
+            return app(environ, start_response)
+        if _unavailable_until and refuse_while_unavailable():
+            start, body = _unavailable_start_and_body()
+            start_response(
+                "503 Service Unavailable", [(k.decode(), v.decode()) for k, v in start["headers"]]
+            )
+            return [body["body"]]
+        length = environ.get("CONTENT_LENGTH") or ""
+        raw = environ["wsgi.input"].read(int(length)) if length.isdigit() else b""
+        for last in (False, True):
+            start_request()
+            status, headers, exc_info, chunks = _run_wsgi(app, {**environ, "wsgi.input": io.BytesIO(raw)})
+            if any(name.lower() == RETRY_HEADER.lower() for name, _ in headers) and not last:
+                continue
+            start_response(status, [(n, v) for n, v in headers if n.lower() != RETRY_HEADER.lower()], exc_info)
+            return [chunks]
+        raise AssertionError("unreachable")
+
+    return guarded
+
+
+def _run_wsgi(app: Any, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], Any, bytes]:
+    captured: list[Any] = []
+
+    def capture(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        captured[:] = [status, headers, exc_info]
+        return lambda data: None
+
+    result = app(environ, capture)
+    try:
+        chunks = b"".join(result)
+    finally:
+        close = getattr(result, "close", None)
+        if close is not None:
+            close()  # Django's request_finished: the connection goes back to the pool
+    return captured[0], captured[1], captured[2], chunks
