@@ -115,6 +115,7 @@ class FakeLlamaCpp:
         self.kv_unified = kv_unified
         self.jinja = jinja
         self.endpoint_slots = True  # --no-slots turns /slots off
+        self.has_apply_template = True  # builds before /apply-template answer it 404
         self.chat_template = TOOL_TEMPLATE
         self.vision = False
         self.delay = 0.0
@@ -124,8 +125,10 @@ class FakeLlamaCpp:
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self.generating = threading.Event()  # set when a generation request arrived
         self.errors: list[tuple[str, int, str]] = []  # (path, status, message) of every error answered
-        self.in_flight = 0
+        self.in_flight = 0  # generations running in a slot
         self.max_in_flight = 0
+        self._arrived = 0  # generation requests received and not answered (waiting ones too)
+        self.max_requests_at_once = 0
         self._kv_used = 0  # tokens the running generations hold in a unified cache
         self._slots_free: threading.Semaphore | None = None
         self._state = threading.Lock()
@@ -186,7 +189,7 @@ class FakeLlamaCpp:
                 try:
                     if self.path == "/tokenize":
                         self._send(200, fake.tokenize(body))
-                    elif self.path == "/apply-template":
+                    elif self.path == "/apply-template" and fake.has_apply_template:
                         self._send(200, {"prompt": fake.apply_template(body)})
                     elif self.path in ("/v1/chat/completions", "/v1/completions"):
                         fake.generating.set()
@@ -302,6 +305,16 @@ class FakeLlamaCpp:
     # -- generation
 
     def generate(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        with self._state:
+            self._arrived += 1
+            self.max_requests_at_once = max(self.max_requests_at_once, self._arrived)
+        try:
+            return self._generate(path, body)
+        finally:
+            with self._state:
+                self._arrived -= 1
+
+    def _generate(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         chat = path == "/v1/chat/completions"
         prompt = self.apply_template(body) if chat else str(body.get("prompt") or "")
         n_prompt = len(fake_tokenize(prompt, add_special=True))
@@ -405,3 +418,50 @@ def chat_completion(
         "choices": [{"index": 0, "message": message, "finish_reason": finish}],
         "usage": usage or {"prompt_tokens": 21, "completion_tokens": 9, "total_tokens": 30},
     }
+
+
+class RouteServer:
+    """A local server answering fixed JSON by method and path (another backend's helper routes:
+    vLLM's /tokenize, koboldcpp's /api/extra/tokencount); a callable answer gets the body."""
+
+    def __init__(self, routes: dict[tuple[str, str], Any]):
+        self.routes = routes
+        self.requests: list[tuple[str, str, Any]] = []
+        self._server: ThreadingHTTPServer | None = None
+
+    def start(self) -> str:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self, method: str) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"null")
+                fake.requests.append((method, self.path, body))
+                answer = fake.routes.get((method, self.path))
+                status, payload = (404, {"detail": "Not Found"}) if answer is None else (200, answer)
+                if callable(payload):
+                    status, payload = payload(body)
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._answer("GET")
+
+            def do_POST(self) -> None:
+                self._answer("POST")
+
+        self._server = QuietServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self._server.server_address[1]}/v1"
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()

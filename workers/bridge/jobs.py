@@ -109,8 +109,9 @@ def trim_prompt_start(prompt: str, budget: int, count: Callable[[str], int]) -> 
             return prompt, tokens
         if budget <= 0:
             return "", 0
-        # Drop the share of characters the excess is, a little more, and count again.
-        drop = max(1, int(len(prompt) * (tokens - budget) / tokens * 1.02) + 1)
+        # Drop the share of characters the excess is, and count again (from above, so the kept
+        # end is as long as fits).
+        drop = max(1, -(-len(prompt) * (tokens - budget) // tokens))
         prompt = prompt[drop:]
         tokens = count(prompt)
     return prompt, tokens
