@@ -1,28 +1,52 @@
-"""A local fake OpenAI-compatible backend that answers like llama.cpp's server (a real HTTP server).
+"""A local fake of llama.cpp's `llama-server` (a real HTTP server) as the reference worker sees it.
 
-GET /v1/models (with meta.n_ctx_train), GET /props (n_ctx, chat template, modalities),
-POST /v1/chat/completions and /v1/completions with stream off. By default a chat request with
-tools forwarded gets one tool call (an id the server mints), a json_schema request gets the
-schema's first enum or "{}", anything else a text reply; `chat_handler` / `completion_handler`
-replace that, `delay` holds each generation, `fail_with` answers an error. Every request body is
+It reproduces the server's wire, not its model: GET /v1/models (the id is the -m path as typed,
+or --alias), GET /props (default_generation_settings.n_ctx, total_slots, model_path, chat
+template and its caps, modalities), GET /slots, GET /health, POST /tokenize, POST
+/apply-template, POST /v1/chat/completions and /v1/completions (stream off), and its error bodies
+{"error": {"code", "message", "type"}}. What the server does that the bridge has to live with:
+
+- Slots: `total_slots` generations run at once; a request past them waits for a free slot, as
+  llama-server defers a task. `max_in_flight` records the most that ran at once.
+- Context: with `kv_unified` (llama-server's default when -np is not given) every slot reports the
+  whole cache, `n_ctx`, and the slots share it: a request whose prompt and reply do not fit in
+  what the running ones leave gets 500 "Context size has been exceeded."; without it each slot
+  has n_ctx / total_slots of its own and /props reports that. A prompt of at least a slot's
+  context is refused 400 exceed_context_size_error.
+- Tokens: a deterministic tokenizer (up to 4 ASCII letters a token, 2 tokens a non-ASCII
+  character, as byte-level BPE splits CJK; chat markers are single special tokens); usage
+  reports what it counts.
+- Chat templates: `jinja` False is --no-jinja: /props looks the same, but any request with tools
+  answers 500 "tools param requires --jinja flag".
+- response_format: a json_schema (or a json_object carrying "schema") is compiled to a grammar
+  (the reply is the schema's minimal instance); a bare json_object becomes an empty schema and
+  no grammar, so the reply is prose.
+
+By default a chat request with tools forwarded gets one tool call (an id the server mints),
+anything else a text reply; `chat_handler` / `completion_handler` replace the reply, `delay`
+holds each generation (in its slot), `fail_with` answers an error instead. Every request body is
 kept in `requests`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from workers.bridge.scripted import minimal_instance
 
 LLAMA_CONTEXT_OVERFLOW = (
     400,
     {
         "error": {
             "code": 400,
-            "message": "the request exceeds the available context size, try increasing it",
+            "message": "request (9000 tokens) exceeds the available context size (8192 tokens), try increasing it",
             "type": "exceed_context_size_error",
             "n_prompt_tokens": 9000,
             "n_ctx": 8192,
@@ -34,7 +58,34 @@ LLAMA_GRAMMAR_ERROR = (
     {"error": {"code": 400, "message": "Failed to parse grammar: JSON schema conversion failed", "type": "invalid_request_error"}},
 )
 LLAMA_SERVER_ERROR = (500, {"error": {"code": 500, "message": "llama_decode failed: KV cache full", "type": "server_error"}})
+LLAMA_KV_CACHE_EXCEEDED = (500, {"error": {"code": 500, "message": "Context size has been exceeded.", "type": "server_error"}})
 TOOL_TEMPLATE = "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}<tool_call>{% endfor %}"
+DEFAULT_REPLY = "Hello from the fake llama.cpp."
+
+_SPECIAL = {"<|im_start|>": 151644, "<|im_end|>": 151645}
+_SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in _SPECIAL) + ")")
+_PIECE = re.compile(r"[A-Za-z]{1,4}|[0-9]{1,3}|[^\x00-\x7f]|\s+|.", re.DOTALL)
+BOS_ID = 151643
+
+
+def fake_tokenize(text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
+    """The fake model's tokens: deterministic, and CJK costs two tokens a character."""
+    ids = [BOS_ID] if add_special else []
+    chunks = _SPECIAL_SPLIT.split(text) if parse_special else [text]
+    for chunk in chunks:
+        if chunk in _SPECIAL and parse_special:
+            ids.append(_SPECIAL[chunk])
+            continue
+        for piece in _PIECE.findall(chunk):
+            base = zlib.crc32(piece.encode()) % 150000 + 10
+            ids.extend([base, base + 1] if ord(piece[0]) > 0x7F else [base])
+    return ids
+
+
+class FakeError(Exception):
+    def __init__(self, status: int, message: str, kind: str, **extra: Any):
+        super().__init__(message)
+        self.status, self.body = status, {"error": {"code": status, "message": message, "type": kind, **extra}}
 
 
 class QuietServer(ThreadingHTTPServer):
@@ -46,10 +97,25 @@ class QuietServer(ThreadingHTTPServer):
 
 
 class FakeLlamaCpp:
-    def __init__(self, *, n_ctx: int = 8192, n_ctx_train: int = 32768, model: str = "qwen3-8b-q4_k_m.gguf"):
-        self.n_ctx = n_ctx
+    def __init__(
+        self,
+        *,
+        n_ctx: int = 8192,
+        n_ctx_train: int = 32768,
+        model: str = "qwen3-8b-q4_k_m.gguf",
+        total_slots: int = 4,
+        kv_unified: bool = True,
+        jinja: bool = True,
+    ):
+        self.n_ctx = n_ctx  # -c: the whole KV cache
         self.n_ctx_train = n_ctx_train
-        self.model = model
+        self.model = model  # -m as typed
+        self.alias: str | None = None  # --alias
+        self.total_slots = total_slots  # -np
+        self.kv_unified = kv_unified
+        self.jinja = jinja
+        self.endpoint_slots = True  # --no-slots turns /slots off
+        self.has_apply_template = True  # builds before /apply-template answer it 404
         self.chat_template = TOOL_TEMPLATE
         self.vision = False
         self.delay = 0.0
@@ -58,22 +124,39 @@ class FakeLlamaCpp:
         self.completion_handler: Callable[[dict[str, Any]], dict[str, Any]] | None = None
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self.generating = threading.Event()  # set when a generation request arrived
+        self.errors: list[tuple[str, int, str]] = []  # (path, status, message) of every error answered
+        self.in_flight = 0  # generations running in a slot
+        self.max_in_flight = 0
+        self._arrived = 0  # generation requests received and not answered (waiting ones too)
+        self.max_requests_at_once = 0
+        self._kv_used = 0  # tokens the running generations hold in a unified cache
+        self._slots_free: threading.Semaphore | None = None
+        self._state = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self._calls = 0
+
+    @property
+    def slot_n_ctx(self) -> int:
+        """A slot's context: the whole cache when unified, else its share."""
+        return self.n_ctx if self.kv_unified else self.n_ctx // self.total_slots
 
     # -- lifecycle
 
     def start(self) -> str:
         fake = self
+        self._slots_free = threading.Semaphore(self.total_slots)
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: Any) -> None:
                 pass
 
             def _send(self, status: int, body: Any) -> None:
+                if status >= 400:
+                    error = body.get("error") if isinstance(body, dict) else None
+                    fake.errors.append((self.path, status, str((error or {}).get("message"))))
                 data = json.dumps(body).encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "application/json; charset=utf-8")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -83,6 +166,12 @@ class FakeLlamaCpp:
                     self._send(200, fake.models())
                 elif self.path == "/props":
                     self._send(200, fake.props())
+                elif self.path.startswith("/slots"):
+                    if fake.endpoint_slots:
+                        self._send(200, fake.slots())
+                    else:
+                        self._send(501, {"error": {"code": 501, "type": "not_supported_error",
+                                                   "message": "This server does not support slots endpoint. Start it with `--slots`"}})
                 elif self.path == "/health":
                     self._send(200, {"status": "ok"})
                 else:
@@ -90,20 +179,30 @@ class FakeLlamaCpp:
 
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length) or b"{}")
+                try:
+                    body = json.loads(self.rfile.read(length) or b"{}")
+                except ValueError:
+                    self._send(400, {"error": {"code": 400, "message": "Failed to parse the request body as JSON",
+                                               "type": "invalid_request_error"}})
+                    return
                 fake.requests.append((self.path, body))
-                if self.path in ("/v1/chat/completions", "/v1/completions"):
-                    fake.generating.set()
-                    if fake.delay:
-                        time.sleep(fake.delay)
-                    if fake.fail_with:
-                        self._send(*fake.fail_with)
-                    elif self.path == "/v1/chat/completions":
-                        self._send(200, fake.chat(body))
+                try:
+                    if self.path == "/tokenize":
+                        self._send(200, fake.tokenize(body))
+                    elif self.path == "/apply-template" and fake.has_apply_template:
+                        self._send(200, {"prompt": fake.apply_template(body)})
+                    elif self.path in ("/v1/chat/completions", "/v1/completions"):
+                        fake.generating.set()
+                        if fake.fail_with:
+                            if fake.delay:
+                                time.sleep(fake.delay)
+                            self._send(*fake.fail_with)
+                        else:
+                            self._send(200, fake.generate(self.path, body))
                     else:
-                        self._send(200, fake.completion(body))
-                else:
-                    self._send(404, {"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}})
+                        self._send(404, {"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}})
+                except FakeError as error:
+                    self._send(error.status, error.body)
 
         self._server = QuietServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
@@ -119,14 +218,14 @@ class FakeLlamaCpp:
             self._server.shutdown()
             self._server.server_close()
 
-    # -- answers
+    # -- read-only routes
 
     def models(self) -> dict[str, Any]:
         return {
             "object": "list",
             "data": [
                 {
-                    "id": self.model,
+                    "id": self.alias or self.model,
                     "object": "model",
                     "created": 1700000000,
                     "owned_by": "llamacpp",
@@ -137,13 +236,65 @@ class FakeLlamaCpp:
 
     def props(self) -> dict[str, Any]:
         return {
-            "default_generation_settings": {"n_ctx": self.n_ctx, "params": {"temperature": 0.8}},
-            "total_slots": 1,
-            "model_path": f"/models/{self.model}",
+            "default_generation_settings": {
+                "id": 0, "id_task": -1, "n_ctx": self.slot_n_ctx, "speculative": False, "is_processing": False,
+                "params": {"n_predict": -1, "seed": 4294967295, "temperature": 0.8, "top_k": 40, "top_p": 0.95},
+            },
+            "total_slots": self.total_slots,
+            "model_alias": self.alias or "",
+            "model_path": self.model,
+            "modalities": {"vision": self.vision, "audio": False},
+            "endpoint_slots": self.endpoint_slots,
+            "endpoint_props": False,
+            "endpoint_metrics": False,
+            "webui": True,
             "chat_template": self.chat_template,
-            "modalities": {"vision": self.vision},
-            "build_info": "b6000-fake",
+            # The template's caps are read from the template, with or without --jinja.
+            "chat_template_caps": {"supports_tools": "tools" in self.chat_template, "supports_tool_calls": True},
+            "bos_token": "<|endoftext|>",
+            "eos_token": "<|im_end|>",
+            "build_info": "b6500-fake",
+            "is_sleeping": False,
         }
+
+    def slots(self) -> list[dict[str, Any]]:
+        with self._state:
+            busy = self.in_flight
+        return [
+            {"id": i, "id_task": -1, "n_ctx": self.slot_n_ctx, "speculative": False, "is_processing": i < busy,
+             "params": {"n_predict": -1, "temperature": 0.8}, "next_token": {"has_next_token": True, "n_decoded": 0}}
+            for i in range(self.total_slots)
+        ]
+
+    def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise FakeError(500, "\"content\" must be a string", "server_error")
+        ids = fake_tokenize(content, add_special=bool(body.get("add_special", False)),
+                            parse_special=bool(body.get("parse_special", True)))
+        return {"tokens": ids}
+
+    def apply_template(self, body: dict[str, Any]) -> str:
+        """The chat template (ChatML) as the server renders it, after its request checks."""
+        tools = body.get("tools")
+        if isinstance(tools, list) and tools and not self.jinja:
+            raise FakeError(500, "tools param requires --jinja flag", "server_error")
+        if not self.jinja and body.get("tool_choice") is not None:
+            raise FakeError(500, "Unsupported param: tool_choice", "server_error")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise FakeError(500, "'messages' is required", "server_error")
+        out = []
+        if tools:
+            out.append("<|im_start|>system\n# Tools\n" + "\n".join(json.dumps(t) for t in tools) + "<|im_end|>\n")
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+            calls = json.dumps(message["tool_calls"]) if message.get("tool_calls") else ""
+            out.append(f"<|im_start|>{message.get('role')}\n{content or ''}{calls}<|im_end|>\n")
+        out.append("<|im_start|>assistant\n")
+        return "".join(out)
 
     def chat_requests(self) -> list[dict[str, Any]]:
         return [body for path, body in self.requests if path == "/v1/chat/completions"]
@@ -151,15 +302,65 @@ class FakeLlamaCpp:
     def completion_requests(self) -> list[dict[str, Any]]:
         return [body for path, body in self.requests if path == "/v1/completions"]
 
+    # -- generation
+
+    def generate(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        with self._state:
+            self._arrived += 1
+            self.max_requests_at_once = max(self.max_requests_at_once, self._arrived)
+        try:
+            return self._generate(path, body)
+        finally:
+            with self._state:
+                self._arrived -= 1
+
+    def _generate(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        chat = path == "/v1/chat/completions"
+        prompt = self.apply_template(body) if chat else str(body.get("prompt") or "")
+        n_prompt = len(fake_tokenize(prompt, add_special=True))
+        if n_prompt >= self.slot_n_ctx:
+            raise FakeError(
+                400,
+                f"request ({n_prompt} tokens) exceeds the available context size ({self.slot_n_ctx} tokens), try increasing it",
+                "exceed_context_size_error",
+                n_prompt_tokens=n_prompt,
+                n_ctx=self.slot_n_ctx,
+            )
+        answer = self.chat(body) if chat else self.completion(body)
+        choice = answer["choices"][0]
+        produced = choice.get("text") if not chat else json.dumps(choice.get("message") or {})
+        n_reply = min(len(fake_tokenize(produced or "")), int(body.get("max_tokens") or 10**9))
+        assert self._slots_free is not None
+        self._slots_free.acquire()  # wait for a free slot, as the server defers the task
+        try:
+            with self._state:
+                if self.kv_unified and self._kv_used + n_prompt + n_reply > self.n_ctx:
+                    raise FakeError(500, "Context size has been exceeded.", "server_error")
+                self._kv_used += n_prompt + n_reply if self.kv_unified else 0
+                self.in_flight += 1
+                self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            try:
+                if self.delay:
+                    time.sleep(self.delay)
+            finally:
+                with self._state:
+                    self.in_flight -= 1
+                    self._kv_used -= n_prompt + n_reply if self.kv_unified else 0
+        finally:
+            self._slots_free.release()
+        if (self.chat_handler is None or not chat) and (self.completion_handler is None or chat):
+            answer["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": n_reply, "total_tokens": n_prompt + n_reply}
+        return answer
+
     def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         if self.chat_handler is not None:
             return self.chat_handler(body)
         self._calls += 1
-        message: dict[str, Any] = {"role": "assistant", "content": "Hello from the fake llama.cpp."}
+        message: dict[str, Any] = {"role": "assistant", "content": DEFAULT_REPLY}
         finish = "stop"
         tools = body.get("tools") or []
         last = (body.get("messages") or [{}])[-1]
-        response_format = body.get("response_format") or {}
+        schema = grammar_schema(body.get("response_format"))
         if tools and body.get("tool_choice") != "none" and last.get("role") != "tool":
             message = {
                 "role": "assistant",
@@ -173,9 +374,9 @@ class FakeLlamaCpp:
                 ],
             }
             finish = "tool_calls"
-        elif response_format.get("type") == "json_schema":
-            message["content"] = json.dumps({"shade": "teal"})
-        return chat_completion(message, finish, model=self.model)
+        elif schema:
+            message["content"] = json.dumps(minimal_instance(schema), separators=(",", ":"))
+        return chat_completion(message, finish, model=self.alias or self.model)
 
     def completion(self, body: dict[str, Any]) -> dict[str, Any]:
         if self.completion_handler is not None:
@@ -184,10 +385,25 @@ class FakeLlamaCpp:
             "id": "cmpl-fake",
             "object": "text_completion",
             "created": 1700000000,
-            "model": self.model,
+            "model": self.alias or self.model,
             "choices": [{"text": " the dragon slept.", "index": 0, "logprobs": None, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10},
         }
+
+
+def grammar_schema(response_format: Any) -> dict[str, Any] | None:
+    """The schema llama-server compiles to a grammar: a json_schema's schema, or the "schema" a
+    json_object carries; a bare json_object is an empty schema, which constrains nothing."""
+    if not isinstance(response_format, dict):
+        return None
+    if response_format.get("type") == "json_object":
+        schema = response_format.get("schema") or {}
+    elif response_format.get("type") == "json_schema":
+        inner = response_format.get("json_schema") or {}
+        schema = inner.get("schema") or response_format.get("schema") or {}
+    else:
+        return None
+    return schema if isinstance(schema, dict) and schema else None
 
 
 def chat_completion(
@@ -198,7 +414,54 @@ def chat_completion(
         "object": "chat.completion",
         "created": 1700000000,
         "model": model,
-        "system_fingerprint": "b6000-fake",
+        "system_fingerprint": "b6500-fake",
         "choices": [{"index": 0, "message": message, "finish_reason": finish}],
         "usage": usage or {"prompt_tokens": 21, "completion_tokens": 9, "total_tokens": 30},
     }
+
+
+class RouteServer:
+    """A local server answering fixed JSON by method and path (another backend's helper routes:
+    vLLM's /tokenize, koboldcpp's /api/extra/tokencount); a callable answer gets the body."""
+
+    def __init__(self, routes: dict[tuple[str, str], Any]):
+        self.routes = routes
+        self.requests: list[tuple[str, str, Any]] = []
+        self._server: ThreadingHTTPServer | None = None
+
+    def start(self) -> str:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self, method: str) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"null")
+                fake.requests.append((method, self.path, body))
+                answer = fake.routes.get((method, self.path))
+                status, payload = (404, {"detail": "Not Found"}) if answer is None else (200, answer)
+                if callable(payload):
+                    status, payload = payload(body)
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._answer("GET")
+
+            def do_POST(self) -> None:
+                self._answer("POST")
+
+        self._server = QuietServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self._server.server_address[1]}/v1"
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()

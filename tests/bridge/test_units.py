@@ -222,7 +222,9 @@ def test_backend_request_carries_the_job():
     assert body == {
         "model": "m", "messages": payload["messages"], "max_tokens": 100, "temperature": 0.2, "top_p": 0.9,
         "presence_penalty": 0.4, "min_p": 0.05, "seed": 3, "reasoning_effort": "none", "stop": ["END"],
-        "tools": payload["tools"], "tool_choice": "required", "response_format": {"type": "json_object"},
+        "tools": payload["tools"], "tool_choice": "required",
+        # llama.cpp gives a bare json_object no grammar: it is sent as the schema {"type": "object"}.
+        "response_format": {"type": "json_schema", "json_schema": {"name": "json_object", "schema": {"type": "object"}}},
     }
     generic = chat_backend_request(payload, model="m", kind="openai")
     assert "min_p" not in generic and "repeat_penalty" not in generic

@@ -8,6 +8,7 @@ one go through the same code.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from contract.chat_declaration import ChatFaultReason, ChatImageTransport
+from contract.chat_limits import CHAT_IMAGE_PROMPT_TOKENS
 from contract.chat_policy import ChatFeature, ChatGuarantee
 
 DEFAULT_CONTEXT = 4096
@@ -58,6 +60,13 @@ class Capabilities:
     image_transports: set[str] = field(default_factory=set)
     chat: bool = True
     completions: bool = True
+    # Generations the backend runs at once (llama.cpp's slots); None when it does not say.
+    slots: int | None = None
+    # The reported context may be one cache the slots share (llama.cpp's unified KV cache), so
+    # jobs run at once have to divide it.
+    context_shared: bool = False
+    tokenizer: str | None = None  # the route that counts tokens, for the start log; None: none
+    public_model: str | None = None  # the model's name without a folder path, when the id is a path
     notes: list[str] = field(default_factory=list)  # how each value was found, for the start log
 
 
@@ -72,6 +81,14 @@ class Backend(Protocol):
 
     def complete(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]: ...
 
+    def count_tokens(self, text: str) -> int | None:
+        """The prompt's tokens by the backend's tokenizer; None when it has none (or it failed)."""
+        ...
+
+    def count_chat_tokens(self, body: dict[str, Any]) -> int | None:
+        """The rendered chat prompt's tokens (template, tools, images); None when it cannot say."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -81,20 +98,25 @@ class Backend(Protocol):
 # a prompt over its context instead of truncation (prompt_overflow_refused).
 F, G = ChatFeature, ChatGuarantee
 KIND_FEATURES: dict[str, set[str]] = {
-    # llama.cpp server: sampling keys, response_format json_object/json_schema compiled to a
-    # grammar, tools with --jinja (grammar-forced under required), refuses an over-long prompt
-    # (exceed_context_size_error). It refuses tools together with a response_format grammar.
+    # llama.cpp server: sampling keys, response_format json_schema compiled to a grammar (a
+    # json_object is sent as the schema {"type": "object"}: alone it gets no grammar), tools
+    # when the server takes them (probed), refuses an over-long prompt (exceed_context_size_error).
+    # Not tool_choice_enforced: its tool grammar is lazy, the model may write text before the
+    # call and end without one. It refuses tools together with a response_format grammar.
     "llamacpp": {F.SEED, F.PRESENCE_PENALTY, F.FREQUENCY_PENALTY, F.JSON_OBJECT, F.JSON_SCHEMA,
                  G.STRUCTURED_OUTPUT_ENFORCED, G.PROMPT_OVERFLOW_REFUSED},
-    # vLLM: guided decoding for response_format and named/required tool choice; 400 on overflow.
+    # vLLM: structured outputs for response_format (json_object sent as the schema
+    # {"type": "object"}) and for named/required tool choice; 400 on overflow.
     "vllm": {F.SEED, F.PRESENCE_PENALTY, F.FREQUENCY_PENALTY, F.JSON_OBJECT, F.JSON_SCHEMA,
              G.STRUCTURED_OUTPUT_ENFORCED, G.PROMPT_OVERFLOW_REFUSED},
-    # Ollama: format grammars, tools, think/reasoning_effort; it truncates an over-long prompt.
+    # Ollama: format grammars (its /v1 turns a json_object into format "json"), tools,
+    # think/reasoning_effort; it truncates an over-long prompt.
     "ollama": {F.SEED, F.PRESENCE_PENALTY, F.FREQUENCY_PENALTY, F.JSON_OBJECT, F.JSON_SCHEMA,
                G.STRUCTURED_OUTPUT_ENFORCED, F.TOOLS, F.REASONING_EFFORT},
     # koboldcpp's OpenAI adapter: sampling; it truncates (context shifting).
     "koboldcpp": {F.SEED, F.PRESENCE_PENALTY, F.FREQUENCY_PENALTY},
-    # TabbyAPI (exllama): json_schema through its constrained sampler, tools.
+    # TabbyAPI (exllama): json_schema through its constrained sampler (its json_schema field;
+    # a json_object is sent there as {"type": "object"}), tools.
     "tabbyapi": {F.SEED, F.PRESENCE_PENALTY, F.FREQUENCY_PENALTY, F.JSON_OBJECT, F.JSON_SCHEMA,
                  G.STRUCTURED_OUTPUT_ENFORCED},
     # Unknown server: the OpenAI keys every compatible server takes, nothing it may ignore.
@@ -124,9 +146,20 @@ _GRAMMAR = re.compile(
 )
 
 
+# llama.cpp's 500 when its KV cache, shared by the slots, fills up while several jobs run: the
+# prompt itself fits, so it is no prompt_overflow.
+_KV_CACHE_FULL = re.compile(r"context size has been exceeded", re.IGNORECASE)
+
+
 def classify_backend_error(status: int, text: str) -> BackendError:
     """The fault a backend's error answer means for the job."""
     message = f"backend answered {status}: {text[:300]}"
+    if _KV_CACHE_FULL.search(text) and status >= 500:
+        return BackendError(
+            f"{message} (the KV cache the slots share was full: run fewer --threads or a larger -c)",
+            ChatFaultReason.GENERATION_ERROR,
+            status=status,
+        )
     if _OVERFLOW.search(text):
         return BackendError(message, ChatFaultReason.PROMPT_OVERFLOW, status=status)
     if _GRAMMAR.search(text):
@@ -156,6 +189,59 @@ def _positive_int(value: Any) -> int | None:
     return None
 
 
+# A model id that is a file path as typed (llama-server's -m, `vllm serve /models/x`).
+_PATH_LIKE = re.compile(r"^(/|\./|\.\./|~|[A-Za-z]:[\\/])|\\|\.gguf$", re.IGNORECASE)
+
+
+def public_model_name(model_id: str, model_path: str | None = None) -> str | None:
+    """The model's name without the folder it was loaded from, when its id is a file path
+    (a volunteer's folders are not published); None when the id is a name already."""
+    if model_id != model_path and not _PATH_LIKE.search(model_id):
+        return None
+    name = re.split(r"[\\/]", model_id.rstrip("/\\"))[-1]
+    if name.lower().endswith(".gguf"):
+        name = name[: -len(".gguf")]
+    return name or None
+
+
+# The tool a start-up probe offers: llama-server without --jinja refuses any request with tools
+# ("tools param requires --jinja flag") while its /props looks the same.
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "horde_probe",
+        "description": "Never call this; it checks that the server takes tools.",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
+
+
+def _text_only(messages: list[Any]) -> tuple[list[dict[str, Any]], int]:
+    """The messages with image parts left out (counted apart), and how many there were."""
+    images = 0
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = [p for p in content if isinstance(p, dict)]
+            images += sum(1 for p in parts if p.get("type") == "image_url")
+            message = {**message, "content": "".join(str(p.get("text") or "") for p in parts if p.get("type") == "text")}
+        out.append(message)
+    return out, images
+
+
+def _flatten(messages: list[dict[str, Any]], tools: Any) -> str:
+    lines = [f"{m.get('role')}: {m.get('content') or ''}" for m in messages]
+    for message in messages:
+        if message.get("tool_calls"):
+            lines.append(json.dumps(message["tool_calls"], separators=(",", ":")))
+    if tools:
+        lines.append(json.dumps(tools, separators=(",", ":")))
+    return "\n".join(lines)
+
+
 class OpenAIBackend:
     """Any server with OpenAI-compatible /v1/chat/completions (and /v1/completions for text jobs)."""
 
@@ -171,6 +257,8 @@ class OpenAIBackend:
         self.base, self.root = normalise_base_url(url)
         self.name = self.base
         self.kind = kind
+        self.detected_kind: str | None = None  # what probe found (or was told)
+        self.model: str | None = None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(
             headers=headers, timeout=httpx.Timeout(timeout, connect=10.0), transport=transport
@@ -184,6 +272,19 @@ class OpenAIBackend:
     def _get_json(self, url: str, timeout: float = 10.0) -> Any:
         try:
             response = self._client.get(url, timeout=timeout)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return None
+
+    def _post_json(self, url: str, body: dict[str, Any], timeout: float = 30.0) -> Any:
+        """A helper route's answer (tokenize, apply-template); None on any failure."""
+        try:
+            response = self._client.post(url, json=body, timeout=timeout)
         except httpx.HTTPError:
             return None
         if response.status_code != 200:
@@ -228,6 +329,50 @@ class OpenAIBackend:
     def complete(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
         return self._post("completions", {**body, "stream": False}, timeout)
 
+    # -- token counts
+
+    def count_tokens(self, text: str) -> int | None:
+        kind = self.detected_kind
+        if kind == "llamacpp":
+            # As the server counts a prompt: special tokens added (BOS) and parsed.
+            answer = self._post_json(f"{self.root}/tokenize", {"content": text, "add_special": True, "parse_special": True})
+            tokens = answer.get("tokens") if isinstance(answer, dict) else None
+            return len(tokens) if isinstance(tokens, list) else None
+        if kind == "vllm":
+            answer = self._post_json(f"{self.root}/tokenize", {"model": self.model, "prompt": text})
+            if isinstance(answer, dict):
+                return _positive_int(answer.get("count")) or (
+                    len(answer["tokens"]) if isinstance(answer.get("tokens"), list) else None
+                )
+            return None
+        if kind == "koboldcpp":
+            answer = self._post_json(f"{self.root}/api/extra/tokencount", {"prompt": text})
+            value = answer.get("value") if isinstance(answer, dict) else None
+            return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+        return None
+
+    def count_chat_tokens(self, body: dict[str, Any]) -> int | None:
+        messages, images = _text_only(body.get("messages") or [])
+        tools = body.get("tools") or None
+        counted: int | None = None
+        if self.detected_kind == "llamacpp":
+            # The server's own rendering (chat template, tools), then its tokenizer.
+            request: dict[str, Any] = {"messages": messages, **({"tools": tools} if tools else {})}
+            rendered = self._post_json(f"{self.root}/apply-template", request)
+            prompt = rendered.get("prompt") if isinstance(rendered, dict) else None
+            counted = self.count_tokens(prompt if isinstance(prompt, str) else _flatten(messages, tools))
+        elif self.detected_kind == "vllm":
+            request = {"model": self.model, "messages": messages, "add_generation_prompt": True,
+                       **({"tools": tools} if tools else {})}
+            answer = self._post_json(f"{self.root}/tokenize", request)
+            if isinstance(answer, dict):
+                counted = _positive_int(answer.get("count"))
+        elif self.detected_kind == "koboldcpp":
+            counted = self.count_tokens(_flatten(messages, tools))
+        if counted is None:
+            return None
+        return counted + images * CHAT_IMAGE_PROMPT_TOKENS
+
     def probe(self, model: str | None) -> Capabilities:
         """Ask the server what it serves; raise BackendDown when it does not answer."""
         listing = self._get_json(f"{self.base}/models")
@@ -242,11 +387,16 @@ class OpenAIBackend:
         entry = next((e for e in entries if e["id"] == model), {})
         props = self._get_json(f"{self.root}/props")
         kind = self.kind if self.kind != "auto" else self._detect_kind(entry, props)
+        self.detected_kind, self.model = kind, model
         caps = Capabilities(kind=kind, model=model, context=None, features=set(KIND_FEATURES.get(kind, set())))
         caps.notes.append(f"kind {kind}" + (" (detected)" if self.kind == "auto" else ""))
         caps.context = self._context(kind, entry, props, caps.notes)
+        model_path = props.get("model_path") if isinstance(props, dict) else None
+        caps.public_model = public_model_name(model, model_path if isinstance(model_path, str) else None)
         if kind == "llamacpp" and isinstance(props, dict):
             self._llamacpp_abilities(props, caps)
+        if kind in ("vllm", "koboldcpp"):
+            caps.tokenizer = "/tokenize" if kind == "vllm" else "/api/extra/tokencount"
         if kind == "vllm":
             # vLLM's tool parser is a launch flag the API does not report: declare tools with
             # --feature tools --feature tool_choice_enforced when it runs with --enable-auto-tool-choice.
@@ -301,18 +451,55 @@ class OpenAIBackend:
         return None
 
     def _llamacpp_abilities(self, props: dict[str, Any], caps: Capabilities) -> None:
+        caps.tokenizer = "/tokenize"
+        slots = _positive_int(props.get("total_slots"))
+        if slots is None:
+            listing = self._get_json(f"{self.root}/slots")
+            slots = len(listing) if isinstance(listing, list) and listing else None
+        if slots is not None:
+            caps.slots = slots
+            # /props n_ctx is a slot's context; with a unified KV cache (llama-server's default
+            # when -np is not given) every slot reports the whole cache, which they share.
+            caps.context_shared = slots > 1
+            caps.notes.append(f"{slots} slot(s)" + (" that may share one KV cache" if slots > 1 else ""))
         template = str(props.get("chat_template") or "")
         caps_props = props.get("chat_template_caps") or {}
         if caps_props.get("supports_tools") or ("tools" in template and "tool_call" in template):
-            # With --jinja the server renders tools and, under tool_choice required, forces a call
-            # with a grammar.
-            caps.features |= {ChatFeature.TOOLS, ChatGuarantee.TOOL_CHOICE_ENFORCED}
-            caps.notes.append("tools: the chat template renders tools")
+            taken, detail = self._llamacpp_takes_tools(caps.model)
+            if taken:
+                caps.features.add(ChatFeature.TOOLS)
+                caps.notes.append("tools: the chat template renders tools and the server took a tool request")
+            else:
+                caps.notes.append(f"tools: not declared, the server refused a tool request ({detail}; start it with --jinja)")
         modalities = props.get("modalities") or {}
         if modalities.get("vision"):
             caps.features.add(ChatFeature.VISION)
             caps.image_transports.add(ChatImageTransport.BASE64)  # llama.cpp reads data URLs, not http
             caps.notes.append("vision: /props modalities.vision (base64 transport)")
+
+
+    def _llamacpp_takes_tools(self, model: str) -> tuple[bool, str]:
+        """Whether the server takes a request with tools: /apply-template parses it as a chat
+        completion does, without generating; a build without that route gets a one-token chat."""
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": "ping"}], "tools": [PROBE_TOOL]}
+        try:
+            response = self._client.post(f"{self.root}/apply-template", json=body, timeout=30.0)
+            if response.status_code == 404:
+                response = self._client.post(
+                    f"{self.base}/chat/completions",
+                    json={**body, "model": model, "max_tokens": 1, "stream": False},
+                    timeout=120.0,
+                )
+        except httpx.HTTPError as error:
+            return False, f"{type(error).__name__}"
+        if response.status_code == 200:
+            return True, "200"
+        try:
+            error = response.json().get("error") or {}
+            message = error.get("message") if isinstance(error, dict) else str(error)
+        except (ValueError, AttributeError):
+            message = response.text[:200]
+        return False, f"{response.status_code} {message!r}"
 
 
 def apply_overrides(caps: Capabilities, *, add: Iterable[str], remove: Iterable[str], transports: set[str] | None) -> None:

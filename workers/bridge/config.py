@@ -29,6 +29,8 @@ class BridgeConfig:
     threads: int = 1
     max_length: int = 512  # chat and text jobs
     max_context_length: int | None = None  # default: what the backend reports, else 4096
+    # Divide a context the backend's slots may share among the jobs run at once (llama.cpp).
+    context_split: bool = True
     chat_jobs: bool = True
     text_jobs: bool = True
     add_features: set[str] = field(default_factory=set)
@@ -86,15 +88,27 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--horde-model",
         default=None,
-        help="the model name declared to the horde (BRIDGE_HORDE_MODEL); default: the backend's model id",
+        help="the model name declared to the horde (BRIDGE_HORDE_MODEL); default: the backend's model id "
+        "(its file name when the id is a path)",
     )
-    add("--threads", type=int, default=d.threads, help="jobs at once (BRIDGE_THREADS)")
+    add("--threads", type=int, default=d.threads,
+        help="jobs at once (BRIDGE_THREADS); never more than the backend's slots")
     add("--max-length", type=int, default=d.max_length, help="largest reply in tokens (BRIDGE_MAX_LENGTH)")
     add(
         "--max-context-length",
         type=int,
         default=None,
-        help="context in tokens (BRIDGE_MAX_CONTEXT_LENGTH); default: what the backend reports, else 4096",
+        help="context in tokens of each job (BRIDGE_MAX_CONTEXT_LENGTH); default: what the backend reports "
+        "(divided among --threads where the slots may share it), else 4096",
+    )
+    add(
+        "--no-context-split",
+        dest="context_split",
+        action="store_false",
+        default=None,
+        help="declare the context the backend reports for each job run at once instead of dividing it "
+        "among them; for llama-server with --no-kv-unified, whose /props already reports a slot's own "
+        "cache (BRIDGE_CONTEXT_SPLIT=0)",
     )
     add("--no-chat", dest="chat_jobs", action="store_false", default=None, help="do not take chat jobs (BRIDGE_CHAT_JOBS=0)")
     add("--no-text", dest="text_jobs", action="store_false", default=None, help="do not take text jobs (BRIDGE_TEXT_JOBS=0)")
@@ -135,6 +149,7 @@ _ENV: dict[str, tuple[str, object]] = {
     "threads": ("BRIDGE_THREADS", int),
     "max_length": ("BRIDGE_MAX_LENGTH", int),
     "max_context_length": ("BRIDGE_MAX_CONTEXT_LENGTH", int),
+    "context_split": ("BRIDGE_CONTEXT_SPLIT", _env_bool),
     "chat_jobs": ("BRIDGE_CHAT_JOBS", _env_bool),
     "text_jobs": ("BRIDGE_TEXT_JOBS", _env_bool),
     "feature": ("BRIDGE_FEATURES", lambda v: [v]),
@@ -180,6 +195,7 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
         threads=values["threads"],
         max_length=values["max_length"],
         max_context_length=values["max_context_length"],
+        context_split=values["context_split"] is not False,
         chat_jobs=values["chat_jobs"] is not False,
         text_jobs=values["text_jobs"] is not False,
         add_features=set(_names(values["feature"])),

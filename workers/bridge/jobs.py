@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +68,53 @@ def chat_backend_request(payload: dict[str, Any], *, model: str, kind: str) -> d
     for key in TOOL_KEYS:
         if payload.get(key) is not None:
             body[key] = payload[key]
+    if isinstance(body.get("response_format"), dict):
+        body.update(response_format_for(kind, body.pop("response_format")))
     return body
+
+
+# Any JSON object: what a json_object reply must be, as a schema a backend compiles to a grammar.
+JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
+
+
+def response_format_for(kind: str, response_format: dict[str, Any]) -> dict[str, Any]:
+    """The body keys that make `kind` enforce the job's response format.
+
+    A json_object is sent where each backend compiles it into a grammar: llama.cpp turns a bare
+    {"type": "json_object"} into an empty schema and constrains nothing, so it (and vLLM, whose
+    structured outputs read the same form) gets the schema {"type": "object"}; TabbyAPI reads a
+    schema from its json_schema field; Ollama's /v1 turns json_object into its format "json".
+    """
+    if response_format.get("type") != "json_object":
+        return {"response_format": response_format}
+    if kind in ("llamacpp", "vllm"):
+        return {"response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "json_object", "schema": dict(JSON_OBJECT_SCHEMA)}}}
+    if kind == "tabbyapi":
+        return {"json_schema": dict(JSON_OBJECT_SCHEMA)}
+    return {"response_format": response_format}
+
+
+def estimate_tokens(text: str) -> int:
+    """The characters' estimate, where the backend has no tokenizer."""
+    return -(-len(text) // CHARS_PER_TOKEN)
+
+
+def trim_prompt_start(prompt: str, budget: int, count: Callable[[str], int]) -> tuple[str, int]:
+    """The prompt cut from its start until `count` says it is at most `budget` tokens, as
+    koboldcpp's worker keeps the end of a story that outgrew its context; (prompt, tokens)."""
+    tokens = count(prompt)
+    for _ in range(12):
+        if tokens <= budget:
+            return prompt, tokens
+        if budget <= 0:
+            return "", 0
+        # Drop the share of characters the excess is, and count again (from above, so the kept
+        # end is as long as fits).
+        drop = max(1, -(-len(prompt) * (tokens - budget) // tokens))
+        prompt = prompt[drop:]
+        tokens = count(prompt)
+    return prompt, tokens
 
 
 def text_backend_request(payload: dict[str, Any], *, model: str, kind: str) -> dict[str, Any]:

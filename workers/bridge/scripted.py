@@ -200,6 +200,13 @@ class ScriptedBackend:
     def healthy(self) -> bool:
         return True
 
+    # No tokenizer: the bridge estimates (4 characters a token, as this backend checks its context).
+    def count_tokens(self, text: str) -> int | None:
+        return None
+
+    def count_chat_tokens(self, body: dict[str, Any]) -> int | None:
+        return None
+
     def probe(self, model: str | None) -> Capabilities:
         """Everything: it follows each part of the contract exactly, by construction."""
         caps = Capabilities(

@@ -37,11 +37,13 @@ from workers.bridge.jobs import (
     chat_fault_body,
     chat_submit_body,
     enforce_tool_controls,
+    estimate_tokens,
     parse_chat_response,
     parse_text_response,
     text_backend_request,
     text_fault_body,
     text_submit_body,
+    trim_prompt_start,
 )
 
 # The horde's stale sweep runs every 60 s: a submit up to then after the lease may still land.
@@ -116,8 +118,29 @@ class Stats:
         )
 
 
-def build_declaration(config: BridgeConfig, caps: Capabilities, horde_model: str) -> ChatDeclaration:
-    context = config.max_context_length or caps.context or DEFAULT_CONTEXT
+def jobs_at_once(config: BridgeConfig, caps: Capabilities) -> int:
+    """--threads, but never more than the backend's slots (a job past them would wait in its queue
+    while its lease runs)."""
+    return min(config.threads, caps.slots) if caps.slots else config.threads
+
+
+def job_context(config: BridgeConfig, caps: Capabilities, jobs: int) -> tuple[int, str]:
+    """The context each job may fill while `jobs` run at once, and where it came from.
+
+    A context the backend's slots may share (llama.cpp's unified KV cache: /props reports the
+    whole cache as every slot's n_ctx) is divided among the jobs, so that they fit together;
+    --max-context-length or --no-context-split is the volunteer saying otherwise."""
+    if config.max_context_length:
+        return config.max_context_length, "--max-context-length"
+    if not caps.context:
+        return DEFAULT_CONTEXT, "default"
+    if caps.context_shared and jobs > 1 and config.context_split:
+        return caps.context // jobs, f"{caps.context} shared by {jobs} jobs at once"
+    return caps.context, "the backend"
+
+
+def build_declaration(config: BridgeConfig, caps: Capabilities, horde_model: str, jobs: int = 1) -> ChatDeclaration:
+    context, _ = job_context(config, caps, jobs)
     return ChatDeclaration(
         chat_jobs=config.chat_jobs and caps.chat,
         prompt_jobs=config.text_jobs and caps.completions,
@@ -162,6 +185,8 @@ class Bridge:
         self.caps: Capabilities | None = None
         self.declaration: ChatDeclaration | None = None
         self.horde_model = config.horde_model or ""
+        self.threads = config.threads  # jobs at once: --threads within the backend's slots
+        self.context = config.max_context_length or DEFAULT_CONTEXT  # each job's, as declared
         self.username = ""
         self.ready = threading.Event()  # set once the first pop was answered
 
@@ -206,8 +231,10 @@ class Bridge:
             transports=self.config.image_transports,
         )
         self.caps = caps
-        self.horde_model = self.config.horde_model or caps.model
-        self.declaration = build_declaration(self.config, caps, self.horde_model)
+        self.horde_model = self.config.horde_model or caps.public_model or caps.model
+        self.threads = jobs_at_once(self.config, caps)
+        self.context, context_source = job_context(self.config, caps, self.threads)
+        self.declaration = build_declaration(self.config, caps, self.horde_model, self.threads)
         self._backend_ok.set()
         d = self.declaration
         limits = d.chat_limits
@@ -215,10 +242,19 @@ class Bridge:
             f"worker '{self.config.worker_name}' of {self.username or '?'} on {self.config.horde_url}; "
             f"backend {self.backend.name} ({'; '.join(caps.notes)})"
         )
+        if self.threads < self.config.threads:
+            self.log(f"threads {self.config.threads} lowered to {self.threads}: the backend runs {caps.slots} slot(s)")
+        if caps.context and self.config.max_context_length and caps.context_shared and self.threads > 1 \
+                and self.config.max_context_length * self.threads > caps.context:
+            self.log(
+                f"warning: --max-context-length {self.config.max_context_length} x {self.threads} jobs is more than "
+                f"the {caps.context} tokens the backend's slots may share; it may answer 'Context size has been exceeded'"
+            )
         self.log(
             f"serving '{self.horde_model}' (backend model '{caps.model}'): chat {'on' if d.chat_jobs else 'off'}, "
-            f"text {'on' if d.prompt_jobs else 'off'}, context {limits.max_context_length}, max_length "
-            f"{limits.max_length}, threads {self.config.threads}; features "
+            f"text {'on' if d.prompt_jobs else 'off'}, context {limits.max_context_length} ({context_source}), "
+            f"max_length {limits.max_length}, threads {self.threads}, token counts "
+            f"{'by the backend ' + caps.tokenizer if caps.tokenizer else 'estimated'}; features "
             f"{', '.join(sorted(d.chat_features)) or 'none'}; image transports "
             f"{', '.join(sorted(d.image_transports)) or 'none'}"
         )
@@ -231,7 +267,7 @@ class Bridge:
             "models": [self.horde_model],
             "max_length": limits.max_length,
             "max_context_length": limits.max_context_length,
-            "threads": self.config.threads,
+            "threads": self.threads,
             "amount": 1,
             "bridge_agent": BRIDGE_AGENT,
             "nsfw": self.config.nsfw,
@@ -275,7 +311,7 @@ class Bridge:
             return 2
         threads = [
             threading.Thread(target=self._thread_loop, name=f"bridge-{i}", daemon=True)
-            for i in range(self.config.threads)
+            for i in range(self.threads)
         ]
         if self.declaration is not None:
             for thread in threads:
@@ -427,6 +463,8 @@ class Bridge:
                 self._fault(held, ChatFaultReason.GENERATION_ERROR, str(error))
                 return
         body = chat_backend_request(payload, model=self.caps.model, kind=self.caps.kind)
+        if not self._fit_chat_prompt(held, body):
+            return
         progress = self.progress_factory(held, payload) if self.progress_factory and payload.get("stream_progress") else None
         response, seconds = self._generate(held, lambda timeout: self.backend.chat(body, timeout=timeout, progress=progress))
         if response is None:
@@ -455,6 +493,7 @@ class Bridge:
         assert self.caps is not None
         payload = job.get("payload") or {}
         body = text_backend_request(payload, model=self.caps.model, kind=self.caps.kind)
+        self._fit_text_prompt(held, payload, body)
         response, seconds = self._generate(held, lambda timeout: self.backend.complete(body, timeout=timeout))
         if response is None:
             return
@@ -471,6 +510,48 @@ class Bridge:
             self._record_dropped(held, f"the horde refused the text: {detail}")
             return
         self._record_ok(held, reply.tokens, seconds, float(detail), "text")
+
+    # -- prompt sizes
+
+    def _fit_chat_prompt(self, held: HeldJob, body: dict[str, Any]) -> bool:
+        """Count the rendered prompt with the backend's tokenizer before generating: a prompt
+        that leaves no room in the job's context is faulted prompt_overflow (no backend call), a
+        reply budget past it is lowered to what is left. Without a tokenizer the backend decides."""
+        counted = self.backend.count_chat_tokens(body)
+        if counted is None:
+            return True
+        room = self.context - counted
+        if room < 1:
+            self._fault(
+                held,
+                ChatFaultReason.PROMPT_OVERFLOW,
+                f"the prompt is {counted} tokens (counted by the backend's tokenizer); the context of a job "
+                f"here is {self.context} tokens",
+            )
+            return False
+        if body.get("max_tokens", 0) > room:
+            body["max_tokens"] = room
+        return True
+
+    def _fit_text_prompt(self, held: HeldJob, payload: dict[str, Any], body: dict[str, Any]) -> None:
+        """Trim a text job's prompt from its start to its max_context_length - max_length tokens
+        (counted by the backend's tokenizer where it has one), as koboldcpp's own worker does."""
+        context = min(int(payload.get("max_context_length") or self.context), self.context)
+        budget = context - int(body.get("max_tokens") or 0)
+
+        def count(text: str) -> int:
+            counted = self.backend.count_tokens(text)
+            return counted if counted is not None else estimate_tokens(text)
+
+        prompt = str(body.get("prompt") or "")
+        trimmed, tokens = trim_prompt_start(prompt, budget, count)
+        if trimmed != prompt:
+            body["prompt"] = trimmed
+            if not self.config.quiet:
+                self.log(
+                    f"job {held.id[:8]} text prompt trimmed from the start to {tokens} tokens "
+                    f"({len(prompt) - len(trimmed)} characters dropped) to fit {context} - {body.get('max_tokens')}"
+                )
 
     # -- submits
 
