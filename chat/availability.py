@@ -2,12 +2,14 @@
 worker can take, whether the workers' declarations are the cause (spec: "Impossible reason").
 
 One pass serves text and chat requests alike; the status routes read it (is_possible,
-eligible_worker_threads, impossible_reason) through a 60 second cache per request.
+eligible_worker_threads, impossible_reason) through a 60 second cache per request. A cached pass
+holds only under the workers' serving version it was made at (workers.serving_version): a
+worker's first pop, changed declaration or return online makes every process pass again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from django.core.cache import cache
@@ -23,6 +25,7 @@ from chat.models import Generation, GenerationRequest, RequestWorker
 from chat.snapshots import OnlineWorkers, online_worker_facts
 from chat.status_cache import StatusRead
 from contract.chat_policy import ChatServiceGap, merge_service_gaps
+from workers.serving_version import current_serving_version
 
 AVAILABILITY_CACHE_SECONDS = 60
 
@@ -41,6 +44,8 @@ class _Pass:
 
     eligible_worker_threads: int
     gap: ChatServiceGap | None  # the declarations gap, only when no worker is eligible
+    # The workers' serving version the pass was made under: a pass read under another is stale.
+    serving_version: Any = None
 
 
 def _listed_worker_ids(request: GenerationRequest) -> set:
@@ -110,10 +115,17 @@ def chat_request_availability(
     the write of a new one, sent with the body's.
     """
     key = availability_cache_key(request.pk)
-    found = cache.get(key) if read is None else read.prefetched.get(key)
-    if not isinstance(found, _Pass):
-        online = online_worker_facts()
+    if read is None:
+        found = cache.get(key)
+        serving_version = current_serving_version()
+    else:
+        found = read.prefetched.get(key)
+        serving_version = read.serving_version
+    if not isinstance(found, _Pass) or found.serving_version != serving_version:
+        # None cached, or made before a worker's check-in changed what it serves.
+        online = online_worker_facts(serving_version)
         found = _chat_pass(request, online) if request.is_chat else _text_pass(request, online)
+        found = replace(found, serving_version=serving_version)
         if read is None:
             cache.set(key, found, AVAILABILITY_CACHE_SECONDS)
         else:
