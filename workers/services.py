@@ -22,7 +22,7 @@ from contract.errors import HordeError
 from contract.text import WORKER_SPEED_SAMPLES
 from workers.declarations import declaration_mask
 from workers.models import Worker
-from workers.selectors import online_cutoff, worker_details_cache_key
+from workers.selectors import online_cutoff, worker_details_cache_key, worker_details_name_cache_key
 from workers.serving_version import serving_changed
 
 # A worker pops about once a second; an unchanged declaration rewrites its row (the check-in
@@ -223,6 +223,6 @@ def worker_update(*, worker: Worker, actor: HordeUser, maintenance: bool | None 
     worker_rows.forget(worker.name)
     serving_changed()  # a worker in maintenance or paused serves nothing
     # The owner sees their own switch at once, whatever the details cache holds.
-    cache.delete(worker_details_cache_key(worker.pk))
+    cache.delete_many([worker_details_cache_key(worker.pk), worker_details_name_cache_key(worker.name)])
     return worker
 
