@@ -13,3 +13,8 @@ def abort_stale_generations() -> int:
 @shared_task(name="chat.tasks.expire_requests")
 def expire_requests() -> int:
     return services.expire_requests()
+
+
+@shared_task(name="chat.tasks.sweep_maintenance")
+def sweep_maintenance() -> int:
+    return services.sweep_maintenance()

@@ -15,4 +15,5 @@ app.autodiscover_tasks()
 app.conf.beat_schedule = {
     "abort-stale-generations": {"task": "chat.tasks.abort_stale_generations", "schedule": 60.0},
     "expire-requests": {"task": "chat.tasks.expire_requests", "schedule": 60.0},
+    "sweep-maintenance": {"task": "chat.tasks.sweep_maintenance", "schedule": 60.0},
 }
