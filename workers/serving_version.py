@@ -28,17 +28,19 @@ logger = logging.getLogger(__name__)
 WORKERS_SERVING_VERSION_KEY = "horde:workers:serving-version"
 
 
+def _on_redis() -> bool:
+    """Whether the cache is django-redis on REDIS_URL (checked per call: tests switch settings)."""
+    return bool(settings.REDIS_URL) and hasattr(getattr(cache, "client", None), "get_client")
+
+
 def _redis():
-    client = getattr(cache, "client", None)
-    if not settings.REDIS_URL or not hasattr(client, "get_client"):
-        return None
-    return client.get_client(write=True)
+    return cache.client.get_client(write=True) if _on_redis() else None
 
 
 def serving_version_cache_key() -> str | None:
     """The cache key of the version, for a reader that fetches it with other keys (cache.get_many);
     None without Redis, where the version is read from the database (serving_version_in)."""
-    return WORKERS_SERVING_VERSION_KEY if _redis() is not None else None
+    return WORKERS_SERVING_VERSION_KEY if _on_redis() else None
 
 
 def _database_version() -> Any:
@@ -48,7 +50,7 @@ def _database_version() -> Any:
 def serving_version_in(found: Mapping[str, Any]) -> Any:
     """The version from a cache.get_many that asked for serving_version_cache_key() (None when the
     counter was never bumped); read from the database without Redis."""
-    if _redis() is None:
+    if not _on_redis():
         return _database_version()
     return found.get(WORKERS_SERVING_VERSION_KEY)
 
@@ -56,7 +58,7 @@ def serving_version_in(found: Mapping[str, Any]) -> Any:
 def current_serving_version() -> Any:
     """The version now: one cache read with Redis (None when Redis fails, as the cache's
     IGNORE_EXCEPTIONS answers), one indexed database read without."""
-    if _redis() is None:
+    if not _on_redis():
         return _database_version()
     return cache.get(WORKERS_SERVING_VERSION_KEY)
 
@@ -65,7 +67,7 @@ def serving_changed() -> None:
     """A worker's serving changed: bump the counter now and, inside a transaction, again when it
     commits (a reader that took the first bump may have read the rows before the commit). Without
     Redis the check-in's write of serving_changed_at is the change."""
-    if _redis() is None:
+    if not _on_redis():
         return
     _bump()
     if transaction.get_connection().in_atomic_block:
