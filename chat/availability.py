@@ -9,6 +9,7 @@ worker's first pop, changed declaration or return online makes every process pas
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,6 +26,7 @@ from chat.models import Generation, GenerationRequest, RequestWorker
 from chat.snapshots import OnlineWorkers, online_worker_facts
 from chat.status_cache import StatusRead
 from contract.chat_policy import ChatServiceGap, merge_service_gaps
+from contract.text import WORKER_ONLINE_SECONDS
 from workers.serving_version import current_serving_version
 
 AVAILABILITY_CACHE_SECONDS = 60
@@ -46,12 +48,23 @@ class _Pass:
     gap: ChatServiceGap | None  # the declarations gap, only when no worker is eligible
     # The workers' serving version the pass was made under: a pass read under another is stale.
     serving_version: Any = None
+    # When the first of the candidates it looked at leaves the online window unless it checks in
+    # again (epoch seconds; None without candidates): going quiet is no check-in, so no version
+    # announces it, and the pass is made again from then on.
+    recheck_at: float | None = None
 
 
 def _listed_worker_ids(request: GenerationRequest) -> set:
     if not request.has_worker_list:
         return set()
     return set(RequestWorker.objects.filter(request=request).values_list("worker_id", flat=True))
+
+
+def _recheck_at(workers) -> float | None:
+    """When the first of `workers` leaves the online window unless it checks in again."""
+    if not workers:
+        return None
+    return min(w.last_check_in for w in workers).timestamp() + WORKER_ONLINE_SECONDS
 
 
 def _text_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
@@ -62,7 +75,7 @@ def _text_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
         return _Pass(eligible_worker_threads=0, gap=None)
     listed = _listed_worker_ids(request)
     threads = sum(max(w.threads, 1) for w in workers if worker_may_take(w, request, listed))
-    return _Pass(eligible_worker_threads=threads, gap=None)
+    return _Pass(eligible_worker_threads=threads, gap=None, recheck_at=_recheck_at(workers))
 
 
 def _chat_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
@@ -86,11 +99,12 @@ def _chat_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
             other_refusal = True
         else:
             threads += max(worker.threads, 1)
+    recheck_at = _recheck_at(workers)
     if threads or other_refusal or not gaps:
         # A gap is reported only when every candidate was refused for its declaration; no candidate
         # at all, or another refusal, can change while the request waits.
-        return _Pass(eligible_worker_threads=threads, gap=None)
-    return _Pass(eligible_worker_threads=0, gap=merge_service_gaps(gaps))
+        return _Pass(eligible_worker_threads=threads, gap=None, recheck_at=recheck_at)
+    return _Pass(eligible_worker_threads=0, gap=merge_service_gaps(gaps), recheck_at=recheck_at)
 
 
 def availability_cache_key(request_id) -> str:
@@ -121,8 +135,13 @@ def chat_request_availability(
     else:
         found = read.prefetched.get(key)
         serving_version = read.serving_version
-    if not isinstance(found, _Pass) or found.serving_version != serving_version:
-        # None cached, or made before a worker's check-in changed what it serves.
+    if (
+        not isinstance(found, _Pass)
+        or found.serving_version != serving_version
+        or (found.recheck_at is not None and time.time() >= found.recheck_at)
+    ):
+        # None cached, made before a worker's check-in changed what it serves, or counting a
+        # worker that may have gone quiet since.
         online = online_worker_facts(serving_version)
         found = _chat_pass(request, online) if request.is_chat else _text_pass(request, online)
         found = replace(found, serving_version=serving_version)

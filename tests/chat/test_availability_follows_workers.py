@@ -22,10 +22,14 @@ from pathlib import Path
 import httpx
 import pytest
 from django.conf import settings
+from django.core.cache import cache
 from django.db import connection
 from django.utils import timezone
 
 from chat import snapshots
+from chat.availability import availability_cache_key
+from chat.models import Generation, GenerationRequest
+from contract.text import WORKER_ONLINE_SECONDS
 from tests.chat.chat_route_helpers import ALL_DECLARATIONS, MODEL, chat_async, chat_status
 from workers.models import Worker
 from workers.services import worker_rows
@@ -212,3 +216,21 @@ def test_an_unchanged_pop_leaves_the_serving_version_alone(horde, people):
     assert current_serving_version() == first
     horde.pop(owner.key, **_declaration(threads=3))  # a changed declaration
     assert current_serving_version() != first
+
+
+def test_a_worker_gone_quiet_leaves_the_cached_availability_with_the_snapshot(horde, people):
+    requester, owner = people
+    horde.pop(owner.key, **_declaration())
+    request_id = chat_async(horde.client, requester.key).json()["id"]
+    Generation.objects.filter(request_id=request_id).delete()  # nothing taken: the job waits
+    GenerationRequest.objects.filter(pk=request_id).update(jobs_waiting=1)
+    # Its last check-in is about to leave the online window: no check-in announces that.
+    Worker.objects.update(last_check_in=timezone.now() - timedelta(seconds=WORKER_ONLINE_SECONDS - 1))
+    snapshots.reset_snapshots()
+    cache.delete(availability_cache_key(request_id))  # the pass is made late in its quiet spell
+    assert chat_status(horde.client, request_id).json()["eligible_worker_threads"] == 2  # pass cached
+    time.sleep(1.2)
+    snapshots.reset_snapshots()  # as each process's snapshot lapses within its 5 s
+    cache.delete(f"horde:status:chat:{request_id}")  # and the 2 s body
+    body = chat_status(horde.client, request_id).json()
+    assert body["is_possible"] is False and body["eligible_worker_threads"] == 0, body
