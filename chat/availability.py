@@ -2,12 +2,15 @@
 worker can take, whether the workers' declarations are the cause (spec: "Impossible reason").
 
 One pass serves text and chat requests alike; the status routes read it (is_possible,
-eligible_worker_threads, impossible_reason) through a 60 second cache per request.
+eligible_worker_threads, impossible_reason) through a 60 second cache per request. A cached pass
+holds only under the workers' serving version it was made at (workers.serving_version): a
+worker's first pop, changed declaration or return online makes every process pass again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 from django.core.cache import cache
@@ -23,6 +26,8 @@ from chat.models import Generation, GenerationRequest, RequestWorker
 from chat.snapshots import OnlineWorkers, online_worker_facts
 from chat.status_cache import StatusRead
 from contract.chat_policy import ChatServiceGap, merge_service_gaps
+from contract.text import WORKER_ONLINE_SECONDS
+from workers.serving_version import current_serving_version
 
 AVAILABILITY_CACHE_SECONDS = 60
 
@@ -41,12 +46,25 @@ class _Pass:
 
     eligible_worker_threads: int
     gap: ChatServiceGap | None  # the declarations gap, only when no worker is eligible
+    # The workers' serving version the pass was made under: a pass read under another is stale.
+    serving_version: Any = None
+    # When the first of the candidates it looked at leaves the online window unless it checks in
+    # again (epoch seconds; None without candidates): going quiet is no check-in, so no version
+    # announces it, and the pass is made again from then on.
+    recheck_at: float | None = None
 
 
 def _listed_worker_ids(request: GenerationRequest) -> set:
     if not request.has_worker_list:
         return set()
     return set(RequestWorker.objects.filter(request=request).values_list("worker_id", flat=True))
+
+
+def _recheck_at(workers) -> float | None:
+    """When the first of `workers` leaves the online window unless it checks in again."""
+    if not workers:
+        return None
+    return min(w.last_check_in for w in workers).timestamp() + WORKER_ONLINE_SECONDS
 
 
 def _text_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
@@ -57,7 +75,7 @@ def _text_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
         return _Pass(eligible_worker_threads=0, gap=None)
     listed = _listed_worker_ids(request)
     threads = sum(max(w.threads, 1) for w in workers if worker_may_take(w, request, listed))
-    return _Pass(eligible_worker_threads=threads, gap=None)
+    return _Pass(eligible_worker_threads=threads, gap=None, recheck_at=_recheck_at(workers))
 
 
 def _chat_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
@@ -81,11 +99,12 @@ def _chat_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
             other_refusal = True
         else:
             threads += max(worker.threads, 1)
+    recheck_at = _recheck_at(workers)
     if threads or other_refusal or not gaps:
         # A gap is reported only when every candidate was refused for its declaration; no candidate
         # at all, or another refusal, can change while the request waits.
-        return _Pass(eligible_worker_threads=threads, gap=None)
-    return _Pass(eligible_worker_threads=0, gap=merge_service_gaps(gaps))
+        return _Pass(eligible_worker_threads=threads, gap=None, recheck_at=recheck_at)
+    return _Pass(eligible_worker_threads=0, gap=merge_service_gaps(gaps), recheck_at=recheck_at)
 
 
 def availability_cache_key(request_id) -> str:
@@ -110,10 +129,22 @@ def chat_request_availability(
     the write of a new one, sent with the body's.
     """
     key = availability_cache_key(request.pk)
-    found = cache.get(key) if read is None else read.prefetched.get(key)
-    if not isinstance(found, _Pass):
-        online = online_worker_facts()
+    if read is None:
+        found = cache.get(key)
+        serving_version = current_serving_version()
+    else:
+        found = read.prefetched.get(key)
+        serving_version = read.serving_version
+    if (
+        not isinstance(found, _Pass)
+        or found.serving_version != serving_version
+        or (found.recheck_at is not None and time.time() >= found.recheck_at)
+    ):
+        # None cached, made before a worker's check-in changed what it serves, or counting a
+        # worker that may have gone quiet since.
+        online = online_worker_facts(serving_version)
         found = _chat_pass(request, online) if request.is_chat else _text_pass(request, online)
+        found = replace(found, serving_version=serving_version)
         if read is None:
             cache.set(key, found, AVAILABILITY_CACHE_SECONDS)
         else:

@@ -83,7 +83,7 @@ def chat_request_status(request: GenerationRequest, *, read: StatusRead | None =
     done = request.faulted or (
         waiting == 0 and processing == 0 and (finished >= request.n or request.cancelled)
     )
-    queue_position, wait_time = request_queue_stats(request)
+    queue_position, wait_time = request_queue_stats(request, read=read)
     if done:
         availability = ChatAvailability(eligible_worker_threads=0, is_possible=True)
     else:

@@ -137,13 +137,16 @@ def request_is_possible(request: GenerationRequest, *, read: StatusRead | None =
     return chat_request_availability(request, read=read).is_possible
 
 
-def _horde_tokens_per_second() -> float:
-    return online_worker_facts().tokens_per_second
+def _horde_tokens_per_second(read: StatusRead | None) -> float:
+    if read is None:
+        return online_worker_facts().tokens_per_second
+    return online_worker_facts(read.serving_version).tokens_per_second
 
 
-def request_queue_stats(request: GenerationRequest) -> tuple[int, int]:
+def request_queue_stats(request: GenerationRequest, *, read: StatusRead | None = None) -> tuple[int, int]:
     """(queue_position, wait_time seconds): requests ahead in queue order, and the time the online
-    workers need for the tokens ahead plus this request's own."""
+    workers need for the tokens ahead plus this request's own (`read`: the status build's, whose
+    serving version the workers snapshot is taken under)."""
     if request.jobs_waiting == 0 or request.faulted or request.cancelled:
         return 0, 0
     place = queue_place(request.pk)
@@ -154,7 +157,7 @@ def request_queue_stats(request: GenerationRequest) -> tuple[int, int]:
             Q(queue_score__gt=request.queue_score) | Q(queue_score=request.queue_score, created__lt=request.created)
         ).aggregate(count=Count("pk"), tokens=Sum(F("max_length") * F("jobs_waiting")))
     tokens = (ahead["tokens"] or 0) + request.max_length * request.jobs_waiting
-    speed = _horde_tokens_per_second()
+    speed = _horde_tokens_per_second(read)
     wait = math.ceil(tokens / speed) if speed else 0
     return ahead["count"], wait
 
@@ -188,7 +191,7 @@ def request_status(request: GenerationRequest, *, include_generations: bool = Tr
     restarted = counts.get(Generation.State.FAULTED, 0)
     waiting = request.jobs_waiting
     done = not request.faulted and (finished >= request.n or (request.cancelled and processing == 0))
-    queue_position, wait_time = request_queue_stats(request)
+    queue_position, wait_time = request_queue_stats(request, read=read)
     generations = []
     if include_generations and finished:  # most polls find nothing finished: no second query
         for gen in (

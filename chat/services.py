@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from accounts.models import HordeUser, KudosTransaction
 from accounts.services import kudos_hold, kudos_release, kudos_transfer
+from chat import metrics
 from chat.models import Generation, GenerationRequest, HordeModes, RequestModel, RequestWorker
 from chat.pop_cache import queue_grew
 from chat.pricing import text_request_quote
@@ -79,9 +80,39 @@ def horde_in_maintenance() -> bool:
 
 
 def horde_modes_set(*, actor: HordeUser, maintenance: bool) -> None:
+    """A moderator switches maintenance mode; switching it on aborts every waiting request."""
     if not actor.moderator:
         raise HordeError("NotModerator", "Only a moderator can change the horde's modes.")
     HordeModes.objects.update_or_create(pk=1, defaults={"maintenance": maintenance})
+    if maintenance:
+        abort_waiting_for_maintenance()
+
+
+def abort_waiting_for_maintenance() -> int:
+    """Maintenance mode aborts the waiting requests (spec: "Completion signal"): each is cancelled
+    as the cancel route cancels it (no more jobs handed out, its hold released, `cancelled`
+    published for a chat request), so its client learns at once instead of at expiry. Jobs in
+    flight still settle; their stream leases are not flagged. Returns how many it aborted."""
+    aborted = 0
+    while True:
+        batch = list(
+            GenerationRequest.objects.filter(
+                jobs_waiting__gt=0, faulted=False, cancelled=False, expires_at__gt=timezone.now()
+            ).only("id", "is_chat")[:1000]
+        )
+        for request in batch:
+            aborted += request_cancel(request=request)
+        if len(batch) < 1000:
+            break
+    if aborted:
+        log.warning("maintenance mode aborted %d waiting requests", aborted)
+    return aborted
+
+
+def sweep_maintenance() -> int:
+    """The beat's pass in maintenance mode: aborts what is still waiting (a request that raced
+    the switch, or a horde started with HORDE_MAINTENANCE). Nothing outside maintenance mode."""
+    return abort_waiting_for_maintenance() if horde_in_maintenance() else 0
 
 
 def queue_score(priority: int, created_epoch: float) -> int:
@@ -352,10 +383,10 @@ def abort_stale_generations() -> int:
     aborted = 0
     stale = list(
         Generation.objects.filter(state=Generation.State.PROCESSING, lease_expires_at__lt=now).values_list(
-            "id", "request_id", "worker_id"
+            "id", "request_id", "worker_id", "worker__owner__trusted", "request__is_chat"
         )[:1000]
     )
-    for generation_id, request_id, worker_id in stale:
+    for generation_id, request_id, worker_id, worker_trusted, is_chat in stale:
         with transaction.atomic():
             if not Generation.objects.filter(pk=generation_id, state=Generation.State.PROCESSING).update(
                 state=Generation.State.FAULTED, finished_at=now
@@ -366,6 +397,10 @@ def abort_stale_generations() -> int:
             worker_record_dropped_job(worker_id=worker_id, refusal_rc=refusal_rc)
             requeue_faulted([generation_id], request_id)
             aborted += 1
+        # Counted once the abort committed: a submit that won the race is not an abort.
+        metrics.text_stale_aborts.add(
+            1, {"horde.worker_trusted": bool(worker_trusted), "horde.chat": bool(is_chat)}
+        )
     if aborted:
         log.info("aborted %d stale generations", aborted)
     return aborted

@@ -5,7 +5,10 @@ worker table per poll. Each web process keeps, for a couple of seconds, the onli
 the facts the status derives from them: the horde's throughput, and which workers serve each
 model) and the queue order with each request's position and the tokens ahead of it; a request
 newer than the snapshot is answered by one live query. Snapshots are derivable, so they never
-need Redis.
+need Redis. The online workers snapshot is also taken under the workers' serving version
+(workers.serving_version) and rebuilt at once when it is read under another one: a worker's first
+pop, changed declaration or return online shows in the next answer of every process, not after
+the snapshot's lifetime.
 
 Other process-local memos of the status path (compiled reads) register with `on_reset`, so
 `reset_snapshots()` forgets every one of them.
@@ -17,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 from uuid import UUID
 
 from django.db import connections, router
@@ -27,6 +30,7 @@ from chat.matching import waiting_requests
 from chat.models import GenerationRequest
 from workers.models import Worker
 from workers.selectors import worker_chat_declaration, worker_speed, workers_online
+from workers.serving_version import current_serving_version
 
 ONLINE_WORKERS_SNAPSHOT_SECONDS = 5
 QUEUE_SNAPSHOT_SECONDS = 2
@@ -34,26 +38,39 @@ QUEUE_SNAPSHOT_SECONDS = 2
 T = TypeVar("T")
 
 
+_ANY_VERSION = object()
+
+
 class _Snapshot(Generic[T]):
-    """A value rebuilt at most every `seconds`, shared by the threads of one process."""
+    """A value rebuilt at most every `seconds`, shared by the threads of one process, and at once
+    when it is read under another `version` than it was built at (see workers.serving_version)."""
 
     def __init__(self, build: Callable[[], T], seconds: float):
         self._build = build
         self._seconds = seconds
         self._lock = threading.Lock()
         self._value: T | None = None
+        self._version: Any = None
         self._taken = 0.0
 
-    def get(self) -> T:
-        if self._value is not None and time.monotonic() - self._taken <= self._seconds:
-            return self._value
-        # One thread rebuilds; the others keep reading the previous snapshot meanwhile, and wait
-        # only when there is none yet.
-        if self._lock.acquire(blocking=self._value is None):
+    def _holds(self, version: Any) -> bool:
+        return self._value is not None and (version is _ANY_VERSION or version == self._version)
+
+    def get(self, version: Any = _ANY_VERSION) -> T:
+        if self._holds(version) and time.monotonic() - self._taken <= self._seconds:
+            return self._value  # type: ignore[return-value]
+        # One thread rebuilds; while only the lifetime ran out the others keep reading the previous
+        # snapshot meanwhile. Under a new version (a worker changed what it serves) they wait: the
+        # previous one no longer holds.
+        if self._lock.acquire(blocking=not self._holds(version)):
             try:
-                if self._value is None or time.monotonic() - self._taken > self._seconds:
+                if not self._holds(version) or time.monotonic() - self._taken > self._seconds:
+                    # The version was read before this build's database read: a change committed
+                    # after that read bumps it again, and the next read rebuilds.
                     self._value = self._build()
                     self._taken = time.monotonic()
+                    if version is not _ANY_VERSION:
+                        self._version = version
             finally:
                 self._lock.release()
         return self._value  # type: ignore[return-value]
@@ -184,14 +201,17 @@ _queue = _Snapshot(_build_queue, QUEUE_SNAPSHOT_SECONDS)
 _reset_hooks: list[Callable[[], None]] = []
 
 
-def online_workers() -> list[Worker]:
+def online_workers(serving_version: Any = _ANY_VERSION) -> list[Worker]:
     """Online workers (checked in within WORKER_ONLINE_SECONDS), not in maintenance or paused."""
-    return list(_online_workers.get().workers)
+    return list(online_worker_facts(serving_version).workers)
 
 
-def online_worker_facts() -> OnlineWorkers:
-    """The online workers snapshot with its derived facts (read-only: shared by threads)."""
-    return _online_workers.get()
+def online_worker_facts(serving_version: Any = _ANY_VERSION) -> OnlineWorkers:
+    """The online workers snapshot with its derived facts (read-only: shared by threads), as of
+    the workers' serving version: the caller's (read with its other keys), else read now."""
+    if serving_version is _ANY_VERSION:
+        serving_version = current_serving_version()
+    return _online_workers.get(serving_version)
 
 
 def queue_place(request_id: UUID) -> QueuePlace | None:

@@ -5,7 +5,9 @@ Every write that changes what the status shows (pop, submit, fault, cancel, expi
 request's status version when it commits, and a body is served only under the version it was
 built at (read before the build's database read). So a poll after a completion signal always
 reads the new state, even when a poll that read the database before the commit stores its body
-after it; the short lifetime bounds what the writes do not announce (queue position, availability).
+after it; the short lifetime bounds what the writes do not announce (queue position). A body is
+also served only under the workers' serving version it was built at (workers.serving_version), read
+in the same round trip, so a worker's check-in that changes what it serves shows at once.
 
 A poll costs at most two cache round trips: one read of the body with the keys a miss needs
 (the request's availability), and, on a miss, one write of the body with what the build cached.
@@ -22,6 +24,8 @@ from uuid import UUID
 
 from django.core.cache import cache
 from django.db import transaction
+
+from workers.serving_version import serving_version_cache_key, serving_version_in
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +45,12 @@ def _version_key(request_id: UUID | str) -> str:
 @dataclass
 class StatusRead:
     """What a status build finds already read (`prefetched`: the keys found among those asked
-    for with the body) and the cache writes it leaves to be sent with the body's."""
+    for with the body; `serving_version`: the workers' serving version, read with them) and the
+    cache writes it leaves to be sent with the body's."""
 
     prefetched: dict[str, Any] = field(default_factory=dict)
     writes: list[tuple[str, Any, float]] = field(default_factory=list)
+    serving_version: Any = None
 
     def set_later(self, key: str, value: Any, timeout: float) -> None:
         self.writes.append((key, value, timeout))
@@ -83,15 +89,21 @@ def cached_status(
     in `read` go out with the body's."""
     key = _key(request_id, is_chat=is_chat)
     version_key = _version_key(request_id)
-    found = cache.get_many([key, version_key, *prefetch])
+    serving_key = serving_version_cache_key()
+    found = cache.get_many([key, version_key, *((serving_key,) if serving_key else ()), *prefetch])
     entry = found.pop(key, None)
     version = found.pop(version_key, None) or 0
-    if isinstance(entry, tuple) and len(entry) == 2 and entry[0] == version:
-        return entry[1]
-    read = StatusRead(prefetched=found)
+    # A body also holds only under the workers' serving version it was built at: availability
+    # (is_possible, eligible_worker_threads, impossible_reason) follows a worker's check-in at once.
+    serving = serving_version_in(found)
+    if serving_key:
+        found.pop(serving_key, None)
+    if isinstance(entry, tuple) and len(entry) == 3 and entry[0] == version and entry[1] == serving:
+        return entry[2]
+    read = StatusRead(prefetched=found, serving_version=serving)
     body = build(read)
     if body is not None:
-        read.writes.insert(0, (key, (version, body), STATUS_CACHE_SECONDS))
+        read.writes.insert(0, (key, (version, serving, body), STATUS_CACHE_SECONDS))
     _set_together(read.writes)
     return body
 

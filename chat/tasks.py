@@ -21,3 +21,8 @@ def abort_stale_generations() -> int:
 @shared_task(name="chat.tasks.expire_requests")
 def expire_requests() -> int:
     return _finished("chat.tasks.expire_requests", services.expire_requests())
+
+
+@shared_task(name="chat.tasks.sweep_maintenance")
+def sweep_maintenance() -> int:
+    return _finished("chat.tasks.sweep_maintenance", services.sweep_maintenance())

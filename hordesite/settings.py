@@ -172,6 +172,8 @@ HORDE_SWEEP_LATE_SECONDS = env.float("HORDE_SWEEP_LATE_SECONDS", default=3 * HOR
 CELERY_BEAT_SCHEDULE = {
     "abort-stale-generations": {"task": "chat.tasks.abort_stale_generations", "schedule": HORDE_SWEEP_INTERVAL_SECONDS},
     "expire-requests": {"task": "chat.tasks.expire_requests", "schedule": HORDE_SWEEP_INTERVAL_SECONDS},
+    # In maintenance mode, cancels the requests that raced the switch (chat_requests.md, Completion signal).
+    "sweep-maintenance": {"task": "chat.tasks.sweep_maintenance", "schedule": HORDE_SWEEP_INTERVAL_SECONDS},
 }
 
 # --- Storage --------------------------------------------------------------------------------

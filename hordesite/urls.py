@@ -8,7 +8,7 @@ from chat.api import pop_views, submit_views
 from chat.api import views as chat_views
 from chat.api.chat_views import ChatAsyncView, ChatStatusView
 from hordesite.health import healthz
-from workers.api.views import WorkerDetailView, WorkerListView
+from workers.api.views import WorkerByNameView, WorkerDetailView, WorkerListView
 
 api_v2 = [
     path("generate/text/async", chat_views.TextAsyncView.as_view()),
@@ -20,6 +20,7 @@ api_v2 = [
     path("find_user", FindUserView.as_view()),
     path("workers", WorkerListView.as_view()),
     path("workers/<uuid:worker_id>", WorkerDetailView.as_view()),
+    path("workers/name/<str:worker_name>", WorkerByNameView.as_view()),
     path("status/heartbeat", chat_views.HeartbeatView.as_view()),
     path("status/models", chat_views.ModelsStatusView.as_view()),
     path("status/performance", chat_views.PerformanceView.as_view()),

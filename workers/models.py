@@ -46,6 +46,9 @@ class Worker(models.Model):
     chat_tools_max_temperature = models.FloatField(null=True, blank=True)
     nonconformant_replies = models.PositiveIntegerField(default=0)
     created = models.DateTimeField(auto_now_add=True)
+    # When a check-in last changed what the worker serves (workers.serving_version): the latest
+    # of them is the serving version where there is no Redis.
+    serving_changed_at = models.DateTimeField(null=True, blank=True, db_index=True)
 
     class Meta:
         db_table = "horde_workers"

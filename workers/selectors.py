@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from datetime import datetime, timedelta
 
 from django.core.cache import cache
@@ -72,6 +73,22 @@ def chat_workers_online() -> QuerySet[Worker]:
 
 def worker_details_cache_key(worker_id) -> str:
     return f"horde:worker-details:{worker_id}"
+
+
+def worker_details_name_cache_key(name: str) -> str:
+    # Names are free text: hashed, so no character of one reaches the cache key.
+    return f"horde:worker-details:name:{hashlib.sha256(name.encode()).hexdigest()}"
+
+
+def worker_get_cached_by_name(name: str) -> Worker | None:
+    """One worker by its name for its details, cached as by id (WORKER_DETAILS_CACHE_SECONDS)."""
+    key = worker_details_name_cache_key(name)
+    worker = cache.get(key)
+    if worker is None:
+        worker = Worker.objects.select_related("owner").filter(name=name).first()
+        if worker is not None:
+            cache.set(key, worker, WORKER_DETAILS_CACHE_SECONDS)
+    return worker
 
 
 def worker_get_cached(worker_id) -> Worker | None:

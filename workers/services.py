@@ -22,7 +22,8 @@ from contract.errors import HordeError
 from contract.text import WORKER_SPEED_SAMPLES
 from workers.declarations import declaration_mask
 from workers.models import Worker
-from workers.selectors import worker_details_cache_key
+from workers.selectors import online_cutoff, worker_details_cache_key, worker_details_name_cache_key
+from workers.serving_version import serving_changed
 
 # A worker pops about once a second; an unchanged declaration rewrites its row (the check-in
 # time) at most this often. Online means checked in within WORKER_ONLINE_SECONDS (300).
@@ -85,23 +86,32 @@ def worker_check_in(*, owner: HordeUser, declaration: TextWorkerDeclaration) -> 
         if worker is None:
             try:
                 with transaction.atomic():
-                    worker = Worker.objects.create(name=declaration.name, owner=owner, **fields)
+                    worker = Worker.objects.create(
+                        name=declaration.name, owner=owner, serving_changed_at=now, **fields
+                    )
             except IntegrityError:
                 # Two first pops raced on the name; the loser checks in on the row the winner made.
                 worker = Worker.objects.get(name=declaration.name)
             else:
                 worker_rows.remember(worker)
+                serving_changed()  # a new worker: every process's availability sees it at once
                 return worker
         worker_rows.remember(worker)
     if worker.owner_id != owner.pk:
         raise HordeError("WrongCredentials", "Wrong credentials to submit as this worker.")
     changed = any(getattr(worker, name) != value for name, value in fields.items() if name != "last_check_in")
-    if changed or now - worker.last_check_in >= timedelta(seconds=WORKER_CHECK_IN_REFRESH_SECONDS):
+    # A changed declaration, or a worker coming back online, changes what the horde can serve.
+    serving = changed or worker.last_check_in < online_cutoff(now)
+    if serving or now - worker.last_check_in >= timedelta(seconds=WORKER_CHECK_IN_REFRESH_SECONDS):
+        if serving:
+            fields["serving_changed_at"] = now
         Worker.objects.filter(pk=worker.pk).update(**fields)
         # The row as just written, without reading it back: the pop reads these fields next.
         for name, value in fields.items():
             setattr(worker, name, value)
         worker_rows.written(worker)
+        if serving:
+            serving_changed()
     return worker
 
 
@@ -208,9 +218,11 @@ def worker_update(*, worker: Worker, actor: HordeUser, maintenance: bool | None 
         worker.maintenance = maintenance
     if paused is not None:
         worker.paused = paused
-    worker.save(update_fields=["maintenance", "paused"])
+    worker.serving_changed_at = timezone.now()
+    worker.save(update_fields=["maintenance", "paused", "serving_changed_at"])
     worker_rows.forget(worker.name)
+    serving_changed()  # a worker in maintenance or paused serves nothing
     # The owner sees their own switch at once, whatever the details cache holds.
-    cache.delete(worker_details_cache_key(worker.pk))
+    cache.delete_many([worker_details_cache_key(worker.pk), worker_details_name_cache_key(worker.name)])
     return worker
 

@@ -9,9 +9,9 @@ import pytest
 from django.core.cache import cache
 from django.utils import timezone
 
-from chat.availability import chat_request_availability
+from chat.availability import availability_cache_key, chat_request_availability
 from chat.matching import worker_may_take
-from chat.models import GenerationRequest, RequestWorker
+from chat.models import Generation, GenerationRequest, RequestWorker
 from chat.snapshots import reset_snapshots
 from tests.chat.pop_helpers import ALL_GUARANTEES, MODEL, OTHER, chat_pop, queue_chat
 from workers.models import Worker
@@ -291,14 +291,43 @@ def test_offline_and_maintenance_workers_do_not_count(horde, owner, requester):
     assert chat_request_availability(request).is_possible is False
 
 
-def test_availability_is_cached_for_a_minute(horde, owner, requester):
-    request = queue_chat(requester.user)
-    assert chat_request_availability(request).is_possible is False
-    chat_pop(horde, owner.key, name="late")  # a worker comes online (and takes the job)
-    assert chat_request_availability(request).is_possible is False  # still the cached pass
-    cache.clear()
-    reset_snapshots()
+def test_availability_is_cached_for_a_minute_between_check_ins(horde, owner, requester):
+    request = queue_chat(requester.user, {"seed": 1})
+    _declare(horde, owner.key, "a", features=[*ALL_GUARANTEES, "seed"])
     assert chat_request_availability(request).is_possible is True
+    # A change no check-in announces (a direct write) waits for the cached pass to lapse.
+    Worker.objects.filter(name="a").update(chat_features=ALL_GUARANTEES, chat_feature_mask=0)
+    reset_snapshots()
+    assert chat_request_availability(request).is_possible is True  # still the cached pass
+    cache.delete(availability_cache_key(request.pk))
+    assert chat_request_availability(request).is_possible is False
+
+
+def _check_in(horde, key, name, request, **pop):
+    """A pop that leaves every cache as it is; a job it took goes back to the queue, so the
+    request stays waiting with nothing processing."""
+    assert chat_pop(horde, key, name=name, **pop).status_code == 200
+    Generation.objects.filter(request=request).delete()
+    GenerationRequest.objects.filter(pk=request.pk).update(jobs_waiting=1)
+
+
+def test_a_first_pop_shows_in_the_cached_availability_at_once(horde, owner, requester):
+    request = queue_chat(requester.user, {"seed": 1})
+    assert chat_request_availability(request).is_possible is False  # cached: nobody online
+    _check_in(horde, owner.key, "late", request, features=[*ALL_GUARANTEES, "seed"], threads=2)
+    assert chat_request_availability(request).eligible_worker_threads == 2
+
+
+def test_a_changed_declaration_shows_in_the_cached_availability_at_once(horde, owner, requester):
+    request = queue_chat(requester.user, {"seed": 1})
+    _check_in(horde, owner.key, "a", request, features=[*ALL_GUARANTEES, "seed"])
+    assert chat_request_availability(request).is_possible is True
+    _check_in(horde, owner.key, "a", request)  # withdraws seed
+    availability = chat_request_availability(request)
+    assert availability.is_possible is False
+    assert availability.impossible_reason == {
+        "kind": "declaration_gap", "missing_declarations": ["seed"], "exceeded_limits": []
+    }
 
 
 def test_text_requests_share_the_pass_without_a_reason(horde, owner, requester):

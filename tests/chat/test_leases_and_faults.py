@@ -88,6 +88,7 @@ def test_horde_maintenance_refuses_new_requests_but_lets_workers_finish(horde, p
     requester, owner = people
     moderator = make_user("mod", moderator=True)
     horde.text_async(requester.key, models=[MODEL])
+    job = horde.pop(owner.key).json()
     refused = horde.client.put("/api/v2/status/modes", {"maintenance": True}, format="json", HTTP_APIKEY=requester.key)
     assert refused.status_code == 403 and refused.json()["rc"] == "NotModerator"
     assert horde.client.put(
@@ -95,7 +96,7 @@ def test_horde_maintenance_refuses_new_requests_but_lets_workers_finish(horde, p
     ).status_code == 200
     blocked = horde.text_async(requester.key, models=[MODEL])
     assert blocked.status_code == 503 and blocked.json()["rc"] == "MaintenanceMode"
-    job = horde.pop(owner.key).json()
+    # The job in flight settles (waiting requests are aborted: test_maintenance_and_stale_aborts).
     assert horde.submit(owner.key, job["id"]).status_code == 200
     horde.client.put("/api/v2/status/modes", {"maintenance": False}, format="json", HTTP_APIKEY=moderator.key)
     assert horde.text_async(requester.key, models=[MODEL]).status_code == 202

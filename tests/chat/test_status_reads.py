@@ -98,18 +98,20 @@ def test_compiled_reads_are_forgotten_by_reset_snapshots(horde, requester):
     assert selectors.request_get(request_id) is not None
 
 
-def test_an_uncached_status_is_one_query_and_a_cached_one_none(horde, owner, requester):
+def test_an_uncached_status_is_one_query_and_a_cached_one_none(horde, owner, requester, redis_url):
     horde.pop(owner.key, name="w", models=[MODEL])
     request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
     horde.status(request_id)  # snapshots taken
-    cache.clear()
+    cache.delete_many([f"horde:status:text:{request_id}", availability_cache_key(request_id)])
+    # Without Redis the workers' serving version is one more (indexed) read per poll.
+    version_reads = 0 if redis_url else 1
     with CaptureQueriesContext(connection) as queries:
         body = horde.status(request_id).json()
-    assert len(queries) == 1, [q["sql"] for q in queries]
+    assert len(queries) == 1 + version_reads, [q["sql"] for q in queries]
     assert body["is_possible"] is True and body["queue_position"] == 0 and body["waiting"] == 1
     with CaptureQueriesContext(connection) as queries:
         assert horde.status(request_id).json() == body
-    assert len(queries) == 0
+    assert len(queries) == version_reads
 
 
 # --- The online-worker snapshot's facts ---------------------------------------------------------

@@ -77,3 +77,37 @@ def test_single_details_are_cached_but_the_owner_switch_shows_at_once(horde, mak
     cache.clear()
     reset_snapshots()
     assert _details(horde, "chat")["accepts_chat_jobs"] is False
+
+
+# --- By name: GET /api/v2/workers/name/<name> ----------------------------------------------------
+
+
+def test_details_by_name_are_the_details_by_id(horde, make_user):
+    owner = make_user("owner")
+    chat_pop(horde, owner.key, name="Scribe of the North", features=["seed"])
+    by_id = _details(horde, "Scribe of the North")
+    response = horde.client.get("/api/v2/workers/name/Scribe%20of%20the%20North")
+    assert response.status_code == 200
+    assert response.json() == by_id
+    assert by_id["name"] == "Scribe of the North" and by_id["chat"]["features"] == ["seed"]
+
+
+def test_an_unknown_name_is_worker_not_found(horde, make_user):
+    owner = make_user("owner")
+    horde.pop(owner.key, name="known")
+    response = horde.client.get("/api/v2/workers/name/unknown")
+    assert response.status_code == 404
+    assert response.json() == {"message": "Worker with name 'unknown' not found.", "rc": "WorkerNotFound"}
+    assert horde.client.get("/api/v2/workers/name/Known").status_code == 404  # names are exact
+
+
+def test_details_by_name_are_cached_but_the_owner_switch_shows_at_once(horde, make_user):
+    owner = make_user("owner")
+    chat_pop(horde, owner.key, name="chat")
+    assert "chat" in horde.client.get("/api/v2/workers/name/chat").json()
+    horde.pop(owner.key, name="chat")  # withdraws the declaration
+    assert "chat" in horde.client.get("/api/v2/workers/name/chat").json()  # cached for 30 seconds
+    worker = Worker.objects.get(name="chat")
+    horde.client.put(f"/api/v2/workers/{worker.id}", {"maintenance": True}, format="json", HTTP_APIKEY=owner.key)
+    details = horde.client.get("/api/v2/workers/name/chat").json()
+    assert details["maintenance_mode"] is True and "chat" not in details

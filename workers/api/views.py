@@ -1,4 +1,4 @@
-"""Worker registry routes: list, details, and the owner's maintenance switch."""
+"""Worker registry routes: list, details (by id and by name), and the owner's maintenance switch."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from workers.selectors import (
     online_cutoff,
     worker_chat_declaration,
     worker_get_cached,
+    worker_get_cached_by_name,
     worker_speed,
     workers_online,
 )
@@ -68,6 +69,17 @@ class WorkerListView(APIView):
         if request.query_params.get("type", "text") != "text":
             return Response([])
         return Response([worker_details(w) for w in workers_online().order_by("name")])
+
+
+class WorkerByNameView(APIView):
+    """GET /api/v2/workers/name/<name>: the same details as by id (spec: "Worker details")."""
+
+    @extend_schema(responses={200: dict}, operation_id="api_v2_workers_name_retrieve")
+    def get(self, request, worker_name):
+        worker = worker_get_cached_by_name(worker_name)
+        if worker is None:
+            raise HordeError("WorkerNotFound", f"Worker with name '{worker_name}' not found.")
+        return Response(worker_details(worker))
 
 
 class WorkerDetailView(APIView):
