@@ -488,7 +488,6 @@ def test_aliases_agreeing_and_unapplied_keys_pass(front, requester, start_text_w
     assert not {"mirostat_mode", "dry_new_knob", "grammar_string", "custom_token_bans"} & set(row.params)
 
 
-@pytest.mark.django_db
 def test_sampler_ranges_are_the_native_ones():
     """The front's copy of the native ranges (oai imports nothing of chat) equals the serializer's, and
     every native text param has a place: mapped, or governed by an OpenAI key."""
