@@ -2,10 +2,13 @@
 (docs/adr/0014-legacy-completions.md).
 
 Request side: `screen_text_request` refuses what the text API cannot serve (an unknown key, a chat-only
-horde option, more than one prompt, n above 1, echo/suffix/logprobs/best_of/logit_bias away from their
-defaults), applies the front's bounds shared with chat completions (oai.schema), and builds the native
-text body: the prompt unchanged, max_tokens as params.max_length, stop as params.stop_sequence,
-presence_penalty as rep_pen, the worker filters from the horde object.
+horde option, more than one prompt, n above 1, echo/suffix/logprobs/best_of/logit_bias, grammars and
+token bans away from their defaults), applies the front's bounds shared with chat completions
+(oai.schema), and builds the native text body: the prompt unchanged, max_tokens as params.max_length,
+stop as params.stop_sequence, the KoboldAI / text-generation-webui / llama.cpp / vLLM sampler keys
+SillyTavern and KoboldAI Lite send as the native samplers (top_k, typical, rep_pen, ...), checked against
+the native ranges, presence_penalty as rep_pen when no repetition penalty is sent, the worker filters
+from the horde object. The sampler keys the horde cannot apply are accepted and dropped.
 
 Reply side: `TextCompletion` is the delivered generation read from the native text status, with the
 stop sequence cut off as OpenAI does; `build_text_completion` writes the `text_completion` object and
@@ -23,7 +26,7 @@ from contract.chat_limits import CHAT_MAX_TOKENS_DEFAULT
 from contract.text import TEXT_MAX_CONTEXT_LENGTH_RANGE
 from oai.errors import ChatFrontError
 from oai.mapping import build_system_fingerprint, estimate_tokens
-from oai.schema import _bad, _check_models, _check_ranges, _is_number, _unsupported
+from oai.schema import _bad, _check_models, _check_ranges, _is_number, _shown, _unsupported
 from oai.sse import DONE_EVENT
 
 # Keys validated and forwarded, or applied by the front (stream, stream_options, user, echo, seed).
@@ -53,7 +56,126 @@ TEXT_DEFAULT_NO_OP_PARAMETERS: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
     "logit_bias": ({},),
     "logprobs": (),
+    # constrained decoding and token bans: a promise about the output the text workers cannot keep
+    "grammar": ("",),
+    "grammar_string": ("",),
+    "guided_grammar": ("",),
+    "guided_regex": ("",),
+    "guided_choice": ([],),
+    "guided_json": ({},),
+    "json_schema": ({},),
+    "custom_token_bans": ("", []),
+    "banned_tokens": ("", []),
+    "banned_strings": ([],),
+    # llama.cpp's token probabilities, as logprobs
+    "n_probs": (0,),
 }
+# Sampler keys of KoboldAI, text-generation-webui, llama.cpp and vLLM, as SillyTavern's text completion
+# types and KoboldAI Lite's "Non-Standard Fields" send them: client key -> native text param.
+SAMPLER_ALIASES: dict[str, str] = {
+    "top_k": "top_k",
+    "top_a": "top_a",
+    "min_p": "min_p",
+    "typical": "typical",
+    "typical_p": "typical",
+    "tfs": "tfs",
+    "tfs_z": "tfs",
+    "rep_pen": "rep_pen",
+    "repetition_penalty": "rep_pen",
+    "repeat_penalty": "rep_pen",
+    "rep_pen_range": "rep_pen_range",
+    "repetition_penalty_range": "rep_pen_range",
+    "repeat_last_n": "rep_pen_range",
+    "rep_pen_slope": "rep_pen_slope",
+    "smoothing_factor": "smoothing_factor",
+    "dynatemp_range": "dynatemp_range",
+    "dynatemp_exponent": "dynatemp_exponent",
+}
+# The native text params' JSON types and inclusive ranges (chat/api/serializers.py TextParamsSerializer;
+# tests/oai/test_text_completions.py holds the two equal).
+NATIVE_SAMPLER_RANGES: dict[str, tuple[str, float, float]] = {
+    "top_k": ("integer", 0, 200),
+    "top_a": ("number", 0, 1),
+    "min_p": ("number", 0, 1),
+    "typical": ("number", 0, 1),
+    "tfs": ("number", 0, 1),
+    "rep_pen": ("number", 1, 3),
+    "rep_pen_range": ("integer", 0, 4096),
+    "rep_pen_slope": ("number", 0, 10),
+    "smoothing_factor": ("number", 0, 10),
+    "dynatemp_range": ("number", 0, 5),
+    "dynatemp_exponent": ("number", 0, 5),
+}
+NATIVE_SAMPLER_ORDER_RANGE = (0, 10)
+# KoboldAI's output formatting switches, forwarded under their native names.
+NATIVE_BOOLEAN_PARAMS = ("singleline", "frmtadsnsp", "frmtrmblln", "frmtrmspch", "frmttriminc")
+# "Ban the EOS token": KoboldAI's use_default_badwordsids, SillyTavern's ban_eos_token, llama.cpp's and
+# vLLM's ignore_eos; any of them true asks for it.
+EOS_BAN_KEYS = ("use_default_badwordsids", "ban_eos_token", "ignore_eos")
+# The native stop_sequence list's length; OpenAI's 4 would refuse SillyTavern's instruct stop strings.
+TEXT_MAX_STOP_SEQUENCES = 32
+# Sent by those programs and accepted, not applied: samplers the text workers' API has no field for
+# (mirostat, DRY, XTC, ...), aliases of keys that govern (max_tokens, stop, seed), the native names of
+# what the front computes (max_length, max_context_length), and the programs' own routing keys.
+ACCEPTED_UNAPPLIED_KEYS = frozenset(
+    {
+        # token counts and context: max_tokens governs, the front asks for the context the prompt needs
+        "max_new_tokens",
+        "max_length",
+        "n_predict",
+        "num_predict",
+        "truncation_length",
+        "num_ctx",
+        "max_context_length",
+        "min_tokens",
+        "min_length",
+        "minimum_message_content_tokens",
+        # aliases of stop and seed
+        "stopping_strings",
+        "sampler_seed",
+        # samplers and penalties the native text params do not have
+        "skew",
+        "epsilon_cutoff",
+        "eta_cutoff",
+        "dynamic_temperature",
+        "temperature_last",
+        "nsigma",
+        "top_n_sigma",
+        "min_keep",
+        "encoder_repetition_penalty",
+        "no_repeat_ngram_size",
+        "penalty_alpha",
+        "repetition_decay",
+        "num_beams",
+        "length_penalty",
+        "early_stopping",
+        "do_sample",
+        "guidance_scale",
+        "negative_prompt",
+        "sampler_priority",
+        "samplers",
+        "speculative_ngram",
+        "max_tokens_second",
+        # tokenizer and output switches of the backends
+        "add_bos_token",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "include_stop_str_in_output",
+        "include_reasoning",
+        "trim_stop",
+        "render_special",
+        "bypass_eos",
+        "cache_prompt",
+        "grammar_retain_state",
+        # SillyTavern's own routing keys, forwarded with the body
+        "api_type",
+        "api_server",
+        "legacy_api",
+    }
+)
+# Sampler families sent under more names than the programs have settled on (dry_multiplier, xtc_threshold,
+# mirostat_tau, dynatemp_low, smoothing_curve, adaptive_target, ...): accepted, not applied.
+ACCEPTED_UNAPPLIED_PREFIXES = ("dry_", "xtc_", "mirostat", "dynatemp", "smoothing_", "adaptive_")
 # The horde options a text request has; the chat-only ones are refused at their path.
 TEXT_HORDE_KEYS = frozenset(
     {
@@ -102,9 +224,22 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_accepted_unapplied(key: str) -> bool:
+    return key in ACCEPTED_UNAPPLIED_KEYS or (
+        key not in SAMPLER_ALIASES and key.startswith(ACCEPTED_UNAPPLIED_PREFIXES)
+    )
+
+
 def _refused_parameter(body: Mapping[str, Any]) -> ChatFrontError | None:
     for key, value in body.items():
-        if key in TEXT_REQUEST_FIELDS:
+        if (
+            key in TEXT_REQUEST_FIELDS
+            or key in SAMPLER_ALIASES
+            or key in EOS_BAN_KEYS
+            or key in NATIVE_BOOLEAN_PARAMS
+            or key == "sampler_order"
+            or is_accepted_unapplied(str(key))
+        ):
             continue
         if key in TEXT_DEFAULT_NO_OP_PARAMETERS:
             defaults = TEXT_DEFAULT_NO_OP_PARAMETERS[key]
@@ -167,6 +302,74 @@ def _check_types(body: Mapping[str, Any]) -> None:
         raise _unsupported("n", "Invalid 'n': the AI Horde serves one completion per request (n = 1).")
 
 
+def _range_error(key: str, kind: str, bound: float, above: bool, value: Any) -> ChatFrontError:
+    word = "integer" if kind == "integer" else "decimal"
+    side, relation = ("above maximum", "<=") if above else ("below minimum", ">=")
+    return _unsupported(
+        key,
+        f"Invalid '{key}': {word} {side} value. Expected a value {relation} {bound:g}, but got "
+        f"{_shown(value)} instead.",
+    )
+
+
+def native_samplers(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The native text params the body's sampler keys ask for, each value checked at the client's key
+    against the native type and range (the native route would refuse it); two keys setting one param
+    to different values conflict."""
+    params: dict[str, Any] = {}
+    set_by: dict[str, str] = {}
+    for key, native in SAMPLER_ALIASES.items():
+        if key not in body:
+            continue
+        value = body[key]
+        kind, low, high = NATIVE_SAMPLER_RANGES[native]
+        if not (_is_int(value) if kind == "integer" else _is_number(value)):
+            raise _type_error(key, "an integer" if kind == "integer" else "a number")
+        if value > high or value < low:
+            raise _range_error(key, kind, high if value > high else low, value > high, value)
+        if native in params and params[native] != value:
+            raise ChatFrontError(
+                400,
+                "ChatRequestConflict",
+                f"'{set_by[native]}' and '{key}' both set the AI Horde's '{native}', to different values "
+                f"({_shown(params[native])} and {_shown(value)}); send one of them, or the same value.",
+                param=key,
+                should_retry=False,
+            )
+        params[native] = value
+        set_by[native] = key
+    if "sampler_order" in body:
+        order = body["sampler_order"]
+        if not isinstance(order, list) or not all(_is_int(i) for i in order):
+            raise _type_error("sampler_order", "an array of integers")
+        low, high = NATIVE_SAMPLER_ORDER_RANGE
+        for i, entry in enumerate(order):
+            if not low <= entry <= high:
+                raise _range_error(
+                    f"sampler_order[{i}]", "integer", high if entry > high else low, entry > high, entry
+                )
+        params["sampler_order"] = list(order)
+    for key in (*NATIVE_BOOLEAN_PARAMS, *EOS_BAN_KEYS):
+        if key in body and not isinstance(body[key], bool):
+            raise _type_error(key, "a boolean")
+    for key in NATIVE_BOOLEAN_PARAMS:
+        if key in body:
+            params[key] = body[key]
+    bans = [body[key] for key in EOS_BAN_KEYS if key in body]
+    if bans:
+        params["use_default_badwordsids"] = any(bans)
+    return params
+
+
+def _check_stop_count(stop: Any) -> None:
+    if isinstance(stop, list) and len(stop) > TEXT_MAX_STOP_SEQUENCES:
+        raise _unsupported(
+            "stop",
+            f"Invalid 'stop': array too long. Expected an array with maximum length {TEXT_MAX_STOP_SEQUENCES}, "
+            f"but got an array with length {len(stop)} instead.",
+        )
+
+
 def _check_horde(horde: Any) -> dict[str, Any]:
     if not isinstance(horde, Mapping):
         raise _type_error("horde", "an object")
@@ -220,15 +423,24 @@ def screen_text_request(raw_body: Any) -> TextCompletionRequest:
         for key, value in raw_body.items()
         if value is not None and key not in TEXT_DEFAULT_NO_OP_PARAMETERS
     }
+    if body.get("model") == "":
+        del body["model"]  # SillyTavern's vLLM and Aphrodite types before a model is chosen
     _check_types(body)
-    _check_models(body)
-    _check_ranges(body)
+    any_model = "model" not in body and "models" not in body
+    if not any_model:
+        _check_models(body)
+    # OpenAI's bounds, but the stop count: the native text route takes up to 32 stop sequences.
+    _check_ranges({key: value for key, value in body.items() if key != "stop"})
+    _check_stop_count(body.get("stop"))
+    samplers = native_samplers(body)
     horde = _check_horde(body.get("horde", {}))
     prompt = _prompt(body["prompt"])
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     max_tokens = body.get("max_tokens", CHAT_MAX_TOKENS_DEFAULT)
-    models = list(body["models"]) if "models" in body else [body["model"]]
+    # No model: any text model, as KoboldCpp and text-generation-webui serve the one they run (SillyTavern's
+    # KoboldCpp and Default types send none).
+    models = list(body["models"]) if "models" in body else [] if any_model else [body["model"]]
 
     params: dict[str, Any] = {"n": 1, "max_length": max_tokens}
     # The context the request needs: its prompt (the horde's own estimate) and its completion, unless
@@ -241,8 +453,10 @@ def screen_text_request(raw_body: Any) -> TextCompletionRequest:
             params[key] = body[key]
     if stops:
         params["stop_sequence"] = stops
-    if body.get("presence_penalty", 0) > 0:
-        # KoboldAI's repetition penalty, as KoboldAI Lite maps it to presence_penalty (rep_pen - 1).
+    params.update(samplers)
+    if "rep_pen" not in samplers and body.get("presence_penalty", 0) > 0:
+        # KoboldAI's repetition penalty, as KoboldAI Lite maps it to presence_penalty (rep_pen - 1); a
+        # repetition penalty the client sends itself governs.
         params["rep_pen"] = 1 + body["presence_penalty"]
     native: dict[str, Any] = {
         "prompt": prompt,
@@ -297,7 +511,7 @@ class TextCompletion:
         text, stopped = cut_at_stop(generation.get("text") or "", request.stop)
         self.id = TEXT_COMPLETION_ID_PREFIX + request_id
         self.created = created
-        self.model = generation.get("model") or request.models[0]
+        self.model = generation.get("model") or (request.models[0] if request.models else "")
         self.fingerprint = build_system_fingerprint(generation.get("worker_id"), generation.get("model"))
         self.generated = text
         self.text = request.prompt + text if request.echo else text

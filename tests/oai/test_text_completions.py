@@ -183,7 +183,7 @@ REFUSALS = [
     ({"logit_bias": {"50256": -100}}, openai.BadRequestError, "logit_bias", "UnsupportedChatParameter"),
     ({"max_tokens": 8}, openai.BadRequestError, "max_tokens", "UnsupportedChatParameter"),
     ({"temperature": 2.5}, openai.BadRequestError, "temperature", "UnsupportedChatParameter"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, openai.BadRequestError, "stop", "UnsupportedChatParameter"),
+    ({"stop": ["a"] * 33}, openai.BadRequestError, "stop", "UnsupportedChatParameter"),
     ({"models": [MODEL]}, openai.BadRequestError, "models", "ChatRequestConflict"),
     ({"model": "a:b"}, openai.NotFoundError, "model", "model_not_found"),
     ({"horde": {"include_reasoning": False}}, openai.BadRequestError, "horde.include_reasoning", None),
