@@ -94,6 +94,7 @@ def horde_on_own_postgres():
             "CELERY_BROKER_URL": "",
             "DJANGO_SETTINGS_MODULE": "hordesite.settings",
             "HORDE_TEXT_ASYNC_RATE_LIMITS": "10000/second",
+            "HORDE_API_KEY_RATE_LIMITS": "10000/second",
             "HORDE_DATABASE_UNAVAILABLE_SECONDS": "1",
         }
         subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True, timeout=300)
