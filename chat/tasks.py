@@ -2,7 +2,7 @@
 
 from celery import shared_task
 
-from chat import services
+from chat import front_lease, services
 
 
 @shared_task(name="chat.tasks.abort_stale_generations")
@@ -13,3 +13,8 @@ def abort_stale_generations() -> int:
 @shared_task(name="chat.tasks.expire_requests")
 def expire_requests() -> int:
     return services.expire_requests()
+
+
+@shared_task(name="chat.tasks.cancel_lapsed_front_leases")
+def cancel_lapsed_front_leases() -> int:
+    return front_lease.cancel_lapsed_front_leases()

@@ -71,6 +71,8 @@ class TextAsyncInputSerializer(serializers.Serializer):
     dry_run = serializers.BooleanField(default=False)
     allow_downgrade = serializers.BooleanField(default=False)
     disable_batching = serializers.BooleanField(default=False)
+    # As the chat route's horde.operation_key (docs/adr/0020-front-lease.md).
+    operation_key = serializers.UUIDField(required=False, allow_null=True, default=None)
 
 
 class TextAsyncOutputSerializer(serializers.Serializer):
