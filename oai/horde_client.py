@@ -304,10 +304,12 @@ class HordeClient:
         path = TEXT_SUBMIT_PATH if text else SUBMIT_PATH
         return await self._send("POST", path, call_type=call_type, json=body, headers=headers)
 
-    async def status(self, request_id: str, *, text: bool = False) -> NativeAnswer:
+    async def status(
+        self, request_id: str, *, text: bool = False, headers: dict[str, str] | None = None
+    ) -> NativeAnswer:
         path = (TEXT_STATUS_PATH if text else STATUS_PATH).format(id=request_id)
         try:
-            return await self._send("GET", path, call_type="status")
+            return await self._send("GET", path, call_type="status", headers=headers)
         except SubmitAnswerLost as error:
             raise NativeUnreachable(str(error)) from None
 
