@@ -2,8 +2,9 @@
 of POST /v1/completions, the same lifecycle over a native text request (docs/adr/0014-legacy-completions.md).
 
 One `FrontState` per process (per event loop): settings, metrics, the native client, the completion
-signal listener, the in-flight limiter and the failed cancels. A chat request is screened, admitted
-(an in-flight slot), submitted with an operation key, then waited for: non-streamed, the wait ends
+signal listener, the in-flight limiter, the failed cancels and the front leases. A chat request is
+screened, admitted (an in-flight slot), submitted with an operation key and a front lease (docs/adr/
+0020-front-lease.md: a submit given up is found by its key and cancelled), then waited for: non-streamed, the wait ends
 in the JSON body; streamed, the first status read decides the HTTP answer and the stream carries
 keepalives until the reply is delivered whole (relayed deltas are a later issue: mapping.relays_deltas).
 """

@@ -134,23 +134,29 @@ def _now():
     return timezone.now()
 
 
-@pytest.mark.parametrize("front_redis", [pytest.param(True, marks=pytest.mark.redis_only), False])
+@pytest.mark.parametrize(
+    "renewal", [pytest.param("redis", marks=pytest.mark.redis_only), "status_in_process", "status_over_http"]
+)
 @pytest.mark.parametrize("route", ["chat", "text"])
 def test_a_live_front_keeps_its_requests_past_many_lease_lengths(
-    front, client, requester, live_horde, worker_owner, route, front_redis
+    front, client, requester, live_horde, worker_owner, route, renewal
 ):
-    """One-second leases renewed every 0.3 s (in Redis, or without it through the status reads):
-    the sweep, run every 0.2 s for 3 s, cancels nothing, and the reply is then delivered and paid."""
+    """One-second leases renewed every 0.3 s (in Redis, or without it through the status reads, in
+    process or over HTTP through the hot route layer): the sweep, run every 0.2 s for 3 s, cancels
+    nothing, and the reply is then delivered and paid."""
     from django.conf import settings
 
     from chat.front_lease import cancel_lapsed_front_leases
     from chat.models import GenerationRequest
 
+    front_redis = renewal == "redis"
+    transport = {"native_roots": [f"{live_horde.url}/api/v2"]} if renewal == "status_over_http" else {}
     front.configure(
         front_lease_seconds=1,
         front_lease_renew_seconds=0.3,
         fail_fast_grace_seconds=30.0,
         redis_url=settings.REDIS_URL if front_redis else None,
+        **transport,
     )
     worker = _idle_worker(live_horde, worker_owner, route)
     answers: list = []
