@@ -25,6 +25,7 @@ from rest_framework.exceptions import ValidationError
 
 from accounts.models import HordeUser
 from chat import metrics, services
+from chat.front_lease import front_lease_until
 from chat.model_reference import is_known_text_model
 from chat.models import GenerationRequest
 from chat.pricing import text_request_quote
@@ -516,6 +517,7 @@ def chat_request_create(
     submission: ChatSubmission,
     client_agent: str = "",
     ip_address: str = "",
+    front_lease_seconds: int | None = None,
 ) -> ChatCreated:
     """Steps 3-8 of the chat submit: operation key, admission flag, shared checks, known models,
     worker_max_length, context sizing, pricing, then create and activate in one transaction."""
@@ -619,6 +621,7 @@ def chat_request_create(
         "chat_conformance": str(requirements.conformance),
         "chat_tools_temperature": requirements.tools_temperature,
         "chat_has_images": requirements.has_images,
+        "front_lease_expires_at": front_lease_until(front_lease_seconds),
     }
     try:
         with transaction.atomic():

@@ -65,6 +65,8 @@ class GenerationRequest(models.Model):
     chat_has_images = models.BooleanField(default=False)
     chat_fault_reason = models.CharField(max_length=1000, null=True, blank=True)
     chat_fault_rc = models.CharField(max_length=32, null=True, blank=True)
+    # Until when a front waits for this request (contract.front_lease); null: no front lease.
+    front_lease_expires_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "horde_requests"
@@ -85,6 +87,12 @@ class GenerationRequest(models.Model):
             ),
             models.Index(fields=["user", "jobs_waiting"], name="request_user_waiting"),
             models.Index(fields=["expires_at"], name="request_expiry"),
+            # The front-lease sweep reads only requests under a lease (migration 0004).
+            models.Index(
+                fields=["front_lease_expires_at"],
+                name="request_front_lease",
+                condition=models.Q(front_lease_expires_at__isnull=False),
+            ),
         ]
 
     def __str__(self) -> str:

@@ -5,6 +5,8 @@ Every kudos movement commits in the transaction that stores what it pays for.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -12,7 +14,7 @@ from datetime import timedelta
 from decimal import Decimal
 from uuid import UUID
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F, Sum
 from django.utils import timezone
 
@@ -62,6 +64,8 @@ class TextRequestInput:
     disable_batching: bool = False
     softprompt: str = ""
     dry_run: bool = False
+    # The chat route's horde.operation_key, top-level as every text option (docs/adr/0020-front-lease.md).
+    operation_key: UUID | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,52 @@ class CreatedRequest:
     request: GenerationRequest | None
     kudos: Decimal
     message: str | None = None
+    # A repeated operation key: the claim's request, nothing queued or charged (200).
+    repeated: bool = False
+
+
+def text_operation_fingerprint(data: TextRequestInput) -> str:
+    """SHA-256 of canonical JSON over what defines a text operation: every option but dry_run and
+    operation_key; models and workers as sets (any listed model may serve, the list's order is not
+    the request), as the chat fingerprint does."""
+    defining = {
+        "prompt": data.prompt,
+        "params": data.params,
+        "n": data.n,
+        "max_length": data.max_length,
+        "max_context_length": data.max_context_length,
+        "models": sorted(data.models),
+        "workers": sorted(str(w) for w in data.workers),
+        "worker_blacklist": data.worker_blacklist,
+        "trusted_workers": data.trusted_workers,
+        "validated_backends": data.validated_backends,
+        "slow_workers": data.slow_workers,
+        "allow_downgrade": data.allow_downgrade,
+        "disable_batching": data.disable_batching,
+        "softprompt": data.softprompt,
+    }
+    canonical = json.dumps(defining, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def text_operation_claim(*, user: HordeUser, operation_key: UUID, fingerprint: str) -> CreatedRequest | None:
+    """A repeated text operation key: the first request when it is the same operation, else
+    OperationKeyConflict; None when the user has no claim on the key."""
+    claim = (
+        GenerationRequest.objects.filter(user=user, operation_key=operation_key, is_chat=False)
+        .only("id", "kudos_quote", "operation_fingerprint")
+        .first()
+    )
+    if claim is None:
+        return None
+    if claim.operation_fingerprint != fingerprint:
+        raise HordeError(
+            "OperationKeyConflict",
+            "The operation_key was already used for a different request: a repeated submission has to "
+            "send the same request.",
+            status=400,
+        )
+    return CreatedRequest(request=claim, kudos=claim.kudos_quote, repeated=True)
 
 
 def horde_in_maintenance() -> bool:
@@ -212,14 +262,24 @@ def request_rows_create(
 
 
 def text_request_create(
-    *, user: HordeUser, data: TextRequestInput, client_agent: str = "", ip_address: str = ""
+    *,
+    user: HordeUser,
+    data: TextRequestInput,
+    client_agent: str = "",
+    ip_address: str = "",
+    front_lease_seconds: int | None = None,
 ) -> CreatedRequest:
-    """Price, admit and queue a text request (or only quote it, on a dry run)."""
-    from django.conf import settings
+    """Price, admit and queue a text request (or only quote it, on a dry run). A repeated operation
+    key is answered first, before anything that could refuse or charge it, as on the chat route."""
+    from chat.front_lease import front_lease_until  # chat.front_lease's sweep imports this module
 
+    operation_key = None if data.dry_run else data.operation_key
+    fingerprint = text_operation_fingerprint(data) if operation_key is not None else ""
+    if operation_key is not None:
+        repeated = text_operation_claim(user=user, operation_key=operation_key, fingerprint=fingerprint)
+        if repeated is not None:
+            return repeated
     ensure_not_in_maintenance()
-    floor = settings.HORDE_TEXT_FREE_OUTPUT_FLOOR
-    message = None
 
     def quote() -> Decimal:
         return text_request_quote(
@@ -230,6 +290,40 @@ def text_request_create(
     if data.dry_run:
         return CreatedRequest(request=None, kudos=kudos)
 
+    try:
+        request, kudos, message = _text_request_rows(
+            user=user,
+            data=data,
+            kudos=kudos,
+            quote=quote,
+            extra_fields={
+                "client_agent": client_agent[:255],
+                "ip_address": ip_address[:64],
+                "operation_key": operation_key,
+                "operation_fingerprint": fingerprint,
+                "front_lease_expires_at": front_lease_until(front_lease_seconds),
+            },
+        )
+    except IntegrityError:
+        # Two submits with one key: the unique index let the other commit; answer with it.
+        repeated = None
+        if operation_key is not None:
+            repeated = text_operation_claim(user=user, operation_key=operation_key, fingerprint=fingerprint)
+        if repeated is None:
+            raise
+        log.info("operation key %s: a concurrent text submit won; answering with %s", operation_key, repeated.request.id)
+        return repeated
+    return CreatedRequest(request=request, kudos=kudos, message=message)
+
+
+def _text_request_rows(
+    *, user: HordeUser, data: TextRequestInput, kudos: Decimal, quote, extra_fields: dict
+) -> tuple[GenerationRequest, Decimal, str | None]:
+    """The creation transaction of a text request: concurrency, the hold (or the downgrade), the rows."""
+    from django.conf import settings
+
+    floor = settings.HORDE_TEXT_FREE_OUTPUT_FLOOR
+    message = None
     with transaction.atomic():
         locked_user = lock_requester(user)
         check_concurrency(user=locked_user, n=data.n)
@@ -263,15 +357,14 @@ def text_request_create(
                 "slow_workers": data.slow_workers,
                 "allow_downgrade": data.allow_downgrade,
                 "disable_batching": data.disable_batching,
-                "client_agent": client_agent[:255],
-                "ip_address": ip_address[:64],
+                **extra_fields,
             },
             models=data.models,
             workers=data.workers,
             kudos=kudos,
             hold=hold,
         )
-    return CreatedRequest(request=request, kudos=kudos, message=message)
+    return request, kudos, message
 
 
 # --- Faults ---------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 from celery import shared_task
 from django.utils import timezone
 
-from chat import services
+from chat import front_lease, services
 from chat.models import SweepRun
 
 
@@ -26,3 +26,8 @@ def expire_requests() -> int:
 @shared_task(name="chat.tasks.sweep_maintenance")
 def sweep_maintenance() -> int:
     return _finished("chat.tasks.sweep_maintenance", services.sweep_maintenance())
+
+
+@shared_task(name="chat.tasks.cancel_lapsed_front_leases")
+def cancel_lapsed_front_leases() -> int:
+    return _finished("chat.tasks.cancel_lapsed_front_leases", front_lease.cancel_lapsed_front_leases())

@@ -174,6 +174,9 @@ CELERY_BEAT_SCHEDULE = {
     "expire-requests": {"task": "chat.tasks.expire_requests", "schedule": HORDE_SWEEP_INTERVAL_SECONDS},
     # In maintenance mode, cancels the requests that raced the switch (chat_requests.md, Completion signal).
     "sweep-maintenance": {"task": "chat.tasks.sweep_maintenance", "schedule": HORDE_SWEEP_INTERVAL_SECONDS},
+    # A third of the front lease (contract.front_lease, 30 s): a dead front's requests are cancelled
+    # within about 40 s of its last renewal (docs/adr/0020-front-lease.md).
+    "cancel-lapsed-front-leases": {"task": "chat.tasks.cancel_lapsed_front_leases", "schedule": 10.0},
 }
 
 # --- Storage --------------------------------------------------------------------------------

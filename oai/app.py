@@ -2,8 +2,9 @@
 of POST /v1/completions, the same lifecycle over a native text request (docs/adr/0014-legacy-completions.md).
 
 One `FrontState` per process (per event loop): settings, metrics, the native client, the completion
-signal listener, the in-flight limiter and the failed cancels. A chat request is screened, admitted
-(an in-flight slot), submitted with an operation key, then waited for: non-streamed, the wait ends
+signal listener, the in-flight limiter, the failed cancels and the front leases. A chat request is
+screened, admitted (an in-flight slot), submitted with an operation key and a front lease (docs/adr/
+0020-front-lease.md: a submit given up is found by its key and cancelled), then waited for: non-streamed, the wait ends
 in the JSON body; streamed, the first status read decides the HTTP answer and the stream carries
 keepalives until the reply is delivered whole (relayed deltas are a later issue: mapping.relays_deltas).
 """
@@ -27,6 +28,7 @@ from contract.chat_policy import parse_kudos_cap_message
 from oai import sse
 from oai.attribution import build_client_agent
 from oai.errors import ChatFrontError
+from oai.front_lease import FrontLeaseRenewer, lease_header
 from oai.horde_client import (
     HordeClient,
     NativeAnswer,
@@ -260,6 +262,18 @@ class FrontState:
         # a text request (POST /v1/completions) is cancelled on the native text route.
         self.failed_cancels: collections.OrderedDict[str, tuple[float, bool]] = collections.OrderedDict()
         self.open_requests: dict[str, tuple[float, bool]] = {}
+        # operation key -> a submit given up with its outcome unknown, to find and cancel (oldest first).
+        self.lost_submits: collections.OrderedDict[str, LostSubmit] = collections.OrderedDict()
+        self.leases = (
+            FrontLeaseRenewer(
+                settings.redis_url,
+                lease_seconds=settings.front_lease_seconds,
+                renew_seconds=settings.front_lease_renew_seconds,
+                open_ids=lambda: list(self.open_requests),
+            )
+            if settings.redis_url and settings.front_lease_seconds > 0
+            else None
+        )
         self._tasks: set[asyncio.Task] = set()
         self._retry_task: asyncio.Task | None = None
         self.started = False
@@ -293,6 +307,8 @@ class FrontState:
         Every step is bounded: a shutdown must end even when Redis or a native root stops answering
         (closing a pub/sub connection can wait on its reader)."""
         bound = self.settings.cancel_timeout_seconds + 0.5
+        if self.leases is not None:
+            await _bounded(self.leases.close(), bound)
         await _bounded(_cancel_open_requests(self), bound)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=bound)
@@ -378,6 +394,53 @@ async def _retry_failed_cancels(state: FrontState) -> None:
         state.metrics.cancels.add(1, {"horde.outcome": outcome})
         if outcome not in ("failed", "timed_out", "not_started"):
             state.failed_cancels.pop(request_id, None)
+    for operation_key, lost in list(state.lost_submits.items()):
+        if now - lost.submitted > HORDE_CHAT_REQUEST_EXPIRY_SECONDS:
+            state.lost_submits.pop(operation_key, None)
+            continue
+        await _cancel_lost_submit(state, operation_key)
+
+
+@dataclass
+class LostSubmit:
+    """A submit the front gave up on without learning its outcome: sent again with its operation
+    key, the horde answers with the request it holds for the key (or queues it now), which is then
+    cancelled. Its front lease, never renewed, is the horde's own backstop."""
+
+    body: dict[str, Any]
+    headers: dict[str, str]
+    text: bool
+    submitted: float = field(default_factory=time.monotonic)
+
+
+def _give_up_submit(state: FrontState, operation_key: str, lost: LostSubmit) -> None:
+    state.lost_submits[operation_key] = lost
+    state.lost_submits.move_to_end(operation_key)
+    while len(state.lost_submits) > MAX_FAILED_CANCELS:
+        state.lost_submits.popitem(last=False)
+    state.ensure_cancel_retries()
+
+
+async def _cancel_lost_submit(state: FrontState, operation_key: str) -> bool:
+    """Find the claim of a given-up submit by its operation key and cancel it; returns whether the
+    horde answered (else the retries send it again)."""
+    lost = state.lost_submits.get(operation_key)
+    if lost is None:
+        return True
+    try:
+        answer = await asyncio.wait_for(
+            state.client.submit(lost.body, lost.headers, call_type="recovery", text=lost.text),
+            state.settings.cancel_timeout_seconds,
+        )
+    except (NativeUnreachable, SubmitAnswerLost, TimeoutError):
+        return False
+    state.lost_submits.pop(operation_key, None)
+    request_id = answer.body.get("id") if answer.ok and isinstance(answer.body, dict) else None
+    if request_id:
+        await _cancel_within_budget(state, str(request_id), text=lost.text)
+    else:  # refused: the horde held no claim for the key when it answered
+        log.info("given-up submit %s: the horde holds no request for it (%s)", operation_key, answer.status)
+    return True
 
 
 async def _cancel_open_requests(state: FrontState) -> None:
@@ -596,18 +659,6 @@ class _BudgetEnded(Exception):
     """The request's budget ended while a native call was under way."""
 
 
-def _text_submit_lost() -> ChatFrontError:
-    return ChatFrontError(
-        502,
-        "HordeUnavailable",
-        "The AI Horde did not answer the submit: the text request may or may not be queued (the native text "
-        "route has no operation key to send it again safely).",
-        type="api_error",
-        should_retry=False,
-        metadata={"submit_outcome": "unknown"},
-    )
-
-
 class _Finished(Exception):
     def __init__(self, completion: Completion):
         self.completion = completion
@@ -647,18 +698,28 @@ class ChatRun:
         self.is_text = isinstance(request, TextCompletionRequest)
         self.cancelled = False
         self.closed = False
+        self.operation_key = str(uuid.uuid4())
+        # The submit while its answer is awaited (a client gone meanwhile leaves it to find and cancel).
+        self.submit_in_flight: LostSubmit | None = None
+        # When this request's front lease was last renewed through the database (monotonic).
+        self.lease_renewed_at: float | None = None
 
     # submit ---------------------------------------------------------------------------------------
 
     async def submit(self, api_key: str, headers: dict[str, str]) -> None:
-        if self.is_text:  # the native text route has no operation key (docs/adr/0014-legacy-completions.md)
-            body = self.request.native_body
+        # The text route takes the operation key top-level, as its other options (docs/adr/0020-front-lease.md).
+        if self.is_text:
+            body = {**self.request.native_body, "operation_key": self.operation_key}
         else:
-            body = build_native_chat_body(self.request.native_body, operation_key=str(uuid.uuid4()))
-        native_headers = {"Client-Agent": build_client_agent(headers)}
+            body = build_native_chat_body(self.request.native_body, operation_key=self.operation_key)
+        native_headers = {
+            "Client-Agent": build_client_agent(headers),
+            **lease_header(self.settings.front_lease_seconds),
+        }
         if api_key != ANONYMOUS_API_KEY:  # no key: the horde's anonymous user
             native_headers["apikey"] = api_key
         native_headers.update(self.state.client.forwarding_headers(self.slot.source))
+        self.submit_in_flight = LostSubmit(body, native_headers, self.is_text)
         try:
             answer = await self._native(
                 "submit",
@@ -671,17 +732,17 @@ class ChatRun:
                 bounded=False,
             )
         except NativeUnreachable as error:
+            self.submit_in_flight = None  # nothing was sent
             raise ChatFrontError(
                 503, "HordeUnavailable", f"The AI Horde could not be reached: {error}", type="api_error"
             ) from None
         except SubmitAnswerLost:
-            if self.is_text:
-                self.state.metrics.submit_outcome_unknown.add(1)
-                raise _text_submit_lost() from None
             answer = await self._recover_submit(body, native_headers)
+        self.submit_in_flight = None
         if not answer.ok:
             raise _native_submit_error(answer, self.request)
         if not isinstance(answer.body, dict) or not answer.body.get("id"):
+            await self._give_up_submit(LostSubmit(body, native_headers, self.is_text))
             raise ChatFrontError(
                 502,
                 "HordeUnavailable",
@@ -695,6 +756,18 @@ class ChatRun:
         self.trace.submitted_at = time.time()
         self.trace.submitted_mono = time.monotonic()
         self.state.open_requests[self.request_id] = (time.monotonic(), self.is_text)
+        if self.settings.front_lease_seconds > 0:
+            self.lease_renewed_at = time.monotonic()  # the submit took the lease
+            if self.state.leases is not None:
+                self.state.leases.start()
+
+    async def _give_up_submit(self, lost: LostSubmit) -> None:
+        """Before answering an error for a submit whose outcome is unknown: find its claim by the
+        operation key and cancel it, once now within the cancel timeout, then with the cancel
+        retries until the horde answers."""
+        self.submit_in_flight = None
+        _give_up_submit(self.state, self.operation_key, lost)
+        await _cancel_lost_submit(self.state, self.operation_key)
 
     async def _recover_submit(self, body: dict[str, Any], headers: dict[str, str]) -> NativeAnswer:
         """A submit whose answer was lost is sent again with the same operation key: the horde answers
@@ -706,6 +779,7 @@ class ChatRun:
                     body,
                     headers,
                     call_type="recovery",
+                    text=self.is_text,
                     rate_limit_wait_seconds=min(self.settings.rate_limit_wait_seconds, self.budget.left()),
                 ),
                 bounded=False,
@@ -716,11 +790,12 @@ class ChatRun:
                 raise SubmitAnswerLost("the recovery was rate limited")
         except (NativeUnreachable, SubmitAnswerLost):
             self.state.metrics.submit_outcome_unknown.add(1)
+            await self._give_up_submit(LostSubmit(body, headers, self.is_text))
             raise ChatFrontError(
                 502,
                 "HordeUnavailable",
                 "The AI Horde did not answer the submit, and sending it again did not reach it: the request may "
-                "or may not be queued.",
+                "or may not be queued, and is cancelled if it was.",
                 type="api_error",
                 should_retry=False,
                 metadata={"submit_outcome": "unknown"},
@@ -768,11 +843,37 @@ class ChatRun:
 
     async def read(self, source: WakeSource) -> float | None:
         """One status read; raises _Finished or ChatFrontError, else returns the time the next read
-        is due at the latest (None: the watcher's own schedule)."""
+        is due at the latest (None: the watcher's own schedule), no later than the front lease's
+        next renewal through the database."""
+        not_after = await self._read(source, self._lease_renewal())
+        due = self._lease_due()
+        if due is not None and (not_after is None or due < not_after):
+            return due
+        return not_after
+
+    def _renews_in_database(self) -> bool:
+        leases = self.state.leases
+        return self.lease_renewed_at is not None and (leases is None or not leases.healthy)
+
+    def _lease_renewal(self) -> dict[str, str] | None:
+        """The lease header for this read, when the lease is due for a renewal through the database."""
+        if not self._renews_in_database():
+            return None
+        if time.monotonic() - self.lease_renewed_at < self.settings.front_lease_renew_seconds:
+            return None
+        return lease_header(self.settings.front_lease_seconds)
+
+    def _lease_due(self) -> float | None:
+        if not self._renews_in_database():
+            return None
+        due = self.lease_renewed_at + self.settings.front_lease_renew_seconds
+        return max(due, time.monotonic() + self.settings.poll_seconds)  # a failed renewal is not a busy loop
+
+    async def _read(self, source: WakeSource, lease_headers: dict[str, str] | None) -> float | None:
         try:
             answer = await self._native(
                 "status",
-                self.state.client.status(self.request_id, text=self.is_text),
+                self.state.client.status(self.request_id, text=self.is_text, headers=lease_headers),
                 bounded=source != WakeSource.DEADLINE,
             )
         except _BudgetEnded:
@@ -786,6 +887,8 @@ class ChatRun:
                 raise await self._timeout() from None
             return None
         self.trace.wake_count += 1
+        if lease_headers and answer.ok:
+            self.lease_renewed_at = time.monotonic()
         status = answer.body if isinstance(answer.body, dict) else {}
         if answer.status == 404:
             self.state.metrics.wake(source, False, False)
@@ -937,6 +1040,11 @@ class ChatRun:
         if not self.cancelled and self.request_id is not None:
             self.cancelled = True
             self.state.spawn(_cancel_within_budget(self.state, self.request_id, text=self.is_text))
+        elif self.request_id is None and self.submit_in_flight is not None:
+            # The client left while the submit was out: whatever it queued is found and cancelled.
+            lost, self.submit_in_flight = self.submit_in_flight, None
+            _give_up_submit(self.state, self.operation_key, lost)
+            self.state.spawn(_cancel_lost_submit(self.state, self.operation_key))
 
     async def close(self) -> None:
         if self.closed:

@@ -342,10 +342,12 @@ class HordeClient:
                 return answer
             await asyncio.sleep(pause)
 
-    async def status(self, request_id: str, *, text: bool = False) -> NativeAnswer:
+    async def status(
+        self, request_id: str, *, text: bool = False, headers: dict[str, str] | None = None
+    ) -> NativeAnswer:
         path = (TEXT_STATUS_PATH if text else STATUS_PATH).format(id=request_id)
         try:
-            return await self._send("GET", path, call_type="status")
+            return await self._send("GET", path, call_type="status", headers=headers)
         except SubmitAnswerLost as error:
             raise NativeUnreachable(str(error)) from None
 

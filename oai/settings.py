@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import environ
 
 from contract.chat_limits import MAX_CHAT_BODY_BYTES
+from contract.front_lease import FRONT_LEASE_RENEW_SECONDS, FRONT_LEASE_TTL_SECONDS
 
 
 # Values are cast by django-environ, as the horde's settings are (hordesite/settings.py), so a
@@ -63,6 +64,9 @@ class FrontSettings:
     cancel_timeout_seconds: float = 1.5
     cancel_retry_seconds: float = 30.0
     cancel_max_connections: int = 20
+    # The front lease on every request it waits for (contract.front_lease); 0 takes none.
+    front_lease_seconds: int = FRONT_LEASE_TTL_SECONDS
+    front_lease_renew_seconds: float = FRONT_LEASE_RENEW_SECONDS
     # Admission.
     max_body_bytes: int = MAX_CHAT_BODY_BYTES
     body_read_timeout_seconds: float = 30.0
@@ -111,6 +115,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> FrontSettings:
         cancel_timeout_seconds=_float(env, "HORDE_OAI_CANCEL_TIMEOUT_SECONDS", 1.5),
         cancel_retry_seconds=_float(env, "HORDE_OAI_CANCEL_RETRY_SECONDS", 30.0),
         cancel_max_connections=_int(env, "HORDE_OAI_CANCEL_MAX_CONNECTIONS", 20),
+        front_lease_seconds=_int(env, "HORDE_OAI_FRONT_LEASE_SECONDS", FRONT_LEASE_TTL_SECONDS),
+        front_lease_renew_seconds=_float(env, "HORDE_OAI_FRONT_LEASE_RENEW_SECONDS", FRONT_LEASE_RENEW_SECONDS),
         max_body_bytes=_int(env, "HORDE_OAI_MAX_BODY_BYTES", MAX_CHAT_BODY_BYTES),
         body_read_timeout_seconds=_float(env, "HORDE_OAI_BODY_READ_TIMEOUT_SECONDS", 30.0),
         max_inflight=_int(env, "HORDE_OAI_MAX_INFLIGHT", 2000),

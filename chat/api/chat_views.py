@@ -14,7 +14,7 @@ from rest_framework.views import APIView
 
 from accounts.api.callers import requester
 from accounts.ratelimit import chat_request_limits_per_ip, check_submit_rate_limits
-from chat import chat_create, chat_selectors
+from chat import chat_create, chat_selectors, front_lease
 from chat.api import chat_serializers as cs
 from contract.chat_errors import ChatRefusal
 from contract.chat_limits import MAX_CHAT_BODY_BYTES
@@ -116,6 +116,7 @@ class ChatAsyncView(APIView):
             submission=submission,
             client_agent=request.headers.get("Client-Agent", ""),
             ip_address=address,
+            front_lease_seconds=front_lease.front_lease_seconds(request.headers),
         )
         if created.request is None:
             return Response({"kudos": float(created.kudos), **(created.dry_run or {})}, status=200)
@@ -141,6 +142,7 @@ class ChatStatusView(APIView):
 
     @extend_schema(responses={200: cs.ChatStatusOutputSerializer, 404: cs.ErrorSerializer})
     def get(self, request, request_id):
+        front_lease.front_lease_renew(request_id=request_id, headers=request.headers)
         body = chat_selectors.chat_status_body(request_id)
         if body is None:
             raise _not_found(request_id)

@@ -91,6 +91,8 @@ class TextAsyncInputSerializer(serializers.Serializer):
     extra_source_images = serializers.ListField(
         child=serializers.DictField(), required=False, help_text="accepted, not applied"
     )
+    # As the chat route's horde.operation_key (docs/adr/0020-front-lease.md).
+    operation_key = serializers.UUIDField(required=False, allow_null=True, default=None)
 
 
 class TextAsyncOutputSerializer(serializers.Serializer):

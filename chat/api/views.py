@@ -9,7 +9,7 @@ from rest_framework.views import APIView
 
 from accounts.api.callers import registered_caller, requester
 from accounts.ratelimit import check_submit_rate_limits
-from chat import selectors, services
+from chat import front_lease, selectors, services
 from chat.api import serializers as s
 from contract.errors import HordeError
 
@@ -49,12 +49,16 @@ class TextAsyncView(APIView):
                 disable_batching=data["disable_batching"],
                 softprompt=data.get("softprompt") or "",
                 dry_run=data["dry_run"],
+                operation_key=data.get("operation_key"),
             ),
             client_agent=request.headers.get("Client-Agent", ""),
             ip_address=address,
+            front_lease_seconds=front_lease.front_lease_seconds(request.headers),
         )
         if created.request is None:
             return Response({"kudos": float(created.kudos)}, status=200)
+        if created.repeated:  # a repeated operation key: the claim, nothing queued
+            return Response({"id": str(created.request.id), "kudos": float(created.kudos)}, status=200)
         out = {"id": str(created.request.id), "kudos": float(created.kudos)}
         if created.message:
             out["message"] = created.message
@@ -66,6 +70,7 @@ class TextStatusView(APIView):
 
     @extend_schema(responses=s.TextStatusOutputSerializer)
     def get(self, request, request_id):
+        front_lease.front_lease_renew(request_id=request_id, headers=request.headers)
         body = selectors.text_status_body(request_id)
         if body is None:
             raise _not_found(request_id)

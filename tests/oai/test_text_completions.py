@@ -348,14 +348,17 @@ def test_body_bytes_counts_every_body_received_whole(front, requester):
 
 class DelayingProxy:
     """A TCP relay in front of the live horde that holds back the answer to each request whose first
-    line starts with one of `delays` (a slow network or a slow root, nothing of the horde changed)."""
+    line starts with one of `delays` (a slow network or a slow root, nothing of the horde changed);
+    with `times`, only the first that many answers of a prefix are held back."""
 
-    def __init__(self, upstream_port: int, delays: dict[bytes, float]):
+    def __init__(self, upstream_port: int, delays: dict[bytes, float], times: dict[bytes, int] | None = None):
         import socket
         import threading
 
         self.upstream_port = upstream_port
         self.delays = delays
+        self.times = dict(times or {})
+        self.lock = threading.Lock()
         self.listener = socket.socket()
         self.listener.bind(("127.0.0.1", 0))
         self.listener.listen(16)
@@ -389,13 +392,20 @@ class DelayingProxy:
         try:
             while data := source.recv(65536):
                 for prefix, seconds in self.delays.items():
-                    if data.startswith(prefix):
+                    if data.startswith(prefix) and self._take(prefix):
                         hold["seconds"] = seconds
                 target.sendall(data)
         except OSError:
             pass
         finally:
             target.close()
+
+    def _take(self, prefix: bytes) -> bool:
+        with self.lock:
+            if prefix not in self.times:
+                return True
+            self.times[prefix] -= 1
+            return self.times[prefix] >= 0
 
     def _answers(self, source, target, hold) -> None:
         import time
@@ -416,8 +426,8 @@ class DelayingProxy:
 def delaying_proxy(live_horde):
     proxies = []
 
-    def make(delays: dict[bytes, float]) -> DelayingProxy:
-        proxy = DelayingProxy(live_horde.port, delays)
+    def make(delays: dict[bytes, float], times: dict[bytes, int] | None = None) -> DelayingProxy:
+        proxy = DelayingProxy(live_horde.port, delays, times)
         proxies.append(proxy)
         return proxy
 
@@ -444,21 +454,20 @@ def test_a_status_read_the_budget_outlives_is_abandoned(front, client, delaying_
     assert GenerationRequest.objects.get().cancelled is True
 
 
-def test_a_lost_text_submit_is_not_sent_again(front, client, delaying_proxy):
+def test_a_lost_text_submit_is_sent_again_with_its_operation_key(front, client, delaying_proxy, start_text_worker):
+    """The text route takes the operation key (docs/adr/0020-front-lease.md): a submit whose answer was
+    lost is sent again with it, and the horde answers with the request the first one queued."""
     from chat.models import GenerationRequest
 
-    proxy = delaying_proxy({b"POST /api/v2/generate/text/async": 3.0})
+    start_text_worker()
+    proxy = delaying_proxy({b"POST /api/v2/generate/text/async": 3.0}, times={b"POST /api/v2/generate/text/async": 1})
     front.configure(native_roots=[proxy.root], native_timeout_seconds=1.0)
-    with pytest.raises(openai.InternalServerError) as caught:
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32)
-    assert caught.value.status_code == 502
-    assert caught.value.body["metadata"] == {"submit_outcome": "unknown"}
-    assert caught.value.response.headers["x-should-retry"] == "false"
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32)
+    assert completion.choices[0].text == " there was a horde."
     metrics = front.metrics()
-    assert [v for _, v in metrics["horde.oai.submit.outcome_unknown"]] == [1]
-    call_types = {a["horde.call_type"] for a, _ in metrics["horde.oai.native.duration"]}
-    assert "recovery" not in call_types
-    assert GenerationRequest.objects.count() == 1  # the one submit landed; nothing was queued twice
+    assert [(a, v) for a, v in metrics["horde.oai.submit.recoveries"]] == [({"horde.existing_claim": True}, 1)]
+    request = GenerationRequest.objects.get()  # the one submit landed; nothing was queued twice
+    assert request.operation_key is not None and not request.cancelled
 
 
 def test_fail_fast_is_served_by_an_idle_worker_and_refused_without_one(client, start_text_worker):

@@ -1,0 +1,141 @@
+"""The front lease (contract.front_lease, docs/adr/0020-front-lease.md): taking it at submit,
+renewing it from a status read's header, and the beat sweep that cancels requests whose front
+lease lapsed.
+
+A request submitted with the `Horde-Front-Lease` header stores `front_lease_expires_at`. The front
+keeps it alive in Redis (`horde:front:lease:<id>` on the chat signal database) or, without Redis,
+with the same header on its status reads, which moves the column. The sweep reads the requests
+whose column lapsed, asks Redis once for their keys, carries a live key's expiry over to the row,
+and cancels the rest through the cancel service (`services.request_cancel`: no more jobs handed
+out, the hold released, jobs in flight treated as the spec's cancel says). A request the sweep
+handled leaves the lease (the column is set to null), so it is read once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta
+from functools import lru_cache
+from uuid import UUID
+
+import redis
+from django.db import transaction
+from django.utils import timezone
+
+from chat import services
+from chat.models import GenerationRequest
+from chat.signals import signal_url
+from contract.front_lease import (
+    FRONT_LEASE_HEADER,
+    FRONT_LEASE_REDIS_DB,
+    FRONT_LEASE_TTL_SECONDS,
+    front_lease_key,
+    parse_front_lease_header,
+)
+
+log = logging.getLogger(__name__)
+
+# Requests one sweep reads at most; the next sweep takes the rest.
+FRONT_LEASE_SWEEP_BATCH = 1000
+# The sweep's Redis calls: a hung Redis costs at most this, and cancels nothing.
+FRONT_LEASE_REDIS_TIMEOUT_SECONDS = 0.5
+
+
+def front_lease_seconds(headers: Mapping[str, str]) -> int | None:
+    """The lease a request's headers ask for (None: no front lease)."""
+    return parse_front_lease_header(headers.get(FRONT_LEASE_HEADER))
+
+
+def front_lease_until(seconds: int | None) -> datetime | None:
+    """The stored expiry of a lease taken now (None without a lease)."""
+    return timezone.now() + timedelta(seconds=seconds) if seconds else None
+
+
+def front_lease_renew(*, request_id: UUID, headers: Mapping[str, str]) -> bool:
+    """A status read carrying the header renews the lease of a request that holds one (a request
+    submitted without a lease is never put under one). Returns whether a lease was renewed."""
+    seconds = front_lease_seconds(headers)
+    if seconds is None:
+        return False
+    return bool(
+        GenerationRequest.objects.filter(pk=request_id, front_lease_expires_at__isnull=False).update(
+            front_lease_expires_at=front_lease_until(seconds)
+        )
+    )
+
+
+@lru_cache(maxsize=4)
+def _client(url: str) -> redis.Redis:
+    pool = redis.ConnectionPool.from_url(
+        url,
+        socket_timeout=FRONT_LEASE_REDIS_TIMEOUT_SECONDS,
+        socket_connect_timeout=FRONT_LEASE_REDIS_TIMEOUT_SECONDS,
+    )
+    pool.connection_kwargs["db"] = FRONT_LEASE_REDIS_DB  # as the publisher: the URL's database is not it
+    return redis.Redis(connection_pool=pool)
+
+
+def redis_front_leases(request_ids: Iterable[UUID]) -> dict[UUID, float] | None:
+    """The requests whose Redis lease key exists, with its seconds left; {} without Redis, None when
+    Redis did not answer (then nobody can tell a live front from a dead one)."""
+    ids = list(request_ids)
+    url = signal_url()
+    if not url or not ids:
+        return {}
+    try:
+        pipe = _client(url).pipeline(transaction=False)
+        for request_id in ids:
+            pipe.pttl(front_lease_key(request_id))
+        answers = pipe.execute()
+    except Exception as error:  # best effort: a Redis outage cancels nothing
+        log.warning("front lease sweep: Redis did not answer (%s); nothing cancelled", error)
+        return None
+    alive: dict[UUID, float] = {}
+    for request_id, pttl in zip(ids, answers, strict=True):
+        if pttl == -1:  # a key without expiry: counts as a fresh lease
+            alive[request_id] = float(FRONT_LEASE_TTL_SECONDS)
+        elif isinstance(pttl, int) and pttl > 0:
+            alive[request_id] = pttl / 1000
+    return alive
+
+
+def cancel_lapsed_front_leases(*, now: datetime | None = None) -> int:
+    """Cancel the requests whose front lease lapsed in the database and in Redis (the beat task).
+    Returns how many this sweep cancelled."""
+    now = now or timezone.now()
+    lapsed = list(
+        GenerationRequest.objects.filter(front_lease_expires_at__lt=now).values_list("id", flat=True)[
+            :FRONT_LEASE_SWEEP_BATCH
+        ]
+    )
+    if not lapsed:
+        return 0
+    alive = redis_front_leases(lapsed)
+    if alive is None:
+        return 0
+    cancelled = 0
+    for request_id in lapsed:
+        seconds = alive.get(request_id)
+        if seconds is not None:
+            # The front renews in Redis: the row takes the key's expiry, so it is read again then.
+            GenerationRequest.objects.filter(pk=request_id, front_lease_expires_at__lt=now).update(
+                front_lease_expires_at=now + timedelta(seconds=seconds)
+            )
+            continue
+        with transaction.atomic():
+            request = (
+                GenerationRequest.objects.select_for_update()
+                .filter(pk=request_id, front_lease_expires_at__lt=now)
+                .only("id", "is_chat", "cancelled", "faulted")
+                .first()
+            )
+            if request is None:  # renewed or expired meanwhile
+                continue
+            GenerationRequest.objects.filter(pk=request_id).update(front_lease_expires_at=None)
+            if request.cancelled or request.faulted or services.request_completed(request_id):
+                continue  # nothing left to stop
+            if services.request_cancel(request=request):
+                cancelled += 1
+                log.info("request %s cancelled: its front lease lapsed", request_id)
+    return cancelled

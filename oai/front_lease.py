@@ -1,0 +1,93 @@
+"""The front's side of the front lease (contract.front_lease, docs/adr/0020-front-lease.md).
+
+Every request the front submits asks for a lease (the header on the submit) and the front keeps it
+alive while it waits. With Redis, one task per process renews every open request's key in one
+pipeline every renewal period. Without Redis, or while that pipeline fails, each request renews
+through the database: the header rides on its next status read, and the waits read at least once
+per renewal period. A front that dies renews nothing, and the horde's sweep cancels its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from contract.front_lease import FRONT_LEASE_HEADER, FRONT_LEASE_REDIS_DB, front_lease_key
+
+log = logging.getLogger("oai.front_lease")
+
+# One renewal pipeline waits at most this long; a hung Redis falls back to the database.
+FRONT_LEASE_REDIS_TIMEOUT_SECONDS = 0.5
+
+
+def lease_header(seconds: int) -> dict[str, str]:
+    return {FRONT_LEASE_HEADER: str(seconds)} if seconds > 0 else {}
+
+
+class FrontLeaseRenewer:
+    """Renews the Redis lease key of every open request, one pipeline per period."""
+
+    def __init__(
+        self, redis_url: str, *, lease_seconds: int, renew_seconds: float, open_ids: Callable[[], Iterable[str]]
+    ):
+        self.redis_url = redis_url
+        self.lease_seconds = lease_seconds
+        self.renew_seconds = renew_seconds
+        self.open_ids = open_ids
+        # Whether the last pipeline went through: while false, requests renew through the database.
+        self.healthy = False
+        self._client: Any = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="oai-front-lease")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                await self._client.aclose()
+            self._client = None
+
+    async def renew(self, ids: list[str] | None = None) -> bool:
+        ids = list(self.open_ids()) if ids is None else ids
+        if not ids:
+            return self.healthy
+        try:
+            if self._client is None:
+                import redis.asyncio as aioredis
+
+                pool = aioredis.ConnectionPool.from_url(
+                    self.redis_url,
+                    socket_timeout=FRONT_LEASE_REDIS_TIMEOUT_SECONDS,
+                    socket_connect_timeout=FRONT_LEASE_REDIS_TIMEOUT_SECONDS,
+                )
+                pool.connection_kwargs["db"] = FRONT_LEASE_REDIS_DB  # whatever database the URL names
+                self._client = aioredis.Redis(connection_pool=pool)
+            pipe = self._client.pipeline(transaction=False)
+            for request_id in ids:
+                pipe.set(front_lease_key(request_id), b"1", ex=self.lease_seconds)
+            await asyncio.wait_for(pipe.execute(), FRONT_LEASE_REDIS_TIMEOUT_SECONDS * 2)
+        except Exception as error:  # the database path takes over; nothing fails
+            if self.healthy:
+                log.warning("front lease renewal in Redis failed (%s): renewing through status reads", error)
+            self.healthy = False
+            client, self._client = self._client, None
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+            return False
+        self.healthy = True
+        return True
+
+    async def _run(self) -> None:
+        while True:
+            await self.renew()
+            await asyncio.sleep(self.renew_seconds)

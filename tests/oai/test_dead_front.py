@@ -1,0 +1,130 @@
+"""A web process killed (`kill -9`) while its mounted front waits for 8 requests (issue 13, item 1):
+while it lives, its front leases keep every request through the sweeps; once it is dead, the sweep
+cancels all 8, and after the restart no worker is handed any of them and nobody is charged for a
+reply no client could receive (docs/adr/0020-front-lease.md).
+
+The web process is a real daphne subprocess on the test database, as in
+tests/hordesite/test_web_restart.py: on PostgreSQL with Redis its front renews the leases in Redis, on
+the embedded SQLite file (no Redis) through its status reads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from decimal import Decimal
+
+import httpx
+import pytest
+from django.conf import settings
+
+from tests.hordesite.test_web_restart import (
+    CHAT_DECLARATION,
+    CHAT_MODEL,
+    SCRIBE_AGENT,
+    WebProcess,
+    _database_url,
+    _free_port,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+TEXT_MODEL = "koboldcpp/Llama-3-8B"
+LEASE_SECONDS = 2
+
+
+@pytest.fixture
+def web(tmp_path):
+    env = {
+        **os.environ,
+        "DATABASE_URL": _database_url(tmp_path),
+        "REDIS_URL": settings.REDIS_URL or "",
+        "CELERY_BROKER_URL": "",
+        "PYTHONUNBUFFERED": "1",
+        "HORDE_TEXT_ASYNC_RATE_LIMITS": "1000/second",
+        "HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP": "1000/second",
+        # Short leases, so the test waits seconds, not the default 30 s.
+        "HORDE_OAI_FRONT_LEASE_SECONDS": str(LEASE_SECONDS),
+        "HORDE_OAI_FRONT_LEASE_RENEW_SECONDS": "0.5",
+        "HORDE_OAI_FAIL_FAST_GRACE_SECONDS": "120",
+        "HORDE_OAI_NONSTREAM_TIMEOUT_SECONDS": "120",
+        "HORDE_OAI_STREAM_TIMEOUT_SECONDS": "120",
+    }
+    process = WebProcess(env, _free_port(), tmp_path / "daphne.log")
+    process.start()
+    yield process
+    if process.proc and process.proc.poll() is None:
+        process.kill()
+
+
+def _front_request(url: str, key: str, index: int, errors: list) -> None:
+    """One OpenAI client's request; it never gets an answer (the process dies under it)."""
+    if index % 2:
+        path, body = "/v1/chat/completions", {"model": CHAT_MODEL, "messages": [{"role": "user", "content": f"Hi {index}"}]}
+    else:
+        # Over the free output floor: the request holds its quote, which the cancel must release.
+        path, body = "/v1/completions", {"model": TEXT_MODEL, "prompt": f"Story {index}:", "max_tokens": 1024}
+    if index in (2, 3):
+        body["stream"] = True
+    try:
+        response = httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        errors.append(response.status_code)
+    except httpx.HTTPError as error:
+        errors.append(type(error).__name__)
+
+
+def test_a_dead_fronts_requests_are_cancelled_by_the_sweep_and_never_charged(web):
+    from accounts.models import HordeUser, KudosTransaction
+    from chat.front_lease import cancel_lapsed_front_leases
+    from chat.models import Generation, GenerationRequest
+    from chat.services import HORDE_TAX
+
+    requester_key = web.manage("horde_user", "create", "dead-front-requester", "--kudos", "1000").strip().splitlines()[-1]
+    volunteer_key = web.manage("horde_user", "create", "dead-front-volunteer", "--trusted").strip().splitlines()[-1]
+    native = httpx.Client(base_url=web.url, timeout=30)
+    chat_pop = {"name": "dead-front-chat", "models": [CHAT_MODEL], "max_length": 512, "max_context_length": 4096,
+                "bridge_agent": SCRIBE_AGENT, **CHAT_DECLARATION}
+    # The chat worker declares first, so the chat requests have an online worker; it pops nothing yet.
+    assert native.post("generate/text/pop", json=chat_pop, headers={"apikey": volunteer_key}).json()["id"] is None
+    requester = HordeUser.objects.get(username="dead-front-requester")
+    kudos_before = requester.kudos
+
+    root = f"http://127.0.0.1:{web.port}"
+    answers: list = []
+    clients = [threading.Thread(target=_front_request, args=(root, requester_key, i, answers)) for i in range(8)]
+    for thread in clients:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while GenerationRequest.objects.filter(front_lease_expires_at__isnull=False).count() < 8:
+        assert time.monotonic() < deadline, web.log.read_text()[-3000:]
+        time.sleep(0.1)
+
+    requester.refresh_from_db()
+    assert requester.kudos_held > 0
+    # Alive: several lease lengths pass, the sweep runs, and nothing is cancelled.
+    for _ in range(6):
+        time.sleep(LEASE_SECONDS / 2)
+        assert cancel_lapsed_front_leases() == 0
+    assert not GenerationRequest.objects.filter(cancelled=True).exists()
+    assert answers == []  # every client is still waiting
+
+    web.kill()
+    for thread in clients:
+        thread.join(10)
+    assert len(answers) == 8 and 200 not in answers  # no client received a reply
+    time.sleep(LEASE_SECONDS + 0.5)
+    assert cancel_lapsed_front_leases() == 8
+    assert GenerationRequest.objects.filter(cancelled=True, jobs_waiting=0).count() == 8
+
+    web.start()
+    text_pop = {"name": "dead-front-text", "models": [TEXT_MODEL], "max_length": 512, "max_context_length": 4096,
+                "bridge_agent": SCRIBE_AGENT}
+    for body in (chat_pop, text_pop):
+        assert native.post("generate/text/pop", json=body, headers={"apikey": volunteer_key}).json()["id"] is None
+    assert not Generation.objects.exists()
+    requester.refresh_from_db()
+    assert requester.kudos_held == Decimal("0")
+    assert requester.kudos == kudos_before - 8 * HORDE_TAX  # the submits' tax, and no generation charged
+    assert not KudosTransaction.objects.filter(kind=KudosTransaction.Kind.GENERATION_CHARGE).exists()
+    assert cancel_lapsed_front_leases() == 0  # each handled once
