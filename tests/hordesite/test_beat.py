@@ -23,9 +23,10 @@ from django.db import connection
 from django.utils import timezone
 
 from chat.models import SweepRun
+from hordesite.health import scheduled_sweeps
 from tests.hordesite.clone import clean_env, clone_like_copy, run_python
 
-SWEEPS = {"chat.tasks.abort_stale_generations", "chat.tasks.expire_requests"}
+SWEEPS = set(scheduled_sweeps())
 
 pytestmark = pytest.mark.slow
 

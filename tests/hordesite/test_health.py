@@ -9,8 +9,9 @@ from django.utils import timezone
 
 from chat import tasks
 from chat.models import GenerationRequest, SweepRun
+from hordesite.health import scheduled_sweeps
 
-SWEEPS = {"chat.tasks.abort_stale_generations", "chat.tasks.expire_requests"}
+SWEEPS = set(scheduled_sweeps())
 
 pytestmark = pytest.mark.django_db
 
@@ -22,6 +23,8 @@ def test_the_sweeps_record_when_they_finished_and_healthz_reports_it(api, horde,
     before = timezone.now()
     assert tasks.expire_requests.apply().get() == 1
     assert tasks.abort_stale_generations.apply().get() == 0
+    assert tasks.sweep_maintenance.apply().get() == 0
+    assert tasks.cancel_lapsed_front_leases.apply().get() == 0
 
     runs = {run.task: run for run in SweepRun.objects.all()}
     assert set(runs) == SWEEPS
