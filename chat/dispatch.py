@@ -20,8 +20,10 @@ from chat.matching import WorkerView, eligibility_filter, skipped_counts, waitin
 from chat.models import Generation, GenerationRequest
 from chat.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember
 from chat.prepared import prepared_cursor
+from chat.progress import write_stream_leases
 from chat.status_cache import status_changed
 from contract.chat_limits import CHAT_SAMPLING_DEFAULTS
+from contract.chat_progress import streams_progress
 from contract.errors import HordeError
 from contract.text import TEXT_JOB_LEASE_SECONDS, TEXT_REQUEST_TTL_SECONDS
 from workers.models import Worker
@@ -100,6 +102,15 @@ def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
         return PoppedJob(request=None, generations=[], model=None, skipped=skipped)
     empty_pop_forget(view)
     status_changed(popped.request.pk)
+    if popped.request.is_chat and streams_progress(popped.request.chat_extras):
+        write_stream_leases(
+            request=popped.request,
+            generations=popped.generations,
+            worker=worker,
+            owner=worker.owner,
+            model=popped.model,
+            now=now,
+        )
     return popped
 
 

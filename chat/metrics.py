@@ -75,6 +75,17 @@ chat_max_length_lowered = LazyCounter(
 text_context_fit = LazyCounter(
     "horde.text.context_fit", description="Requests whose context sizing trimmed or grew them"
 )
+lease_renewals = LazyCounter(
+    "horde.text.lease_renewals",
+    description="Progress posts that extended a job lease (granted), and posts that found it at its cap (at_cap)",
+)
+stale_aborts = LazyCounter(
+    "horde.text.stale_aborts", description="Text and chat jobs aborted because the lease lapsed"
+)
+lease_capacity_limited = LazyCounter(
+    "horde.pop.lease_capacity_limited",
+    description="Pops by a chat worker whose measured speed caps the chat output it is offered below its declared length",
+)
 
 # horde.size_bucket / TEXT_LENGTH_BUCKETS labels.
 TEXT_LENGTH_BUCKETS = ((512, "<=512"), (1024, "513-1024"), (2048, "1025-2048"), (4096, "2049-4096"))

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal
+from functools import partial
 from uuid import UUID
 
 from django.db import transaction
@@ -18,9 +19,11 @@ from django.utils import timezone
 
 from accounts.models import HordeUser, KudosTransaction
 from accounts.services import kudos_hold, kudos_release, kudos_transfer
+from chat.metrics import stale_aborts
 from chat.models import Generation, GenerationRequest, HordeModes, RequestModel, RequestWorker
 from chat.pop_cache import queue_grew
 from chat.pricing import text_request_quote
+from chat.progress import end_progress_after_fault, settle_cancelled_streams
 from chat.signals import publish_chat_signal
 from chat.status_cache import status_changed
 from contract.errors import HordeError
@@ -341,6 +344,8 @@ def request_cancel(*, request: GenerationRequest) -> bool:
         kudos_release(user_id=locked.user_id, amount=locked.kudos_held)
         status_changed(request.pk)
         if request.is_chat:
+            # A streamed request's jobs in flight are settled on what their workers posted.
+            settle_cancelled_streams(request_id=request.pk, now=timezone.now())
             publish_chat_signal(request.pk, "cancelled", stored_result_count(request.pk))
     return True
 
@@ -351,10 +356,10 @@ def abort_stale_generations() -> int:
     aborted = 0
     stale = list(
         Generation.objects.filter(state=Generation.State.PROCESSING, lease_expires_at__lt=now).values_list(
-            "id", "request_id", "worker_id"
+            "id", "request_id", "worker_id", "request__is_chat", "worker__owner__trusted"
         )[:1000]
     )
-    for generation_id, request_id, worker_id in stale:
+    for generation_id, request_id, worker_id, is_chat, owner_trusted in stale:
         with transaction.atomic():
             if not Generation.objects.filter(pk=generation_id, state=Generation.State.PROCESSING).update(
                 state=Generation.State.FAULTED, finished_at=now
@@ -364,6 +369,9 @@ def abort_stale_generations() -> int:
             refusal_rc = Generation.objects.filter(pk=generation_id).values_list("chat_refusal_rc", flat=True).get()
             worker_record_dropped_job(worker_id=worker_id, refusal_rc=refusal_rc)
             requeue_faulted([generation_id], request_id)
+            stale_aborts.add(1, {"horde.worker_trusted": bool(owner_trusted), "horde.chat": bool(is_chat)})
+            if is_chat:
+                transaction.on_commit(partial(end_progress_after_fault, generation_id, request_id), robust=True)
             aborted += 1
     if aborted:
         log.info("aborted %d stale generations", aborted)

@@ -26,6 +26,7 @@ from chat.metrics import chat_worker_faults
 from chat.models import Generation, GenerationRequest
 from chat.prepared import prepared_cursor
 from chat.pricing import chat_charge_basis, chat_things_count, text_generation_kudos, things_count
+from chat.progress import end_progress_after_fault, end_progress_after_submit
 from chat.services import (
     request_completed,
     requeue_faulted,
@@ -37,6 +38,7 @@ from chat.status_cache import status_changed
 from contract.chat_declaration import chat_worker_fault_message, chat_worker_fault_metric_reason
 from contract.chat_errors import ChatRefusal
 from contract.chat_limits import MAX_CHAT_FAULT_REASON_LENGTH
+from contract.chat_progress import streams_progress
 from contract.chat_verify import parse_chat_submit, verify_chat_reply
 from contract.errors import HordeError
 from workers.models import Worker
@@ -177,6 +179,10 @@ def _apply_fault(generation: Generation, *, now, seed: int = 0, gen_metadata: li
         )
         worker_record_dropped_job(worker_id=generation.worker_id, refusal_rc=refusal_rc)
         requeue_faulted([generation.pk], generation.request_id)
+        if generation.request.is_chat and streams_progress(generation.request.chat_extras):
+            transaction.on_commit(
+                lambda: end_progress_after_fault(generation.pk, generation.request_id), robust=True
+            )
 
 
 def _settle(generation: Generation, *, state: str, tokens: int, reward: Decimal, now) -> None:
@@ -547,6 +553,8 @@ def _store_chat_reply(
         publish_chat_signal(request.pk, "generation", generations)
         if request_completed(request.pk):
             publish_chat_signal(request.pk, "done", generations)
+        if streams_progress(request.chat_extras):
+            transaction.on_commit(lambda: end_progress_after_submit(generation.pk), robust=True)
     log.info(
         "horde.job_submit.done generation=%s request=%s dropped_tool_calls=%d",
         generation.pk,
