@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from chat.handed_out import handed_out
 from chat.matching import WorkerView, eligibility_filter, skipped_counts, waiting_requests
+from chat.metrics import lease_capacity_limited
 from chat.models import Generation, GenerationRequest
 from chat.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember
 from chat.prepared import prepared_cursor
@@ -88,6 +89,9 @@ def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
     if worker.paused:
         return PoppedJob(request=None, generations=[], model=None, skipped={})
     view = WorkerView.of(worker)
+    if view.chat_capacity is not None and view.chat_capacity < view.chat.chat_limits.max_length:
+        # From values the pop holds: the worker's speed caps the chat output it is offered.
+        lease_capacity_limited.add(1, {"horde.gentype": "text"})
     check = empty_pop_lookup(view)
     if check.skipped is not None:  # found nothing last time, and nothing joined the queue since
         return PoppedJob(request=None, generations=[], model=None, skipped=check.skipped)
