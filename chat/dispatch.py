@@ -15,6 +15,7 @@ from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from chat.gate_shadow import record_over_capacity_assignment
 from chat.handed_out import handed_out
 from chat.matching import WorkerView, eligibility_filter, skipped_counts, waiting_requests
 from chat.metrics import lease_capacity_limited
@@ -106,6 +107,7 @@ def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
         return PoppedJob(request=None, generations=[], model=None, skipped=skipped)
     empty_pop_forget(view)
     status_changed(popped.request.pk)
+    record_over_capacity_assignment(request=popped.request, generations=popped.generations, worker=worker)
     if popped.request.is_chat and streams_progress(popped.request.chat_extras):
         write_stream_leases(
             request=popped.request,

@@ -86,6 +86,15 @@ lease_capacity_limited = LazyCounter(
     "horde.pop.lease_capacity_limited",
     description="Pops by a chat worker whose measured speed caps the chat output it is offered below its declared length",
 )
+gate_shadow_assignments = LazyCounter(
+    "horde.text.gate_shadow.assignments", description="Jobs assigned over the worker's lease capacity"
+)
+gate_shadow_outcomes = LazyCounter(
+    "horde.text.gate_shadow.outcomes", description="How over-capacity jobs ended: completed, faulted or aborted"
+)
+gate_shadow_service_seconds = LazyHistogram(
+    "horde.text.gate_shadow.service_seconds", unit="s", description="Pop to submit time of completed over-capacity jobs"
+)
 
 # horde.size_bucket / TEXT_LENGTH_BUCKETS labels.
 TEXT_LENGTH_BUCKETS = ((512, "<=512"), (1024, "513-1024"), (2048, "1025-2048"), (4096, "2049-4096"))

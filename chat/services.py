@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from accounts.models import HordeUser, KudosTransaction
 from accounts.services import kudos_hold, kudos_release, kudos_transfer
+from chat.gate_shadow import record_aborted_outcome
 from chat.metrics import stale_aborts
 from chat.models import Generation, GenerationRequest, HordeModes, RequestModel, RequestWorker
 from chat.pop_cache import queue_grew
@@ -356,10 +357,11 @@ def abort_stale_generations() -> int:
     aborted = 0
     stale = list(
         Generation.objects.filter(state=Generation.State.PROCESSING, lease_expires_at__lt=now).values_list(
-            "id", "request_id", "worker_id", "request__is_chat", "worker__owner__trusted"
+            "id", "request_id", "worker_id", "request__is_chat", "worker__owner__trusted",
+            "request__max_length", "over_capacity_at_assignment",
         )[:1000]
     )
-    for generation_id, request_id, worker_id, is_chat, owner_trusted in stale:
+    for generation_id, request_id, worker_id, is_chat, owner_trusted, max_length, over_capacity in stale:
         with transaction.atomic():
             if not Generation.objects.filter(pk=generation_id, state=Generation.State.PROCESSING).update(
                 state=Generation.State.FAULTED, finished_at=now
@@ -370,6 +372,8 @@ def abort_stale_generations() -> int:
             worker_record_dropped_job(worker_id=worker_id, refusal_rc=refusal_rc)
             requeue_faulted([generation_id], request_id)
             stale_aborts.add(1, {"horde.worker_trusted": bool(owner_trusted), "horde.chat": bool(is_chat)})
+            if over_capacity:
+                record_aborted_outcome(max_length=max_length, trusted=owner_trusted, is_chat=is_chat)
             if is_chat:
                 transaction.on_commit(partial(end_progress_after_fault, generation_id, request_id), robust=True)
             aborted += 1

@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from accounts.models import HordeUser
 from accounts.services import kudos_settle, kudos_settle_ctes
+from chat.gate_shadow import record_gate_shadow_outcome
 from chat.handed_out import handed_out
 from chat.metrics import chat_worker_faults
 from chat.models import Generation, GenerationRequest
@@ -183,6 +184,7 @@ def _apply_fault(generation: Generation, *, now, seed: int = 0, gen_metadata: li
             transaction.on_commit(
                 lambda: end_progress_after_fault(generation.pk, generation.request_id), robust=True
             )
+    record_gate_shadow_outcome(generation, "faulted")
 
 
 def _settle(generation: Generation, *, state: str, tokens: int, reward: Decimal, now) -> None:
@@ -279,6 +281,7 @@ def _text_submit(generation: Generation, data: TextSubmit) -> Decimal:
         if not won:
             raise _not_pending_error(generation.pk, _current_state(generation.pk))
         status_changed(request.pk)
+        record_gate_shadow_outcome(generation, "completed", now=now)
         return reward
     with transaction.atomic():
         won = Generation.objects.filter(pk=generation.pk, state=Generation.State.PROCESSING).update(
@@ -292,6 +295,7 @@ def _text_submit(generation: Generation, data: TextSubmit) -> Decimal:
         if not won:
             raise _not_pending_error(generation.pk, _current_state(generation.pk))
         _settle(generation, state=state, tokens=tokens, reward=reward, now=now)
+    record_gate_shadow_outcome(generation, "completed", now=now)
     return reward
 
 
@@ -555,6 +559,7 @@ def _store_chat_reply(
             publish_chat_signal(request.pk, "done", generations)
         if streams_progress(request.chat_extras):
             transaction.on_commit(lambda: end_progress_after_submit(generation.pk), robust=True)
+    record_gate_shadow_outcome(generation, "completed", now=now)
     log.info(
         "horde.job_submit.done generation=%s request=%s dropped_tool_calls=%d",
         generation.pk,

@@ -108,3 +108,83 @@ def test_pops_of_a_worker_capped_below_its_declared_output_are_counted(
     assert counter_points(metric_reader, "horde.pop.lease_capacity_limited") == {
         (("horde.gentype", "text"),): before + 2
     }
+
+
+# --- the shadow of legacy text (and of chat jobs served over capacity) -------------------------------
+
+
+def _histogram_counts(reader, name: str) -> dict[tuple, int]:
+    data = reader.get_metrics_data()
+    counts: dict[tuple, int] = {}
+    for resource in data.resource_metrics if data else ():
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                if metric.name == name:
+                    for point in metric.data.data_points:
+                        counts[tuple(sorted(point.attributes.items()))] = point.count
+    return counts
+
+
+SHADOW = {"horde.chat": False, "horde.size_bucket": "<=512", "horde.worker_trusted": False}
+
+
+def _key(**extra) -> tuple:
+    return tuple(sorted({**SHADOW, **extra}.items()))
+
+
+def test_legacy_job_over_capacity_is_marked_and_its_completion_counted(
+    horde, make_user, metric_reader  # noqa: F811
+):
+    requester, slow_owner = make_user("r", kudos=1000), make_user("s")
+    _register(horde, slow_owner.key, "slow", speed=2.0, models=[MODEL])  # capacity 240
+    queued = horde.text_async(requester.key, models=[MODEL], params={"max_length": 512})
+    assert queued.status_code == 202, queued.json()
+    queue_grew()
+    job = chat_pop(horde, slow_owner.key, name="slow", models=[MODEL]).json()
+    assert Generation.objects.get(pk=job["id"]).over_capacity_at_assignment is True
+    assert counter_points(metric_reader, "horde.text.gate_shadow.assignments") == {_key(): 1}
+    assert horde.submit(slow_owner.key, job["id"], "Once upon a time.").status_code == 200
+    assert counter_points(metric_reader, "horde.text.gate_shadow.outcomes") == {_key(**{"horde.outcome": "completed"}): 1}
+    assert _histogram_counts(metric_reader, "horde.text.gate_shadow.service_seconds") == {_key(): 1}
+
+
+def test_jobs_within_capacity_are_not_recorded(horde, make_user, metric_reader):  # noqa: F811
+    requester, owner = make_user("r", kudos=1000), make_user("o")
+    _register(horde, owner.key, "steady", speed=None, models=[MODEL])
+    queued = horde.text_async(requester.key, models=[MODEL], params={"max_length": 512})
+    assert queued.status_code == 202
+    queue_grew()
+    job = chat_pop(horde, owner.key, name="steady", models=[MODEL]).json()
+    assert Generation.objects.get(pk=job["id"]).over_capacity_at_assignment is False
+    assert horde.submit(owner.key, job["id"], "Fine.").status_code == 200
+    assert counter_points(metric_reader, "horde.text.gate_shadow.assignments") == {}
+    assert counter_points(metric_reader, "horde.text.gate_shadow.outcomes") == {}
+
+
+def test_chat_job_over_capacity_counts_its_fault_once_and_a_lapsed_one_as_aborted(
+    horde, make_user, metric_reader  # noqa: F811
+):
+    from chat.services import abort_stale_generations
+
+    requester, slow_owner = make_user("r", kudos=1000), make_user("s")
+    _register(horde, slow_owner.key, "slow", speed=2.0)  # the only chat worker: it is served anyway
+    queue_chat(requester.user, max_length=512)
+    job = chat_pop(horde, slow_owner.key, name="slow").json()
+    assert job["id"] and Generation.objects.get(pk=job["id"]).over_capacity_at_assignment is True
+    fault = {"state": "faulted", "model_id": MODEL}
+    assert horde.chat_submit(slow_owner.key, job["id"], **fault).status_code == 200
+    assert horde.chat_submit(slow_owner.key, job["id"], **fault).status_code == 400  # already faulted
+    chat = {"horde.chat": True}
+    assert counter_points(metric_reader, "horde.text.gate_shadow.outcomes") == {
+        _key(**chat, **{"horde.outcome": "faulted"}): 1
+    }
+    # The job went back to the queue; its next assignment lapses.
+    again = chat_pop(horde, slow_owner.key, name="slow").json()
+    assert again["id"]
+    Generation.objects.filter(pk=again["id"]).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    assert abort_stale_generations() == 1
+    assert counter_points(metric_reader, "horde.text.gate_shadow.outcomes") == {
+        _key(**chat, **{"horde.outcome": "faulted"}): 1,
+        _key(**chat, **{"horde.outcome": "aborted"}): 1,
+    }
+    assert counter_points(metric_reader, "horde.text.gate_shadow.assignments") == {_key(**chat): 2}
