@@ -397,10 +397,14 @@ def settle_cancelled_streams(*, request_id: UUID, now: datetime) -> list[UUID]:
     request = GenerationRequest.objects.only("user_id", "prompt", "max_length", "chat_extras").get(pk=request_id)
     if not streams_progress(request.chat_extras):
         return []
+    # The cancel holds the request row; a submit holds its generation's row before it locks the
+    # request. A generation a submit has locked is skipped (that submit settles it), so the two never
+    # wait on each other.
     in_flight = list(
         Generation.objects.filter(request_id=request_id, state=Generation.State.PROCESSING)
         .select_related("worker__owner")
         .only("id", "model", "assigned_model", "worker__owner__id", "worker__owner__trusted")
+        .select_for_update(skip_locked=True, of=("self",))
     )
     settled = []
     for generation in in_flight:

@@ -482,3 +482,37 @@ def test_stream_hint_is_carried_without_redis(horde, make_user):
     queue_chat(requester.user, {"stream": True})
     assert chat_pop(horde, owner.key).json()["payload"]["stream_progress"] is True
 
+
+
+# --- races ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.postgres_only
+@redis_only
+def test_a_cancel_racing_the_submit_pays_the_job_once(horde, streamed_job, stream_redis):
+    """Real connections: the cancel's settlement and the submit claim the job with one
+    compare-and-set each, so the worker is paid either for the reply or for its posted content."""
+    from rest_framework.test import APIClient
+
+    from tests.conftest import Horde
+    from tests.races import race
+
+    reply = {"message": {"role": "assistant", "content": "Once upon a time, the end."}, "finish_reason": "stop",
+             "model_id": MODEL}
+    for round_ in range(4):
+        requester, owner, request, job_id, _ = streamed_job(name=f"racer-{round_}")
+        assert post(horde, owner.key, job_id, 1, "Once upon a time " * 4).status_code == 200
+        cancel, submit = race([
+            lambda key=requester.key, rid=request.pk: _cancel(Horde(APIClient()), key, rid),
+            lambda key=owner.key, gid=job_id: Horde(APIClient()).chat_submit(key, gid, **reply),
+        ])
+        assert cancel.status_code == 200
+        generation = Generation.objects.get(pk=job_id)
+        rewards = KudosTransaction.objects.filter(generation_id=job_id, kind="generation_reward")
+        assert rewards.count() == 1, (cancel.json(), submit.json())
+        if submit.status_code == 200:
+            assert generation.state == Generation.State.OK and generation.settled_character_count is None
+        else:
+            assert submit.json()["rc"] == "AbortedGen"
+            assert generation.state == Generation.State.CANCELLED and generation.settled_character_count == 68
+        assert rewards.get().amount == generation.kudos
