@@ -363,10 +363,10 @@ def abort_stale_generations() -> int:
     )
     for generation_id, request_id, worker_id, is_chat, owner_trusted, max_length, over_capacity in stale:
         with transaction.atomic():
-            if not Generation.objects.filter(pk=generation_id, state=Generation.State.PROCESSING).update(
-                state=Generation.State.FAULTED, finished_at=now
-            ):
-                continue  # submitted meanwhile
+            if not Generation.objects.filter(
+                pk=generation_id, state=Generation.State.PROCESSING, lease_expires_at__lt=now
+            ).update(state=Generation.State.FAULTED, finished_at=now):
+                continue  # submitted meanwhile, or its lease renewed by a progress post
             # Read after the claim: a refusal is only recorded on a pending generation.
             refusal_rc = Generation.objects.filter(pk=generation_id).values_list("chat_refusal_rc", flat=True).get()
             worker_record_dropped_job(worker_id=worker_id, refusal_rc=refusal_rc)
