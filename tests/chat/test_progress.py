@@ -323,7 +323,7 @@ def test_an_appended_post_extends_the_lease_to_150_seconds_after_it(
         (("horde.outcome", "granted"), ("horde.worker_trusted", False)): 1
     }
     # A retried post does not extend it.
-    _shift_lease(stream_redis, job_id, started_ago=20, job_ttl=TEXT_JOB_LEASE_SECONDS)
+    started = _shift_lease(stream_redis, job_id, started_ago=20, job_ttl=TEXT_JOB_LEASE_SECONDS)
     assert post(horde, owner.key, job_id, 1, "x").status_code == 200
     assert int(lease(stream_redis, job_id)["job_ttl"]) == TEXT_JOB_LEASE_SECONDS
     assert _pg_deadline(job_id) == started + TEXT_JOB_LEASE_SECONDS
