@@ -16,13 +16,17 @@ from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from chat.gate_shadow import record_over_capacity_assignment
 from chat.handed_out import handed_out
 from chat.matching import WorkerView, eligibility_filter, skipped_counts, waiting_requests
+from chat.metrics import lease_capacity_limited
 from chat.models import Generation, GenerationRequest
 from chat.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember
 from chat.prepared import prepared_cursor
+from chat.progress import write_stream_leases
 from chat.status_cache import status_changed
 from contract.chat_limits import CHAT_SAMPLING_DEFAULTS
+from contract.chat_progress import streams_progress
 from contract.errors import HordeError
 from workers.models import Worker
 
@@ -86,6 +90,9 @@ def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
     if worker.paused:
         return PoppedJob(request=None, generations=[], model=None, skipped={})
     view = WorkerView.of(worker)
+    if view.chat_capacity is not None and view.chat_capacity < view.chat.chat_limits.max_length:
+        # From values the pop holds: the worker's speed caps the chat output it is offered.
+        lease_capacity_limited.add(1, {"horde.gentype": "text"})
     check = empty_pop_lookup(view)
     if check.skipped is not None:  # found nothing last time, and nothing joined the queue since
         return PoppedJob(request=None, generations=[], model=None, skipped=check.skipped)
@@ -100,6 +107,16 @@ def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
         return PoppedJob(request=None, generations=[], model=None, skipped=skipped)
     empty_pop_forget(view)
     status_changed(popped.request.pk)
+    record_over_capacity_assignment(request=popped.request, generations=popped.generations, worker=worker)
+    if popped.request.is_chat and streams_progress(popped.request.chat_extras):
+        write_stream_leases(
+            request=popped.request,
+            generations=popped.generations,
+            worker=worker,
+            owner=worker.owner,
+            model=popped.model,
+            now=now,
+        )
     return popped
 
 

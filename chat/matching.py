@@ -9,23 +9,37 @@ requests go to workers that declared chat_jobs on their latest pop (spec: chat_r
      request with images finds an image-receiving transport (url or base64);
   3. max_context_length, max_length and chat_tools_temperature fit the worker's chat limits;
   4. the usual restrictions (only/ignore, trusted, validated backends, slow workers), shared with text.
-The speed gate (lease capacity) is a later issue: it plugs in at `chat_capacity_clause` and
-`chat_capacity_refusal`.
+The lease capacity rule (chat_requests.md "Job lease", ADR 0041 of the spec): a chat request over
+the worker's capacity, floor(speed * (150 - 30)) tokens, goes to it only while no capable worker is
+online (`chat_capacity_clause`, and `chat_capacity_refusal` in Python).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import reduce
 from operator import or_
 
 from django.db import connection
-from django.db.models import Count, Exists, F, OuterRef, Q
+from django.db.models import (
+    Count,
+    DateTimeField,
+    Exists,
+    ExpressionWrapper,
+    F,
+    FloatField,
+    OuterRef,
+    Q,
+    Value,
+)
+from django.db.models.functions import Coalesce, Now
 from django.db.models.lookups import Exact
 from django.utils import timezone
 
 from chat.models import GenerationRequest, RequestModel, RequestWorker
-from contract.chat_declaration import ChatDeclaration
+from contract.chat_declaration import IMAGE_RECEIVING_TRANSPORTS, ChatDeclaration
 from contract.chat_policy import (
     ChatConformance,
     ChatFeature,
@@ -33,6 +47,12 @@ from contract.chat_policy import (
     ChatRequirements,
     ChatServiceGap,
     chat_service_gap,
+)
+from contract.chat_progress import TEXT_JOB_PREPARATION_SECONDS
+from contract.text import (
+    TEXT_JOB_LEASE_SECONDS,
+    UNMEASURED_TEXT_WORKER_TOKENS_PER_SECOND,
+    WORKER_ONLINE_SECONDS,
 )
 from workers.declarations import ALL_CHAT_DECLARATIONS_MASK
 from workers.models import Worker
@@ -56,9 +76,13 @@ class WorkerView:
     accepts_prompt_jobs: bool = True
     chat: ChatDeclaration = ChatDeclaration()
     chat_feature_mask: int = 0
+    # The chat output its lease admits (text_worker_lease_capacity); None for a worker without chat.
+    chat_capacity: int | None = None
 
     @classmethod
     def of(cls, worker: Worker) -> WorkerView:
+        chat = worker_chat_declaration(worker)
+        takes_chat = chat.chat_jobs and chat.model_id is not None and chat.chat_limits is not None
         return cls(
             id=worker.id,
             models=tuple(worker.served_models),
@@ -68,8 +92,9 @@ class WorkerView:
             validated=worker_is_validated(worker),
             slow=worker_is_slow(worker),
             accepts_prompt_jobs=worker.accepts_prompt_jobs,
-            chat=worker_chat_declaration(worker),
+            chat=chat,
             chat_feature_mask=worker.chat_feature_mask,
+            chat_capacity=text_worker_lease_capacity(worker.speed) if takes_chat else None,
         )
 
     @property
@@ -147,19 +172,67 @@ def _common_refusals(worker: WorkerView) -> dict[str, Q]:
     return reasons
 
 
+# The seconds of the base lease a worker generates in, after preparing the job.
+LEASE_GENERATION_SECONDS = TEXT_JOB_LEASE_SECONDS - TEXT_JOB_PREPARATION_SECONDS
+
+
+def text_worker_lease_capacity(speed: float | None) -> int:
+    """Tokens the worker finishes inside the base lease (get_text_worker_lease_capacity); a worker
+    without a measured speed runs at UNMEASURED_TEXT_WORKER_TOKENS_PER_SECOND."""
+    tokens_per_second = speed if speed is not None else UNMEASURED_TEXT_WORKER_TOKENS_PER_SECOND
+    return math.floor(tokens_per_second * LEASE_GENERATION_SECONDS)
+
+
+def _capable_chat_workers(side) -> Q:
+    """Online chat workers capable of a chat request (capable_chat_worker_clauses): not in
+    maintenance or paused, serving one of its models, within their chat limits, declaring every
+    feature it requires (and an image transport for images), with the capacity for its max_length
+    (the annotation lease_tokens). `side(name)` is the request's column: an OuterRef in the pop's
+    query, a value in Python."""
+    mask = side("chat_required_mask")
+    images = Q(Exact(side("chat_has_images"), False))
+    for transport in sorted(IMAGE_RECEIVING_TRANSPORTS):
+        images |= Q(image_transports__icontains=f'"{transport}"')
+    return (
+        Q(accepts_chat_jobs=True, maintenance=False, paused=False)
+        & Q(last_check_in__gte=ExpressionWrapper(Now() - Value(timedelta(seconds=WORKER_ONLINE_SECONDS)), output_field=DateTimeField()))
+        & Q(chat_max_length__gte=side("max_length"), chat_max_context_length__gte=side("max_context_length"))
+        & Q(Exact(mask.bitand(F("chat_feature_mask")), mask))
+        & images
+        & Q(lease_tokens__gte=side("max_length"))
+    )
+
+
 def chat_capacity_clause(worker: WorkerView) -> Q:
-    """Seam for the speed gate (a later issue): the chat requests the worker's lease capacity
-    admits. Every chat request, for now."""
-    return Q()
+    """The chat requests the worker's lease capacity admits: those within it, and those over it
+    that no capable worker online could take (ADR 0041: a model served only by slower workers stays
+    served)."""
+    if worker.chat_capacity is None:
+        return Q()
+    capable = (
+        Worker.objects.annotate(lease_tokens=_lease_tokens())
+        .filter(_capable_chat_workers(OuterRef))
+        .filter(Exists(RequestModel.objects.filter(request=OuterRef(OuterRef("pk")), name=OuterRef("chat_model_id"))))
+    )
+    return Q(max_length__lte=worker.chat_capacity) | ~Exists(capable)
 
 
-def _kinds(worker: WorkerView) -> list[tuple[Q, dict[str, Q]]]:
-    """(request kind, its refusals) for each kind of request the worker takes."""
+def _lease_tokens():
+    return ExpressionWrapper(
+        Coalesce(F("speed"), Value(float(UNMEASURED_TEXT_WORKER_TOKENS_PER_SECOND))) * Value(float(LEASE_GENERATION_SECONDS)),
+        output_field=FloatField(),
+    )
+
+
+def _kinds(worker: WorkerView, *, capacity: bool = True) -> list[tuple[Q, dict[str, Q]]]:
+    """(request kind, its refusals) for each kind of request the worker takes. `skipped` is counted
+    without the capacity rule: the requests it withholds from a pop are not counted."""
     kinds = []
     if worker.accepts_prompt_jobs:
         kinds.append((Q(is_chat=False), _text_refusals(worker)))
     if worker.takes_chat:
-        kinds.append((Q(is_chat=True) & chat_capacity_clause(worker), _chat_refusals(worker)))
+        chat = Q(is_chat=True) & chat_capacity_clause(worker) if capacity else Q(is_chat=True)
+        kinds.append((chat, _chat_refusals(worker)))
     return kinds
 
 
@@ -182,7 +255,7 @@ def _reason_filters(worker: WorkerView) -> dict[str, Q]:
     """Per skip reason (upstream `skipped` keys, plus chat_features and tools_max_temperature), the
     requests of the kinds the worker takes that the reason keeps from it."""
     reasons: dict[str, Q] = {}
-    for kind, refusals in _kinds(worker):
+    for kind, refusals in _kinds(worker, capacity=False):
         for name, refused in refusals.items():
             reasons[name] = reasons[name] | (kind & refused) if name in reasons else kind & refused
     return {**reasons, **_common_refusals(worker)}
@@ -190,7 +263,7 @@ def _reason_filters(worker: WorkerView) -> dict[str, Q]:
 
 def skipped_counts(worker: WorkerView) -> dict[str, int]:
     """How many waiting requests each reason kept from the worker (only reasons that did)."""
-    kinds = [kind for kind, _ in _kinds(worker)]
+    kinds = [kind for kind, _ in _kinds(worker, capacity=False)]
     if not kinds:
         return {}
     aggregates = {name: Count("pk", filter=refused) for name, refused in _reason_filters(worker).items()}
@@ -242,9 +315,16 @@ def chat_declaration_gap(worker: Worker, request: GenerationRequest, *, with_siz
 
 
 def chat_capacity_refusal(worker: Worker, request: GenerationRequest) -> str | None:
-    """Seam for the speed gate (a later issue): "lease_speed" when the worker's lease capacity
-    cannot finish the job. Never, for now."""
-    return None
+    """"lease_speed" when the worker's lease capacity is below the chat request's max_length and a
+    capable worker is online (the Python twin of chat_capacity_clause; one query, only then)."""
+    if not request.is_chat or text_worker_lease_capacity(worker.speed) >= request.max_length:
+        return None
+    capable = (
+        Worker.objects.annotate(lease_tokens=_lease_tokens())
+        .filter(_capable_chat_workers(lambda name: Value(getattr(request, name))))
+        .filter(chat_model_id__in=list(request.requested_models or ()))
+    )
+    return "lease_speed" if capable.exists() else None
 
 
 def worker_may_take(worker: Worker, request: GenerationRequest, listed_worker_ids: set) -> bool:

@@ -72,11 +72,25 @@ chat_max_length_lowered = LazyCounter(
     "horde.chat.max_length_lowered",
     description="Chat requests whose max_length was lowered to the largest declared by serving workers",
 )
-text_stale_aborts = LazyCounter(
-    "horde.text.stale_aborts", description="Text and chat jobs aborted because the lease lapsed"
-)
-text_context_fit = LazyCounter(
+text_text_context_fit = LazyCounter(
     "horde.text.context_fit", description="Requests whose context sizing trimmed or grew them"
+)
+lease_renewals = LazyCounter(
+    "horde.text.lease_renewals",
+    description="Progress posts that extended a job lease (granted), and posts that found it at its cap (at_cap)",
+)
+lease_capacity_limited = LazyCounter(
+    "horde.pop.lease_capacity_limited",
+    description="Pops by a chat worker whose measured speed caps the chat output it is offered below its declared length",
+)
+gate_shadow_assignments = LazyCounter(
+    "horde.text.gate_shadow.assignments", description="Jobs assigned over the worker's lease capacity"
+)
+gate_shadow_outcomes = LazyCounter(
+    "horde.text.gate_shadow.outcomes", description="How over-capacity jobs ended: completed, faulted or aborted"
+)
+gate_shadow_service_seconds = LazyHistogram(
+    "horde.text.gate_shadow.service_seconds", unit="s", description="Pop to submit time of completed over-capacity jobs"
 )
 
 # horde.size_bucket / TEXT_LENGTH_BUCKETS labels.

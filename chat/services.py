@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal
+from functools import partial
 from uuid import UUID
 
 from django.db import IntegrityError, transaction
@@ -21,9 +22,11 @@ from django.utils import timezone
 from accounts.models import HordeUser, KudosTransaction
 from accounts.services import kudos_hold, kudos_release, kudos_transfer
 from chat import metrics
+from chat.gate_shadow import record_aborted_outcome
 from chat.models import Generation, GenerationRequest, HordeModes, RequestModel, RequestWorker
 from chat.pop_cache import queue_grew
 from chat.pricing import text_request_quote
+from chat.progress import end_progress_after_fault, settle_cancelled_streams
 from chat.signals import publish_chat_signal
 from chat.status_cache import status_changed
 from contract.errors import HordeError
@@ -151,7 +154,7 @@ def abort_waiting_for_maintenance() -> int:
             ).only("id", "is_chat")[:1000]
         )
         for request in batch:
-            aborted += request_cancel(request=request)
+            aborted += request_cancel(request=request, settle_streams=False)
         if len(batch) < 1000:
             break
     if aborted:
@@ -451,8 +454,12 @@ def worker_record_dropped_job(*, worker_id: UUID, refusal_rc: str | None) -> Non
 # --- Cancel, expiry, stale leases -----------------------------------------------------------
 
 
-def request_cancel(*, request: GenerationRequest) -> bool:
+def request_cancel(*, request: GenerationRequest, settle_streams: bool = True) -> bool:
     """Stop handing out jobs and release the hold. Jobs in flight still submit and are paid.
+
+    The cancel route settles a streamed request's jobs in flight on what their workers posted and
+    flags their leases; maintenance mode's abort (`settle_streams=False`) lets them settle by
+    their submits instead (spec: "Streaming progress").
 
     Returns whether this call claimed the cancellation (False when it was already cancelled).
     """
@@ -466,6 +473,8 @@ def request_cancel(*, request: GenerationRequest) -> bool:
         kudos_release(user_id=locked.user_id, amount=locked.kudos_held)
         status_changed(request.pk)
         if request.is_chat:
+            if settle_streams:  # a streamed request's jobs in flight: on what their workers posted
+                settle_cancelled_streams(request_id=request.pk, now=timezone.now())
             publish_chat_signal(request.pk, "cancelled", stored_result_count(request.pk))
     return True
 
@@ -476,23 +485,28 @@ def abort_stale_generations() -> int:
     aborted = 0
     stale = list(
         Generation.objects.filter(state=Generation.State.PROCESSING, lease_expires_at__lt=now).values_list(
-            "id", "request_id", "worker_id", "worker__owner__trusted", "request__is_chat"
+            "id", "request_id", "worker_id", "request__is_chat", "worker__owner__trusted",
+            "request__max_length", "over_capacity_at_assignment",
         )[:1000]
     )
-    for generation_id, request_id, worker_id, worker_trusted, is_chat in stale:
+    for generation_id, request_id, worker_id, is_chat, owner_trusted, max_length, over_capacity in stale:
         with transaction.atomic():
-            if not Generation.objects.filter(pk=generation_id, state=Generation.State.PROCESSING).update(
-                state=Generation.State.FAULTED, finished_at=now
-            ):
-                continue  # submitted meanwhile
+            if not Generation.objects.filter(
+                pk=generation_id, state=Generation.State.PROCESSING, lease_expires_at__lt=now
+            ).update(state=Generation.State.FAULTED, finished_at=now):
+                continue  # submitted meanwhile, or its lease renewed by a progress post
             # Read after the claim: a refusal is only recorded on a pending generation.
             refusal_rc = Generation.objects.filter(pk=generation_id).values_list("chat_refusal_rc", flat=True).get()
             worker_record_dropped_job(worker_id=worker_id, refusal_rc=refusal_rc)
             requeue_faulted([generation_id], request_id)
+            if over_capacity:
+                record_aborted_outcome(max_length=max_length, trusted=owner_trusted, is_chat=is_chat)
+            if is_chat:
+                transaction.on_commit(partial(end_progress_after_fault, generation_id, request_id), robust=True)
             aborted += 1
         # Counted once the abort committed: a submit that won the race is not an abort.
         metrics.text_stale_aborts.add(
-            1, {"horde.worker_trusted": bool(worker_trusted), "horde.chat": bool(is_chat)}
+            1, {"horde.worker_trusted": bool(owner_trusted), "horde.chat": bool(is_chat)}
         )
     if aborted:
         log.info("aborted %d stale generations", aborted)

@@ -21,11 +21,13 @@ from django.utils import timezone
 
 from accounts.models import HordeUser
 from accounts.services import kudos_settle, kudos_settle_ctes
+from chat.gate_shadow import record_gate_shadow_outcome
 from chat.handed_out import handed_out
 from chat.metrics import chat_worker_faults
 from chat.models import Generation, GenerationRequest
 from chat.prepared import prepared_cursor
 from chat.pricing import chat_charge_basis, chat_things_count, text_generation_kudos, things_count
+from chat.progress import end_progress_after_fault, end_progress_after_submit
 from chat.services import (
     request_completed,
     requeue_faulted,
@@ -37,6 +39,7 @@ from chat.status_cache import status_changed
 from contract.chat_declaration import chat_worker_fault_message, chat_worker_fault_metric_reason
 from contract.chat_errors import ChatRefusal
 from contract.chat_limits import MAX_CHAT_FAULT_REASON_LENGTH
+from contract.chat_progress import streams_progress
 from contract.chat_verify import parse_chat_submit, verify_chat_reply
 from contract.errors import HordeError
 from workers.models import Worker
@@ -177,6 +180,11 @@ def _apply_fault(generation: Generation, *, now, seed: int = 0, gen_metadata: li
         )
         worker_record_dropped_job(worker_id=generation.worker_id, refusal_rc=refusal_rc)
         requeue_faulted([generation.pk], generation.request_id)
+        if generation.request.is_chat and streams_progress(generation.request.chat_extras):
+            transaction.on_commit(
+                lambda: end_progress_after_fault(generation.pk, generation.request_id), robust=True
+            )
+    record_gate_shadow_outcome(generation, "faulted")
 
 
 def _settle(generation: Generation, *, state: str, tokens: int, reward: Decimal, now) -> None:
@@ -261,6 +269,7 @@ def _text_submit(generation: Generation, data: TextSubmit) -> Decimal:
         if not won:
             raise _not_pending_error(generation.pk, _current_state(generation.pk))
         status_changed(request.pk)
+        record_gate_shadow_outcome(generation, "completed", now=now)
         return reward
     with transaction.atomic():
         won = Generation.objects.filter(pk=generation.pk, state=Generation.State.PROCESSING).update(
@@ -274,6 +283,7 @@ def _text_submit(generation: Generation, data: TextSubmit) -> Decimal:
         if not won:
             raise _not_pending_error(generation.pk, _current_state(generation.pk))
         _settle(generation, state=state, tokens=tokens, reward=reward, now=now)
+    record_gate_shadow_outcome(generation, "completed", now=now)
     return reward
 
 
@@ -535,6 +545,9 @@ def _store_chat_reply(
         publish_chat_signal(request.pk, "generation", generations)
         if request_completed(request.pk):
             publish_chat_signal(request.pk, "done", generations)
+        if streams_progress(request.chat_extras):
+            transaction.on_commit(lambda: end_progress_after_submit(generation.pk), robust=True)
+    record_gate_shadow_outcome(generation, "completed", now=now)
     log.info(
         "horde.job_submit.done generation=%s request=%s dropped_tool_calls=%d",
         generation.pk,

@@ -36,6 +36,7 @@ from rest_framework.views import APIView
 from accounts.api.authentication import ApiKeyAuthentication
 from chat.api.chat_views import ChatStatusView
 from chat.api.pop_views import TextPopView
+from chat.api.progress_views import TextProgressView
 from chat.api.submit_views import TextSubmitView
 from chat.api.views import TextStatusView
 from hordesite.body_limits import read_body
@@ -62,6 +63,7 @@ class HotRoute:
 HOT_ROUTES: tuple[HotRoute, ...] = (
     HotRoute("POST", re.compile(r"/api/v2/generate/text/pop"), TextPopView, {}),
     HotRoute("POST", re.compile(r"/api/v2/generate/text/submit"), TextSubmitView, {}),
+    HotRoute("POST", re.compile(r"/api/v2/generate/text/progress"), TextProgressView, {}),
     HotRoute(
         "GET", re.compile(rf"/api/v2/generate/text/status/(?P<request_id>{_UUID})"), TextStatusView, {"request_id": UUID}
     ),
@@ -74,7 +76,8 @@ HOT_ROUTES: tuple[HotRoute, ...] = (
 def _check_served_as_django_would(route: HotRoute) -> None:
     """This layer reproduces DRF's dispatch for views with the project's defaults only."""
     view = route.view_class
-    assert list(view.authentication_classes) == list(api_settings.DEFAULT_AUTHENTICATION_CLASSES), view
+    # The project's authentication, or none (the progress route authenticates from its lease).
+    assert list(view.authentication_classes) in ([], list(api_settings.DEFAULT_AUTHENTICATION_CLASSES)), view
     assert not view.permission_classes and not view.throttle_classes, view
     assert list(view.renderer_classes) == [JSONRenderer], view
 
@@ -173,9 +176,10 @@ def serve_hot_request(route: HotRoute, request: HotRequest, kwargs: dict[str, An
     view.headers = {}
     try:
         try:
-            authenticated = ApiKeyAuthentication().authenticate(request)
-            if authenticated is not None:
-                request.user, request.auth = authenticated
+            if route.view_class.authentication_classes:
+                authenticated = ApiKeyAuthentication().authenticate(request)
+                if authenticated is not None:
+                    request.user, request.auth = authenticated
             handler = getattr(view, request.method.lower())
             response = handler(request, **kwargs)
         except Exception as exc:  # noqa: BLE001  (the project's exception handler answers every one)

@@ -4,7 +4,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularJSONAPIView
 
 from accounts.api.views import FindUserView
-from chat.api import pop_views, submit_views
+from chat.api import pop_views, progress_views, submit_views
 from chat.api import views as chat_views
 from chat.api.chat_views import ChatAsyncView, ChatStatusView
 from hordesite.health import healthz
@@ -17,6 +17,7 @@ api_v2 = [
     path("generate/chat/status/<uuid:request_id>", ChatStatusView.as_view()),
     path("generate/text/pop", pop_views.TextPopView.as_view()),
     path("generate/text/submit", submit_views.TextSubmitView.as_view()),
+    path("generate/text/progress", progress_views.TextProgressView.as_view()),
     path("find_user", FindUserView.as_view()),
     path("workers", WorkerListView.as_view()),
     path("workers/<uuid:worker_id>", WorkerDetailView.as_view()),
