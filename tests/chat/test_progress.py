@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from accounts.models import KudosTransaction, hash_api_key
 from chat import progress
-from chat.models import Generation
+from chat.models import Generation, GenerationRequest
 from chat.pricing import text_generation_kudos
 from chat.services import abort_stale_generations
 from contract.chat_progress import (
@@ -516,3 +516,26 @@ def test_a_cancel_racing_the_submit_pays_the_job_once(horde, streamed_job, strea
             assert submit.json()["rc"] == "AbortedGen"
             assert generation.state == Generation.State.CANCELLED and generation.settled_character_count == 68
         assert rewards.get().amount == generation.kudos
+
+
+@redis_only
+def test_maintenance_abort_leaves_streamed_jobs_in_flight_to_settle_by_their_submits(
+    horde, streamed_job, stream_redis
+):
+    requester, owner, request, job_id, _ = streamed_job()
+    # A second job still waiting, so maintenance mode has something to abort.
+    GenerationRequest.objects.filter(pk=request.pk).update(n=2, jobs_waiting=1)
+    assert post(horde, owner.key, job_id, 1, "Once upon a time").status_code == 200
+    from chat.services import abort_waiting_for_maintenance
+
+    assert abort_waiting_for_maintenance() == 1
+    assert GenerationRequest.objects.get(pk=request.pk).cancelled is True
+    # Not the cancel route's settlement: the lease is not flagged, no ended entry, the job still runs.
+    assert "cancelled" not in lease(stream_redis, job_id)
+    assert {"gen": str(job_id), "ended": "1"} not in entries(stream_redis, request.pk)
+    assert Generation.objects.get(pk=job_id).state == Generation.State.PROCESSING
+    assert post(horde, owner.key, job_id, 2, " there was").json() == {"accepted_seq": 2, "cancelled": False}
+    submitted = horde.chat_submit(owner.key, job_id, message={"role": "assistant", "content": "The end."},
+                                  finish_reason="stop", model_id=MODEL)
+    assert submitted.status_code == 200 and submitted.json()["reward"] > 0
+    assert Generation.objects.get(pk=job_id).settled_character_count is None
