@@ -72,7 +72,10 @@ chat_max_length_lowered = LazyCounter(
     "horde.chat.max_length_lowered",
     description="Chat requests whose max_length was lowered to the largest declared by serving workers",
 )
-text_text_context_fit = LazyCounter(
+text_stale_aborts = LazyCounter(
+    "horde.text.stale_aborts", description="Text and chat jobs aborted because the lease lapsed"
+)
+text_context_fit = LazyCounter(
     "horde.text.context_fit", description="Requests whose context sizing trimmed or grew them"
 )
 lease_renewals = LazyCounter(
