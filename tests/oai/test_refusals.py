@@ -249,6 +249,21 @@ def test_declaration_gap_is_404_at_once(client, start_worker):
     assert _pending_requests() == [True]
 
 
+def test_a_withdrawn_feature_is_404_at_once_after_a_served_request(client, start_worker):
+    """A worker that stops declaring tools: the next tools request is refused at once (the
+    availability caches follow its check-in), not after the front's grace."""
+    worker = start_worker()  # every feature
+    reply = client.chat.completions.create(model=MODEL, messages=USER, tools=[TOOL])
+    assert reply.choices[0].finish_reason in ("tool_calls", "stop")
+    worker.features = ["prompt_overflow_refused"]
+    worker.check_in()
+    started = time.monotonic()
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model=MODEL, messages=USER, tools=[TOOL])
+    assert caught.value.code == "no_worker_supports_features" and "tools" in caught.value.message
+    assert time.monotonic() - started < 1.0
+
+
 def test_limit_gap_is_400_no_worker_supports_limit(client, start_worker):
     start_worker(max_context_length=4096)
     with pytest.raises(openai.BadRequestError) as caught:
