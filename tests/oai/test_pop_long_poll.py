@@ -200,3 +200,22 @@ def test_a_job_given_back_wakes_a_waiting_pop(live_horde, people):
     job = pop.join().json()
     assert job["id"] is not None and job["id"] != job_id
     assert pop.answered - faulted_at < 0.5
+
+
+def test_a_worker_that_went_away_while_held_takes_no_job(live_horde, people):
+    owner, requester = people
+    gone, other = f"lp-gone-{uuid.uuid4().hex[:6]}", f"lp-other-{uuid.uuid4().hex[:6]}"
+    plain_pop(live_horde.url, owner.key, pop_body(gone))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{live_horde.url}/api/v2/generate/text/pop",
+            json=pop_body(gone, wait=10),
+            headers={"apikey": owner.key},
+            timeout=httpx.Timeout(10, read=0.3),
+        )
+    time.sleep(0.2)  # the server sees the disconnect
+    request_id, _ = queue_text(live_horde.url, requester.key)
+    time.sleep(0.3)
+    taken, _ = plain_pop(live_horde.url, owner.key, pop_body(other))
+    assert taken.json()["id"] is not None  # the job was still in the queue
+    assert str(Generation.objects.get(pk=taken.json()["id"]).request_id) == request_id
