@@ -26,6 +26,8 @@ from django.conf import settings
 from django.core.cache import cache
 from django.db import transaction
 
+from chat.pop_wait import queue_signal_channel, wake_in_process
+
 logger = logging.getLogger(__name__)
 
 QUEUE_ADDITIONS_KEY = "horde:queue:additions"
@@ -60,12 +62,20 @@ def _enabled() -> bool:
 def queue_grew() -> None:
     """A request joined the queue or a job went back to it: cached empty pops no longer hold.
     Bumped now and, inside a transaction, again when it commits (a pop that read the count
-    between the two could not see the uncommitted rows)."""
+    between the two could not see the uncommitted rows). The committed bump also signals the
+    long-polling pops (chat/pop_wait.py) in the same round trip; without Redis, this process's."""
+    in_transaction = transaction.get_connection().in_atomic_block
     if _redis() is None:
+        if in_transaction:
+            transaction.on_commit(wake_in_process, robust=True)
+        else:
+            wake_in_process()
         return
-    _bump()
-    if transaction.get_connection().in_atomic_block:
-        transaction.on_commit(_bump, robust=True)
+    if in_transaction:
+        _bump()
+        transaction.on_commit(_bump_and_signal, robust=True)
+    else:
+        _bump_and_signal()
 
 
 def _bump() -> None:
@@ -73,6 +83,17 @@ def _bump() -> None:
         _redis().incr(cache.make_key(QUEUE_ADDITIONS_KEY))
     except Exception:
         # With Redis down the count cannot be read either, so no empty pop is answered from memory.
+        logger.warning("queue additions bump failed", exc_info=True)
+
+
+def _bump_and_signal() -> None:
+    try:
+        pipe = _redis().pipeline(transaction=False)
+        pipe.incr(cache.make_key(QUEUE_ADDITIONS_KEY))
+        pipe.publish(queue_signal_channel(), b"1")
+        pipe.execute()
+    except Exception:
+        # Held pops re-check on their own within a second.
         logger.warning("queue additions bump failed", exc_info=True)
 
 

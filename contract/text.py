@@ -35,6 +35,8 @@ TEXT_KUDOS_MIN_TOKENS = 20
 MAX_BRIDGE_AGENT_LENGTH = 1000
 MAX_WORKER_NAME_LENGTH = 100
 TEXT_POP_AMOUNT_RANGE = (1, 20)
+# A pop's optional `wait` (whole seconds, this project's extension): longer asks are held this long.
+TEXT_POP_WAIT_MAX_SECONDS = 20
 
 GENERATION_STATES = ("ok", "censored", "faulted", "csam")
 

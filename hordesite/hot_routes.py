@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from chat.api.pop_views import TextPopView
 from chat.api.progress_views import TextProgressView
 from chat.api.submit_views import TextSubmitView
 from chat.api.views import TextStatusView
+from chat.pop_wait import queue_listener
 from hordesite.body_limits import read_body
 from hordesite.db_guard import start_request
 from hordesite.errors import horde_exception_handler
@@ -129,6 +131,8 @@ class HotResponse:
     status: int
     headers: list[tuple[bytes, bytes]]
     body: bytes
+    # An empty pop that asked to wait: how long it may be held for a job (chat/pop_wait.py).
+    wait_seconds: float = 0.0
 
 
 _renderer = JSONRenderer()
@@ -162,7 +166,7 @@ def _render(view_class: type[APIView], response: Any) -> HotResponse:
         (b"content-length", str(len(body)).encode()),
         *_CORS,
     ]
-    return HotResponse(response.status_code, headers, body)
+    return HotResponse(response.status_code, headers, body, getattr(response, "pop_wait_seconds", 0.0))
 
 
 def serve_hot_request(route: HotRoute, request: HotRequest, kwargs: dict[str, Any]) -> HotResponse:
@@ -237,21 +241,56 @@ class HotRoutesASGI:
         if data is _NOT_UNDERSTOOD:
             return await self.app(scope, body.replay(receive), send)
         request = HotRequest(scope, headers, data)
+        if route.view_class is TextPopView and type(data) is dict and data.get("wait"):
+            answer = await self._long_poll(route, request, kwargs, receive)
+            if answer is None:
+                return  # the worker went away while its pop was held
+        else:
+            answer = await self._serve(route, request, kwargs)
+        await send({"type": "http.response.start", "status": answer.status, "headers": answer.headers})
+        await send({"type": "http.response.body", "body": answer.body})
+
+    async def _serve(self, route: HotRoute, request: HotRequest, kwargs: dict[str, Any]) -> HotResponse:
         loop = asyncio.get_running_loop()
         try:
             # In the pool thread's own context, as a WSGI server's thread runs one request after
             # another: per-context objects Django keeps (each cache backend, its Redis client) are
             # made once per thread, not once per request as in a fresh copy of the loop's context.
-            answer = await loop.run_in_executor(self.pool, serve_hot_request, route, request, kwargs)
+            return await loop.run_in_executor(self.pool, serve_hot_request, route, request, kwargs)
         except Exception:
-            log.exception("hot route %s %s failed", scope.get("method"), scope.get("path"))
-            answer = HotResponse(
+            log.exception("hot route %s %s failed", request.method, request.path)
+            return HotResponse(
                 500,
                 [(b"content-type", b"application/json"), (b"content-length", str(len(_INTERNAL_ERROR)).encode()), *_CORS],
                 _INTERNAL_ERROR,
             )
-        await send({"type": "http.response.start", "status": answer.status, "headers": answer.headers})
-        await send({"type": "http.response.body", "body": answer.body})
+
+    async def _long_poll(
+        self, route: HotRoute, request: HotRequest, kwargs: dict[str, Any], receive: Any
+    ) -> HotResponse | None:
+        """A pop with `wait` (ADR 0024): pop; while the answer is empty and the wait lasts, wait
+        on the event loop (no thread held) for the queue's signal or the re-check, and pop again.
+        None when the worker disconnected meanwhile."""
+        started = time.monotonic()
+        listener = queue_listener()
+        waiter = listener.register()  # before the first pop: an addition committed after it wakes us
+        disconnected = asyncio.ensure_future(receive())
+        try:
+            await listener.subscribed(timeout=0.5)
+            while True:
+                waiter.event.clear()
+                answer = await self._serve(route, request, kwargs)
+                left = started + answer.wait_seconds - time.monotonic()
+                if answer.status != 200 or left <= 0:
+                    return answer
+                woken = asyncio.ensure_future(waiter.wait(min(settings.HORDE_POP_WAIT_RECHECK_SECONDS, left)))
+                await asyncio.wait((woken, disconnected), return_when=asyncio.FIRST_COMPLETED)
+                woken.cancel()
+                if disconnected.done():
+                    return None
+        finally:
+            listener.unregister(waiter)
+            disconnected.cancel()
 
     @staticmethod
     def _understood(route: HotRoute, headers: _Headers, body: bytes) -> Any:

@@ -252,6 +252,8 @@ HORDE_EMPTY_POP_CACHE_SECONDS = env.float("HORDE_EMPTY_POP_CACHE_SECONDS", defau
 # Pop, submit and the status polls skip Django's per-request machinery (hordesite/hot_routes.py).
 HORDE_HOT_ROUTES = env.bool("HORDE_HOT_ROUTES", default=True)
 HORDE_HOT_ROUTE_THREADS = env.int("HORDE_HOT_ROUTE_THREADS", default=4)
+# A long-polling pop (`wait`) re-checks the queue this often besides the queue's signal (chat/pop_wait.py).
+HORDE_POP_WAIT_RECHECK_SECONDS = env.float("HORDE_POP_WAIT_RECHECK_SECONDS", default=1.0)
 HORDE_GIL_SWITCH_INTERVAL_MS = env.float("HORDE_GIL_SWITCH_INTERVAL_MS", default=1.0)
 # Proxy hops whose X-Forwarded-For may be trusted for the client address (0: use the socket peer).
 HORDE_TRUSTED_PROXY_COUNT = env.int("HORDE_TRUSTED_PROXY_COUNT", default=0)

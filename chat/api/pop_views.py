@@ -15,6 +15,7 @@ from chat.dispatch import build_job_payload, worker_pop
 from contract.chat_declaration import parse_chat_declaration
 from contract.chat_errors import ChatDeclarationInvalid
 from contract.errors import HordeError
+from contract.text import TEXT_POP_WAIT_MAX_SECONDS
 from workers.services import TextWorkerDeclaration, worker_check_in, worker_rows
 
 
@@ -54,7 +55,7 @@ class TextPopView(APIView):
             worker.owner = owner
             job = worker_pop(worker=worker, amount=data["amount"])
         if job.request is None:
-            return Response(
+            response = Response(
                 {
                     "payload": {},
                     "id": None,
@@ -67,6 +68,9 @@ class TextPopView(APIView):
                     "model": None,
                 }
             )
+            # How long the hot route layer may hold this empty answer for a job (ADR 0024).
+            response.pop_wait_seconds = min(data["wait"], TEXT_POP_WAIT_MAX_SECONDS)
+            return response
         wp = job.request
         ids = [str(g.id) for g in job.generations]
         body = {

@@ -21,6 +21,7 @@ from contract.text import (
     TEXT_MAX_LENGTH_RANGE,
     TEXT_N_RANGE,
     TEXT_POP_AMOUNT_RANGE,
+    TEXT_POP_WAIT_MAX_SECONDS,
 )
 
 
@@ -150,6 +151,12 @@ class TextPopInputSerializer(serializers.Serializer):
     )
     model_id = serializers.JSONField(required=False, help_text="one of models; needed with chat_jobs")
     image_transports = serializers.JSONField(required=False, help_text="array of url, base64, messages_url")
+    # This project's long poll (docs/adr/0024-pop-long-poll.md); upstream workers never send it.
+    wait = serializers.IntegerField(
+        min_value=0,
+        default=0,
+        help_text=f"seconds an empty pop may wait for a job (held at most {TEXT_POP_WAIT_MAX_SECONDS})",
+    )
 
 
 class TextPopOutputSerializer(serializers.Serializer):

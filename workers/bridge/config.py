@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from contract.chat_declaration import KNOWN_IMAGE_TRANSPORTS
 from contract.chat_policy import KNOWN_CHAT_DECLARATIONS
-from contract.text import MAX_WORKER_NAME_LENGTH
+from contract.text import MAX_WORKER_NAME_LENGTH, TEXT_POP_WAIT_MAX_SECONDS
 
 SCRIPTED = "scripted"
 BACKEND_KINDS = ("auto", "llamacpp", "vllm", "ollama", "koboldcpp", "tabbyapi", "openai")
@@ -39,6 +39,7 @@ class BridgeConfig:
     tools_max_temperature: float | None = None
     nsfw: bool = False
     pop_interval: float = 1.0  # seconds between idle pops, per thread
+    pop_wait: int = 10  # seconds the horde may hold an empty pop for a job (ADR 0024); 0: never
     lease_margin: float = 5.0  # stop working on a job this long before its lease ends
     stop_grace: float = 30.0  # on SIGINT/SIGTERM, finish held jobs for this long, then fault them
     backend_timeout: float = 600.0
@@ -128,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tools-max-temperature", type=float, default=None, help="(BRIDGE_TOOLS_MAX_TEMPERATURE)")
     add("--nsfw", action="store_true", default=None, help="accept NSFW requests (BRIDGE_NSFW)")
     add("--pop-interval", type=float, default=d.pop_interval, help="seconds between idle pops (BRIDGE_POP_INTERVAL)")
+    add(
+        "--pop-wait",
+        type=int,
+        default=d.pop_wait,
+        help=f"seconds an idle pop waits at the horde for a job, 0 to {TEXT_POP_WAIT_MAX_SECONDS}; 0: poll every "
+        "--pop-interval (BRIDGE_POP_WAIT)",
+    )
     add("--lease-margin", type=float, default=d.lease_margin, help="give a job up this long before its lease ends (BRIDGE_LEASE_MARGIN)")
     add("--stop-grace", type=float, default=d.stop_grace, help="on SIGINT/SIGTERM, seconds to finish held jobs (BRIDGE_STOP_GRACE)")
     add("--backend-timeout", type=float, default=d.backend_timeout, help="(BRIDGE_BACKEND_TIMEOUT)")
@@ -158,6 +166,7 @@ _ENV: dict[str, tuple[str, object]] = {
     "tools_max_temperature": ("BRIDGE_TOOLS_MAX_TEMPERATURE", float),
     "nsfw": ("BRIDGE_NSFW", _env_bool),
     "pop_interval": ("BRIDGE_POP_INTERVAL", float),
+    "pop_wait": ("BRIDGE_POP_WAIT", int),
     "lease_margin": ("BRIDGE_LEASE_MARGIN", float),
     "stop_grace": ("BRIDGE_STOP_GRACE", float),
     "backend_timeout": ("BRIDGE_BACKEND_TIMEOUT", float),
@@ -204,6 +213,7 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
         tools_max_temperature=values["tools_max_temperature"],
         nsfw=bool(values["nsfw"]),
         pop_interval=values["pop_interval"],
+        pop_wait=values["pop_wait"],
         lease_margin=values["lease_margin"],
         stop_grace=values["stop_grace"],
         backend_timeout=values["backend_timeout"],
@@ -221,6 +231,8 @@ def validate(config: BridgeConfig) -> None:
         raise ConfigError(f"--backend-kind is one of {', '.join(BACKEND_KINDS)}")
     if not 1 <= config.threads <= 100:
         raise ConfigError("--threads is 1 to 100")
+    if not 0 <= config.pop_wait <= TEXT_POP_WAIT_MAX_SECONDS:
+        raise ConfigError(f"--pop-wait is 0 to {TEXT_POP_WAIT_MAX_SECONDS}")
     if config.max_length < 16:
         raise ConfigError("--max-length is at least 16")
     if config.max_context_length is not None and config.max_context_length < 80:

@@ -1,6 +1,9 @@
 """The bridge's loop: pop, generate, submit; up to `threads` jobs at once.
 
-Each thread pops for itself (about once a `pop_interval` while idle, at once after a job). Leases:
+Each thread pops for itself (at once after a job). An idle pop carries `wait` (`pop_wait`, ADR
+0024): the horde holds it until a job arrives, and the thread pops again at once; an empty answer
+that came sooner than `pop_interval` (a horde that ignores the key) is followed by a pause to the
+end of that interval, so such a horde is polled about once a `pop_interval` as before. Leases:
 a job is given up (faulted) `lease_margin` seconds before its pop's ttl ends, so the request is
 handed out again at once instead of after the horde's stale sweep. Stop: the first SIGINT/SIGTERM
 stops popping and lets held jobs finish for `stop_grace` seconds, then faults what is left; a
@@ -189,6 +192,7 @@ class Bridge:
         self.context = config.max_context_length or DEFAULT_CONTEXT  # each job's, as declared
         self.username = ""
         self.ready = threading.Event()  # set once the first pop was answered
+        self.pop_wait = config.pop_wait  # 0 once the horde refused the key
 
     # -- output
 
@@ -275,6 +279,8 @@ class Bridge:
             "softprompts": [],
         }
         body.update(self.declaration.pop_fields())
+        if self.pop_wait and self.ready.is_set():  # the first pop checks in, answered at once
+            body["wait"] = self.pop_wait
         return body
 
     # -- run
@@ -353,8 +359,9 @@ class Bridge:
         while not self.stop_event.is_set():
             if not self._wait_for_backend():
                 continue
+            popped_at, asked_to_wait = time.monotonic(), bool(self.pop_wait) and self.ready.is_set()
             try:
-                job = self.horde.pop(self.pop_body())
+                job = self._pop()
             except HordeUnavailable as error:
                 delay = backoff.next()
                 self.log(f"horde unreachable ({error}); retrying in {delay:.0f} s")
@@ -373,13 +380,35 @@ class Bridge:
             backoff.reset()
             self.ready.set()
             if not job.get("id"):
-                self.stop_event.wait(self.config.pop_interval)
+                if not self.pop_wait:
+                    pause = self.config.pop_interval
+                elif asked_to_wait:  # held by the horde: at once; answered sooner: poll as before
+                    pause = self.config.pop_interval - (time.monotonic() - popped_at)
+                else:
+                    pause = 0.0  # the check-in pop: the next one waits at the horde
+                self.stop_event.wait(max(0.0, pause))
                 continue
             with self._lock:
                 self._taken += 1
                 if self.config.max_jobs and self._taken >= self.config.max_jobs:
                     self.stop_event.set()  # the last job: no more pops, and no stop deadline
             self._serve(job)
+
+    def _pop(self) -> dict[str, Any]:
+        body = self.pop_body()
+        try:
+            return self.horde.pop(body)
+        except HordeRefused as error:
+            if "wait" not in body or error.status != 400 or not self.pop_wait:
+                raise
+            # A horde that validates strictly and does not know the key: pop without it from now on.
+            self.pop_wait = 0
+            self.log(
+                f"the horde refused the pop's wait ({error.rc}: {error.message}); polling every "
+                f"{self.config.pop_interval:g} s"
+            )
+            body.pop("wait")
+            return self.horde.pop(body)
 
     def _wait_for_backend(self) -> bool:
         """True when the backend is up; else probe it (one thread at a time) with backoff."""

@@ -1,0 +1,159 @@
+"""The queue's signal, and the per-process wake that long-polling pops wait on.
+
+A pop that carries `wait` and finds nothing is held (hordesite/hot_routes.py, on the event loop, not
+on a pool thread) until the queue grows or its wait ends, then pops again. The queue grows where
+chat/pop_cache.py bumps its count (a new text or chat request, a requeued job); on commit the same
+round trip PUBLISHes on QUEUE_SIGNAL_CHANNEL.
+
+`QueueSignalListener` holds one Redis pub/sub connection per process (per event loop) subscribed to
+that channel, and wakes every waiting pop for each message: each pops again, one takes the job and
+the others find nothing and wait on. A waiting pop also re-checks every
+HORDE_POP_WAIT_RECHECK_SECONDS (a lost message, a connection drop, a job whose lease lapsed, which
+no signal announces). Without Redis the wake is in process: additions made by this process wake its
+pops at once (the embedded server is one process); the re-check covers the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+
+from django.conf import settings
+from django.core.cache import cache
+
+logger = logging.getLogger(__name__)
+
+QUEUE_SIGNAL_CHANNEL = "horde:queue:grew"
+
+
+def queue_signal_channel() -> str:
+    """The channel, under the cache's key prefix and Redis database: pub/sub channels are shared by
+    every database of a server, and a horde (or test run) on another database must not wake ours."""
+    db = 0
+    client = getattr(cache, "client", None)
+    if hasattr(client, "get_client"):
+        with contextlib.suppress(Exception):
+            db = client.get_client(write=True).connection_pool.connection_kwargs.get("db", 0)
+    return f"{cache.make_key(QUEUE_SIGNAL_CHANNEL)}:{db}"
+
+
+class PopWaiter:
+    """One held pop's wake-up flag."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    async def wait(self, seconds: float) -> bool:
+        """True when woken within `seconds`."""
+        if self.event.is_set():
+            return True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.event.wait(), max(0.0, seconds))
+        return self.event.is_set()
+
+
+class QueueSignalListener:
+    """The process's subscription to the queue's signal (or, without Redis, its in-process wake)."""
+
+    def __init__(self, redis_url: str | None, *, ping_seconds: float = 5.0):
+        self.redis_url = redis_url
+        self.ping_seconds = ping_seconds
+        self.loop = asyncio.get_running_loop()
+        self._waiters: set[PopWaiter] = set()
+        self._task: asyncio.Task | None = None
+        self._subscribed = asyncio.Event()
+        if redis_url:
+            self._task = self.loop.create_task(self._run(), name="horde-queue-signal")
+
+    def register(self) -> PopWaiter:
+        waiter = PopWaiter()
+        self._waiters.add(waiter)
+        return waiter
+
+    def unregister(self, waiter: PopWaiter) -> None:
+        self._waiters.discard(waiter)
+
+    async def subscribed(self, timeout: float) -> None:
+        """Wait (briefly) for the first subscription, so a first pop's signal is not missed."""
+        if self._task is not None and not self._subscribed.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._subscribed.wait(), timeout)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def wake_all(self) -> None:
+        for waiter in list(self._waiters):
+            waiter.event.set()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+
+    async def _run(self) -> None:
+        import redis.asyncio as aioredis
+
+        channel = queue_signal_channel()
+        backoff = 0.5
+        while True:
+            client = aioredis.Redis.from_url(
+                self.redis_url, socket_connect_timeout=2, socket_timeout=None, health_check_interval=0
+            )
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                self._subscribed.set()
+                backoff = 0.5
+                idle = 0.0
+                while True:
+                    message = await asyncio.wait_for(pubsub.get_message(timeout=1.0), 3.0)
+                    if message is not None and message.get("type") == "message":
+                        self.wake_all()
+                        idle = 0.0
+                        continue
+                    idle += 1.0
+                    if idle >= self.ping_seconds:
+                        await asyncio.wait_for(pubsub.ping(), self.ping_seconds)
+                        idle = 0.0
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                logger.warning("queue signal connection lost (%s): reconnecting", error)
+                self._subscribed.clear()
+                self.wake_all()  # each held pop re-checks: a message may have been lost
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+
+
+_listener: QueueSignalListener | None = None
+_listener_lock = threading.Lock()
+
+
+def queue_listener() -> QueueSignalListener:
+    """The running event loop's listener, started on first use (an ASGI server runs one loop)."""
+    global _listener
+    loop = asyncio.get_running_loop()
+    listener = _listener
+    if listener is None or listener.loop is not loop or loop.is_closed():
+        with _listener_lock:
+            listener = _listener = QueueSignalListener(settings.REDIS_URL)
+    return listener
+
+
+def wake_in_process() -> None:
+    """Without Redis: the queue grew in this process; wake its held pops (from any thread)."""
+    listener = _listener
+    if listener is None or not listener.waiting or listener.loop.is_closed():
+        return
+    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+        listener.loop.call_soon_threadsafe(listener.wake_all)

@@ -1,0 +1,221 @@
+"""A pop with `wait` (ADR 0024) is held until a request it can take arrives, woken by the queue's
+signal (Redis pub/sub; without Redis, the process's own wake), not by a re-check; the wait's end
+answers the empty pop as today; a pop without the key answers at once, unchanged; two workers
+racing for one request: one gets it, the other keeps waiting. Over HTTP against daphne.
+
+The re-check is set far above each test's bounds, so only the signal can explain a fast answer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+from chat.models import Generation
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MODEL = "Gryphe/MythoMax-L2-13b"
+OTHER = "koboldcpp/LLaMA2-13B-Psyfighter2"
+
+
+@pytest.fixture(autouse=True)
+def _no_recheck(settings):
+    settings.HORDE_POP_WAIT_RECHECK_SECONDS = 60.0
+
+
+def pop_body(name: str, **overrides: Any) -> dict[str, Any]:
+    body = {
+        "name": name,
+        "models": [MODEL],
+        "max_length": 512,
+        "max_context_length": 4096,
+        "bridge_agent": "KoboldCppEmbedWorker:2:https://github.com/LostRuins/koboldcpp",
+    }
+    body.update(overrides)
+    return body
+
+
+class TimedPop:
+    """One pop in a thread: its answer and when it came."""
+
+    def __init__(self, url: str, key: str, body: dict[str, Any]):
+        self.url, self.key, self.body = url, key, body
+        self.response: httpx.Response | None = None
+        self.started = self.answered = 0.0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> TimedPop:
+        self.started = time.monotonic()
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        self.response = httpx.post(
+            f"{self.url}/api/v2/generate/text/pop", json=self.body, headers={"apikey": self.key}, timeout=40
+        )
+        self.answered = time.monotonic()
+
+    def join(self, timeout: float = 30) -> httpx.Response:
+        self.thread.join(timeout)
+        assert self.response is not None, "the pop never answered"
+        return self.response
+
+    @property
+    def done(self) -> bool:
+        return self.response is not None
+
+
+def queue_text(url: str, key: str, models: list[str] | None = None) -> tuple[str, float]:
+    response = httpx.post(
+        f"{url}/api/v2/generate/text/async",
+        json={"prompt": "Once upon a time", "models": models or [MODEL], "params": {"max_length": 64}},
+        headers={"apikey": key},
+        timeout=10,
+    )
+    assert response.status_code == 202, response.text
+    return response.json()["id"], time.monotonic()
+
+
+def plain_pop(url: str, key: str, body: dict[str, Any]) -> tuple[httpx.Response, float]:
+    started = time.monotonic()
+    response = httpx.post(f"{url}/api/v2/generate/text/pop", json=body, headers={"apikey": key}, timeout=10)
+    return response, time.monotonic() - started
+
+
+@pytest.fixture
+def people(make_user):
+    return make_user(f"lp-owner-{uuid.uuid4().hex[:6]}"), make_user(f"lp-req-{uuid.uuid4().hex[:6]}", kudos=10_000)
+
+
+def test_a_waiting_pop_gets_a_request_created_200_ms_later_at_once(live_horde, people):
+    owner, requester = people
+    name = f"lp-{uuid.uuid4().hex[:6]}"
+    plain_pop(live_horde.url, owner.key, pop_body(name))  # registered, and its empty answer remembered
+    pop = TimedPop(live_horde.url, owner.key, pop_body(name, wait=10)).start()
+    time.sleep(0.2)
+    assert not pop.done  # held: nothing to take yet
+    request_id, queued_at = queue_text(live_horde.url, requester.key)
+    job = pop.join().json()
+    assert job["id"] is not None
+    assert str(Generation.objects.get(pk=job["id"]).request_id) == request_id
+    assert pop.answered - queued_at < 0.5  # woken by the signal: the re-check is a minute away
+    assert pop.answered - pop.started < 2.0
+
+
+def test_the_wait_ends_with_the_empty_pop_and_its_skipped_counts(live_horde, people):
+    owner, requester = people
+    name = f"lp-{uuid.uuid4().hex[:6]}"
+    queue_text(live_horde.url, requester.key, models=[OTHER])
+    at_once, _ = plain_pop(live_horde.url, owner.key, pop_body(name))
+    pop = TimedPop(live_horde.url, owner.key, pop_body(name, wait=1)).start()
+    waited = pop.join()
+    assert waited.status_code == 200
+    assert waited.json() == at_once.json()
+    assert waited.json()["id"] is None and waited.json()["skipped"] == {"models": 1}
+    assert 1.0 <= pop.answered - pop.started < 2.5
+
+
+def test_a_pop_without_wait_answers_at_once_as_before(live_horde, people):
+    owner, _ = people
+    name = f"lp-{uuid.uuid4().hex[:6]}"
+    first, _ = plain_pop(live_horde.url, owner.key, pop_body(name))
+    for body in (pop_body(name), pop_body(name, wait=0)):
+        again, elapsed = plain_pop(live_horde.url, owner.key, body)
+        assert again.status_code == 200
+        assert again.json() == first.json() == {
+            "payload": {},
+            "id": None,
+            "ids": [],
+            "messages": None,
+            "ttl": None,
+            "extra_source_images": [],
+            "skipped": {},
+            "softprompt": None,
+            "model": None,
+        }
+        assert elapsed < 0.5
+
+
+def test_a_wait_over_the_bound_is_held_to_it_and_a_bad_wait_is_refused(live_horde, people, settings):
+    owner, _ = people
+    name = f"lp-{uuid.uuid4().hex[:6]}"
+    for wait in (-1, "soon", 1.5, True):
+        refused, _ = plain_pop(live_horde.url, owner.key, pop_body(name, wait=wait))
+        assert refused.status_code == 400, (wait, refused.text)
+        assert refused.json()["message"] == "Input payload validation failed"
+        assert "wait" in refused.json()["errors"]
+
+
+def test_racing_long_polls_one_gets_the_request_the_other_keeps_waiting(live_horde, people):
+    owner, requester = people
+    names = [f"lp-a-{uuid.uuid4().hex[:6]}", f"lp-b-{uuid.uuid4().hex[:6]}"]
+    for name in names:
+        plain_pop(live_horde.url, owner.key, pop_body(name))
+    pops = [TimedPop(live_horde.url, owner.key, pop_body(name, wait=3)).start() for name in names]
+    time.sleep(0.2)
+    assert not any(p.done for p in pops)
+    _, queued_at = queue_text(live_horde.url, requester.key)
+    deadline = time.monotonic() + 1.0
+    while not any(p.done for p in pops) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    winners = [p for p in pops if p.done]
+    assert len(winners) == 1, "exactly one pop answers when the request arrives"
+    winner = winners[0]
+    assert winner.response.json()["id"] is not None
+    assert winner.answered - queued_at < 0.5
+    loser = next(p for p in pops if p is not winner)
+    time.sleep(0.5)
+    assert not loser.done  # woken too, found nothing, waits on
+    empty = loser.join().json()
+    assert empty["id"] is None
+    assert loser.answered - loser.started >= 3.0
+    assert Generation.objects.count() == 1
+
+
+def test_a_job_given_back_wakes_a_waiting_pop(live_horde, people):
+    owner, requester = people
+    first, second = f"lp-f-{uuid.uuid4().hex[:6]}", f"lp-s-{uuid.uuid4().hex[:6]}"
+    queue_text(live_horde.url, requester.key)
+    taken, _ = plain_pop(live_horde.url, owner.key, pop_body(first))
+    job_id = taken.json()["id"]
+    assert job_id is not None
+    plain_pop(live_horde.url, owner.key, pop_body(second))
+    pop = TimedPop(live_horde.url, owner.key, pop_body(second, wait=10)).start()
+    time.sleep(0.2)
+    assert not pop.done
+    fault = httpx.post(
+        f"{live_horde.url}/api/v2/generate/text/submit",
+        json={"id": job_id, "generation": "", "state": "faulted"},
+        headers={"apikey": owner.key},
+        timeout=10,
+    )
+    assert fault.status_code == 200, fault.text
+    faulted_at = time.monotonic()
+    job = pop.join().json()
+    assert job["id"] is not None and job["id"] != job_id
+    assert pop.answered - faulted_at < 0.5
+
+
+def test_a_worker_that_went_away_while_held_takes_no_job(live_horde, people):
+    owner, requester = people
+    gone, other = f"lp-gone-{uuid.uuid4().hex[:6]}", f"lp-other-{uuid.uuid4().hex[:6]}"
+    plain_pop(live_horde.url, owner.key, pop_body(gone))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{live_horde.url}/api/v2/generate/text/pop",
+            json=pop_body(gone, wait=10),
+            headers={"apikey": owner.key},
+            timeout=httpx.Timeout(10, read=0.3),
+        )
+    time.sleep(0.2)  # the server sees the disconnect
+    request_id, _ = queue_text(live_horde.url, requester.key)
+    time.sleep(0.3)
+    taken, _ = plain_pop(live_horde.url, owner.key, pop_body(other))
+    assert taken.json()["id"] is not None  # the job was still in the queue
+    assert str(Generation.objects.get(pk=taken.json()["id"]).request_id) == request_id
