@@ -1,7 +1,12 @@
 """A local fake OpenAI-compatible backend that answers like llama.cpp's server (a real HTTP server).
 
 GET /v1/models (with meta.n_ctx_train), GET /props (n_ctx, chat template, modalities),
-POST /v1/chat/completions and /v1/completions with stream off. By default a chat request with
+POST /v1/chat/completions and /v1/completions. A chat request with stream: true is answered as
+llama-server streams it: SSE `data: {chat.completion.chunk}` events (role first, then
+reasoning_content, content and tool call deltas of `chunk_chars` characters, `chunk_delay` apart,
+a final chunk with finish_reason, the usage chunk under stream_options.include_usage, then
+`data: [DONE]`), chunked over HTTP/1.1; a client that closes the stream stops the generation
+(`streams` records what each stream sent). By default a chat request with
 tools forwarded gets one tool call (an id the server mints), a json_schema request gets the
 schema's first enum or "{}", anything else a text reply; `chat_handler` / `completion_handler`
 replace that, `delay` holds each generation, `fail_with` answers an error. Every request body is
@@ -14,6 +19,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -58,6 +64,10 @@ class FakeLlamaCpp:
         self.completion_handler: Callable[[dict[str, Any]], dict[str, Any]] | None = None
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self.generating = threading.Event()  # set when a generation request arrived
+        self.chunk_chars = 4
+        self.chunk_delay = 0.0
+        self.streams: list[StreamRecord] = []
+        self.stream_ended = threading.Event()  # set when a stream finished or its client went away
         self._server: ThreadingHTTPServer | None = None
         self._calls = 0
 
@@ -67,6 +77,8 @@ class FakeLlamaCpp:
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # llama-server streams with chunked transfer encoding
+
             def log_message(self, *args: Any) -> None:
                 pass
 
@@ -77,6 +89,33 @@ class FakeLlamaCpp:
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+            def _stream(self, body: dict[str, Any]) -> None:
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                events = stream_chunks(fake.chat(body), fake.chunk_chars, include_usage=include_usage)
+                record = StreamRecord(total=len(events))
+                fake.streams.append(record)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                try:
+                    for event in events:
+                        data = f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n".encode()
+                        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                        self.wfile.flush()
+                        record.sent += 1
+                        if fake.chunk_delay:
+                            time.sleep(fake.chunk_delay)
+                    self.wfile.write(b"0\r\n\r\n")
+                    self.wfile.flush()
+                    record.finished = True
+                except (BrokenPipeError, ConnectionResetError):
+                    record.closed_early = True  # llama-server cancels the task when its client goes away
+                    self.close_connection = True
+                finally:
+                    fake.stream_ended.set()
 
             def do_GET(self) -> None:
                 if self.path == "/v1/models":
@@ -98,6 +137,8 @@ class FakeLlamaCpp:
                         time.sleep(fake.delay)
                     if fake.fail_with:
                         self._send(*fake.fail_with)
+                    elif self.path == "/v1/chat/completions" and body.get("stream"):
+                        self._stream(body)
                     elif self.path == "/v1/chat/completions":
                         self._send(200, fake.chat(body))
                     else:
@@ -188,6 +229,54 @@ class FakeLlamaCpp:
             "choices": [{"text": " the dragon slept.", "index": 0, "logprobs": None, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10},
         }
+
+
+@dataclass
+class StreamRecord:
+    total: int  # events the whole reply takes, [DONE] included
+    sent: int = 0
+    finished: bool = False
+    closed_early: bool = False
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+def stream_chunks(completion: dict[str, Any], size: int, *, include_usage: bool) -> list[Any]:
+    """A chat.completion as the events llama-server streams for it."""
+    choice = completion["choices"][0]
+    message = choice["message"]
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        return {
+            "choices": [{"finish_reason": finish, "index": 0, "delta": delta}],
+            "created": 1700000000,
+            "id": "chatcmpl-fake",
+            "model": completion.get("model", "fake"),
+            "system_fingerprint": "b6000-fake",
+            "object": "chat.completion.chunk",
+            **extra,
+        }
+
+    events: list[Any] = [chunk({"role": "assistant", "content": None})]
+    events += [chunk({"reasoning_content": piece}) for piece in _pieces(message.get("reasoning_content") or "", size)]
+    events += [chunk({"content": piece}) for piece in _pieces(message.get("content") or "", size)]
+    for index, call in enumerate(message.get("tool_calls") or []):
+        head = {"index": index, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"], "arguments": ""}}
+        events.append(chunk({"tool_calls": [head]}))
+        events += [
+            chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
+            for piece in _pieces(call["function"]["arguments"], size)
+        ]
+    usage = completion.get("usage")
+    events.append(chunk({}, choice["finish_reason"], timings={"predicted_n": len(events)}))
+    if include_usage and usage:
+        usage_chunk = chunk({}, usage=usage)
+        usage_chunk["choices"] = []
+        events.append(usage_chunk)
+    events.append("[DONE]")
+    return events
 
 
 def chat_completion(

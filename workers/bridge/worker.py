@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from contract.chat_declaration import ChatDeclaration, ChatFaultReason, ChatLimits
+from contract.chat_progress import streams_progress
 from contract.text import TEXT_JOB_LEASE_SECONDS
 from workers.bridge import BRIDGE_AGENT
 from workers.bridge.backends import (
@@ -27,6 +28,7 @@ from workers.bridge.backends import (
     BackendDown,
     BackendError,
     Capabilities,
+    GenerationStopped,
     ProgressSink,
     apply_overrides,
 )
@@ -43,6 +45,7 @@ from workers.bridge.jobs import (
     text_fault_body,
     text_submit_body,
 )
+from workers.bridge.progress import ProgressPoster
 
 # The horde's stale sweep runs every 60 s: a submit up to then after the lease may still land.
 SUBMIT_GRACE_AFTER_LEASE = 60.0
@@ -146,9 +149,8 @@ class Bridge:
         self.backend = backend
         self.horde = horde or HordeClient(config.horde_url, config.api_key)
         self.out = out or sys.stderr
-        # The streaming seam: a factory that returns a sink posting progress for a job whose
-        # payload carries stream_progress (the streaming issue); None keeps replies whole.
-        self.progress_factory = progress_factory
+        # The sink posting progress for a job whose payload carries the stream hint.
+        self.progress_factory = progress_factory or self._progress_poster
         self.stats = Stats()
         self.stop_event = threading.Event()  # no more pops
         self.stop_deadline: float | None = None  # set by a signal: fault held jobs after it
@@ -164,6 +166,15 @@ class Bridge:
         self.horde_model = config.horde_model or ""
         self.username = ""
         self.ready = threading.Event()  # set once the first pop was answered
+
+    def _progress_poster(self, held: HeldJob, payload: dict[str, Any]) -> ProgressSink:
+        return ProgressPoster(
+            self.horde,
+            held.id,
+            max_length=int(payload.get("max_length") or self.config.max_length),
+            interval=self.config.progress_interval,
+            log=self.log,
+        )
 
     # -- output
 
@@ -403,6 +414,9 @@ class Bridge:
             return None, 0.0
         try:
             return call(remaining), time.monotonic() - started
+        except GenerationStopped as stop:  # the horde said stop: no submit
+            self._record_dropped(held, f"stopped generating: {stop}")
+            return None, time.monotonic() - started
         except BackendError as error:
             elapsed = time.monotonic() - started
             if time.monotonic() >= held.deadline - 0.5:
@@ -427,7 +441,7 @@ class Bridge:
                 self._fault(held, ChatFaultReason.GENERATION_ERROR, str(error))
                 return
         body = chat_backend_request(payload, model=self.caps.model, kind=self.caps.kind)
-        progress = self.progress_factory(held, payload) if self.progress_factory and payload.get("stream_progress") else None
+        progress = self.progress_factory(held, payload) if streams_progress(payload) else None
         response, seconds = self._generate(held, lambda timeout: self.backend.chat(body, timeout=timeout, progress=progress))
         if response is None:
             return
