@@ -24,7 +24,12 @@ template and its caps, modalities), GET /slots, GET /health, POST /tokenize, POS
 
 By default a chat request with tools forwarded gets one tool call (an id the server mints),
 anything else a text reply; `chat_handler` / `completion_handler` replace the reply, `delay`
-holds each generation (in its slot), `fail_with` answers an error instead. Every request body is
+holds each generation (in its slot), `fail_with` answers an error instead. A chat request with
+stream: true is answered as llama-server streams it: SSE `data: {chat.completion.chunk}` events
+(role first, then reasoning_content, content and tool call deltas of `chunk_chars` characters,
+`chunk_delay` apart, a final chunk with finish_reason, the usage chunk under
+stream_options.include_usage, then `data: [DONE]`), chunked over HTTP/1.1; a client that closes
+the stream stops the generation (`streams` records what each stream sent). Every request body is
 kept in `requests`.
 """
 
@@ -36,6 +41,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -132,6 +138,10 @@ class FakeLlamaCpp:
         self._kv_used = 0  # tokens the running generations hold in a unified cache
         self._slots_free: threading.Semaphore | None = None
         self._state = threading.Lock()
+        self.chunk_chars = 4
+        self.chunk_delay = 0.0
+        self.streams: list[StreamRecord] = []
+        self.stream_ended = threading.Event()  # set when a stream finished or its client went away
         self._server: ThreadingHTTPServer | None = None
         self._calls = 0
 
@@ -147,6 +157,8 @@ class FakeLlamaCpp:
         self._slots_free = threading.Semaphore(self.total_slots)
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # llama-server streams with chunked transfer encoding
+
             def log_message(self, *args: Any) -> None:
                 pass
 
@@ -160,6 +172,33 @@ class FakeLlamaCpp:
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+            def _stream(self, body: dict[str, Any]) -> None:
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                events = stream_chunks(fake.generate("/v1/chat/completions", body), fake.chunk_chars, include_usage=include_usage)
+                record = StreamRecord(total=len(events))
+                fake.streams.append(record)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                try:
+                    for event in events:
+                        data = f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n".encode()
+                        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                        self.wfile.flush()
+                        record.sent += 1
+                        if fake.chunk_delay:
+                            time.sleep(fake.chunk_delay)
+                    self.wfile.write(b"0\r\n\r\n")
+                    self.wfile.flush()
+                    record.finished = True
+                except (BrokenPipeError, ConnectionResetError):
+                    record.closed_early = True  # llama-server cancels the task when its client goes away
+                    self.close_connection = True
+                finally:
+                    fake.stream_ended.set()
 
             def do_GET(self) -> None:
                 if self.path == "/v1/models":
@@ -197,6 +236,8 @@ class FakeLlamaCpp:
                             if fake.delay:
                                 time.sleep(fake.delay)
                             self._send(*fake.fail_with)
+                        elif self.path == "/v1/chat/completions" and body.get("stream"):
+                            self._stream(body)
                         else:
                             self._send(200, fake.generate(self.path, body))
                     else:
@@ -404,6 +445,54 @@ def grammar_schema(response_format: Any) -> dict[str, Any] | None:
     else:
         return None
     return schema if isinstance(schema, dict) and schema else None
+
+
+@dataclass
+class StreamRecord:
+    total: int  # events the whole reply takes, [DONE] included
+    sent: int = 0
+    finished: bool = False
+    closed_early: bool = False
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+def stream_chunks(completion: dict[str, Any], size: int, *, include_usage: bool) -> list[Any]:
+    """A chat.completion as the events llama-server streams for it."""
+    choice = completion["choices"][0]
+    message = choice["message"]
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        return {
+            "choices": [{"finish_reason": finish, "index": 0, "delta": delta}],
+            "created": 1700000000,
+            "id": "chatcmpl-fake",
+            "model": completion.get("model", "fake"),
+            "system_fingerprint": "b6000-fake",
+            "object": "chat.completion.chunk",
+            **extra,
+        }
+
+    events: list[Any] = [chunk({"role": "assistant", "content": None})]
+    events += [chunk({"reasoning_content": piece}) for piece in _pieces(message.get("reasoning_content") or "", size)]
+    events += [chunk({"content": piece}) for piece in _pieces(message.get("content") or "", size)]
+    for index, call in enumerate(message.get("tool_calls") or []):
+        head = {"index": index, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"], "arguments": ""}}
+        events.append(chunk({"tool_calls": [head]}))
+        events += [
+            chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
+            for piece in _pieces(call["function"]["arguments"], size)
+        ]
+    usage = completion.get("usage")
+    events.append(chunk({}, choice["finish_reason"], timings={"predicted_n": len(events)}))
+    if include_usage and usage:
+        usage_chunk = chunk({}, usage=usage)
+        usage_chunk["choices"] = []
+        events.append(usage_chunk)
+    events.append("[DONE]")
+    return events
 
 
 def chat_completion(

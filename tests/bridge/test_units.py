@@ -13,7 +13,14 @@ import jsonschema
 import pytest
 
 from contract.chat_declaration import ChatFaultReason, ChatFinishReason
-from workers.bridge.backends import BackendDown, OpenAIBackend, classify_backend_error, normalise_base_url
+from workers.bridge.backends import (
+    BackendDown,
+    BackendError,
+    ChatStreamReader,
+    OpenAIBackend,
+    classify_backend_error,
+    normalise_base_url,
+)
 from workers.bridge.config import ConfigError, load_config
 from workers.bridge.jobs import (
     chat_backend_request,
@@ -275,3 +282,90 @@ def test_scripted_backend_is_deterministic_and_answers_every_shape():
     with pytest.raises(Exception) as overflow:
         backend.chat({"messages": [{"role": "user", "content": "x" * 200_000}], "max_tokens": 50}, timeout=5)
     assert overflow.value.fault_reason == ChatFaultReason.PROMPT_OVERFLOW
+
+
+# --- streamed replies ------------------------------------------------------------------------------
+
+
+def _sse(*chunks: object) -> list[str]:
+    lines: list[str] = []
+    for chunk in chunks:
+        lines += [f"data: {chunk if isinstance(chunk, str) else json.dumps(chunk)}", ""]
+    return lines
+
+
+def _delta(delta: dict, finish: str | None = None) -> dict:
+    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+@pytest.mark.parametrize(
+    "whole",
+    [
+        "<think>Plan the answer.</think>\n\nThe answer.",
+        "  <think>\nunclosed reasoning cut at max_length",
+        "No reasoning at all, <think> in the middle stays content.",
+        "<thinking> is not the tag",
+        "<think></think>Only content.",
+    ],
+)
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 100])
+def test_streamed_think_split_matches_the_whole_reply_split(whole, size):
+    reader = ChatStreamReader()
+    posted_content, posted_reasoning = "", ""
+    for line in _sse(*[_delta({"content": whole[i : i + size]}) for i in range(0, len(whole), size)]):
+        content, reasoning = reader.feed_line(line)
+        posted_content, posted_reasoning = posted_content + content, posted_reasoning + reasoning
+    content, reasoning = reader.finish()
+    posted_content, posted_reasoning = posted_content + content, posted_reasoning + reasoning
+    expected_content, expected_reasoning = split_reasoning(whole)
+    assert posted_content == expected_content
+    assert posted_reasoning.strip() == (expected_reasoning or "")
+
+
+def test_stream_reader_assembles_reasoning_calls_finish_and_usage():
+    reader = ChatStreamReader()
+    lines = [": keep-alive", "event: message"] + _sse(
+        _delta({"role": "assistant", "content": None}),
+        _delta({"reasoning": "vLLM names it "}),  # vLLM's and Ollama's key
+        _delta({"reasoning_content": "reasoning."}),
+        _delta({"tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "f", "arguments": ""}}]}),
+        _delta({"tool_calls": [{"index": 1, "id": "call_b", "function": {"name": "g", "arguments": '{"x"'}}]}),
+        _delta({"tool_calls": [{"index": 0, "function": {"arguments": '{"a":'}}]}),
+        _delta({"tool_calls": [{"index": 1, "function": {"arguments": ":2}"}}]}),
+        _delta({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}),
+        _delta({}, "tool_calls"),
+        {"object": "chat.completion.chunk", "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 7}},
+        "[DONE]",
+    )
+    posted = [reader.feed_line(line) for line in lines]
+    assert [r for _, r in posted if r] == ["vLLM names it ", "reasoning."]
+    assert reader.done
+    reply = parse_chat_response(reader.response())
+    assert reply.reasoning == "vLLM names it reasoning."
+    assert reply.content is None and reply.finish_reason == ChatFinishReason.TOOL_CALLS
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in reply.tool_calls] == [
+        ("call_a", "f", '{"a":1}'),
+        ("call_b", "g", '{"x":2}'),
+    ]
+    assert (reply.prompt_tokens, reply.completion_tokens) == (9, 7)
+
+
+def test_stream_reader_refuses_an_error_chunk_and_a_cut_stream():
+    reader = ChatStreamReader()
+    with pytest.raises(BackendError) as error:
+        reader.feed_line('data: {"error": {"code": 400, "message": "the request exceeds the available context size"}}')
+    assert error.value.fault_reason == ChatFaultReason.PROMPT_OVERFLOW
+    cut = ChatStreamReader()
+    cut.feed_line(f"data: {json.dumps(_delta({'content': 'Hel'}))}")
+    with pytest.raises(BackendError, match="ended before the reply finished"):
+        cut.response()
+    with pytest.raises(BackendError, match="not JSON"):
+        ChatStreamReader().feed_line("data: {broken")
+
+
+def test_progress_interval_flag_and_environment():
+    assert load_config(["--api-key", "k"], {}).progress_interval == 0.25
+    assert load_config(["--api-key", "k"], {"BRIDGE_PROGRESS_INTERVAL": "0.5"}).progress_interval == 0.5
+    assert load_config(["--api-key", "k", "--progress-interval", "0"], {"BRIDGE_PROGRESS_INTERVAL": "2"}).progress_interval == 0
+    with pytest.raises(ConfigError, match="progress-interval"):
+        load_config(["--api-key", "k", "--progress-interval", "-1"], {})

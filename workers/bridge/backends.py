@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -37,16 +38,21 @@ class BackendDown(BackendError):
     """The backend cannot be reached (or timed out): fault the job, and pop no more until it is back."""
 
 
-class ProgressSink(Protocol):
-    """The seam for streamed progress (spec: "Streaming progress"; a later issue posts it).
+class GenerationStopped(Exception):
+    """The horde told the worker to stop generating (the request was cancelled or the job aborted):
+    the backend's stream was closed, and nothing is submitted."""
 
-    A backend that streams calls `delta` with the text generated since its previous call; the
-    worker will forward it to POST /api/v2/generate/text/progress for a job whose payload carries
-    stream_progress. `delta` returns False when the horde says stop (the request was cancelled).
-    Today's backends answer whole (stream off) and never call it.
+
+class ProgressSink(Protocol):
+    """Where a streaming backend sends what it generates (spec: "Streaming progress").
+
+    `delta` gets the text read since its previous call, content and reasoning apart; `flush` is
+    called once the stream finished. Either returns False when the horde says stop generating.
     """
 
     def delta(self, content: str, reasoning_content: str | None = None) -> bool: ...
+
+    def flush(self) -> bool: ...
 
 
 @dataclass
@@ -322,9 +328,43 @@ class OpenAIBackend:
             return False
 
     def chat(self, body: dict[str, Any], *, timeout: float, progress: ProgressSink | None = None) -> dict[str, Any]:
-        # Stream off: the reply comes whole. A streaming variant would read SSE deltas and call
-        # progress.delta for each (the streaming issue).
-        return self._post("chat/completions", {**body, "stream": False}, timeout)
+        """The reply as one chat.completion body; streamed from the backend (SSE) when `progress`
+        takes the deltas, whole otherwise."""
+        if progress is None:
+            return self._post("chat/completions", {**body, "stream": False}, timeout)
+        return self._stream_chat(body, timeout, progress)
+
+    def _stream_chat(self, body: dict[str, Any], timeout: float, progress: ProgressSink) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        request = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        reader = ChatStreamReader()
+        stopped = False
+        try:
+            with self._client.stream(
+                "POST", f"{self.base}/chat/completions", json=request, timeout=max(timeout, 0.1)
+            ) as response:
+                if response.status_code != 200:
+                    raise classify_backend_error(response.status_code, response.read().decode("utf-8", "replace"))
+                for line in response.iter_lines():
+                    if time.monotonic() > deadline:
+                        raise BackendDown("backend timed out while streaming")
+                    content, reasoning = reader.feed_line(line)
+                    if (content or reasoning) and not progress.delta(content, reasoning or None):
+                        stopped = True  # leaving the block closes the stream: the server stops generating
+                        break
+                    if reader.done:
+                        break
+        except httpx.TimeoutException as error:
+            raise BackendDown(f"backend timed out: {error}") from None
+        except httpx.HTTPError as error:
+            raise BackendDown(f"backend unreachable: {type(error).__name__}: {error}") from None
+        if not stopped:
+            content, reasoning = reader.finish()
+            if (content or reasoning) and not progress.delta(content, reasoning or None):
+                stopped = True
+        if stopped or not progress.flush():
+            raise GenerationStopped(getattr(progress, "stopped", None) or "the horde said stop")
+        return reader.response()
 
     def complete(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
         return self._post("completions", {**body, "stream": False}, timeout)
@@ -500,6 +540,171 @@ class OpenAIBackend:
         except (ValueError, AttributeError):
             message = response.text[:200]
         return False, f"{response.status_code} {message!r}"
+
+
+# --- streamed replies (SSE chunks of chat.completion.chunk) ---------------------------------------
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def _held_tail(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could start `tag` (held back until the next delta)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class ThinkSplitter:
+    """Splits streamed content into (content, reasoning) as `jobs.split_reasoning` splits a whole
+    reply: a <think> block at the start is reasoning (all of it while unclosed), the rest content.
+    Text that may still be part of a tag is held back until the next delta or `finish`."""
+
+    def __init__(self) -> None:
+        self.state = "start"  # start | think | after | content
+        self.buffer = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        content, reasoning = "", ""
+        self.buffer += text
+        while self.buffer:
+            if self.state == "start":
+                head = self.buffer.lstrip()
+                if not head or (THINK_OPEN.startswith(head) and head != THINK_OPEN):
+                    break  # only whitespace, or a part of "<think>" so far
+                if head.startswith(THINK_OPEN):
+                    self.state, self.buffer = "think", head[len(THINK_OPEN):].lstrip()
+                    continue
+                self.state = "content"
+            elif self.state == "think":
+                end = self.buffer.find(THINK_CLOSE)
+                if end >= 0:
+                    reasoning += self.buffer[:end]
+                    self.state, self.buffer = "after", self.buffer[end + len(THINK_CLOSE):]
+                    continue
+                keep = _held_tail(self.buffer, THINK_CLOSE)
+                reasoning += self.buffer[: len(self.buffer) - keep]
+                self.buffer = self.buffer[len(self.buffer) - keep:]
+                break
+            elif self.state == "after":
+                self.buffer = self.buffer.lstrip()
+                if self.buffer:
+                    self.state = "content"
+            else:
+                content, self.buffer = content + self.buffer, ""
+        return content, reasoning
+
+    def finish(self) -> tuple[str, str]:
+        text, self.buffer = self.buffer, ""
+        if self.state == "think":
+            return "", text  # a block cut off at max_length is all reasoning
+        if self.state == "after":
+            return "", ""
+        return text, ""
+
+
+class ChatStreamReader:
+    """Reads an OpenAI-compatible SSE stream line by line (llama.cpp, vLLM, Ollama, TabbyAPI):
+    content and reasoning deltas (reasoning_content, or vLLM's and Ollama's `reasoning`), tool call
+    deltas accumulated by index, the finish reason and the usage chunk; `response` is the
+    chat.completion body the whole reply would have been."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.chunks = 0
+        self.done = False
+        self.splitter = ThinkSplitter()
+
+    def feed_line(self, line: str) -> tuple[str, str]:
+        """One line of the stream; the (content, reasoning) it adds to the reply as posted."""
+        if not line.startswith("data:"):
+            return "", ""  # blank separators, `event:`, `: keep-alive` comments
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            self.done = True
+            return "", ""
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            raise BackendError("backend streamed a chunk that is not JSON") from None
+        if not isinstance(chunk, dict):
+            raise BackendError("backend streamed a chunk that is not an object")
+        if chunk.get("error"):
+            error = chunk["error"]
+            status = error.get("code") if isinstance(error, dict) and isinstance(error.get("code"), int) else 500
+            raise classify_backend_error(status, json.dumps(error) if not isinstance(error, str) else error)
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            return "", ""  # the usage chunk has no choices
+        self.chunks += 1
+        choice = choices[0]
+        if choice.get("finish_reason"):
+            self.finish_reason = str(choice["finish_reason"])
+        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+        content, reasoning = "", ""
+        piece = delta.get("content")
+        if isinstance(piece, str) and piece:
+            self.content.append(piece)
+            content, reasoning = self.splitter.feed(piece)
+        for key in ("reasoning_content", "reasoning"):
+            piece = delta.get(key)
+            if isinstance(piece, str) and piece:
+                self.reasoning.append(piece)
+                reasoning += piece
+                break
+        for call in delta.get("tool_calls") or []:
+            if isinstance(call, dict):
+                self._call_delta(call)
+        return content, reasoning
+
+    def _call_delta(self, call: dict[str, Any]) -> None:
+        index = call.get("index") if isinstance(call.get("index"), int) else len(self.calls)
+        slot = self.calls.setdefault(index, {"id": None, "type": "function", "name": "", "arguments": []})
+        if isinstance(call.get("id"), str) and call["id"] and not slot["id"]:
+            slot["id"] = call["id"]
+        function = call.get("function") if isinstance(call.get("function"), dict) else {}
+        if isinstance(function.get("name"), str) and function["name"] and not slot["name"]:
+            slot["name"] = function["name"]
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            slot["arguments"].append(arguments)
+        elif arguments is not None:
+            slot["arguments"].append(json.dumps(arguments, separators=(",", ":")))
+
+    def finish(self) -> tuple[str, str]:
+        """What the splitter still held when the stream ended."""
+        return self.splitter.finish()
+
+    def response(self) -> dict[str, Any]:
+        if not self.chunks:
+            raise BackendError("backend streamed no choices")
+        if not self.done and self.finish_reason is None:
+            raise BackendError("backend's stream ended before the reply finished")
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or None}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            message["tool_calls"] = [
+                {
+                    "id": slot["id"],
+                    "type": "function",
+                    "function": {"name": slot["name"], "arguments": "".join(slot["arguments"])},
+                }
+                for _, slot in sorted(self.calls.items())
+            ]
+        answer: dict[str, Any] = {
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "finish_reason": self.finish_reason}],
+        }
+        if self.usage is not None:
+            answer["usage"] = self.usage
+        return answer
 
 
 def apply_overrides(caps: Capabilities, *, add: Iterable[str], remove: Iterable[str], transports: set[str] | None) -> None:

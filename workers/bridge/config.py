@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from contract.chat_declaration import KNOWN_IMAGE_TRANSPORTS
 from contract.chat_policy import KNOWN_CHAT_DECLARATIONS
 from contract.text import MAX_WORKER_NAME_LENGTH, TEXT_POP_WAIT_MAX_SECONDS
+from workers.bridge.progress import DEFAULT_PROGRESS_INTERVAL
 
 SCRIPTED = "scripted"
 BACKEND_KINDS = ("auto", "llamacpp", "vllm", "ollama", "koboldcpp", "tabbyapi", "openai")
@@ -43,6 +44,7 @@ class BridgeConfig:
     lease_margin: float = 5.0  # stop working on a job this long before its lease ends
     stop_grace: float = 30.0  # on SIGINT/SIGTERM, finish held jobs for this long, then fault them
     backend_timeout: float = 600.0
+    progress_interval: float = DEFAULT_PROGRESS_INTERVAL  # streamed jobs: seconds between progress posts
     max_jobs: int | None = None  # stop after this many jobs (tests, bench)
     quiet: bool = False  # no progress line per job
 
@@ -139,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--lease-margin", type=float, default=d.lease_margin, help="give a job up this long before its lease ends (BRIDGE_LEASE_MARGIN)")
     add("--stop-grace", type=float, default=d.stop_grace, help="on SIGINT/SIGTERM, seconds to finish held jobs (BRIDGE_STOP_GRACE)")
     add("--backend-timeout", type=float, default=d.backend_timeout, help="(BRIDGE_BACKEND_TIMEOUT)")
+    add(
+        "--progress-interval",
+        type=float,
+        default=d.progress_interval,
+        help="streamed jobs: seconds between progress posts, 0 posts each backend delta (BRIDGE_PROGRESS_INTERVAL)",
+    )
     add("--max-jobs", type=int, default=None, help="stop after this many jobs (BRIDGE_MAX_JOBS)")
     add("--quiet", action="store_true", default=None, help="no progress line per job (BRIDGE_QUIET)")
     return parser
@@ -170,6 +178,7 @@ _ENV: dict[str, tuple[str, object]] = {
     "lease_margin": ("BRIDGE_LEASE_MARGIN", float),
     "stop_grace": ("BRIDGE_STOP_GRACE", float),
     "backend_timeout": ("BRIDGE_BACKEND_TIMEOUT", float),
+    "progress_interval": ("BRIDGE_PROGRESS_INTERVAL", float),
     "max_jobs": ("BRIDGE_MAX_JOBS", int),
     "quiet": ("BRIDGE_QUIET", _env_bool),
 }
@@ -217,6 +226,7 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
         lease_margin=values["lease_margin"],
         stop_grace=values["stop_grace"],
         backend_timeout=values["backend_timeout"],
+        progress_interval=values["progress_interval"],
         max_jobs=values["max_jobs"],
         quiet=bool(values["quiet"]),
     )
@@ -237,6 +247,8 @@ def validate(config: BridgeConfig) -> None:
         raise ConfigError("--max-length is at least 16")
     if config.max_context_length is not None and config.max_context_length < 80:
         raise ConfigError("--max-context-length is at least 80")
+    if not 0 <= config.progress_interval <= 60:
+        raise ConfigError("--progress-interval is 0 to 60 seconds")
     if not config.chat_jobs and not config.text_jobs:
         raise ConfigError("--no-chat and --no-text together leave nothing to serve")
     unknown = (config.add_features | config.remove_features) - KNOWN_CHAT_DECLARATIONS

@@ -6,11 +6,15 @@ from typing import Any
 
 import httpx
 
+from contract.chat_progress import PROGRESS_ROUTE
 from workers.bridge import BRIDGE_AGENT
 
 # The upstream worker's timeouts (spec: existing-clients.md): pop 40 s, submit 60 s.
 POP_TIMEOUT = 40.0
 SUBMIT_TIMEOUT = 60.0
+
+# A progress post is small and frequent: a slow answer is not worth holding the backend's stream for.
+PROGRESS_TIMEOUT = 10.0
 
 # Return codes after which popping again cannot help until the configuration changes.
 FATAL_POP_RCS = frozenset(
@@ -74,6 +78,18 @@ class HordeClient:
 
     def submit(self, body: dict[str, Any]) -> dict[str, Any]:
         return self._call("POST", "generate/text/submit", json=body, timeout=SUBMIT_TIMEOUT)
+
+    def progress(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """POST the progress route: (status, body) for any answer; HordeUnavailable without one."""
+        try:
+            response = self._client.post(PROGRESS_ROUTE.removeprefix("/api/v2/"), json=body, timeout=PROGRESS_TIMEOUT)
+        except httpx.HTTPError as error:
+            raise HordeUnavailable(f"{type(error).__name__}: {error}") from None
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = None
+        return response.status_code, answer if isinstance(answer, dict) else {}
 
     def fetch_json(self, url: str, *, timeout: float = 30.0) -> Any:
         """A messages_url: a presigned URL outside the API, fetched without the API key."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from contract.chat_declaration import ChatDeclaration, ChatFaultReason, ChatLimits
+from contract.chat_progress import streams_progress
 from contract.text import TEXT_JOB_LEASE_SECONDS
 from workers.bridge import BRIDGE_AGENT
 from workers.bridge.backends import (
@@ -30,6 +31,7 @@ from workers.bridge.backends import (
     BackendDown,
     BackendError,
     Capabilities,
+    GenerationStopped,
     ProgressSink,
     apply_overrides,
 )
@@ -48,6 +50,7 @@ from workers.bridge.jobs import (
     text_submit_body,
     trim_prompt_start,
 )
+from workers.bridge.progress import ProgressPoster
 
 # The horde's stale sweep runs every 60 s: a submit up to then after the lease may still land.
 SUBMIT_GRACE_AFTER_LEASE = 60.0
@@ -172,9 +175,8 @@ class Bridge:
         self.backend = backend
         self.horde = horde or HordeClient(config.horde_url, config.api_key)
         self.out = out or sys.stderr
-        # The streaming seam: a factory that returns a sink posting progress for a job whose
-        # payload carries stream_progress (the streaming issue); None keeps replies whole.
-        self.progress_factory = progress_factory
+        # The sink posting progress for a job whose payload carries the stream hint.
+        self.progress_factory = progress_factory or self._progress_poster
         self.stats = Stats()
         self.stop_event = threading.Event()  # no more pops
         self.stop_deadline: float | None = None  # set by a signal: fault held jobs after it
@@ -193,6 +195,15 @@ class Bridge:
         self.username = ""
         self.ready = threading.Event()  # set once the first pop was answered
         self.pop_wait = config.pop_wait  # 0 once the horde refused the key
+
+    def _progress_poster(self, held: HeldJob, payload: dict[str, Any]) -> ProgressSink:
+        return ProgressPoster(
+            self.horde,
+            held.id,
+            max_length=int(payload.get("max_length") or self.config.max_length),
+            interval=self.config.progress_interval,
+            log=self.log,
+        )
 
     # -- output
 
@@ -468,6 +479,9 @@ class Bridge:
             return None, 0.0
         try:
             return call(remaining), time.monotonic() - started
+        except GenerationStopped as stop:  # the horde said stop: no submit
+            self._record_dropped(held, f"stopped generating: {stop}")
+            return None, time.monotonic() - started
         except BackendError as error:
             elapsed = time.monotonic() - started
             if time.monotonic() >= held.deadline - 0.5:
@@ -494,7 +508,7 @@ class Bridge:
         body = chat_backend_request(payload, model=self.caps.model, kind=self.caps.kind)
         if not self._fit_chat_prompt(held, body):
             return
-        progress = self.progress_factory(held, payload) if self.progress_factory and payload.get("stream_progress") else None
+        progress = self.progress_factory(held, payload) if streams_progress(payload) else None
         response, seconds = self._generate(held, lambda timeout: self.backend.chat(body, timeout=timeout, progress=progress))
         if response is None:
             return
