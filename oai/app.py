@@ -4,7 +4,8 @@ One `FrontState` per process (per event loop): settings, metrics, the native cli
 signal listener, the in-flight limiter and the failed cancels. A chat request is screened, admitted
 (an in-flight slot), submitted with an operation key, then waited for: non-streamed, the wait ends
 in the JSON body; streamed, the first status read decides the HTTP answer and the stream carries
-keepalives until the reply is delivered whole (relayed deltas are a later issue: mapping.relays_deltas).
+keepalives until the reply is delivered whole, or, for a request whose deltas are relayed
+(mapping.relays_deltas, on a front with Redis), sends each delta as it arrives (oai.deltas).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from contract.chat_errors import param_from_native_message
 from contract.chat_policy import parse_kudos_cap_message
 from oai import sse
 from oai.attribution import build_client_agent
+from oai.deltas import RelayedStream, build_delta_reader
 from oai.errors import ChatFrontError
 from oai.horde_client import HordeClient, NativeAnswer, NativeUnreachable, SubmitAnswerLost
-from oai.mapping import Completion, build_completion, build_model_card, build_native_chat_body
+from oai.mapping import Completion, build_completion, build_model_card, build_native_chat_body, relays_deltas
 from oai.metrics import FrontMetrics
 from oai.schema import ChatCompletionRequest, parse_body, screen_request
 from oai.settings import FrontSettings, load_settings
@@ -228,6 +230,7 @@ class FrontState:
             if settings.redis_url
             else None
         )
+        self.delta_reader = build_delta_reader(settings.redis_url, settings.stream_redis_db)
         # request id -> submit time (monotonic) of cancels to send again, oldest first.
         self.failed_cancels: collections.OrderedDict[str, float] = collections.OrderedDict()
         self.open_requests: dict[str, float] = {}
@@ -272,6 +275,8 @@ class FrontState:
             self._retry_task.cancel()
         if self.listener is not None:
             await _bounded(self.listener.close(), bound)
+        if self.delta_reader is not None:
+            await _bounded(self.delta_reader.close(), bound)
         await _bounded(self.client.aclose(), bound)
 
     async def _retry_failed_cancels_loop(self) -> None:
@@ -571,12 +576,17 @@ class ChatRun:
         self.first_decided = not request.fail_fast
         self.cancelled = False
         self.closed = False
+        # Relayed deltas: the stream hint is forwarded, and the stream subscribed after the submit.
+        self.relays = state.delta_reader is not None and relays_deltas(request)
+        self.relayed: RelayedStream | None = None
 
     # submit ---------------------------------------------------------------------------------------
 
     async def submit(self, api_key: str, headers: dict[str, str]) -> None:
         operation_key = str(uuid.uuid4())
-        body = build_native_chat_body(self.request.native_body, operation_key=operation_key)
+        body = build_native_chat_body(
+            self.request.native_body, operation_key=operation_key, stream_progress=self.relays
+        )
         native_headers = {"Client-Agent": build_client_agent(headers)}
         if api_key != ANONYMOUS_API_KEY:  # no key: the horde's anonymous user
             native_headers["apikey"] = api_key
@@ -628,6 +638,16 @@ class ChatRun:
     # reads --------------------------------------------------------------------------------------
 
     async def start_wait(self) -> None:
+        if self.relays:
+            self.relayed = RelayedStream(
+                self.state.delta_reader,
+                request_id=self.request_id,
+                created=self.created,
+                include_reasoning=self.request.include_reasoning,
+                fallback_model=self.request.requested_models[0],
+                metrics=self.state.metrics,
+                submitted_mono=self.trace.submitted_mono,
+            )
         listener = await self.state.ensure_listener()
         if listener is not None and listener.healthy:
             self.wake = await listener.register(self.request_id)
@@ -811,6 +831,8 @@ class ChatRun:
         if self.wake is not None and self.state.listener is not None:
             with contextlib.suppress(Exception):
                 await self.state.listener.unregister(self.request_id, self.wake)
+        if self.relayed is not None:
+            self.relayed.close()
         self.slot.release()
 
     # the first read decision, then the wait -------------------------------------------------------
@@ -851,7 +873,7 @@ class ChatRun:
             metrics.completions_empty.add(1, {"horde.model": completion.model})
         if isinstance(completion.queue_wait, int | float):
             metrics.queue_wait.record(completion.queue_wait, {"horde.model": completion.model})
-        if self.trace.submitted_mono is not None:
+        if self.trace.submitted_mono is not None and not (self.relayed and self.relayed.exposed):
             metrics.first_content.record(
                 time.monotonic() - self.trace.submitted_mono,
                 {"horde.streamed": self.request.stream, "horde.relayed": False},
@@ -952,16 +974,27 @@ async def _stream_completion(run: ChatRun, completion: Completion | None) -> Asy
     reply whole (events 1-7) or an SSE error event."""
     metrics = run.state.metrics
     keepalive = run.settings.keepalive_seconds
+    relayed = run.relayed
     try:
         yield sse.build_keepalive_event()
         not_after = getattr(run, "_not_after", None)
         next_keepalive = time.monotonic() + keepalive  # keepalive seconds after the last bytes sent
         while completion is None:
             while True:
-                source = await run.watcher.next_wake(not_after=not_after, keepalive_at=next_keepalive)
+                source = await run.watcher.next_wake(
+                    not_after=not_after,
+                    keepalive_at=next_keepalive,
+                    deltas=relayed.event if relayed is not None else None,
+                )
                 if source is None:
                     yield sse.build_keepalive_event()
                     next_keepalive = time.monotonic() + keepalive
+                    continue
+                if source == WakeSource.DELTA:
+                    for event in relayed.pending_events():
+                        yield event
+                        next_keepalive = time.monotonic() + keepalive
+                    _check_relay(run)
                     continue
                 break
             if source == WakeSource.DISCONNECT:
@@ -972,7 +1005,15 @@ async def _stream_completion(run: ChatRun, completion: Completion | None) -> Asy
             except _Finished as finished:
                 completion = finished.completion
         run.delivered(completion)
-        for event in sse.build_completion_events(completion, include_usage=run.request.include_usage):
+        if relayed is not None:
+            for event in relayed.pending_events():  # entries read before the reply was
+                yield event
+            _check_relay(run)
+        if relayed is not None and relayed.exposed:
+            events = relayed.final_events(completion, include_usage=run.request.include_usage)
+        else:
+            events = sse.build_completion_events(completion, include_usage=run.request.include_usage)
+        for event in events:
             yield event
     except ChatFrontError as error:
         run.trace.fail(error, after_headers=True)
@@ -984,6 +1025,15 @@ async def _stream_completion(run: ChatRun, completion: Completion | None) -> Asy
         raise
     finally:
         await _finish(run)
+
+
+def _check_relay(run: ChatRun) -> None:
+    """A relayed stream that an entry broke (another attempt, its ended marker, a gap) ends in
+    ChatStreamDiverged, and the request is cancelled."""
+    error = run.relayed.diverged
+    if error is not None:
+        run.cancel_in_background()
+        raise error
 
 
 def _json_error(error: ChatFrontError, request_id: str | None = None) -> JsonAnswer:
