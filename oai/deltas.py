@@ -106,9 +106,12 @@ class DeltaSubscription:
 class DeltaStreamReader:
     """One XREAD loop per process over every registered request's progress stream."""
 
-    def __init__(self, redis_url: str, *, db: int, tracer: Any = None):
+    def __init__(
+        self, redis_url: str, *, db: int, tracer: Any = None, client_name: str = "horde-oai-delta-reader"
+    ):
         self.redis_url = redis_url
         self.db = db
+        self.client_name = client_name
         self._tracer = tracer
         self._subscriptions: dict[bytes, DeltaSubscription] = {}
         self._changed = asyncio.Event()
@@ -151,6 +154,7 @@ class DeltaStreamReader:
         pool = aioredis.ConnectionPool.from_url(self.redis_url, socket_connect_timeout=2)
         # A database in the URL would win over a keyword; the streams live on the stream database.
         pool.connection_kwargs["db"] = self.db
+        pool.connection_kwargs["client_name"] = self.client_name  # CLIENT LIST shows the reader
         return aioredis.Redis(connection_pool=pool)
 
     async def _drop(self) -> None:
