@@ -150,7 +150,9 @@ class SseStream:
             self.opened.set()
 
 
-async def post_loop(client, job: dict, key: str, index: int, rate: float, seconds: float, sent: dict, errors: list):
+async def post_loop(
+    client, job: dict, key: str, index: int, rate: float, seconds: float, sent: dict, errors: list, answered: list
+):
     seq = 0
     interval = 1.0 / rate
     start = time.perf_counter()
@@ -173,6 +175,7 @@ async def post_loop(client, job: dict, key: str, index: int, rate: float, second
                 json={"id": job["id"], "seq": seq, "delta": {"content": text}},
                 headers={"apikey": key},
             )
+            answered.append(time.perf_counter() - sent[tag])
             if resp.status_code != 200:
                 errors.append(f"progress {resp.status_code}")
                 seq -= 1
@@ -224,8 +227,12 @@ async def relay_loop(args, owners: list[str], requester: str, server_pid: int) -
         print(f"  {len(streams)} streams open, {len(jobs)} jobs popped; posting ...", flush=True)
         sent: dict[str, float] = {}
         errors: list[str] = []
+        answered: list[float] = []
         texts = await asyncio.gather(
-            *(post_loop(client, job, key, i, args.rate, args.duration, sent, errors) for i, (job, key) in enumerate(jobs))
+            *(
+                post_loop(client, job, key, i, args.rate, args.duration, sent, errors, answered)
+                for i, (job, key) in enumerate(jobs)
+            )
         )
         await asyncio.sleep(0.5)
         for (job, key), text in zip(jobs, texts, strict=True):
@@ -246,6 +253,7 @@ async def relay_loop(args, owners: list[str], requester: str, server_pid: int) -
     return {
         "posts": len(sent),
         "latencies": latencies,
+        "answered": answered,
         "missing": missing,
         "errors": errors + [str(e) for e in stream_errors],
         "rss_before_kb": rss_before,
@@ -320,6 +328,8 @@ def report(args, relay: dict, raw: dict) -> str:
         f"{args.duration:g} s per loop",
         f"{'loop':28s} {'entries':>8s} {'p50 ms':>8s} {'p99 ms':>8s}",
         f"{'worker post -> SSE chunk':28s} {len(relay['latencies']):8d} {r50:8.2f} {r99:8.2f}",
+        f"{'worker post -> its 200':28s} {len(relay['answered']):8d} {ms(relay['answered'], 50):8.2f} "
+        f"{ms(relay['answered'], 99):8.2f}",
         f"{'raw XADD -> XREAD':28s} {len(raw['latencies']):8d} {w50:8.2f} {w99:8.2f}",
         f"p50 - raw p50 = {r50 - w50:.2f} ms (goal <= 5), p99 - raw p99 = {r99 - w99:.2f} ms (goal <= 20)",
         f"posts {relay['posts']}, chunks missing {relay['missing']}, errors {len(relay['errors'])} (goal 0)"
