@@ -368,3 +368,28 @@ def test_requests_outside_the_relay_and_fronts_without_redis_are_delivered_whole
     streaming_worker.submit(job, "Whole reply.")
     client.finish()
     assert client.contents() == ["Whole reply."] and _outcomes(front) == {}
+
+
+def test_a_request_faulting_after_exposure_is_chat_request_faulted(front, requester, streaming_worker):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from chat.models import GenerationRequest
+    from chat.services import expire_requests
+
+    client = _stream(front, requester)
+    job = streaming_worker.pop()
+    streaming_worker.post(job, 1, "Hel")
+    client.wait_contents(1)
+    # The cleanup claims the request's expiry: the row is deleted and faulted is published.
+    GenerationRequest.objects.filter(pk=_request_id(job)).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    assert expire_requests() == 1
+    error = _error(client.finish())
+    assert error["code"] == "ChatRequestFaulted" and client.contents() == ["Hel"]
+    assert _outcomes(front) == {}
+    assert [a for a, _ in front.metrics()["horde.oai.stream.failures"]] == [
+        {"horde.code": "ChatRequestFaulted"}
+    ]
