@@ -32,6 +32,7 @@ from chat.pricing import text_request_quote
 from contract.chat_errors import ChatRefusal
 from contract.chat_limits import CHAT_IMAGE_PLACEHOLDER, CHAT_IMAGE_PROMPT_TOKENS
 from contract.chat_policy import chat_request_requirements, kudos_cap_message
+from contract.chat_progress import CHAT_STREAM_PROGRESS_KEY
 from contract.chat_shapes import ChatContextAdjustmentReason, ChatContextFit, ChatRequest
 from contract.errors import HordeError
 from contract.text import TEXT_MAX_CONTEXT_LENGTH_DEFAULT
@@ -45,8 +46,6 @@ log = logging.getLogger(__name__)
 OPERATION_FINGERPRINT_EXCLUDED_HORDE_KEYS = frozenset(
     {"availability_mode", "dry_run", "include_reasoning", "max_kudos", "operation_key"}
 )
-# The stream hint in chat_extras (and the job payload); not in the fingerprint.
-CHAT_STREAM_PROGRESS_KEY = "stream_progress"
 # A chat request without horde.max_context_length starts from the text default.
 CHAT_MAX_CONTEXT_LENGTH_DEFAULT = TEXT_MAX_CONTEXT_LENGTH_DEFAULT
 # The text path's character-based estimate: a token is about four characters.

@@ -26,7 +26,7 @@ from chat.prepared import prepared_cursor
 from chat.progress import write_stream_leases
 from chat.status_cache import status_changed
 from contract.chat_limits import CHAT_SAMPLING_DEFAULTS
-from contract.chat_progress import streams_progress
+from contract.chat_progress import CHAT_STREAM_PROGRESS_KEY, streams_progress
 from contract.errors import HordeError
 from workers.models import Worker
 
@@ -49,8 +49,6 @@ def _priority_user_ids(worker: Worker) -> list[int]:
     return ids
 
 
-# The stream hint's key in chat_extras and in the job payload (spec: "Streaming progress").
-CHAT_STREAM_PROGRESS_KEY = "stream_progress"
 # The payload's sampling keys: always present, the client's value or CHAT_SAMPLING_DEFAULTS.
 CHAT_PAYLOAD_SAMPLING_KEYS = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "rep_pen", "top_k", "min_p")
 # Payload keys present only when the client sent them.

@@ -6,7 +6,8 @@ signal listener, the in-flight limiter, the failed cancels and the front leases.
 screened, admitted (an in-flight slot), submitted with an operation key and a front lease (docs/adr/
 0020-front-lease.md: a submit given up is found by its key and cancelled), then waited for: non-streamed, the wait ends
 in the JSON body; streamed, the first status read decides the HTTP answer and the stream carries
-keepalives until the reply is delivered whole (relayed deltas are a later issue: mapping.relays_deltas).
+keepalives until the reply is delivered whole, or, for a request whose deltas are relayed
+(mapping.relays_deltas, on a front with Redis), sends each delta as it arrives (oai.deltas).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from contract.chat_errors import param_from_native_message
 from contract.chat_policy import parse_kudos_cap_message
 from oai import sse
 from oai.attribution import build_client_agent
+from oai.deltas import RelayedStream, build_delta_reader
 from oai.errors import ChatFrontError
 from oai.front_lease import FrontLeaseRenewer, lease_header
 from oai.horde_client import (
@@ -36,7 +38,7 @@ from oai.horde_client import (
     SubmitAnswerLost,
     rate_limit_pause,
 )
-from oai.mapping import Completion, build_completion, build_model_card, build_native_chat_body
+from oai.mapping import Completion, build_completion, build_model_card, build_native_chat_body, relays_deltas
 from oai.metrics import FrontMetrics
 from oai.schema import ChatCompletionRequest, parse_body, screen_request
 from oai.settings import FrontSettings, load_settings
@@ -274,6 +276,7 @@ class FrontState:
             if settings.redis_url and settings.front_lease_seconds > 0
             else None
         )
+        self.delta_reader = build_delta_reader(settings.redis_url, settings.stream_redis_db)
         self._tasks: set[asyncio.Task] = set()
         self._retry_task: asyncio.Task | None = None
         self.started = False
@@ -317,6 +320,8 @@ class FrontState:
             self._retry_task.cancel()
         if self.listener is not None:
             await _bounded(self.listener.close(), bound)
+        if self.delta_reader is not None:
+            await _bounded(self.delta_reader.close(), bound)
         await _bounded(self.client.aclose(), bound)
 
     async def _retry_failed_cancels_loop(self) -> None:
@@ -703,6 +708,9 @@ class ChatRun:
         self.submit_in_flight: LostSubmit | None = None
         # When this request's front lease was last renewed through the database (monotonic).
         self.lease_renewed_at: float | None = None
+        # Relayed deltas (chat only): the stream hint is forwarded, and the stream subscribed after the submit.
+        self.relays = not self.is_text and state.delta_reader is not None and relays_deltas(request)
+        self.relayed: RelayedStream | None = None
 
     # submit ---------------------------------------------------------------------------------------
 
@@ -711,7 +719,9 @@ class ChatRun:
         if self.is_text:
             body = {**self.request.native_body, "operation_key": self.operation_key}
         else:
-            body = build_native_chat_body(self.request.native_body, operation_key=self.operation_key)
+            body = build_native_chat_body(
+                self.request.native_body, operation_key=self.operation_key, stream_progress=self.relays
+            )
         native_headers = {
             "Client-Agent": build_client_agent(headers),
             **lease_header(self.settings.front_lease_seconds),
@@ -829,6 +839,16 @@ class ChatRun:
             raise
 
     async def start_wait(self) -> None:
+        if self.relays:
+            self.relayed = RelayedStream(
+                self.state.delta_reader,
+                request_id=self.request_id,
+                created=self.created,
+                include_reasoning=self.request.include_reasoning,
+                fallback_model=self.request.requested_models[0],
+                metrics=self.state.metrics,
+                submitted_mono=self.trace.submitted_mono,
+            )
         # No completion signal is published for text requests: their waits poll.
         listener = None if self.is_text else await self.state.ensure_listener()
         if listener is not None and listener.healthy:
@@ -1055,6 +1075,8 @@ class ChatRun:
         if self.wake is not None and self.state.listener is not None:
             with contextlib.suppress(Exception):
                 await self.state.listener.unregister(self.request_id, self.wake)
+        if self.relayed is not None:
+            self.relayed.close()
         self.slot.release()
 
     # the first read decision, then the wait -------------------------------------------------------
@@ -1095,7 +1117,7 @@ class ChatRun:
             metrics.completions_empty.add(1, {"horde.model": completion.model})
         if isinstance(completion.queue_wait, int | float):
             metrics.queue_wait.record(completion.queue_wait, {"horde.model": completion.model})
-        if self.trace.submitted_mono is not None:
+        if self.trace.submitted_mono is not None and not (self.relayed and self.relayed.exposed):
             metrics.first_content.record(
                 time.monotonic() - self.trace.submitted_mono,
                 {"horde.streamed": self.request.stream, "horde.relayed": False},
@@ -1239,16 +1261,27 @@ async def _stream_completion(run: ChatRun, completion: Completion | None) -> Asy
     reply whole (events 1-7) or an SSE error event."""
     metrics = run.state.metrics
     keepalive = run.settings.keepalive_seconds
+    relayed = run.relayed
     try:
         yield sse.build_keepalive_event()
         not_after = getattr(run, "_not_after", None)
         next_keepalive = time.monotonic() + keepalive  # keepalive seconds after the last bytes sent
         while completion is None:
             while True:
-                source = await run.watcher.next_wake(not_after=not_after, keepalive_at=next_keepalive)
+                source = await run.watcher.next_wake(
+                    not_after=not_after,
+                    keepalive_at=next_keepalive,
+                    deltas=relayed.event if relayed is not None else None,
+                )
                 if source is None:
                     yield sse.build_keepalive_event()
                     next_keepalive = time.monotonic() + keepalive
+                    continue
+                if source == WakeSource.DELTA:
+                    for event in relayed.pending_events():
+                        yield event
+                        next_keepalive = time.monotonic() + keepalive
+                    _check_relay(run)
                     continue
                 break
             if source == WakeSource.DISCONNECT:
@@ -1259,8 +1292,17 @@ async def _stream_completion(run: ChatRun, completion: Completion | None) -> Asy
             except _Finished as finished:
                 completion = finished.completion
         run.delivered(completion)
-        build_events = build_text_completion_events if run.is_text else sse.build_completion_events
-        for event in build_events(completion, include_usage=run.request.include_usage):
+        if relayed is not None:
+            for event in relayed.pending_events():  # entries read before the reply was
+                yield event
+            _check_relay(run)
+        if relayed is not None and relayed.exposed:
+            events = relayed.final_events(completion, include_usage=run.request.include_usage)
+        elif run.is_text:
+            events = build_text_completion_events(completion, include_usage=run.request.include_usage)
+        else:
+            events = sse.build_completion_events(completion, include_usage=run.request.include_usage)
+        for event in events:
             yield event
     except ChatFrontError as error:
         run.trace.fail(error, after_headers=True)
@@ -1272,6 +1314,15 @@ async def _stream_completion(run: ChatRun, completion: Completion | None) -> Asy
         raise
     finally:
         await _finish(run)
+
+
+def _check_relay(run: ChatRun) -> None:
+    """A relayed stream that an entry broke (another attempt, its ended marker, a gap) ends in
+    ChatStreamDiverged, and the request is cancelled."""
+    error = run.relayed.diverged
+    if error is not None:
+        run.cancel_in_background()
+        raise error
 
 
 def _json_error(error: ChatFrontError, request_id: str | None = None) -> JsonAnswer:

@@ -28,9 +28,12 @@ BASE_SUPPORTED_PARAMETERS = ("max_tokens", "temperature", "top_p", "stop")
 SAME_NAME_FEATURES = ("seed", "frequency_penalty", "presence_penalty")
 
 
-def build_native_chat_body(body: Mapping[str, Any], *, operation_key: str | None = None) -> dict[str, Any]:
+def build_native_chat_body(
+    body: Mapping[str, Any], *, operation_key: str | None = None, stream_progress: bool = False
+) -> dict[str, Any]:
     """The screened OpenAI body as the native route takes it: the front-only keys are not forwarded,
-    tools and response_format at their default are dropped, and horde.operation_key is added."""
+    tools and response_format at their default are dropped, and horde.operation_key is added.
+    `stream_progress` forwards stream: true (the stream hint) for a request whose deltas are relayed."""
     native: dict[str, Any] = {}
     for key, value in body.items():
         if value is None or key in FRONT_ONLY_KEYS:
@@ -42,13 +45,23 @@ def build_native_chat_body(body: Mapping[str, Any], *, operation_key: str | None
         native[key] = value
     if operation_key is not None:
         native["horde"] = {**(native.get("horde") or {}), "operation_key": operation_key}
+    if stream_progress:
+        native["stream"] = True
     return native
 
 
 def relays_deltas(request: ChatCompletionRequest) -> bool:
-    """Whether the request's reply is relayed as deltas from worker progress. The relay is a later
-    issue: until then every streamed reply is delivered whole (the seam the relay plugs into)."""
-    return False
+    """Whether the request's reply is relayed as deltas from worker progress: streamed, no tools and
+    no response_format other than text (the horde verifies those only on the whole reply), and one
+    choice (the stream holds every choice's deltas; the front streams one; ADR 0023)."""
+    body = request.native_body
+    response_format = body.get("response_format")
+    return (
+        request.stream
+        and not body.get("tools")
+        and (response_format is None or dict(response_format) == {"type": "text"})
+        and (body.get("n") or 1) == 1
+    )
 
 
 def build_system_fingerprint(worker_id: str | None, model: str | None) -> str | None:

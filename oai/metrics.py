@@ -3,7 +3,7 @@
 `FrontMetrics` takes a meter: the global provider's unless one is passed (tests pass a meter of a
 separate MeterProvider with an InMemoryMetricReader). Unconfigured, the global provider records
 nothing. Every attribute is bounded; client addresses, keys, prompts and request ids never are.
-The relay instruments (horde.oai.stream.relayed, relay_outcomes, delta_read) come with the relay.
+The relay's span (horde.oai.delta_read) is recorded by oai.deltas.DeltaStreamReader.
 """
 
 from __future__ import annotations
@@ -119,6 +119,12 @@ class FrontMetrics:
         self.completions = meter.create_counter("horde.oai.completions", description="Delivered completions")
         self.completions_empty = meter.create_counter(
             "horde.oai.completions.empty", description="Delivered completions without visible text"
+        )
+        self.stream_relayed = meter.create_counter(
+            "horde.oai.stream.relayed", description="Streamed requests that sent at least one relayed delta"
+        )
+        self.stream_relay_outcomes = meter.create_counter(
+            "horde.oai.stream.relay_outcomes", description="How relayed streams ended"
         )
         self.cancels = meter.create_counter(
             "horde.oai.cancels", description="Cancels sent to the horde, by outcome"

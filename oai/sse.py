@@ -2,8 +2,8 @@
 
 A reply is delivered whole: role chunk, reasoning chunk (under horde.include_reasoning), content
 chunk, tool-call chunk (each call whole with its index, without content), the finish chunk with
-x_horde, the usage chunk when stream_options.include_usage, then [DONE]. The delta relay (a later
-issue) adds its events beside these, behind `oai.mapping.relays_deltas`.
+x_horde, the usage chunk when stream_options.include_usage, then [DONE]. A relayed stream
+(oai.deltas) sends `build_delta_event` chunks as the deltas arrive, then the rest and the same tail.
 """
 
 from __future__ import annotations
@@ -37,6 +37,22 @@ def build_keepalive_event() -> bytes:
     return KEEPALIVE_EVENT
 
 
+def build_delta_event(
+    completion_id: str, created: int, model: str, fingerprint: str | None, delta: dict[str, Any]
+) -> bytes:
+    """One relayed chunk (role, reasoning_content or content), before the reply is known."""
+    return _event(
+        {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": fingerprint,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
+        }
+    )
+
+
 def build_completion_events(completion: Completion, *, include_usage: bool) -> list[bytes]:
     events = [_event(_chunk(completion, {"role": "assistant"}))]
     if completion.reasoning:
@@ -54,6 +70,12 @@ def build_completion_events(completion: Completion, *, include_usage: bool) -> l
             for i, c in enumerate(completion.tool_calls)
         ]
         events.append(_event(_chunk(completion, {"tool_calls": calls})))
+    return events + build_completion_tail_events(completion, include_usage=include_usage)
+
+
+def build_completion_tail_events(completion: Completion, *, include_usage: bool) -> list[bytes]:
+    """The finish chunk with x_horde, the usage chunk when asked for, and [DONE]."""
+    events: list[bytes] = []
     finish = _chunk(
         completion,
         {},

@@ -50,6 +50,8 @@ class WakeSource(StrEnum):
     POLL = "poll"
     DEADLINE = "deadline"
     DISCONNECT = "disconnect"
+    # A relayed stream's deltas arrived: no status read, so never a horde.oai.wakes attribute.
+    DELTA = "delta"
 
 
 @dataclass(eq=False)
@@ -264,10 +266,15 @@ class ChatRequestWatcher:
         self.disconnected = disconnected
 
     async def next_wake(
-        self, *, not_after: float | None = None, keepalive_at: float | None = None
+        self,
+        *,
+        not_after: float | None = None,
+        keepalive_at: float | None = None,
+        deltas: asyncio.Event | None = None,
     ) -> WakeSource | None:
         """Block until the next read is due. Returns its source, or None when `keepalive_at` came
-        first (the caller sends a keepalive comment and calls again)."""
+        first (the caller sends a keepalive comment and calls again), or DELTA when `deltas` (a
+        relayed stream's subscription) was set first."""
         now = time.monotonic()
         # While the listener has lost Redis, no signal can come: poll as without Redis.
         listening = self.wake is None or self.wake.listening
@@ -280,6 +287,9 @@ class ChatRequestWatcher:
         if keepalive_at is not None and keepalive_at < due:
             due, timer_source = keepalive_at, None
         waiters: list[asyncio.Future] = []
+        # Deltas first: an ended marker is appended before the cancelled signal is published.
+        if deltas is not None and deltas.is_set():
+            return WakeSource.DELTA
         if self.wake is not None:
             if self.wake.event.is_set():
                 return self._take_signal()
@@ -288,6 +298,8 @@ class ChatRequestWatcher:
             if self.disconnected.is_set():
                 return WakeSource.DISCONNECT
             waiters.append(asyncio.ensure_future(self.disconnected.wait()))
+        if deltas is not None:
+            waiters.append(asyncio.ensure_future(deltas.wait()))
         try:
             if waiters:
                 await asyncio.wait(
@@ -301,6 +313,8 @@ class ChatRequestWatcher:
                     waiter.cancel()
         if self.disconnected is not None and self.disconnected.is_set():
             return WakeSource.DISCONNECT
+        if deltas is not None and deltas.is_set():
+            return WakeSource.DELTA
         if self.wake is not None and self.wake.event.is_set():
             return self._take_signal()
         return timer_source

@@ -1,0 +1,462 @@
+"""Relayed deltas (spec: chat_front.md, "Relayed deltas"; chat_requests.md, "Streaming progress").
+
+`DeltaStreamReader` is one background task per process, modelled on the completion signal listener:
+every relayed request registers its progress stream (horde:chat:stream:<request id>, on
+HORDE_OAI_STREAM_REDIS_DB) and the reader reads them all with one XREAD BLOCK, from each stream's
+start, queueing each read's entries on the request's `DeltaSubscription` and setting its event, so
+a stream wakes on the delta itself and not on a poll. A registration while a read blocks abandons
+that read (the entries stay in the streams, nothing is skipped) so a new request's first delta is
+not held back by the block.
+
+`DeltaRelay` is one request's reconciliation: it pins one generation, decides what each entry
+sends, and reconciles the relayed text with the final reply. `RelayedStream` joins the two for the
+stream in oai.app and turns what the relay decides into SSE events, counters and the error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from contract.chat_progress import chat_progress_stream_key
+from oai import sse
+from oai.errors import ChatFrontError
+from oai.mapping import Completion, build_system_fingerprint
+
+log = logging.getLogger("oai.deltas")
+
+# One XREAD for every registered stream blocks this long for new entries.
+DELTA_READ_BLOCK_MILLISECONDS = 250
+# A read taking longer is abandoned and made again: a connection a network fault black-holes.
+DELTA_READ_TIMEOUT_SECONDS = 5.0
+# A failed read is made again after this long, from the last entry read.
+DELTA_READ_RETRY_SECONDS = 2.0
+
+SPAN_DELTA_READ = "horde.oai.delta_read"
+STREAM_DIVERGED_CODE = "ChatStreamDiverged"
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaEntry:
+    """One stream entry: a delta (gen, seq, content, reasoning, worker, model) or an ended marker."""
+
+    entry_id: str
+    gen: str
+    seq: int | None
+    content: str
+    reasoning: str | None
+    worker: str | None
+    model: str | None
+    ended: bool
+
+
+def _text(fields: dict[bytes, bytes], name: bytes) -> str | None:
+    value = fields.get(name)
+    return value.decode("utf-8", "replace") if value is not None else None
+
+
+def parse_entry(entry_id: bytes | str, fields: dict[bytes, bytes]) -> DeltaEntry:
+    seq_raw = fields.get(b"seq")
+    try:
+        seq = int(seq_raw) if seq_raw is not None else None
+    except ValueError:
+        seq = None
+    return DeltaEntry(
+        entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
+        gen=_text(fields, b"gen") or "",
+        seq=seq,
+        content=_text(fields, b"content") or "",
+        reasoning=_text(fields, b"reasoning_content") or None,
+        worker=_text(fields, b"worker"),
+        model=_text(fields, b"model"),
+        ended=fields.get(b"ended") == b"1",
+    )
+
+
+class DeltaSubscription:
+    """One request's queue of read batches (entries read together stay together)."""
+
+    __slots__ = ("request_id", "key", "last_id", "batches", "event")
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.key = chat_progress_stream_key(request_id).encode()
+        self.last_id: bytes = b"0-0"
+        self.batches: list[list[DeltaEntry]] = []
+        self.event = asyncio.Event()
+
+    def push(self, batch: list[DeltaEntry]) -> None:
+        self.batches.append(batch)
+        self.event.set()
+
+    def take(self) -> list[list[DeltaEntry]]:
+        batches, self.batches = self.batches, []
+        self.event.clear()
+        return batches
+
+
+class DeltaStreamReader:
+    """One XREAD loop per process over every registered request's progress stream."""
+
+    def __init__(
+        self, redis_url: str, *, db: int, tracer: Any = None, client_name: str = "horde-oai-delta-reader"
+    ):
+        self.redis_url = redis_url
+        self.db = db
+        self.client_name = client_name
+        self._tracer = tracer
+        self._subscriptions: dict[bytes, DeltaSubscription] = {}
+        self._changed = asyncio.Event()
+        self._client: Any = None
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self.reads = 0
+        self.failures = 0
+
+    def register(self, request_id: str) -> DeltaSubscription:
+        subscription = DeltaSubscription(request_id)
+        self._subscriptions[subscription.key] = subscription
+        self._changed.set()
+        if self._task is None:
+            # A context of its own: the reader's spans are root spans, not part of the first request's trace.
+            self._task = asyncio.create_task(
+                self._run(), name="oai-delta-reader", context=contextvars.Context()
+            )
+        return subscription
+
+    def unregister(self, subscription: DeltaSubscription) -> None:
+        if self._subscriptions.get(subscription.key) is subscription:
+            del self._subscriptions[subscription.key]
+
+    @property
+    def registered(self) -> int:
+        return len(self._subscriptions)
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        await self._drop()
+
+    def _connect(self) -> Any:
+        import redis.asyncio as aioredis
+
+        pool = aioredis.ConnectionPool.from_url(self.redis_url, socket_connect_timeout=2)
+        # A database in the URL would win over a keyword; the streams live on the stream database.
+        pool.connection_kwargs["db"] = self.db
+        pool.connection_kwargs["client_name"] = self.client_name  # CLIENT LIST shows the reader
+        return aioredis.Redis(connection_pool=pool)
+
+    async def _drop(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
+    async def _run(self) -> None:
+        changed_wait: asyncio.Future | None = None
+        try:
+            while not self._closing:
+                if not self._subscriptions:
+                    self._changed.clear()
+                    await self._changed.wait()
+                    continue
+                self._changed.clear()
+                if self._client is None:
+                    self._client = self._connect()
+                streams = {key: sub.last_id for key, sub in self._subscriptions.items()}
+                read = asyncio.ensure_future(self._client.xread(streams, block=DELTA_READ_BLOCK_MILLISECONDS))
+                if changed_wait is None or changed_wait.done():
+                    changed_wait = asyncio.ensure_future(self._changed.wait())
+                try:
+                    done, _ = await asyncio.wait(
+                        (read, changed_wait),
+                        timeout=DELTA_READ_TIMEOUT_SECONDS,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                except asyncio.CancelledError:
+                    read.cancel()
+                    raise
+                if read not in done:
+                    # A new registration (read again at once, with its stream) or a black-holed read
+                    # (read again on a new connection). Cancelling the read disconnects its connection.
+                    read.cancel()
+                    with contextlib.suppress(BaseException):
+                        await read
+                    if changed_wait not in done:
+                        log.warning(
+                            "delta stream read took over %s s: reading again", DELTA_READ_TIMEOUT_SECONDS
+                        )
+                        await self._drop()
+                    continue
+                try:
+                    result = read.result()
+                except Exception as error:
+                    self.failures += 1
+                    log.warning(
+                        "delta stream read failed (%s): reading again in %s s",
+                        error,
+                        DELTA_READ_RETRY_SECONDS,
+                    )
+                    await self._drop()
+                    await asyncio.sleep(DELTA_READ_RETRY_SECONDS)
+                    continue
+                self.reads += 1
+                if result:
+                    self._dispatch(result, time.time())
+        finally:
+            if changed_wait is not None:
+                changed_wait.cancel()
+
+    def _dispatch(self, result: Any, returned_at: float) -> None:
+        entry_count = byte_count = 0
+        oldest_ms: int | None = None
+        for key, raw_entries in result:
+            subscription = self._subscriptions.get(key)
+            batch: list[DeltaEntry] = []
+            for entry_id, fields in raw_entries:
+                entry_count += 1
+                byte_count += sum(len(name) + len(value) for name, value in fields.items())
+                ms = int(entry_id.split(b"-", 1)[0])
+                oldest_ms = ms if oldest_ms is None else min(oldest_ms, ms)
+                if subscription is not None:
+                    batch.append(parse_entry(entry_id, fields))
+            if subscription is not None and raw_entries:
+                subscription.last_id = raw_entries[-1][0]
+                subscription.push(batch)
+        if entry_count:
+            tracer = self._tracer or trace.get_tracer("horde.oai")
+            span = tracer.start_span(
+                SPAN_DELTA_READ,
+                context=Context(),
+                attributes={
+                    "horde.entry_count": entry_count,
+                    "horde.byte_count": byte_count,
+                    "horde.first_entry_lag_seconds": max(0.0, returned_at - (oldest_ms or 0) / 1000),
+                },
+            )
+            span.end()
+
+
+def build_delta_reader(redis_url: str | None, db: int) -> DeltaStreamReader | None:
+    """The process's reader, or None on a front without Redis (every stream is delivered whole)."""
+    return DeltaStreamReader(redis_url, db=db) if redis_url else None
+
+
+# --- one request's reconciliation ------------------------------------------------------------------
+
+
+class DeltaRelay:
+    """Pins one generation and decides what each entry sends (pieces: the deltas of the chunks).
+
+    `outcome` is set when the relay diverged on an entry: replaced_attempt (another gen after
+    exposure), ended (the pinned gen's ended marker) or gap (a seq out of order)."""
+
+    def __init__(self, *, include_reasoning: bool, fallback_model: str):
+        self.include_reasoning = include_reasoning
+        self.fallback_model = fallback_model
+        self.pinned: str | None = None
+        self.last_seq = 0
+        self.exposed = False
+        self.model = fallback_model
+        self.fingerprint: str | None = None
+        self.content_parts: list[str] = []
+        self.reasoning_parts: list[str] = []
+        self.outcome: str | None = None
+
+    def _pin(self, entry: DeltaEntry) -> None:
+        self.pinned = entry.gen
+        self.last_seq = 0
+        self.model = entry.model or self.fallback_model
+        self.fingerprint = build_system_fingerprint(entry.worker, entry.model or self.fallback_model)
+
+    def _unpin(self) -> None:
+        self.pinned = None
+        self.last_seq = 0
+
+    def feed(self, batch: list[DeltaEntry]) -> list[dict[str, Any]]:
+        """The chunk deltas one read's entries send; stops at a divergence (`outcome` set)."""
+        pieces: list[dict[str, Any]] = []
+        ended_gens = {entry.gen for entry in batch if entry.ended}
+        for entry in batch:
+            if self.outcome is not None:
+                break
+            if not self.exposed:
+                self._before_exposure(entry, ended_gens, pieces)
+                continue
+            if entry.gen != self.pinned:
+                # A previous attempt's late ended marker says nothing of the pinned one (ADR 0023).
+                if not entry.ended:
+                    self.outcome = "replaced_attempt"
+            elif entry.ended:
+                self.outcome = "ended"
+            elif entry.seq != self.last_seq + 1:
+                self.outcome = "gap"
+            else:
+                self.last_seq = entry.seq
+                self._send(entry, pieces)
+        return pieces
+
+    def _before_exposure(self, entry: DeltaEntry, ended_gens: set[str], pieces: list[dict[str, Any]]) -> None:
+        # Nothing was sent yet: ended attempts and gaps are dropped, and the next attempt may pin.
+        if entry.ended or entry.gen in ended_gens:
+            if entry.gen == self.pinned:
+                self._unpin()
+            return
+        if entry.seq == 1 and entry.gen != self.pinned:
+            self._pin(entry)
+        elif entry.gen != self.pinned:
+            return
+        elif entry.seq != self.last_seq + 1:
+            self._unpin()
+            return
+        self.last_seq = entry.seq or 0
+        self._send(entry, pieces)
+
+    def _send(self, entry: DeltaEntry, pieces: list[dict[str, Any]]) -> None:
+        out: list[dict[str, Any]] = []
+        if entry.reasoning and self.include_reasoning:
+            out.append({"reasoning_content": entry.reasoning})
+            self.reasoning_parts.append(entry.reasoning)
+        if entry.content:
+            out.append({"content": entry.content})
+            self.content_parts.append(entry.content)
+        if out and not self.exposed:
+            self.exposed = True
+            out.insert(0, {"role": "assistant"})
+        pieces.extend(out)
+
+    def reconcile(self, completion: Completion) -> tuple[str, list[dict[str, Any]]]:
+        """(outcome, the final pieces before the finish chunk): equal, prefix or mismatch."""
+        relayed = "".join(self.content_parts)
+        final = completion.content or ""
+        if not final.startswith(relayed):
+            return "mismatch", []
+        pieces: list[dict[str, Any]] = []
+        reasoning = completion.reasoning or ""
+        relayed_reasoning = "".join(self.reasoning_parts)
+        if (
+            self.include_reasoning
+            and len(reasoning) > len(relayed_reasoning)
+            and reasoning.startswith(relayed_reasoning)
+        ):
+            pieces.append({"reasoning_content": reasoning[len(relayed_reasoning) :]})
+        if final == relayed:
+            return "equal", pieces
+        pieces.append({"content": final[len(relayed) :]})
+        return "prefix", pieces
+
+
+def stream_diverged(detail: str) -> ChatFrontError:
+    return ChatFrontError(
+        502,
+        STREAM_DIVERGED_CODE,
+        f"The relayed stream diverged from the reply: {detail}. The text sent so far is not part of a "
+        "reply the AI Horde delivered; send the request again.",
+        type="api_error",
+        should_retry=False,
+    )
+
+
+DIVERGENCE_DETAILS = {
+    "mismatch": "the final reply does not start with the text relayed",
+    "replaced_attempt": "another attempt replaced the one relayed",
+    "ended": "the attempt relayed ended before its reply",
+    "gap": "a progress entry arrived out of order",
+}
+
+
+class RelayedStream:
+    """One streamed request's relay: its subscription, its relay, its chunks and counters."""
+
+    def __init__(
+        self,
+        reader: DeltaStreamReader,
+        *,
+        request_id: str,
+        created: int,
+        include_reasoning: bool,
+        fallback_model: str,
+        metrics: Any,
+        submitted_mono: float | None,
+    ):
+        self.reader = reader
+        self.subscription = reader.register(request_id)
+        self.relay = DeltaRelay(include_reasoning=include_reasoning, fallback_model=fallback_model)
+        self.completion_id = f"chatcmpl-{request_id}"
+        self.created = created
+        self.metrics = metrics
+        self.submitted_mono = submitted_mono
+        self.outcome_recorded = False
+
+    @property
+    def event(self) -> asyncio.Event:
+        return self.subscription.event
+
+    @property
+    def exposed(self) -> bool:
+        return self.relay.exposed
+
+    def _events(self, pieces: list[dict[str, Any]]) -> list[bytes]:
+        return [
+            sse.build_delta_event(
+                self.completion_id, self.created, self.relay.model, self.relay.fingerprint, piece
+            )
+            for piece in pieces
+        ]
+
+    def pending_events(self) -> list[bytes]:
+        """The chunks of the entries read since the last call, up to a divergence; the caller sends
+        them, then checks `diverged`."""
+        was_exposed = self.relay.exposed
+        pieces: list[dict[str, Any]] = []
+        for batch in self.subscription.take():
+            pieces.extend(self.relay.feed(batch))
+            if self.relay.outcome is not None:
+                break
+        if self.relay.exposed and not was_exposed:
+            self.metrics.stream_relayed.add(1)
+            if self.submitted_mono is not None:
+                self.metrics.first_content.record(
+                    time.monotonic() - self.submitted_mono, {"horde.streamed": True, "horde.relayed": True}
+                )
+        return self._events(pieces)
+
+    @property
+    def diverged(self) -> ChatFrontError | None:
+        outcome = self.relay.outcome
+        if outcome is None:
+            return None
+        self._record(outcome)
+        return stream_diverged(DIVERGENCE_DETAILS[outcome])
+
+    def final_events(self, completion: Completion, *, include_usage: bool) -> list[bytes]:
+        """The end of an exposed stream: the rest and the finish, or raises ChatStreamDiverged."""
+        outcome, pieces = self.relay.reconcile(completion)
+        self._record(outcome)
+        if outcome == "mismatch":
+            raise stream_diverged(DIVERGENCE_DETAILS[outcome])
+        # The final chunks carry the first delta's model and fingerprint, as every chunk before them.
+        completion.model = self.relay.model
+        completion.fingerprint = self.relay.fingerprint
+        return self._events(pieces) + sse.build_completion_tail_events(
+            completion, include_usage=include_usage
+        )
+
+    def _record(self, outcome: str) -> None:
+        if not self.outcome_recorded:
+            self.outcome_recorded = True
+            self.metrics.stream_relay_outcomes.add(1, {"horde.outcome": outcome})
+
+    def close(self) -> None:
+        self.reader.unregister(self.subscription)

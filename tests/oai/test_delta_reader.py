@@ -1,0 +1,210 @@
+"""The delta stream reader against a real Redis (chat_front.md, "Relayed deltas" and "Spans"): one
+XREAD loop for every registered stream, from each stream's start, entries read together queued
+together, a read that fails made again after DELTA_READ_RETRY_SECONDS without skipping an entry, a
+black-holed read abandoned after DELTA_READ_TIMEOUT_SECONDS, a recreated stream's lower ids not
+produced, and the horde.oai.delta_read root span."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+import uuid
+
+import pytest
+from django.conf import settings
+
+from contract.chat_progress import chat_progress_stream_key
+from oai.deltas import (
+    DELTA_READ_BLOCK_MILLISECONDS,
+    DELTA_READ_RETRY_SECONDS,
+    DELTA_READ_TIMEOUT_SECONDS,
+    SPAN_DELTA_READ,
+    DeltaStreamReader,
+)
+
+pytestmark = pytest.mark.redis_only
+STREAM_DB = 7
+
+
+def test_the_spec_values():
+    assert (DELTA_READ_BLOCK_MILLISECONDS, DELTA_READ_TIMEOUT_SECONDS, DELTA_READ_RETRY_SECONDS) == (
+        250,
+        5.0,
+        2.0,
+    )
+
+
+@pytest.fixture
+def redis_sync():
+    import redis
+
+    pool = redis.ConnectionPool.from_url(settings.REDIS_URL)
+    pool.connection_kwargs["db"] = STREAM_DB
+    client = redis.Redis(connection_pool=pool)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def spans():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider.get_tracer("test"), exporter
+
+
+async def _until(predicate, timeout: float) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if predicate():
+            return time.monotonic() - started
+        await asyncio.sleep(0.005)
+    raise AssertionError("timed out")
+
+
+def _entries(subscription) -> list:
+    return [entry for batch in subscription.batches for entry in batch]
+
+
+def test_one_read_serves_every_stream_from_its_start_and_records_a_root_span(redis_sync, spans):
+    tracer, exporter = spans
+    first, second = str(uuid.uuid4()), str(uuid.uuid4())
+    # Appended before the registration: read from the stream's start.
+    redis_sync.xadd(
+        chat_progress_stream_key(first), {"gen": "g1", "seq": 1, "content": "Hé", "worker": "w", "model": "m"}
+    )
+
+    async def scenario():
+        reader = DeltaStreamReader(settings.REDIS_URL, db=STREAM_DB, tracer=tracer)
+        a = reader.register(first)
+        b = reader.register(second)
+        await _until(lambda: a.batches, 3)
+        redis_sync.xadd(chat_progress_stream_key(second), {"gen": "g2", "seq": 1, "content": "x"})
+        redis_sync.xadd(chat_progress_stream_key(second), {"gen": "g2", "ended": 1})
+        await _until(lambda: len(_entries(b)) == 2, 3)
+        await reader.close()
+        return a, b
+
+    a, b = asyncio.run(scenario())
+    entry = _entries(a)[0]
+    assert (entry.gen, entry.seq, entry.content, entry.worker, entry.model, entry.ended) == (
+        "g1",
+        1,
+        "Hé",
+        "w",
+        "m",
+        False,
+    )
+    assert [e.ended for e in _entries(b)] == [False, True]
+    read_spans = [s for s in exporter.get_finished_spans() if s.name == SPAN_DELTA_READ]
+    assert read_spans and all(s.parent is None for s in read_spans)
+    assert sum(s.attributes["horde.entry_count"] for s in read_spans) == 3
+    first_span = read_spans[0]
+    # gen, g1, seq, 1, content, Hé (3 bytes), worker, w, model, m
+    assert first_span.attributes["horde.entry_count"] == 1
+    assert first_span.attributes["horde.byte_count"] == 3 + 2 + 3 + 1 + 7 + 3 + 6 + 1 + 5 + 1
+    assert 0 <= first_span.attributes["horde.first_entry_lag_seconds"] < 5
+
+
+def test_a_new_registration_is_read_without_waiting_for_the_block(redis_sync):
+    async def scenario():
+        reader = DeltaStreamReader(settings.REDIS_URL, db=STREAM_DB)
+        reader.register(str(uuid.uuid4()))  # the reader now blocks on this stream
+        await asyncio.sleep(0.05)
+        request = str(uuid.uuid4())
+        redis_sync.xadd(chat_progress_stream_key(request), {"gen": "g", "seq": 1, "content": "a"})
+        subscription = reader.register(request)
+        waited = await _until(lambda: subscription.batches, 2)
+        await reader.close()
+        return waited
+
+    assert asyncio.run(scenario()) < DELTA_READ_BLOCK_MILLISECONDS / 1000 / 2
+
+
+def test_a_failed_read_is_made_again_after_two_seconds_without_skipping(redis_sync):
+    request = str(uuid.uuid4())
+    key = chat_progress_stream_key(request)
+
+    name = f"test-delta-reader-{uuid.uuid4().hex[:8]}"
+
+    async def scenario():
+        reader = DeltaStreamReader(settings.REDIS_URL, db=STREAM_DB, client_name=name)
+        subscription = reader.register(request)
+        redis_sync.xadd(key, {"gen": "g", "seq": 1, "content": "a"})
+        await _until(lambda: len(_entries(subscription)) == 1, 3)
+        await asyncio.sleep(0.05)
+        # Kill the reader's connection (the one blocked in XREAD), then append while it is down.
+        for client in redis_sync.client_list():
+            if client.get("name") == name:
+                redis_sync.client_kill_filter(_id=client["id"])
+        killed = time.monotonic()
+        redis_sync.xadd(key, {"gen": "g", "seq": 2, "content": "b"})
+        redis_sync.xadd(key, {"gen": "g", "seq": 3, "content": "c"})
+        await _until(lambda: len(_entries(subscription)) == 3, 6)
+        recovered = time.monotonic() - killed
+        failures = reader.failures
+        await reader.close()
+        return subscription, recovered, failures
+
+    subscription, recovered, failures = asyncio.run(scenario())
+    assert [e.seq for e in _entries(subscription)] == [1, 2, 3]
+    assert failures >= 1 and DELTA_READ_RETRY_SECONDS - 0.1 <= recovered < DELTA_READ_RETRY_SECONDS + 2
+
+
+def test_a_black_holed_read_is_abandoned_after_five_seconds():
+    """A server that accepts and never answers: each read is abandoned at DELTA_READ_TIMEOUT_SECONDS."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    accepted: list[tuple[float, socket.socket]] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append((time.monotonic(), conn))
+
+    threading.Thread(target=accept, daemon=True).start()
+    port = listener.getsockname()[1]
+
+    async def scenario():
+        reader = DeltaStreamReader(f"redis://127.0.0.1:{port}/0", db=STREAM_DB)
+        reader.register(str(uuid.uuid4()))
+        await _until(lambda: len(accepted) >= 2, DELTA_READ_TIMEOUT_SECONDS + 3)
+        await reader.close()
+
+    asyncio.run(scenario())
+    listener.close()
+    gap = accepted[1][0] - accepted[0][0]
+    assert DELTA_READ_TIMEOUT_SECONDS - 0.2 <= gap < DELTA_READ_TIMEOUT_SECONDS + 1.5
+    for _, conn in accepted:
+        conn.close()
+
+
+def test_a_recreated_stream_does_not_produce_ids_below_the_last_read(redis_sync):
+    request = str(uuid.uuid4())
+    key = chat_progress_stream_key(request)
+
+    async def scenario():
+        reader = DeltaStreamReader(settings.REDIS_URL, db=STREAM_DB)
+        subscription = reader.register(request)
+        redis_sync.xadd(key, {"gen": "g", "seq": 1, "content": "a"}, id="5000000000000-0")
+        await _until(lambda: len(_entries(subscription)) == 1, 3)
+        redis_sync.delete(key)  # as a failover that lost the key
+        redis_sync.xadd(key, {"gen": "g", "seq": 2, "content": "lost"}, id="4000000000000-0")
+        redis_sync.xadd(key, {"gen": "g", "seq": 2, "content": "b"}, id="5000000000001-0")
+        await _until(lambda: len(_entries(subscription)) == 2, 3)
+        await asyncio.sleep(0.3)
+        await reader.close()
+        return subscription
+
+    subscription = asyncio.run(scenario())
+    assert [e.content for e in _entries(subscription)] == ["a", "b"]
