@@ -35,7 +35,7 @@ from contract.chat_policy import chat_request_requirements, kudos_cap_message
 from contract.chat_progress import CHAT_STREAM_PROGRESS_KEY
 from contract.chat_shapes import ChatContextAdjustmentReason, ChatContextFit, ChatRequest
 from contract.errors import HordeError
-from contract.text import TEXT_MAX_CONTEXT_LENGTH_DEFAULT
+from contract.text import TEXT_MAX_CONTEXT_LENGTH_DEFAULT, text_param_range_errors
 from workers.declarations import declaration_mask
 from workers.models import Worker
 from workers.selectors import online_cutoff
@@ -463,14 +463,12 @@ def ensure_models_served(submission: ChatSubmission, offers: ChatModelOffers) ->
 
 
 def _validate_mapped_params(params: dict[str, Any], max_context_length: int) -> None:
-    """The mapped params go through the text params model: every range a text request enforces
+    """The mapped params are held to the text params' ranges: every range a text request enforces
     applies, as the same 400 validation error, never clamped. max_length keeps the chat range."""
-    from chat.api.serializers import TextParamsSerializer  # the one definition of the text ranges
-
     checked = {k: v for k, v in params.items() if k in ("temperature", "top_p", "stop_sequence")}
-    serializer = TextParamsSerializer(data={**checked, "max_context_length": max_context_length})
-    if not serializer.is_valid():
-        raise ValidationError(serializer.errors)
+    errors = text_param_range_errors({**checked, "max_context_length": max_context_length})
+    if errors:
+        raise ValidationError(errors)
 
 
 def _worker_list(submission: ChatSubmission) -> tuple[bool, bool, list[UUID]]:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Mapping
 from functools import lru_cache
+from typing import Any
 
 ANONYMOUS_API_KEY = "0000000000"
 
@@ -13,6 +16,89 @@ TEXT_MAX_LENGTH_RANGE = (16, 4096)
 TEXT_MAX_LENGTH_DEFAULT = 80
 TEXT_MAX_CONTEXT_LENGTH_RANGE = (80, 1048576)
 TEXT_MAX_CONTEXT_LENGTH_DEFAULT = 2048
+
+# Each numeric native text param: its JSON type ("integer" or "number") and inclusive range. The one
+# definition read by the native params serializer, the chat route's mapped params and the front.
+TEXT_PARAM_RANGES: dict[str, tuple[str, int | float, int | float]] = {
+    "n": ("integer", *TEXT_N_RANGE),
+    "max_length": ("integer", *TEXT_MAX_LENGTH_RANGE),
+    "max_context_length": ("integer", *TEXT_MAX_CONTEXT_LENGTH_RANGE),
+    "rep_pen": ("number", 1, 3),
+    "rep_pen_range": ("integer", 0, 4096),
+    "rep_pen_slope": ("number", 0, 10),
+    "temperature": ("number", 0, 5),
+    "tfs": ("number", 0, 1),
+    "top_a": ("number", 0, 1),
+    "top_k": ("integer", 0, 200),
+    "top_p": ("number", 0.001, 1),
+    "typical": ("number", 0, 1),
+    "min_p": ("number", 0, 1),
+    "smoothing_factor": ("number", 0, 10),
+    "dynatemp_range": ("number", 0, 5),
+    "dynatemp_exponent": ("number", 0, 5),
+}
+# The boolean native text params (KoboldAI's output formatting switches and the EOS ban).
+TEXT_BOOLEAN_PARAMS = (
+    "frmtadsnsp",
+    "frmtrmblln",
+    "frmtrmspch",
+    "frmttriminc",
+    "singleline",
+    "use_default_badwordsids",
+)
+# sampler_order: a list of integers in this range.
+TEXT_SAMPLER_ORDER_RANGE = (0, 10)
+# stop_sequence: at most this many non-empty strings of at most this many characters.
+TEXT_MAX_STOP_SEQUENCES = 32
+TEXT_MAX_STOP_SEQUENCE_CHARS = 1000
+
+
+def text_param_range_errors(params: Mapping[str, Any]) -> dict[str, str]:
+    """Where `params` leave the ranges above, in the words and paths of the native text route's
+    refusal ({"temperature": "Ensure this value is less than or equal to 5."}); for values a
+    schema already held to their JSON type (the chat route's mapped params). Checks the numeric
+    params and stop_sequence; {} when every one is in range."""
+    errors: dict[str, str] = {}
+    for name, (kind, low, high) in TEXT_PARAM_RANGES.items():
+        value = params.get(name)
+        if value is None:
+            continue
+        if kind == "number":  # read as a float, as the serializer's number fields do
+            try:
+                value = float(value)
+            except OverflowError:
+                errors[name] = "Integer value too large to convert to float"
+                continue
+            if not math.isfinite(value):
+                errors[name] = "A valid number is required."
+                continue
+        if value > high:
+            errors[name] = f"Ensure this value is less than or equal to {high}."
+        elif value < low:
+            errors[name] = f"Ensure this value is greater than or equal to {low}."
+    stops = params.get("stop_sequence")
+    if stops is not None:
+        item_errors = {}
+        for index, stop in enumerate(stops):
+            if stop == "":
+                item_errors[f"stop_sequence[{index}]"] = "This field may not be blank."
+                continue
+            found = []
+            if len(stop) > TEXT_MAX_STOP_SEQUENCE_CHARS:
+                found.append(f"Ensure this field has no more than {TEXT_MAX_STOP_SEQUENCE_CHARS} characters.")
+            if "\x00" in stop:
+                found.append("Null characters are not allowed.")
+            surrogate = next((c for c in stop if 0xD800 <= ord(c) <= 0xDFFF), None)
+            if surrogate is not None:
+                found.append(f"Surrogate characters are not allowed: U+{ord(surrogate):X}.")
+            if found:
+                item_errors[f"stop_sequence[{index}]"] = " ".join(found)
+        if item_errors:
+            errors.update(item_errors)
+        elif len(stops) > TEXT_MAX_STOP_SEQUENCES:
+            errors["stop_sequence"] = f"Ensure this field has no more than {TEXT_MAX_STOP_SEQUENCES} elements."
+    return errors
+
 
 # Queue and leases.
 TEXT_REQUEST_TTL_SECONDS = 20 * 60

@@ -23,7 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contract.chat_limits import CHAT_MAX_TOKENS_DEFAULT
-from contract.text import TEXT_MAX_CONTEXT_LENGTH_RANGE
+from contract.text import (
+    TEXT_MAX_CONTEXT_LENGTH_RANGE,
+    TEXT_MAX_STOP_SEQUENCES,  # the native list's length; OpenAI's 4 would refuse SillyTavern's instruct stops
+    TEXT_PARAM_RANGES,
+    TEXT_SAMPLER_ORDER_RANGE,
+)
 from oai.errors import ChatFrontError
 from oai.mapping import build_system_fingerprint, estimate_tokens
 from oai.schema import _bad, _check_models, _check_ranges, _is_number, _shown, _unsupported
@@ -91,29 +96,29 @@ SAMPLER_ALIASES: dict[str, str] = {
     "dynatemp_range": "dynatemp_range",
     "dynatemp_exponent": "dynatemp_exponent",
 }
-# The native text params' JSON types and inclusive ranges (chat/api/serializers.py TextParamsSerializer;
-# tests/oai/test_text_completions.py holds the two equal).
+# The native samplers the front maps, each with its JSON type and inclusive range (contract.text).
 NATIVE_SAMPLER_RANGES: dict[str, tuple[str, float, float]] = {
-    "top_k": ("integer", 0, 200),
-    "top_a": ("number", 0, 1),
-    "min_p": ("number", 0, 1),
-    "typical": ("number", 0, 1),
-    "tfs": ("number", 0, 1),
-    "rep_pen": ("number", 1, 3),
-    "rep_pen_range": ("integer", 0, 4096),
-    "rep_pen_slope": ("number", 0, 10),
-    "smoothing_factor": ("number", 0, 10),
-    "dynatemp_range": ("number", 0, 5),
-    "dynatemp_exponent": ("number", 0, 5),
+    name: TEXT_PARAM_RANGES[name]
+    for name in (
+        "top_k",
+        "top_a",
+        "min_p",
+        "typical",
+        "tfs",
+        "rep_pen",
+        "rep_pen_range",
+        "rep_pen_slope",
+        "smoothing_factor",
+        "dynatemp_range",
+        "dynatemp_exponent",
+    )
 }
-NATIVE_SAMPLER_ORDER_RANGE = (0, 10)
+NATIVE_SAMPLER_ORDER_RANGE = TEXT_SAMPLER_ORDER_RANGE
 # KoboldAI's output formatting switches, forwarded under their native names.
 NATIVE_BOOLEAN_PARAMS = ("singleline", "frmtadsnsp", "frmtrmblln", "frmtrmspch", "frmttriminc")
 # "Ban the EOS token": KoboldAI's use_default_badwordsids, SillyTavern's ban_eos_token, llama.cpp's and
 # vLLM's ignore_eos; any of them true asks for it.
 EOS_BAN_KEYS = ("use_default_badwordsids", "ban_eos_token", "ignore_eos")
-# The native stop_sequence list's length; OpenAI's 4 would refuse SillyTavern's instruct stop strings.
-TEXT_MAX_STOP_SEQUENCES = 32
 # Sent by those programs and accepted, not applied: samplers the text workers' API has no field for
 # (mirostat, DRY, XTC, ...), aliases of keys that govern (max_tokens, stop, seed), the native names of
 # what the front computes (max_length, max_context_length), and the programs' own routing keys.

@@ -16,51 +16,56 @@ from contract.text import (
     MAX_BRIDGE_AGENT_LENGTH,
     MAX_WORKER_NAME_LENGTH,
     TEXT_MAX_CONTEXT_LENGTH_DEFAULT,
-    TEXT_MAX_CONTEXT_LENGTH_RANGE,
     TEXT_MAX_LENGTH_DEFAULT,
-    TEXT_MAX_LENGTH_RANGE,
-    TEXT_N_RANGE,
+    TEXT_MAX_STOP_SEQUENCE_CHARS,
+    TEXT_MAX_STOP_SEQUENCES,
+    TEXT_PARAM_RANGES,
     TEXT_POP_AMOUNT_RANGE,
     TEXT_POP_WAIT_MAX_SECONDS,
+    TEXT_SAMPLER_ORDER_RANGE,
 )
+
+
+def _ranged(name: str, **kwargs):
+    """The field of a numeric text param, its JSON type and range as contract.text defines them."""
+    kind, low, high = TEXT_PARAM_RANGES[name]
+    field = StrictIntegerField if kind == "integer" else StrictFloatField
+    return field(min_value=low, max_value=high, **kwargs)
 
 
 class TextParamsSerializer(serializers.Serializer):
     """Sampler parameters; every key KoboldAI Lite and the SDKs send is accepted, unknown keys dropped.
     Each value only in its JSON type (strict_fields), as upstream's schema has it."""
 
-    n = StrictIntegerField(min_value=TEXT_N_RANGE[0], max_value=TEXT_N_RANGE[1], default=1)
-    max_length = StrictIntegerField(
-        min_value=TEXT_MAX_LENGTH_RANGE[0], max_value=TEXT_MAX_LENGTH_RANGE[1], default=TEXT_MAX_LENGTH_DEFAULT
-    )
-    max_context_length = StrictIntegerField(
-        min_value=TEXT_MAX_CONTEXT_LENGTH_RANGE[0],
-        max_value=TEXT_MAX_CONTEXT_LENGTH_RANGE[1],
-        default=TEXT_MAX_CONTEXT_LENGTH_DEFAULT,
-    )
+    n = _ranged("n", default=1)
+    max_length = _ranged("max_length", default=TEXT_MAX_LENGTH_DEFAULT)
+    max_context_length = _ranged("max_context_length", default=TEXT_MAX_CONTEXT_LENGTH_DEFAULT)
     frmtadsnsp = StrictBooleanField(required=False)
     frmtrmblln = StrictBooleanField(required=False)
     frmtrmspch = StrictBooleanField(required=False)
     frmttriminc = StrictBooleanField(required=False)
-    rep_pen = StrictFloatField(min_value=1, max_value=3, required=False)
-    rep_pen_range = StrictIntegerField(min_value=0, max_value=4096, required=False)
-    rep_pen_slope = StrictFloatField(min_value=0, max_value=10, required=False)
+    rep_pen = _ranged("rep_pen", required=False)
+    rep_pen_range = _ranged("rep_pen_range", required=False)
+    rep_pen_slope = _ranged("rep_pen_slope", required=False)
     singleline = StrictBooleanField(required=False)
-    temperature = StrictFloatField(min_value=0, max_value=5, required=False)
-    tfs = StrictFloatField(min_value=0, max_value=1, required=False)
-    top_a = StrictFloatField(min_value=0, max_value=1, required=False)
-    top_k = StrictIntegerField(min_value=0, max_value=200, required=False)
-    top_p = StrictFloatField(min_value=0.001, max_value=1, required=False)
-    typical = StrictFloatField(min_value=0, max_value=1, required=False)
-    min_p = StrictFloatField(min_value=0, max_value=1, required=False)
-    smoothing_factor = StrictFloatField(min_value=0, max_value=10, required=False)
-    dynatemp_range = StrictFloatField(min_value=0, max_value=5, required=False)
-    dynatemp_exponent = StrictFloatField(min_value=0, max_value=5, required=False)
-    sampler_order = serializers.ListField(child=StrictIntegerField(min_value=0, max_value=10), required=False)
+    temperature = _ranged("temperature", required=False)
+    tfs = _ranged("tfs", required=False)
+    top_a = _ranged("top_a", required=False)
+    top_k = _ranged("top_k", required=False)
+    top_p = _ranged("top_p", required=False)
+    typical = _ranged("typical", required=False)
+    min_p = _ranged("min_p", required=False)
+    smoothing_factor = _ranged("smoothing_factor", required=False)
+    dynatemp_range = _ranged("dynatemp_range", required=False)
+    dynatemp_exponent = _ranged("dynatemp_exponent", required=False)
+    sampler_order = serializers.ListField(
+        child=StrictIntegerField(min_value=TEXT_SAMPLER_ORDER_RANGE[0], max_value=TEXT_SAMPLER_ORDER_RANGE[1]),
+        required=False,
+    )
     use_default_badwordsids = StrictBooleanField(required=False)
     stop_sequence = serializers.ListField(
-        child=StrictCharField(allow_blank=False, trim_whitespace=False, max_length=1000),
-        max_length=32,
+        child=StrictCharField(allow_blank=False, trim_whitespace=False, max_length=TEXT_MAX_STOP_SEQUENCE_CHARS),
+        max_length=TEXT_MAX_STOP_SEQUENCES,
         required=False,
     )
 

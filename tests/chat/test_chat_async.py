@@ -265,6 +265,29 @@ def test_mapped_params_are_validated_as_text_params(horde, make_user, served):
     assert not GenerationRequest.objects.exists()
 
 
+@pytest.mark.parametrize(
+    "chat, native",
+    [
+        ({"temperature": 6}, {"temperature": 6}),
+        ({"temperature": 5.5, "top_p": 0.0001}, {"temperature": 5.5, "top_p": 0.0001}),
+        ({"stop": ["", "x" * 1001, "ok"]}, {"stop_sequence": ["", "x" * 1001, "ok"]}),
+        ({"stop": [str(i) for i in range(33)]}, {"stop_sequence": [str(i) for i in range(33)]}),
+        ({"stop": "", "top_p": 2}, {"stop_sequence": [""], "top_p": 2}),
+    ],
+)
+def test_mapped_params_are_refused_as_the_text_route_refuses_them(horde, make_user, served, chat, native):
+    """The chat route holds its mapped params to the text params' ranges (contract.text), with the
+    text route's words, at the path the chat body has for them."""
+    requester = make_user("r")
+    text = horde.text_async(requester.key, params=native)
+    assert text.status_code == 400
+    expected = {key.removeprefix("params."): message for key, message in text.json()["errors"].items()}
+    response = chat_async(horde.client, requester.key, **chat)
+    assert response.status_code == 400
+    assert response.json() == {"errors": expected, "message": "Input payload validation failed"}
+    assert not GenerationRequest.objects.exists()
+
+
 def test_nul_in_text_is_replaced_not_a_500(horde, make_user, served):
     requester = make_user("r")
     response = chat_async(horde.client, requester.key, messages=[{"role": "user", "content": "a\x00b"}])

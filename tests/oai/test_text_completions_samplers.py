@@ -486,35 +486,3 @@ def test_aliases_agreeing_and_unapplied_keys_pass(front, requester, start_text_w
     }
     assert len(row.params["stop_sequence"]) == 32
     assert not {"mirostat_mode", "dry_new_knob", "grammar_string", "custom_token_bans"} & set(row.params)
-
-
-def test_sampler_ranges_are_the_native_ones():
-    """The front's copy of the native ranges (oai imports nothing of chat) equals the serializer's, and
-    every native text param has a place: mapped, or governed by an OpenAI key."""
-    from chat.api.serializers import TextParamsSerializer
-    from chat.api.strict_fields import StrictBooleanField, StrictIntegerField
-    from oai.text_completions import (
-        EOS_BAN_KEYS,
-        NATIVE_BOOLEAN_PARAMS,
-        NATIVE_SAMPLER_ORDER_RANGE,
-        NATIVE_SAMPLER_RANGES,
-        SAMPLER_ALIASES,
-        TEXT_MAX_STOP_SEQUENCES,
-    )
-
-    fields = TextParamsSerializer().fields
-    for name, (kind, low, high) in NATIVE_SAMPLER_RANGES.items():
-        field = fields[name]
-        assert (field.min_value, field.max_value) == (low, high), name
-        assert isinstance(field, StrictIntegerField) is (kind == "integer"), name
-        assert SAMPLER_ALIASES[name] == name  # the native name is always accepted
-    child = fields["sampler_order"].child
-    assert (child.min_value, child.max_value) == NATIVE_SAMPLER_ORDER_RANGE
-    assert fields["stop_sequence"].max_length == TEXT_MAX_STOP_SEQUENCES
-    for name in (*NATIVE_BOOLEAN_PARAMS, EOS_BAN_KEYS[0]):
-        assert isinstance(fields[name], StrictBooleanField), name
-    governed = {"n", "max_length", "max_context_length", "temperature", "top_p", "stop_sequence"}
-    placed = (
-        governed | set(NATIVE_SAMPLER_RANGES) | {"sampler_order", *NATIVE_BOOLEAN_PARAMS, EOS_BAN_KEYS[0]}
-    )
-    assert set(fields) == placed
