@@ -356,9 +356,12 @@ class SignalListener:
     async def start(self) -> None:
         import redis.asyncio as aioredis
 
+        # Imported here: main() has put the repository root on sys.path by now.
+        from contract.chat_signal import CHAT_SIGNAL_CHANNEL_PREFIX
+
         self.client = aioredis.Redis.from_url(self.redis_url)
         self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        await self.pubsub.psubscribe("horde:chat:*")
+        await self.pubsub.psubscribe(CHAT_SIGNAL_CHANNEL_PREFIX + "*")
         self.task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:

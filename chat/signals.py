@@ -1,4 +1,5 @@
-"""The completion signal: chat requests publish their progress on Redis channel horde:chat:<id>.
+"""The completion signal: chat requests publish their progress on Redis channel horde:chat:<id>
+(the channel, database and message keys: contract/chat_signal.py).
 
 Publishing is best effort and happens after the commit that stored what it announces: a Redis
 failure is logged and never fails the submit, cancel or sweep that published.
@@ -16,17 +17,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils.module_loading import import_string
 
+from contract.chat_signal import CHAT_SIGNAL_DB, CHAT_SIGNAL_FAULT_KEYS, chat_signal_channel
+
 log = logging.getLogger(__name__)
-
-CHAT_SIGNAL_CHANNEL_PREFIX = "horde:chat:"
-# The logical database the publishing client uses; pub/sub reaches subscribers on any database.
-CHAT_SIGNAL_DB = 7
-CHAT_SIGNAL_EVENTS = ("generation", "done", "cancelled", "faulted")
-CHAT_SIGNAL_FAULT_KEYS = ("fault_reason", "fault_rc")
-
-
-def chat_signal_channel(request_id: UUID | str) -> str:
-    return f"{CHAT_SIGNAL_CHANNEL_PREFIX}{request_id}"
 
 
 @lru_cache(maxsize=4)

@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from contract.chat_signal import CHAT_SIGNAL_CHANNEL_PREFIX
+
 log = logging.getLogger("oai.waiter")
 
-CHAT_SIGNAL_CHANNEL_PREFIX = "horde:chat:"
 # Under fail_fast, reads after the first wait at most this long for a status carrying queue information.
 POSITIONED_READ_WAIT_SECONDS = 2.0
 QUEUE_UNAVAILABLE_RETRY_AFTER_CAP_SECONDS = 600
