@@ -274,7 +274,6 @@ def text_request_create(
 ) -> CreatedRequest:
     """Price, admit and queue a text request (or only quote it, on a dry run). A repeated operation
     key is answered first, before anything that could refuse or charge it, as on the chat route."""
-    from chat.front_lease import front_lease_until  # chat.front_lease's sweep imports this module
 
     operation_key = None if data.dry_run else data.operation_key
     fingerprint = text_operation_fingerprint(data) if operation_key is not None else ""
@@ -304,7 +303,9 @@ def text_request_create(
                 "ip_address": ip_address[:64],
                 "operation_key": operation_key,
                 "operation_fingerprint": fingerprint,
-                "front_lease_expires_at": front_lease_until(front_lease_seconds),
+                "front_lease_expires_at": (
+                    timezone.now() + timedelta(seconds=front_lease_seconds) if front_lease_seconds else None
+                ),
             },
         )
     except IntegrityError:

@@ -38,9 +38,9 @@ from oai.horde_client import (
     SubmitAnswerLost,
     rate_limit_pause,
 )
-from oai.mapping import Completion, build_completion, build_model_card, build_native_chat_body, relays_deltas
+from oai.mapping import Completion, build_completion, build_model_card, relays_deltas
 from oai.metrics import FrontMetrics
-from oai.schema import ChatCompletionRequest, parse_body, screen_request
+from oai.schema import ChatCompletionRequest, build_native_chat_body, parse_body, screen_request
 from oai.settings import FrontSettings, load_settings
 from oai.text_completions import (
     TextCompletion,

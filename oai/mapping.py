@@ -1,5 +1,6 @@
-"""Native body, completion, usage estimate, model cards (spec: chat_front.md, Response shape and Model
-card fields). Pure functions over plain dicts: the hot path builds one native body and one reply."""
+"""The reply side: completion, usage estimate, model cards (spec: chat_front.md, Response shape and
+Model card fields). Pure functions over plain dicts: the hot path builds one reply. It imports the
+request side (oai.schema), never the other way."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from oai.schema import (
-    FRONT_ONLY_KEYS,
     AssistantMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -26,28 +26,6 @@ EMPTY_REPLY_NOTICE = "The worker returned neither text nor tool calls."
 CHARS_PER_TOKEN = 4
 BASE_SUPPORTED_PARAMETERS = ("max_tokens", "temperature", "top_p", "stop")
 SAME_NAME_FEATURES = ("seed", "frequency_penalty", "presence_penalty")
-
-
-def build_native_chat_body(
-    body: Mapping[str, Any], *, operation_key: str | None = None, stream_progress: bool = False
-) -> dict[str, Any]:
-    """The screened OpenAI body as the native route takes it: the front-only keys are not forwarded,
-    tools and response_format at their default are dropped, and horde.operation_key is added.
-    `stream_progress` forwards stream: true (the stream hint) for a request whose deltas are relayed."""
-    native: dict[str, Any] = {}
-    for key, value in body.items():
-        if value is None or key in FRONT_ONLY_KEYS:
-            continue
-        if key == "tools" and value == []:
-            continue
-        if key == "response_format" and isinstance(value, Mapping) and dict(value) == {"type": "text"}:
-            continue
-        native[key] = value
-    if operation_key is not None:
-        native["horde"] = {**(native.get("horde") or {}), "operation_key": operation_key}
-    if stream_progress:
-        native["stream"] = True
-    return native
 
 
 def relays_deltas(request: ChatCompletionRequest) -> bool:

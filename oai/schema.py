@@ -6,7 +6,8 @@ unknown top-level key, a no-op key holding another value than its default, an un
 content part type, and tool_calls off an assistant message; `drop_default_no_ops` drops the no-op
 keys at their default; `drop_unknown_nested_keys` drops the unserved keys inside messages, tools and
 tool_choice (as OpenAI ignores them, e.g. the fields the SDK adds when it replays a streamed reply).
-`screen_request` then applies the front's own bounds and the contract's validation.
+`screen_request` then applies the front's own bounds, builds the native body
+(`build_native_chat_body`) and validates it with the contract.
 """
 
 from __future__ import annotations
@@ -352,6 +353,28 @@ class ChatCompletionRequest(BaseModel):
         return self.chat.model_list
 
 
+def build_native_chat_body(
+    body: Mapping[str, Any], *, operation_key: str | None = None, stream_progress: bool = False
+) -> dict[str, Any]:
+    """The screened OpenAI body as the native route takes it: the front-only keys are not forwarded,
+    tools and response_format at their default are dropped, and horde.operation_key is added.
+    `stream_progress` forwards stream: true (the stream hint) for a request whose deltas are relayed."""
+    native: dict[str, Any] = {}
+    for key, value in body.items():
+        if value is None or key in FRONT_ONLY_KEYS:
+            continue
+        if key == "tools" and value == []:
+            continue
+        if key == "response_format" and isinstance(value, Mapping) and dict(value) == {"type": "text"}:
+            continue
+        native[key] = value
+    if operation_key is not None:
+        native["horde"] = {**(native.get("horde") or {}), "operation_key": operation_key}
+    if stream_progress:
+        native["stream"] = True
+    return native
+
+
 def screen_request(raw_body: Any) -> ChatCompletionRequest:
     """The three screening steps, the front's bounds, then the contract's validation; raises
     ChatFrontError with OpenAI's message and param."""
@@ -364,8 +387,6 @@ def screen_request(raw_body: Any) -> ChatCompletionRequest:
     body = {key: value for key, value in body.items() if value is not None}  # null counts as omitted
     _check_models(body)
     _check_ranges(body)
-    from oai.mapping import build_native_chat_body  # noqa: PLC0415 (mapping imports this module)
-
     native = build_native_chat_body(body)
     try:
         chat = validate_chat_request(native)
