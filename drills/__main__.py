@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -515,6 +516,7 @@ class Load:
 class DrillResult:
     name: str
     faults: list[str] = field(default_factory=list)  # "what: recovery"
+    recoveries: list[tuple[str, float]] = field(default_factory=list)  # (fault, when it cleared), read at the end
     notes: list[str] = field(default_factory=list)
     reconciliation: Reconciliation | None = None
     worker_errors: dict = field(default_factory=dict)
@@ -546,8 +548,9 @@ class Drills:
             load.finish()
             time.sleep(2 * SWEEP_SECONDS + 1)
             result.reconciliation = reconcile(horde.query(), load.calls)
-            from collections import Counter
-
+            result.faults += [f"{fault}: {load.recovery(since)}" for fault, since in result.recoveries]
+            outcomes = Counter(f"{call.kind} {call.outcome}" for call in load.calls)
+            result.notes.append("client calls: " + ", ".join(f"{what} {n}" for what, n in sorted(outcomes.items())))
             result.worker_errors = dict(Counter(load.worker_errors))
         finally:
             load.requesting.clear()
@@ -626,10 +629,15 @@ class Drills:
             if rows[0][0] == 0:
                 break
             time.sleep(0.25)
-        health = httpx.get(f"{horde.base_url}/healthz", timeout=5).status_code
+        requeued = time.monotonic() - restarted
+        while time.monotonic() - restarted < 60:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{horde.base_url}/healthz", timeout=5).status_code == 200:
+                    break
+            time.sleep(0.25)
         result.faults.append(
             f"celery worker+beat killed mid-sweep, down {restarted - killed:.0f} s: the {held} lapsed jobs re-queued "
-            f"{time.monotonic() - restarted:.1f} s after the restart; /healthz {health}")
+            f"{requeued:.1f} s after the restart; /healthz 200 again {time.monotonic() - restarted:.1f} s after it")
 
     def redis(self, horde: Horde, load: Load, result: DrillResult) -> None:
         down = self.s(30, 10)
@@ -637,9 +645,8 @@ class Drills:
         log(f"redis killed, down {down:.0f} s")
         time.sleep(down)
         horde.redis.start()
-        back = time.monotonic()
+        result.recoveries.append((f"redis killed {down:.0f} s", time.monotonic()))
         time.sleep(self.s(12, 6))
-        result.faults.append(f"redis killed {down:.0f} s: {load.recovery(back)}")
         hung = self.s(20, 6)
         horde.redis.signal(signal.SIGSTOP)
         stopped = time.monotonic()
@@ -647,21 +654,20 @@ class Drills:
         time.sleep(hung)
         horde.redis.signal(signal.SIGCONT)
         during = [t for t, what in load.successes if stopped <= t < stopped + hung]
-        result.faults.append(f"redis hung {hung:.0f} s ({len(during)} submits/answers/pops succeeded while hung): "
-                             f"{load.recovery(time.monotonic())}")
+        result.recoveries.append(
+            (f"redis hung {hung:.0f} s ({len(during)} submits/answers/pops succeeded while hung)", time.monotonic()))
 
     def postgres(self, horde: Horde, load: Load, result: DrillResult) -> None:
         horde.pg.pg_ctl("-m", "fast", "restart")
-        back = time.monotonic()
+        result.recoveries.append(("postgres restart -m fast", time.monotonic()))
         log("postgres restarted (-m fast)")
         time.sleep(self.s(10, 6))
-        result.faults.append(f"postgres restart -m fast: {load.recovery(back)}")
         down = self.s(20, 8)
         horde.pg.stop("fast")
         log(f"postgres stopped, down {down:.0f} s")
         time.sleep(down)
         horde.pg.start()
-        result.faults.append(f"postgres down {down:.0f} s: {load.recovery(time.monotonic())}")
+        result.recoveries.append((f"postgres down {down:.0f} s", time.monotonic()))
 
     def web_killed(self, horde: Horde, load: Load, result: DrillResult) -> None:
         held = horde.query()("SELECT count(*) FROM horde_generations WHERE state = 'processing'")[0][0]
@@ -675,9 +681,9 @@ class Drills:
         time.sleep(2)
         horde.start_web()
         back = time.monotonic()
+        result.recoveries.append((f"web killed -9 with {held} jobs held and {waiting} front requests waiting, "
+                                  f"serving again {back - killed:.1f} s after the kill", back))
         time.sleep(FRONT_LEASE_SECONDS + 12)  # past the front lease and its sweep
-        result.faults.append(f"web killed -9 with {held} jobs held and {waiting} front requests waiting, "
-                             f"restarted after {back - killed:.1f} s: {load.recovery(back)}")
 
     def operation_key(self, horde: Horde, load: Load, result: DrillResult) -> None:
         """10 concurrent chat submits with one operation key: one request, one id, charged once."""
@@ -702,8 +708,6 @@ class Drills:
             thread.start()
         for thread in threads:
             thread.join(60)
-        from collections import Counter
-
         rows = horde.query()(f"SELECT count(*) FROM horde_requests WHERE operation_key = '{key}'")[0][0]
         result.faults.append(f"10 concurrent chat submits, one operation key: answers {dict(Counter(answers))}; "
                              f"requests with the key: {rows}; distinct ids: {len(call.ids)}")
@@ -743,7 +747,8 @@ def print_report(results: list[DrillResult], args: argparse.Namespace, total: fl
         print(f"- errors the clients saw: {errors}")
         worker = ", ".join(f"{what} x{n}" for what, n in sorted(result.worker_errors.items())) or "none"
         print(f"- errors the workers saw: {worker}")
-        for label, items in (("lost", rec.lost), ("charged for nothing", rec.charged_for_nothing),
+        charged = [f"{rid} ({rec.details.get(rid, '')})" for rid in rec.charged_for_nothing]
+        for label, items in (("lost", rec.lost), ("charged for nothing", charged),
                              ("double-charged", rec.double_charged), ("held by two", rec.two_workers),
                              ("conflicting states", rec.conflicting_states),
                              ("balance != ledger", rec.balance_mismatch), ("holds", rec.hold_mismatch)):

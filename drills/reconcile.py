@@ -65,6 +65,7 @@ class Reconciliation:
     balance_mismatch: list[str] = field(default_factory=list)
     hold_mismatch: list[str] = field(default_factory=list)
     client_errors: Counter = field(default_factory=Counter)
+    details: dict[str, str] = field(default_factory=dict)  # request id -> what its client saw
 
     @property
     def clean(self) -> bool:
@@ -151,6 +152,8 @@ def reconcile(query: Callable[[str], Iterable[tuple]], calls: Iterable[Call]) ->
             answered = any(by_tag.get(tag) and by_tag[tag].answered_id == rid for tag in row["tags"])
             if not answered:
                 result.charged_for_nothing.append(rid)
+                seen = [f"{by_tag[t].kind} call, client {by_tag[t].outcome}" for t in row["tags"] if t in by_tag]
+                result.details[rid] = "; ".join(seen) or "no client call"
     for gen in paid_twice_generations:
         result.double_charged.append(f"generation {gen}")
     # A client given an id whose request is gone was lost too (the drills never expire requests).
