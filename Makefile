@@ -11,7 +11,7 @@ STAMP := $(VENV)/.requirements.stamp
 DEV_STAMP := $(VENV)/.requirements-dev.stamp
 PORT ?= 8000
 
-.PHONY: run test venv venv-dev lint bench var
+.PHONY: run test venv venv-dev lint bench drill var
 
 # Serve the web process (daphne), the Celery worker with beat and the demo worker; Ctrl-C stops them.
 run: venv var
@@ -50,3 +50,9 @@ lint: venv-dev
 # Options: make bench ARGS="--requests 10000 --models 50 --workers 100 --duration 90"
 bench: venv var
 	$(PY) bench/text_queue.py $(ARGS)
+
+# The fault drills (docs/reliability.md): each on a PostgreSQL cluster and a Redis server of its own
+# (needs initdb/pg_ctl and redis-server); not part of `make test`. About 6-8 minutes;
+# make drill ARGS=--short (shorter faults), ARGS="--only redis,postgres".
+drill: venv-dev
+	$(PY) -m drills $(ARGS)

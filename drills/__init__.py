@@ -1,0 +1,1 @@
+"""Fault drills of the horde (issue 13): `python -m drills [--short]`, or `make drill`."""

@@ -1,0 +1,108 @@
+"""The drills' reconciliation (drills/reconcile.py, `make drill`) on a tiny scenario made through the
+native routes: it counts each request's state, and it finds a request charged whose client got an
+error, a lost request, a generation paid twice and a balance that left its ledger."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import connection
+
+from drills.reconcile import Call, new_tag, reconcile
+
+MODEL = "Gryphe/MythoMax-L2-13b"
+
+
+def _query(sql: str) -> list[tuple]:
+    with connection.cursor() as cursor:
+        cursor.execute(sql)
+        return cursor.fetchall()
+
+
+def _queue(horde, key: str, call: Call) -> str:
+    created = horde.text_async(key, prompt=f"Drill drill-{call.tag}: once", params={"n": 1, "max_length": 64},
+                               models=[MODEL])
+    assert created.status_code == 202, created.content
+    call.ids.add(created.json()["id"])
+    return created.json()["id"]
+
+
+def _serve(horde, worker_key: str) -> str:
+    job = horde.pop(worker_key).json()
+    assert job["id"], job
+    assert horde.submit(worker_key, job["id"], " A drill reply.", state="ok").status_code == 200
+    return job["id"]
+
+
+def test_reconciliation_counts_states_and_finds_what_went_wrong(horde, make_user):
+    requester = make_user(kudos=1000)
+    volunteer = make_user(trusted=True)
+
+    answered = Call(kind="text", tag=new_tag())
+    answered_id = _queue(horde, requester.key, answered)
+    generation_id = _serve(horde, volunteer.key)
+    status = horde.status(answered_id).json()
+    assert status["done"] and status["generations"], status
+    answered.outcome, answered.answered_id = "answered", answered_id
+
+    cancelled = Call(kind="text", tag=new_tag())
+    cancelled_id = _queue(horde, requester.key, cancelled)
+    assert horde.cancel(cancelled_id).status_code == 200
+    cancelled.outcome = "gave up"
+
+    waiting = Call(kind="text", tag=new_tag())
+    _queue(horde, requester.key, waiting)
+    unrelated = horde.text_async(requester.key, prompt="Not a drill's", params={"n": 1, "max_length": 64},
+                                 models=[MODEL])
+    assert unrelated.status_code == 202
+
+    calls = [answered, cancelled, waiting]
+    result = reconcile(_query, calls)
+    assert result.clean, result
+    assert result.summary() | {} == {
+        "accepted": 3, "completed": 1, "cancelled": 1, "faulted": 0, "waiting": 1, "lost": 0,
+        "double-charged": 0, "charged for nothing": 0, "held by two": 0, "balance != ledger": 0,
+        "holds != open holds": 0,
+    }
+
+    # Served and charged, but its client saw an error (an answer lost on the way): charged for nothing.
+    errored = Call(kind="text", tag=new_tag(), outcome="error", errors=["status ReadTimeout"])
+    _queue(horde, requester.key, errored)
+    # Every queued request served: the waiting one, the unrelated one, this one.
+    for _job in range(3):
+        _serve(horde, volunteer.key)
+    errored_generation = str(uuid.UUID(str(_query(
+        "SELECT g.id FROM horde_generations g JOIN horde_requests r ON r.id = g.request_id"
+        f" WHERE r.prompt LIKE '%drill-{errored.tag}%'")[0][0])))
+    waiting.outcome, waiting.answered_id = "answered", next(iter(waiting.ids))
+    calls.append(errored)
+    result = reconcile(_query, calls)
+    assert result.charged_for_nothing == [next(iter(errored.ids))]
+    assert result.client_errors == {"text: status ReadTimeout": 1}
+    assert not result.lost and not result.double_charged and not result.balance_mismatch
+
+    # A request with nothing waiting, processing or finished, neither cancelled nor faulted: lost; and
+    # an id a client was given that the database does not have.
+    lost = Call(kind="chat", tag=new_tag())
+    lost_id = _queue(horde, requester.key, lost)
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE horde_requests SET jobs_waiting = 0 WHERE id = %s", [uuid.UUID(lost_id).hex
+                       if connection.vendor == "sqlite" else lost_id])
+    vanished = Call(kind="text", tag=new_tag(), ids={str(uuid.uuid4())})
+    calls += [lost, vanished]
+    result = reconcile(_query, calls)
+    assert sorted(result.lost) == sorted([lost_id, next(iter(vanished.ids))])
+
+    # A generation's reward written twice: paid twice, and the balance no longer its ledger.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO horde_kudos_transactions (user_id, amount, kind, request_id, generation_id, created)"
+            " SELECT user_id, amount, kind, request_id, generation_id, created FROM horde_kudos_transactions"
+            " WHERE kind = 'generation_reward' AND generation_id = %s",
+            [uuid.UUID(errored_generation).hex if connection.vendor == "sqlite" else errored_generation],
+        )
+    result = reconcile(_query, calls)
+    assert result.double_charged == [f"generation {errored_generation}"]
+    assert len(result.balance_mismatch) == 1 and result.balance_mismatch[0].startswith(f"user {volunteer.user.pk}:")
+    assert not result.clean
+    assert generation_id != errored_generation
