@@ -11,10 +11,12 @@ so nobody is charged for a reply no client can receive.
 
 from __future__ import annotations
 
+from contract.chat_signal import CHAT_SIGNAL_DB
+
 FRONT_LEASE_HEADER = "Horde-Front-Lease"
 FRONT_LEASE_KEY_PREFIX = "horde:front:lease:"
-# The chat signal database (chat.signals.CHAT_SIGNAL_DB), where the progress streams live too.
-FRONT_LEASE_REDIS_DB = 7
+# The chat signal database, where the progress streams live too.
+FRONT_LEASE_REDIS_DB = CHAT_SIGNAL_DB
 FRONT_LEASE_RENEW_SECONDS = 10
 # A few renewal periods: one late or lost renewal never lets a lease lapse.
 FRONT_LEASE_TTL_SECONDS = 30
