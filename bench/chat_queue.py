@@ -403,8 +403,8 @@ def fill(
 
     from accounts.models import HordeUser
     from accounts.services import user_create
-    from chat.chat_create import chat_request_create, map_chat_request
-    from chat.services import TextRequestInput, text_request_create
+    from chat.services.create_chat import chat_request_create, map_chat_request
+    from chat.services.create_text import TextRequestInput, text_request_create
     from contract.chat_shapes import validate_chat_request
     from contract.errors import HordeError
 
@@ -530,14 +530,14 @@ class KeepOnline:
 def queue_counts() -> dict[str, int]:
     from django.db.models import Count
 
-    from chat.matching import waiting_requests
+    from chat.selectors.queue import waiting_requests
 
     rows = waiting_requests().values("is_chat").annotate(n=Count("id"))
     return {("chat" if r["is_chat"] else "text"): r["n"] for r in rows}
 
 
 def queued_chat_ids(limit: int = 5000) -> list[str]:
-    from chat.matching import waiting_requests
+    from chat.selectors.queue import waiting_requests
 
     return [str(pk) for pk in waiting_requests().filter(is_chat=True).values_list("id", flat=True)[:limit]]
 

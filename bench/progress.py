@@ -112,7 +112,7 @@ def fill(jobs: int) -> float:
     """`jobs` streamed chat requests from one requester, as the chat route stores them."""
     from accounts.models import HordeUser
     from accounts.services import user_create
-    from chat.chat_create import chat_request_create, map_chat_request
+    from chat.services.create_chat import chat_request_create, map_chat_request
     from contract.chat_shapes import validate_chat_request
 
     user, _ = user_create(username="bench-stream-requester", kudos=10_000_000)

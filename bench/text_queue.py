@@ -235,7 +235,7 @@ def fill(args: argparse.Namespace, rng: random.Random) -> tuple[list[WorkerSpec]
     Returns the worker specs and the fill's seconds."""
     from accounts.models import HordeUser
     from accounts.services import user_create
-    from chat.services import TextRequestInput, text_request_create
+    from chat.services.create_text import TextRequestInput, text_request_create
 
     models = model_names(args.models)
     requesters = []
@@ -321,13 +321,13 @@ def fill(args: argparse.Namespace, rng: random.Random) -> tuple[list[WorkerSpec]
 
 
 def queued_ids(limit: int = 5000) -> list[str]:
-    from chat.matching import waiting_requests
+    from chat.selectors.queue import waiting_requests
 
     return [str(pk) for pk in waiting_requests().values_list("id", flat=True)[:limit]]
 
 
 def queue_depth() -> int:
-    from chat.matching import waiting_requests
+    from chat.selectors.queue import waiting_requests
 
     return waiting_requests().count()
 

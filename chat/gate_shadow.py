@@ -13,7 +13,6 @@ import logging
 from datetime import datetime
 from typing import Any
 
-from chat.matching import text_worker_lease_capacity
 from chat.metrics import (
     gate_shadow_assignments,
     gate_shadow_outcomes,
@@ -21,6 +20,7 @@ from chat.metrics import (
     size_bucket,
 )
 from chat.models import Generation, GenerationRequest
+from chat.selectors.queue import text_worker_lease_capacity
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,9 @@
 from celery import shared_task
 from django.utils import timezone
 
-from chat import front_lease, services
 from chat.models import SweepRun
+from chat.services import create_text as services
+from chat.services import front_lease
 
 
 def _finished(task: str, rows: int) -> int:

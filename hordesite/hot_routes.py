@@ -40,7 +40,7 @@ from chat.api.pop_views import TextPopView
 from chat.api.progress_views import TextProgressView
 from chat.api.submit_views import TextSubmitView
 from chat.api.views import TextStatusView
-from chat.pop_wait import queue_listener
+from chat.services.pop_wait import queue_listener
 from hordesite.body_limits import read_body
 from hordesite.db_guard import start_request
 from hordesite.errors import horde_exception_handler

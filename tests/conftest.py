@@ -68,8 +68,8 @@ def _fresh_cache():
 
     from accounts.selectors import reset_user_caches
     from chat.handed_out import handed_out
-    from chat.pop_cache import reset_empty_pops
-    from chat.snapshots import reset_snapshots
+    from chat.selectors.snapshots import reset_snapshots
+    from chat.services.pop_cache import reset_empty_pops
     from workers.services import worker_rows
 
     cache.clear()

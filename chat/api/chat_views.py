@@ -14,8 +14,10 @@ from rest_framework.views import APIView
 
 from accounts.api.callers import requester
 from accounts.ratelimit import chat_request_limits_per_ip, check_submit_rate_limits
-from chat import chat_create, chat_selectors, front_lease
 from chat.api import chat_serializers as cs
+from chat.selectors import chat_status as chat_selectors
+from chat.services import create_chat as chat_create
+from chat.services import front_lease
 from contract.chat_errors import ChatRefusal
 from contract.chat_limits import MAX_CHAT_BODY_BYTES
 from contract.chat_shapes import validate_chat_request

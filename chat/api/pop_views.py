@@ -11,7 +11,7 @@ from rest_framework.views import APIView
 from accounts.api.callers import registered_caller
 from chat.api import serializers as s
 from chat.api.fast_validation import validated_body
-from chat.dispatch import build_job_payload, worker_pop
+from chat.services.pop import build_job_payload, worker_pop
 from contract.chat_declaration import parse_chat_declaration
 from contract.chat_errors import ChatDeclarationInvalid
 from contract.errors import HordeError

@@ -13,7 +13,7 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from chat.progress import job_progress
+from chat.services.progress import job_progress
 from contract.chat_progress import (
     PROGRESS_MESSAGES,
     ProgressBodyInvalid,

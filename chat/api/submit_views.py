@@ -12,7 +12,7 @@ from accounts.api.callers import registered_caller
 from chat.api import serializers as s
 from chat.api import submit_serializers as cs
 from chat.api.fast_validation import canonical_validated_data, validated_body
-from chat.submit import TextSubmit, job_submit
+from chat.services.submit import TextSubmit, job_submit
 from contract.chat_verify import is_chat_submit
 
 

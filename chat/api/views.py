@@ -9,8 +9,9 @@ from rest_framework.views import APIView
 
 from accounts.api.callers import registered_caller, requester
 from accounts.ratelimit import check_submit_rate_limits
-from chat import front_lease, selectors, services
+from chat import selectors, services
 from chat.api import serializers as s
+from chat.services import front_lease
 from contract.errors import HordeError
 
 

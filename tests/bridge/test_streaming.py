@@ -8,7 +8,7 @@ import time
 import pytest
 
 from chat.models import Generation
-from chat.progress import progress_redis
+from chat.services.progress import progress_redis
 from contract.chat_progress import chat_progress_stream_key
 from tests.bridge.conftest import LogBuffer, bridge_config, running_bridge
 from tests.bridge.fake_backend import chat_completion

@@ -26,9 +26,9 @@ from django.core.cache import cache
 from django.db import connection
 from django.utils import timezone
 
-from chat import snapshots
-from chat.availability import availability_cache_key
 from chat.models import Generation, GenerationRequest
+from chat.selectors import snapshots
+from chat.selectors.availability import availability_cache_key
 from contract.text import WORKER_ONLINE_SECONDS
 from tests.chat.chat_route_helpers import ALL_DECLARATIONS, MODEL, chat_async, chat_status
 from workers.models import Worker

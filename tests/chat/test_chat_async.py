@@ -10,12 +10,12 @@ from decimal import Decimal
 import pytest
 
 from accounts.models import KudosTransaction
-from chat.chat_create import (
+from chat.models import GenerationRequest, RequestWorker
+from chat.pricing import text_request_quote
+from chat.services.create_chat import (
     estimate_chat_prompt_tokens,
     flatten_messages,
 )
-from chat.models import GenerationRequest, RequestWorker
-from chat.pricing import text_request_quote
 from contract.chat_limits import MAX_CHAT_BODY_BYTES
 from contract.chat_policy import kudos_cap_message
 from tests.chat.chat_route_helpers import (

@@ -9,10 +9,10 @@ import pytest
 from django.core.cache import cache
 from django.utils import timezone
 
-from chat.availability import availability_cache_key, chat_request_availability
-from chat.matching import worker_may_take
 from chat.models import Generation, GenerationRequest, RequestWorker
-from chat.snapshots import reset_snapshots
+from chat.selectors.availability import availability_cache_key, chat_request_availability
+from chat.selectors.queue import worker_may_take
+from chat.selectors.snapshots import reset_snapshots
 from tests.chat.pop_helpers import ALL_GUARANTEES, MODEL, OTHER, chat_pop, queue_chat
 from workers.models import Worker
 

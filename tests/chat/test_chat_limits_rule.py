@@ -5,9 +5,9 @@ max_context_length 1024), and declares far larger chat limits."""
 
 from __future__ import annotations
 
-from chat.availability import chat_request_availability
-from chat.matching import worker_may_take
 from chat.models import GenerationRequest
+from chat.selectors.availability import chat_request_availability
+from chat.selectors.queue import worker_may_take
 from tests.chat.chat_route_helpers import ALL_DECLARATIONS, MODEL, chat_async, chat_status
 from workers.models import Worker
 

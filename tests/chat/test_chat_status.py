@@ -11,7 +11,7 @@ import pytest
 from django.utils import timezone
 
 from chat.models import Generation, GenerationRequest
-from chat.status_cache import status_changed
+from chat.selectors.status_cache import status_changed
 from tests.chat.chat_route_helpers import MODEL, chat_async, chat_cancel, chat_status, chat_worker
 
 TEXT_STATUS_KEYS = {

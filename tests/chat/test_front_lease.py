@@ -14,8 +14,8 @@ from django.conf import settings as django_settings
 from rest_framework.test import APIClient
 
 from accounts.models import KudosTransaction
-from chat.front_lease import cancel_lapsed_front_leases
 from chat.models import Generation, GenerationRequest
+from chat.services.front_lease import cancel_lapsed_front_leases
 from contract.front_lease import FRONT_LEASE_HEADER, FRONT_LEASE_REDIS_DB, front_lease_key
 from tests.chat.chat_route_helpers import MODEL, chat_worker
 from tests.races import race

@@ -10,9 +10,9 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from chat.matching import chat_capacity_refusal, text_worker_lease_capacity
 from chat.models import Generation, GenerationRequest
-from chat.pop_cache import queue_grew
+from chat.selectors.queue import chat_capacity_refusal, text_worker_lease_capacity
+from chat.services.pop_cache import queue_grew
 from tests.chat.pop_helpers import MODEL, chat_pop
 from tests.chat.pop_helpers import queue_chat as _queue_chat
 from tests.chat.test_chat_submit import counter_points, metric_reader  # noqa: F401  (fixture)
@@ -164,7 +164,7 @@ def test_jobs_within_capacity_are_not_recorded(horde, make_user, metric_reader):
 def test_chat_job_over_capacity_counts_its_fault_once_and_a_lapsed_one_as_aborted(
     horde, make_user, metric_reader  # noqa: F811
 ):
-    from chat.services import abort_stale_generations
+    from chat.services.create_text import abort_stale_generations
 
     requester, slow_owner = make_user("r", kudos=1000), make_user("s")
     _register(horde, slow_owner.key, "slow", speed=2.0)  # the only chat worker: it is served anyway

@@ -10,8 +10,8 @@ import pytest
 from rest_framework.test import APIClient
 
 from accounts.models import KudosTransaction
-from chat.chat_create import OPERATION_FINGERPRINT_EXCLUDED_HORDE_KEYS, map_chat_request
 from chat.models import GenerationRequest
+from chat.services.create_chat import OPERATION_FINGERPRINT_EXCLUDED_HORDE_KEYS, map_chat_request
 from contract.chat_shapes import validate_chat_request
 from tests.chat.chat_route_helpers import MODEL, SMALL_MODEL, chat_async, chat_body, chat_worker
 from tests.races import race

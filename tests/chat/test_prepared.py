@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from psycopg import _queries
 
-from chat.prepared import _cached_conversion_query_class, prepared_cursor
+from chat.sql import _cached_conversion_query_class, prepared_cursor
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db]
 

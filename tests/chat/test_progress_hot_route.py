@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from chat import progress
+from chat.services import progress
 from contract.chat_progress import chat_progress_stream_key
 from tests.chat.pop_helpers import chat_pop, queue_chat
 from tests.hordesite.test_hot_routes import _call, call, stacks  # noqa: F401  (fixture)

@@ -13,11 +13,17 @@ from django.db.models import Count, Q
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from chat import selectors, snapshots
-from chat.availability import _chat_pass, _text_pass, availability_cache_key, chat_request_availability
-from chat.matching import worker_may_take
 from chat.models import Generation, GenerationRequest
-from chat.status_cache import STATUS_CACHE_SECONDS, cached_status
+from chat.selectors import snapshots
+from chat.selectors import status as selectors
+from chat.selectors.availability import (
+    _chat_pass,
+    _text_pass,
+    availability_cache_key,
+    chat_request_availability,
+)
+from chat.selectors.queue import worker_may_take
+from chat.selectors.status_cache import STATUS_CACHE_SECONDS, cached_status
 from tests.chat.chat_route_helpers import MODEL, chat_async, chat_status, chat_worker
 from workers.models import Worker
 

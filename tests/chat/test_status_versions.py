@@ -7,7 +7,7 @@ import uuid
 import pytest
 from django.db import transaction
 
-from chat.status_cache import cached_status, status_changed
+from chat.selectors.status_cache import cached_status, status_changed
 
 
 def test_a_body_stored_after_a_later_write_is_not_served(db):

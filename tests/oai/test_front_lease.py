@@ -55,7 +55,7 @@ def _assert_settled_as_a_cancel(requester, kudos_before: Decimal) -> None:
     """One request, cancelled with nothing handed out: the requester paid its submit's horde tax and
     nothing else, holds nothing, and the ledger has no generation charge."""
     from chat.models import Generation, GenerationRequest
-    from chat.services import HORDE_TAX
+    from chat.services.create_text import HORDE_TAX
 
     request = GenerationRequest.objects.get()
     assert request.cancelled and request.jobs_waiting == 0 and request.kudos_held == 0
@@ -105,8 +105,8 @@ def test_a_given_up_submit_the_front_never_learns_of_is_cancelled_by_the_sweep(
     lease, taken with the submit and never renewed, lapses; the sweep cancels it."""
     from django.conf import settings
 
-    from chat.front_lease import cancel_lapsed_front_leases
     from chat.models import GenerationRequest
+    from chat.services.front_lease import cancel_lapsed_front_leases
 
     kudos = requester.refresh().kudos
     proxy = delaying_proxy({ASYNC_LINE["text"]: 3.0})
@@ -146,8 +146,8 @@ def test_a_live_front_keeps_its_requests_past_many_lease_lengths(
     nothing, and the reply is then delivered and paid."""
     from django.conf import settings
 
-    from chat.front_lease import cancel_lapsed_front_leases
     from chat.models import GenerationRequest
+    from chat.services.front_lease import cancel_lapsed_front_leases
 
     front_redis = renewal == "redis"
     transport = {"native_roots": [f"{live_horde.url}/api/v2"]} if renewal == "status_over_http" else {}

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from chat import progress
+from chat.services import progress
 from contract.chat_progress import PROGRESS_ROUTE, chat_progress_stream_key
 from tests.oai.conftest import MODEL, HordeTestWorker
 
@@ -376,7 +376,7 @@ def test_a_request_faulting_after_exposure_is_chat_request_faulted(front, reques
     from django.utils import timezone
 
     from chat.models import GenerationRequest
-    from chat.services import expire_requests
+    from chat.services.create_text import expire_requests
 
     client = _stream(front, requester)
     job = streaming_worker.pop()

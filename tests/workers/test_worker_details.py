@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from django.core.cache import cache
 
-from chat.snapshots import reset_snapshots
+from chat.selectors.snapshots import reset_snapshots
 from tests.chat.pop_helpers import MODEL, chat_pop
 from workers.models import Worker
 

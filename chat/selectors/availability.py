@@ -15,16 +15,16 @@ from typing import Any
 
 from django.core.cache import cache
 
-from chat.matching import (
+from chat.models import Generation, GenerationRequest, RequestWorker
+from chat.selectors.queue import (
     chat_capacity_refusal,
     chat_declaration_gap,
     worker_may_take,
     worker_passes_restrictions,
     worker_serves_chat_model,
 )
-from chat.models import Generation, GenerationRequest, RequestWorker
-from chat.snapshots import OnlineWorkers, online_worker_facts
-from chat.status_cache import StatusRead
+from chat.selectors.snapshots import OnlineWorkers, online_worker_facts
+from chat.selectors.status_cache import StatusRead
 from contract.chat_policy import ChatServiceGap, merge_service_gaps
 from contract.text import WORKER_ONLINE_SECONDS
 from workers.serving_version import current_serving_version

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
-from chat.availability import availability_cache_key, chat_request_availability
 from chat.models import Generation, GenerationRequest
-from chat.selectors import generation_state_counts, request_get, request_queue_stats
-from chat.status_cache import StatusRead, cached_status
+from chat.selectors.availability import availability_cache_key, chat_request_availability
+from chat.selectors.status import generation_state_counts, request_get, request_queue_stats
+from chat.selectors.status_cache import StatusRead, cached_status
 
 
 @dataclass(frozen=True)

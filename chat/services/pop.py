@@ -18,13 +18,13 @@ from django.utils import timezone
 
 from chat.gate_shadow import record_over_capacity_assignment
 from chat.handed_out import handed_out
-from chat.matching import WorkerView, eligibility_filter, skipped_counts, waiting_requests
 from chat.metrics import lease_capacity_limited
 from chat.models import Generation, GenerationRequest
-from chat.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember
-from chat.prepared import prepared_cursor
-from chat.progress import write_stream_leases
-from chat.status_cache import status_changed
+from chat.selectors.queue import WorkerView, eligibility_filter, skipped_counts, waiting_requests
+from chat.selectors.status_cache import status_changed
+from chat.services.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember
+from chat.services.progress import write_stream_leases
+from chat.sql import prepared_cursor
 from contract.chat_limits import CHAT_SAMPLING_DEFAULTS
 from contract.chat_progress import CHAT_STREAM_PROGRESS_KEY, streams_progress
 from contract.errors import HordeError

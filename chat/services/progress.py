@@ -32,10 +32,10 @@ from accounts.models import HordeUser, hash_api_key
 from accounts.services import kudos_settle
 from chat.metrics import lease_renewals
 from chat.models import Generation, GenerationRequest
-from chat.prepared import prepared_cursor
 from chat.pricing import text_generation_kudos
+from chat.selectors.status_cache import status_changed
 from chat.signals import CHAT_SIGNAL_DB, signal_url
-from chat.status_cache import status_changed
+from chat.sql import prepared_cursor
 from contract.chat_progress import (
     CHAT_PROGRESS_LEASE_GRACE_SECONDS,
     CHAT_PROGRESS_RENEWAL_SECONDS,

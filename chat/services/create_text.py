@@ -24,11 +24,11 @@ from accounts.services import kudos_hold, kudos_release, kudos_transfer
 from chat import metrics
 from chat.gate_shadow import record_aborted_outcome
 from chat.models import Generation, GenerationRequest, HordeModes, RequestModel, RequestWorker
-from chat.pop_cache import queue_grew
 from chat.pricing import text_request_quote
-from chat.progress import end_progress_after_fault, settle_cancelled_streams
+from chat.selectors.status_cache import status_changed
+from chat.services.pop_cache import queue_grew
+from chat.services.progress import end_progress_after_fault, settle_cancelled_streams
 from chat.signals import publish_chat_signal
-from chat.status_cache import status_changed
 from contract.errors import HordeError
 from contract.text import (
     FAULTED_GENERATIONS_LIMIT,

@@ -12,11 +12,11 @@ from django.core.cache import cache
 from django.db import connections, router
 from django.db.models import Count, F, Q, Sum
 
-from chat.availability import availability_cache_key, chat_request_availability
-from chat.matching import waiting_requests
 from chat.models import Generation, GenerationRequest
-from chat.snapshots import on_reset, online_worker_facts, online_workers, queue_place
-from chat.status_cache import StatusRead, cached_status
+from chat.selectors.availability import availability_cache_key, chat_request_availability
+from chat.selectors.queue import waiting_requests
+from chat.selectors.snapshots import on_reset, online_worker_facts, online_workers, queue_place
+from chat.selectors.status_cache import StatusRead, cached_status
 from workers.selectors import chat_workers_online, worker_speed
 
 # GET /status/models answers from a cache keyed by its query string (spec: "Chat model list").

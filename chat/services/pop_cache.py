@@ -26,7 +26,7 @@ from django.conf import settings
 from django.core.cache import cache
 from django.db import transaction
 
-from chat.pop_wait import queue_signal_channel, wake_in_process
+from chat.services.pop_wait import queue_signal_channel, wake_in_process
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ import redis
 from django.db import transaction
 from django.utils import timezone
 
-from chat import services
 from chat.models import GenerationRequest
+from chat.services import create_text as services
 from chat.signals import signal_url
 from contract.front_lease import (
     FRONT_LEASE_HEADER,

@@ -26,8 +26,8 @@ from uuid import UUID
 from django.db import connections, router
 from django.db.models import F
 
-from chat.matching import waiting_requests
 from chat.models import GenerationRequest
+from chat.selectors.queue import waiting_requests
 from workers.models import Worker
 from workers.selectors import worker_chat_declaration, worker_speed, workers_online
 from workers.serving_version import current_serving_version

@@ -24,11 +24,12 @@ from django.db.models import Count, Max
 from rest_framework.exceptions import ValidationError
 
 from accounts.models import HordeUser
-from chat import metrics, services
-from chat.front_lease import front_lease_until
+from chat import metrics
 from chat.model_reference import is_known_text_model
 from chat.models import GenerationRequest
 from chat.pricing import text_request_quote
+from chat.services import create_text as services
+from chat.services.front_lease import front_lease_until
 from contract.chat_errors import ChatRefusal
 from contract.chat_limits import CHAT_IMAGE_PLACEHOLDER, CHAT_IMAGE_PROMPT_TOKENS
 from contract.chat_policy import chat_request_requirements, kudos_cap_message
@@ -486,7 +487,7 @@ def _quote(models: list[str], prompt: str, max_length: int) -> Decimal:
 
 def _no_eligible_worker_for_kudos(request: GenerationRequest) -> HordeError | None:
     """NoEligibleWorker in place of a kudos refusal when no online worker can serve the request."""
-    from chat.chat_selectors import chat_availability
+    from chat.selectors.chat_status import chat_availability
 
     availability = chat_availability(request)
     if availability.is_possible:
@@ -651,7 +652,7 @@ def chat_request_create(
             raise
         log.info("operation key %s: a concurrent submit won; answering with %s", operation_key, claim.id)
         return answer_operation_claim(claim, submission.fingerprint)
-    from chat.chat_selectors import chat_availability
+    from chat.selectors.chat_status import chat_availability
 
     created = ChatCreated(request=request, kudos=kudos)
     if not chat_availability(request).is_possible:

@@ -25,17 +25,17 @@ from chat.gate_shadow import record_gate_shadow_outcome
 from chat.handed_out import handed_out
 from chat.metrics import chat_worker_faults
 from chat.models import Generation, GenerationRequest
-from chat.prepared import prepared_cursor
 from chat.pricing import chat_charge_basis, chat_things_count, text_generation_kudos, things_count
-from chat.progress import end_progress_after_fault, end_progress_after_submit
-from chat.services import (
+from chat.selectors.status_cache import status_changed
+from chat.services.create_text import (
     request_completed,
     requeue_faulted,
     stored_result_count,
     worker_record_dropped_job,
 )
+from chat.services.progress import end_progress_after_fault, end_progress_after_submit
 from chat.signals import publish_chat_signal
-from chat.status_cache import status_changed
+from chat.sql import prepared_cursor
 from contract.chat_declaration import chat_worker_fault_message, chat_worker_fault_metric_reason
 from contract.chat_errors import ChatRefusal
 from contract.chat_limits import MAX_CHAT_FAULT_REASON_LENGTH

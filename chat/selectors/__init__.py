@@ -1,0 +1,16 @@
+"""Reads on requests: status bodies, availability, queue and matching, the model list, and the
+per-process snapshots and caches the status polls read. No selector imports chat.services.
+
+The package names the reads the native text routes call (chat/api/views.py reads them as
+`selectors.<name>`); everything else imports the read's own module.
+"""
+
+from chat.selectors.status import (
+    horde_performance,
+    models_status,
+    request_get,
+    request_status,
+    text_status_body,
+)
+
+__all__ = ["horde_performance", "models_status", "request_get", "request_status", "text_status_body"]
