@@ -88,43 +88,33 @@ def kudos_settle(
     )
 
 
-def kudos_settle_ctes(
-    *,
-    gate: str,
-    release_held: str,
-    payee_id: int,
-    payer_id: int,
-    reward: Decimal,
-    charge: Decimal,
-    request_id: UUID,
-    generation_id: UUID,
-    now,
-) -> list[tuple[str, str, list]]:
-    """kudos_settle as PostgreSQL CTEs (name, SQL, params) for a caller's single statement: they
-    write only when the CTE `gate` holds a row, and `release_held` is an SQL expression of the
-    hold released. One UPDATE moves both balances, so a payee who is also the payer is right."""
+def kudos_settle_ctes(*, source: str, now) -> list[tuple[str, str, list]]:
+    """kudos_settle as PostgreSQL CTEs (name, SQL, params) for a caller's single statement.
+    `source` is a FROM item of at most one row with the columns payee_id, payer_id, reward,
+    charge, release (of the hold), request_id and generation_id; nothing is written without its
+    row. One UPDATE moves both balances, so a payee who is also the payer is right."""
     balances = (
         "UPDATE horde_users AS u SET"
-        " kudos = u.kudos + CASE WHEN u.id = %s THEN %s ELSE 0 END - CASE WHEN u.id = %s THEN %s ELSE 0 END,"
-        f" kudos_held = u.kudos_held - CASE WHEN u.id = %s THEN {release_held} ELSE 0 END"
-        f" WHERE u.id IN (%s, %s) AND EXISTS (SELECT 1 FROM {gate})"
+        " kudos = u.kudos + CASE WHEN u.id = s.payee_id THEN s.reward ELSE 0 END"
+        " - CASE WHEN u.id = s.payer_id THEN s.charge ELSE 0 END,"
+        " kudos_held = u.kudos_held - CASE WHEN u.id = s.payer_id THEN s.release ELSE 0 END"
+        f" FROM {source} WHERE u.id IN (s.payee_id, s.payer_id)"
     )
-    rows = [(payee_id, reward, KudosTransaction.Kind.GENERATION_REWARD)]
-    if charge:
-        rows.append((payer_id, -charge, KudosTransaction.Kind.GENERATION_CHARGE))
-    rows = [row for row in rows if row[1]]
-    ctes = [
-        ("kudos_balances", balances, [payee_id, reward, payer_id, charge, payer_id, payee_id, payer_id]),
+    # kudos_settle's rows: the reward, then the charge; a zero amount writes no row.
+    ledger = (
+        "INSERT INTO horde_kudos_transactions (user_id, amount, kind, request_id, generation_id, created)"
+        f" SELECT v.user_id, v.amount, v.kind, s.request_id, s.generation_id, %s::timestamptz FROM {source},"
+        " LATERAL (VALUES (s.payee_id, s.reward, %s::varchar, 1), (s.payer_id, -s.charge, %s::varchar, 2))"
+        " AS v(user_id, amount, kind, position) WHERE v.amount <> 0 ORDER BY v.position"
+    )
+    return [
+        ("kudos_balances", balances, []),
+        (
+            "kudos_ledger",
+            ledger,
+            [now, KudosTransaction.Kind.GENERATION_REWARD, KudosTransaction.Kind.GENERATION_CHARGE],
+        ),
     ]
-    if rows:
-        values = ", ".join("(%s::bigint, %s::numeric, %s::varchar)" for _ in rows)
-        ledger = (
-            "INSERT INTO horde_kudos_transactions (user_id, amount, kind, request_id, generation_id, created)"
-            f" SELECT v.user_id, v.amount, v.kind, %s::uuid, %s::uuid, %s::timestamptz FROM {gate},"
-            f" (VALUES {values}) AS v(user_id, amount, kind)"
-        )
-        ctes.append(("kudos_ledger", ledger, [request_id, generation_id, now, *(x for row in rows for x in row)]))
-    return ctes
 
 
 def kudos_hold(*, user_id: int, amount: Decimal) -> None:

@@ -38,7 +38,7 @@ def record_over_capacity_assignment(*, request: GenerationRequest, generations: 
     Generation.objects.filter(pk__in=ids).update(over_capacity_at_assignment=True)
     attributes = _attributes(max_length=request.max_length, trusted=worker.owner.trusted, is_chat=request.is_chat)
     for generation in generations:
-        generation.over_capacity_at_assignment = True  # the copy a submit in this process may use
+        generation.over_capacity_at_assignment = True
         gate_shadow_assignments.add(1, attributes)
         log.info(
             "horde.gate_shadow.assignment generation=%s request=%s worker=%s max_length=%d capacity=%d speed=%s",
@@ -54,14 +54,26 @@ def record_gate_shadow_outcome(
     if not generation.over_capacity_at_assignment:
         return
     request = generation.request
-    attributes = _attributes(
-        max_length=request.max_length, trusted=generation.worker.owner.trusted, is_chat=request.is_chat
+    seconds = (now - generation.created).total_seconds() if outcome == "completed" and now is not None else None
+    record_outcome(
+        outcome,
+        max_length=request.max_length,
+        trusted=generation.worker.owner.trusted,
+        is_chat=request.is_chat,
+        service_seconds=seconds,
     )
+
+
+def record_outcome(
+    outcome: str, *, max_length: int, trusted: bool, is_chat: bool, service_seconds: float | None = None
+) -> None:
+    """A marked job's end, from the values at hand (the priced submit's row, the stale sweep's query)."""
+    attributes = _attributes(max_length=max_length, trusted=trusted, is_chat=is_chat)
     gate_shadow_outcomes.add(1, {**attributes, "horde.outcome": outcome})
-    if outcome == "completed" and now is not None:
-        gate_shadow_service_seconds.record((now - generation.created).total_seconds(), attributes)
+    if service_seconds is not None:
+        gate_shadow_service_seconds.record(service_seconds, attributes)
 
 
 def record_aborted_outcome(*, max_length: int, trusted: bool, is_chat: bool) -> None:
     """The stale sweep's abort of a marked job (from the values its query read)."""
-    gate_shadow_outcomes.add(1, {**_attributes(max_length=max_length, trusted=trusted, is_chat=is_chat), "horde.outcome": "aborted"})
+    record_outcome("aborted", max_length=max_length, trusted=trusted, is_chat=is_chat)

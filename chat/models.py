@@ -67,6 +67,9 @@ class GenerationRequest(models.Model):
     chat_fault_rc = models.CharField(max_length=32, null=True, blank=True)
     # Until when a front waits for this request (contract.front_lease); null: no front lease.
     front_lease_expires_at = models.DateTimeField(null=True, blank=True)
+    # The pricing's context multiplier (chat.pricing.context_multiplier of prompt and max_length),
+    # fixed at creation: the pop prices its jobs from it without reading the prompt (ADR 0026).
+    kudos_context = models.FloatField(null=True, blank=True)
 
     class Meta:
         db_table = "horde_requests"
@@ -172,6 +175,14 @@ class Generation(models.Model):
     chat_refusal_rc = models.CharField(max_length=32, null=True, blank=True)
     settled_character_count = models.IntegerField(null=True, blank=True)
     over_capacity_at_assignment = models.BooleanField(default=False)
+
+    # --- Priced at pop (docs/adr/0026-price-at-pop.md): a text submit settles from these alone ---
+    # reward = round(tokens * price_rate + price_flat, 2), tokens capped at price_max_length;
+    # null on a job popped before they existed (its submit reads the rows and prices them).
+    price_rate = models.FloatField(null=True, blank=True)
+    price_flat = models.FloatField(null=True, blank=True)
+    price_max_length = models.IntegerField(null=True, blank=True)
+    price_owner_trusted = models.BooleanField(null=True, blank=True)
 
     class Meta:
         db_table = "horde_generations"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
 from chat.model_reference import is_known_text_model, text_model_multiplier
@@ -54,6 +54,24 @@ def chat_things_count(message: Mapping[str, Any], max_length: int) -> int:
     return chat_output_tokens(chat_reply_characters(message), max_length)
 
 
+def model_kudos_factors(model: str, owner_trusted: bool) -> tuple[float, float]:
+    """(per token, flat): what one generation of `model` earns, before the context multiplier.
+    A known model pays per token with its parameter bonus; an unknown one pays a trusted owner as
+    a 2.7B model and an untrusted one the context multiplier alone."""
+    if not is_known_text_model(model):
+        return (UNKNOWN_MODEL_TRUSTED_PARAMETERS / 100, 0.0) if owner_trusted else (0.0, 1.0)
+    multiplier = text_model_multiplier(model)
+    parameter_bonus = (max(multiplier, 13) / 13) ** 0.20
+    return parameter_bonus * multiplier / 100, 0.0
+
+
+def kudos_amount(value: float) -> Decimal:
+    """Kudos to the cent, rounded as PostgreSQL rounds a double cast to numeric (15 significant
+    digits, halves away from zero), so the submit's statement and this module agree to the cent."""
+    cents = Decimal(f"{value:.15g}").quantize(Decimal("0.01"), rounding=ROUND_HALF_UP)
+    return Decimal(str(float(cents)))
+
+
 def text_generation_kudos(
     *,
     model: str,
@@ -66,21 +84,14 @@ def text_generation_kudos(
     """What a worker earns for one text generation (and what its requester is charged).
 
     `tokens` overrides the count taken from `generation`: a chat reply is priced by
-    chat_things_count, which counts reasoning and tool calls beside the content.
+    chat_things_count, which counts reasoning and tool calls beside the content. The text submit's
+    statement computes the same from the rate its pop stored (chat/services/pop.py).
     """
     ctx = context_multiplier(prompt, max_length)
     if tokens is None:
         tokens = things_count(generation, max_length)
-    if not is_known_text_model(model):
-        if not owner_trusted:
-            kudos = ctx
-        else:
-            kudos = tokens * ctx * (UNKNOWN_MODEL_TRUSTED_PARAMETERS / 100)
-        return Decimal(str(round(kudos, 2)))
-    multiplier = text_model_multiplier(model)
-    parameter_bonus = (max(multiplier, 13) / 13) ** 0.20
-    kudos = tokens * parameter_bonus * multiplier / 100
-    return Decimal(str(round(kudos * ctx, 2)))
+    per_token, flat = model_kudos_factors(model, owner_trusted)
+    return kudos_amount(tokens * (ctx * per_token) + ctx * flat)
 
 
 def text_request_quote(*, models: list[str], prompt: str, max_length: int, n: int) -> Decimal:

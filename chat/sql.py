@@ -1,96 +1,281 @@
-"""Server-side prepared statements for the few SQL texts every pop and submit runs (PostgreSQL).
+"""The hot path's SQL: the statements every pop and submit runs, prepared on each connection
+(PostgreSQL), and the one loader that turns their rows into models.
 
 Django binds parameters on the client, so PostgreSQL parses and plans each pop and submit anew:
 measured on the bench queue, planning took 2-3 times as long as running them (pop 0.85 ms planned,
-0.4 ms run; the submit's generation read 0.3 ms planned, 0.1 ms run). These statements are fixed
-texts with their values as parameters, so each connection prepares them once, and keeps one
-generic plan for each (hordesite/settings.py sets plan_cache_mode=force_generic_plan, which only
-prepared statements read): their plans do not depend on the values (the pop walks the queue index;
-the others are primary-key lookups), and re-planning the pop with its values cost more than running
-it. The pop's WHERE spells the queue index's condition as literal SQL so the generic plan can use it.
-
-The cursor is Django's own wrapping (errors as django.db errors, queries logged when logging is
-on) around a server-binding psycopg cursor that prepares every statement it runs.
+0.4 ms run). These statements are fixed texts with their values as parameters, so each connection
+prepares them once (psycopg's `execute(..., prepare=True)`), and keeps one generic plan for each
+(hordesite/settings.py sets plan_cache_mode=force_generic_plan, which only prepared statements
+read): their plans do not depend on the values (the pop walks the queue index; the others are
+primary-key lookups). The pop's WHERE spells the queue index's condition as literal SQL so the
+generic plan can use it. psycopg keeps at most `prepared_max` (100) statements per connection;
+the pop's texts are one per declaration shape, a handful (tests/chat/test_prepared.py counts them).
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache, partial
 from typing import Any
 
-from django.db import connection
+from django.db import connection, connections
+from django.db.models import Model
+
+log = logging.getLogger("django.db.backends")
 
 
-@lru_cache(maxsize=1)
-def _cached_conversion_query_class() -> type | None:
-    """psycopg converts a query text to PostgreSQL's placeholders once per text, but only for texts
-    under 4 KB; the pop's and the submit's are longer and were converted again on every call (a
-    fifth of their CPU outside the HTTP server, measured in process). Their texts are few, so this
-    cursor's queries always use the cache. None (psycopg's own class) if psycopg's internals moved."""
-    from psycopg import _queries
-
-    if not hasattr(_queries, "_query2pg") or not hasattr(_queries, "PostgresQuery"):
-        return None
-
-    class CachedConversionQuery(_queries.PostgresQuery):
-        def convert(self, query: Any, vars: Any) -> None:
-            if vars is None or not isinstance(query, (str, bytes)):
-                return super().convert(query, vars)
-            query = self._ensure_bytes(query)
-            self.query, self._want_formats, self._order, self._parts = _queries._query2pg(
-                query, self._tx.encoding
-            )
-            self.dump(vars)
-
-    return CachedConversionQuery
+def _execute(sql: str, params: Sequence[Any], many: bool, context: dict[str, Any]) -> Any:
+    context["connection"].validate_no_broken_transaction()
+    return context["cursor"].execute(sql, params, prepare=True)
 
 
-@lru_cache(maxsize=1)
-def _prepared_cursor_class() -> type:
-    from django.db.backends.postgresql.base import ServerBindingCursor
-
-    class PreparedCursor(ServerBindingCursor):
-        _query_cls = _cached_conversion_query_class() or ServerBindingCursor._query_cls
-
-        def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None, binary: bool | None = None):
-            return super().execute(query, params, prepare=True, binary=binary)
-
-    return PreparedCursor
-
-
-@lru_cache(maxsize=1)
-def _debug_wrapper_class() -> type:
-    from django.db.backends.postgresql.base import CursorDebugWrapper
-
-    class PreparedDebugWrapper(CursorDebugWrapper):
-        """Logs the statement with its values (psycopg keeps no text of a prepared execution)."""
-
-        def execute(self, sql: str, params: Any = None):
-            try:
-                logged = self.db.ops.compose_sql(sql, params)
-            except Exception:  # noqa: BLE001  (only the log's text)
-                logged = sql
-            with self.debug_sql(logged, params):
-                return self._execute_with_wrappers(sql, params, many=False, executor=self._execute)
-
-    return PreparedDebugWrapper
+def _logged(executor, sql: str, params: Sequence[Any], context: dict[str, Any]) -> Any:
+    """As Django's debug cursor logs a statement: its text with the values, into connection.queries."""
+    start = time.monotonic()
+    try:
+        return executor(sql, params, False, context)
+    finally:
+        duration = time.monotonic() - start
+        try:
+            text = connection.ops.compose_sql(sql, params)
+        except Exception:  # noqa: BLE001  (only the log's text)
+            text = sql
+        connection.queries_log.append({"sql": text, "time": f"{duration:.3f}"})
+        log.debug("(%.3f) %s; args=%s; alias=%s", duration, text, params, connection.alias)
 
 
-def prepared_cursor():
-    """A cursor (use as a context manager) whose statements are prepared on the connection."""
+def run_prepared(sql: str, params: Sequence[Any]) -> tuple | None:
+    """Run one statement prepared on the default connection (PostgreSQL); its first row, if any.
+
+    A psycopg server-binding cursor (Django's default binds on the client, which never prepares)
+    on Django's connection, wrapped as Django wraps its own: thread check, database errors as
+    django.db errors, the connection's execute_wrappers, and query logging when it is on.
+    """
+    import psycopg
     from django.db.backends.postgresql.base import TIMESTAMPTZ_OID
     from django.db.backends.postgresql.psycopg_any import register_tzloader
     from psycopg.pq import Format
 
     connection.close_if_health_check_failed()
     connection.ensure_connection()
+    connection.validate_thread_sharing()
     with connection.wrap_database_errors:
-        cursor = _prepared_cursor_class()(connection.connection)
-        # As Django's create_cursor: the cursor reads timestamps in the connection's time zone.
-        if connection.timezone != connection.connection.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT).timezone:
-            register_tzloader(connection.timezone, cursor)
-        # Django's wrapping of a cursor it made (thread check, errors, query logging).
-        connection.validate_thread_sharing()
-        if connection.queries_logged:
-            return _debug_wrapper_class()(cursor, connection)
-        return connection.make_cursor(cursor)
+        cursor = psycopg.Cursor(connection.connection)
+        try:
+            # As Django's create_cursor: timestamps read in the connection's time zone.
+            if connection.timezone != connection.connection.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT).timezone:
+                register_tzloader(connection.timezone, cursor)
+            executor = _execute
+            for wrapper in reversed(connection.execute_wrappers):
+                executor = partial(wrapper, executor)
+            context = {"connection": connection, "cursor": cursor}
+            if connection.queries_logged:
+                _logged(executor, sql, params, context)
+            else:
+                executor(sql, params, False, context)
+            return cursor.fetchone() if cursor.description else None
+        finally:
+            cursor.close()
+
+
+# --- the row loader ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ModelSlice:
+    model: type[Model]
+    start: int
+    stop: int
+    attnames: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RowLoader:
+    """How one statement's row becomes model instances: each model's slice of the row, the
+    trailing plain values, and each column's conversions as the ORM's iterator applies them (the
+    backend's and the field's, e.g. JSON text to Python, SQLite's UUID and Decimal text). Built
+    once per statement text; the conversions read only the connection's settings."""
+
+    alias: str
+    slices: tuple[_ModelSlice, ...]
+    converters: tuple[tuple[int, tuple, Any], ...]
+    width: int
+
+    @classmethod
+    def of(cls, alias: str, columns: Sequence[Any], models: Sequence[tuple[type[Model], Sequence[str]]]) -> RowLoader:
+        """`columns`: every selected expression in row order (a model's columns first, in the order
+        of `models`, each model's attnames in its own order; then any plain values)."""
+        db = connections[alias]
+        converters = []
+        for position, expression in enumerate(columns):
+            if expression is None:  # a plain value, taken as it arrives
+                continue
+            convs = tuple(db.ops.get_db_converters(expression) + expression.get_db_converters(db))
+            if convs:
+                converters.append((position, convs, expression))
+        slices, position = [], 0
+        for model, attnames in models:
+            slices.append(_ModelSlice(model, position, position + len(attnames), tuple(attnames)))
+            position += len(attnames)
+        return cls(alias=alias, slices=tuple(slices), converters=tuple(converters), width=len(columns))
+
+    @classmethod
+    def of_fields(
+        cls, alias: str, models: Sequence[tuple[type[Model], Sequence[str]]], extra: Sequence[Any] = ()
+    ) -> RowLoader:
+        """A row of the given models' columns (by attname) and then `extra` expressions."""
+        columns = [model._meta.get_field(name).get_col(model._meta.db_table) for model, names in models for name in names]
+        return cls.of(alias, [*columns, *extra], models)
+
+    def load(self, row: Sequence[Any]) -> tuple[list[Model], list[Any]]:
+        """The models of the row (in the order given) and the values after them, converted."""
+        db = connections[self.alias]
+        values = list(row)
+        for position, convs, expression in self.converters:
+            value = values[position]
+            for convert in convs:
+                value = convert(value, expression, db)
+            values[position] = value
+        instances = [
+            part.model.from_db(self.alias, list(part.attnames), values[part.start : part.stop]) for part in self.slices
+        ]
+        return instances, values[self.slices[-1].stop if self.slices else 0 :]
+
+
+def fetch_one(sql: str, params: Sequence[Any]) -> tuple | None:
+    """One row of a statement: prepared on PostgreSQL, through Django's cursor elsewhere."""
+    if connection.vendor == "postgresql":
+        return run_prepared(sql, params)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return cursor.fetchone()
+
+
+# --- a job with its request, worker and owner (every submit that is not a priced text one) -------
+
+
+@lru_cache(maxsize=1)
+def _generation_joins() -> tuple[str, RowLoader]:
+    from accounts.models import HordeUser
+    from chat.models import Generation, GenerationRequest
+    from workers.models import Worker
+
+    joins = (
+        (Generation, "g", ""),
+        (GenerationRequest, "r", "JOIN horde_requests AS r ON r.id = g.request_id"),
+        (Worker, "w", "JOIN horde_workers AS w ON w.id = g.worker_id"),
+        (HordeUser, "u", "JOIN horde_users AS u ON u.id = w.owner_id"),
+    )
+    quote = connection.ops.quote_name
+    columns = [f"{alias}.{quote(f.column)}" for model, alias, _ in joins for f in model._meta.concrete_fields]
+    sql = (
+        f"SELECT {', '.join(columns)} FROM horde_generations AS g "
+        + " ".join(join for _, _, join in joins if join)
+        + " WHERE g.id = %s"
+    )
+    loader = RowLoader.of_fields(
+        connection.alias, [(model, [f.attname for f in model._meta.concrete_fields]) for model, _, _ in joins]
+    )
+    return sql, loader
+
+
+def generation_with_relations(generation_id: Any) -> Any:
+    """select_related("worker", "worker__owner", "request") as one fixed SQL text (prepared on
+    PostgreSQL): the ORM would compile its hundred columns on every submit. None when not found."""
+    from chat.models import Generation
+
+    sql, loader = _generation_joins()
+    row = fetch_one(sql, [Generation._meta.pk.get_db_prep_value(generation_id, connection)])
+    if row is None:
+        return None
+    (generation, request, worker, owner), _ = loader.load(row)
+    worker.owner = owner
+    generation.worker = worker
+    generation.request = request
+    return generation
+
+
+# --- the priced text submit (docs/adr/0026-price-at-pop.md) ---------------------------------------
+
+
+def _half_even_cents(value: str) -> str:
+    """`value` (numeric) to the cent, halves to even, as Decimal.quantize rounds the hold's share."""
+    cents = f"(({value}) * 100)"
+    return (
+        f"(CASE WHEN {cents} - trunc({cents}) = 0.5 THEN (trunc({cents}) + mod(trunc({cents}), 2)) / 100"
+        f" ELSE round({value}, 2) END)"
+    )
+
+
+def priced_text_submit(
+    *,
+    generation_id: Any,
+    owner_id: int,
+    state: str,
+    text: str,
+    seed: int,
+    gen_metadata: str,
+    tokens: int,
+    charged: bool,
+    processing: str,
+    now: Any,
+) -> tuple[str, list]:
+    """The priced text submit as one statement (SQL, params), every write gated on the claim:
+    the pending text job of the caller's worker (`owner_id`), its reward from the rate its pop
+    stored (`tokens` uncapped; capped here at the stored max_length), rounded as
+    chat.pricing.kudos_amount, the hold's share, the kudos and the worker's record. Its row:
+    request_id, reward, created, max_length, owner trusted, over capacity; none when not won."""
+    from accounts.services import kudos_settle_ctes
+    from workers.services import worker_record_job_cte
+
+    ctes: list[tuple[str, str, list]] = [
+        (
+            "won",
+            "UPDATE horde_generations AS g SET state = %s, text = %s, seed = %s, gen_metadata = %s::jsonb,"
+            " finished_at = %s,"
+            " kudos = round((LEAST(%s, g.price_max_length) * g.price_rate + g.price_flat)::numeric, 2)"
+            " FROM horde_workers AS w, horde_requests AS r"
+            " WHERE g.id = %s AND g.state = %s AND g.price_rate IS NOT NULL"
+            " AND w.id = g.worker_id AND w.owner_id = %s AND r.id = g.request_id AND NOT r.is_chat"
+            " RETURNING g.id, g.request_id, g.worker_id, g.created, g.kudos,"
+            " LEAST(%s, g.price_max_length) AS tokens,"
+            " g.price_max_length, g.price_owner_trusted, g.over_capacity_at_assignment",
+            [state, text, seed, gen_metadata, now, tokens, generation_id, processing, owner_id, tokens],
+        ),
+        (
+            # The request row locked before its hold is read (as chat.services.submit._settle), so
+            # two jobs of one request release their shares one after the other.
+            "held",
+            "SELECT r.id, r.user_id,"
+            f" LEAST(r.kudos_held, {_half_even_cents('r.kudos_quote / r.n')}) AS release"
+            " FROM horde_requests AS r JOIN won ON r.id = won.request_id FOR UPDATE OF r",
+            [],
+        ),
+        (
+            "settled",
+            "SELECT won.id AS generation_id, won.request_id, won.worker_id, won.created, won.tokens,"
+            " won.kudos AS reward, won.kudos AS kudos, CASE WHEN %s THEN won.kudos ELSE 0 END AS charge,"
+            " %s::bigint AS payee_id, held.user_id AS payer_id, held.release,"
+            " won.price_max_length, won.price_owner_trusted, won.over_capacity_at_assignment"
+            " FROM won JOIN held ON held.id = won.request_id",
+            [charged, owner_id],
+        ),
+        (
+            "request_settled",
+            "UPDATE horde_requests AS r SET consumed_kudos = r.consumed_kudos + s.charge,"
+            " kudos_held = r.kudos_held - s.release FROM settled AS s WHERE r.id = s.request_id",
+            [],
+        ),
+        *kudos_settle_ctes(source="settled AS s", now=now),
+        worker_record_job_cte(source="settled AS s", now=now),
+    ]
+    sql = (
+        "WITH "
+        + ", ".join(f"{name} AS ({body})" for name, body, _ in ctes)
+        + " SELECT s.request_id, s.reward, s.created, s.price_max_length, s.price_owner_trusted,"
+        " s.over_capacity_at_assignment FROM settled AS s"
+    )
+    return sql, [param for _, _, params in ctes for param in params]

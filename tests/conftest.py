@@ -67,7 +67,6 @@ def _fresh_cache():
     from django.core.cache import cache
 
     from accounts.selectors import reset_user_caches
-    from chat.handed_out import handed_out
     from chat.selectors.snapshots import reset_snapshots
     from chat.services.pop_cache import reset_empty_pops
     from workers.services import worker_rows
@@ -77,7 +76,6 @@ def _fresh_cache():
     reset_user_caches()
     worker_rows.clear()
     reset_empty_pops()
-    handed_out.clear()
 
 
 @pytest.fixture

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import copy
-import json
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal
-from uuid import UUID
 
 from django.conf import settings
 from django.core.cache import cache
@@ -170,26 +168,29 @@ def worker_record_job(*, worker: Worker, tokens: int, seconds: float, kudos: Dec
     )
 
 
-def worker_record_job_cte(
-    *, gate: str, worker_id: UUID, tokens: int, seconds: float, kudos: Decimal
-) -> tuple[str, str, list]:
-    """worker_record_job as a PostgreSQL CTE (name, SQL, params) that writes only when the CTE
-    `gate` holds a row, for a caller's single statement. The samples are the updated row's own,
-    so two submits of one worker in the same instant both keep theirs."""
-    sample = [round(tokens / seconds, 3)] if seconds > 0 and tokens > 0 else []
+def worker_record_job_cte(*, source: str, now) -> tuple[str, str, list]:
+    """worker_record_job as a PostgreSQL CTE (name, SQL, params) for a caller's single statement.
+    `source` is a FROM item of at most one row with the columns worker_id, tokens, kudos and
+    created (the job's start, timed to `now`); nothing is written without its row. The samples are
+    the updated row's own, so two submits of one worker in the same instant both keep theirs."""
+    seconds = "EXTRACT(EPOCH FROM (%s::timestamptz - s.created))"
+    sample = (
+        f"CASE WHEN {seconds} > 0 AND s.tokens > 0"
+        f" THEN jsonb_build_array(round(s.tokens / {seconds}, 3)) ELSE '[]'::jsonb END"
+    )
     last = (
-        "SELECT v, i FROM jsonb_array_elements(COALESCE(w.speed_samples, '[]'::jsonb) || %s::jsonb)"
+        f"SELECT v, i FROM jsonb_array_elements(COALESCE(w.speed_samples, '[]'::jsonb) || {sample})"
         f" WITH ORDINALITY AS t(v, i) ORDER BY i DESC LIMIT {WORKER_SPEED_SAMPLES}"
     )
     sql = (
         "UPDATE horde_workers AS w SET"
-        f" speed_samples = (SELECT COALESCE(jsonb_agg(v ORDER BY i), '[]'::jsonb) FROM ({last}) AS s),"
-        f" speed = (SELECT avg(v::float8 ORDER BY i) FROM ({last}) AS s),"
-        " fulfilments = w.fulfilments + 1, tokens_generated = w.tokens_generated + %s,"
-        " kudos_earned = w.kudos_earned + %s"
-        f" WHERE w.id = %s AND EXISTS (SELECT 1 FROM {gate})"
+        f" speed_samples = (SELECT COALESCE(jsonb_agg(v ORDER BY i), '[]'::jsonb) FROM ({last}) AS l),"
+        f" speed = (SELECT avg(v::float8 ORDER BY i) FROM ({last}) AS l),"
+        " fulfilments = w.fulfilments + 1, tokens_generated = w.tokens_generated + s.tokens,"
+        " kudos_earned = w.kudos_earned + s.kudos"
+        f" FROM {source} WHERE w.id = s.worker_id"
     )
-    return ("worker_recorded", sql, [json.dumps(sample), json.dumps(sample), tokens, kudos, worker_id])
+    return ("worker_recorded", sql, [now] * 4)  # `seconds`, twice in `sample`, twice in `last`
 
 
 def _speed_samples_after(stored: list[float], *, tokens: int, seconds: float) -> list[float]:

@@ -24,6 +24,7 @@ from operator import or_
 
 from django.db import connection
 from django.db.models import (
+    BooleanField,
     Count,
     DateTimeField,
     Exists,
@@ -159,17 +160,20 @@ def _chat_refusals(worker: WorkerView) -> dict[str, Q]:
 def _common_refusals(worker: WorkerView) -> dict[str, Q]:
     """Rule 4: the restrictions text and chat requests share."""
     listed = Exists(RequestWorker.objects.filter(request=OuterRef("pk"), worker_id=worker.id))
-    reasons = {
+    # The worker's own facts are parameters, not the query's shape: the pop's statement text (one
+    # prepared statement per text, chat/sql.py) stays the same for trusted and untrusted, validated
+    # or not, slow or not. A reason that does not apply counts nothing, and skipped leaves it out.
+    return {
         "worker_id": Q(has_worker_list=True)
         & ((Q(worker_blacklist=False) & ~Q(listed)) | (Q(worker_blacklist=True) & Q(listed))),
+        "untrusted": Q(trusted_workers=True) & _fact(not worker.owner_trusted),
+        "bridge_version": Q(validated_backends=True) & _fact(not worker.validated),
+        "performance": Q(slow_workers=False) & _fact(worker.slow),
     }
-    if not worker.owner_trusted:
-        reasons["untrusted"] = Q(trusted_workers=True)
-    if not worker.validated:
-        reasons["bridge_version"] = Q(validated_backends=True)
-    if worker.slow:
-        reasons["performance"] = Q(slow_workers=False)
-    return reasons
+
+
+def _fact(value: bool) -> Q:
+    return Q(Value(bool(value), output_field=BooleanField()))
 
 
 # The seconds of the base lease a worker generates in, after preparing the job.

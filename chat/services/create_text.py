@@ -24,7 +24,7 @@ from accounts.services import kudos_hold, kudos_release, kudos_transfer
 from chat import metrics
 from chat.gate_shadow import record_aborted_outcome
 from chat.models import Generation, GenerationRequest, HordeModes, RequestModel, RequestWorker
-from chat.pricing import text_request_quote
+from chat.pricing import context_multiplier, text_request_quote
 from chat.selectors.status_cache import status_changed
 from chat.services.pop_cache import queue_grew
 from chat.services.progress import end_progress_after_fault, settle_cancelled_streams
@@ -249,6 +249,7 @@ def request_rows_create(
         kudos_quote=kudos,
         kudos_held=hold,
         expires_at=now + timedelta(seconds=settings.HORDE_TEXT_REQUEST_TTL_SECONDS),
+        kudos_context=context_multiplier(fields["prompt"], fields["max_length"]),
         **fields,
     )
     RequestModel.objects.bulk_create([RequestModel(request=request, name=m) for m in dict.fromkeys(models)])

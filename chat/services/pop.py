@@ -17,14 +17,14 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from chat.gate_shadow import record_over_capacity_assignment
-from chat.handed_out import handed_out
 from chat.metrics import lease_capacity_limited
 from chat.models import Generation, GenerationRequest
+from chat.pricing import model_kudos_factors
 from chat.selectors.queue import WorkerView, eligibility_filter, skipped_counts, waiting_requests
 from chat.selectors.status_cache import status_changed
 from chat.services.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember
 from chat.services.progress import write_stream_leases
-from chat.sql import prepared_cursor
+from chat.sql import RowLoader, run_prepared
 from contract.chat_limits import CHAT_SAMPLING_DEFAULTS
 from contract.chat_progress import CHAT_STREAM_PROGRESS_KEY, streams_progress
 from contract.errors import HordeError
@@ -60,7 +60,7 @@ CHAT_EXTRAS_KEYS = ("tools", "tool_choice", "parallel_tool_calls", "response_for
 POP_REQUEST_FIELDS = (
     "id", "is_chat", "prompt", "params", "softprompt", "max_length", "max_context_length",
     "requested_models", "jobs_waiting", "disable_batching", "n", "messages", "chat_extras",
-    "user", "kudos_quote",
+    "user", "kudos_quote", "kudos_context",
 )
 # The declaration a chat generation is assigned under (Generation columns).
 _ASSIGNED_COLUMNS = ("assigned_model", "assigned_max_context_length", "assigned_max_length")
@@ -128,6 +128,19 @@ def _assigned_declaration(worker: Worker) -> dict[str, Any]:
     }
 
 
+def _job_price(request: GenerationRequest, model: str, worker: Worker) -> dict[str, Any]:
+    """The price columns of a job (as the one statement computes them)."""
+    if request.kudos_context is None:
+        return {}
+    per_token, flat = model_kudos_factors(model, bool(worker.owner.trusted))
+    return {
+        "price_rate": request.kudos_context * per_token,
+        "price_flat": request.kudos_context * flat,
+        "price_max_length": request.max_length,
+        "price_owner_trusted": bool(worker.owner.trusted),
+    }
+
+
 def _pop_in_transaction(*, worker: Worker, view: WorkerView, amount: int, now) -> PoppedJob | None:
     """The pop as ORM statements in one transaction (SQLite, the embedded default)."""
     eligible = waiting_requests().filter(eligibility_filter(view)).only(*POP_REQUEST_FIELDS)
@@ -140,9 +153,10 @@ def _pop_in_transaction(*, worker: Worker, view: WorkerView, amount: int, now) -
         model = _generation_model(request, worker)
         lease = now + timedelta(seconds=settings.HORDE_TEXT_JOB_LEASE_SECONDS)
         assigned = _assigned_declaration(worker) if request.is_chat else {}
+        price = _job_price(request, model, worker)
         generations = Generation.objects.bulk_create(
             [
-                Generation(request=request, worker=worker, model=model, lease_expires_at=lease, **assigned)
+                Generation(request=request, worker=worker, model=model, lease_expires_at=lease, **assigned, **price)
                 for _ in range(jobs)
             ]
         )
@@ -164,8 +178,12 @@ def _pop_in_transaction(*, worker: Worker, view: WorkerView, amount: int, now) -
 _POP_REQUEST_COLUMNS = tuple(
     f.attname for f in GenerationRequest._meta.concrete_fields if f.name in POP_REQUEST_FIELDS
 )
+# What a job's submit prices and settles with, fixed at pop (docs/adr/0026-price-at-pop.md).
+_PRICE_COLUMNS = ("price_rate", "price_flat", "price_max_length", "price_owner_trusted")
 # Generation columns whose value the statement computes from the request it locks.
-_POP_COMPUTED_COLUMNS = ("id", "request_id", "model", *_ASSIGNED_COLUMNS)
+_POP_COMPUTED_COLUMNS = ("id", "request_id", "model", *_ASSIGNED_COLUMNS, *_PRICE_COLUMNS)
+# Stands for the priority users' ids while the select is compiled; the pop's own go in its place.
+_PRIORITY_IDS = object()
 
 
 # The queue index's own condition as literal SQL, not parameters: the statement is prepared, and a
@@ -179,17 +197,18 @@ _WAITING_AS_INDEXED = RawSQL(
 
 
 @lru_cache(maxsize=4096)
-def _eligible_select(view: WorkerView, priority_ids: tuple[int, ...] | None) -> tuple[str, tuple]:
-    """SELECT of the first eligible request for the worker (under priority_ids: only theirs), as
-    SQL and params. Compiled once per declaration; `now()` keeps it free of per-pop values."""
+def _eligible_select(view: WorkerView, priority: bool) -> tuple[str, tuple]:
+    """SELECT of the first eligible request for the worker (with `priority`: only its priority
+    users', an array parameter, _PRIORITY_IDS in params), as SQL and params. Compiled once per
+    declaration; `now()` keeps it free of per-pop values."""
     qs = (
         GenerationRequest.objects.filter(_WAITING_AS_INDEXED, expires_at__gt=Now())
         .filter(eligibility_filter(view))
         .only(*POP_REQUEST_FIELDS)
         .order_by("-queue_score", "created")
     )
-    if priority_ids is not None:
-        qs = qs.filter(user_id__in=priority_ids)
+    if priority:
+        qs = qs.filter(RawSQL('"horde_requests"."user_id" = ANY(%s)', (_PRIORITY_IDS,), output_field=BooleanField()))
     sql, params = qs[:1].query.sql_with_params()
     return sql, tuple(params)
 
@@ -230,13 +249,30 @@ def _generation_per_call_values(template: Generation) -> list[Any]:
     return [f.get_db_prep_save(f.pre_save(template, add=True), connection) for f in _generation_insert_columns()[2]]
 
 
+def _job_prices(worker: Worker) -> tuple[list[str], list[float], list[float]]:
+    """Per model the job may be given (its served models, its chat model), the per-token and flat
+    factors of its price for this worker's owner (chat.pricing.model_kudos_factors)."""
+    served = list(worker.served_models or [])
+    names = list(dict.fromkeys([*served, worker.chat_model_id or "", served[0] if served else ""]))
+    factors = [model_kudos_factors(name, bool(worker.owner.trusted)) for name in names]
+    return names, [f[0] for f in factors], [f[1] for f in factors]
+
+
+@lru_cache(maxsize=1)
+def _popped_request_loader() -> RowLoader:
+    return RowLoader.of_fields(connection.alias, [(GenerationRequest, _POP_REQUEST_COLUMNS)], extra=(None, None))
+
+
 def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now) -> PoppedJob | None:
-    priority_sql, priority_params = _eligible_select(view, tuple(_priority_user_ids(worker)))
-    rest_sql, rest_params = _eligible_select(view, None)
+    priority_sql, priority_params = _eligible_select(view, True)
+    rest_sql, rest_params = _eligible_select(view, False)
+    priority_ids = _priority_user_ids(worker)
+    priority_params = [priority_ids if value is _PRIORITY_IDS else value for value in priority_params]
     lease = now + timedelta(seconds=settings.HORDE_TEXT_JOB_LEASE_SECONDS)
     columns, placeholders, _ = _generation_insert_columns()
     served = list(worker.served_models or [])
     assigned = _assigned_declaration(worker)
+    price_models, price_per_token, price_flat = _job_prices(worker)
     template = Generation(worker=worker, lease_expires_at=lease)
     generation_ids = [uuid.uuid4() for _ in range(max(1, amount))]
     fields = ", ".join(f"p.{connection.ops.quote_name(name)}" for name in _POP_REQUEST_COLUMNS)
@@ -256,13 +292,20 @@ def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now)
             FROM (SELECT * FROM priority UNION ALL SELECT * FROM rest LIMIT 1) AS p
         ),
         generations AS (
-            INSERT INTO horde_generations (id, request_id, model, {", ".join(_ASSIGNED_COLUMNS)}, {", ".join(columns)})
+            INSERT INTO horde_generations (id, request_id, model, {", ".join(_ASSIGNED_COLUMNS)},
+                {", ".join(_PRICE_COLUMNS)}, {", ".join(columns)})
             SELECT g.id, p.id, p.job_model,
                 CASE WHEN p.is_chat THEN %s::varchar END,
                 CASE WHEN p.is_chat THEN %s::integer END,
                 CASE WHEN p.is_chat THEN %s::integer END,
+                p.kudos_context * price.per_token, p.kudos_context * price.flat, p.max_length, %s::boolean,
                 {", ".join(placeholders)}
-            FROM picked AS p, unnest(%s::uuid[]) WITH ORDINALITY AS g(id, position)
+            FROM picked AS p
+            LEFT JOIN LATERAL (
+                SELECT t.per_token, t.flat FROM unnest(%s::text[], %s::float8[], %s::float8[]) AS t(m, per_token, flat)
+                WHERE t.m = p.job_model LIMIT 1
+            ) AS price ON true,
+            unnest(%s::uuid[]) WITH ORDINALITY AS g(id, position)
             WHERE g.position <= p.take
         ),
         taken AS (
@@ -281,35 +324,23 @@ def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now)
         assigned["assigned_model"],
         assigned["assigned_max_context_length"],
         assigned["assigned_max_length"],
+        bool(worker.owner.trusted),
         *_generation_per_call_values(template),
+        price_models,
+        price_per_token,
+        price_flat,
         generation_ids,
         now + timedelta(seconds=settings.HORDE_TEXT_REQUEST_TTL_SECONDS),
     ]
-    with prepared_cursor() as cursor:
-        cursor.execute(sql, params)
-        row = cursor.fetchone()
+    row = run_prepared(sql, params)
     if row is None:
         return None
-    *values, take, model = row
-    request = GenerationRequest.from_db(
-        connection.alias,
-        list(_POP_REQUEST_COLUMNS),
-        [_from_db(name, value) for name, value in zip(_POP_REQUEST_COLUMNS, values, strict=True)],
-    )
+    (request,), (take, model) = _popped_request_loader().load(row)
     generations = [
         Generation(id=gid, request=request, worker=worker, model=model, lease_expires_at=lease, created=template.created)
         for gid in generation_ids[:take]
     ]
-    if not request.is_chat:
-        handed_out.remember(generations)
     return PoppedJob(request=request, generations=generations, model=model, skipped={})
-
-
-def _from_db(name: str, value: Any) -> Any:
-    """A raw column value as the ORM would load it (JSON columns arrive as text)."""
-    field = GenerationRequest._meta.get_field(name)
-    from_db_value = getattr(field, "from_db_value", None)
-    return from_db_value(value, None, connection) if from_db_value and value is not None else value
 
 
 # --- Job payloads ---------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from chat.models import Generation, GenerationRequest
 from chat.pricing import text_generation_kudos
 from chat.selectors.status_cache import status_changed
 from chat.signals import CHAT_SIGNAL_DB, signal_url
-from chat.sql import prepared_cursor
+from chat.sql import run_prepared
 from contract.chat_progress import (
     CHAT_PROGRESS_LEASE_GRACE_SECONDS,
     CHAT_PROGRESS_RENEWAL_SECONDS,
@@ -300,8 +300,7 @@ def _renew_job_lease(generation_id: UUID, deadline_epoch: int) -> None:
     """The extended job lease, written to the generation (the stale sweep reads it there)."""
     deadline = datetime.fromtimestamp(deadline_epoch, tz=UTC)
     if connection.vendor == "postgresql":
-        with prepared_cursor() as cursor:
-            cursor.execute(_RENEW_SQL, [deadline, generation_id, Generation.State.PROCESSING, deadline])
+        run_prepared(_RENEW_SQL, [deadline, generation_id, Generation.State.PROCESSING, deadline])
         return
     Generation.objects.filter(
         pk=generation_id, state=Generation.State.PROCESSING, lease_expires_at__lt=deadline

@@ -11,7 +11,6 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
-from functools import lru_cache
 from typing import Any, NoReturn
 from uuid import UUID
 
@@ -20,12 +19,17 @@ from django.db.models import Exists, F, OuterRef
 from django.utils import timezone
 
 from accounts.models import HordeUser
-from accounts.services import kudos_settle, kudos_settle_ctes
-from chat.gate_shadow import record_gate_shadow_outcome
-from chat.handed_out import handed_out
+from accounts.services import kudos_settle
+from chat.gate_shadow import record_gate_shadow_outcome, record_outcome
 from chat.metrics import chat_worker_faults
 from chat.models import Generation, GenerationRequest
-from chat.pricing import chat_charge_basis, chat_things_count, text_generation_kudos, things_count
+from chat.pricing import (
+    chat_charge_basis,
+    chat_things_count,
+    kudos_amount,
+    text_generation_kudos,
+    things_count,
+)
 from chat.selectors.status_cache import status_changed
 from chat.services.create_text import (
     request_completed,
@@ -35,15 +39,14 @@ from chat.services.create_text import (
 )
 from chat.services.progress import end_progress_after_fault, end_progress_after_submit
 from chat.signals import publish_chat_signal
-from chat.sql import prepared_cursor
+from chat.sql import generation_with_relations, priced_text_submit, run_prepared
 from contract.chat_declaration import chat_worker_fault_message, chat_worker_fault_metric_reason
 from contract.chat_errors import ChatRefusal
 from contract.chat_limits import MAX_CHAT_FAULT_REASON_LENGTH
 from contract.chat_progress import streams_progress
 from contract.chat_verify import parse_chat_submit, verify_chat_reply
 from contract.errors import HordeError
-from workers.models import Worker
-from workers.services import worker_record_job, worker_record_job_cte
+from workers.services import worker_record_job
 
 log = logging.getLogger(__name__)
 
@@ -69,78 +72,11 @@ class TextSubmit:
 
 
 def _load_generation(*, user: HordeUser, generation_id: UUID) -> Generation:
-    if connection.vendor == "postgresql":
-        # A text job this process handed out needs no read (chat.handed_out says why that is safe).
-        generation = handed_out.take(generation_id)
-        if generation is not None and generation.worker.owner_id == user.pk:
-            generation.worker.owner = user  # the caller, as authentication read it (roles included)
-            return generation
-        generation = _generation_with_relations(generation_id)
-    else:
-        # Not .first(): its ORDER BY pk makes Django resolve the ordering against every joined column.
-        generation = next(
-            iter(Generation.objects.select_related("worker", "worker__owner", "request").filter(pk=generation_id)),
-            None,
-        )
+    generation = generation_with_relations(generation_id)
     if generation is None:
         raise HordeError("InvalidJobID", f"Processing Generation with ID {generation_id} does not exist.")
     if generation.worker.owner_id != user.pk:
         raise HordeError("WrongCredentials", "Wrong credentials to submit as this worker.")
-    return generation
-
-
-# The generation, its request, its worker and the worker's owner: what every submit reads.
-_GENERATION_JOINS = (
-    (Generation, "g", ""),
-    (GenerationRequest, "r", "JOIN horde_requests AS r ON r.id = g.request_id"),
-    (Worker, "w", "JOIN horde_workers AS w ON w.id = g.worker_id"),
-    (HordeUser, "u", "JOIN horde_users AS u ON u.id = w.owner_id"),
-)
-
-
-@lru_cache(maxsize=1)
-def _generation_with_relations_sql() -> str:
-    columns = [
-        f"{alias}.{connection.ops.quote_name(f.column)}"
-        for model, alias, _ in _GENERATION_JOINS
-        for f in model._meta.concrete_fields
-    ]
-    joins = " ".join(join for _, _, join in _GENERATION_JOINS if join)
-    return f"SELECT {', '.join(columns)} FROM horde_generations AS g {joins} WHERE g.id = %s"
-
-
-@lru_cache(maxsize=1)
-def _generation_row_layout() -> list[tuple[type, int, int, list[str], list[tuple[int, Any]]]]:
-    """Per joined model: its slice of the row, its attnames, and the (index, from_db_value) of the
-    fields that convert a raw value (JSON columns arrive as text), worked out once."""
-    layout, position = [], 0
-    for model, _, _ in _GENERATION_JOINS:
-        fields = model._meta.concrete_fields
-        converters = [(i, f.from_db_value) for i, f in enumerate(fields) if hasattr(f, "from_db_value")]
-        layout.append((model, position, position + len(fields), [f.attname for f in fields], converters))
-        position += len(fields)
-    return layout
-
-
-def _generation_with_relations(generation_id: UUID) -> Generation | None:
-    """select_related("worker", "worker__owner", "request") as one prepared SQL text: the ORM would
-    compile its hundred columns on every submit (PostgreSQL, where values arrive typed)."""
-    with prepared_cursor() as cursor:
-        cursor.execute(_generation_with_relations_sql(), [generation_id])
-        row = cursor.fetchone()
-    if row is None:
-        return None
-    instances = []
-    for model, start, stop, attnames, converters in _generation_row_layout():
-        values = list(row[start:stop])
-        for index, convert in converters:
-            if values[index] is not None:
-                values[index] = convert(values[index], None, connection)
-        instances.append(model.from_db(connection.alias, attnames, values))
-    generation, request, worker, owner = instances
-    worker.owner = owner
-    generation.worker = worker
-    generation.request = request
     return generation
 
 
@@ -231,6 +167,12 @@ def job_submit(
     `chat_body` is the whole body when it is chat-shaped (carries message, model_id, finish_reason
     or fault_reason); `text` is its text fields when they validate (always for a text-shaped body).
     """
+    if chat_body is None and text is not None and text.state != "faulted" and connection.vendor == "postgresql":
+        # A text job as its pop priced it: one statement, no read (docs/adr/0026-price-at-pop.md).
+        reward = _priced_text_submit(user=user, generation_id=generation_id, data=text)
+        if reward is not None:
+            return reward
+    # Anything else, or a priced submit that did not win (to say why): read the job and decide.
     generation = _load_generation(user=user, generation_id=generation_id)
     try:
         if generation.request.is_chat:
@@ -249,28 +191,71 @@ def job_submit(
     return _text_submit(generation, text)
 
 
+def _text_state(data: TextSubmit) -> str:
+    return data.state if data.state in ("ok", "censored", "csam", "faulted") else "ok"
+
+
+def _uncapped_tokens(text: str | None) -> int:
+    """things_count before its max_length cap, which the priced statement applies from the row."""
+    return things_count(text, 2**31 - 1)
+
+
+def _priced_text_submit(*, user: HordeUser, generation_id: UUID, data: TextSubmit) -> Decimal | None:
+    """PostgreSQL, a text job priced at its pop: the claim, the reward from the stored rate, and the
+    whole settlement in one statement (chat.sql.priced_text_submit). None when it did not win: not
+    found, another owner's, a chat job, not pending, or popped before its price was stored."""
+    now = timezone.now()
+    state = _text_state(data)
+    row = run_prepared(
+        *priced_text_submit(
+            generation_id=generation_id,
+            owner_id=user.pk,
+            state=state,
+            text=data.text,
+            seed=data.seed,
+            gen_metadata=json.dumps(data.gen_metadata),
+            tokens=_uncapped_tokens(data.text),
+            charged=state not in ("censored", "csam"),
+            processing=Generation.State.PROCESSING,
+            now=now,
+        )
+    )
+    if row is None:
+        return None
+    request_id, reward, created, max_length, trusted, over_capacity = row
+    status_changed(request_id)
+    if over_capacity:
+        record_outcome(
+            "completed", max_length=max_length, trusted=trusted, is_chat=False, service_seconds=(now - created).total_seconds()
+        )
+    return reward
+
+
+def _text_reward(generation: Generation, text: str | None) -> tuple[int, Decimal]:
+    """(tokens, reward) of a text reply: from the price its pop stored, or (a job popped before
+    prices were stored) from the request as the pop would have priced it."""
+    if generation.price_rate is not None:
+        tokens = things_count(text, generation.price_max_length)
+        return tokens, kudos_amount(tokens * generation.price_rate + generation.price_flat)
+    request = generation.request
+    tokens = things_count(text, request.max_length)
+    return tokens, text_generation_kudos(
+        model=generation.model,
+        prompt=request.prompt,
+        generation=text,
+        max_length=request.max_length,
+        owner_trusted=generation.worker.owner.trusted,
+        tokens=tokens,
+    )
+
+
 def _text_submit(generation: Generation, data: TextSubmit) -> Decimal:
     now = timezone.now()
-    state = data.state if data.state in ("ok", "censored", "csam", "faulted") else "ok"
+    state = _text_state(data)
     if state == "faulted":
         _apply_fault(generation, now=now, seed=data.seed, gen_metadata=data.gen_metadata)
         return Decimal("0")
-    request = generation.request
-    reward = text_generation_kudos(
-        model=generation.model,
-        prompt=request.prompt,
-        generation=data.text,
-        max_length=request.max_length,
-        owner_trusted=generation.worker.owner.trusted,
-    )
-    tokens = things_count(data.text, request.max_length)
-    if connection.vendor == "postgresql":
-        won = _text_submit_in_one_statement(generation, data, state=state, tokens=tokens, reward=reward, now=now)
-        if not won:
-            raise _not_pending_error(generation.pk, _current_state(generation.pk))
-        status_changed(request.pk)
-        record_gate_shadow_outcome(generation, "completed", now=now)
-        return reward
+    tokens, reward = _text_reward(generation, data.text)
     with transaction.atomic():
         won = Generation.objects.filter(pk=generation.pk, state=Generation.State.PROCESSING).update(
             state=state,
@@ -285,71 +270,6 @@ def _text_submit(generation: Generation, data: TextSubmit) -> Decimal:
         _settle(generation, state=state, tokens=tokens, reward=reward, now=now)
     record_gate_shadow_outcome(generation, "completed", now=now)
     return reward
-
-
-def _text_submit_in_one_statement(
-    generation: Generation, data: TextSubmit, *, state: str, tokens: int, reward: Decimal, now
-) -> bool:
-    """PostgreSQL: the compare-and-set and the whole settlement of _text_submit's transaction as one
-    statement, every write gated on the claim (CTE `won`); True when this submit won.
-
-    The request row is locked (FOR UPDATE) before its hold is read, as _settle does, so two
-    generations of one request release their shares one after the other.
-    """
-    request = generation.request
-    charge = Decimal("0") if state in ("censored", "csam") else reward
-    share = (request.kudos_quote / request.n).quantize(Decimal("0.01"))
-    ctes: list[tuple[str, str, list]] = [
-        (
-            "won",
-            "UPDATE horde_generations SET state = %s, text = %s, seed = %s, gen_metadata = %s::jsonb,"
-            " finished_at = %s, kudos = %s WHERE id = %s AND state = %s RETURNING id",
-            [
-                state,
-                data.text,
-                data.seed,
-                json.dumps(data.gen_metadata),
-                now,
-                reward,
-                generation.pk,
-                Generation.State.PROCESSING,
-            ],
-        ),
-        (
-            "held",
-            "SELECT r.id, LEAST(r.kudos_held, %s) AS release FROM horde_requests AS r"
-            " WHERE r.id = %s AND EXISTS (SELECT 1 FROM won) FOR UPDATE",
-            [share, request.pk],
-        ),
-        (
-            "request_settled",
-            "UPDATE horde_requests AS r SET consumed_kudos = r.consumed_kudos + %s,"
-            " kudos_held = r.kudos_held - h.release FROM held AS h WHERE r.id = h.id",
-            [charge],
-        ),
-        *kudos_settle_ctes(
-            gate="won",
-            release_held="(SELECT release FROM held)",
-            payee_id=generation.worker.owner_id,
-            payer_id=request.user_id,
-            reward=reward,
-            charge=charge,
-            request_id=request.pk,
-            generation_id=generation.pk,
-            now=now,
-        ),
-        worker_record_job_cte(
-            gate="won",
-            worker_id=generation.worker_id,
-            tokens=tokens,
-            seconds=(now - generation.created).total_seconds(),
-            kudos=reward,
-        ),
-    ]
-    sql = "WITH " + ", ".join(f"{name} AS ({body})" for name, body, _ in ctes) + " SELECT count(*) FROM won"
-    with prepared_cursor() as cursor:
-        cursor.execute(sql, [param for _, _, params in ctes for param in params])
-        return bool(cursor.fetchone()[0])
 
 
 # --- chat -----------------------------------------------------------------------------------

@@ -123,3 +123,30 @@ def test_a_worker_keeps_its_last_twenty_speed_samples(horde, make_user):
     assert len(worker.speed_samples) == 20 and worker.speed_samples[:19] == old[1:]
     assert worker.speed_samples[19] > 0
     assert worker.speed == pytest.approx(sum(worker.speed_samples) / 20)
+
+
+@pytest.mark.postgres_only
+def test_a_text_submit_is_one_statement_priced_from_its_pop(horde, make_user, django_assert_num_queries):
+    """The pop stores the job's price (rate, max_length, the owner's trust); the submit settles
+    from the row in one statement, in whichever process it lands, at the formula's reward."""
+    from chat.pricing import text_generation_kudos
+
+    requester, owner = make_user("priced-r", kudos=1000), make_user("priced-o")
+    prompt = "A prompt of a few words. " * 40
+    request_id = horde.text_async(requester.key, prompt=prompt, models=[MODEL], params={"max_length": 80}).json()["id"]
+    job = horde.pop(owner.key, models=[MODEL]).json()
+    generation = Generation.objects.get(pk=job["id"])
+    assert generation.price_max_length == 80 and generation.price_owner_trusted is False
+    assert generation.price_rate > 0 and generation.price_flat == 0
+    reply = "A reply long enough to pass the floor of twenty tokens, counted by characters. " * 3
+    from chat.services.submit import TextSubmit, job_submit
+
+    with django_assert_num_queries(1):
+        reward = job_submit(user=owner.user, generation_id=generation.pk, text=TextSubmit(text=reply), chat_body=None)
+    assert reward == text_generation_kudos(
+        model=MODEL, prompt=prompt, generation=reply, max_length=80, owner_trusted=False
+    )
+    generation.refresh_from_db()
+    assert generation.state == Generation.State.OK and generation.kudos == reward
+    assert KudosTransaction.objects.filter(generation_id=generation.pk).count() == 2
+    assert GenerationRequest.objects.get(pk=request_id).consumed_kudos == Decimal("1") + reward
