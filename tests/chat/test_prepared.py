@@ -1,7 +1,80 @@
-"""The hot path's prepared statements (PostgreSQL, chat/sql.py)."""
+"""The hot path's prepared statements (PostgreSQL, chat/sql.py): how many statement texts the pop
+makes across declaration shapes, against psycopg's `prepared_max` (100 per connection), and that a
+second round of the same pops prepares nothing new (no churn: nothing evicted and prepared again)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
+from django.db import connection
+
+from chat.services.pop_cache import reset_empty_pops
+from chat.sql import run_prepared
+from tests.chat.pop_helpers import ALL_GUARANTEES, MODEL, OTHER, chat_pop
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db]
+
+PSYCOPG_PREPARED_MAX = 100
+VALIDATED = "KoboldCppEmbedWorker:2:https://github.com/LostRuins/koboldcpp"
+UNVALIDATED = "SomeOtherWorker:1:https://example.invalid"
+
+
+def _prepared_on_this_connection() -> set[str]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        return {row[0] for row in cursor.fetchall()}
+
+
+def _pops(horde, owners) -> None:
+    """One pop per shape: text and chat declarations, trusted or not, validated or not, each with
+    0-3 priority users and a varying amount (every pop reaches the database: no empty-pop memory)."""
+    chat_shapes = [
+        {"features": ALL_GUARANTEES},
+        {"features": [*ALL_GUARANTEES, "tools"], "limits": {"max_context_length": 8192, "max_length": 1024, "tools_max_temperature": 1.0}},
+        {"features": [*ALL_GUARANTEES, "vision"], "transports": ["base64"]},
+    ]
+    for index, (owner, agent, priority, models) in enumerate(
+        itertools.product(owners, (VALIDATED, UNVALIDATED), range(4), ([MODEL], [MODEL, OTHER]))
+    ):
+        aliases = [f"friend#{900 + i}" for i in range(priority)]
+        reset_empty_pops()
+        assert horde.pop(
+            owner.key, name=f"text-{index}", models=models, bridge_agent=agent, priority_usernames=aliases,
+            amount=1 + priority,
+        ).status_code == 200
+        for shape_index, shape in enumerate(chat_shapes):
+            reset_empty_pops()
+            response = chat_pop(
+                horde, owner.key, name=f"chat-{index}-{shape_index}", bridge_agent=agent,
+                priority_usernames=aliases, **shape,
+            )
+            assert response.status_code == 200, response.json()
+            reset_empty_pops()
+            # A worker taking both text and chat jobs.
+            response = chat_pop(
+                horde, owner.key, name=f"both-{index}-{shape_index}", bridge_agent=agent,
+                priority_usernames=aliases, prompt_jobs=True, models=models if MODEL in models else [MODEL], **shape,
+            )
+            assert response.status_code == 200, response.json()
+
+
+def test_the_pop_prepares_one_text_per_declaration_shape_well_under_prepared_max(horde, make_user):
+    owners = [make_user("trusted-owner", trusted=True), make_user("plain-owner")]
+    before = _prepared_on_this_connection()
+    _pops(horde, owners)
+    first = _prepared_on_this_connection() - before
+    pops = [text for text in first if "FOR UPDATE SKIP LOCKED" in text]
+    # 2 owners x 2 agents x 4 priority counts x 2 model lists, and 3 chat shapes twice each: only
+    # what the worker takes (text, chat, both) and the chat declaration's shape make a text.
+    assert 1 <= len(pops) <= 7, len(pops)
+    assert len(first) < PSYCOPG_PREPARED_MAX // 4
+    _pops(horde, owners)
+    assert _prepared_on_this_connection() - before == first, "a second round of the same pops prepared new texts"
+
+
+def test_a_prepared_statement_runs_with_each_calls_values_and_is_prepared_once():
+    before = _prepared_on_this_connection()
+    for value in ("first", "second", "third"):
+        assert run_prepared("SELECT %s::text, %s::int", [value, 7]) == (value, 7)
+    assert len(_prepared_on_this_connection() - before) == 1
