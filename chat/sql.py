@@ -15,6 +15,7 @@ the pop's texts are one per declaration shape, a handful (tests/chat/test_prepar
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -279,3 +280,106 @@ def priced_text_submit(
         " s.over_capacity_at_assignment FROM settled AS s"
     )
     return sql, [param for _, _, params in ctes for param in params]
+
+
+# --- a request with its generation counts by state (the status polls) ----------------------------
+
+# The status polls never read the prompt, messages or tool settings: leave them in the row.
+_REQUEST_DEFERRED = ("prompt", "submitted_prompt", "messages", "params", "chat_extras")
+# Stands for the request id while the read is compiled; replaced by the real id at each read.
+_ID_PLACEHOLDER = "5e1ec7ed-0000-4000-8000-00000000c0de"
+
+
+@dataclass(frozen=True)
+class _RequestRead:
+    """The read compiled once per process, database and kind: the ORM spends more building this
+    SQL (the annotated counts) than the database spends answering it."""
+
+    alias: str
+    sql: str
+    params: tuple
+    id_param: int  # which param is the request id
+    loader: RowLoader
+    annotations: tuple[str, ...]  # the counts, in row order after the model's columns
+
+    @classmethod
+    def compile(cls, alias: str, *, is_chat: bool) -> _RequestRead:
+        from uuid import UUID
+
+        from django.db.models import Count, Q
+
+        from chat.models import Generation, GenerationRequest
+
+        counts = {
+            f"gen_{state}": Count("generations", filter=Q(generations__state=state)) for state in Generation.State.values
+        }
+        placeholder = UUID(_ID_PLACEHOLDER)
+        queryset = (
+            GenerationRequest.objects.using(alias)
+            .filter(pk=placeholder, is_chat=is_chat)
+            .defer(*_REQUEST_DEFERRED)
+            .annotate(**counts)
+        )
+        compiler = queryset.query.get_compiler(using=alias)
+        sql, params = compiler.as_sql()
+        prepared_id = GenerationRequest._meta.pk.get_db_prep_value(placeholder, connections[alias])
+        positions = [i for i, value in enumerate(params) if value == prepared_id]
+        select, fields = compiler.select, compiler.klass_info["select_fields"]
+        annotations = sorted(compiler.annotation_col_map.items(), key=lambda item: item[1])
+        if (  # pragma: no cover - a Django change; the tests would show it
+            len(positions) != 1
+            or fields != list(range(len(fields)))
+            or [position for _, position in annotations] != list(range(len(fields), len(select)))
+        ):
+            raise RuntimeError(f"request_get: unexpected layout of {sql!r}")
+        attnames = [column[0].target.attname for column in select[: len(fields)]]
+        return cls(
+            alias=alias,
+            sql=sql,
+            params=tuple(params),
+            id_param=positions[0],
+            loader=RowLoader.of(alias, [column[0] for column in select], [(GenerationRequest, attnames)]),
+            annotations=tuple(name for name, _ in annotations),
+        )
+
+    def read(self, request_id: Any) -> Any:
+        from chat.models import GenerationRequest
+
+        db = connections[self.alias]
+        params = list(self.params)
+        params[self.id_param] = GenerationRequest._meta.pk.get_db_prep_value(request_id, db)
+        with db.cursor() as cursor:
+            cursor.execute(self.sql, params)
+            row = cursor.fetchone()
+        if row is None:
+            return None
+        (request,), counts = self.loader.load(row)
+        for name, value in zip(self.annotations, counts, strict=True):
+            setattr(request, name, value)
+        return request
+
+
+_request_reads: dict[tuple[str, bool], _RequestRead] = {}
+_request_reads_lock = threading.Lock()
+
+
+def forget_request_reads() -> None:
+    with _request_reads_lock:
+        _request_reads.clear()
+
+
+def request_with_counts(request_id: Any, *, is_chat: bool) -> Any:
+    """The request (of that kind) without its prompt, messages or tool settings, with its
+    generations counted by state (gen_<state>), in one query compiled once per process."""
+    from django.db import router
+
+    from chat.models import GenerationRequest
+
+    alias = router.db_for_read(GenerationRequest)
+    read = _request_reads.get((alias, is_chat))
+    if read is None:
+        with _request_reads_lock:
+            read = _request_reads.get((alias, is_chat))
+            if read is None:
+                read = _request_reads[(alias, is_chat)] = _RequestRead.compile(alias, is_chat=is_chat)
+    return read.read(request_id)

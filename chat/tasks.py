@@ -1,12 +1,11 @@
-"""Beat tasks: thin wrappers over the sweeps in chat.services, each recording when it finished
+"""Beat tasks: thin wrappers over the sweeps in chat.services.sweeps (and the front lease's), each recording when it finished
 (SweepRun, read by /healthz)."""
 
 from celery import shared_task
 from django.utils import timezone
 
 from chat.models import SweepRun
-from chat.services import create_text as services
-from chat.services import front_lease
+from chat.services import front_lease, sweeps
 
 
 def _finished(task: str, rows: int) -> int:
@@ -16,17 +15,17 @@ def _finished(task: str, rows: int) -> int:
 
 @shared_task(name="chat.tasks.abort_stale_generations")
 def abort_stale_generations() -> int:
-    return _finished("chat.tasks.abort_stale_generations", services.abort_stale_generations())
+    return _finished("chat.tasks.abort_stale_generations", sweeps.abort_stale_generations())
 
 
 @shared_task(name="chat.tasks.expire_requests")
 def expire_requests() -> int:
-    return _finished("chat.tasks.expire_requests", services.expire_requests())
+    return _finished("chat.tasks.expire_requests", sweeps.expire_requests())
 
 
 @shared_task(name="chat.tasks.sweep_maintenance")
 def sweep_maintenance() -> int:
-    return _finished("chat.tasks.sweep_maintenance", services.sweep_maintenance())
+    return _finished("chat.tasks.sweep_maintenance", sweeps.sweep_maintenance())
 
 
 @shared_task(name="chat.tasks.cancel_lapsed_front_leases")

@@ -107,7 +107,7 @@ elif DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql"):
         "max_size": env.int("DATABASE_POOL_MAX_SIZE", default=20),
         "timeout": env.int("DATABASE_POOL_TIMEOUT", default=10),
     }
-    # The pop's and submit's statements are prepared on each connection (chat/prepared.py); no
+    # The pop's and submit's statements are prepared on each connection (chat/sql.py); no
     # other statement is (a threshold never reached). Off (None) behind a transaction-mode pooler.
     if env.bool("DATABASE_PREPARED_STATEMENTS", default=True):
         DATABASES["default"]["OPTIONS"].setdefault("prepare_threshold", 2**31 - 1)
@@ -247,12 +247,12 @@ HORDE_ALLOW_ANONYMOUS = env.bool("HORDE_ALLOW_ANONYMOUS", default=True)
 HORDE_API_KEY_CACHE_SECONDS = env.float("HORDE_API_KEY_CACHE_SECONDS", default=5.0)
 # Seconds a process reuses the worker row its pop read (0: read it on every pop).
 HORDE_WORKER_CACHE_SECONDS = env.float("HORDE_WORKER_CACHE_SECONDS", default=5.0)
-# A worker's empty pop is answered from memory until the queue grows (chat/pop_cache.py).
+# A worker's empty pop is answered from memory until the queue grows (chat/services/pop_cache.py).
 HORDE_EMPTY_POP_CACHE_SECONDS = env.float("HORDE_EMPTY_POP_CACHE_SECONDS", default=10.0)
 # Pop, submit and the status polls skip Django's per-request machinery (hordesite/hot_routes.py).
 HORDE_HOT_ROUTES = env.bool("HORDE_HOT_ROUTES", default=True)
 HORDE_HOT_ROUTE_THREADS = env.int("HORDE_HOT_ROUTE_THREADS", default=4)
-# A long-polling pop (`wait`) re-checks the queue this often besides the queue's signal (chat/pop_wait.py).
+# A long-polling pop (`wait`) re-checks the queue this often besides the queue's signal (chat/services/pop_wait.py).
 HORDE_POP_WAIT_RECHECK_SECONDS = env.float("HORDE_POP_WAIT_RECHECK_SECONDS", default=1.0)
 HORDE_GIL_SWITCH_INTERVAL_MS = env.float("HORDE_GIL_SWITCH_INTERVAL_MS", default=1.0)
 # Proxy hops whose X-Forwarded-For may be trusted for the client address (0: use the socket peer).

@@ -2,8 +2,8 @@
 serves (its first pop, a changed declaration, coming back online) or its owner switches its
 maintenance or pause.
 
-Every web process keeps snapshots derived from the online workers (chat.snapshots) and caches each
-request's availability (chat.availability); both record the version they were built at and are
+Every web process keeps snapshots derived from the online workers (chat.selectors.snapshots) and caches each
+request's availability (chat.selectors.availability); both record the version they were built at and are
 rebuilt as soon as the version they are read under differs, so such a check-in shows in every
 process's answers at once. With Redis the version is a counter there, which the status route reads
 in the round trip it already makes; without Redis it is the latest `serving_changed_at` of the

@@ -15,7 +15,7 @@ from rest_framework.views import APIView
 from accounts.api.callers import requester
 from accounts.ratelimit import chat_request_limits_per_ip, check_submit_rate_limits
 from chat.api import chat_serializers as cs
-from chat.selectors import chat_status as chat_selectors
+from chat.selectors import status as chat_selectors
 from chat.services import create_chat as chat_create
 from chat.services import front_lease
 from contract.chat_errors import ChatRefusal

@@ -5,12 +5,7 @@ The package names the reads the native text routes call (chat/api/views.py reads
 `selectors.<name>`); everything else imports the read's own module.
 """
 
-from chat.selectors.status import (
-    horde_performance,
-    models_status,
-    request_get,
-    request_status,
-    text_status_body,
-)
+from chat.selectors.models import horde_performance, models_status
+from chat.selectors.status import request_get, request_status, text_status_body
 
 __all__ = ["horde_performance", "models_status", "request_get", "request_status", "text_status_body"]

@@ -3,7 +3,7 @@ known models, worker_max_length, context sizing, flattened prompt, pricing, and 
 
 The body is validated by the contract first (step 2, in the view); everything here works on the
 validated `ChatRequest`. The text creation path's pieces (maintenance, concurrency, hold, tax,
-queue score, model and worker rows) come from chat.services, so both paths admit alike.
+queue score, model and worker rows) come from chat.services.admission, so both paths admit alike.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from chat import metrics
 from chat.model_reference import is_known_text_model
 from chat.models import GenerationRequest
 from chat.pricing import text_request_quote
-from chat.services import create_text as services
+from chat.services import admission
+from chat.services.cancel import request_cancel
 from chat.services.front_lease import front_lease_until
 from contract.chat_errors import ChatRefusal
 from contract.chat_limits import CHAT_IMAGE_PLACEHOLDER, CHAT_IMAGE_PROMPT_TOKENS
@@ -218,10 +219,6 @@ def flatten_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
 def estimate_chat_prompt_tokens(prompt: str, image_count: int) -> int:
     """The text estimate of the flattened prompt plus CHAT_IMAGE_PROMPT_TOKENS per image part."""
     return math.ceil(len(prompt) / CHARS_PER_TOKEN_ESTIMATE) + CHAT_IMAGE_PROMPT_TOKENS * image_count
-
-
-def count_images(messages: Iterable[dict[str, Any]]) -> int:
-    return sum(_content_text(m.get("content"))[1] for m in messages)
 
 
 # --- context adjustments ----------------------------------------------------------------------
@@ -482,14 +479,14 @@ def _worker_list(submission: ChatSubmission) -> tuple[bool, bool, list[UUID]]:
 
 
 def _quote(models: list[str], prompt: str, max_length: int) -> Decimal:
-    return text_request_quote(models=models, prompt=prompt, max_length=max_length, n=1) + services.HORDE_TAX
+    return text_request_quote(models=models, prompt=prompt, max_length=max_length, n=1) + admission.HORDE_TAX
 
 
 def _no_eligible_worker_for_kudos(request: GenerationRequest) -> HordeError | None:
     """NoEligibleWorker in place of a kudos refusal when no online worker can serve the request."""
-    from chat.selectors.chat_status import chat_availability
+    from chat.selectors.availability import chat_request_availability
 
-    availability = chat_availability(request)
+    availability = chat_request_availability(request)
     if availability.is_possible:
         return None
     message = "No online worker can serve this request"
@@ -535,8 +532,8 @@ def chat_request_create(
             status=503,
         )
     # 5. The checks every generate route shares.
-    services.ensure_not_in_maintenance()
-    services.check_concurrency(user=user, n=1)
+    admission.ensure_not_in_maintenance()
+    admission.check_concurrency(user=user, n=1)
     # 6. Known models, and at least one online chat worker serving them.
     offers = chat_model_offers(submission.models)
     ensure_models_served(submission, offers)
@@ -623,14 +620,14 @@ def chat_request_create(
     }
     try:
         with transaction.atomic():
-            locked_user = services.lock_requester(user)
-            services.check_concurrency(user=locked_user, n=1)
-            needs_hold = services.needs_upfront_kudos(
+            locked_user = admission.lock_requester(user)
+            admission.check_concurrency(user=locked_user, n=1)
+            needs_hold = admission.needs_upfront_kudos(
                 max_length=max_length, slow_workers=horde.slow_workers, has_worker_list=has_worker_list
             )
             # The claim is written with the activation: the unique index lets one of two racing
             # submits commit; the other's row, hold and tax roll back here.
-            request = services.request_rows_create(
+            request = admission.request_rows_create(
                 locked_user=locked_user,
                 fields=fields,
                 models=submission.models,
@@ -640,7 +637,7 @@ def chat_request_create(
             )
             if needs_hold and locked_user.kudos_available < upfront:
                 # Chat requests never downgrade. Kudos do not help a request no worker can serve.
-                refusal = _no_eligible_worker_for_kudos(request) or services.kudos_upfront_error(
+                refusal = _no_eligible_worker_for_kudos(request) or admission.kudos_upfront_error(
                     allowance=settings.HORDE_TEXT_FREE_OUTPUT_FLOOR, kudos=upfront
                 )
                 raise refusal
@@ -652,10 +649,10 @@ def chat_request_create(
             raise
         log.info("operation key %s: a concurrent submit won; answering with %s", operation_key, claim.id)
         return answer_operation_claim(claim, submission.fingerprint)
-    from chat.selectors.chat_status import chat_availability
+    from chat.selectors.availability import chat_request_availability
 
     created = ChatCreated(request=request, kudos=kudos)
-    if not chat_availability(request).is_possible:
+    if not chat_request_availability(request).is_possible:
         created = ChatCreated(
             request=request,
             kudos=kudos,
@@ -669,6 +666,6 @@ def chat_request_create(
 
 
 def chat_request_cancel(*, request: GenerationRequest) -> bool:
-    """Cancel as text; services.request_cancel publishes `cancelled` after the commit when this
+    """Cancel as text; request_cancel publishes `cancelled` after the commit when this
     call claimed the cancellation."""
-    return services.request_cancel(request=request)
+    return request_cancel(request=request)

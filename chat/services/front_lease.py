@@ -6,7 +6,7 @@ A request submitted with the `Horde-Front-Lease` header stores `front_lease_expi
 keeps it alive in Redis (`horde:front:lease:<id>` on the chat signal database) or, without Redis,
 with the same header on its status reads, which moves the column. The sweep reads the requests
 whose column lapsed, asks Redis once for their keys, carries a live key's expiry over to the row,
-and cancels the rest through the cancel service (`services.request_cancel`: no more jobs handed
+and cancels the rest through the cancel service (`chat.services.cancel.request_cancel`: no more jobs handed
 out, the hold released, jobs in flight treated as the spec's cancel says). A request the sweep
 handled leaves the lease (the column is set to null), so it is read once.
 """
@@ -24,7 +24,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from chat.models import GenerationRequest
-from chat.services import create_text as services
+from chat.selectors.status import request_completed
+from chat.services.cancel import request_cancel
 from chat.signals import signal_url
 from contract.front_lease import (
     FRONT_LEASE_HEADER,
@@ -133,9 +134,9 @@ def cancel_lapsed_front_leases(*, now: datetime | None = None) -> int:
             if request is None:  # renewed or expired meanwhile
                 continue
             GenerationRequest.objects.filter(pk=request_id).update(front_lease_expires_at=None)
-            if request.cancelled or request.faulted or services.request_completed(request_id):
+            if request.cancelled or request.faulted or request_completed(request_id):
                 continue  # nothing left to stop
-            if services.request_cancel(request=request):
+            if request_cancel(request=request):
                 cancelled += 1
                 log.info("request %s cancelled: its front lease lapsed", request_id)
     return cancelled

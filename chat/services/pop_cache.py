@@ -63,7 +63,7 @@ def queue_grew() -> None:
     """A request joined the queue or a job went back to it: cached empty pops no longer hold.
     Bumped now and, inside a transaction, again when it commits (a pop that read the count
     between the two could not see the uncommitted rows). The committed bump also signals the
-    long-polling pops (chat/pop_wait.py) in the same round trip; without Redis, this process's."""
+    long-polling pops (chat/services/pop_wait.py) in the same round trip; without Redis, this process's."""
     in_transaction = transaction.get_connection().in_atomic_block
     if _redis() is None:
         if in_transaction:

@@ -2,7 +2,7 @@
 
 A pop that carries `wait` and finds nothing is held (hordesite/hot_routes.py, on the event loop, not
 on a pool thread) until the queue grows or its wait ends, then pops again. The queue grows where
-chat/pop_cache.py bumps its count (a new text or chat request, a requeued job); on commit the same
+chat/services/pop_cache.py bumps its count (a new text or chat request, a requeued job); on commit the same
 round trip PUBLISHes on QUEUE_SIGNAL_CHANNEL.
 
 `QueueSignalListener` holds one Redis pub/sub connection per process (per event loop) subscribed to

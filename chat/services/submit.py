@@ -30,13 +30,9 @@ from chat.pricing import (
     text_generation_kudos,
     things_count,
 )
+from chat.selectors.status import request_completed, stored_result_count
 from chat.selectors.status_cache import status_changed
-from chat.services.create_text import (
-    request_completed,
-    requeue_faulted,
-    stored_result_count,
-    worker_record_dropped_job,
-)
+from chat.services.faults import requeue_faulted, worker_record_dropped_job
 from chat.services.progress import end_progress_after_fault, end_progress_after_submit
 from chat.signals import publish_chat_signal
 from chat.sql import generation_with_relations, priced_text_submit, run_prepared

@@ -200,7 +200,7 @@ def test_lease_is_honoured_job_given_up_before_it_ends(live_horde, fake_backend,
 def test_lapsed_lease_submit_is_dropped(live_horde, fake_backend):
     from django.utils import timezone
 
-    from chat.services.create_text import abort_stale_generations
+    from chat.services.sweeps import abort_stale_generations
 
     fake_backend.delay = 2
     with running_bridge(live_horde, fake_backend.url) as (bridge, out):

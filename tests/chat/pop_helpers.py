@@ -10,7 +10,7 @@ from typing import Any
 from django.utils import timezone
 
 from chat.models import GenerationRequest, RequestModel, RequestWorker
-from chat.services.create_text import queue_score
+from chat.services.admission import queue_score
 from contract.chat_policy import chat_request_requirements
 from contract.text import TEXT_REQUEST_TTL_SECONDS
 from workers.declarations import declaration_mask

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from chat import signals, tasks
 from chat.models import Generation, GenerationRequest
-from chat.services.create_text import request_cancel
+from chat.services.cancel import request_cancel
 from contract.chat_declaration import CHAT_WORKER_FAULT_MESSAGES
 from tests.chat.chat_jobs import CHAT_MODEL, make_chat_request, make_chat_worker, pop_chat_job, reply, submit
 

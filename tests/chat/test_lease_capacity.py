@@ -164,7 +164,7 @@ def test_jobs_within_capacity_are_not_recorded(horde, make_user, metric_reader):
 def test_chat_job_over_capacity_counts_its_fault_once_and_a_lapsed_one_as_aborted(
     horde, make_user, metric_reader  # noqa: F811
 ):
-    from chat.services.create_text import abort_stale_generations
+    from chat.services.sweeps import abort_stale_generations
 
     requester, slow_owner = make_user("r", kudos=1000), make_user("s")
     _register(horde, slow_owner.key, "slow", speed=2.0)  # the only chat worker: it is served anyway

@@ -20,7 +20,7 @@ from accounts.models import KudosTransaction, hash_api_key
 from chat.models import Generation, GenerationRequest
 from chat.pricing import text_generation_kudos
 from chat.services import progress
-from chat.services.create_text import abort_stale_generations
+from chat.services.sweeps import abort_stale_generations
 from contract.chat_progress import (
     CHAT_PROGRESS_BYTES_PER_TOKEN,
     CHAT_PROGRESS_LEASE_GRACE_SECONDS,
@@ -526,7 +526,7 @@ def test_maintenance_abort_leaves_streamed_jobs_in_flight_to_settle_by_their_sub
     # A second job still waiting, so maintenance mode has something to abort.
     GenerationRequest.objects.filter(pk=request.pk).update(n=2, jobs_waiting=1)
     assert post(horde, owner.key, job_id, 1, "Once upon a time").status_code == 200
-    from chat.services.create_text import abort_waiting_for_maintenance
+    from chat.services.maintenance import abort_waiting_for_maintenance
 
     assert abort_waiting_for_maintenance() == 1
     assert GenerationRequest.objects.get(pk=request.pk).cancelled is True

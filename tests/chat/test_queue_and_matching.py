@@ -8,7 +8,7 @@ import pytest
 
 from chat.models import GenerationRequest
 from chat.selectors.snapshots import reset_snapshots
-from chat.services.create_text import queue_score
+from chat.services.admission import queue_score
 
 MODEL = "Gryphe/MythoMax-L2-13b"
 OTHER = "koboldcpp/Pernicious_Prophecy_70B"

@@ -13,6 +13,7 @@ from django.db.models import Count, Q
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from chat import sql
 from chat.models import Generation, GenerationRequest
 from chat.selectors import snapshots
 from chat.selectors import status as selectors
@@ -98,9 +99,9 @@ def test_compiled_read_keeps_route_families_apart(horde, owner, requester):
 def test_compiled_reads_are_forgotten_by_reset_snapshots(horde, requester):
     request_id = horde.text_async(requester.key).json()["id"]
     assert selectors.request_get(request_id) is not None
-    assert selectors._compiled_reads
+    assert sql._request_reads
     snapshots.reset_snapshots()
-    assert not selectors._compiled_reads
+    assert not sql._request_reads
     assert selectors.request_get(request_id) is not None
 
 

@@ -77,7 +77,7 @@ def _front_request(url: str, key: str, index: int, errors: list) -> None:
 def test_a_dead_fronts_requests_are_cancelled_by_the_sweep_and_never_charged(web):
     from accounts.models import HordeUser, KudosTransaction
     from chat.models import Generation, GenerationRequest
-    from chat.services.create_text import HORDE_TAX
+    from chat.services.admission import HORDE_TAX
     from chat.services.front_lease import cancel_lapsed_front_leases
 
     requester_key = web.manage("horde_user", "create", "dead-front-requester", "--kudos", "1000").strip().splitlines()[-1]

@@ -55,7 +55,7 @@ def _assert_settled_as_a_cancel(requester, kudos_before: Decimal) -> None:
     """One request, cancelled with nothing handed out: the requester paid its submit's horde tax and
     nothing else, holds nothing, and the ledger has no generation charge."""
     from chat.models import Generation, GenerationRequest
-    from chat.services.create_text import HORDE_TAX
+    from chat.services.admission import HORDE_TAX
 
     request = GenerationRequest.objects.get()
     assert request.cancelled and request.jobs_waiting == 0 and request.kudos_held == 0

@@ -376,7 +376,7 @@ def test_a_request_faulting_after_exposure_is_chat_request_faulted(front, reques
     from django.utils import timezone
 
     from chat.models import GenerationRequest
-    from chat.services.create_text import expire_requests
+    from chat.services.sweeps import expire_requests
 
     client = _stream(front, requester)
     job = streaming_worker.pop()

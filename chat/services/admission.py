@@ -1,0 +1,121 @@
+"""Admission, shared by the text and the chat creation: maintenance, concurrency, the
+upfront kudos, and the rows of an active request with its hold and the horde tax."""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from decimal import Decimal
+from uuid import UUID
+
+from django.db.models import Sum
+from django.utils import timezone
+
+from accounts.models import HordeUser, KudosTransaction
+from accounts.services import kudos_hold, kudos_transfer
+from chat.models import GenerationRequest, RequestModel, RequestWorker
+from chat.pricing import context_multiplier
+from chat.services.maintenance import horde_in_maintenance
+from chat.services.pop_cache import queue_grew
+from contract.errors import HordeError
+from contract.text import QUEUE_PRIORITY_STEP, QUEUE_PRIORITY_STEP_SECONDS, TEXT_HORDE_TAX
+
+HORDE_TAX = Decimal(TEXT_HORDE_TAX)
+
+
+def queue_score(priority: int, created_epoch: float) -> int:
+    """Priority grows by QUEUE_PRIORITY_STEP per horde-wide tick; subtracting the ticks before
+    creation gives a score whose order never changes (see GenerationRequest.priority)."""
+    return priority - QUEUE_PRIORITY_STEP * math.floor(created_epoch / QUEUE_PRIORITY_STEP_SECONDS)
+
+
+def needs_upfront_kudos(*, max_length: int, slow_workers: bool, has_worker_list: bool) -> bool:
+    """Above the free output allowance, without slow workers, or (when the setting says so) with a
+    worker list, a request holds its kudos at admission."""
+    from django.conf import settings
+
+    return (
+        max_length > settings.HORDE_TEXT_FREE_OUTPUT_FLOOR
+        or not slow_workers
+        or (settings.HORDE_UPFRONT_KUDOS_ON_WORKERLIST and has_worker_list)
+    )
+
+
+def kudos_upfront_error(*, allowance: int, kudos: Decimal) -> HordeError:
+    """KudosUpfront, stating the allowance (the free output floor until the allowance issue)."""
+    return HordeError(
+        "KudosUpfront",
+        f"Due to heavy demand, for requests over {allowance} tokens, the client needs to already "
+        f"have the required kudos. This request requires {kudos} kudos to fulfil.",
+    )
+
+
+def ensure_not_in_maintenance() -> None:
+    if horde_in_maintenance():
+        raise HordeError("MaintenanceMode", "Horde is in maintenance mode. Please try again later.")
+
+
+def check_concurrency(*, user: HordeUser, n: int) -> None:
+    """TooManyPrompts when the user's waiting jobs plus n exceed its concurrency.
+
+    Run unlocked as an early refusal, and again on the locked user row inside the creation.
+    """
+    waiting = (
+        GenerationRequest.objects.filter(
+            user=user, faulted=False, cancelled=False, expires_at__gt=timezone.now()
+        ).aggregate(total=Sum("jobs_waiting"))["total"]
+        or 0
+    )
+    if waiting + n > user.concurrency:
+        raise HordeError(
+            "TooManyPrompts",
+            f"Parallel requests ({waiting + n}) exceeded user limit ({user.concurrency}).",
+        )
+
+
+def lock_requester(user: HordeUser) -> HordeUser:
+    """The requester's row, locked: concurrency and the hold are checked and taken together."""
+    return HordeUser.objects.select_for_update().get(pk=user.pk)
+
+
+def request_rows_create(
+    *,
+    locked_user: HordeUser,
+    fields: dict,
+    models: list[str],
+    workers: list[UUID],
+    kudos: Decimal,
+    hold: Decimal,
+) -> GenerationRequest:
+    """Insert an active request with its model and worker rows, take its hold and the horde tax.
+
+    Runs inside the caller's transaction, on the locked requester.
+    """
+    from django.conf import settings
+
+    now = timezone.now()
+    priority = int(locked_user.kudos)
+    request = GenerationRequest.objects.create(
+        user=locked_user,
+        requested_models=models,
+        any_model=not models,
+        priority=priority,
+        queue_score=queue_score(priority, now.timestamp()),
+        kudos_quote=kudos,
+        kudos_held=hold,
+        expires_at=now + timedelta(seconds=settings.HORDE_TEXT_REQUEST_TTL_SECONDS),
+        kudos_context=context_multiplier(fields["prompt"], fields["max_length"]),
+        **fields,
+    )
+    RequestModel.objects.bulk_create([RequestModel(request=request, name=m) for m in dict.fromkeys(models)])
+    RequestWorker.objects.bulk_create([RequestWorker(request=request, worker_id=w) for w in dict.fromkeys(workers)])
+    if hold:
+        kudos_hold(user_id=locked_user.pk, amount=hold)
+    kudos_transfer(
+        user_id=locked_user.pk, amount=-HORDE_TAX, kind=KudosTransaction.Kind.HORDE_TAX, request_id=request.id
+    )
+    request.consumed_kudos = HORDE_TAX
+    GenerationRequest.objects.filter(pk=request.pk).update(consumed_kudos=HORDE_TAX)
+    queue_grew()
+    return request
+

@@ -1,0 +1,39 @@
+"""The cancel: no more jobs handed out, the hold released, a chat request's streams settled."""
+
+from __future__ import annotations
+
+from django.db import transaction
+from django.utils import timezone
+
+from accounts.services import kudos_release
+from chat.models import GenerationRequest
+from chat.selectors.status import stored_result_count
+from chat.selectors.status_cache import status_changed
+from chat.services.progress import settle_cancelled_streams
+from chat.signals import publish_chat_signal
+
+
+def request_cancel(*, request: GenerationRequest, settle_streams: bool = True) -> bool:
+    """Stop handing out jobs and release the hold. Jobs in flight still submit and are paid.
+
+    The cancel route settles a streamed request's jobs in flight on what their workers posted and
+    flags their leases; maintenance mode's abort (`settle_streams=False`) lets them settle by
+    their submits instead (spec: "Streaming progress").
+
+    Returns whether this call claimed the cancellation (False when it was already cancelled).
+    """
+    with transaction.atomic():
+        locked = GenerationRequest.objects.select_for_update().only("user_id", "kudos_held", "cancelled").get(
+            pk=request.pk
+        )
+        if locked.cancelled:
+            return False
+        GenerationRequest.objects.filter(pk=request.pk).update(cancelled=True, jobs_waiting=0, kudos_held=0)
+        kudos_release(user_id=locked.user_id, amount=locked.kudos_held)
+        status_changed(request.pk)
+        if request.is_chat:
+            if settle_streams:  # a streamed request's jobs in flight: on what their workers posted
+                settle_cancelled_streams(request_id=request.pk, now=timezone.now())
+            publish_chat_signal(request.pk, "cancelled", stored_result_count(request.pk))
+    return True
+

@@ -1,0 +1,82 @@
+"""A faulted job: the fault limit, the restart, and the worker's counter of dropped jobs."""
+
+from __future__ import annotations
+
+import logging
+from uuid import UUID
+
+from django.db.models import F
+
+from accounts.services import kudos_release
+from chat.models import Generation, GenerationRequest
+from chat.selectors.status import stored_result_count
+from chat.selectors.status_cache import status_changed
+from chat.services.pop_cache import queue_grew
+from chat.signals import publish_chat_signal
+from contract.text import FAULTED_GENERATIONS_LIMIT
+from workers.services import worker_record_aborted, worker_record_nonconformant
+
+log = logging.getLogger(__name__)
+
+# The stored refusal rc that exempts a dropped job from aborted_jobs (spec: "Refusal record").
+CHAT_SUBMIT_NONCONFORMANT = "ChatSubmitNonconformant"
+
+
+def fault_request_if_over_limit(request_id: UUID) -> bool:
+    """Fault a request whose faulted jobs exceed FAULTED_GENERATIONS_LIMIT; releases its hold.
+
+    Runs in the transaction that stored the fault crossing the limit, so a chat request's faulted
+    signal goes out when that commits, not at the next sweep.
+    """
+    faults = Generation.objects.filter(request_id=request_id, state=Generation.State.FAULTED).count()
+    if faults <= FAULTED_GENERATIONS_LIMIT:
+        return False
+    request = (
+        GenerationRequest.objects.select_for_update()
+        .only("user_id", "kudos_held", "faulted", "is_chat", "chat_fault_reason", "chat_fault_rc")
+        .get(pk=request_id)
+    )
+    if request.faulted:
+        return True
+    GenerationRequest.objects.filter(pk=request_id).update(faulted=True, jobs_waiting=0, kudos_held=0)
+    kudos_release(user_id=request.user_id, amount=request.kudos_held)
+    log.warning("request %s faulted after %d faulted jobs", request_id, faults)
+    if request.is_chat:
+        # The row is kept until it expires; the signal carries why, when the horde knows.
+        publish_chat_signal(
+            request_id,
+            "faulted",
+            stored_result_count(request_id),
+            fault_reason=request.chat_fault_reason,
+            fault_rc=request.chat_fault_rc,
+        )
+    return True
+
+
+def requeue_faulted(generation_ids: list[UUID], request_id: UUID) -> None:
+    """Put faulted jobs back in the queue (not after a cancel), then apply the fault limit.
+
+    Called in the transaction that faulted them, so a fault and its restart commit together.
+    """
+    GenerationRequest.objects.filter(pk=request_id, faulted=False, cancelled=False).update(
+        jobs_waiting=F("jobs_waiting") + len(generation_ids)
+    )
+    queue_grew()
+    # Before the fault limit's signal: on commit the cached status goes first, so a client woken
+    # by the faulted signal reads the new state.
+    status_changed(request_id)
+    fault_request_if_over_limit(request_id)
+
+
+def worker_record_dropped_job(*, worker_id: UUID, refusal_rc: str | None) -> None:
+    """Count a job the worker dropped (its fault submit, or a lapsed lease).
+
+    A reply the horde refused as nonconformant counts as nonconformant_replies, not aborted_jobs:
+    the worker generated and the model broke a strict contract, so it must not push the worker
+    towards the aborted-job maintenance threshold. The rc is the stored one, never the worker's word.
+    """
+    if refusal_rc == CHAT_SUBMIT_NONCONFORMANT:
+        worker_record_nonconformant(worker_id=worker_id)
+    else:
+        worker_record_aborted(worker_ids=[worker_id])
+

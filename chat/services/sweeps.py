@@ -1,0 +1,99 @@
+"""The periodic sweeps (beat tasks, chat/tasks.py): lapsed leases, expired requests,
+maintenance mode's waiting requests."""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+from django.db import transaction
+from django.utils import timezone
+
+from accounts.services import kudos_release
+from chat import metrics
+from chat.gate_shadow import record_aborted_outcome
+from chat.models import Generation, GenerationRequest
+from chat.selectors.status import request_completed, stored_result_count
+from chat.selectors.status_cache import status_changed
+from chat.services.faults import requeue_faulted, worker_record_dropped_job
+from chat.services.maintenance import abort_waiting_for_maintenance, horde_in_maintenance
+from chat.services.progress import end_progress_after_fault
+from chat.signals import publish_chat_signal
+
+log = logging.getLogger(__name__)
+
+
+def abort_stale_generations() -> int:
+    """Fault jobs whose lease lapsed and put them back in the queue (the 60 s beat task)."""
+    now = timezone.now()
+    aborted = 0
+    stale = list(
+        Generation.objects.filter(state=Generation.State.PROCESSING, lease_expires_at__lt=now).values_list(
+            "id", "request_id", "worker_id", "request__is_chat", "worker__owner__trusted",
+            "request__max_length", "over_capacity_at_assignment",
+        )[:1000]
+    )
+    for generation_id, request_id, worker_id, is_chat, owner_trusted, max_length, over_capacity in stale:
+        with transaction.atomic():
+            if not Generation.objects.filter(
+                pk=generation_id, state=Generation.State.PROCESSING, lease_expires_at__lt=now
+            ).update(state=Generation.State.FAULTED, finished_at=now):
+                continue  # submitted meanwhile, or its lease renewed by a progress post
+            # Read after the claim: a refusal is only recorded on a pending generation.
+            refusal_rc = Generation.objects.filter(pk=generation_id).values_list("chat_refusal_rc", flat=True).get()
+            worker_record_dropped_job(worker_id=worker_id, refusal_rc=refusal_rc)
+            requeue_faulted([generation_id], request_id)
+            if over_capacity:
+                record_aborted_outcome(max_length=max_length, trusted=owner_trusted, is_chat=is_chat)
+            if is_chat:
+                transaction.on_commit(partial(end_progress_after_fault, generation_id, request_id), robust=True)
+            aborted += 1
+        # Counted once the abort committed: a submit that won the race is not an abort.
+        metrics.text_stale_aborts.add(
+            1, {"horde.worker_trusted": bool(owner_trusted), "horde.chat": bool(is_chat)}
+        )
+    if aborted:
+        log.info("aborted %d stale generations", aborted)
+    return aborted
+
+
+def expire_requests() -> int:
+    """Delete requests past their expiry and release their holds (the 60 s beat task).
+
+    A chat request that was still open publishes faulted after its deletion commits, so a client
+    woken by it reads the settled state (404); the message carries the stored fault details, since
+    the row that held them is gone.
+    """
+    now = timezone.now()
+    expired = 0
+    for request_id in GenerationRequest.objects.filter(expires_at__lt=now).values_list("id", flat=True)[:1000]:
+        with transaction.atomic():
+            request = (
+                GenerationRequest.objects.select_for_update()
+                .filter(pk=request_id, expires_at__lt=now)
+                .only("user_id", "kudos_held", "is_chat", "faulted", "chat_fault_reason", "chat_fault_rc")
+                .first()
+            )
+            if request is None:
+                continue
+            # A done request already had its done (or faulted) message; only an open one is faulted here.
+            signal = None
+            if request.is_chat and not request_completed(request_id):
+                signal = (stored_result_count(request_id), request.chat_fault_reason, request.chat_fault_rc)
+            kudos_release(user_id=request.user_id, amount=request.kudos_held)
+            request.delete()
+            status_changed(request_id)
+            expired += 1
+            if signal is not None:
+                generations, fault_reason, fault_rc = signal
+                publish_chat_signal(
+                    request_id, "faulted", generations, fault_reason=fault_reason, fault_rc=fault_rc
+                )
+    return expired
+
+
+def sweep_maintenance() -> int:
+    """The beat's pass in maintenance mode: aborts what is still waiting (a request that raced
+    the switch, or a horde started with HORDE_MAINTENANCE). Nothing outside maintenance mode."""
+    return abort_waiting_for_maintenance() if horde_in_maintenance() else 0
+
