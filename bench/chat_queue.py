@@ -1,7 +1,7 @@
 """Chat queue benchmark (issue 3): chat pop against text pop, chat status against heartbeat, in one run.
 
-Fills N queued requests (half text through chat.services.text_request_create, half chat through
-chat.chat_create.chat_request_create, with varied features, tools, response formats and limits) over
+Fills N queued requests (half text through chat.services.create_text.text_request_create, half chat through
+chat.services.create_chat.chat_request_create, with varied features, tools, response formats and limits) over
 M models, registers W workers of varied declarations (text-only, chat+text, chat-only) on a real
 daphne web process, then alternates four measured phases at the same client concurrency:
 

@@ -2,7 +2,7 @@
 streaming jobs, against the heartbeat, in one run.
 
 Registers W chat workers (trusted owners) on a real daphne web process, queues J streamed chat
-requests (stream: true, through chat.chat_create.chat_request_create, the rows the chat route
+requests (stream: true, through chat.services.create_chat.chat_request_create, the rows the chat route
 makes), has the workers pop them all (each pop writes the job's stream lease), then alternates two
 measured phases at the same client concurrency:
 

@@ -230,7 +230,7 @@ def model_names(count: int) -> list[str]:
 
 
 def fill(args: argparse.Namespace, rng: random.Random) -> tuple[list[WorkerSpec], float]:
-    """Requesters and queued requests through chat.services.text_request_create (the same rows a
+    """Requesters and queued requests through chat.services.create_text.text_request_create (the same rows a
     POST /generate/text/async makes, without the HTTP round trip); worker owners.
     Returns the worker specs and the fill's seconds."""
     from accounts.models import HordeUser

@@ -59,12 +59,16 @@ def run_prepared(sql: str, params: Sequence[Any]) -> tuple | None:
     from django.db.backends.postgresql.base import TIMESTAMPTZ_OID
     from django.db.backends.postgresql.psycopg_any import register_tzloader
     from psycopg.pq import Format
+    from psycopg.types.numeric import Int8Dumper
 
     connection.close_if_health_check_failed()
     connection.ensure_connection()
     connection.validate_thread_sharing()
     with connection.wrap_database_errors:
         cursor = psycopg.Cursor(connection.connection)
+        # Every int as bigint: psycopg picks int2/int4/int8 by value, and a prepared statement is
+        # keyed by its parameter types too, so a larger user id or limit would prepare it again.
+        cursor.adapters.register_dumper(int, Int8Dumper)
         try:
             # As Django's create_cursor: timestamps read in the connection's time zone.
             if connection.timezone != connection.connection.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT).timezone:

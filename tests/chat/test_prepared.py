@@ -20,10 +20,12 @@ VALIDATED = "KoboldCppEmbedWorker:2:https://github.com/LostRuins/koboldcpp"
 UNVALIDATED = "SomeOtherWorker:1:https://example.invalid"
 
 
-def _prepared_on_this_connection() -> set[str]:
+def _prepared_on_this_connection() -> set[tuple[str, str]]:
+    """(text, parameter types) of every statement prepared on this connection: psycopg keys a
+    prepared statement by both."""
     with connection.cursor() as cursor:
-        cursor.execute("SELECT statement FROM pg_prepared_statements")
-        return {row[0] for row in cursor.fetchall()}
+        cursor.execute("SELECT statement, parameter_types::text FROM pg_prepared_statements")
+        return set(cursor.fetchall())
 
 
 def _pops(horde, owners) -> None:
@@ -37,11 +39,12 @@ def _pops(horde, owners) -> None:
     for index, (owner, agent, priority, models) in enumerate(
         itertools.product(owners, (VALIDATED, UNVALIDATED), range(4), ([MODEL], [MODEL, OTHER]))
     ):
-        aliases = [f"friend#{900 + i}" for i in range(priority)]
+        # Small and large ids and limits: psycopg would type them int2, int4 or int8.
+        aliases = [f"friend#{user_id}" for user_id in (900, 40_000, 3_000_000_000)[:priority]]
         reset_empty_pops()
         assert horde.pop(
             owner.key, name=f"text-{index}", models=models, bridge_agent=agent, priority_usernames=aliases,
-            amount=1 + priority,
+            amount=(1, 2, 20, 5)[priority], max_length=(512, 40_000)[index % 2],
         ).status_code == 200
         for shape_index, shape in enumerate(chat_shapes):
             reset_empty_pops()
@@ -64,7 +67,7 @@ def test_the_pop_prepares_one_text_per_declaration_shape_well_under_prepared_max
     before = _prepared_on_this_connection()
     _pops(horde, owners)
     first = _prepared_on_this_connection() - before
-    pops = [text for text in first if "FOR UPDATE SKIP LOCKED" in text]
+    pops = [text for text, _ in first if "FOR UPDATE SKIP LOCKED" in text]
     # 2 owners x 2 agents x 4 priority counts x 2 model lists, and 3 chat shapes twice each: only
     # what the worker takes (text, chat, both) and the chat declaration's shape make a text.
     assert 1 <= len(pops) <= 7, len(pops)
