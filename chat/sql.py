@@ -48,6 +48,20 @@ def _logged(executor, sql: str, params: Sequence[Any], context: dict[str, Any]) 
         log.debug("(%.3f) %s; args=%s; alias=%s", duration, text, params, connection.alias)
 
 
+def _ints_as_bigint(raw_connection: Any) -> None:
+    """Every Python int bound as bigint on this connection: psycopg types an int by its value
+    (int2, int4, int8) and keys a prepared statement by its parameter types too, so a larger user
+    id or limit would prepare the same text again. Django's client-side binding writes an int as
+    the same literal either way."""
+    from psycopg.adapt import PyFormat
+    from psycopg.types.numeric import Int8BinaryDumper, Int8Dumper
+
+    # By name: with psycopg's C extension the registered class is its own Int8Dumper.
+    if raw_connection.adapters.get_dumper(int, PyFormat.TEXT).__name__ != Int8Dumper.__name__:
+        raw_connection.adapters.register_dumper(int, Int8Dumper)
+        raw_connection.adapters.register_dumper(int, Int8BinaryDumper)
+
+
 def run_prepared(sql: str, params: Sequence[Any]) -> tuple | None:
     """Run one statement prepared on the default connection (PostgreSQL); its first row, if any.
 
@@ -59,16 +73,13 @@ def run_prepared(sql: str, params: Sequence[Any]) -> tuple | None:
     from django.db.backends.postgresql.base import TIMESTAMPTZ_OID
     from django.db.backends.postgresql.psycopg_any import register_tzloader
     from psycopg.pq import Format
-    from psycopg.types.numeric import Int8Dumper
 
     connection.close_if_health_check_failed()
     connection.ensure_connection()
     connection.validate_thread_sharing()
     with connection.wrap_database_errors:
+        _ints_as_bigint(connection.connection)
         cursor = psycopg.Cursor(connection.connection)
-        # Every int as bigint: psycopg picks int2/int4/int8 by value, and a prepared statement is
-        # keyed by its parameter types too, so a larger user id or limit would prepare it again.
-        cursor.adapters.register_dumper(int, Int8Dumper)
         try:
             # As Django's create_cursor: timestamps read in the connection's time zone.
             if connection.timezone != connection.connection.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT).timezone:
