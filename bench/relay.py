@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(ROOT)
     sys.path.insert(0, str(ROOT))
     for key in ("DJANGO_SETTINGS_MODULE", "DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "HORDE_MAINTENANCE",
-                "DEBUG", "LOG_LEVEL"):
+                "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS", "LOG_LEVEL"):
         os.environ[key] = env[key]
     print(f"database {args.database_url} (recreated), redis {args.redis_url} (flushed)", flush=True)
     recreate_database(args.database_url)

@@ -81,17 +81,33 @@ def parse_entry(entry_id: bytes | str, fields: dict[bytes, bytes]) -> DeltaEntry
     )
 
 
+def _bulk(value: bytes) -> bytes:
+    """One RESP bulk string: a piece of a command packed once and reused."""
+    return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+_XREAD_HEAD = _bulk(b"XREAD") + _bulk(b"BLOCK") + _bulk(str(DELTA_READ_BLOCK_MILLISECONDS).encode()) + _bulk(b"STREAMS")
+_CLIENT_ID = b"*2\r\n" + _bulk(b"CLIENT") + _bulk(b"ID")
+
+
 class DeltaSubscription:
     """One request's queue of read batches (entries read together stay together)."""
 
-    __slots__ = ("request_id", "key", "last_id", "batches", "event")
+    __slots__ = ("request_id", "key", "last_id", "packed_key", "packed_id", "batches", "event")
 
     def __init__(self, request_id: str):
         self.request_id = request_id
         self.key = chat_progress_stream_key(request_id).encode()
         self.last_id: bytes = b"0-0"
+        # This stream's pieces of the reader's XREAD, packed once (the id again only when it moves).
+        self.packed_key = _bulk(self.key)
+        self.packed_id = _bulk(self.last_id)
         self.batches: list[list[DeltaEntry]] = []
         self.event = asyncio.Event()
+
+    def advance(self, last_id: bytes) -> None:
+        self.last_id = last_id
+        self.packed_id = _bulk(last_id)
 
     def push(self, batch: list[DeltaEntry]) -> None:
         self.batches.append(batch)
@@ -104,7 +120,12 @@ class DeltaSubscription:
 
 
 class DeltaStreamReader:
-    """One XREAD loop per process over every registered request's progress stream."""
+    """One XREAD loop per process over every registered request's progress stream.
+
+    The command is sent packed (each stream's key and id packed once, ADR 0029): redis-py packs a
+    command argument by argument, which for an XREAD over thousands of streams costs more than the
+    read. A registration while a read blocks ends that read with CLIENT UNBLOCK from a second
+    connection, so the connection the read holds stays open."""
 
     def __init__(
         self, redis_url: str, *, db: int, tracer: Any = None, client_name: str = "horde-oai-delta-reader"
@@ -115,11 +136,14 @@ class DeltaStreamReader:
         self._tracer = tracer
         self._subscriptions: dict[bytes, DeltaSubscription] = {}
         self._changed = asyncio.Event()
-        self._client: Any = None
+        self._connection: Any = None
+        self._connection_id: bytes | None = None
+        self._control: Any = None
         self._task: asyncio.Task | None = None
         self._closing = False
         self.reads = 0
         self.failures = 0
+        self.unblocks = 0
 
     def register(self, request_id: str) -> DeltaSubscription:
         subscription = DeltaSubscription(request_id)
@@ -147,21 +171,71 @@ class DeltaStreamReader:
             with contextlib.suppress(BaseException):
                 await self._task
         await self._drop()
+        await self._drop_control()
 
-    def _connect(self) -> Any:
-        import redis.asyncio as aioredis
+    def _new_connection(self, name: str) -> Any:
+        from redis.asyncio.connection import Connection, parse_url
 
-        pool = aioredis.ConnectionPool.from_url(self.redis_url, socket_connect_timeout=2)
-        # A database in the URL would win over a keyword; the streams live on the stream database.
-        pool.connection_kwargs["db"] = self.db
-        pool.connection_kwargs["client_name"] = self.client_name  # CLIENT LIST shows the reader
-        return aioredis.Redis(connection_pool=pool)
+        kwargs = parse_url(self.redis_url)
+        connection_class = kwargs.pop("connection_class", Connection)
+        # A database in the URL would not count: the streams live on the stream database.
+        kwargs.pop("db", None)
+        # RESP2: the reply is the plain array the parser below reads.
+        return connection_class(**kwargs, db=self.db, client_name=name, socket_connect_timeout=2, protocol=2)
+
+    async def _connect(self) -> None:
+        connection = self._new_connection(self.client_name)  # CLIENT LIST shows the reader
+        self._connection = connection
+        await connection.connect()
+        await connection.send_packed_command(_CLIENT_ID)
+        self._connection_id = str(await connection.read_response()).encode()
 
     async def _drop(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
+        connection, self._connection, self._connection_id = self._connection, None, None
+        if connection is not None:
             with contextlib.suppress(Exception):
-                await client.aclose()
+                await connection.disconnect()
+
+    async def _drop_control(self) -> None:
+        control, self._control = self._control, None
+        if control is not None:
+            with contextlib.suppress(Exception):
+                await control.disconnect()
+
+    async def _unblock(self) -> bool:
+        """End the blocked read early (it answers as a read that found nothing); False on failure."""
+        if self._connection_id is None:
+            return False
+        try:
+            if self._control is None:
+                self._control = self._new_connection(f"{self.client_name}-control")
+            async with asyncio.timeout(DELTA_READ_TIMEOUT_SECONDS):
+                await self._control.send_command("CLIENT", "UNBLOCK", self._connection_id)
+                unblocked = await self._control.read_response()
+        except Exception as error:
+            log.warning("delta stream read not unblocked (%s): reading again on a new connection", error)
+            await self._drop_control()
+            return False
+        # 0: the read had not blocked yet (or had just answered); abandoning it is then the sure way.
+        self.unblocks += unblocked == 1
+        return unblocked == 1
+
+    def _command(self) -> bytes:
+        subscriptions = self._subscriptions.values()
+        return b"".join(
+            (
+                b"*%d\r\n" % (4 + 2 * len(self._subscriptions)),
+                _XREAD_HEAD,
+                b"".join([sub.packed_key for sub in subscriptions]),
+                b"".join([sub.packed_id for sub in subscriptions]),
+            )
+        )
+
+    async def _read(self) -> Any:
+        if self._connection is None:
+            await self._connect()
+        await self._connection.send_packed_command(self._command(), check_health=False)
+        return await self._connection.read_response()
 
     async def _run(self) -> None:
         changed_wait: asyncio.Future | None = None
@@ -172,32 +246,30 @@ class DeltaStreamReader:
                     await self._changed.wait()
                     continue
                 self._changed.clear()
-                if self._client is None:
-                    self._client = self._connect()
-                streams = {key: sub.last_id for key, sub in self._subscriptions.items()}
-                read = asyncio.ensure_future(self._client.xread(streams, block=DELTA_READ_BLOCK_MILLISECONDS))
+                read = asyncio.ensure_future(self._read())
                 if changed_wait is None or changed_wait.done():
                     changed_wait = asyncio.ensure_future(self._changed.wait())
+                deadline = time.monotonic() + DELTA_READ_TIMEOUT_SECONDS
                 try:
                     done, _ = await asyncio.wait(
-                        (read, changed_wait),
-                        timeout=DELTA_READ_TIMEOUT_SECONDS,
-                        return_when=asyncio.FIRST_COMPLETED,
+                        (read, changed_wait), timeout=DELTA_READ_TIMEOUT_SECONDS, return_when=asyncio.FIRST_COMPLETED
                     )
+                    if read not in done and changed_wait in done and await self._unblock():
+                        # A new registration: the read answers at once, and the next one has its stream.
+                        done, _ = await asyncio.wait((read,), timeout=max(0.0, deadline - time.monotonic()))
                 except asyncio.CancelledError:
                     read.cancel()
                     raise
                 if read not in done:
-                    # A new registration (read again at once, with its stream) or a black-holed read
-                    # (read again on a new connection). Cancelling the read disconnects its connection.
+                    # A black-holed read, or an unblock that failed: read again on a new connection.
                     read.cancel()
                     with contextlib.suppress(BaseException):
                         await read
-                    if changed_wait not in done:
+                    if not self._changed.is_set():
                         log.warning(
                             "delta stream read took over %s s: reading again", DELTA_READ_TIMEOUT_SECONDS
                         )
-                        await self._drop()
+                    await self._drop()
                     continue
                 try:
                     result = read.result()
@@ -221,18 +293,20 @@ class DeltaStreamReader:
     def _dispatch(self, result: Any, returned_at: float) -> None:
         entry_count = byte_count = 0
         oldest_ms: int | None = None
-        for key, raw_entries in result:
+        streams = result.items() if isinstance(result, dict) else result
+        for key, raw_entries in streams:
             subscription = self._subscriptions.get(key)
             batch: list[DeltaEntry] = []
-            for entry_id, fields in raw_entries:
+            for entry_id, flat in raw_entries:
                 entry_count += 1
+                fields = dict(zip(flat[::2], flat[1::2], strict=True)) if isinstance(flat, list) else flat
                 byte_count += sum(len(name) + len(value) for name, value in fields.items())
                 ms = int(entry_id.split(b"-", 1)[0])
                 oldest_ms = ms if oldest_ms is None else min(oldest_ms, ms)
                 if subscription is not None:
                     batch.append(parse_entry(entry_id, fields))
             if subscription is not None and raw_entries:
-                subscription.last_id = raw_entries[-1][0]
+                subscription.advance(raw_entries[-1][0])
                 subscription.push(batch)
         if entry_count:
             tracer = self._tracer or trace.get_tracer("horde.oai")
