@@ -46,6 +46,7 @@ from text_queue import (  # noqa: E402  (the shared bench machinery)
     RawHTTPClient,
     Server,
     bench_env,
+    cpu_seconds_by_process,
     flush_redis,
     migrate,
     pct,
@@ -228,13 +229,16 @@ async def relay_loop(args, owners: list[str], requester: str, server_pid: int) -
         sent: dict[str, float] = {}
         errors: list[str] = []
         answered: list[float] = []
+        cpu_before, posting_started = cpu_seconds_by_process(server_pid), time.perf_counter()
         texts = await asyncio.gather(
             *(
                 post_loop(client, job, key, i, args.rate, args.duration, sent, errors, answered)
                 for i, (job, key) in enumerate(jobs)
             )
         )
+        posting_seconds = time.perf_counter() - posting_started
         await asyncio.sleep(0.5)
+        cpu_after = cpu_seconds_by_process(server_pid)
         for (job, key), text in zip(jobs, texts, strict=True):
             resp = await client.post(
                 "/api/v2/generate/text/submit",
@@ -260,6 +264,9 @@ async def relay_loop(args, owners: list[str], requester: str, server_pid: int) -
         "rss_open_kb": rss_open,
         "streams": len(streams),
         "jobs": len(jobs),
+        "scheduled": int(len(jobs) * args.rate * args.duration),
+        "seconds": posting_seconds,
+        "cpu": {name: cpu_after.get(name, 0.0) - cpu_before.get(name, 0.0) for name in ("daphne", "client")},
     }
 
 
@@ -332,8 +339,12 @@ def report(args, relay: dict, raw: dict) -> str:
         f"{ms(relay['answered'], 99):8.2f}",
         f"{'raw XADD -> XREAD':28s} {len(raw['latencies']):8d} {w50:8.2f} {w99:8.2f}",
         f"p50 - raw p50 = {r50 - w50:.2f} ms (goal <= 5), p99 - raw p99 = {r99 - w99:.2f} ms (goal <= 20)",
-        f"posts {relay['posts']}, chunks missing {relay['missing']}, errors {len(relay['errors'])} (goal 0)"
+        f"posts {relay['posts']} of {relay['scheduled']} scheduled ({relay['posts'] / relay['seconds']:.0f}/s), "
+        f"chunks missing {relay['missing']}, errors {len(relay['errors'])} (goal 0)"
         + (f": {relay['errors'][:5]}" if relay["errors"] else ""),
+        f"CPU per post while posting (user + system): web process "
+        f"{1000 * relay['cpu']['daphne'] / max(relay['posts'], 1):.3f} ms, this client "
+        f"{1000 * relay['cpu']['client'] / max(relay['posts'], 1):.3f} ms",
         f"web process RSS {relay['rss_before_kb']} KB before, {relay['rss_open_kb']} KB with the streams open: "
         f"{per_stream:.1f} KB per open stream (goal <= 100)",
     ]

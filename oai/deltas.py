@@ -125,7 +125,8 @@ class DeltaStreamReader:
     The command is sent packed (each stream's key and id packed once, ADR 0029): redis-py packs a
     command argument by argument, which for an XREAD over thousands of streams costs more than the
     read. A registration while a read blocks ends that read with CLIENT UNBLOCK from a second
-    connection, so the connection the read holds stays open."""
+    connection (the read answers as one that found nothing, its connection stays open), so the
+    loop itself is one awaited read after another, with no task or wait set up per read."""
 
     def __init__(
         self, redis_url: str, *, db: int, tracer: Any = None, client_name: str = "horde-oai-delta-reader"
@@ -140,6 +141,10 @@ class DeltaStreamReader:
         self._connection_id: bytes | None = None
         self._control: Any = None
         self._task: asyncio.Task | None = None
+        self._unblocking: asyncio.Task | None = None
+        # The read in flight (a count: the unblock ends only the read it was asked for).
+        self._read_number = 0
+        self._reading = False
         self._closing = False
         self.reads = 0
         self.failures = 0
@@ -154,6 +159,10 @@ class DeltaStreamReader:
             self._task = asyncio.create_task(
                 self._run(), name="oai-delta-reader", context=contextvars.Context()
             )
+        elif self._reading and self._unblocking is None:
+            self._unblocking = asyncio.create_task(
+                self._unblock(self._read_number), name="oai-delta-unblock", context=contextvars.Context()
+            )
         return subscription
 
     def unregister(self, subscription: DeltaSubscription) -> None:
@@ -166,10 +175,11 @@ class DeltaStreamReader:
 
     async def close(self) -> None:
         self._closing = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
+        for task in (self._unblocking, self._task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
         await self._drop()
         await self._drop_control()
 
@@ -202,23 +212,27 @@ class DeltaStreamReader:
             with contextlib.suppress(Exception):
                 await control.disconnect()
 
-    async def _unblock(self) -> bool:
-        """End the blocked read early (it answers as a read that found nothing); False on failure."""
-        if self._connection_id is None:
-            return False
+    async def _unblock(self, read_number: int) -> None:
+        """End read `read_number` early, so the next read has the new streams. CLIENT UNBLOCK
+        answers 0 while the read is on its way (not yet blocked): sent again until it ends it or
+        that read answered by itself. On a failure the read just runs its block out."""
         try:
-            if self._control is None:
-                self._control = self._new_connection(f"{self.client_name}-control")
-            async with asyncio.timeout(DELTA_READ_TIMEOUT_SECONDS):
-                await self._control.send_command("CLIENT", "UNBLOCK", self._connection_id)
-                unblocked = await self._control.read_response()
+            while self._reading and self._read_number == read_number:
+                if self._connection_id is None:  # connecting: its first read has the new streams
+                    return
+                if self._control is None:
+                    self._control = self._new_connection(f"{self.client_name}-control")
+                async with asyncio.timeout(DELTA_READ_TIMEOUT_SECONDS):
+                    await self._control.send_command("CLIENT", "UNBLOCK", self._connection_id)
+                    if await self._control.read_response() == 1:
+                        self.unblocks += 1
+                        return
+                await asyncio.sleep(0.001)
         except Exception as error:
-            log.warning("delta stream read not unblocked (%s): reading again on a new connection", error)
+            log.warning("delta stream read not unblocked (%s): it ends with its block", error)
             await self._drop_control()
-            return False
-        # 0: the read had not blocked yet (or had just answered); abandoning it is then the sure way.
-        self.unblocks += unblocked == 1
-        return unblocked == 1
+        finally:
+            self._unblocking = None
 
     def _command(self) -> bytes:
         subscriptions = self._subscriptions.values()
@@ -238,57 +252,35 @@ class DeltaStreamReader:
         return await self._connection.read_response()
 
     async def _run(self) -> None:
-        changed_wait: asyncio.Future | None = None
-        try:
-            while not self._closing:
-                if not self._subscriptions:
-                    self._changed.clear()
-                    await self._changed.wait()
-                    continue
+        while not self._closing:
+            if not self._subscriptions:
                 self._changed.clear()
-                read = asyncio.ensure_future(self._read())
-                if changed_wait is None or changed_wait.done():
-                    changed_wait = asyncio.ensure_future(self._changed.wait())
-                deadline = time.monotonic() + DELTA_READ_TIMEOUT_SECONDS
-                try:
-                    done, _ = await asyncio.wait(
-                        (read, changed_wait), timeout=DELTA_READ_TIMEOUT_SECONDS, return_when=asyncio.FIRST_COMPLETED
-                    )
-                    if read not in done and changed_wait in done and await self._unblock():
-                        # A new registration: the read answers at once, and the next one has its stream.
-                        done, _ = await asyncio.wait((read,), timeout=max(0.0, deadline - time.monotonic()))
-                except asyncio.CancelledError:
-                    read.cancel()
-                    raise
-                if read not in done:
-                    # A black-holed read, or an unblock that failed: read again on a new connection.
-                    read.cancel()
-                    with contextlib.suppress(BaseException):
-                        await read
-                    if not self._changed.is_set():
-                        log.warning(
-                            "delta stream read took over %s s: reading again", DELTA_READ_TIMEOUT_SECONDS
-                        )
-                    await self._drop()
-                    continue
-                try:
-                    result = read.result()
-                except Exception as error:
-                    self.failures += 1
-                    log.warning(
-                        "delta stream read failed (%s): reading again in %s s",
-                        error,
-                        DELTA_READ_RETRY_SECONDS,
-                    )
-                    await self._drop()
-                    await asyncio.sleep(DELTA_READ_RETRY_SECONDS)
-                    continue
-                self.reads += 1
-                if result:
-                    self._dispatch(result, time.time())
-        finally:
-            if changed_wait is not None:
-                changed_wait.cancel()
+                await self._changed.wait()
+                continue
+            self._changed.clear()
+            self._read_number += 1
+            self._reading = True
+            try:
+                async with asyncio.timeout(DELTA_READ_TIMEOUT_SECONDS):
+                    result = await self._read()
+            except TimeoutError:
+                # A black-holed read: read again on a new connection (cancelling it disconnected it).
+                log.warning("delta stream read took over %s s: reading again", DELTA_READ_TIMEOUT_SECONDS)
+                await self._drop()
+                continue
+            except Exception as error:
+                self.failures += 1
+                log.warning(
+                    "delta stream read failed (%s): reading again in %s s", error, DELTA_READ_RETRY_SECONDS
+                )
+                await self._drop()
+                await asyncio.sleep(DELTA_READ_RETRY_SECONDS)
+                continue
+            finally:
+                self._reading = False
+            self.reads += 1
+            if result:
+                self._dispatch(result, time.time())
 
     def _dispatch(self, result: Any, returned_at: float) -> None:
         entry_count = byte_count = 0
