@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = load_settings()
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"))
     telemetry = configure_telemetry(settings)
-    from oai import app as front_app
+    from oai import state as front_state
 
-    front_app.configure_front(propagate=telemetry)
+    front_state.configure_front(propagate=telemetry)
     application = build_application()
     from daphne.server import Server
     from twisted.internet import defer, reactor
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         import asyncio
 
         async def shutdown_all() -> None:
-            for state in front_app.current_states():
+            for state in front_state.current_states():
                 await state.shutdown()
 
         return defer.Deferred.fromFuture(asyncio.ensure_future(shutdown_all()))

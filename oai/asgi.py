@@ -59,7 +59,7 @@ async def _send_json(
 
 
 async def _refuse(send: Any, error: ChatFrontError) -> None:
-    from oai.app import get_front_state
+    from oai.state import get_front_state
 
     (await get_front_state()).metrics.refused(error.status, error.code)
     await _send_json(send, error.status, error.body(), error.headers())
@@ -115,7 +115,7 @@ class FrontASGI:
         method = scope.get("method", "GET")
         if method == "OPTIONS" and "access-control-request-method" in headers:
             return await self._preflight(send, headers)
-        from oai.app import get_front_state
+        from oai.state import get_front_state
 
         state = await get_front_state()
         settings = state.settings

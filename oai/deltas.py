@@ -10,7 +10,7 @@ not held back by the block.
 
 `DeltaRelay` is one request's reconciliation: it pins one generation, decides what each entry
 sends, and reconciles the relayed text with the final reply. `RelayedStream` joins the two for the
-stream in oai.app and turns what the relay decides into SSE events, counters and the error event.
+stream in oai.streaming and turns what the relay decides into SSE events, counters and the error event.
 """
 
 from __future__ import annotations

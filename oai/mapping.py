@@ -1,25 +1,15 @@
-"""The reply side: completion, usage estimate, model cards (spec: chat_front.md, Response shape and
-Model card fields). Pure functions over plain dicts: the hot path builds one reply. It imports the
-request side (oai.schema), never the other way."""
+"""The reply side: the response shapes, the completion, usage estimate, model cards (spec:
+chat_front.md, Response shape and Model card fields). Pure functions over plain dicts: the hot path
+builds one reply. The request side (oai.schema) imports it, never the other way."""
 
 from __future__ import annotations
 
 import hashlib
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, Protocol
 
-from oai.schema import (
-    AssistantMessage,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    Choice,
-    CompletionTokensDetails,
-    FunctionCall,
-    ModelCard,
-    ToolCall,
-    Usage,
-)
+from pydantic import BaseModel, Field
 
 EMPTY_REPLY_NOTICE = "The worker returned neither text nor tool calls."
 # The horde's own character-based token estimate: about four characters a token.
@@ -28,18 +18,130 @@ BASE_SUPPORTED_PARAMETERS = ("max_tokens", "temperature", "top_p", "stop")
 SAME_NAME_FEATURES = ("seed", "frequency_penalty", "presence_penalty")
 
 
-def relays_deltas(request: ChatCompletionRequest) -> bool:
-    """Whether the request's reply is relayed as deltas from worker progress: streamed, no tools and
-    no response_format other than text (the horde verifies those only on the whole reply), and one
-    choice (the stream holds every choice's deltas; the front streams one; ADR 0023)."""
-    body = request.native_body
-    response_format = body.get("response_format")
-    return (
-        request.stream
-        and not body.get("tools")
-        and (response_format is None or dict(response_format) == {"type": "text"})
-        and (body.get("n") or 1) == 1
-    )
+# --- response shapes ------------------------------------------------------------------------------
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class IndexedToolCall(ToolCall):
+    index: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+
+class HordeChoiceExtension(BaseModel):
+    notice: str | None = None
+    context_adjustments: list[dict[str, Any]] | None = None
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str
+    native_finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[Choice]
+    usage: Usage
+    x_horde: dict[str, Any] = Field(default_factory=dict)
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[IndexedToolCall] | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChunkDelta
+    finish_reason: str | None = None
+    native_finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    x_horde: dict[str, Any] | None = None
+
+
+class ErrorMetadata(BaseModel):
+    request_id: str | None = None
+    retry_after: int | None = None
+    submit_outcome: str | None = None
+    kudos_estimate: float | None = None
+    max_kudos: int | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ai-horde"
+    name: str
+    context_length: int | None
+    architecture: dict[str, Any]
+    top_provider: dict[str, Any]
+    supported_parameters: list[str]
+    x_horde: dict[str, Any]
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class RepliedRequest(Protocol):
+    """What a reply reads of its request (oai.schema.ChatCompletionRequest): the reply side imports
+    nothing of the request side."""
+
+    @property
+    def chat(self) -> Any: ...
+
+    @property
+    def include_reasoning(self) -> bool: ...
+
+    @property
+    def requested_models(self) -> list[str]: ...
 
 
 def build_system_fingerprint(worker_id: str | None, model: str | None) -> str | None:
@@ -70,7 +172,7 @@ def estimate_prompt_tokens(messages: list[Mapping[str, Any]]) -> int:
     return estimate_tokens("\n".join(f"{m.get('role')}: {_message_text(m)}" for m in messages))
 
 
-def served_model(request: ChatCompletionRequest, generation: Mapping[str, Any] | None) -> str:
+def served_model(request: RepliedRequest, generation: Mapping[str, Any] | None) -> str:
     if generation and generation.get("model"):
         return generation["model"]
     return request.requested_models[0]
@@ -86,7 +188,7 @@ def reply_parts(generation: Mapping[str, Any]) -> tuple[str | None, list[dict[st
 
 
 def build_usage(
-    request: ChatCompletionRequest,
+    request: RepliedRequest,
     generation: Mapping[str, Any],
     content: str | None,
     calls: list[dict[str, Any]] | None,
@@ -147,7 +249,7 @@ class Completion:
     )
 
     def __init__(
-        self, request: ChatCompletionRequest, request_id: str, created: int, status: Mapping[str, Any]
+        self, request: RepliedRequest, request_id: str, created: int, status: Mapping[str, Any]
     ):
         generation = status["generations"][0]
         content, calls, reasoning = reply_parts(generation)

@@ -1,5 +1,6 @@
-"""OpenAI request, response and error models, and the request screening (spec: chat_front.md,
-Request keys and Message roles).
+"""The request side of the chat route: the OpenAI request model, its screening and the native body
+(spec: chat_front.md, Request keys and Message roles). Of the front it imports only the reply side's
+error envelope (oai.errors).
 
 A body goes through three screening steps before validation: `find_refused_parameter` refuses an
 unknown top-level key, a no-op key holding another value than its default, an unserved role or
@@ -15,9 +16,9 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from contract.chat_errors import ChatRefusal
 from contract.chat_limits import (
@@ -353,6 +354,20 @@ class ChatCompletionRequest(BaseModel):
         return self.chat.model_list
 
 
+def relays_deltas(request: ChatCompletionRequest) -> bool:
+    """Whether the request's reply is relayed as deltas from worker progress: streamed, no tools and
+    no response_format other than text (the horde verifies those only on the whole reply), and one
+    choice (the stream holds every choice's deltas; the front streams one; ADR 0023)."""
+    body = request.native_body
+    response_format = body.get("response_format")
+    return (
+        request.stream
+        and not body.get("tools")
+        and (response_format is None or dict(response_format) == {"type": "text"})
+        and (body.get("n") or 1) == 1
+    )
+
+
 def build_native_chat_body(
     body: Mapping[str, Any], *, operation_key: str | None = None, stream_progress: bool = False
 ) -> dict[str, Any]:
@@ -401,115 +416,3 @@ def screen_request(raw_body: Any) -> ChatCompletionRequest:
         stream_options=StreamOptions(**body["stream_options"]) if body.get("stream_options") else None,
         native_body=native,
     )
-
-
-# --- response shapes ------------------------------------------------------------------------------
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class IndexedToolCall(ToolCall):
-    index: int
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] | None = None
-    reasoning_content: str | None = None
-
-
-class CompletionTokensDetails(BaseModel):
-    reasoning_tokens: int
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    completion_tokens_details: CompletionTokensDetails | None = None
-
-
-class HordeChoiceExtension(BaseModel):
-    notice: str | None = None
-    context_adjustments: list[dict[str, Any]] | None = None
-
-
-class Choice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: str
-    native_finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str | None
-    choices: list[Choice]
-    usage: Usage
-    x_horde: dict[str, Any] = Field(default_factory=dict)
-
-
-class ChunkDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[IndexedToolCall] | None = None
-
-
-class ChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChunkDelta
-    finish_reason: str | None = None
-    native_finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str | None
-    choices: list[ChunkChoice]
-    usage: Usage | None = None
-    x_horde: dict[str, Any] | None = None
-
-
-class ErrorMetadata(BaseModel):
-    request_id: str | None = None
-    retry_after: int | None = None
-    submit_outcome: str | None = None
-    kudos_estimate: float | None = None
-    max_kudos: int | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "ai-horde"
-    name: str
-    context_length: int | None
-    architecture: dict[str, Any]
-    top_provider: dict[str, Any]
-    supported_parameters: list[str]
-    x_horde: dict[str, Any]
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -22,6 +22,7 @@ from rest_framework.response import Response
 
 from oai import app
 from oai.errors import ChatFrontError
+from oai.state import get_front_state
 
 
 class FrontCaller:
@@ -211,7 +212,7 @@ async def _completions_answer(serve: Any, request) -> HttpResponse:
     raw = django_request.scope.get("oai.body") if hasattr(django_request, "scope") else None
     if raw is None:
         raw = django_request.read()
-    state = await app.get_front_state()
+    state = await get_front_state()
     headers = {key.lower(): value for key, value in request.headers.items()}
 
     answer = await serve(

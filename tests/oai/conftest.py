@@ -143,8 +143,8 @@ class Front:
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-        from oai import app
         from oai.metrics import histogram_views
+        from oai.state import configure_front, current_states, get_front_state
 
         # As load_settings: with native roots given, the front calls them over HTTP.
         if "native_roots" in overrides:
@@ -154,18 +154,18 @@ class Front:
         self.provider = MeterProvider(metric_readers=[self.reader], views=histogram_views())
 
         async def reset() -> None:
-            for state in app.current_states():
+            for state in current_states():
                 await state.shutdown()
-            app.configure_front(meter=self.provider.get_meter("test"), settings=settings)
-            await app.get_front_state()
+            configure_front(meter=self.provider.get_meter("test"), settings=settings)
+            await get_front_state()
 
         self.live.run(reset())
         return settings
 
     def state(self) -> Any:
-        from oai import app
+        from oai.state import get_front_state
 
-        return self.live.run(app.get_front_state())
+        return self.live.run(get_front_state())
 
     def metrics(self) -> dict[str, list[tuple[dict, Any]]]:
         """name -> [(attributes, value)] from the in-memory reader."""
@@ -212,11 +212,11 @@ def front(live_horde, transactional_db) -> Front:
 
 
 async def _shutdown_states() -> None:
-    from oai import app
+    from oai.state import configure_front, current_states
 
-    for state in app.current_states():
+    for state in current_states():
         await state.shutdown()
-    app.configure_front()
+    configure_front()
 
 
 # --- the test worker --------------------------------------------------------------------------------

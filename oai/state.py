@@ -1,0 +1,136 @@
+"""One `FrontState` per process (per event loop): settings, metrics, the native client, the
+completion signal listener, the in-flight limiter, the cancels and the front leases; and the
+shutdown drain."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from oai.admission import InflightLimiter
+from oai.cancels import Cancels
+from oai.deltas import build_delta_reader
+from oai.front_lease import FrontLeaseRenewer
+from oai.horde_client import HordeClient
+from oai.metrics import FrontMetrics
+from oai.settings import FrontSettings, load_settings
+from oai.waiter import CompletionSignalListener
+
+log = logging.getLogger("oai.requests")
+
+
+class FrontState:
+    def __init__(self, settings: FrontSettings, *, meter: Any = None, propagate: bool = False):
+        self.settings = settings
+        self.limiter = InflightLimiter(settings.max_inflight, settings.max_inflight_per_source)
+        self.metrics = FrontMetrics(meter, inflight=self.limiter.snapshot)
+        self.client = HordeClient(settings, self.metrics, propagate=propagate)
+        self.listener = (
+            CompletionSignalListener(settings.redis_url, ping_seconds=settings.signal_ping_seconds)
+            if settings.redis_url
+            else None
+        )
+        self.cancels = Cancels(settings, self.client, self.metrics)
+        self.leases = (
+            FrontLeaseRenewer(
+                settings.redis_url,
+                lease_seconds=settings.front_lease_seconds,
+                renew_seconds=settings.front_lease_renew_seconds,
+                open_ids=lambda: list(self.cancels.open_requests),
+            )
+            if settings.redis_url and settings.front_lease_seconds > 0
+            else None
+        )
+        self.delta_reader = build_delta_reader(settings.redis_url, settings.stream_redis_db)
+        self._tasks: set[asyncio.Task] = set()
+        self.started = False
+
+    async def start(self) -> None:
+        """The background tasks start when first needed: the listener with the first wait, the cancel
+        retries with the first failed cancel (a refused request starts neither)."""
+        self.started = True
+
+    async def ensure_listener(self) -> CompletionSignalListener | None:
+        if self.listener is not None and self.listener._task is None:
+            await self.listener.start()
+            # Give the first connection a moment, so the first request is woken by its signal.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.listener._ready.wait(), 0.5)
+        return self.listener
+
+    def spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def shutdown(self) -> None:
+        """Drain: cancel the requests still open, send the failed cancels once more, close.
+
+        Every step is bounded: a shutdown must end even when Redis or a native root stops answering
+        (closing a pub/sub connection can wait on its reader)."""
+        bound = self.settings.cancel_timeout_seconds + 0.5
+        if self.leases is not None:
+            await _bounded(self.leases.close(), bound)
+        await _bounded(self.cancels.cancel_open_requests(), bound)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=bound)
+        await _bounded(self.cancels.retry_failed(), bound)
+        self.cancels.stop_retries()
+        if self.listener is not None:
+            await _bounded(self.listener.close(), bound)
+        if self.delta_reader is not None:
+            await _bounded(self.delta_reader.close(), bound)
+        await _bounded(self.client.aclose(), bound)
+
+
+async def _bounded(step, seconds: float) -> None:
+    """Run one shutdown step for at most `seconds`; a step that fails or overruns is logged."""
+    try:
+        await asyncio.wait_for(step, timeout=seconds)
+    except Exception as error:  # TimeoutError included
+        log.warning("front shutdown step did not finish cleanly: %r", error)
+
+
+@dataclass
+class FrontConfig:
+    """What the next FrontState is built with: tests pass a meter and settings; main sets propagate
+    when telemetry is configured. None: the settings are read from the environment."""
+
+    meter: Any = None
+    settings: FrontSettings | None = None
+    propagate: bool = False
+
+
+_config = FrontConfig()
+_states: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, FrontState] = weakref.WeakKeyDictionary()
+
+
+def configure_front(
+    *, meter: Any = None, settings: FrontSettings | None = None, propagate: bool | None = None
+) -> None:
+    """Set what the next FrontState is built with and drop the current states."""
+    _config.meter = meter
+    _config.settings = settings
+    if propagate is not None:
+        _config.propagate = propagate
+    _states.clear()
+
+
+async def get_front_state() -> FrontState:
+    loop = asyncio.get_running_loop()
+    state = _states.get(loop)
+    if state is None:
+        state = FrontState(_config.settings or load_settings(), meter=_config.meter, propagate=_config.propagate)
+        _states[loop] = state
+    if not state.started:
+        await state.start()
+    return state
+
+
+def current_states() -> list[FrontState]:
+    return list(_states.values())

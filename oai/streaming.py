@@ -1,0 +1,87 @@
+"""The SSE body of a streamed /v1 request: the first status read passed, so the headers go out with
+a first comment; keepalives while waiting, then the reply whole (events 1-7), or, for a request
+whose deltas are relayed (oai.schema.relays_deltas, on a front with Redis), each delta as it
+arrives (oai.deltas); an error after the headers is an SSE error event."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from oai import sse
+from oai.errors import ChatFrontError
+from oai.mapping import Completion
+from oai.run import ChatRun, _Finished
+from oai.text_reply import build_text_completion_events
+from oai.waiter import WakeSource
+
+
+async def stream_completion(run: ChatRun, completion: Completion | None) -> AsyncIterator[bytes]:
+    """The SSE body: a first comment (the headers go out with it), keepalives while waiting, then the
+    reply whole (events 1-7) or an SSE error event."""
+    metrics = run.state.metrics
+    keepalive = run.settings.keepalive_seconds
+    relayed = run.relayed
+    try:
+        yield sse.build_keepalive_event()
+        not_after = run.not_after
+        next_keepalive = time.monotonic() + keepalive  # keepalive seconds after the last bytes sent
+        while completion is None:
+            while True:
+                source = await run.watcher.next_wake(
+                    not_after=not_after,
+                    keepalive_at=next_keepalive,
+                    deltas=relayed.event if relayed is not None else None,
+                )
+                if source is None:
+                    yield sse.build_keepalive_event()
+                    next_keepalive = time.monotonic() + keepalive
+                    continue
+                if source == WakeSource.DELTA:
+                    for event in relayed.pending_events():
+                        yield event
+                        next_keepalive = time.monotonic() + keepalive
+                    check_relay(run)
+                    continue
+                break
+            if source == WakeSource.DISCONNECT:
+                run.client_closed()
+                return
+            try:
+                not_after = await run.read(source)
+            except _Finished as finished:
+                completion = finished.completion
+        run.delivered(completion)
+        if relayed is not None:
+            for event in relayed.pending_events():  # entries read before the reply was
+                yield event
+            check_relay(run)
+        if relayed is not None and relayed.exposed:
+            events = relayed.final_events(completion, include_usage=run.request.include_usage)
+        elif run.is_text:
+            events = build_text_completion_events(completion, include_usage=run.request.include_usage)
+        else:
+            events = sse.build_completion_events(completion, include_usage=run.request.include_usage)
+        for event in events:
+            yield event
+    except ChatFrontError as error:
+        run.trace.fail(error, after_headers=True)
+        metrics.stream_failures.add(1, {"horde.code": error.code or ""})
+        for event in sse.build_error_events(error, run.request_id):
+            yield event
+    except (asyncio.CancelledError, GeneratorExit):
+        run.client_closed()
+        raise
+    finally:
+        await run.finish()
+
+
+def check_relay(run: ChatRun) -> None:
+    """A relayed stream that an entry broke (another attempt, its ended marker, a gap) ends in
+    ChatStreamDiverged, and the request is cancelled."""
+    error = run.relayed.diverged
+    if error is not None:
+        run.cancel_in_background()
+        raise error
+
