@@ -588,8 +588,8 @@ class RelayedStream:
         ]
 
     def pending_events(self) -> list[bytes]:
-        """The chunks of the entries read since the last call, up to a divergence; the caller sends
-        them, then checks `diverged`."""
+        """The chunks of the entries read since the last call, up to a divergence, as one write; the
+        caller sends it, then checks `diverged`."""
         was_exposed = self.relay.exposed
         pieces: list[dict[str, Any]] = []
         for batch in self.subscription.take():
@@ -602,7 +602,9 @@ class RelayedStream:
                 self.metrics.first_content.record(
                     time.monotonic() - self.submitted_mono, {"horde.streamed": True, "horde.relayed": True}
                 )
-        return self._events(pieces)
+        # One write for everything read together: one ASGI send, one socket write, not one per chunk.
+        events = self._events(pieces)
+        return [b"".join(events)] if events else []
 
     @property
     def diverged(self) -> ChatFrontError | None:
