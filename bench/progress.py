@@ -187,6 +187,8 @@ async def measure(args, owners: list[str], server_pid: int) -> tuple[dict[str, P
         print(f"  filled in {fill_seconds:.1f}s; popping ...", flush=True)
         jobs = deque(await pop_all(client, owners, args.jobs, args.concurrency))
         print(f"  {len(jobs)} streaming jobs in flight (leases written at pop)", flush=True)
+        if len(jobs) < args.jobs:  # the figure is the route's rate at --jobs streaming jobs, or none
+            raise SystemExit(f"only {len(jobs)} of {args.jobs} jobs popped: not measured")
         await phase_heartbeat(client, 2.0, args.concurrency)
         await phase_progress(client, 2.0, args.concurrency, jobs)
         order = ["heartbeat", "progress"]
