@@ -78,9 +78,5 @@ class ChatFrontError(Exception):
         return f"ChatFrontError({self.status}, {self.code!r}, {self.message!r}, param={self.param!r})"
 
 
-def bad_request(message: str, *, param: str | None = None, code: str = "BadRequest") -> ChatFrontError:
-    return ChatFrontError(400, code, message, param=param, should_retry=False)
-
-
 def sse_error_event(error: ChatFrontError, request_id: str | None = None) -> bytes:
     return b"data: " + json.dumps(error.body(request_id), separators=(",", ":")).encode() + b"\n\n"

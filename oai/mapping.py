@@ -32,10 +32,6 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class IndexedToolCall(ToolCall):
-    index: int
-
-
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
@@ -52,11 +48,6 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     completion_tokens_details: CompletionTokensDetails | None = None
-
-
-class HordeChoiceExtension(BaseModel):
-    notice: str | None = None
-    context_adjustments: list[dict[str, Any]] | None = None
 
 
 class Choice(BaseModel):
@@ -78,40 +69,6 @@ class ChatCompletionResponse(BaseModel):
     x_horde: dict[str, Any] = Field(default_factory=dict)
 
 
-class ChunkDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[IndexedToolCall] | None = None
-
-
-class ChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChunkDelta
-    finish_reason: str | None = None
-    native_finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str | None
-    choices: list[ChunkChoice]
-    usage: Usage | None = None
-    x_horde: dict[str, Any] | None = None
-
-
-class ErrorMetadata(BaseModel):
-    request_id: str | None = None
-    retry_after: int | None = None
-    submit_outcome: str | None = None
-    kudos_estimate: float | None = None
-    max_kudos: int | None = None
-
-
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -123,11 +80,6 @@ class ModelCard(BaseModel):
     top_provider: dict[str, Any]
     supported_parameters: list[str]
     x_horde: dict[str, Any]
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
 
 
 class RepliedRequest(Protocol):

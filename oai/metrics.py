@@ -136,9 +136,6 @@ class FrontMetrics:
 
         return callback
 
-    def set_inflight_source(self, source: Callable[[], tuple[int, int, int]]) -> None:
-        self._inflight = source
-
     # Small helpers so call sites stay one line.
     def refused(self, status_code: int, code: str | None) -> None:
         self.requests_refused.add(1, {"horde.status_code": status_code, "horde.code": code or ""})

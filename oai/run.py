@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from oai.admission import InflightSlot
@@ -42,9 +43,22 @@ class _BudgetEnded(Exception):
     """The request's budget ended while a native call was under way."""
 
 
-class _Finished(Exception):
-    def __init__(self, completion: Completion):
-        self.completion = completion
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """A read found the reply: the wait ends with it."""
+
+    completion: Completion | TextCompletion
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A read found no reply yet: the next read is due by `not_after` at the latest (None: the
+    watcher's own schedule)."""
+
+    not_after: float | None
+
+
+ReadOutcome = Delivered | Pending
 
 
 class ChatRun:
@@ -241,15 +255,16 @@ class ChatRun:
             disconnected=self.disconnected,
         )
 
-    async def read(self, source: WakeSource) -> float | None:
-        """One status read; raises _Finished or ChatFrontError, else returns the time the next read
-        is due at the latest (None: the watcher's own schedule), no later than the front lease's
-        next renewal through the database."""
-        not_after = await self._read(source, self._lease_renewal())
+    async def read(self, source: WakeSource) -> ReadOutcome:
+        """One status read: the reply, or when the next read is due at the latest, no later than the
+        front lease's next renewal through the database; an error answer raises ChatFrontError."""
+        outcome = await self._read(source, self._lease_renewal())
+        if isinstance(outcome, Delivered):
+            return outcome
         due = self._lease_due()
-        if due is not None and (not_after is None or due < not_after):
-            return due
-        return not_after
+        if due is not None and (outcome is None or due < outcome):
+            return Pending(due)
+        return Pending(outcome)
 
     def _renews_in_database(self) -> bool:
         leases = self.state.leases
@@ -269,7 +284,9 @@ class ChatRun:
         due = self.lease_renewed_at + self.settings.front_lease_renew_seconds
         return max(due, time.monotonic() + self.settings.poll_seconds)  # a failed renewal is not a busy loop
 
-    async def _read(self, source: WakeSource, lease_headers: dict[str, str] | None) -> float | None:
+    async def _read(
+        self, source: WakeSource, lease_headers: dict[str, str] | None
+    ) -> Delivered | float | None:
         try:
             answer = await self._native(
                 "status",
@@ -306,7 +323,7 @@ class ChatRun:
             self.trace.woke_at = time.time()
             self.trace.woke_by = str(source)
             completion_class = TextCompletion if self.is_text else Completion
-            raise _Finished(completion_class(self.request, self.request_id, self.created, status))
+            return Delivered(completion_class(self.request, self.request_id, self.created, status))
         if status.get("faulted"):
             raise self._faulted(status)
         if source == WakeSource.DEADLINE:
@@ -465,14 +482,13 @@ class ChatRun:
         """Read once after submit (and under fail_fast until the positioned-read rule decides)."""
         source = WakeSource.IMMEDIATE
         while True:
-            try:
-                not_after = await self.read(source)
-            except _Finished as finished:
-                return finished.completion
+            outcome = await self.read(source)
+            if isinstance(outcome, Delivered):
+                return outcome.completion
             if self.first_decided:
-                self.not_after = not_after
+                self.not_after = outcome.not_after
                 return None
-            source = await self.watcher.next_wake(not_after=not_after)
+            source = await self.watcher.next_wake(not_after=outcome.not_after)
             if source == WakeSource.DISCONNECT:
                 raise asyncio.CancelledError
 
@@ -481,10 +497,10 @@ class ChatRun:
             source = await self.watcher.next_wake(not_after=not_after)
             if source == WakeSource.DISCONNECT:
                 raise asyncio.CancelledError
-            try:
-                not_after = await self.read(source)
-            except _Finished as finished:
-                return finished.completion
+            outcome = await self.read(source)
+            if isinstance(outcome, Delivered):
+                return outcome.completion
+            not_after = outcome.not_after
 
     def delivered(self, completion: Completion) -> None:
         metrics = self.state.metrics

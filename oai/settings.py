@@ -14,30 +14,18 @@ from contract.chat_limits import MAX_CHAT_BODY_BYTES
 from contract.front_lease import FRONT_LEASE_RENEW_SECONDS, FRONT_LEASE_TTL_SECONDS
 
 
-# Values are cast by django-environ, as the horde's settings are (hordesite/settings.py), so a
-# variable reads the same on both sides (booleans: true/on/ok/y/yes/1, or a non-zero number, are
-# true, anything else, an empty value included, false). An empty number or list counts as unset.
-def _value(env: Mapping[str, str], name: str, cast: type, default):
-    raw = env.get(name)
-    return default if raw in (None, "") else environ.Env.parse_value(raw, cast)
+def _reader(env: Mapping[str, str]) -> environ.Env:
+    """django-environ's reader over `env`: the front casts a variable with the same calls as the
+    horde's settings (hordesite/settings.py), so it reads the same on both sides (booleans:
+    true/on/ok/y/yes/1, or a non-zero number, are true, anything else, an empty value included,
+    false; an empty number is an error, as it is for the horde; lists are comma-separated)."""
+    reader = environ.Env()
+    reader.ENVIRON = env
+    return reader
 
 
-def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(name)
-    return default if raw is None else environ.Env.parse_value(raw, bool)
-
-
-def _float(env: Mapping[str, str], name: str, default: float) -> float:
-    return _value(env, name, float, default)
-
-
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    return _value(env, name, int, default)
-
-
-def _list(env: Mapping[str, str], name: str, default: list[str]) -> list[str]:
-    items = _value(env, name, list, default)
-    return [item.strip().rstrip("/") for item in items if item.strip()]
+def _roots(value: list[str]) -> list[str]:
+    return [item.strip().rstrip("/") for item in value if item.strip()]
 
 
 @dataclass(frozen=True)
@@ -92,44 +80,50 @@ class FrontSettings:
 def load_settings(env: Mapping[str, str] | None = None) -> FrontSettings:
     """The one reader of the front's environment."""
     env = os.environ if env is None else env
-    port = env.get("PORT") or "8000"
-    redis_url = env.get("HORDE_OAI_REDIS_URL")
+    read = _reader(env)
+    port = read.str("PORT", default="") or "8000"
+    redis_url = read.str("HORDE_OAI_REDIS_URL", default=None)
     if redis_url is None:  # unset: the horde's own Redis, where the completion signal is published
-        redis_url = env.get("HORDE_CHAT_SIGNAL_REDIS_URL") or env.get("REDIS_URL") or ""
+        redis_url = read.str("HORDE_CHAT_SIGNAL_REDIS_URL", default="") or read.str("REDIS_URL", default="")
     return FrontSettings(
-        native_roots=_list(env, "HORDE_OAI_NATIVE_ROOTS", [f"http://127.0.0.1:{port}/api/v2"]),
-        native_timeout_seconds=_float(env, "HORDE_OAI_NATIVE_TIMEOUT_SECONDS", 10.0),
-        native_max_connections=_int(env, "HORDE_OAI_NATIVE_MAX_CONNECTIONS", 200),
-        native_in_process=_bool(
-            env, "HORDE_OAI_NATIVE_IN_PROCESS", env.get("HORDE_OAI_NATIVE_ROOTS") in (None, "")
+        # Empty: the default root, as unset.
+        native_roots=(
+            _roots(read.list("HORDE_OAI_NATIVE_ROOTS", default=[])) or [f"http://127.0.0.1:{port}/api/v2"]
+        ),
+        native_timeout_seconds=read.float("HORDE_OAI_NATIVE_TIMEOUT_SECONDS", default=10.0),
+        native_max_connections=read.int("HORDE_OAI_NATIVE_MAX_CONNECTIONS", default=200),
+        native_in_process=read.bool(
+            "HORDE_OAI_NATIVE_IN_PROCESS", default=env.get("HORDE_OAI_NATIVE_ROOTS") in (None, "")
         ),
         redis_url=redis_url or None,
-        stream_redis_db=_int(env, "HORDE_OAI_STREAM_REDIS_DB", 7),
-        nonstream_timeout_seconds=_float(env, "HORDE_OAI_NONSTREAM_TIMEOUT_SECONDS", 300.0),
-        stream_timeout_seconds=_float(env, "HORDE_OAI_STREAM_TIMEOUT_SECONDS", 600.0),
-        fail_fast_grace_seconds=_float(env, "HORDE_OAI_FAIL_FAST_GRACE_SECONDS", 20.0),
-        signal_recheck_seconds=_float(env, "HORDE_OAI_SIGNAL_RECHECK_SECONDS", 5.0),
-        poll_seconds=_float(env, "HORDE_OAI_POLL_SECONDS", 1.0),
-        signal_ping_seconds=_float(env, "HORDE_OAI_SIGNAL_PING_SECONDS", 5.0),
-        keepalive_seconds=_float(env, "HORDE_OAI_KEEPALIVE_SECONDS", 10.0),
-        cancel_timeout_seconds=_float(env, "HORDE_OAI_CANCEL_TIMEOUT_SECONDS", 1.5),
-        cancel_retry_seconds=_float(env, "HORDE_OAI_CANCEL_RETRY_SECONDS", 30.0),
-        cancel_max_connections=_int(env, "HORDE_OAI_CANCEL_MAX_CONNECTIONS", 20),
-        front_lease_seconds=_int(env, "HORDE_OAI_FRONT_LEASE_SECONDS", FRONT_LEASE_TTL_SECONDS),
-        front_lease_renew_seconds=_float(env, "HORDE_OAI_FRONT_LEASE_RENEW_SECONDS", FRONT_LEASE_RENEW_SECONDS),
-        max_body_bytes=_int(env, "HORDE_OAI_MAX_BODY_BYTES", MAX_CHAT_BODY_BYTES),
-        body_read_timeout_seconds=_float(env, "HORDE_OAI_BODY_READ_TIMEOUT_SECONDS", 30.0),
-        max_inflight=_int(env, "HORDE_OAI_MAX_INFLIGHT", 2000),
-        max_inflight_per_source=_int(env, "HORDE_OAI_MAX_INFLIGHT_PER_SOURCE", 50),
-        trusted_proxy_count=_int(env, "HORDE_OAI_TRUSTED_PROXY_COUNT", 0),
-        allow_anonymous=_bool(env, "HORDE_OAI_ALLOW_ANONYMOUS", True),
+        stream_redis_db=read.int("HORDE_OAI_STREAM_REDIS_DB", default=7),
+        nonstream_timeout_seconds=read.float("HORDE_OAI_NONSTREAM_TIMEOUT_SECONDS", default=300.0),
+        stream_timeout_seconds=read.float("HORDE_OAI_STREAM_TIMEOUT_SECONDS", default=600.0),
+        fail_fast_grace_seconds=read.float("HORDE_OAI_FAIL_FAST_GRACE_SECONDS", default=20.0),
+        signal_recheck_seconds=read.float("HORDE_OAI_SIGNAL_RECHECK_SECONDS", default=5.0),
+        poll_seconds=read.float("HORDE_OAI_POLL_SECONDS", default=1.0),
+        signal_ping_seconds=read.float("HORDE_OAI_SIGNAL_PING_SECONDS", default=5.0),
+        keepalive_seconds=read.float("HORDE_OAI_KEEPALIVE_SECONDS", default=10.0),
+        cancel_timeout_seconds=read.float("HORDE_OAI_CANCEL_TIMEOUT_SECONDS", default=1.5),
+        cancel_retry_seconds=read.float("HORDE_OAI_CANCEL_RETRY_SECONDS", default=30.0),
+        cancel_max_connections=read.int("HORDE_OAI_CANCEL_MAX_CONNECTIONS", default=20),
+        front_lease_seconds=read.int("HORDE_OAI_FRONT_LEASE_SECONDS", default=FRONT_LEASE_TTL_SECONDS),
+        front_lease_renew_seconds=read.float(
+            "HORDE_OAI_FRONT_LEASE_RENEW_SECONDS", default=FRONT_LEASE_RENEW_SECONDS
+        ),
+        max_body_bytes=read.int("HORDE_OAI_MAX_BODY_BYTES", default=MAX_CHAT_BODY_BYTES),
+        body_read_timeout_seconds=read.float("HORDE_OAI_BODY_READ_TIMEOUT_SECONDS", default=30.0),
+        max_inflight=read.int("HORDE_OAI_MAX_INFLIGHT", default=2000),
+        max_inflight_per_source=read.int("HORDE_OAI_MAX_INFLIGHT_PER_SOURCE", default=50),
+        trusted_proxy_count=read.int("HORDE_OAI_TRUSTED_PROXY_COUNT", default=0),
+        allow_anonymous=read.bool("HORDE_OAI_ALLOW_ANONYMOUS", default=True),
         # Rate limits.
-        proxy_passkey=(env.get("HORDE_OAI_PROXY_PASSKEY") or "").strip(),
-        rate_limit_wait_seconds=_float(env, "HORDE_OAI_RATE_LIMIT_WAIT_SECONDS", 5.0),
-        host=env.get("HORDE_OAI_HOST") or "127.0.0.1",
-        port=_int(env, "HORDE_OAI_PORT", 8001),
-        telemetry_enabled=_bool(env, "HORDE_OAI_TELEMETRY_ENABLED", False),
-        otel_sdk_disabled=_bool(env, "OTEL_SDK_DISABLED", False),
-        service_name=env.get("OTEL_SERVICE_NAME") or "horde-oai",
-        pyroscope_enabled=_bool(env, "PYROSCOPE_ENABLED", False),
+        proxy_passkey=read.str("HORDE_OAI_PROXY_PASSKEY", default="").strip(),
+        rate_limit_wait_seconds=read.float("HORDE_OAI_RATE_LIMIT_WAIT_SECONDS", default=5.0),
+        host=read.str("HORDE_OAI_HOST", default="") or "127.0.0.1",
+        port=read.int("HORDE_OAI_PORT", default=8001),
+        telemetry_enabled=read.bool("HORDE_OAI_TELEMETRY_ENABLED", default=False),
+        otel_sdk_disabled=read.bool("OTEL_SDK_DISABLED", default=False),
+        service_name=read.str("OTEL_SERVICE_NAME", default="") or "horde-oai",
+        pyroscope_enabled=read.bool("PYROSCOPE_ENABLED", default=False),
     )

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from oai import sse
 from oai.errors import ChatFrontError
 from oai.mapping import Completion
-from oai.run import ChatRun, _Finished
+from oai.run import ChatRun, Delivered
 from oai.text_reply import build_text_completion_events
 from oai.waiter import WakeSource
 
@@ -48,10 +48,11 @@ async def stream_completion(run: ChatRun, completion: Completion | None) -> Asyn
             if source == WakeSource.DISCONNECT:
                 run.client_closed()
                 return
-            try:
-                not_after = await run.read(source)
-            except _Finished as finished:
-                completion = finished.completion
+            outcome = await run.read(source)
+            if isinstance(outcome, Delivered):
+                completion = outcome.completion
+            else:
+                not_after = outcome.not_after
         run.delivered(completion)
         if relayed is not None:
             for event in relayed.pending_events():  # entries read before the reply was

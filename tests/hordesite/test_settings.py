@@ -110,3 +110,16 @@ def test_the_front_reads_a_boolean_as_the_horde_does(clone):
             front = load_settings({"HORDE_OAI_ALLOW_ANONYMOUS": value}).allow_anonymous
             assert (value, front) == (value, horde[name])
             assert horde[name] is (value.lower() in {"true", "on", "ok", "y", "yes", "1", "2"})
+
+
+def test_the_front_reads_numbers_and_lists_as_the_horde_does(clone):
+    """One reader (django-environ's) on both sides: an empty number stops both with the same error,
+    a list is split on commas alike."""
+    horde = _refusal(clone, HORDE_DEFAULT_CONCURRENCY="")
+    with pytest.raises(ValueError) as front:
+        load_settings({"HORDE_OAI_MAX_INFLIGHT": ""})
+    assert horde == f"ValueError: {front.value}"
+    roots = load_settings({"HORDE_OAI_NATIVE_ROOTS": "http://horde-a:8000/api/v2/, http://horde-b:8000/api/v2,"})
+    assert roots.native_roots == ["http://horde-a:8000/api/v2", "http://horde-b:8000/api/v2"]
+    # An empty list of roots is the default root, as unset (the front has no other way to reach the horde).
+    assert load_settings({"HORDE_OAI_NATIVE_ROOTS": "", "PORT": "9000"}).native_roots == ["http://127.0.0.1:9000/api/v2"]
