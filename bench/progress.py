@@ -185,6 +185,9 @@ async def measure(args, owners: list[str], server_pid: int) -> tuple[dict[str, P
         print(f"fill: {args.jobs} streamed chat requests ...", flush=True)
         fill_seconds = await sync_to_async(fill, thread_sensitive=True)(args.jobs)
         print(f"  filled in {fill_seconds:.1f}s; popping ...", flush=True)
+        for _, writer in client.idle:  # the server closes keep-alive connections idle that long
+            writer.close()
+        client.idle.clear()
         jobs = deque(await pop_all(client, owners, args.jobs, args.concurrency))
         print(f"  {len(jobs)} streaming jobs in flight (leases written at pop)", flush=True)
         if len(jobs) < args.jobs:  # the figure is the route's rate at --jobs streaming jobs, or none
