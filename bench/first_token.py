@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP="10000000/minute",
         HORDE_DEFAULT_CONCURRENCY="1000000",
         DEBUG="false",
+        SECRET_KEY=os.environ.get("SECRET_KEY") or "bench-only-secret-key-not-for-production-0123456789",
+        ALLOWED_HOSTS=os.environ.get("ALLOWED_HOSTS") or "127.0.0.1,localhost",
         LOG_LEVEL="WARNING",
         PYTHONUNBUFFERED="1",
     )

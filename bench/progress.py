@@ -185,8 +185,13 @@ async def measure(args, owners: list[str], server_pid: int) -> tuple[dict[str, P
         print(f"fill: {args.jobs} streamed chat requests ...", flush=True)
         fill_seconds = await sync_to_async(fill, thread_sensitive=True)(args.jobs)
         print(f"  filled in {fill_seconds:.1f}s; popping ...", flush=True)
+        for _, writer in client.idle:  # the server closes keep-alive connections idle that long
+            writer.close()
+        client.idle.clear()
         jobs = deque(await pop_all(client, owners, args.jobs, args.concurrency))
         print(f"  {len(jobs)} streaming jobs in flight (leases written at pop)", flush=True)
+        if len(jobs) < args.jobs:  # the figure is the route's rate at --jobs streaming jobs, or none
+            raise SystemExit(f"only {len(jobs)} of {args.jobs} jobs popped: not measured")
         await phase_heartbeat(client, 2.0, args.concurrency)
         await phase_progress(client, 2.0, args.concurrency, jobs)
         order = ["heartbeat", "progress"]
@@ -239,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(ROOT)
     sys.path.insert(0, str(ROOT))
     for key in ("DJANGO_SETTINGS_MODULE", "DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "HORDE_MAINTENANCE",
-                "HORDE_CHAT_ADMISSION_ENABLED", "DEBUG", "LOG_LEVEL"):
+                "HORDE_CHAT_ADMISSION_ENABLED", "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS", "LOG_LEVEL"):
         os.environ[key] = env[key]
     print(f"database {args.database_url} (recreated), redis {args.redis_url} (flushed)", flush=True)
     recreate_database(args.database_url)

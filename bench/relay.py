@@ -46,6 +46,7 @@ from text_queue import (  # noqa: E402  (the shared bench machinery)
     RawHTTPClient,
     Server,
     bench_env,
+    cpu_seconds_by_process,
     flush_redis,
     migrate,
     pct,
@@ -67,6 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--database-url", default=os.environ.get("BENCH_RELAY_DATABASE_URL", DEFAULT_DATABASE_URL))
     p.add_argument("--redis-url", default=os.environ.get("BENCH_RELAY_REDIS_URL", DEFAULT_REDIS_URL))
     p.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE")
+    p.add_argument(
+        "--reader-streams", default="100,1000,5000",
+        help="the front's reader alone (oai.deltas.DeltaStreamReader, no HTTP) with this many streams "
+        "registered, --streams of them posting: comma list (default 100,1000,5000; empty: skip)",
+    )
+    p.add_argument("--skip-relay", action="store_true", help="only the raw loop and the reader phases (no server)")
     return p.parse_args(argv)
 
 
@@ -213,7 +220,14 @@ async def relay_loop(args, owners: list[str], requester: str, server_pid: int) -
         await asyncio.wait_for(warm_task, 30)
         await asyncio.sleep(1.0)
         rss_before = rss_kb(server_pid)
-        tasks = [asyncio.create_task(s.run(args.port, requester)) for s in streams]
+        # In two halves: the second half's growth is what one more open stream costs, without the
+        # process's one-time growth (its native call threads, their connections, allocator arenas).
+        half = len(streams) // 2
+        tasks = [asyncio.create_task(s.run(args.port, requester)) for s in streams[:half]]
+        await asyncio.wait_for(asyncio.gather(*(s.opened.wait() for s in streams[:half])), 60)
+        await asyncio.sleep(2.0)
+        rss_half = rss_kb(server_pid)
+        tasks += [asyncio.create_task(s.run(args.port, requester)) for s in streams[half:]]
         await asyncio.wait_for(asyncio.gather(*(s.opened.wait() for s in streams)), 60)
         await asyncio.sleep(2.0)
         rss_open = rss_kb(server_pid)
@@ -228,13 +242,16 @@ async def relay_loop(args, owners: list[str], requester: str, server_pid: int) -
         sent: dict[str, float] = {}
         errors: list[str] = []
         answered: list[float] = []
+        cpu_before, posting_started = cpu_seconds_by_process(server_pid), time.perf_counter()
         texts = await asyncio.gather(
             *(
                 post_loop(client, job, key, i, args.rate, args.duration, sent, errors, answered)
                 for i, (job, key) in enumerate(jobs)
             )
         )
+        posting_seconds = time.perf_counter() - posting_started
         await asyncio.sleep(0.5)
+        cpu_after = cpu_seconds_by_process(server_pid)
         for (job, key), text in zip(jobs, texts, strict=True):
             resp = await client.post(
                 "/api/v2/generate/text/submit",
@@ -257,10 +274,74 @@ async def relay_loop(args, owners: list[str], requester: str, server_pid: int) -
         "missing": missing,
         "errors": errors + [str(e) for e in stream_errors],
         "rss_before_kb": rss_before,
+        "rss_half_kb": rss_half,
+        "half": half,
         "rss_open_kb": rss_open,
         "streams": len(streams),
         "jobs": len(jobs),
+        "scheduled": int(len(jobs) * args.rate * args.duration),
+        "seconds": posting_seconds,
+        "cpu": {name: cpu_after.get(name, 0.0) - cpu_before.get(name, 0.0) for name in ("daphne", "client")},
     }
+
+
+async def reader_loop(args, registered: int) -> dict:
+    """The front's reader alone: `registered` streams registered, --streams of them appended to as
+    in the raw loop (same writer, same rate); each entry timed from just before its XADD to the
+    moment its request's subscription is woken and takes it."""
+    import redis.asyncio as aioredis
+
+    from oai.deltas import DeltaStreamReader
+
+    pool = aioredis.ConnectionPool.from_url(args.redis_url)
+    pool.connection_kwargs["db"] = STREAM_DB
+    writer = aioredis.Redis(connection_pool=pool)
+    reader = DeltaStreamReader(args.redis_url, db=STREAM_DB, client_name="bench-relay-reader")
+    ids = [str(uuid.uuid4()) for _ in range(max(registered, args.streams))]
+    subscriptions = [reader.register(request_id) for request_id in ids]
+    await asyncio.sleep(0.3)
+    sent: dict[str, float] = {}
+    latencies: list[float] = []
+
+    async def consume(subscription) -> None:
+        while True:
+            await subscription.event.wait()
+            now = time.perf_counter()
+            for batch in subscription.take():
+                for entry in batch:
+                    latencies.append(now - sent[entry.content])
+
+    consumers = [asyncio.create_task(consume(sub)) for sub in subscriptions[: args.streams]]
+
+    async def post(i: int) -> None:
+        key = subscriptions[i].key
+        interval = 1.0 / args.rate
+        start = time.perf_counter()
+        next_at = start + (i % 50) * interval / 50
+        seq = 0
+        while time.perf_counter() < start + args.duration:
+            delay = next_at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            seq += 1
+            tag = f"s{i}.{seq}"
+            sent[tag] = time.perf_counter()
+            await writer.xadd(key, {b"gen": b"g", b"seq": seq, b"content": tag, b"worker": b"w", b"model": b"m"})
+            next_at += interval
+
+    reads_before, cpu_before = reader.reads, time.process_time()
+    await asyncio.gather(*(post(i) for i in range(args.streams)))
+    deadline = time.monotonic() + 10
+    while len(latencies) < len(sent) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    cpu = time.process_time() - cpu_before
+    reads = reader.reads - reads_before
+    for task in consumers:
+        task.cancel()
+    await reader.close()
+    await writer.delete(*(sub.key for sub in subscriptions[: args.streams]))
+    await writer.aclose()
+    return {"registered": len(ids), "posts": len(sent), "latencies": latencies, "reads": reads, "cpu": cpu}
 
 
 async def raw_loop(args) -> dict:
@@ -315,28 +396,47 @@ async def raw_loop(args) -> dict:
     return {"posts": len(sent), "latencies": latencies}
 
 
-def report(args, relay: dict, raw: dict) -> str:
+def report(args, relay: dict | None, raw: dict, readers: list[dict]) -> str:
     def ms(values, q):
         return pct(values, q) * 1000
 
-    r50, r99 = ms(relay["latencies"], 50), ms(relay["latencies"], 99)
     w50, w99 = ms(raw["latencies"], 50), ms(raw["latencies"], 99)
-    per_stream = (relay["rss_open_kb"] - relay["rss_before_kb"]) / max(relay["streams"], 1)
     lines = [
         "",
-        f"relay bench: {relay['streams']} streams, {relay['jobs']} jobs, {args.rate:g} posts/s each, "
-        f"{args.duration:g} s per loop",
-        f"{'loop':28s} {'entries':>8s} {'p50 ms':>8s} {'p99 ms':>8s}",
-        f"{'worker post -> SSE chunk':28s} {len(relay['latencies']):8d} {r50:8.2f} {r99:8.2f}",
-        f"{'worker post -> its 200':28s} {len(relay['answered']):8d} {ms(relay['answered'], 50):8.2f} "
-        f"{ms(relay['answered'], 99):8.2f}",
-        f"{'raw XADD -> XREAD':28s} {len(raw['latencies']):8d} {w50:8.2f} {w99:8.2f}",
-        f"p50 - raw p50 = {r50 - w50:.2f} ms (goal <= 5), p99 - raw p99 = {r99 - w99:.2f} ms (goal <= 20)",
-        f"posts {relay['posts']}, chunks missing {relay['missing']}, errors {len(relay['errors'])} (goal 0)"
-        + (f": {relay['errors'][:5]}" if relay["errors"] else ""),
-        f"web process RSS {relay['rss_before_kb']} KB before, {relay['rss_open_kb']} KB with the streams open: "
-        f"{per_stream:.1f} KB per open stream (goal <= 100)",
+        f"relay bench: {args.streams} streams, {args.rate:g} posts/s each, {args.duration:g} s per loop",
+        f"{'loop':40s} {'entries':>8s} {'p50 ms':>8s} {'p99 ms':>8s}",
     ]
+    if relay is not None:
+        lines += [
+            f"{'worker post -> SSE chunk':40s} {len(relay['latencies']):8d} {ms(relay['latencies'], 50):8.2f} "
+            f"{ms(relay['latencies'], 99):8.2f}",
+            f"{'worker post -> its 200':40s} {len(relay['answered']):8d} {ms(relay['answered'], 50):8.2f} "
+            f"{ms(relay['answered'], 99):8.2f}",
+        ]
+    lines.append(f"{'raw XADD -> XREAD':40s} {len(raw['latencies']):8d} {w50:8.2f} {w99:8.2f}")
+    for reader in readers:
+        name = f"XADD -> front reader, {reader['registered']} registered"
+        lines.append(
+            f"{name:40s} {len(reader['latencies']):8d} {ms(reader['latencies'], 50):8.2f} "
+            f"{ms(reader['latencies'], 99):8.2f}   {reader['reads']} reads, "
+            f"{1e6 * reader['cpu'] / max(reader['reads'], 1):.0f} us of this process's CPU a read"
+        )
+    if relay is not None:
+        r50, r99 = ms(relay["latencies"], 50), ms(relay["latencies"], 99)
+        per_stream = (relay["rss_open_kb"] - relay["rss_before_kb"]) / max(relay["streams"], 1)
+        marginal = (relay["rss_open_kb"] - relay["rss_half_kb"]) / max(relay["streams"] - relay["half"], 1)
+        lines += [
+            f"p50 - raw p50 = {r50 - w50:.2f} ms (goal <= 5), p99 - raw p99 = {r99 - w99:.2f} ms (goal <= 20)",
+            f"posts {relay['posts']} of {relay['scheduled']} scheduled ({relay['posts'] / relay['seconds']:.0f}/s), "
+            f"chunks missing {relay['missing']}, errors {len(relay['errors'])} (goal 0)"
+            + (f": {relay['errors'][:5]}" if relay["errors"] else ""),
+            f"CPU per post while posting (user + system): web process "
+            f"{1000 * relay['cpu']['daphne'] / max(relay['posts'], 1):.3f} ms, this client "
+            f"{1000 * relay['cpu']['client'] / max(relay['posts'], 1):.3f} ms",
+            f"web process RSS {relay['rss_before_kb']} KB before, {relay['rss_half_kb']} KB with half the streams "
+            f"open, {relay['rss_open_kb']} KB with all: {marginal:.1f} KB per open stream, the second half's "
+            f"growth (goal <= 100); {per_stream:.1f} KB averaged from before",
+        ]
     return "\n".join(lines)
 
 
@@ -355,8 +455,13 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(ROOT)
     sys.path.insert(0, str(ROOT))
     for key in ("DJANGO_SETTINGS_MODULE", "DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "HORDE_MAINTENANCE",
-                "DEBUG", "LOG_LEVEL"):
+                "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS", "LOG_LEVEL"):
         os.environ[key] = env[key]
+    registered = [int(n) for n in args.reader_streams.split(",") if n.strip()]
+    if args.skip_relay:
+        raw = asyncio.run(raw_loop(args))
+        print(report(args, None, raw, [asyncio.run(reader_loop(args, n)) for n in registered]))
+        return 0
     print(f"database {args.database_url} (recreated), redis {args.redis_url} (flushed)", flush=True)
     recreate_database(args.database_url)
     flush_redis(args.redis_url)
@@ -382,8 +487,10 @@ def main(argv: list[str] | None = None) -> int:
         server.wait_ready()
         print(f"daphne pid {server.proc.pid} on port {args.port} (log {server.log_path})", flush=True)
         relay = asyncio.run(relay_loop(args, owners, requester, server.proc.pid))
+        server.stop()
         raw = asyncio.run(raw_loop(args))
-        print(report(args, relay, raw))
+        readers = [asyncio.run(reader_loop(args, n)) for n in registered]
+        print(report(args, relay, raw, readers))
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

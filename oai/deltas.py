@@ -81,17 +81,151 @@ def parse_entry(entry_id: bytes | str, fields: dict[bytes, bytes]) -> DeltaEntry
     )
 
 
+def _bulk(value: bytes) -> bytes:
+    """One RESP bulk string: a piece of a command packed once and reused."""
+    return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+_XREAD_HEAD = _bulk(b"XREAD") + _bulk(b"BLOCK") + _bulk(str(DELTA_READ_BLOCK_MILLISECONDS).encode()) + _bulk(b"STREAMS")
+_CLIENT_ID = b"*2\r\n" + _bulk(b"CLIENT") + _bulk(b"ID")
+
+
+class RespError(Exception):
+    """An error reply (-ERR ...)."""
+
+
+class _Incomplete(Exception):
+    pass
+
+
+def _parse(buf: bytes, pos: int) -> tuple[Any, int]:
+    """One RESP2 reply from buf[pos:], parsed in one pass; raises _Incomplete when it is not all there."""
+    end = buf.find(b"\r\n", pos)
+    if end < 0:
+        raise _Incomplete
+    kind = buf[pos]
+    if kind == 36:  # $ bulk string
+        size = int(buf[pos + 1 : end])
+        if size < 0:
+            return None, end + 2
+        stop = end + 2 + size
+        if stop + 2 > len(buf):
+            raise _Incomplete
+        return buf[end + 2 : stop], stop + 2
+    if kind == 42:  # * array
+        count = int(buf[pos + 1 : end])
+        pos = end + 2
+        if count < 0:
+            return None, pos
+        items = []
+        for _ in range(count):
+            item, pos = _parse(buf, pos)
+            items.append(item)
+        return items, pos
+    if kind == 58:  # : integer
+        return int(buf[pos + 1 : end]), end + 2
+    if kind == 43:  # + simple string
+        return buf[pos + 1 : end], end + 2
+    if kind == 45:  # - error
+        return RespError(buf[pos + 1 : end].decode("utf-8", "replace")), end + 2
+    raise RespError(f"unexpected reply type {chr(kind)!r}")
+
+
+def _pack(*args: bytes | str | int) -> bytes:
+    pieces = [arg if isinstance(arg, bytes) else str(arg).encode() for arg in args]
+    return b"*%d\r\n" % len(pieces) + b"".join(_bulk(piece) for piece in pieces)
+
+
+class RespConnection:
+    """The reader's own Redis connection: asyncio streams and a parser that reads a whole reply in
+    one pass. redis-py's asyncio parser awaits each element of a reply, about five times the CPU
+    for an XREAD reply of many entries (ADR 0029). Plain, TLS (rediss://, default verification or
+    ssl_cert_reqs=none) and unix socket URLs; the URL's user and password are sent with AUTH."""
+
+    def __init__(self, url: str, *, db: int, name: str, connect_timeout: float = 2.0):
+        from redis.connection import parse_url
+
+        self.options = parse_url(url)
+        self.db = db
+        self.name = name
+        self.connect_timeout = connect_timeout
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._buffer = b""
+
+    async def connect(self) -> None:
+        options = self.options
+        async with asyncio.timeout(self.connect_timeout):
+            if options.get("path"):
+                self._reader, self._writer = await asyncio.open_unix_connection(options["path"])
+            else:
+                context = None
+                if "SSL" in getattr(options.get("connection_class"), "__name__", ""):
+                    import ssl
+
+                    context = ssl.create_default_context(cafile=options.get("ssl_ca_certs"))
+                    if options.get("ssl_cert_reqs") in ("none", "CERT_NONE"):
+                        context.check_hostname = False
+                        context.verify_mode = ssl.CERT_NONE
+                self._reader, self._writer = await asyncio.open_connection(
+                    options.get("host") or "localhost", int(options.get("port") or 6379), ssl=context
+                )
+        commands = []
+        if options.get("password") is not None:
+            credentials = [options["username"]] if options.get("username") else []
+            commands.append(_pack("AUTH", *credentials, options["password"]))
+        commands += [_pack("SELECT", self.db), _pack("CLIENT", "SETNAME", self.name)]
+        self._writer.write(b"".join(commands))
+        for _ in commands:
+            await self.read_reply()
+
+    async def command(self, packed: bytes) -> Any:
+        self._writer.write(packed)
+        return await self.read_reply()
+
+    async def read_reply(self) -> Any:
+        while True:
+            if self._buffer:
+                try:
+                    reply, used = _parse(self._buffer, 0)
+                except _Incomplete:
+                    pass
+                else:
+                    self._buffer = self._buffer[used:]
+                    if isinstance(reply, RespError):
+                        raise reply
+                    return reply
+            data = await self._reader.read(65536)
+            if not data:
+                raise ConnectionError("the Redis server closed the connection")
+            self._buffer += data
+
+    async def close(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+
 class DeltaSubscription:
     """One request's queue of read batches (entries read together stay together)."""
 
-    __slots__ = ("request_id", "key", "last_id", "batches", "event")
+    __slots__ = ("request_id", "key", "last_id", "packed_key", "packed_id", "batches", "event")
 
     def __init__(self, request_id: str):
         self.request_id = request_id
         self.key = chat_progress_stream_key(request_id).encode()
         self.last_id: bytes = b"0-0"
+        # This stream's pieces of the reader's XREAD, packed once (the id again only when it moves).
+        self.packed_key = _bulk(self.key)
+        self.packed_id = _bulk(self.last_id)
         self.batches: list[list[DeltaEntry]] = []
         self.event = asyncio.Event()
+
+    def advance(self, last_id: bytes) -> None:
+        self.last_id = last_id
+        self.packed_id = _bulk(last_id)
 
     def push(self, batch: list[DeltaEntry]) -> None:
         self.batches.append(batch)
@@ -104,7 +238,13 @@ class DeltaSubscription:
 
 
 class DeltaStreamReader:
-    """One XREAD loop per process over every registered request's progress stream."""
+    """One XREAD loop per process over every registered request's progress stream.
+
+    The command is sent packed (each stream's key and id packed once, ADR 0029): redis-py packs a
+    command argument by argument, which for an XREAD over thousands of streams costs more than the
+    read. A registration while a read blocks ends that read with CLIENT UNBLOCK from a second
+    connection (the read answers as one that found nothing, its connection stays open), so the
+    loop itself is one awaited read after another, with no task or wait set up per read."""
 
     def __init__(
         self, redis_url: str, *, db: int, tracer: Any = None, client_name: str = "horde-oai-delta-reader"
@@ -115,11 +255,18 @@ class DeltaStreamReader:
         self._tracer = tracer
         self._subscriptions: dict[bytes, DeltaSubscription] = {}
         self._changed = asyncio.Event()
-        self._client: Any = None
+        self._connection: Any = None
+        self._connection_id: bytes | None = None
+        self._control: Any = None
         self._task: asyncio.Task | None = None
+        self._unblocking: asyncio.Task | None = None
+        # The read in flight (a count: the unblock ends only the read it was asked for).
+        self._read_number = 0
+        self._reading = False
         self._closing = False
         self.reads = 0
         self.failures = 0
+        self.unblocks = 0
 
     def register(self, request_id: str) -> DeltaSubscription:
         subscription = DeltaSubscription(request_id)
@@ -129,6 +276,10 @@ class DeltaStreamReader:
             # A context of its own: the reader's spans are root spans, not part of the first request's trace.
             self._task = asyncio.create_task(
                 self._run(), name="oai-delta-reader", context=contextvars.Context()
+            )
+        elif self._reading and self._unblocking is None:
+            self._unblocking = asyncio.create_task(
+                self._unblock(self._read_number), name="oai-delta-unblock", context=contextvars.Context()
             )
         return subscription
 
@@ -142,97 +293,118 @@ class DeltaStreamReader:
 
     async def close(self) -> None:
         self._closing = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
+        for task in (self._unblocking, self._task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
         await self._drop()
+        await self._drop_control()
 
-    def _connect(self) -> Any:
-        import redis.asyncio as aioredis
-
-        pool = aioredis.ConnectionPool.from_url(self.redis_url, socket_connect_timeout=2)
-        # A database in the URL would win over a keyword; the streams live on the stream database.
-        pool.connection_kwargs["db"] = self.db
-        pool.connection_kwargs["client_name"] = self.client_name  # CLIENT LIST shows the reader
-        return aioredis.Redis(connection_pool=pool)
+    async def _connect(self) -> None:
+        connection = RespConnection(self.redis_url, db=self.db, name=self.client_name)  # CLIENT LIST shows it
+        self._connection = connection
+        await connection.connect()
+        self._connection_id = str(await connection.command(_CLIENT_ID)).encode()
 
     async def _drop(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
+        connection, self._connection, self._connection_id = self._connection, None, None
+        if connection is not None:
             with contextlib.suppress(Exception):
-                await client.aclose()
+                await connection.close()
+
+    async def _drop_control(self) -> None:
+        control, self._control = self._control, None
+        if control is not None:
+            with contextlib.suppress(Exception):
+                await control.close()
+
+    async def _unblock(self, read_number: int) -> None:
+        """End read `read_number` early, so the next read has the new streams. CLIENT UNBLOCK
+        answers 0 while the read is on its way (not yet blocked): sent again until it ends it or
+        that read answered by itself. On a failure the read just runs its block out."""
+        try:
+            while self._reading and self._read_number == read_number:
+                if self._connection_id is None:  # connecting: its first read has the new streams
+                    return
+                async with asyncio.timeout(DELTA_READ_TIMEOUT_SECONDS):
+                    if self._control is None:
+                        self._control = RespConnection(self.redis_url, db=self.db, name=f"{self.client_name}-control")
+                        await self._control.connect()
+                    if await self._control.command(_pack("CLIENT", "UNBLOCK", self._connection_id)) == 1:
+                        self.unblocks += 1
+                        return
+                await asyncio.sleep(0.001)
+        except Exception as error:
+            log.warning("delta stream read not unblocked (%s): it ends with its block", error)
+            await self._drop_control()
+        finally:
+            self._unblocking = None
+
+    def _command(self) -> bytes:
+        subscriptions = self._subscriptions.values()
+        return b"".join(
+            (
+                b"*%d\r\n" % (4 + 2 * len(self._subscriptions)),
+                _XREAD_HEAD,
+                b"".join([sub.packed_key for sub in subscriptions]),
+                b"".join([sub.packed_id for sub in subscriptions]),
+            )
+        )
+
+    async def _read(self) -> Any:
+        if self._connection is None:
+            await self._connect()
+        return await self._connection.command(self._command())
 
     async def _run(self) -> None:
-        changed_wait: asyncio.Future | None = None
-        try:
-            while not self._closing:
-                if not self._subscriptions:
-                    self._changed.clear()
-                    await self._changed.wait()
-                    continue
+        while not self._closing:
+            if not self._subscriptions:
                 self._changed.clear()
-                if self._client is None:
-                    self._client = self._connect()
-                streams = {key: sub.last_id for key, sub in self._subscriptions.items()}
-                read = asyncio.ensure_future(self._client.xread(streams, block=DELTA_READ_BLOCK_MILLISECONDS))
-                if changed_wait is None or changed_wait.done():
-                    changed_wait = asyncio.ensure_future(self._changed.wait())
-                try:
-                    done, _ = await asyncio.wait(
-                        (read, changed_wait),
-                        timeout=DELTA_READ_TIMEOUT_SECONDS,
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                except asyncio.CancelledError:
-                    read.cancel()
-                    raise
-                if read not in done:
-                    # A new registration (read again at once, with its stream) or a black-holed read
-                    # (read again on a new connection). Cancelling the read disconnects its connection.
-                    read.cancel()
-                    with contextlib.suppress(BaseException):
-                        await read
-                    if changed_wait not in done:
-                        log.warning(
-                            "delta stream read took over %s s: reading again", DELTA_READ_TIMEOUT_SECONDS
-                        )
-                        await self._drop()
-                    continue
-                try:
-                    result = read.result()
-                except Exception as error:
-                    self.failures += 1
-                    log.warning(
-                        "delta stream read failed (%s): reading again in %s s",
-                        error,
-                        DELTA_READ_RETRY_SECONDS,
-                    )
-                    await self._drop()
-                    await asyncio.sleep(DELTA_READ_RETRY_SECONDS)
-                    continue
-                self.reads += 1
-                if result:
-                    self._dispatch(result, time.time())
-        finally:
-            if changed_wait is not None:
-                changed_wait.cancel()
+                await self._changed.wait()
+                continue
+            self._changed.clear()
+            self._read_number += 1
+            self._reading = True
+            try:
+                async with asyncio.timeout(DELTA_READ_TIMEOUT_SECONDS):
+                    result = await self._read()
+            except TimeoutError:
+                # A black-holed read: read again on a new connection (cancelling it disconnected it).
+                log.warning("delta stream read took over %s s: reading again", DELTA_READ_TIMEOUT_SECONDS)
+                await self._drop()
+                continue
+            except Exception as error:
+                self.failures += 1
+                log.warning(
+                    "delta stream read failed (%s): reading again in %s s", error, DELTA_READ_RETRY_SECONDS
+                )
+                await self._drop()
+                await asyncio.sleep(DELTA_READ_RETRY_SECONDS)
+                continue
+            finally:
+                self._reading = False
+            self.reads += 1
+            if result:
+                self._dispatch(result, time.time())
 
     def _dispatch(self, result: Any, returned_at: float) -> None:
         entry_count = byte_count = 0
         oldest_ms: int | None = None
-        for key, raw_entries in result:
+        streams = result.items() if isinstance(result, dict) else result
+        for key, raw_entries in streams:
             subscription = self._subscriptions.get(key)
             batch: list[DeltaEntry] = []
-            for entry_id, fields in raw_entries:
+            for entry_id, flat in raw_entries:
                 entry_count += 1
+                fields = dict(zip(flat[::2], flat[1::2], strict=True)) if isinstance(flat, list) else flat
                 byte_count += sum(len(name) + len(value) for name, value in fields.items())
                 ms = int(entry_id.split(b"-", 1)[0])
                 oldest_ms = ms if oldest_ms is None else min(oldest_ms, ms)
                 if subscription is not None:
                     batch.append(parse_entry(entry_id, fields))
             if subscription is not None and raw_entries:
-                subscription.last_id = raw_entries[-1][0]
+                subscription.advance(raw_entries[-1][0])
                 subscription.push(batch)
         if entry_count:
             tracer = self._tracer or trace.get_tracer("horde.oai")
@@ -416,8 +588,8 @@ class RelayedStream:
         ]
 
     def pending_events(self) -> list[bytes]:
-        """The chunks of the entries read since the last call, up to a divergence; the caller sends
-        them, then checks `diverged`."""
+        """The chunks of the entries read since the last call, up to a divergence, as one write; the
+        caller sends it, then checks `diverged`."""
         was_exposed = self.relay.exposed
         pieces: list[dict[str, Any]] = []
         for batch in self.subscription.take():
@@ -430,7 +602,9 @@ class RelayedStream:
                 self.metrics.first_content.record(
                     time.monotonic() - self.submitted_mono, {"horde.streamed": True, "horde.relayed": True}
                 )
-        return self._events(pieces)
+        # One write for everything read together: one ASGI send, one socket write, not one per chunk.
+        events = self._events(pieces)
+        return [b"".join(events)] if events else []
 
     @property
     def diverged(self) -> ChatFrontError | None:

@@ -208,3 +208,48 @@ def test_a_recreated_stream_does_not_produce_ids_below_the_last_read(redis_sync)
 
     subscription = asyncio.run(scenario())
     assert [e.content for e in _entries(subscription)] == ["a", "b"]
+
+
+def test_a_registration_during_a_blocked_read_unblocks_it_on_the_same_connection(redis_sync):
+    name = f"test-delta-unblock-{uuid.uuid4().hex[:8]}"
+
+    def reader_connections() -> list[int]:
+        return [c["id"] for c in redis_sync.client_list() if c.get("name") == name]
+
+    async def scenario():
+        reader = DeltaStreamReader(settings.REDIS_URL, db=STREAM_DB, client_name=name)
+        reader.register(str(uuid.uuid4()))
+        await asyncio.sleep(0.1)  # blocked in XREAD
+        before = reader_connections()
+        request = str(uuid.uuid4())
+        subscription = reader.register(request)
+        await asyncio.sleep(0.02)
+        redis_sync.xadd(chat_progress_stream_key(request), {"gen": "g", "seq": 1, "content": "a"})
+        waited = await _until(lambda: subscription.batches, 2)
+        after = reader_connections()
+        unblocks = reader.unblocks
+        await reader.close()
+        return before, after, unblocks, waited
+
+    before, after, unblocks, waited = asyncio.run(scenario())
+    assert len(before) == 1 and after == before  # the read was ended, its connection kept
+    assert unblocks == 1
+    assert waited < DELTA_READ_BLOCK_MILLISECONDS / 1000 / 2
+
+
+def test_a_reply_split_over_reads_is_parsed_whole():
+    from oai.deltas import RespError, _Incomplete, _parse
+
+    reply = (
+        b"*1\r\n*2\r\n$5\r\nkey:1\r\n*1\r\n*2\r\n$3\r\n1-0\r\n*4\r\n$3\r\ngen\r\n$1\r\ng\r\n$7\r\ncontent\r\n$4\r\nH\xc3\xa9!\r\n"
+    )
+    for cut in range(1, len(reply)):
+        with pytest.raises(_Incomplete):
+            _parse(reply[:cut], 0)
+    assert _parse(reply + b":7\r\n", 0) == (
+        [[b"key:1", [[b"1-0", [b"gen", b"g", b"content", "Hé!".encode()]]]]],
+        len(reply),
+    )
+    assert _parse(b"*-1\r\n", 0) == (None, 5)
+    error, _ = _parse(b"-ERR wrong\r\n", 0)
+    assert isinstance(error, RespError) and str(error) == "ERR wrong"
