@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
@@ -15,8 +14,9 @@ from django.db.models import Count, F, Q, Sum
 from chat.availability import availability_cache_key, chat_request_availability
 from chat.matching import waiting_requests
 from chat.models import Generation, GenerationRequest
-from chat.snapshots import on_reset, online_worker_facts, online_workers, queue_place
+from chat.snapshots import online_worker_facts, online_workers, queue_place
 from chat.status_cache import StatusRead, cached_status
+from contract.process_cache import ProcessCache
 from workers.selectors import chat_workers_online, worker_speed
 
 # GET /status/models answers from a cache keyed by its query string (spec: "Chat model list").
@@ -101,14 +101,10 @@ class _CompiledRequestRead:
         return request
 
 
-_compiled_reads: dict[tuple[str, bool], _CompiledRequestRead] = {}
-_compiled_reads_lock = threading.Lock()
-
-
-@on_reset
-def _forget_compiled_reads() -> None:
-    with _compiled_reads_lock:
-        _compiled_reads.clear()
+# A memo (no lifetime) per database alias and kind, forgotten by reset_process_caches.
+_compiled_reads: ProcessCache[tuple[str, bool], _CompiledRequestRead] = ProcessCache(
+    "compiled request reads", ttl=math.inf, max_entries=16
+)
 
 
 def request_get(request_id: UUID | str, *, is_chat: bool = False) -> GenerationRequest | None:
@@ -117,13 +113,10 @@ def request_get(request_id: UUID | str, *, is_chat: bool = False) -> GenerationR
     The row comes without the prompt, messages or tool settings (deferred), with the generation
     counts by state (see generation_state_counts), in one query compiled once per process."""
     alias = router.db_for_read(GenerationRequest)
-    compiled = _compiled_reads.get((alias, is_chat))
+    key = (alias, is_chat)
+    compiled = _compiled_reads.get(key)
     if compiled is None:
-        with _compiled_reads_lock:
-            compiled = _compiled_reads.get((alias, is_chat))
-            if compiled is None:
-                compiled = _CompiledRequestRead.compile(alias, is_chat=is_chat)
-                _compiled_reads[(alias, is_chat)] = compiled
+        compiled = _compiled_reads.get_or_build(key, lambda: _CompiledRequestRead.compile(alias, is_chat=is_chat))
     return compiled.read(request_id)
 
 

@@ -66,17 +66,11 @@ def _shipped_model_reference(settings):
 def _fresh_cache():
     from django.core.cache import cache
 
-    from accounts.selectors import reset_user_caches
     from chat.handed_out import handed_out
-    from chat.pop_cache import reset_empty_pops
-    from chat.snapshots import reset_snapshots
-    from workers.services import worker_rows
+    from contract.process_cache import reset_process_caches
 
     cache.clear()
-    reset_snapshots()
-    reset_user_caches()
-    worker_rows.clear()
-    reset_empty_pops()
+    reset_process_caches()
     handed_out.clear()
 
 
