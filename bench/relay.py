@@ -38,19 +38,9 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from progress import make_owners, pop_body  # noqa: E402
-from text_queue import (  # noqa: E402  (the shared bench machinery)
-    ROOT,
-    RawHTTPClient,
-    Server,
-    bench_env,
-    flush_redis,
-    migrate,
-    pct,
-    recreate_database,
-)
+from common import ROOT, prepare
+from progress import make_owners, pop_body
+from text_queue import RawHTTPClient, Server, bench_env, pct  # the shared bench machinery
 
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/horde_bench_relay"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/11"
@@ -352,19 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.server_env:
         name, _, value = item.partition("=")
         env[name] = value
-    os.chdir(ROOT)
-    sys.path.insert(0, str(ROOT))
-    for key in ("DJANGO_SETTINGS_MODULE", "DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "HORDE_MAINTENANCE",
-                "DEBUG", "LOG_LEVEL"):
-        os.environ[key] = env[key]
-    print(f"database {args.database_url} (recreated), redis {args.redis_url} (flushed)", flush=True)
-    recreate_database(args.database_url)
-    flush_redis(args.redis_url)
-    migrate(env)
-
-    import django
-
-    django.setup()
+    prepare(env)
     from django.db import connection
 
     server = Server(args.port, env, ROOT / "var" / "bench-relay-daphne.log")
