@@ -35,11 +35,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlparse
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+from common import PYTHON, ROOT, prepare, server_env
 
-ROOT = Path(__file__).resolve().parent.parent
-PYTHON = sys.executable
 MODEL = "bench/instant"
 WORKER_NAME = "bench-bridge"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -164,35 +161,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the children on the way out
     import httpx
-    from text_queue import Server, flush_redis, migrate, recreate_database
+    from text_queue import Server
 
     from workers.bridge.backends import OpenAIBackend
     from workers.bridge.config import BridgeConfig
     from workers.bridge.worker import Bridge
 
-    env = dict(os.environ)
-    env.update(
-        DJANGO_SETTINGS_MODULE="hordesite.settings",
-        DATABASE_URL=args.database_url,
-        REDIS_URL=args.redis_url,
-        CELERY_BROKER_URL=args.redis_url,
+    env = server_env(
+        args.database_url,
+        args.redis_url,
         HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP="100000/second",
         HORDE_DEFAULT_CONCURRENCY="1000000",  # users made now: the whole backlog queued by one requester
         HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP="10000000/minute",
         HORDE_API_KEY_RATE_LIMITS="100000/second",  # one requester key submits the whole load
-        DEBUG="false",
-        # A deployment's settings (DATABASE_URL set, DEBUG off) need both (docs/configuration.md).
-        SECRET_KEY=os.environ.get("SECRET_KEY") or "bench-only-secret-key-not-for-production-0123456789",
-        ALLOWED_HOSTS=os.environ.get("ALLOWED_HOSTS") or "127.0.0.1,localhost",
-        LOG_LEVEL="WARNING",
-        PYTHONUNBUFFERED="1",
     )
-    if args.database_url.startswith("sqlite"):
-        Path(urlparse(args.database_url).path).unlink(missing_ok=True)
-    else:
-        recreate_database(args.database_url)
-    flush_redis(args.redis_url)
-    migrate(env)
+    prepare(env, django=False)
     worker_key = manage(env, "horde_user", "create", "bench-worker", "--trusted").strip().splitlines()[-1]
     requester_key = manage(env, "horde_user", "create", "bench-requester", "--kudos", "100000000").strip().splitlines()[-1]
 

@@ -32,13 +32,9 @@ import subprocess
 import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+from common import PYTHON, ROOT, prepare, server_env
 
-ROOT = Path(__file__).resolve().parent.parent
-PYTHON = sys.executable
 MODEL = "bench/instant"
 REPLY = "An instant reply."
 
@@ -185,27 +181,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the children on the way out
     from bridge import free_port, manage
-    from text_queue import Server, flush_redis, migrate, recreate_database
+    from text_queue import Server
 
-    env = dict(os.environ)
-    env.update(
-        DJANGO_SETTINGS_MODULE="hordesite.settings",
-        DATABASE_URL=args.database_url,
-        REDIS_URL=args.redis_url,
-        CELERY_BROKER_URL=args.redis_url,
+    env = server_env(
+        args.database_url,
+        args.redis_url,
         HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP="100000/second",
         HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP="10000000/minute",
         HORDE_DEFAULT_CONCURRENCY="1000000",
-        DEBUG="false",
-        SECRET_KEY=os.environ.get("SECRET_KEY") or "bench-only-secret-key-not-for-production-0123456789",
-        ALLOWED_HOSTS=os.environ.get("ALLOWED_HOSTS") or "127.0.0.1,localhost",
-        LOG_LEVEL="WARNING",
-        PYTHONUNBUFFERED="1",
     )
     env.pop("HORDE_OAI_NATIVE_ROOTS", None)
-    recreate_database(args.database_url)
-    flush_redis(args.redis_url)
-    migrate(env)
+    prepare(env, django=False)
     worker_key = manage(env, "horde_user", "create", "bench-worker", "--trusted").strip().splitlines()[-1]
     requester_key = manage(env, "horde_user", "create", "bench-requester", "--kudos", "100000000").strip().splitlines()[-1]
 

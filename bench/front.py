@@ -54,11 +54,9 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import PYTHON, ROOT, prepare, server_env
+from text_queue import Server, pct
 
-from text_queue import ROOT, Server, flush_redis, migrate, pct, recreate_database  # noqa: E402
-
-PYTHON = sys.executable
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/horde_bench_front"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/9"
 MODEL = "Gryphe/MythoMax-L2-13b"
@@ -166,29 +164,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def bench_env(args: argparse.Namespace, port: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        DJANGO_SETTINGS_MODULE="hordesite.settings",
-        DATABASE_URL=args.database_url,
-        REDIS_URL=args.redis_url,
-        CELERY_BROKER_URL=args.redis_url,
+    env = server_env(
+        args.database_url,
+        args.redis_url,
         HORDE_TEXT_ASYNC_RATE_LIMITS="100000/second",
         HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP="100000/second",
         HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP="10000000/minute",
         HORDE_API_KEY_RATE_LIMITS="100000/second",  # one requester key submits the whole load
         HORDE_DEFAULT_CONCURRENCY="1000000",  # users made now: every waiter queued by one requester
-        HORDE_MAINTENANCE="false",
         PORT=str(port),
         HORDE_OAI_MAX_INFLIGHT=str(max(2000, 2 * args.waiters)),
         HORDE_OAI_MAX_INFLIGHT_PER_SOURCE=str(max(50, 2 * args.waiters)),  # every bench request is 127.0.0.1
         HORDE_OAI_KEEPALIVE_SECONDS=str(args.keepalive),
         HORDE_OAI_SIGNAL_RECHECK_SECONDS=str(args.recheck),
-        DEBUG="false",
-        # A deployment's settings (DATABASE_URL set, DEBUG off) need both (docs/configuration.md).
-        SECRET_KEY=os.environ.get("SECRET_KEY") or "bench-only-secret-key-not-for-production-0123456789",
-        ALLOWED_HOSTS=os.environ.get("ALLOWED_HOSTS") or "127.0.0.1,localhost",
-        LOG_LEVEL="WARNING",
-        PYTHONUNBUFFERED="1",
     )
     # The front mounted in this process calls this process's native API: in process by default (the
     # one-process default), or with --native-over-http over TCP loopback to this same daphne.
@@ -356,7 +344,7 @@ class SignalListener:
     async def start(self) -> None:
         import redis.asyncio as aioredis
 
-        # Imported here: main() has put the repository root on sys.path by now.
+        # Imported here: bench/common.py has put the repository root on sys.path.
         from contract.chat_signal import CHAT_SIGNAL_CHANNEL_PREFIX
 
         self.client = aioredis.Redis.from_url(self.redis_url)
@@ -856,16 +844,8 @@ def main(argv: list[str] | None = None) -> int:
         else max(soft, 4 * args.waiters + 1000)
     )
     resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))  # inherited by daphne
-    os.chdir(ROOT)
-    sys.path.insert(0, str(ROOT))
     env = bench_env(args, args.port)
-    print(
-        f"database {args.database_url} (recreated), redis {args.redis_url} (flushed), open files {want}",
-        flush=True,
-    )
-    recreate_database(args.database_url)
-    flush_redis(args.redis_url)
-    migrate(env)
+    prepare(env, django=False, note=f", open files {want}")
     worker_key = (
         manage(env, "horde_user", "create", "bench-front-owner", "--trusted").strip().splitlines()[-1]
     )

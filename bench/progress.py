@@ -32,23 +32,17 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from text_queue import (  # noqa: E402  (the shared bench machinery)
-    ROOT,
+from common import ROOT, prepare
+from text_queue import (  # the shared bench machinery
     VALIDATED_BRIDGE,
     PhaseResult,
     RawHTTPClient,
     Server,
     bench_env,
     cpu_seconds_by_process,
-    flush_redis,
-    migrate,
     pct,
     phase_heartbeat,
-    recreate_database,
     timed,
 )
 
@@ -241,19 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP="100000/second",
         HORDE_CHAT_ADMISSION_ENABLED="true",
     )
-    os.chdir(ROOT)
-    sys.path.insert(0, str(ROOT))
-    for key in ("DJANGO_SETTINGS_MODULE", "DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "HORDE_MAINTENANCE",
-                "HORDE_CHAT_ADMISSION_ENABLED", "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS", "LOG_LEVEL"):
-        os.environ[key] = env[key]
-    print(f"database {args.database_url} (recreated), redis {args.redis_url} (flushed)", flush=True)
-    recreate_database(args.database_url)
-    flush_redis(args.redis_url)
-    migrate(env)
-
-    import django
-
-    django.setup()
+    prepare(env)
     from django.db import connection
 
     server = Server(args.port, env, ROOT / "var" / "bench-progress-daphne.log")

@@ -38,19 +38,14 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from progress import make_owners, pop_body  # noqa: E402
-from text_queue import (  # noqa: E402  (the shared bench machinery)
-    ROOT,
+from common import ROOT, prepare
+from progress import make_owners, pop_body
+from text_queue import (  # the shared bench machinery
     RawHTTPClient,
     Server,
     bench_env,
     cpu_seconds_by_process,
-    flush_redis,
-    migrate,
     pct,
-    recreate_database,
 )
 
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/horde_bench_relay"
@@ -452,24 +447,12 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.server_env:
         name, _, value = item.partition("=")
         env[name] = value
-    os.chdir(ROOT)
-    sys.path.insert(0, str(ROOT))
-    for key in ("DJANGO_SETTINGS_MODULE", "DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "HORDE_MAINTENANCE",
-                "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS", "LOG_LEVEL"):
-        os.environ[key] = env[key]
     registered = [int(n) for n in args.reader_streams.split(",") if n.strip()]
     if args.skip_relay:
         raw = asyncio.run(raw_loop(args))
         print(report(args, None, raw, [asyncio.run(reader_loop(args, n)) for n in registered]))
         return 0
-    print(f"database {args.database_url} (recreated), redis {args.redis_url} (flushed)", flush=True)
-    recreate_database(args.database_url)
-    flush_redis(args.redis_url)
-    migrate(env)
-
-    import django
-
-    django.setup()
+    prepare(env)
     from django.db import connection
 
     server = Server(args.port, env, ROOT / "var" / "bench-relay-daphne.log")

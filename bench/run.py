@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from text_queue import main  # noqa: E402
+from text_queue import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -35,11 +35,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse, urlunparse
 
-ROOT = Path(__file__).resolve().parent.parent
-PYTHON = sys.executable
-DAPHNE = str(Path(sys.executable).with_name("daphne"))
+from common import DAPHNE, ROOT, prepare, server_env
 
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/horde_bench"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/14"
@@ -106,53 +103,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def bench_env(args: argparse.Namespace) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        DJANGO_SETTINGS_MODULE="hordesite.settings",
-        DATABASE_URL=args.database_url,
-        REDIS_URL=args.redis_url,
-        CELERY_BROKER_URL=args.redis_url,
+    env = server_env(
+        args.database_url,
+        args.redis_url,
         HORDE_TEXT_ASYNC_RATE_LIMITS="100000/second",
         HORDE_API_KEY_RATE_LIMITS="100000/second",  # one requester key submits the whole load
-        HORDE_MAINTENANCE="false",
-        DEBUG="false",
-        # A deployment's settings (DATABASE_URL set, DEBUG off) need both (docs/configuration.md).
-        SECRET_KEY=os.environ.get("SECRET_KEY") or "bench-only-secret-key-not-for-production-0123456789",
-        ALLOWED_HOSTS=os.environ.get("ALLOWED_HOSTS") or "127.0.0.1,localhost",
-        LOG_LEVEL="WARNING",
-        PYTHONUNBUFFERED="1",
     )
     for item in getattr(args, "server_env", []):
         name, _, value = item.partition("=")
         env[name] = value
     return env
-
-
-def recreate_database(database_url: str) -> None:
-    import psycopg
-    from psycopg import sql
-
-    parts = urlparse(database_url)
-    name = parts.path.lstrip("/")
-    if not name or name in ("postgres", "template0", "template1"):
-        raise SystemExit(f"refusing to recreate database {name!r}: give the bench its own database")
-    admin_url = urlunparse(parts._replace(scheme="postgresql", path="/postgres"))
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-
-
-def flush_redis(redis_url: str) -> None:
-    import redis
-
-    parts = urlparse(redis_url)
-    if parts.path.strip("/") in ("", "0"):
-        raise SystemExit("refusing to flush Redis database 0: give the bench its own database (e.g. /14)")
-    redis.Redis.from_url(redis_url).flushdb()
-
-
-def migrate(env: dict[str, str]) -> None:
-    subprocess.run([PYTHON, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
 
 
 # --- The web process ----------------------------------------------------------------------------
@@ -750,31 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rng = random.Random(args.seed)
     env = bench_env(args)
-    os.chdir(ROOT)
-    sys.path.insert(0, str(ROOT))
-    for key in (
-        "DJANGO_SETTINGS_MODULE",
-        "DATABASE_URL",
-        "REDIS_URL",
-        "CELERY_BROKER_URL",
-        "HORDE_TEXT_ASYNC_RATE_LIMITS",
-        "HORDE_API_KEY_RATE_LIMITS",
-        "HORDE_MAINTENANCE",
-        "DEBUG",
-        "SECRET_KEY",
-        "ALLOWED_HOSTS",
-        "LOG_LEVEL",
-    ):
-        os.environ[key] = env[key]
-
-    print(f"database {args.database_url} (recreated), redis {args.redis_url} (flushed)", flush=True)
-    recreate_database(args.database_url)
-    flush_redis(args.redis_url)
-    migrate(env)
-
-    import django
-
-    django.setup()
+    prepare(env)
 
     server = Server(args.port, env, ROOT / "var" / "bench-daphne.log")
 

@@ -15,7 +15,7 @@ the pop's texts are one per declaration shape, a handful (tests/chat/test_prepar
 from __future__ import annotations
 
 import logging
-import threading
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +24,8 @@ from typing import Any
 
 from django.db import connection, connections
 from django.db.models import Model
+
+from contract.process_cache import ProcessCache
 
 log = logging.getLogger("django.db.backends")
 
@@ -374,13 +376,10 @@ class _RequestRead:
         return request
 
 
-_request_reads: dict[tuple[str, bool], _RequestRead] = {}
-_request_reads_lock = threading.Lock()
-
-
-def forget_request_reads() -> None:
-    with _request_reads_lock:
-        _request_reads.clear()
+# A memo (no lifetime) per database alias and kind, forgotten by reset_process_caches.
+_request_reads: ProcessCache[tuple[str, bool], _RequestRead] = ProcessCache(
+    "compiled request reads", ttl=math.inf, max_entries=16
+)
 
 
 def request_with_counts(request_id: Any, *, is_chat: bool) -> Any:
@@ -391,10 +390,8 @@ def request_with_counts(request_id: Any, *, is_chat: bool) -> Any:
     from chat.models import GenerationRequest
 
     alias = router.db_for_read(GenerationRequest)
-    read = _request_reads.get((alias, is_chat))
+    key = (alias, is_chat)
+    read = _request_reads.get(key)
     if read is None:
-        with _request_reads_lock:
-            read = _request_reads.get((alias, is_chat))
-            if read is None:
-                read = _request_reads[(alias, is_chat)] = _RequestRead.compile(alias, is_chat=is_chat)
+        read = _request_reads.get_or_build(key, lambda: _RequestRead.compile(alias, is_chat=is_chat))
     return read.read(request_id)

@@ -66,16 +66,10 @@ def _shipped_model_reference(settings):
 def _fresh_cache():
     from django.core.cache import cache
 
-    from accounts.selectors import reset_user_caches
-    from chat.selectors.snapshots import reset_snapshots
-    from chat.services.pop_cache import reset_empty_pops
-    from workers.services import worker_rows
+    from contract.process_cache import reset_process_caches
 
     cache.clear()
-    reset_snapshots()
-    reset_user_caches()
-    worker_rows.clear()
-    reset_empty_pops()
+    reset_process_caches()
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal
@@ -17,6 +16,7 @@ from django.utils import timezone
 from accounts.models import HordeUser
 from contract.chat_declaration import ChatDeclaration
 from contract.errors import HordeError
+from contract.process_cache import ProcessCache
 from contract.text import WORKER_SPEED_SAMPLES
 from workers.declarations import declaration_mask
 from workers.models import Worker
@@ -78,7 +78,8 @@ def worker_check_in(*, owner: HordeUser, declaration: TextWorkerDeclaration) -> 
         "last_check_in": now,
         **chat_declaration_columns(declaration.chat),
     }
-    worker = worker_rows.get(declaration.name)
+    cached = worker_rows.get(declaration.name)
+    worker = copy.copy(cached) if cached is not None else None
     if worker is None:
         worker = next(iter(Worker.objects.filter(name=declaration.name)), None)  # unique name: no ORDER BY
         if worker is None:
@@ -91,10 +92,10 @@ def worker_check_in(*, owner: HordeUser, declaration: TextWorkerDeclaration) -> 
                 # Two first pops raced on the name; the loser checks in on the row the winner made.
                 worker = Worker.objects.get(name=declaration.name)
             else:
-                worker_rows.remember(worker)
+                worker_rows.set(worker.name, copy.copy(worker))
                 serving_changed()  # a new worker: every process's availability sees it at once
                 return worker
-        worker_rows.remember(worker)
+        worker_rows.set(worker.name, copy.copy(worker))
     if worker.owner_id != owner.pk:
         raise HordeError("WrongCredentials", "Wrong credentials to submit as this worker.")
     changed = any(getattr(worker, name) != value for name, value in fields.items() if name != "last_check_in")
@@ -107,47 +108,20 @@ def worker_check_in(*, owner: HordeUser, declaration: TextWorkerDeclaration) -> 
         # The row as just written, without reading it back: the pop reads these fields next.
         for name, value in fields.items():
             setattr(worker, name, value)
-        worker_rows.written(worker)
+        # Our own write: the row's other fields are as old as the read, which keeps its expiry.
+        worker_rows.replace(worker.name, copy.copy(worker))
         if serving:
             serving_changed()
     return worker
 
 
-class _WorkerRows:
-    """The worker rows this process read by name, reused for HORDE_WORKER_CACHE_SECONDS: a worker
-    pops about once a second, and its row changes only through its own check-in (written here)
-    or its owner's and moderators' switches, which take at most that long to reach the pop in
-    another process (worker_update forgets the row in its own process at once)."""
-
-    def __init__(self) -> None:
-        self._rows: dict[str, tuple[float, Worker]] = {}
-
-    def get(self, name: str) -> Worker | None:
-        hit = self._rows.get(name)
-        if hit is None or time.monotonic() - hit[0] >= settings.HORDE_WORKER_CACHE_SECONDS:
-            return None
-        return copy.copy(hit[1])
-
-    def remember(self, worker: Worker) -> None:
-        if settings.HORDE_WORKER_CACHE_SECONDS > 0:
-            if len(self._rows) >= 100_000:
-                self._rows.clear()
-            self._rows[worker.name] = (time.monotonic(), copy.copy(worker))
-
-    def written(self, worker: Worker) -> None:
-        """Our own write: the row's other fields are as old as the read, which keeps its time."""
-        hit = self._rows.get(worker.name)
-        if hit is not None:
-            self._rows[worker.name] = (hit[0], copy.copy(worker))
-
-    def forget(self, name: str) -> None:
-        self._rows.pop(name, None)
-
-    def clear(self) -> None:
-        self._rows.clear()
-
-
-worker_rows = _WorkerRows()
+# The worker rows this process read by name, reused for HORDE_WORKER_CACHE_SECONDS: a worker pops
+# about once a second, and its row changes only through its own check-in (written here) or its
+# owner's and moderators' switches, which take at most that long to reach the pop in another
+# process (worker_update forgets the row in its own process at once). Each caller gets a copy.
+worker_rows: ProcessCache[str, Worker] = ProcessCache(
+    "worker rows by name", ttl=lambda: settings.HORDE_WORKER_CACHE_SECONDS, max_entries=100_000
+)
 
 
 def worker_record_job(*, worker: Worker, tokens: int, seconds: float, kudos: Decimal) -> None:

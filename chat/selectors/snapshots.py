@@ -8,19 +8,15 @@ newer than the snapshot is answered by one live query. Snapshots are derivable, 
 need Redis. The online workers snapshot is also taken under the workers' serving version
 (workers.serving_version) and rebuilt at once when it is read under another one: a worker's first
 pop, changed declaration or return online shows in the next answer of every process, not after
-the snapshot's lifetime.
-
-Other process-local memos of the status path (compiled reads) register with `on_reset`, so
-`reset_snapshots()` forgets every one of them.
+the snapshot's lifetime. Both are process caches (contract.process_cache) of one entry: the online
+workers keyed by the serving version, the queue by nothing.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any
 from uuid import UUID
 
 from django.db import connections, router
@@ -28,6 +24,7 @@ from django.db.models import F
 
 from chat.models import GenerationRequest
 from chat.selectors.queue import waiting_requests
+from contract.process_cache import ProcessCache
 from workers.models import Worker
 from workers.selectors import worker_chat_declaration, worker_speed, workers_online
 from workers.serving_version import current_serving_version
@@ -35,49 +32,8 @@ from workers.serving_version import current_serving_version
 ONLINE_WORKERS_SNAPSHOT_SECONDS = 5
 QUEUE_SNAPSHOT_SECONDS = 2
 
-T = TypeVar("T")
-
-
+# Read when the caller has no serving version of its own.
 _ANY_VERSION = object()
-
-
-class _Snapshot(Generic[T]):
-    """A value rebuilt at most every `seconds`, shared by the threads of one process, and at once
-    when it is read under another `version` than it was built at (see workers.serving_version)."""
-
-    def __init__(self, build: Callable[[], T], seconds: float):
-        self._build = build
-        self._seconds = seconds
-        self._lock = threading.Lock()
-        self._value: T | None = None
-        self._version: Any = None
-        self._taken = 0.0
-
-    def _holds(self, version: Any) -> bool:
-        return self._value is not None and (version is _ANY_VERSION or version == self._version)
-
-    def get(self, version: Any = _ANY_VERSION) -> T:
-        if self._holds(version) and time.monotonic() - self._taken <= self._seconds:
-            return self._value  # type: ignore[return-value]
-        # One thread rebuilds; while only the lifetime ran out the others keep reading the previous
-        # snapshot meanwhile. Under a new version (a worker changed what it serves) they wait: the
-        # previous one no longer holds.
-        if self._lock.acquire(blocking=not self._holds(version)):
-            try:
-                if not self._holds(version) or time.monotonic() - self._taken > self._seconds:
-                    # The version was read before this build's database read: a change committed
-                    # after that read bumps it again, and the next read rebuilds.
-                    self._value = self._build()
-                    self._taken = time.monotonic()
-                    if version is not _ANY_VERSION:
-                        self._version = version
-            finally:
-                self._lock.release()
-        return self._value  # type: ignore[return-value]
-
-    def reset(self) -> None:
-        with self._lock:
-            self._value = None
 
 
 @dataclass(frozen=True)
@@ -196,9 +152,12 @@ def _build_queue() -> QueueSnapshot:
     return QueueSnapshot(rows)
 
 
-_online_workers = _Snapshot(_build_online_workers, ONLINE_WORKERS_SNAPSHOT_SECONDS)
-_queue = _Snapshot(_build_queue, QUEUE_SNAPSHOT_SECONDS)
-_reset_hooks: list[Callable[[], None]] = []
+# One entry each: a new version's snapshot replaces the last one. Readers keep the expired
+# snapshot while one thread rebuilds it, and wait under a new version (get_or_build).
+_online_workers: ProcessCache[Any, OnlineWorkers] = ProcessCache(
+    "online workers snapshot", ttl=ONLINE_WORKERS_SNAPSHOT_SECONDS, max_entries=1
+)
+_queue: ProcessCache[None, QueueSnapshot] = ProcessCache("queue snapshot", ttl=QUEUE_SNAPSHOT_SECONDS, max_entries=1)
 
 
 def online_workers(serving_version: Any = _ANY_VERSION) -> list[Worker]:
@@ -211,24 +170,18 @@ def online_worker_facts(serving_version: Any = _ANY_VERSION) -> OnlineWorkers:
     the workers' serving version: the caller's (read with its other keys), else read now."""
     if serving_version is _ANY_VERSION:
         serving_version = current_serving_version()
-    return _online_workers.get(serving_version)
+    # The version was read before this build's database read: a change committed after that read
+    # bumps it again, and the next read rebuilds.
+    return _online_workers.get_or_build(serving_version, _build_online_workers)
 
 
 def queue_place(request_id: UUID) -> QueuePlace | None:
     """The request's place in the last queue snapshot; None when it is newer than the snapshot."""
-    return _queue.get().get(request_id)
-
-
-def on_reset(hook: Callable[[], None]) -> Callable[[], None]:
-    """Register a process-local memo to forget in reset_snapshots()."""
-    _reset_hooks.append(hook)
-    return hook
+    return _queue.get_or_build(None, _build_queue).get(request_id)
 
 
 def reset_snapshots() -> None:
-    """Forget both snapshots and every registered memo (tests, and after a change that must show
-    at once)."""
-    _online_workers.reset()
-    _queue.reset()
-    for hook in _reset_hooks:
-        hook()
+    """Forget both snapshots (as when they expire; contract.process_cache.reset_process_caches
+    forgets every process cache)."""
+    _online_workers.clear()
+    _queue.clear()

@@ -13,11 +13,9 @@ from django.db.models import Count, F, Q, Sum
 from chat.models import Generation, GenerationRequest
 from chat.selectors.availability import Availability, availability_cache_key, chat_request_availability
 from chat.selectors.queue import waiting_requests
-from chat.selectors.snapshots import on_reset, online_worker_facts, queue_place
+from chat.selectors.snapshots import online_worker_facts, queue_place
 from chat.selectors.status_cache import StatusRead, cached_status
-from chat.sql import forget_request_reads, request_with_counts
-
-on_reset(forget_request_reads)
+from chat.sql import request_with_counts
 
 
 def request_get(request_id: UUID | str, *, is_chat: bool = False) -> GenerationRequest | None:

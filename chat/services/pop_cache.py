@@ -17,7 +17,6 @@ in another process, which a per-process count would not see.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,12 +26,12 @@ from django.core.cache import cache
 from django.db import transaction
 
 from chat.services.pop_wait import queue_signal_channel, wake_in_process
+from contract.process_cache import ProcessCache
+from contract.text import WORKER_ONLINE_SECONDS
 
 logger = logging.getLogger(__name__)
 
 QUEUE_ADDITIONS_KEY = "horde:queue:additions"
-# Entries of workers gone quiet are dropped past this many (a dict per web process).
-_MAX_ENTRIES = 100_000
 
 
 @dataclass(frozen=True)
@@ -44,8 +43,12 @@ class _EmptyPop:
     at: float
 
 
-_empty_pops: dict[Any, _EmptyPop] = {}
-_lock = threading.Lock()
+# A worker's last empty pop, kept while the worker may still pop (its entry tells the next pop to
+# read the count); whether its answer still holds is HORDE_EMPTY_POP_CACHE_SECONDS, checked at
+# each lookup. Workers gone quiet leave with the online window, or past the count.
+_empty_pops: ProcessCache[Any, _EmptyPop] = ProcessCache(
+    "empty pops", ttl=WORKER_ONLINE_SECONDS, max_entries=100_000
+)
 
 
 def _redis():
@@ -131,18 +134,9 @@ def empty_pop_remember(view: Any, check: EmptyPopCheck, skipped: dict[str, int])
     empty pop can be answered from memory; if not, the next pop reads the count first)."""
     if not _enabled():
         return
-    with _lock:
-        if len(_empty_pops) >= _MAX_ENTRIES:
-            _empty_pops.clear()
-        _empty_pops[view.id] = _EmptyPop(view, check.read, check.additions, dict(skipped), time.monotonic())
+    _empty_pops.set(view.id, _EmptyPop(view, check.read, check.additions, dict(skipped), time.monotonic()))
 
 
 def empty_pop_forget(view: Any) -> None:
     """The worker got a job: its next pop walks the queue without reading the count."""
-    if _empty_pops:
-        _empty_pops.pop(view.id, None)
-
-
-def reset_empty_pops() -> None:
-    """Forget every remembered empty pop (tests; a process that changed workers wholesale)."""
-    _empty_pops.clear()
+    _empty_pops.forget(view.id)

@@ -29,6 +29,7 @@ from django.utils import timezone
 from chat.models import Generation, GenerationRequest
 from chat.selectors import snapshots
 from chat.selectors.availability import availability_cache_key
+from contract.process_cache import ProcessCache
 from contract.text import WORKER_ONLINE_SECONDS
 from tests.chat.chat_route_helpers import ALL_DECLARATIONS, MODEL, chat_async, chat_status
 from workers.models import Worker
@@ -187,10 +188,16 @@ def test_a_worker_back_online_shows_in_both_processes_at_once(horde, people, sec
 def test_a_first_pop_shows_through_another_process_snapshot_at_once(horde, people, monkeypatch):
     requester, owner = people
     this_process = snapshots._online_workers
-    other_process = snapshots._Snapshot(snapshots._build_online_workers, snapshots.ONLINE_WORKERS_SNAPSHOT_SECONDS)
+    other_process = ProcessCache(
+        "online workers snapshot", ttl=snapshots.ONLINE_WORKERS_SNAPSHOT_SECONDS, max_entries=1
+    )
+
+    def taken(snapshot):
+        return snapshot.get_or_build(current_serving_version(), snapshots._build_online_workers)
+
     # Both processes took their snapshot before the worker's first pop: nobody online.
     for snapshot in (this_process, other_process):
-        assert snapshot.get(current_serving_version()).workers == ()
+        assert taken(snapshot).workers == ()
     assert horde.pop(owner.key, **_declaration()).json()["id"] is None
     created = chat_async(horde.client, requester.key, max_tokens=300)
     assert created.status_code == 202 and created.json()["warnings"] == [], created.json()
@@ -199,7 +206,7 @@ def test_a_first_pop_shows_through_another_process_snapshot_at_once(horde, peopl
         monkeypatch.setattr(snapshots, "_online_workers", snapshot)
         body = chat_status(horde.client, request_id).json()
         assert body["is_possible"] is True and body["eligible_worker_threads"] == 2, body
-    assert [w.name for w in other_process.get(current_serving_version()).workers] == ["volunteer-worker"]
+    assert [w.name for w in taken(other_process).workers] == ["volunteer-worker"]
 
 
 def test_an_unchanged_pop_leaves_the_serving_version_alone(horde, people):

@@ -9,7 +9,7 @@ import itertools
 import pytest
 from django.db import connection
 
-from chat.services.pop_cache import reset_empty_pops
+from contract.process_cache import reset_process_caches
 from chat.sql import run_prepared
 from tests.chat.pop_helpers import ALL_GUARANTEES, MODEL, OTHER, chat_pop
 
@@ -41,19 +41,19 @@ def _pops(horde, owners) -> None:
     ):
         # Small and large ids and limits: psycopg would type them int2, int4 or int8.
         aliases = [f"friend#{user_id}" for user_id in (900, 40_000, 3_000_000_000)[:priority]]
-        reset_empty_pops()
+        reset_process_caches()
         assert horde.pop(
             owner.key, name=f"text-{index}", models=models, bridge_agent=agent, priority_usernames=aliases,
             amount=(1, 2, 20, 5)[priority], max_length=(512, 40_000)[index % 2],
         ).status_code == 200
         for shape_index, shape in enumerate(chat_shapes):
-            reset_empty_pops()
+            reset_process_caches()
             response = chat_pop(
                 horde, owner.key, name=f"chat-{index}-{shape_index}", bridge_agent=agent,
                 priority_usernames=aliases, **shape,
             )
             assert response.status_code == 200, response.json()
-            reset_empty_pops()
+            reset_process_caches()
             # A worker taking both text and chat jobs.
             response = chat_pop(
                 horde, owner.key, name=f"both-{index}-{shape_index}", bridge_agent=agent,

@@ -25,6 +25,7 @@ from chat.selectors.availability import (
 )
 from chat.selectors.queue import worker_may_take
 from chat.selectors.status_cache import STATUS_CACHE_SECONDS, cached_status
+from contract.process_cache import reset_process_caches
 from tests.chat.chat_route_helpers import MODEL, chat_async, chat_status, chat_worker
 from workers.models import Worker
 
@@ -96,11 +97,11 @@ def test_compiled_read_keeps_route_families_apart(horde, owner, requester):
     assert str(selectors.request_get(str(text_id)).pk) == text_id  # a string id reads too
 
 
-def test_compiled_reads_are_forgotten_by_reset_snapshots(horde, requester):
+def test_compiled_reads_are_forgotten_by_the_process_reset(horde, requester):
     request_id = horde.text_async(requester.key).json()["id"]
     assert selectors.request_get(request_id) is not None
     assert sql._request_reads
-    snapshots.reset_snapshots()
+    reset_process_caches()
     assert not sql._request_reads
     assert selectors.request_get(request_id) is not None
 
