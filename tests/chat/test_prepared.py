@@ -9,8 +9,8 @@ import itertools
 import pytest
 from django.db import connection
 
-from contract.process_cache import reset_process_caches
 from chat.sql import run_prepared
+from contract.process_cache import reset_process_caches
 from tests.chat.pop_helpers import ALL_GUARANTEES, MODEL, OTHER, chat_pop
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db]
