@@ -301,28 +301,37 @@ ChatMessage = Annotated[
 ]
 
 
-class ChatRequest(ChatShape):
-    """A validated native chat request body."""
+def _documented(**schema: Any) -> Any:
+    """An optional key's bounds, for the OpenAPI schema only: validate_chat_request's checks
+    enforce them first, each with the spec's rc and message."""
+    return Field(default=None, json_schema_extra=schema)
 
-    model: StrictStr | None = None
-    models: list[StrictStr] | None = None
-    messages: list[ChatMessage]
+
+class ChatRequest(ChatShape):
+    """A validated native chat request body: an OpenAI chat completion body, plus `models` and the
+    `horde` object."""
+
+    model: StrictStr | None = _documented(minLength=1, description="Exactly one of model and models")
+    models: list[StrictStr] | None = _documented(minItems=1, maxItems=MAX_CHAT_MODEL_COUNT)
+    messages: Annotated[list[ChatMessage], Field(json_schema_extra={"minItems": 1, "maxItems": MAX_CHAT_MESSAGE_COUNT})]
     # Lax numbers: the checks above have already refused strings and booleans.
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = _documented(
+        minimum=MIN_CHAT_MAX_TOKENS, maximum=MAX_CHAT_MAX_TOKENS, description=f"default {CHAT_MAX_TOKENS_DEFAULT}"
+    )
+    max_completion_tokens: int | None = _documented(minimum=MIN_CHAT_MAX_TOKENS, maximum=MAX_CHAT_MAX_TOKENS)
     temperature: float | None = None
     top_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: float | None = _documented(minimum=CHAT_PENALTY_RANGE[0], maximum=CHAT_PENALTY_RANGE[1])
+    presence_penalty: float | None = _documented(minimum=CHAT_PENALTY_RANGE[0], maximum=CHAT_PENALTY_RANGE[1])
     seed: int | None = None
     reasoning_effort: ChatReasoningEffort | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    n: int | None = None
+    n: int | None = _documented(minimum=1, maximum=1)
     stream: StrictBool | None = None
     stream_options: dict[str, Any] | None = None
     user: StrictStr | None = None
     metadata: dict[str, Any] | None = None
-    tools: list[ChatTool] | None = None
+    tools: list[ChatTool] | None = _documented(maxItems=MAX_CHAT_TOOL_COUNT)
     tool_choice: ChatToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: ChatResponseFormat | None = None

@@ -1,26 +1,30 @@
 """Native chat routes: POST /api/v2/generate/chat/async and GET/DELETE .../chat/status/<id>.
 
-Thin: bound and parse the body, validate it with the contract, call the service, render.
+Thin: bound and parse the body, validate it with the contract, call the service, render. The
+request's schema and the status body's are the contract's pydantic models; the status routes
+answer the body the status selector builds (and caches) as it is.
 """
 
 from __future__ import annotations
 
 import json
 
-from drf_spectacular.utils import OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiResponse, PolymorphicProxySerializer, extend_schema
 from rest_framework.exceptions import ParseError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.api.callers import requester
 from accounts.ratelimit import chat_request_limits_per_ip, check_submit_rate_limits
-from chat.api import chat_serializers as cs
+from chat.api import openapi  # noqa: F401  (the contract's models in the schema)
+from chat.api import serializers as s
 from chat.selectors import status as chat_selectors
 from chat.services import create_chat as chat_create
 from chat.services import front_lease
 from contract.chat_errors import ChatRefusal
 from contract.chat_limits import MAX_CHAT_BODY_BYTES
-from contract.chat_shapes import validate_chat_request
+from contract.chat_shapes import ChatRequest, validate_chat_request
+from contract.chat_status import ChatStatus
 from contract.errors import HordeError
 
 # Read a body without a declared length in pieces, to stop one byte past the limit.
@@ -89,18 +93,19 @@ class ChatAsyncView(APIView):
         pass
 
     @extend_schema(
-        request=cs.ChatAsyncInputSerializer,
+        # The contract's model, which validate_chat_request returns (docs/adr/0031).
+        request=ChatRequest,
         responses={
-            202: cs.ChatAsyncOutputSerializer,
+            202: s.ChatAsyncOutputSerializer,
             200: OpenApiResponse(
-                cs.ChatAsyncRepeatSerializer, description="Repeated operation key, or dry run"
+                PolymorphicProxySerializer(
+                    component_name="ChatAsyncAnswer",
+                    serializers=[s.ChatAsyncRepeatSerializer, s.ChatQuoteSerializer],
+                    resource_type_field_name=None,
+                ),
+                description="Repeated operation key, or dry run",
             ),
-            400: cs.ErrorSerializer,
-            403: cs.ErrorSerializer,
-            404: cs.ErrorSerializer,
-            413: cs.ErrorSerializer,
-            429: cs.ErrorSerializer,
-            503: cs.ErrorSerializer,
+            **dict.fromkeys((400, 403, 404, 413, 429, 503), s.ErrorSerializer),
         },
     )
     def post(self, request):
@@ -121,18 +126,10 @@ class ChatAsyncView(APIView):
             front_lease_seconds=front_lease.front_lease_seconds(request.headers),
         )
         if created.request is None:
-            return Response({"kudos": float(created.kudos), **(created.dry_run or {})}, status=200)
+            return Response(s.CHAT_QUOTE_OUTPUT.to_representation(created), status=200)
         if created.repeated:
-            return Response({"id": str(created.request.id), "kudos": float(created.kudos)}, status=200)
-        return Response(
-            {
-                "id": str(created.request.id),
-                "kudos": float(created.kudos),
-                "message": created.message,
-                "warnings": created.warnings,
-            },
-            status=202,
-        )
+            return Response(s.CHAT_ASYNC_REPEAT_OUTPUT.to_representation(created), status=200)
+        return Response(s.CHAT_ASYNC_OUTPUT.to_representation(created), status=202)
 
 
 def _not_found(request_id) -> HordeError:
@@ -142,7 +139,7 @@ def _not_found(request_id) -> HordeError:
 class ChatStatusView(APIView):
     """GET (status) and DELETE (cancel) /api/v2/generate/chat/status/<id>."""
 
-    @extend_schema(responses={200: cs.ChatStatusOutputSerializer, 404: cs.ErrorSerializer})
+    @extend_schema(responses={200: ChatStatus, 404: s.ErrorSerializer})
     def get(self, request, request_id):
         front_lease.front_lease_renew(request_id=request_id, headers=request.headers)
         body = chat_selectors.chat_status_body(request_id)
@@ -150,7 +147,7 @@ class ChatStatusView(APIView):
             raise _not_found(request_id)
         return Response(body)
 
-    @extend_schema(responses={200: cs.ChatStatusOutputSerializer, 404: cs.ErrorSerializer})
+    @extend_schema(responses={200: ChatStatus, 404: s.ErrorSerializer})
     def delete(self, request, request_id):
         wp = chat_selectors.chat_request_get(request_id)
         if wp is None:

@@ -2,21 +2,61 @@
 
 from __future__ import annotations
 
-from django.conf import settings
+from collections.abc import Mapping
+from typing import Any
+
 from django.db import IntegrityError
 from drf_spectacular.utils import extend_schema
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.api.callers import registered_caller
+from accounts.models import HordeUser
 from chat.api import serializers as s
 from chat.api.fast_validation import validated_body
-from chat.services.pop import build_job_payload, worker_pop
+from chat.services.pop import PoppedJob, worker_pop
 from contract.chat_declaration import parse_chat_declaration
 from contract.chat_errors import ChatDeclarationInvalid
 from contract.errors import HordeError
 from contract.text import TEXT_POP_WAIT_MAX_SECONDS
 from workers.services import TextWorkerDeclaration, worker_check_in, worker_rows
+
+
+def pop_declaration(data: Mapping[str, Any], body: Any) -> TextWorkerDeclaration:
+    """The worker's declaration from the validated pop body; the chat fields are read from the
+    body by the contract, whose refusal is the spec's."""
+    models = list(dict.fromkeys(data["models"]))
+    try:
+        chat = parse_chat_declaration(body, models=models)
+    except ChatDeclarationInvalid as refusal:
+        raise HordeError(refusal.rc, refusal.message, status=refusal.status) from refusal
+    return TextWorkerDeclaration(
+        name=data["name"].strip(),
+        models=models,
+        max_length=data["max_length"],
+        max_context_length=data["max_context_length"],
+        threads=data["threads"],
+        bridge_agent=data["bridge_agent"],
+        nsfw=data["nsfw"],
+        softprompts=data["softprompts"],
+        priority_usernames=data["priority_usernames"],
+        chat=chat,
+    )
+
+
+def check_in_and_pop(*, owner: HordeUser, declaration: TextWorkerDeclaration, amount: int) -> PoppedJob:
+    """Check the worker in, then hand it a job when one is eligible."""
+    worker = worker_check_in(owner=owner, declaration=declaration)
+    worker.owner = owner
+    try:
+        return worker_pop(worker=worker, amount=amount)
+    except IntegrityError:
+        # The process's copy of the worker row outlived the row (an operator deleted it): the
+        # pop wrote nothing; check in afresh, which registers the worker again, and pop once more.
+        worker_rows.forget(declaration.name)
+        worker = worker_check_in(owner=owner, declaration=declaration)
+        worker.owner = owner
+        return worker_pop(worker=worker, amount=amount)
 
 
 class TextPopView(APIView):
@@ -26,67 +66,9 @@ class TextPopView(APIView):
     def post(self, request):
         owner = registered_caller(request, rc="AnonForbiddenWorker")
         data = validated_body(s.TextPopInputSerializer, request.data)
-        models = list(dict.fromkeys(data["models"]))
-        try:
-            chat = parse_chat_declaration(request.data, models=models)
-        except ChatDeclarationInvalid as refusal:
-            raise HordeError(refusal.rc, refusal.message, status=refusal.status) from refusal
-        declaration = TextWorkerDeclaration(
-            name=data["name"].strip(),
-            models=models,
-            max_length=data["max_length"],
-            max_context_length=data["max_context_length"],
-            threads=data["threads"],
-            bridge_agent=data["bridge_agent"],
-            nsfw=data["nsfw"],
-            softprompts=data["softprompts"],
-            priority_usernames=data["priority_usernames"],
-            chat=chat,
-        )
-        worker = worker_check_in(owner=owner, declaration=declaration)
-        worker.owner = owner
-        try:
-            job = worker_pop(worker=worker, amount=data["amount"])
-        except IntegrityError:
-            # The process's copy of the worker row outlived the row (an operator deleted it): the
-            # pop wrote nothing; check in afresh, which registers the worker again, and pop once more.
-            worker_rows.forget(declaration.name)
-            worker = worker_check_in(owner=owner, declaration=declaration)
-            worker.owner = owner
-            job = worker_pop(worker=worker, amount=data["amount"])
+        job = check_in_and_pop(owner=owner, declaration=pop_declaration(data, request.data), amount=data["amount"])
+        response = Response(s.POP_OUTPUT.to_representation(job))
         if job.request is None:
-            response = Response(
-                {
-                    "payload": {},
-                    "id": None,
-                    "ids": [],
-                    "messages": None,
-                    "ttl": None,
-                    "extra_source_images": [],
-                    "skipped": job.skipped,
-                    "softprompt": None,
-                    "model": None,
-                }
-            )
             # How long the hot route layer may hold this empty answer for a job (ADR 0024).
             response.pop_wait_seconds = min(data["wait"], TEXT_POP_WAIT_MAX_SECONDS)
-            return response
-        wp = job.request
-        ids = [str(g.id) for g in job.generations]
-        body = {
-            "payload": build_job_payload(wp),
-            "id": ids[0],
-            "ids": ids,
-            "messages": None,
-            "ttl": settings.HORDE_TEXT_JOB_LEASE_SECONDS,
-            "extra_source_images": [],
-            "skipped": {},
-            "softprompt": None if wp.is_chat else wp.softprompt or None,
-            "model": job.model,
-        }
-        # Only a chat job carries the key; text jobs are unchanged.
-        if wp.is_chat:
-            body["chat"] = True
-        return Response(body)
-
-
+        return response

@@ -1,7 +1,19 @@
-"""Wire shapes of the native text routes (upstream field names, ranges and defaults)."""
+"""Wire shapes of the native routes (upstream field names, ranges and defaults).
+
+An input serializer's validated data is what its service takes; an output serializer renders
+what the service returns. Views render through one instance of each output serializer, made
+here once (`*_OUTPUT`): building a DRF serializer deep-copies its declared fields, about a
+millisecond a pop on the benchmark box, while representing through a built one costs tens of
+microseconds (docs/adr/0031-chat-api-schema-from-contract.md). The chat request's shape and the
+chat status body are the contract's pydantic models (contract.chat_shapes, contract.chat_status).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+from django.conf import settings
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from chat.api.strict_fields import (
@@ -11,6 +23,7 @@ from chat.api.strict_fields import (
     StrictIntegerField,
     WorkerIdField,
 )
+from chat.services.pop import PoppedJob, build_job_payload
 from contract.text import (
     GENERATION_STATES,
     MAX_BRIDGE_AGENT_LENGTH,
@@ -100,11 +113,42 @@ class TextAsyncInputSerializer(serializers.Serializer):
     # As the chat route's horde.operation_key (docs/adr/0020-front-lease.md).
     operation_key = serializers.UUIDField(required=False, allow_null=True, default=None)
 
+    NOT_APPLIED = ("extra_slow_workers", "webhook", "style", "proxied_account", "extra_source_images")
+
+    def validate(self, attrs):
+        """The body as services.TextRequestInput takes it: n and the two lengths out of params,
+        the keys not applied dropped, an absent softprompt as ""."""
+        params = dict(attrs.pop("params", None) or TextParamsSerializer().to_internal_value({}))
+        for key in self.NOT_APPLIED:
+            attrs.pop(key, None)
+        return {
+            **attrs,
+            "softprompt": attrs.get("softprompt") or "",
+            "params": params,
+            "n": params.pop("n", 1),
+            "max_length": params.pop("max_length"),
+            "max_context_length": params.pop("max_context_length"),
+        }
+
+
+def _without_empty(data: dict, *keys: str) -> dict:
+    """Upstream leaves these keys out, rather than null or false, when they do not apply."""
+    for key in keys:
+        if not data.get(key):
+            data.pop(key, None)
+    return data
+
 
 class TextAsyncOutputSerializer(serializers.Serializer):
-    id = serializers.UUIDField()
+    """A services.CreatedRequest: {id, kudos, message?} queued (202), {id, kudos} for a repeated
+    operation key, {kudos} for a dry run (200)."""
+
+    id = serializers.UUIDField(source="request.id", required=False, help_text="absent on a dry run")
     kudos = serializers.FloatField()
     message = serializers.CharField(required=False)
+
+    def to_representation(self, instance):
+        return _without_empty(super().to_representation(instance), "message")
 
 
 class GenerationSerializer(serializers.Serializer):
@@ -165,16 +209,48 @@ class TextPopInputSerializer(serializers.Serializer):
 
 
 class TextPopOutputSerializer(serializers.Serializer):
-    payload = serializers.DictField()
-    id = serializers.UUIDField(allow_null=True)
-    ids = serializers.ListField(child=serializers.UUIDField())
-    messages = serializers.ListField(child=serializers.DictField(), allow_null=True)
-    ttl = serializers.IntegerField(allow_null=True)
-    extra_source_images = serializers.ListField(child=serializers.DictField())
+    """A chat.dispatch.PoppedJob: a job, or an empty pop (no request). messages and
+    extra_source_images are upstream's keys for what this horde never sends."""
+
+    payload = serializers.SerializerMethodField()
+    id = serializers.SerializerMethodField()
+    ids = serializers.SerializerMethodField()
+    messages = serializers.SerializerMethodField()
+    ttl = serializers.SerializerMethodField()
+    extra_source_images = serializers.SerializerMethodField()
     skipped = serializers.DictField(child=serializers.IntegerField())
-    softprompt = serializers.CharField(allow_null=True)
+    softprompt = serializers.SerializerMethodField()
     model = serializers.CharField(allow_null=True)
-    chat = serializers.BooleanField(required=False, help_text="true on a chat job only")
+    chat = serializers.BooleanField(source="request.is_chat", required=False, help_text="true on a chat job only")
+
+    def get_payload(self, job: PoppedJob) -> dict[str, Any]:
+        return build_job_payload(job.request) if job.request is not None else {}
+
+    @extend_schema_field(serializers.UUIDField(allow_null=True))
+    def get_id(self, job: PoppedJob) -> str | None:
+        return str(job.generations[0].id) if job.generations else None
+
+    @extend_schema_field(serializers.ListField(child=serializers.UUIDField()))
+    def get_ids(self, job: PoppedJob) -> list[str]:
+        return [str(generation.id) for generation in job.generations]
+
+    @extend_schema_field(serializers.ListField(child=serializers.DictField(), allow_null=True))
+    def get_messages(self, job: PoppedJob) -> None:
+        return None
+
+    def get_ttl(self, job: PoppedJob) -> int | None:
+        return settings.HORDE_TEXT_JOB_LEASE_SECONDS if job.request is not None else None
+
+    @extend_schema_field(serializers.ListField(child=serializers.DictField()))
+    def get_extra_source_images(self, job: PoppedJob) -> list:
+        return []
+
+    def get_softprompt(self, job: PoppedJob) -> str | None:
+        return None if job.request is None or job.request.is_chat else job.request.softprompt or None
+
+    def to_representation(self, instance):
+        # Only a chat job carries the key; text jobs are unchanged.
+        return _without_empty(super().to_representation(instance), "chat")
 
 
 class GenMetadataSerializer(serializers.Serializer):
@@ -193,3 +269,58 @@ class TextSubmitInputSerializer(serializers.Serializer):
 
 class SubmitOutputSerializer(serializers.Serializer):
     reward = serializers.FloatField()
+
+
+class ErrorSerializer(serializers.Serializer):
+    message = serializers.CharField()
+    rc = serializers.CharField()
+
+
+# --- the chat route's answers ------------------------------------------------------------------
+
+
+class ChatWarningSerializer(serializers.Serializer):
+    code = serializers.CharField()
+    message = serializers.CharField()
+
+
+class ChatAsyncOutputSerializer(serializers.Serializer):
+    """A queued chat request (202), from chat_create.ChatCreated."""
+
+    id = serializers.UUIDField(source="request.id")
+    kudos = serializers.FloatField()
+    message = serializers.CharField(allow_null=True)
+    warnings = ChatWarningSerializer(many=True)
+
+
+class ChatAsyncRepeatSerializer(serializers.Serializer):
+    """A repeated operation key (200): the claim's request, nothing queued."""
+
+    id = serializers.UUIDField(source="request.id")
+    kudos = serializers.FloatField()
+
+
+class ChatResolvedSerializer(serializers.Serializer):
+    context_fit = serializers.CharField()
+    max_length = serializers.IntegerField()
+    max_context_length = serializers.IntegerField()
+
+
+class ChatQuoteSerializer(serializers.Serializer):
+    """A dry run's quote (200): the price and the sizes the request would run at."""
+
+    kudos = serializers.FloatField()
+    estimated_prompt_tokens = serializers.IntegerField(source="dry_run.estimated_prompt_tokens")
+    context_adjustments = serializers.ListField(
+        child=serializers.DictField(), allow_null=True, source="dry_run.context_adjustments"
+    )
+    resolved = ChatResolvedSerializer(source="dry_run.resolved")
+
+
+# One instance of each, shared by every request (see the module's docstring).
+TEXT_ASYNC_OUTPUT = TextAsyncOutputSerializer()
+POP_OUTPUT = TextPopOutputSerializer()
+SUBMIT_OUTPUT = SubmitOutputSerializer()
+CHAT_ASYNC_OUTPUT = ChatAsyncOutputSerializer()
+CHAT_ASYNC_REPEAT_OUTPUT = ChatAsyncRepeatSerializer()
+CHAT_QUOTE_OUTPUT = ChatQuoteSerializer()

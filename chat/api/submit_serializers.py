@@ -25,21 +25,21 @@ class SubmitIdSerializer(serializers.Serializer):
     id = serializers.UUIDField()
 
 
-class ChatToolCallFunctionSerializer(serializers.Serializer):
+class ChatSubmitToolCallFunctionSerializer(serializers.Serializer):
     name = serializers.CharField()
     arguments = serializers.CharField(allow_blank=True)
 
 
-class ChatToolCallSerializer(serializers.Serializer):
+class ChatSubmitToolCallSerializer(serializers.Serializer):
     id = serializers.CharField(max_length=256)
     type = serializers.ChoiceField(choices=["function"])
-    function = ChatToolCallFunctionSerializer()
+    function = ChatSubmitToolCallFunctionSerializer()
 
 
-class ChatReplyMessageSerializer(serializers.Serializer):
+class ChatSubmitReplyMessageSerializer(serializers.Serializer):
     role = serializers.ChoiceField(choices=["assistant"])
     content = serializers.CharField(allow_null=True, allow_blank=True, help_text="null only with tool_calls")
-    tool_calls = ChatToolCallSerializer(many=True, required=False, max_length=MAX_CHAT_TOOL_CALL_COUNT)
+    tool_calls = ChatSubmitToolCallSerializer(many=True, required=False, max_length=MAX_CHAT_TOOL_CALL_COUNT)
     reasoning_content = serializers.CharField(required=False, allow_blank=True)
 
 
@@ -47,7 +47,7 @@ class ChatSubmitInputSerializer(serializers.Serializer):
     """A chat job's submit: a structured reply, or {id, state: faulted, model_id, fault_reason?}."""
 
     id = serializers.UUIDField()
-    message = ChatReplyMessageSerializer(required=False)
+    message = ChatSubmitReplyMessageSerializer(required=False)
     finish_reason = serializers.ChoiceField(choices=[r.value for r in ChatFinishReason], required=False)
     native_finish_reason = serializers.CharField(
         max_length=MAX_CHAT_NATIVE_FINISH_REASON_LENGTH, required=False

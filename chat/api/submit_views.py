@@ -48,4 +48,4 @@ class TextSubmitView(APIView):
         else:
             data = validated_body(s.TextSubmitInputSerializer, body)
             reward = job_submit(user=owner, generation_id=data["id"], text=_text_fields(data), chat_body=None)
-        return Response({"reward": float(reward)})
+        return Response(s.SUBMIT_OUTPUT.to_representation({"reward": reward}))

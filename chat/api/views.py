@@ -1,4 +1,7 @@
-"""Native text routes: thin views that parse, call a service or selector, and render."""
+"""Native text routes: thin views that validate, call a service or selector, and render.
+
+The status routes answer the body the status selector builds (and caches) as it is: it is the
+wire body already."""
 
 from __future__ import annotations
 
@@ -22,48 +25,26 @@ def _not_found(request_id) -> HordeError:
 class TextAsyncView(APIView):
     """POST /api/v2/generate/text/async: queue a text request (202), or quote it (dry run, 200)."""
 
-    @extend_schema(request=s.TextAsyncInputSerializer, responses={202: s.TextAsyncOutputSerializer})
+    @extend_schema(
+        request=s.TextAsyncInputSerializer,
+        responses={202: s.TextAsyncOutputSerializer, 200: s.TextAsyncOutputSerializer},
+    )
     def post(self, request):
         address = check_submit_rate_limits(
             request, scope="text_async", limits_per_ip=settings.HORDE_TEXT_ASYNC_RATE_LIMITS
         )
         body = s.TextAsyncInputSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        data = body.validated_data
-        params = dict(data.get("params") or s.TextParamsSerializer(data={}).to_internal_value({}))
-        n = params.pop("n", 1)
         created = services.text_request_create(
             user=requester(request),
-            data=services.TextRequestInput(
-                prompt=data["prompt"],
-                params=params,
-                n=n,
-                max_length=params.pop("max_length"),
-                max_context_length=params.pop("max_context_length"),
-                models=data["models"],
-                workers=data["workers"],
-                worker_blacklist=data["worker_blacklist"],
-                trusted_workers=data["trusted_workers"],
-                validated_backends=data["validated_backends"],
-                slow_workers=data["slow_workers"],
-                allow_downgrade=data["allow_downgrade"],
-                disable_batching=data["disable_batching"],
-                softprompt=data.get("softprompt") or "",
-                dry_run=data["dry_run"],
-                operation_key=data.get("operation_key"),
-            ),
+            data=services.TextRequestInput(**body.validated_data),
             client_agent=request.headers.get("Client-Agent", ""),
             ip_address=address,
             front_lease_seconds=front_lease.front_lease_seconds(request.headers),
         )
-        if created.request is None:
-            return Response({"kudos": float(created.kudos)}, status=200)
-        if created.repeated:  # a repeated operation key: the claim, nothing queued
-            return Response({"id": str(created.request.id), "kudos": float(created.kudos)}, status=200)
-        out = {"id": str(created.request.id), "kudos": float(created.kudos)}
-        if created.message:
-            out["message"] = created.message
-        return Response(out, status=202)
+        # Queued: 202; a dry run's quote, or a repeated operation key's claim (nothing queued): 200.
+        queued = created.request is not None and not created.repeated
+        return Response(s.TEXT_ASYNC_OUTPUT.to_representation(created), status=202 if queued else 200)
 
 
 class TextStatusView(APIView):

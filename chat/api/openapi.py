@@ -1,0 +1,75 @@
+"""OpenAPI schemas of the contract's pydantic models (docs/adr/0031-chat-api-schema-from-contract.md).
+
+A view names a contract model in `extend_schema` as it would a serializer. drf-spectacular's
+pydantic support (drf_spectacular.contrib.pydantic) lets pydantic write the model's JSON Schema;
+pydantic writes JSON Schema 2020-12, and the document drf-spectacular serves is OpenAPI 3.0, so
+this extension asks pydantic for 3.0's dialect of the same schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drf_spectacular.contrib.pydantic import PydanticExtension
+from drf_spectacular.plumbing import ResolvedComponent
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue, model_json_schema
+from pydantic_core import core_schema
+
+_REF_TEMPLATE = "#/components/schemas/{model}"
+
+
+class OpenApi30JsonSchema(GenerateJsonSchema):
+    """pydantic's JSON Schema in OpenAPI 3.0's words: `nullable` for a null branch, `enum` for
+    `const`, exclusive bounds as booleans beside the bound; no per-field titles."""
+
+    def nullable_schema(self, schema: core_schema.NullableSchema) -> JsonSchemaValue:
+        inner = self.generate_inner(schema["schema"])
+        if "$ref" in inner:  # 3.0 ignores a reference's siblings
+            return {"allOf": [inner], "nullable": True}
+        return {**inner, "nullable": True}
+
+    def literal_schema(self, schema: core_schema.LiteralSchema) -> JsonSchemaValue:
+        generated = super().literal_schema(schema)
+        if "const" in generated:
+            generated["enum"] = [generated.pop("const")]
+        return generated
+
+    @staticmethod
+    def _exclusive_bounds(generated: JsonSchemaValue) -> JsonSchemaValue:
+        for bound, key in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+            if key in generated:
+                generated[bound] = generated.pop(key)
+                generated[key] = True
+        return generated
+
+    def int_schema(self, schema: core_schema.IntSchema) -> JsonSchemaValue:
+        return self._exclusive_bounds(super().int_schema(schema))
+
+    def float_schema(self, schema: core_schema.FloatSchema) -> JsonSchemaValue:
+        return self._exclusive_bounds(super().float_schema(schema))
+
+    def field_title_should_be_set(self, schema: Any) -> bool:
+        return False
+
+
+class ContractModelExtension(PydanticExtension):
+    """The contract's models (every one a ChatShape), in OpenAPI 3.0's dialect; other pydantic
+    models keep drf-spectacular's own handling."""
+
+    target_class = "contract.chat_shapes.ChatShape"
+    match_subclasses = True
+    priority = 1  # before PydanticExtension, which also matches these
+
+    def map_serializer(self, auto_schema, direction):
+        schema = model_json_schema(
+            self.target,
+            ref_template=_REF_TEMPLATE,
+            schema_generator=OpenApi30JsonSchema,
+            mode="validation" if direction == "request" else "serialization",
+        )
+        # Nested models become components of their own, as drf-spectacular does for pydantic.
+        for name, sub_schema in schema.pop("$defs", {}).items():
+            auto_schema.registry.register_on_missing(
+                ResolvedComponent(name=name, type=ResolvedComponent.SCHEMA, object=name, schema=sub_schema)
+            )
+        return schema
