@@ -12,6 +12,7 @@ from accounts.api.callers import registered_caller
 from chat.api import serializers as s
 from chat.api.fast_validation import validated_body
 from chat.dispatch import build_job_payload, worker_pop
+from chat.pop_wait import POP_WAIT_HEADER
 from contract.chat_declaration import parse_chat_declaration
 from contract.chat_errors import ChatDeclarationInvalid
 from contract.errors import HordeError
@@ -68,8 +69,9 @@ class TextPopView(APIView):
                     "model": None,
                 }
             )
-            # How long the hot route layer may hold this empty answer for a job (ADR 0024).
-            response.pop_wait_seconds = min(data["wait"], TEXT_POP_WAIT_MAX_SECONDS)
+            if data["wait"]:
+                # How long the serving layer may hold this empty answer for a job (ADR 0024).
+                response[POP_WAIT_HEADER] = str(min(data["wait"], TEXT_POP_WAIT_MAX_SECONDS))
             return response
         wp = job.request
         ids = [str(g.id) for g in job.generations]
