@@ -33,6 +33,7 @@ from django.conf import settings
 
 from chat.pop_wait import POP_PATH, POP_WAIT_HEADER, queue_listener
 from hordesite.body_limits import body_limit, read_body, too_large_body
+from oai.asgi import cors_headers
 
 log = logging.getLogger(__name__)
 
@@ -145,29 +146,37 @@ class PooledWSGI:
         if buffered.over_limit:
             return await _send_answer(send, _too_large(limit))
         body = buffered.content
-        if method == "POST" and path == POP_PATH and b'"wait"' in body:
-            answer = await self._long_poll(scope, body, receive)
-            if answer is None:
-                return  # the worker went away while its pop was held
-        else:
-            answer = await self._serve(wsgi_environ(scope, io.BytesIO(body), len(body)))
+        arrived = time.monotonic()
+        answer = await self._serve(wsgi_environ(scope, io.BytesIO(body), len(body)))
+        held = answer.header(POP_WAIT_HEADER)
+        if held is not None:
             answer.headers = answer.without(POP_WAIT_HEADER)  # never sent to a client
+            if answer.status == 200 and method == "POST" and path == POP_PATH:
+                answer = await self._hold(scope, body, receive, arrived + float(held))
+                if answer is None:
+                    return  # the worker went away while its pop was held
         await _send_answer(send, answer)
 
     async def _serve_spooled(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        """Outside the native API's body rule (the admin, the schema, /healthz): the body spooled
-        to disk past Django's in-memory bound, as Django's ASGI handler does."""
+        """Outside the native API's body rule (GET, the admin, the schema, /healthz): a body past
+        Django's in-memory bound is spooled to disk, as Django's ASGI handler does."""
+        message = await receive()
+        if message["type"] != "http.request":
+            return  # the client went away
+        first = message.get("body", b"")
+        if not message.get("more_body", False):
+            answer = await self._serve(wsgi_environ(scope, io.BytesIO(first), len(first)))
+            return await _send_answer(send, answer)
         with tempfile.SpooledTemporaryFile(max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE) as spooled:
-            length = 0
-            while True:
+            spooled.write(first)
+            length = len(first)
+            while message.get("more_body", False):
                 message = await receive()
                 if message["type"] != "http.request":
                     return  # the client went away
                 chunk = message.get("body", b"")
                 spooled.write(chunk)
                 length += len(chunk)
-                if not message.get("more_body", False):
-                    break
             spooled.seek(0)
             answer = await self._serve(wsgi_environ(scope, spooled, length))
         await _send_answer(send, answer)
@@ -180,26 +189,27 @@ class PooledWSGI:
             return await loop.run_in_executor(self.pool, run_wsgi, self.app, environ)
         except Exception:
             log.exception("%s %s failed", environ["REQUEST_METHOD"], environ["PATH_INFO"])
-            return Answer(500, [("Content-Type", "application/json"), ("Access-Control-Allow-Origin", "*")], _INTERNAL_ERROR)
+            return Answer(500, [("Content-Type", "application/json"), *cors_headers()], _INTERNAL_ERROR)
 
-    async def _long_poll(self, scope: dict[str, Any], body: bytes, receive: Any) -> Answer | None:
-        """A pop that may carry `wait` (docs/adr/0024): pop; while the answer is empty and asks to
-        be held, wait on the event loop for the queue's signal or the re-check, and pop again.
-        None when the worker disconnected meanwhile."""
-        started = time.monotonic()
+    async def _hold(self, scope: dict[str, Any], body: bytes, receive: Any, until: float) -> Answer | None:
+        """An empty pop that asked to wait (docs/adr/0024): until `until`, wait on the event loop for
+        the queue's signal or the re-check and pop again (same body), holding no thread meanwhile.
+        The first pop again comes at once, after registering for the signal: an addition committed
+        after the first pop read the queue is seen by it or wakes the wait. The answer of the last
+        pop; None when the worker disconnected meanwhile."""
         listener = queue_listener()
-        waiter = listener.register()  # before the first pop: an addition committed after it wakes us
+        waiter = listener.register()
         disconnected = asyncio.ensure_future(receive())
         try:
+            await listener.subscribed(timeout=0.5)
             while True:
                 waiter.event.clear()
                 answer = await self._serve(wsgi_environ(scope, io.BytesIO(body), len(body)))
-                held = answer.header(POP_WAIT_HEADER)
+                still_held = answer.header(POP_WAIT_HEADER) is not None
                 answer.headers = answer.without(POP_WAIT_HEADER)
-                left = started + float(held or 0) - time.monotonic()
-                if answer.status != 200 or left <= 0:
+                left = until - time.monotonic()
+                if answer.status != 200 or not still_held or left <= 0:
                     return answer
-                await listener.subscribed(timeout=0.5)
                 woken = asyncio.ensure_future(waiter.wait(min(settings.HORDE_POP_WAIT_RECHECK_SECONDS, left)))
                 await asyncio.wait((woken, disconnected), return_when=asyncio.FIRST_COMPLETED)
                 woken.cancel()
@@ -211,9 +221,7 @@ class PooledWSGI:
 
 
 def _too_large(limit: int) -> Answer:
-    return Answer(
-        413, [("Content-Type", "application/json"), ("Access-Control-Allow-Origin", "*")], too_large_body(limit)
-    )
+    return Answer(413, [("Content-Type", "application/json"), *cors_headers()], too_large_body(limit))
 
 
 async def _send_answer(send: Any, answer: Answer) -> None:
