@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         DEBUG="false",
         LOG_LEVEL="WARNING",
         PYTHONUNBUFFERED="1",
+        # The settings fail closed with a DATABASE_URL and DEBUG off (docs/adr/0017).
+        SECRET_KEY=os.environ.get("SECRET_KEY") or "bench-only-secret-key-not-for-production-0123456789",
+        ALLOWED_HOSTS=os.environ.get("ALLOWED_HOSTS") or "127.0.0.1,localhost",
     )
     env.pop("HORDE_OAI_NATIVE_ROOTS", None)
     recreate_database(args.database_url)
