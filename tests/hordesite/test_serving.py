@@ -305,7 +305,7 @@ def nested(depth: int) -> bytes:
 @pytest.mark.parametrize("path", ["/api/v2/generate/text/pop", "/api/v2/generate/text/submit"])
 def test_a_body_nested_a_thousand_deep_is_a_400_in_the_native_shape(stacks, make_user, caller, path):
     """Pop and submit refuse a 2 KB body nested 1,000 deep in {"message", "rc"}, as Django's own ASGI
-    handler does (the hot route layer answered it with daphne's HTML 500)."""
+    handler does (issue 12 saw daphne's HTML 500 for it from the hot route layer)."""
     _restore_anonymous_user()  # a transactional test's flush removed the migration's row
     _, pooled, plain = stacks
     key = make_user(f"deep-{caller}").key if caller == "keyed" else None
