@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--redis-url", default=os.environ.get("BENCH_PROGRESS_REDIS_URL", DEFAULT_REDIS_URL))
     p.add_argument(
         "--server-env", action="append", default=[], metavar="NAME=VALUE",
-        help="extra environment for daphne (repeatable), e.g. HORDE_HOT_ROUTES=false",
+        help="extra environment for daphne (repeatable), e.g. HORDE_WEB_THREADS=8",
     )
     return p.parse_args(argv)
 

@@ -36,7 +36,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import DAPHNE, ROOT, prepare, server_env
+from common import PYTHON, ROOT, prepare, server_env
+
+# The web process as `make run` starts it: daphne with the launcher's process-level tweaks.
+WEB = [PYTHON, str(ROOT / "scripts" / "run.py"), "web"]
 
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/horde_bench"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/14"
@@ -94,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="extra environment for daphne (repeatable), e.g. HORDE_HOT_ROUTES=false",
+        help="extra environment for daphne (repeatable), e.g. HORDE_WEB_THREADS=8",
     )
     return p.parse_args(argv)
 
@@ -131,7 +134,7 @@ class Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115  (kept open for the child's lifetime)
         self.proc = subprocess.Popen(
-            [DAPHNE, "-b", "127.0.0.1", "-p", str(self.port), "hordesite.asgi:application"],
+            [*WEB, "-b", "127.0.0.1", "-p", str(self.port), "hordesite.asgi:application"],
             cwd=ROOT,
             env=self.env,
             stdout=log,

@@ -1,11 +1,12 @@
-"""ASGI guard for the native API's request bodies, before Django spools them.
+"""The native API's body rule: every native route that takes a body has a bound, past which it
+answers 413 RequestTooLarge (docs/adr/0018): the chat submission MAX_CHAT_BODY_BYTES, every other
+one Django's DATA_UPLOAD_MAX_MEMORY_SIZE, past which `request.body` would raise.
 
-Django's ASGI handler reads a whole body into a temporary file before any view runs, so a view
-can only refuse an oversized body after receiving all of it. This middleware answers 413
-RequestTooLarge from the declared Content-Length at once, and reads a chunked body only up to one
-byte past the bound (spec: chat_requests.md, Routes, step 1). Every native route that takes a body
-has a bound: the chat submission MAX_CHAT_BODY_BYTES, every other one Django's
-DATA_UPLOAD_MAX_MEMORY_SIZE, past which `request.body` would raise (docs/adr/0018).
+It is enforced where the body enters the process, once: on daphne by the serving layer
+(hordesite.wsgi_pool: the declared Content-Length at once, a chunked body read only up to one byte
+past the bound; spec: chat_requests.md, Routes, step 1), on a WSGI entry (the suite's client, the
+mounted front's in-process calls) by hordesite.middleware.JsonBodyMiddleware from the declared
+length.
 """
 
 from __future__ import annotations
@@ -70,39 +71,3 @@ async def read_body(receive: Any, limit: int | None) -> BufferedBody | None:
             return BufferedBody(messages, over_limit=True)
         if not message.get("more_body", False):
             return BufferedBody(messages, over_limit=False)
-
-
-class BodyLimitMiddleware:
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        limit = body_limit(scope.get("method", ""), scope.get("path", "")) if scope["type"] == "http" else None
-        if limit is None:
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            return await self._refuse(send, limit)
-        # Read the body here (as Django would), stopping one byte past the bound.
-        body = await read_body(receive, limit)
-        if body is None:
-            return  # the client went away
-        if body.over_limit:
-            return await self._refuse(send, limit)
-        return await self.app(scope, body.replay(receive), send)
-
-    @staticmethod
-    async def _refuse(send, limit: int) -> None:
-        body = too_large_body(limit)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"access-control-allow-origin", b"*"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})

@@ -6,8 +6,8 @@ gone; each fails on its first statement. A request whose connection was lost bef
 statements completed has written nothing, so it is run once more on a fresh connection: the
 exception handler recycles the connection (the pool discards it and checks the others), probes
 the server with a short connect timeout, and marks the 503 it answers (RETRY_HEADER) for the retry
-that `DatabaseGuardASGI` (every native route, hot ones included) and the mounted front's
-in-process calls (hordesite.asgi) make with the same body. A request that loses its connection
+that `retrying_wsgi` makes with the same body (every native route, from daphne or from the mounted
+front's in-process calls). A request that loses its connection
 after a statement completed is not run again (it may have written); it answers 503.
 
 When the probe fails the database is marked unavailable for HORDE_DATABASE_UNAVAILABLE_SECONDS:
@@ -17,7 +17,6 @@ waiting out the pool's timeout; the first request after the window probes again 
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import io
 import json
@@ -29,8 +28,6 @@ from typing import Any
 
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections
-
-from hordesite.body_limits import BufferedBody, read_body
 
 log = logging.getLogger(__name__)
 
@@ -210,54 +207,11 @@ def _unavailable_start_and_body() -> tuple[dict[str, Any], dict[str, Any]]:
     return start, {"type": "http.response.body", "body": body}
 
 
-class DatabaseGuardASGI:
-    """ASGI, for the native routes: 503 at once while the database is marked unavailable, and one
-    more run, with the same body, of a request the exception handler marked for a retry."""
-
-    def __init__(self, app: Any):
-        self.app = app
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not scope.get("path", "").startswith(NATIVE_PREFIX):
-            return await self.app(scope, receive, send)
-        if _unavailable_until and await asyncio.to_thread(refuse_while_unavailable):
-            start, body = _unavailable_start_and_body()
-            await send(start)
-            await send(body)
-            return
-        buffered = await read_body(receive, None)
-        if buffered is None:
-            return  # the client went away
-        # Counted here for Django's thread (it shares this context); the hot layer counts its own.
-        start_request()
-        retry = await self._attempt(scope, BufferedBody(list(buffered.messages), False).replay(receive), send, last=False)
-        if retry:
-            start_request()
-            await self._attempt(scope, BufferedBody(list(buffered.messages), False).replay(receive), send, last=True)
-
-    async def _attempt(self, scope: dict[str, Any], receive: Any, send: Any, *, last: bool) -> bool:
-        """Run the app once; True when it asked for a retry (nothing was sent to the client then)."""
-        swallowed = False
-
-        async def guarded_send(message: dict[str, Any]) -> None:
-            nonlocal swallowed
-            if message["type"] == "http.response.start":
-                headers = message.get("headers") or []
-                if any(name.lower() == _RETRY_HEADER_BYTES for name, _ in headers):
-                    if not last:
-                        swallowed = True
-                        return
-                    message = {**message, "headers": [(n, v) for n, v in headers if n.lower() != _RETRY_HEADER_BYTES]}
-            elif swallowed:
-                return
-            await send(message)
-
-        await self.app(scope, receive, guarded_send)
-        return swallowed
-
-
 def retrying_wsgi(app: Any) -> Any:
-    """The same for a WSGI application (the mounted front's in-process native calls)."""
+    """The WSGI application `app` (Django's, for every native route however it is reached: daphne
+    through hordesite.wsgi_pool, the mounted front's in-process calls): 503 at once while the
+    database is marked unavailable, and one more run, with the same body, of a request the
+    exception handler marked for a retry."""
 
     def guarded(environ: dict[str, Any], start_response: Any) -> Any:
         if not environ.get("PATH_INFO", "").startswith(NATIVE_PREFIX):

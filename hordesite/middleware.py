@@ -1,5 +1,6 @@
 """CORS for browser clients (KoboldAI Lite runs from file://, origin null): every answer carries
-Access-Control-Allow-Origin, and preflights are answered here.
+Access-Control-Allow-Origin, and preflights are answered here, by the front's implementation
+(oai.asgi) with the native API's policy.
 
 The middleware is sync and async capable, so under ASGI an async view (the OpenAI front) is not
 sent through a thread for it."""
@@ -12,27 +13,30 @@ from rest_framework.exceptions import UnsupportedMediaType
 from rest_framework.utils.mediatypes import media_type_matches
 
 from hordesite.body_limits import body_limit
+from oai.asgi import CorsPolicy, cors_headers, is_preflight, preflight_headers
 
-ALLOWED_HEADERS = "apikey, client-agent, content-type, authorization, x-stainless-retry-count"
-EXPOSED_HEADERS = "Retry-After, x-should-retry"
+# The native API's CORS policy; the implementation is the front's (oai.asgi), one for both APIs.
+NATIVE_CORS = CorsPolicy(
+    allowed_headers="apikey, client-agent, content-type, authorization, x-stainless-retry-count",
+    allowed_methods="GET, POST, PUT, PATCH, DELETE, OPTIONS",
+    preflight_status=200,
+)
 
 
 def _is_preflight(request) -> bool:
-    return request.method == "OPTIONS" and "HTTP_ACCESS_CONTROL_REQUEST_METHOD" in request.META
+    return is_preflight(request.method, request.META.get("HTTP_ACCESS_CONTROL_REQUEST_METHOD"))
 
 
 def _preflight(request) -> HttpResponse:
-    response = HttpResponse(status=200)
-    response["Access-Control-Allow-Methods"] = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
-    requested = request.META.get("HTTP_ACCESS_CONTROL_REQUEST_HEADERS")
-    response["Access-Control-Allow-Headers"] = f"{ALLOWED_HEADERS}, {requested}" if requested else ALLOWED_HEADERS
-    response["Access-Control-Max-Age"] = "86400"
+    response = HttpResponse(status=NATIVE_CORS.preflight_status)
+    for name, value in preflight_headers(NATIVE_CORS, request.META.get("HTTP_ACCESS_CONTROL_REQUEST_HEADERS")):
+        response[name] = value
     return response
 
 
 def _with_cors(response):
-    response["Access-Control-Allow-Origin"] = "*"
-    response["Access-Control-Expose-Headers"] = EXPOSED_HEADERS
+    for name, value in cors_headers():
+        response[name] = value
     return response
 
 

@@ -249,12 +249,10 @@ HORDE_API_KEY_CACHE_SECONDS = env.float("HORDE_API_KEY_CACHE_SECONDS", default=5
 HORDE_WORKER_CACHE_SECONDS = env.float("HORDE_WORKER_CACHE_SECONDS", default=5.0)
 # A worker's empty pop is answered from memory until the queue grows (chat/services/pop_cache.py).
 HORDE_EMPTY_POP_CACHE_SECONDS = env.float("HORDE_EMPTY_POP_CACHE_SECONDS", default=10.0)
-# Pop, submit and the status polls skip Django's per-request machinery (hordesite/hot_routes.py).
-HORDE_HOT_ROUTES = env.bool("HORDE_HOT_ROUTES", default=True)
-HORDE_HOT_ROUTE_THREADS = env.int("HORDE_HOT_ROUTE_THREADS", default=4)
+# Threads of the web process serving the native API through Django's WSGI handler (hordesite/wsgi_pool.py).
+HORDE_WEB_THREADS = env.int("HORDE_WEB_THREADS", default=4)
 # A long-polling pop (`wait`) re-checks the queue this often besides the queue's signal (chat/services/pop_wait.py).
 HORDE_POP_WAIT_RECHECK_SECONDS = env.float("HORDE_POP_WAIT_RECHECK_SECONDS", default=1.0)
-HORDE_GIL_SWITCH_INTERVAL_MS = env.float("HORDE_GIL_SWITCH_INTERVAL_MS", default=1.0)
 # Proxy hops whose X-Forwarded-For may be trusted for the client address (0: use the socket peer).
 HORDE_TRUSTED_PROXY_COUNT = env.int("HORDE_TRUSTED_PROXY_COUNT", default=0)
 

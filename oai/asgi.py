@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from oai.errors import ChatFrontError
@@ -31,6 +32,48 @@ ALLOWED_HEADERS = (
 EXPOSED_HEADERS = "Retry-After, x-should-retry"
 ALLOWED_METHODS = "GET, POST, OPTIONS"
 
+
+# --- CORS, for the front and the native API (hordesite.middleware) -----------------------------
+
+
+@dataclass(frozen=True)
+class CorsPolicy:
+    """What a browser may send, as a preflight answers it. Every answer of either API allows any
+    origin (KoboldAI Lite runs from file://, origin null) and exposes EXPOSED_HEADERS."""
+
+    allowed_headers: str
+    allowed_methods: str
+    preflight_status: int
+
+
+FRONT_CORS = CorsPolicy(ALLOWED_HEADERS, ALLOWED_METHODS, 204)
+
+
+def is_preflight(method: str, request_method_header: str | None) -> bool:
+    """A browser's preflight: OPTIONS with Access-Control-Request-Method."""
+    return method == "OPTIONS" and request_method_header is not None
+
+
+def cors_headers() -> list[tuple[str, str]]:
+    """The headers every answer carries."""
+    return [("Access-Control-Allow-Origin", "*"), ("Access-Control-Expose-Headers", EXPOSED_HEADERS)]
+
+
+def preflight_headers(policy: CorsPolicy, requested: str | None) -> list[tuple[str, str]]:
+    """A preflight's answer headers (besides cors_headers()); `requested`: its
+    Access-Control-Request-Headers, allowed too."""
+    allowed = f"{policy.allowed_headers}, {requested}" if requested else policy.allowed_headers
+    return [
+        ("Access-Control-Allow-Methods", policy.allowed_methods),
+        ("Access-Control-Allow-Headers", allowed),
+        ("Access-Control-Max-Age", "86400"),
+    ]
+
+
+def _cors_headers() -> list[tuple[bytes, bytes]]:
+    return [(k.lower().encode(), v.encode()) for k, v in cors_headers()]
+
+
 _tracer: Any = None
 
 
@@ -38,13 +81,6 @@ def set_tracer(tracer: Any) -> None:
     """Server spans (POST /v1/chat/completions, GET /v1/models) when telemetry is configured."""
     global _tracer
     _tracer = tracer
-
-
-def _cors_headers() -> list[tuple[bytes, bytes]]:
-    return [
-        (b"access-control-allow-origin", b"*"),
-        (b"access-control-expose-headers", EXPOSED_HEADERS.encode()),
-    ]
 
 
 async def _send_json(
@@ -113,7 +149,7 @@ class FrontASGI:
     async def _handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         headers = {k.decode("latin1").lower(): v.decode("latin1") for k, v in scope.get("headers", [])}
         method = scope.get("method", "GET")
-        if method == "OPTIONS" and "access-control-request-method" in headers:
+        if is_preflight(method, headers.get("access-control-request-method")):
             return await self._preflight(send, headers)
         from oai.state import get_front_state
 
@@ -177,16 +213,12 @@ class FrontASGI:
 
     async def _preflight(self, send: Any, headers: dict[str, str]) -> None:
         requested = headers.get("access-control-request-headers", "").strip()
-        allowed = f"{ALLOWED_HEADERS}, {requested}" if requested else ALLOWED_HEADERS
         raw = [
-            (b"access-control-allow-origin", b"*"),
-            (b"access-control-allow-methods", ALLOWED_METHODS.encode()),
-            (b"access-control-allow-headers", allowed.encode("latin1")),
-            (b"access-control-expose-headers", EXPOSED_HEADERS.encode()),
-            (b"access-control-max-age", b"86400"),
-            (b"content-length", b"0"),
+            (k.lower().encode(), v.encode("latin1"))
+            for k, v in [*cors_headers(), *preflight_headers(FRONT_CORS, requested)]
         ]
-        await send({"type": "http.response.start", "status": 204, "headers": raw})
+        raw.append((b"content-length", b"0"))
+        await send({"type": "http.response.start", "status": FRONT_CORS.preflight_status, "headers": raw})
         await send({"type": "http.response.body", "body": b""})
 
 

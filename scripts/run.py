@@ -3,7 +3,8 @@
 
 Runs, from the project root and with the interpreter that runs this script (the venv's):
 
-  web     daphne -b 127.0.0.1 -p $PORT hordesite.asgi:application
+  web     python scripts/run.py web -b 127.0.0.1 -p $PORT hordesite.asgi:application
+          (daphne with the web process's tweaks: see serve_web)
   celery  celery -A hordesite worker -B --loglevel=INFO   (worker with the beat scheduler)
   demo    the reference worker on its scripted backend (python -m workers.bridge --backend scripted),
           unless HORDE_DEMO_WORKER is "0"; it serves the model DEMO_MODEL ("scripted") with the key of
@@ -21,6 +22,7 @@ which then stops each child once (Celery would take a second SIGINT as a cold sh
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -62,9 +64,33 @@ def demo_worker_enabled() -> bool:
     return os.environ.get("HORDE_DEMO_WORKER", "1") != "0" and bool(DEMO_WORKER_COMMAND)
 
 
+# The web process's thread switch interval, in ms (Python's default is 5): its threads mostly wait
+# on sockets and run briefly between waits, and a thread whose answer arrived should not wait 5 ms
+# for the interpreter (docs/deployment.md).
+GIL_SWITCH_INTERVAL_MS = float(os.environ.get("HORDE_GIL_SWITCH_INTERVAL_MS") or 1.0)
+
+
+def serve_web(daphne_args: list[str]) -> int:
+    """daphne in this process with the web process's tweaks: the thread switch interval, and
+    gc.freeze() once the application is loaded, so the collector's full passes stop walking every
+    module, model and URL pattern the process keeps for its lifetime. The rest is daphne's own
+    command line (`daphne --help`)."""
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_MS / 1000)
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hordesite.settings")
+    import hordesite.asgi  # noqa: F401  (loaded before the freeze; daphne finds it imported)
+
+    gc.freeze()
+    from daphne.cli import CommandLineInterface
+
+    CommandLineInterface().run(daphne_args)
+    return 0
+
+
 def commands(port: str) -> dict[str, list[str]]:
     cmds = {
-        "web": [_tool("daphne"), "-b", "127.0.0.1", "-p", port, "hordesite.asgi:application"],
+        "web": [sys.executable, str(Path(__file__).resolve()), "web", "-b", "127.0.0.1", "-p", port,
+                "hordesite.asgi:application"],
         "celery": [_tool("celery"), "-A", "hordesite", "worker", "-B", "--loglevel=INFO"],
     }
     if demo_worker_enabled():
@@ -183,4 +209,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["web"]:
+        sys.exit(serve_web(sys.argv[2:]))
     sys.exit(main())

@@ -15,6 +15,7 @@ from accounts.models import HordeUser
 from chat.api import serializers as s
 from chat.api.fast_validation import validated_body
 from chat.services.pop import PoppedJob, worker_pop
+from chat.services.pop_wait import POP_WAIT_HEADER
 from contract.chat_declaration import parse_chat_declaration
 from contract.chat_errors import ChatDeclarationInvalid
 from contract.errors import HordeError
@@ -68,7 +69,7 @@ class TextPopView(APIView):
         data = validated_body(s.TextPopInputSerializer, request.data)
         job = check_in_and_pop(owner=owner, declaration=pop_declaration(data, request.data), amount=data["amount"])
         response = Response(s.POP_OUTPUT.to_representation(job))
-        if job.request is None:
-            # How long the hot route layer may hold this empty answer for a job (ADR 0024).
-            response.pop_wait_seconds = min(data["wait"], TEXT_POP_WAIT_MAX_SECONDS)
+        if job.request is None and data["wait"]:
+            # How long the serving layer may hold this empty answer for a job (ADR 0024).
+            response[POP_WAIT_HEADER] = str(min(data["wait"], TEXT_POP_WAIT_MAX_SECONDS))
         return response

@@ -209,7 +209,7 @@ class TextPopInputSerializer(serializers.Serializer):
 
 
 class TextPopOutputSerializer(serializers.Serializer):
-    """A chat.dispatch.PoppedJob: a job, or an empty pop (no request). messages and
+    """A chat.services.pop.PoppedJob: a job, or an empty pop (no request). messages and
     extra_source_images are upstream's keys for what this horde never sends."""
 
     payload = serializers.SerializerMethodField()

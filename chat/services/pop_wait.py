@@ -1,7 +1,8 @@
 """The queue's signal, and the per-process wake that long-polling pops wait on.
 
-A pop that carries `wait` and finds nothing is held (hordesite/hot_routes.py, on the event loop, not
-on a pool thread) until the queue grows or its wait ends, then pops again. The queue grows where
+A pop that carries `wait` and finds nothing answers with POP_WAIT_HEADER; the web process's serving
+layer (hordesite/wsgi_pool.py) holds it on the event loop, not on a pool thread, until the queue
+grows or its wait ends, then pops again. The queue grows where
 chat/services/pop_cache.py bumps its count (a new text or chat request, a requeued job); on commit the same
 round trip PUBLISHes on QUEUE_SIGNAL_CHANNEL.
 
@@ -26,6 +27,10 @@ from django.core.cache import cache
 logger = logging.getLogger(__name__)
 
 QUEUE_SIGNAL_CHANNEL = "horde:queue:grew"
+POP_PATH = "/api/v2/generate/text/pop"
+# On an empty pop that asked to wait: the seconds it may be held for a job, from its arrival. Never
+# sent to a client: the serving layer removes it.
+POP_WAIT_HEADER = "X-Horde-Pop-Wait"
 
 
 def queue_signal_channel() -> str:

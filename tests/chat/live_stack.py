@@ -1,7 +1,7 @@
-"""The native API as the web process serves it (hordesite.asgi: BodyLimitMiddleware, the hot route
-layer, Django's ASGI handler), called in process over HTTP semantics with a program's own headers
-and body bytes. Tests using it need `django_db(transaction=True)`: the layer's threads and Django's
-have their own database connections.
+"""The native API as the web process serves it (hordesite.asgi: Django's WSGI handler on the serving
+layer's threads, hordesite/wsgi_pool.py), called in process over HTTP semantics with a program's own
+headers and body bytes. Tests using it need `django_db(transaction=True)`: the layer's threads have
+their own database connections.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import json
 from typing import Any
 
 import httpx
-from django.core.asgi import get_asgi_application
+from django.core.wsgi import get_wsgi_application
 
-from hordesite.body_limits import BodyLimitMiddleware
-from hordesite.hot_routes import HotRoutesASGI
+from hordesite.db_guard import retrying_wsgi
+from hordesite.wsgi_pool import PooledWSGI
 
 # What python-requests sends beside a program's own headers (the upstream worker uses requests).
 REQUESTS_HEADERS = {
@@ -27,12 +27,10 @@ REQUESTS_HEADERS = {
 
 class LiveStack:
     def __init__(self) -> None:
-        self.hot = HotRoutesASGI(get_asgi_application(), enabled=True, threads=4)
-        self.app = BodyLimitMiddleware(self.hot)
+        self.app = PooledWSGI(retrying_wsgi(get_wsgi_application()), threads=4)
 
     def close(self) -> None:
-        if self.hot._pool is not None:
-            self.hot._pool.shutdown(wait=True)
+        self.app.close()
 
     def request(self, method: str, path: str, *, headers: dict[str, str], body: Any = None) -> httpx.Response:
         # requests' json= encoding: json.dumps with its default separators.

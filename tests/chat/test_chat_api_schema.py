@@ -12,7 +12,7 @@ from django.utils import timezone
 from drf_spectacular.validation import validate_schema
 
 from chat.models import Generation, GenerationRequest
-from chat.status_cache import status_changed
+from chat.selectors.status_cache import status_changed
 from contract.chat_shapes import CHAT_HORDE_KEYS, CHAT_REQUEST_KEYS
 from contract.chat_status import ChatStatus
 from tests.chat.chat_route_helpers import MODEL, chat_async, chat_cancel, chat_status, chat_worker

@@ -184,21 +184,32 @@ def test_an_application_error_is_a_500(mounted):
 
 
 def test_the_mounted_body_bound_is_the_native_routes(mounted):
-    from contract.chat_limits import MAX_CHAT_BODY_BYTES
-    from hordesite.asgi import native_in_process_app
+    import io
+    import sys
 
-    inner = _App()
-    app = native_in_process_app(inner)
+    from contract.chat_limits import MAX_CHAT_BODY_BYTES
+    from hordesite.asgi import native_app
+
     started: list[str] = []
     environ = {
         "REQUEST_METHOD": "POST",
+        "SCRIPT_NAME": "",
         "PATH_INFO": "/api/v2/generate/chat/async",
+        "QUERY_STRING": "",
+        "SERVER_NAME": "testserver",
+        "SERVER_PORT": "80",
+        "CONTENT_TYPE": "application/json",
         "CONTENT_LENGTH": str(MAX_CHAT_BODY_BYTES + 1),
+        "wsgi.input": io.BytesIO(b"{}"),
+        "wsgi.url_scheme": "http",
+        "wsgi.errors": sys.stderr,
     }
-    body = b"".join(app(environ, lambda status, headers, exc_info=None: started.append(status)))
+    body = b"".join(native_app(environ, lambda status, headers, exc_info=None: started.append(status)))
     assert started == ["413 Request Entity Too Large"]
-    assert json.loads(body)["rc"] == "RequestTooLarge"
-    assert not inner.environs
+    assert json.loads(body) == {
+        "message": f"The request body is over {MAX_CHAT_BODY_BYTES} bytes.",
+        "rc": "RequestTooLarge",
+    }
 
 
 # --- against the live horde ------------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""The hot route layer (pop, submit, text status) answers exactly as Django does, serves the
-whole worker loop, leaves odd requests to Django, and keeps one winner of racing submits.
+"""The web process's serving layer (Django's WSGI handler on a pool of threads under ASGI,
+hordesite/wsgi_pool.py) answers exactly as Django's own ASGI handler does, serves the whole worker
+loop, refuses an oversized body before Django reads it, and keeps one winner of racing submits.
 
-Requests go through the project's ASGI stack in process: BodyLimitMiddleware, then the layer, then
-Django's ASGI handler; the same requests through the layer disabled give Django's own answers.
+Requests go through the layer in process, as daphne hands them over; the same requests through
+Django's ASGI handler give Django's own answers to compare.
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ from dataclasses import dataclass
 
 import pytest
 from django.core.asgi import get_asgi_application
+from django.core.wsgi import get_wsgi_application
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from chat.models import Generation, GenerationRequest
-from hordesite.body_limits import BodyLimitMiddleware
-from hordesite.hot_routes import HotRoutesASGI
+from hordesite.db_guard import retrying_wsgi
+from hordesite.wsgi_pool import PooledWSGI
 from tests.chat.pop_helpers import queue_chat
+from tests.oai.conftest import _restore_anonymous_user
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -42,24 +45,24 @@ class Answer:
 
 
 class CountingApp:
-    """Django's ASGI application, counting the requests that reach it."""
+    """The native WSGI application as hordesite.asgi builds it, counting the requests that reach it."""
 
     def __init__(self):
-        self.app = get_asgi_application()
+        self.app = retrying_wsgi(get_wsgi_application())
         self.calls = 0
 
-    async def __call__(self, scope, receive, send):
+    def __call__(self, environ, start_response):
         self.calls += 1
-        await self.app(scope, receive, send)
+        return self.app(environ, start_response)
 
 
 @pytest.fixture
 def stacks():
-    django_app = CountingApp()
-    hot = HotRoutesASGI(django_app, enabled=True, threads=4)
-    yield django_app, BodyLimitMiddleware(hot), BodyLimitMiddleware(HotRoutesASGI(django_app, enabled=False))
-    if hot._pool is not None:
-        hot._pool.shutdown(wait=True)
+    """(the WSGI application, the serving layer over it, Django's own ASGI handler)"""
+    wsgi_app = CountingApp()
+    pooled = PooledWSGI(wsgi_app, threads=4)
+    yield wsgi_app, pooled, get_asgi_application()
+    pooled.close()
 
 
 async def _call(app, method: str, path: str, *, key: str | None = None, body=None, headers=None, query: bytes = b""):
@@ -125,7 +128,7 @@ def queue_request(horde, key: str, **body) -> str:
 
 
 def test_answers_match_djangos_for_the_same_requests(stacks, make_user, horde):
-    django_app, hot, plain = stacks
+    wsgi_app, pooled, plain = stacks
     worker, requester = make_user("hot-owner"), make_user("hot-requester", kudos=100)
     queued = queue_request(horde, requester.key)
     chat = queue_chat(requester.user)
@@ -148,14 +151,14 @@ def test_answers_match_djangos_for_the_same_requests(stacks, make_user, horde):
     ]
     call(plain, "POST", "/api/v2/generate/text/pop", key=worker.key, body=pop_body(models=["nobody/wants-this"]))
     for method, path, kw in cases:
-        before = django_app.calls
-        via_layer = call(hot, method, path, **kw)
-        assert django_app.calls == before, f"{method} {path} {kw} went to Django"
+        before = wsgi_app.calls
+        via_layer = call(pooled, method, path, **kw)
+        assert wsgi_app.calls == before + 1, f"{method} {path} {kw} did not run once"
         via_django = call(plain, method, path, **kw)
         assert via_layer.status == via_django.status, (path, kw, via_layer.body, via_django.body)
         assert via_layer.json() == via_django.json(), (path, kw)
         assert via_layer.header_set() == via_django.header_set(), (path, kw)
-    assert call(hot, "GET", f"/api/v2/generate/text/status/{queued}").json()["waiting"] == 1
+    assert call(pooled, "GET", f"/api/v2/generate/text/status/{queued}").json()["waiting"] == 1
 
 
 @pytest.mark.parametrize(
@@ -169,59 +172,56 @@ def test_answers_match_djangos_for_the_same_requests(stacks, make_user, horde):
         (b"", {}, b""),
     ],
 )
-def test_requests_it_does_not_fully_understand_go_to_django(stacks, make_user, body, headers, query):
-    django_app, hot, plain = stacks
+def test_odd_requests_get_djangos_own_answer(stacks, make_user, body, headers, query):
+    _, pooled, plain = stacks
     worker = make_user("odd-owner")
-    before = django_app.calls
-    via_layer = call(hot, "POST", "/api/v2/generate/text/pop", key=worker.key, body=body, headers=headers, query=query)
-    assert django_app.calls == before + 1
+    via_layer = call(pooled, "POST", "/api/v2/generate/text/pop", key=worker.key, body=body, headers=headers, query=query)
     via_django = call(plain, "POST", "/api/v2/generate/text/pop", key=worker.key, body=body, headers=headers, query=query)
     assert (via_layer.status, via_layer.body) == (via_django.status, via_django.body)
     assert via_layer.status in (200, 400, 406, 415)
 
 
 def test_a_body_over_djangos_memory_bound_is_413_before_either(stacks, make_user, settings):
-    django_app, hot, plain = stacks
+    wsgi_app, pooled, plain = stacks
     worker = make_user("big-body-owner")
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
     body = pop_body(softprompts=["x" * 2000])
-    before = django_app.calls
-    via_layer = call(hot, "POST", "/api/v2/generate/text/pop", key=worker.key, body=body)
+    before = wsgi_app.calls
+    via_layer = call(pooled, "POST", "/api/v2/generate/text/pop", key=worker.key, body=body)
     via_django = call(plain, "POST", "/api/v2/generate/text/pop", key=worker.key, body=body)
-    assert django_app.calls == before  # BodyLimitMiddleware answered, Django never read it
+    assert wsgi_app.calls == before  # the layer answered, Django never read it
     assert (via_layer.status, via_layer.body) == (via_django.status, via_django.body)
     assert via_layer.status == 413 and via_layer.json()["rc"] == "RequestTooLarge"
 
 
-def test_other_routes_and_methods_go_to_django(stacks, make_user, horde):
-    django_app, hot, _ = stacks
+def test_other_routes_and_methods_are_served_the_same_way(stacks, make_user, horde):
+    wsgi_app, pooled, _ = stacks
     requester = make_user("cancel-requester", kudos=100)
     queued = queue_request(horde, requester.key)
-    before = django_app.calls
-    assert call(hot, "GET", "/api/v2/status/heartbeat").json()["message"] == "OK"
-    cancelled = call(hot, "DELETE", f"/api/v2/generate/text/status/{queued}", key=requester.key)
+    before = wsgi_app.calls
+    assert call(pooled, "GET", "/api/v2/status/heartbeat").json()["message"] == "OK"
+    cancelled = call(pooled, "DELETE", f"/api/v2/generate/text/status/{queued}", key=requester.key)
     assert cancelled.status == 200 and cancelled.json()["done"] is True
-    assert call(hot, "GET", "/api/v2/generate/text/pop").status == 405
-    assert call(hot, "GET", "/api/v2/generate/text/status/NOT-A-UUID").status == 404
-    assert django_app.calls == before + 4
+    assert call(pooled, "GET", "/api/v2/generate/text/pop").status == 405
+    assert call(pooled, "GET", "/api/v2/generate/text/status/NOT-A-UUID").status == 404
+    assert call(pooled, "GET", "/healthz").status == 200
+    assert wsgi_app.calls == before + 5
 
 
 def test_the_worker_loop_through_the_layer_settles_kudos(stacks, make_user, horde):
-    django_app, hot, _ = stacks
+    _, pooled, _ = stacks
     worker, requester = make_user("loop-owner"), make_user("loop-requester", kudos=100)
     queued = queue_request(horde, requester.key, params={"max_length": 80})
-    before = django_app.calls
-    popped = call(hot, "POST", "/api/v2/generate/text/pop", key=worker.key, body=pop_body())
+    popped = call(pooled, "POST", "/api/v2/generate/text/pop", key=worker.key, body=pop_body())
     assert popped.status == 200 and popped.json()["id"] is not None
     assert popped.json()["payload"]["prompt"] == "Once upon a time"
     submitted = call(
-        hot, "POST", "/api/v2/generate/text/submit", key=worker.key,
-        body={"id": popped.json()["id"], "generation": "A reply through the hot layer.", "state": "ok"},
+        pooled, "POST", "/api/v2/generate/text/submit", key=worker.key,
+        body={"id": popped.json()["id"], "generation": "A reply through the pool.", "state": "ok"},
     )
     assert submitted.status == 200 and submitted.json()["reward"] > 0
-    status = call(hot, "GET", f"/api/v2/generate/text/status/{queued}").json()
-    assert status["done"] is True and status["generations"][0]["text"] == "A reply through the hot layer."
-    assert django_app.calls == before  # pop, submit and status never reached Django
+    status = call(pooled, "GET", f"/api/v2/generate/text/status/{queued}").json()
+    assert status["done"] is True and status["generations"][0]["text"] == "A reply through the pool."
     generation = Generation.objects.get(pk=popped.json()["id"])
     assert generation.state == Generation.State.OK
     assert float(generation.kudos) == pytest.approx(submitted.json()["reward"], abs=0.01)
@@ -230,16 +230,16 @@ def test_the_worker_loop_through_the_layer_settles_kudos(stacks, make_user, hord
 
 
 @pytest.mark.postgres_only
-def test_racing_submits_through_the_layer_have_one_winner(stacks, make_user, horde):
-    _, hot, _ = stacks
+def test_racing_submits_have_one_winner(stacks, make_user, horde):
+    _, pooled, _ = stacks
     worker, requester = make_user("race-owner"), make_user("race-requester", kudos=100)
     queue_request(horde, requester.key)
-    job = call(hot, "POST", "/api/v2/generate/text/pop", key=worker.key, body=pop_body()).json()["id"]
+    job = call(pooled, "POST", "/api/v2/generate/text/pop", key=worker.key, body=pop_body()).json()["id"]
     body = {"id": job, "generation": "First!", "state": "ok"}
 
     async def race():
         return await asyncio.gather(
-            *(_call(hot, "POST", "/api/v2/generate/text/submit", key=worker.key, body=body) for _ in range(4))
+            *(_call(pooled, "POST", "/api/v2/generate/text/submit", key=worker.key, body=body) for _ in range(4))
         )
 
     answers = asyncio.run(race())
@@ -283,14 +283,62 @@ _accepts = st.sampled_from(["", "*/*", "application/json", "application/*", "tex
 @given(body=_submit_bodies, content_type=_content_types, accept=_accepts)
 def test_fuzzed_submits_get_djangos_answer(stacks, make_user, body, content_type, accept):
     """Whatever the body and headers, the layer answers a submit of no existing job exactly as
-    Django does (the layer's own answer or, for what it does not take, Django's)."""
-    _, hot, plain = stacks
+    Django's own ASGI handler does."""
+    _, pooled, plain = stacks
     worker = make_user()
     headers = {"Content-Type": content_type, **({"Accept": accept} if accept else {})}
     raw = json.dumps(body).encode()
     kw = {"key": worker.key, "body": raw, "headers": headers}
-    via_layer = call(hot, "POST", "/api/v2/generate/text/submit", **kw)
+    via_layer = call(pooled, "POST", "/api/v2/generate/text/submit", **kw)
     via_django = call(plain, "POST", "/api/v2/generate/text/submit", **kw)
     assert (via_layer.status, via_layer.body) == (via_django.status, via_django.body), (body, headers)
     assert via_layer.header_set() == via_django.header_set()
     assert via_layer.status < 500
+
+
+def nested(depth: int) -> bytes:
+    """A small JSON object whose prompt nests `depth` arrays deep (2 KB at 1,000)."""
+    return b'{"prompt": ' + b"[" * depth + b"]" * depth + b', "models": ["m"]}'
+
+
+@pytest.mark.parametrize("caller", ["anonymous", "keyed"])
+@pytest.mark.parametrize("path", ["/api/v2/generate/text/pop", "/api/v2/generate/text/submit"])
+def test_a_body_nested_a_thousand_deep_is_a_400_in_the_native_shape(stacks, make_user, caller, path):
+    """Pop and submit refuse a 2 KB body nested 1,000 deep in {"message", "rc"}, as Django's own ASGI
+    handler does (issue 12 saw daphne's HTML 500 for it from the hot route layer)."""
+    _restore_anonymous_user()  # a transactional test's flush removed the migration's row
+    _, pooled, plain = stacks
+    key = make_user(f"deep-{caller}").key if caller == "keyed" else None
+    via_layer = call(pooled, "POST", path, key=key, body=nested(1_000))
+    via_django = call(plain, "POST", path, key=key, body=nested(1_000))
+    assert (via_layer.status, via_layer.json()) == (via_django.status, via_django.json())
+    assert dict(via_layer.headers)["Content-Type"] == "application/json"
+    if caller == "anonymous":
+        # Anonymous may not own workers: refused before its body is read, in the same shape.
+        assert via_layer.status == 403 and via_layer.json()["rc"] == "AnonForbiddenWorker", via_layer.body
+    else:
+        assert via_layer.status == 400, via_layer.body
+        assert via_layer.json() == {"message": "The request body nests too deeply.", "rc": "BadRequest"}
+
+
+def test_an_empty_pop_that_waits_is_held_and_the_wait_header_never_leaves(stacks, make_user, settings):
+    """A pop with `wait` that finds nothing is held on the event loop (ADR 0024) up to its wait, then
+    answers the empty pop; the layer's internal header is not sent."""
+    _, pooled, _ = stacks
+    settings.HORDE_POP_WAIT_RECHECK_SECONDS = 0.2
+    worker = make_user("wait-owner")
+    started = asyncio.run(_timed(pooled, worker.key, pop_body(models=["nobody/wants-this"], wait=1)))
+    answer, elapsed = started
+    assert answer.status == 200 and answer.json()["id"] is None
+    assert 1.0 <= elapsed < 3.0
+    assert all(name.lower() != "x-horde-pop-wait" for name, _ in answer.headers)
+    at_once, elapsed = asyncio.run(_timed(pooled, worker.key, pop_body(models=["nobody/wants-this"])))
+    assert at_once.json() == answer.json() and elapsed < 1.0
+
+
+async def _timed(app, key: str, body) -> tuple[Answer, float]:
+    import time
+
+    started = time.monotonic()
+    answer = await _call(app, "POST", "/api/v2/generate/text/pop", key=key, body=body)
+    return answer, time.monotonic() - started

@@ -1,0 +1,233 @@
+"""Django's WSGI handler on a bounded pool of threads, under daphne's ASGI (docs/adr/0025).
+
+Under ASGI, Django runs each sync view on a new thread per request (ThreadSensitiveContext) and
+hops threads for its signals and its response: for the worker loop's routes about as much CPU as
+the view itself. A WSGI server's thread runs one request start to end instead. This layer is that
+server inside the ASGI application, for every path it is given (hordesite.asgi: all but the
+front's /v1/):
+
+- the body is read on the event loop (a slow client holds no thread), bounded by the route's body
+  rule: past it 413 RequestTooLarge, from the declared length at once, a chunked body one byte past
+  the bound (hordesite.body_limits);
+- the PEP 3333 environ is built from the ASGI scope and the WSGI application runs on one of
+  HORDE_WEB_THREADS threads, in that thread's own context as on a WSGI server (Django's per-context
+  cache backends and connections are made once per thread, not once per request);
+- a pop that asked to wait and found nothing (docs/adr/0024) answers with POP_WAIT_HEADER: the
+  layer holds it here, on the event loop, until the queue's signal or the re-check, then runs the
+  same request again, holding no thread while it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from django.conf import settings
+
+from chat.services.pop_wait import POP_PATH, POP_WAIT_HEADER, queue_listener
+from hordesite.body_limits import body_limit, read_body, too_large_body
+from oai.asgi import cors_headers
+
+log = logging.getLogger(__name__)
+
+_INTERNAL_ERROR = json.dumps({"message": "Internal server error", "rc": "InternalError"}).encode()
+
+
+class Answer:
+    """A WSGI application's whole answer."""
+
+    __slots__ = ("status", "headers", "body")
+
+    def __init__(self, status: int, headers: list[tuple[str, str]], body: bytes):
+        self.status, self.headers, self.body = status, headers, body
+
+    def header(self, name: str) -> str | None:
+        lowered = name.lower()
+        return next((v for k, v in self.headers if k.lower() == lowered), None)
+
+    def without(self, name: str) -> list[tuple[str, str]]:
+        lowered = name.lower()
+        return [(k, v) for k, v in self.headers if k.lower() != lowered]
+
+
+def run_wsgi(app: Any, environ: dict[str, Any]) -> Answer:
+    """One WSGI call start to end (its iterable read and closed: Django's request_finished)."""
+    started: list[Any] = []
+
+    def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        started[:] = [status, headers]
+        return lambda data: None
+
+    result = app(environ, start_response)
+    try:
+        body = b"".join(result)
+    finally:
+        close = getattr(result, "close", None)
+        if close is not None:
+            close()
+    return Answer(int(started[0].split(" ", 1)[0]), list(started[1]), body)
+
+
+def wsgi_environ(scope: dict[str, Any], body: Any, length: int) -> dict[str, Any]:
+    """PEP 3333's environ for an ASGI HTTP scope whose body was read whole (`length` bytes)."""
+    server = scope.get("server") or ("localhost", 80)
+    environ: dict[str, Any] = {
+        "REQUEST_METHOD": scope["method"],
+        "SCRIPT_NAME": scope.get("root_path", "").encode("utf-8").decode("latin-1"),
+        "PATH_INFO": scope["path"].encode("utf-8").decode("latin-1"),
+        "QUERY_STRING": scope.get("query_string", b"").decode("latin-1"),
+        "SERVER_NAME": str(server[0]),
+        "SERVER_PORT": str(server[1] if server[1] is not None else 80),
+        "SERVER_PROTOCOL": f"HTTP/{scope.get('http_version', '1.1')}",
+        "wsgi.version": (1, 0),
+        "wsgi.url_scheme": scope.get("scheme", "http"),
+        "wsgi.input": body,
+        "wsgi.errors": sys.stderr,
+        "wsgi.multithread": True,
+        "wsgi.multiprocess": True,
+        "wsgi.run_once": False,
+    }
+    client = scope.get("client")
+    if client:
+        environ["REMOTE_ADDR"], environ["REMOTE_PORT"] = client[0], str(client[1])
+    for raw_name, raw_value in scope.get("headers") or ():
+        name = raw_name.decode("latin-1").upper().replace("-", "_")
+        if name in ("CONTENT_LENGTH", "CONTENT_TYPE"):
+            key = name
+        else:
+            key = f"HTTP_{name}"
+        value = raw_value.decode("latin-1")
+        environ[key] = f"{environ[key]},{value}" if key in environ else value
+    # The body was read whole: its length is known even when it came chunked.
+    if length or "CONTENT_LENGTH" in environ:
+        environ["CONTENT_LENGTH"] = str(length)
+    return environ
+
+
+class PooledWSGI:
+    """ASGI: `app` (a WSGI application) for every HTTP request, on a bounded pool of threads."""
+
+    def __init__(self, app: Any, *, threads: int | None = None):
+        self.app = app
+        self.threads = threads or settings.HORDE_WEB_THREADS
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="web")
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            raise ValueError(f"PooledWSGI serves HTTP, not {scope['type']!r}")
+        method, path = scope["method"], scope["path"]
+        limit = body_limit(method, path)
+        if limit is None:
+            return await self._serve_spooled(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            return await _send_answer(send, _too_large(limit))
+        buffered = await read_body(receive, limit)
+        if buffered is None:
+            return  # the client went away
+        if buffered.over_limit:
+            return await _send_answer(send, _too_large(limit))
+        body = buffered.content
+        arrived = time.monotonic()
+        answer = await self._serve(wsgi_environ(scope, io.BytesIO(body), len(body)))
+        held = answer.header(POP_WAIT_HEADER)
+        if held is not None:
+            answer.headers = answer.without(POP_WAIT_HEADER)  # never sent to a client
+            if answer.status == 200 and method == "POST" and path == POP_PATH:
+                answer = await self._hold(scope, body, receive, arrived + float(held))
+                if answer is None:
+                    return  # the worker went away while its pop was held
+        await _send_answer(send, answer)
+
+    async def _serve_spooled(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Outside the native API's body rule (GET, the admin, the schema, /healthz): a body past
+        Django's in-memory bound is spooled to disk, as Django's ASGI handler does."""
+        message = await receive()
+        if message["type"] != "http.request":
+            return  # the client went away
+        first = message.get("body", b"")
+        if not message.get("more_body", False):
+            answer = await self._serve(wsgi_environ(scope, io.BytesIO(first), len(first)))
+            return await _send_answer(send, answer)
+        with tempfile.SpooledTemporaryFile(max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE) as spooled:
+            spooled.write(first)
+            length = len(first)
+            while message.get("more_body", False):
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away
+                chunk = message.get("body", b"")
+                spooled.write(chunk)
+                length += len(chunk)
+            spooled.seek(0)
+            answer = await self._serve(wsgi_environ(scope, spooled, length))
+        await _send_answer(send, answer)
+
+    async def _serve(self, environ: dict[str, Any]) -> Answer:
+        loop = asyncio.get_running_loop()
+        try:
+            # run_in_executor runs the call in the pool thread's own context (no copy of the
+            # loop's), as a WSGI server's thread runs one request after another.
+            return await loop.run_in_executor(self.pool, run_wsgi, self.app, environ)
+        except Exception:
+            log.exception("%s %s failed", environ["REQUEST_METHOD"], environ["PATH_INFO"])
+            return Answer(500, [("Content-Type", "application/json"), *cors_headers()], _INTERNAL_ERROR)
+
+    async def _hold(self, scope: dict[str, Any], body: bytes, receive: Any, until: float) -> Answer | None:
+        """An empty pop that asked to wait (docs/adr/0024): until `until`, wait on the event loop for
+        the queue's signal or the re-check and pop again (same body), holding no thread meanwhile.
+        The first pop again comes at once, after registering for the signal: an addition committed
+        after the first pop read the queue is seen by it or wakes the wait. The answer of the last
+        pop; None when the worker disconnected meanwhile."""
+        listener = queue_listener()
+        waiter = listener.register()
+        disconnected = asyncio.ensure_future(receive())
+        try:
+            await listener.subscribed(timeout=0.5)
+            while True:
+                waiter.event.clear()
+                answer = await self._serve(wsgi_environ(scope, io.BytesIO(body), len(body)))
+                still_held = answer.header(POP_WAIT_HEADER) is not None
+                answer.headers = answer.without(POP_WAIT_HEADER)
+                left = until - time.monotonic()
+                if answer.status != 200 or not still_held or left <= 0:
+                    return answer
+                woken = asyncio.ensure_future(waiter.wait(min(settings.HORDE_POP_WAIT_RECHECK_SECONDS, left)))
+                await asyncio.wait((woken, disconnected), return_when=asyncio.FIRST_COMPLETED)
+                woken.cancel()
+                if disconnected.done():
+                    return None
+        finally:
+            listener.unregister(waiter)
+            disconnected.cancel()
+
+
+def _too_large(limit: int) -> Answer:
+    return Answer(413, [("Content-Type", "application/json"), *cors_headers()], too_large_body(limit))
+
+
+async def _send_answer(send: Any, answer: Answer) -> None:
+    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers]
+    if not any(k.lower() == "content-length" for k, _ in answer.headers):
+        headers.append((b"Content-Length", str(len(answer.body)).encode()))
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer.body})
+
