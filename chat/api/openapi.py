@@ -19,8 +19,8 @@ _REF_TEMPLATE = "#/components/schemas/{model}"
 
 
 class OpenApi30JsonSchema(GenerateJsonSchema):
-    """pydantic's JSON Schema in OpenAPI 3.0's words: `nullable` for a null branch, `enum` for
-    `const`, exclusive bounds as booleans beside the bound; no per-field titles."""
+    """pydantic's JSON Schema in OpenAPI 3.0's words: `nullable` for a null branch, a one-value
+    `enum` for `const`, exclusive bounds as booleans beside the bound; no per-field titles."""
 
     def nullable_schema(self, schema: core_schema.NullableSchema) -> JsonSchemaValue:
         inner = self.generate_inner(schema["schema"])
@@ -31,7 +31,11 @@ class OpenApi30JsonSchema(GenerateJsonSchema):
     def literal_schema(self, schema: core_schema.LiteralSchema) -> JsonSchemaValue:
         generated = super().literal_schema(schema)
         if "const" in generated:
+            # A one-value tag (a message's role, a part's type) stays with its model: as a bare
+            # property enum drf-spectacular's enum hook would lift it into a component shared by
+            # every model with that tag, a naming collision `check --deploy` warns about.
             generated["enum"] = [generated.pop("const")]
+            return {"allOf": [generated]}
         return generated
 
     @staticmethod
