@@ -67,6 +67,8 @@ class GenerationRequest(models.Model):
     chat_fault_rc = models.CharField(max_length=32, null=True, blank=True)
     # Until when a front waits for this request (contract.front_lease); null: no front lease.
     front_lease_expires_at = models.DateTimeField(null=True, blank=True)
+    # The front process holding that lease (contract.front_lease.FRONT_ID_HEADER); null: unnamed.
+    front_id = models.CharField(max_length=320, null=True, blank=True)
 
     class Meta:
         db_table = "horde_requests"

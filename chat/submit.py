@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from accounts.models import HordeUser
 from accounts.services import kudos_settle, kudos_settle_ctes
+from chat import front_lease
 from chat.gate_shadow import record_gate_shadow_outcome
 from chat.handed_out import handed_out
 from chat.metrics import chat_worker_faults
@@ -232,6 +233,9 @@ def job_submit(
     or fault_reason); `text` is its text fields when they validate (always for a text-shaped body).
     """
     generation = _load_generation(user=user, generation_id=generation_id)
+    if front_lease.front_gone(generation.request):  # nobody can receive it (docs/adr/0028)
+        front_lease.cancel_for_dead_front(generation.request_id)
+        raise _not_pending_error(generation.pk, _current_state(generation.pk))
     try:
         if generation.request.is_chat:
             if chat_body is None:

@@ -54,6 +54,7 @@ class TextAsyncView(APIView):
             client_agent=request.headers.get("Client-Agent", ""),
             ip_address=address,
             front_lease_seconds=front_lease.front_lease_seconds(request.headers),
+            front_id=front_lease.front_lease_front_id(request.headers),
         )
         if created.request is None:
             return Response({"kudos": float(created.kudos)}, status=200)
