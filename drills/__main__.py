@@ -232,8 +232,11 @@ class Template:
                 "    print('W', user_create(username=f'drill-owner-{i}', trusted=True)[1])\n"
             )
             for line in manage(env, "shell", "-c", script).splitlines():
-                kind, _, key = line.partition(" ")
-                (template.requesters if kind == "R" else template.workers).append(key.strip())
+                kind, _, key = line.strip().partition(" ")
+                if kind in ("R", "W") and key.strip():  # the keys, not whatever else the shell printed
+                    (template.requesters if kind == "R" else template.workers).append(key.strip())
+            if len(template.requesters) != requesters or len(template.workers) != workers + 1:
+                raise SystemExit("the drill users were not all created")
         except BaseException:
             pg.stop()
             raise
