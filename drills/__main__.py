@@ -2,8 +2,8 @@
 Redis server of its own, under a light load, injects its faults, then reconciles the database with
 what the clients saw (drills/reconcile.py).
 
-    .venv/bin/python -m drills            # every drill, about 6-8 minutes on 2 cores
-    .venv/bin/python -m drills --short    # shorter faults and load (CI); start-up dominates
+    .venv/bin/python -m drills            # every drill on its own services, about 8-9 minutes on 2 cores
+    .venv/bin/python -m drills --short    # one set of services for all, shorter faults (CI): 3-4 minutes
     .venv/bin/python -m drills --only redis,postgres
 
 Processes per drill: PostgreSQL (a copy of a cluster initdb'd and migrated once, in a temporary
