@@ -70,6 +70,8 @@ class GenerationRequest(models.Model):
     # The pricing's context multiplier (chat.pricing.context_multiplier of prompt and max_length),
     # fixed at creation: the pop prices its jobs from it without reading the prompt (ADR 0026).
     kudos_context = models.FloatField(null=True, blank=True)
+    # The front process holding that lease (contract.front_lease.FRONT_ID_HEADER); null: unnamed.
+    front_id = models.CharField(max_length=320, null=True, blank=True)
 
     class Meta:
         db_table = "horde_requests"

@@ -258,6 +258,9 @@ def priced_text_submit(
             " FROM horde_workers AS w, horde_requests AS r"
             " WHERE g.id = %s AND g.state = %s AND g.price_rate IS NOT NULL"
             " AND w.id = g.worker_id AND w.owner_id = %s AND r.id = g.request_id AND NOT r.is_chat"
+            # A request whose front named its process goes the read path, which checks that process
+            # is alive (docs/adr/0028-dead-front-requests.md).
+            " AND r.front_id IS NULL"
             " RETURNING g.id, g.request_id, g.worker_id, g.created, g.kudos,"
             " LEAST(%s, g.price_max_length) AS tokens,"
             " g.price_max_length, g.price_owner_trusted, g.over_capacity_at_assignment",

@@ -88,7 +88,11 @@ class Reconciliation:
         }
 
 
-def reconcile(query: Callable[[str], Iterable[tuple]], calls: Iterable[Call]) -> Reconciliation:
+def reconcile(
+    query: Callable[[str], Iterable[tuple]], calls: Iterable[Call], *, only_tags: set[str] | None = None
+) -> Reconciliation:
+    """`only_tags`: count only the requests of these calls (drills sharing one database); the
+    ledger, balance and hold checks read every row either way."""
     calls = list(calls)
     result = Reconciliation()
     by_tag = {call.tag: call for call in calls}
@@ -123,8 +127,8 @@ def reconcile(query: Callable[[str], Iterable[tuple]], calls: Iterable[Call]) ->
     paid_twice_generations = {gen for (gen, _kind), rows in paid_rows.items() if rows > 1}
     for rid, row in requests.items():
         open_holds[row["user"]] += row["held"]
-        if not row["tags"]:
-            continue  # not a drill client's request
+        if not row["tags"] or (only_tags is not None and not row["tags"] & only_tags):
+            continue  # not a drill client's request (or another drill's)
         result.accepted += 1
         states = generations[rid]
         finished = sum(states[s] for s in FINISHED)

@@ -176,7 +176,10 @@ CELERY_BEAT_SCHEDULE = {
     "sweep-maintenance": {"task": "chat.tasks.sweep_maintenance", "schedule": HORDE_SWEEP_INTERVAL_SECONDS},
     # A third of the front lease (contract.front_lease, 30 s): a dead front's requests are cancelled
     # within about 40 s of its last renewal (docs/adr/0020-front-lease.md).
-    "cancel-lapsed-front-leases": {"task": "chat.tasks.cancel_lapsed_front_leases", "schedule": 10.0},
+    "cancel-lapsed-front-leases": {
+        "task": "chat.tasks.cancel_lapsed_front_leases",
+        "schedule": min(10.0, HORDE_SWEEP_INTERVAL_SECONDS),
+    },
 }
 
 # --- Storage --------------------------------------------------------------------------------

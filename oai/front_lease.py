@@ -5,6 +5,10 @@ alive while it waits. With Redis, one task per process renews every open request
 pipeline every renewal period. Without Redis, or while that pipeline fails, each request renews
 through the database: the header rides on its next status read, and the waits read at least once
 per renewal period. A front that dies renews nothing, and the horde's sweep cancels its requests.
+
+Beside the lease the front names itself (`Horde-Front-Id`, one id per process): a horde process on
+the same host then knows the moment this process is gone, and cancels its requests without waiting
+for the lease to lapse (docs/adr/0028-dead-front-requests.md).
 """
 
 from __future__ import annotations
@@ -12,10 +16,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from contract.front_lease import FRONT_LEASE_HEADER, FRONT_LEASE_REDIS_DB, front_lease_key
+from contract.front_lease import (
+    FRONT_ID_HEADER,
+    FRONT_LEASE_HEADER,
+    FRONT_LEASE_REDIS_DB,
+    front_lease_key,
+    new_front_id,
+)
 
 log = logging.getLogger("oai.front_lease")
 
@@ -23,8 +34,19 @@ log = logging.getLogger("oai.front_lease")
 FRONT_LEASE_REDIS_TIMEOUT_SECONDS = 0.5
 
 
+_front_id: tuple[int, str] | None = None
+
+
+def front_id() -> str:
+    """This process's front id (a forked child is another process, with its own)."""
+    global _front_id
+    if _front_id is None or _front_id[0] != os.getpid():
+        _front_id = (os.getpid(), new_front_id())
+    return _front_id[1]
+
+
 def lease_header(seconds: int) -> dict[str, str]:
-    return {FRONT_LEASE_HEADER: str(seconds)} if seconds > 0 else {}
+    return {FRONT_LEASE_HEADER: str(seconds), FRONT_ID_HEADER: front_id()} if seconds > 0 else {}
 
 
 class FrontLeaseRenewer:

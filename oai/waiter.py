@@ -20,6 +20,7 @@ client disconnected.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -37,11 +38,14 @@ POSITIONED_READ_WAIT_SECONDS = 2.0
 QUEUE_UNAVAILABLE_RETRY_AFTER_CAP_SECONDS = 600
 NO_ELIGIBLE_WORKER_RETRY_AFTER_SECONDS = 30
 # A PONG or a subscribe that takes longer means a hung Redis: the connection is dropped and waiting
-# requests poll as without Redis until it is back (docs/adr/0018).
-SIGNAL_COMMAND_TIMEOUT_SECONDS = 1.0
-# While requests wait on the listener it pings at least this often, so a hung Redis costs a waiting
-# request about this plus SIGNAL_COMMAND_TIMEOUT_SECONDS before it polls.
-SIGNAL_BUSY_PING_SECONDS = 1.0
+# requests poll as without Redis until it is back (docs/adr/0018). The horde's short Redis timeout
+# (HORDE_REDIS_SOCKET_TIMEOUT's default).
+SIGNAL_COMMAND_TIMEOUT_SECONDS = 0.5
+# While requests wait on the listener it pings at least this often, so a hung Redis costs a request
+# already waiting at most this plus SIGNAL_COMMAND_TIMEOUT_SECONDS before it polls. A request that
+# registers polls until a PONG sent after its subscribe came back, so a Redis hung before it costs
+# it nothing but polling.
+SIGNAL_BUSY_PING_SECONDS = 0.5
 
 
 class WakeSource(StrEnum):
@@ -87,6 +91,9 @@ class CompletionSignalListener:
         self._pubsub: Any = None
         self._task: asyncio.Task | None = None
         self._ready = asyncio.Event()
+        # The PINGs in flight, oldest first: when each was sent, and the request it confirms (None:
+        # the liveness ping).
+        self._pings: collections.deque[tuple[float, Wake | None]] = collections.deque()
         self._closing = False
         self.healthy = False
 
@@ -107,13 +114,21 @@ class CompletionSignalListener:
         channel = CHAT_SIGNAL_CHANNEL_PREFIX + request_id
         wakes = self._wakes.setdefault(channel, set())
         wakes.add(wake)
-        if len(wakes) == 1 and self._pubsub is not None and self.healthy:
-            try:
+        if self._pubsub is None or not self.healthy:
+            wake.listening = False
+            return wake
+        try:
+            if len(wakes) == 1:
                 await asyncio.wait_for(self._pubsub.subscribe(channel), SIGNAL_COMMAND_TIMEOUT_SECONDS)
-            except Exception as error:  # the reader reconnects; the request still rechecks
-                log.warning("completion signal subscribe failed: %s", error)
-                self._fail()
-        wake.listening = self.healthy
+            # Listening once Redis answered after the subscribe: a PONG, which the reader awaits.
+            # (Queued before it is sent, so the queue keeps the order of the PINGs on the wire; on a
+            # hung Redis no PONG comes at all, so an order off by one never confirms a request.)
+            wake.listening = False
+            self._pings.append((time.monotonic(), wake))
+            await asyncio.wait_for(self._pubsub.ping(), SIGNAL_COMMAND_TIMEOUT_SECONDS)
+        except Exception as error:  # the reader reconnects; the request polls meanwhile
+            log.warning("completion signal subscribe failed: %s", error)
+            self._fail()
         return wake
 
     async def unregister(self, request_id: str, wake: Wake) -> None:
@@ -126,10 +141,11 @@ class CompletionSignalListener:
             del self._wakes[channel]
             if self._pubsub is not None and self.healthy:
                 with contextlib.suppress(Exception):
-                    await self._pubsub.unsubscribe(channel)
+                    await asyncio.wait_for(self._pubsub.unsubscribe(channel), SIGNAL_COMMAND_TIMEOUT_SECONDS)
 
     def _fail(self) -> None:
         self.healthy = False
+        self._pings.clear()
         for wakes in self._wakes.values():
             for wake in wakes:
                 wake.listening = False
@@ -172,26 +188,33 @@ class CompletionSignalListener:
                 await self._connect()
                 backoff = 0.5
                 last_ping = time.monotonic()
-                pong_due: float | None = None
                 while True:
                     interval = min(self.ping_seconds, SIGNAL_BUSY_PING_SECONDS) if self._wakes else self.ping_seconds
-                    # Woken at least every second, so a request that registers meets the shorter interval.
-                    timeout = max(0.05, min(SIGNAL_BUSY_PING_SECONDS, interval - (time.monotonic() - last_ping)))
+                    # Woken often enough that a request that registers meets the shorter interval, and
+                    # by the oldest PONG's deadline.
+                    timeout = min(SIGNAL_BUSY_PING_SECONDS, interval - (time.monotonic() - last_ping))
+                    if self._pings:
+                        timeout = min(timeout, self._pings[0][0] + SIGNAL_COMMAND_TIMEOUT_SECONDS - time.monotonic())
+                    timeout = max(0.01, timeout)
                     message = await asyncio.wait_for(
                         self._pubsub.get_message(ignore_subscribe_messages=False, timeout=timeout),
                         timeout + 2.0,
                     )
                     if message is not None:
                         if message.get("type") == "pong":
-                            pong_due = None
+                            if self._pings:  # PONGs come back in the order of their PINGs
+                                _sent, wake = self._pings.popleft()
+                                if wake is not None:
+                                    wake.listening = self.healthy
                         else:
                             self._dispatch(message)
                     now = time.monotonic()
-                    if pong_due is not None and now > pong_due:
+                    if self._pings and now > self._pings[0][0] + SIGNAL_COMMAND_TIMEOUT_SECONDS:
                         raise TimeoutError(f"no PONG within {SIGNAL_COMMAND_TIMEOUT_SECONDS} s")
-                    if pong_due is None and now - last_ping >= interval:
+                    if not self._pings and now - last_ping >= interval:
+                        last_ping = now
+                        self._pings.append((now, None))
                         await asyncio.wait_for(self._pubsub.ping(), SIGNAL_COMMAND_TIMEOUT_SECONDS)
-                        last_ping, pong_due = now, now + SIGNAL_COMMAND_TIMEOUT_SECONDS
             except asyncio.CancelledError:
                 raise
             except Exception as error:

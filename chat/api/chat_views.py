@@ -124,6 +124,7 @@ class ChatAsyncView(APIView):
             client_agent=request.headers.get("Client-Agent", ""),
             ip_address=address,
             front_lease_seconds=front_lease.front_lease_seconds(request.headers),
+            front_id=front_lease.front_lease_front_id(request.headers),
         )
         if created.request is None:
             return Response(s.CHAT_QUOTE_OUTPUT.to_representation(created), status=200)

@@ -41,6 +41,7 @@ class TextAsyncView(APIView):
             client_agent=request.headers.get("Client-Agent", ""),
             ip_address=address,
             front_lease_seconds=front_lease.front_lease_seconds(request.headers),
+            front_id=front_lease.front_lease_front_id(request.headers),
         )
         # Queued: 202; a dry run's quote, or a repeated operation key's claim (nothing queued): 200.
         queued = created.request is not None and not created.repeated

@@ -513,6 +513,7 @@ def chat_request_create(
     client_agent: str = "",
     ip_address: str = "",
     front_lease_seconds: int | None = None,
+    front_id: str | None = None,
 ) -> ChatCreated:
     """Steps 3-8 of the chat submit: operation key, admission flag, shared checks, known models,
     worker_max_length, context sizing, pricing, then create and activate in one transaction."""
@@ -617,6 +618,7 @@ def chat_request_create(
         "chat_tools_temperature": requirements.tools_temperature,
         "chat_has_images": requirements.has_images,
         "front_lease_expires_at": front_lease_until(front_lease_seconds),
+        "front_id": front_id if front_lease_seconds else None,
     }
     try:
         with transaction.atomic():

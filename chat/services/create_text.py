@@ -137,6 +137,7 @@ def text_request_create(
     client_agent: str = "",
     ip_address: str = "",
     front_lease_seconds: int | None = None,
+    front_id: str | None = None,
 ) -> CreatedRequest:
     """Price, admit and queue a text request (or only quote it, on a dry run). A repeated operation
     key is answered first, before anything that could refuse or charge it, as on the chat route."""
@@ -172,6 +173,7 @@ def text_request_create(
                 "front_lease_expires_at": (
                     timezone.now() + timedelta(seconds=front_lease_seconds) if front_lease_seconds else None
                 ),
+                "front_id": front_id if front_lease_seconds else None,
             },
         )
     except IntegrityError:

@@ -9,6 +9,13 @@ whose column lapsed, asks Redis once for their keys, carries a live key's expiry
 and cancels the rest through the cancel service (`chat.services.cancel.request_cancel`: no more jobs handed
 out, the hold released, jobs in flight treated as the spec's cancel says). A request the sweep
 handled leaves the lease (the column is set to null), so it is read once.
+
+A front names its process beside the lease (`Horde-Front-Id`, stored as `front_id`). A horde
+process on the same host knows the moment that process is gone (contract.front_lease
+.front_process_gone): the sweep, before it looks at lapsed leases, and a worker's submit for such a
+request cancel it as a dead front's (`cancel_for_dead_front`): nobody can receive its reply, so its
+jobs in flight end unpaid and their submits are refused `AbortedGen`; nobody is charged for it
+(docs/adr/0028-dead-front-requests.md).
 """
 
 from __future__ import annotations
@@ -23,15 +30,19 @@ import redis
 from django.db import transaction
 from django.utils import timezone
 
-from chat.models import GenerationRequest
+from chat.models import Generation, GenerationRequest
 from chat.selectors.status import request_completed
 from chat.services.cancel import request_cancel
+from chat.services.progress import flag_cancelled_leases
 from chat.signals import signal_url
 from contract.front_lease import (
+    FRONT_ID_HEADER,
     FRONT_LEASE_HEADER,
     FRONT_LEASE_REDIS_DB,
     FRONT_LEASE_TTL_SECONDS,
     front_lease_key,
+    front_process_gone,
+    parse_front_id,
     parse_front_lease_header,
 )
 
@@ -46,6 +57,11 @@ FRONT_LEASE_REDIS_TIMEOUT_SECONDS = 0.5
 def front_lease_seconds(headers: Mapping[str, str]) -> int | None:
     """The lease a request's headers ask for (None: no front lease)."""
     return parse_front_lease_header(headers.get(FRONT_LEASE_HEADER))
+
+
+def front_lease_front_id(headers: Mapping[str, str]) -> str | None:
+    """The front process a submit names beside its lease (None: unnamed, the lease alone)."""
+    return parse_front_id(headers.get(FRONT_ID_HEADER))
 
 
 def front_lease_until(seconds: int | None) -> datetime | None:
@@ -101,10 +117,66 @@ def redis_front_leases(request_ids: Iterable[UUID]) -> dict[UUID, float] | None:
     return alive
 
 
+def front_gone(request: GenerationRequest) -> bool:
+    """Whether the request's front process is known gone (a request loaded without front_id, as the
+    pop's copy of a text job, is not judged: the sweep is)."""
+    if "front_id" in request.get_deferred_fields() or not request.front_id:
+        return False
+    return request.front_lease_expires_at is not None and front_process_gone(request.front_id)
+
+
+def cancel_for_dead_front(request_id: UUID) -> bool:
+    """Cancel a request whose front is gone: no more jobs, the hold released, `cancelled` published,
+    and its jobs in flight ended unpaid (their submits answer AbortedGen). A job whose submit holds
+    its row meanwhile is left to that submit. Returns whether this call cancelled it."""
+    with transaction.atomic():
+        request = (
+            GenerationRequest.objects.select_for_update()
+            .filter(pk=request_id, front_lease_expires_at__isnull=False)
+            .only("id", "is_chat", "cancelled", "faulted")
+            .first()
+        )
+        if request is None:  # handled already
+            return False
+        GenerationRequest.objects.filter(pk=request_id).update(front_lease_expires_at=None)
+        if request.cancelled or request.faulted or request_completed(request_id):
+            return False
+        in_flight = list(
+            Generation.objects.select_for_update(skip_locked=True)
+            .filter(request_id=request_id, state=Generation.State.PROCESSING)
+            .values_list("id", flat=True)
+        )
+        ended = 0
+        if in_flight:
+            ended = Generation.objects.filter(pk__in=in_flight, state=Generation.State.PROCESSING).update(
+                state=Generation.State.CANCELLED, finished_at=timezone.now(), kudos=0
+            )
+        request_cancel(request=request, settle_streams=False)
+        if ended and request.is_chat:  # a streaming worker learns of it from its lease
+            transaction.on_commit(lambda: flag_cancelled_leases(request_id, in_flight), robust=True)
+    log.info("request %s cancelled: its front process is gone (%d jobs in flight ended unpaid)", request_id, ended)
+    return True
+
+
+def cancel_dead_fronts_requests() -> int:
+    """Cancel the leased requests of every front process known gone (cancel_for_dead_front)."""
+    leased = GenerationRequest.objects.filter(front_lease_expires_at__isnull=False, front_id__isnull=False)
+    fronts = set(leased.order_by().values_list("front_id", flat=True).distinct())
+    gone = [front for front in fronts if front_process_gone(front)]
+    if not gone:
+        return 0
+    ids = list(leased.filter(front_id__in=gone).values_list("id", flat=True)[:FRONT_LEASE_SWEEP_BATCH])
+    return sum(cancel_for_dead_front(request_id) for request_id in ids)
+
+
 def cancel_lapsed_front_leases(*, now: datetime | None = None) -> int:
-    """Cancel the requests whose front lease lapsed in the database and in Redis (the beat task).
-    Returns how many this sweep cancelled."""
-    now = now or timezone.now()
+    """Cancel the requests of front processes known gone, then those whose front lease lapsed in the
+    database and in Redis (the beat task). Returns how many this sweep cancelled."""
+    dead = cancel_dead_fronts_requests()
+    return dead + _cancel_lapsed(now=now or timezone.now())
+
+
+def _cancel_lapsed(*, now: datetime) -> int:
     lapsed = list(
         GenerationRequest.objects.filter(front_lease_expires_at__lt=now).values_list("id", flat=True)[
             :FRONT_LEASE_SWEEP_BATCH

@@ -61,6 +61,8 @@ POP_REQUEST_FIELDS = (
     "id", "is_chat", "prompt", "params", "softprompt", "max_length", "max_context_length",
     "requested_models", "jobs_waiting", "disable_batching", "n", "messages", "chat_extras",
     "user", "kudos_quote", "kudos_context",
+    # What a submit checks of the front that waits (chat.front_lease.front_gone).
+    "front_id", "front_lease_expires_at",
 )
 # The declaration a chat generation is assigned under (Generation columns).
 _ASSIGNED_COLUMNS = ("assigned_model", "assigned_max_context_length", "assigned_max_length")

@@ -32,6 +32,7 @@ from chat.pricing import (
 )
 from chat.selectors.status import request_completed, stored_result_count
 from chat.selectors.status_cache import status_changed
+from chat.services import front_lease
 from chat.services.faults import requeue_faulted, worker_record_dropped_job
 from chat.services.progress import end_progress_after_fault, end_progress_after_submit
 from chat.signals import publish_chat_signal
@@ -170,6 +171,9 @@ def job_submit(
             return reward
     # Anything else, or a priced submit that did not win (to say why): read the job and decide.
     generation = _load_generation(user=user, generation_id=generation_id)
+    if front_lease.front_gone(generation.request):  # nobody can receive it (docs/adr/0028)
+        front_lease.cancel_for_dead_front(generation.request_id)
+        raise _not_pending_error(generation.pk, _current_state(generation.pk))
     try:
         if generation.request.is_chat:
             if chat_body is None:

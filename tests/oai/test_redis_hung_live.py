@@ -208,3 +208,34 @@ def test_a_completion_on_a_hung_redis_polls_instead_of_waiting_for_the_signal(
         assert answer.json()["choices"][0]["message"]["content"]
         assert took < bound < settings.signal_recheck_seconds, (took, bound)
     assert not front.state().listener.healthy  # it noticed the hung Redis
+
+
+def test_a_completion_on_a_redis_hung_before_it_costs_at_most_the_short_timeout(
+    live_horde, pointed_at, front, requester, start_worker
+):
+    """Redis stopped while the front is idle (its listener still thinks it healthy, the next idle
+    ping 5 s away): a request that registers waits for a PONG sent after its subscribe, polls
+    meanwhile, and so costs at most the short timeout over the same request on a live Redis; the
+    listener notices within that timeout, and the following requests poll from the start."""
+    process, url = pointed_at
+    settings = front.configure(redis_url=url, signal_recheck_seconds=5.0, signal_ping_seconds=5.0, poll_seconds=0.2)
+    start_worker(delay=0.2)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}
+    headers = {"Authorization": f"Bearer {requester.key}"}
+    timed("POST", f"{front.live.v1}/chat/completions", json=body, headers=headers)  # warm
+    short_timeout = django_settings.HORDE_REDIS_SOCKET_TIMEOUT
+    live_costs = []
+    for _round in range(2):
+        answer, took = timed("POST", f"{front.live.v1}/chat/completions", json=body, headers=headers)
+        assert answer.status_code == 200, answer.text
+        live_costs.append(took)
+    assert front.state().listener.healthy
+
+    os.kill(process.pid, signal.SIGSTOP)
+    bound = max(live_costs) + short_timeout + settings.poll_seconds + MARGIN_SECONDS
+    for _round in range(3):
+        answer, took = timed("POST", f"{front.live.v1}/chat/completions", json=body, headers=headers)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"]
+        assert took < bound, (took, bound, live_costs)
+    assert not front.state().listener.healthy  # it noticed the hung Redis
