@@ -69,7 +69,7 @@ def make_run(tmp_path_factory) -> Iterator[tuple[str, str]]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # daphne, Celery and the demo worker on a loaded 2-core CI box
         while True:  # up once the demo worker has declared its model
             try:
                 models = httpx.get(f"{url}/api/v2/status/models?type=text&chat=true", timeout=2)
