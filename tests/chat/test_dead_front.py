@@ -15,8 +15,8 @@ from decimal import Decimal
 import pytest
 
 from accounts.models import KudosTransaction
-from chat.services.front_lease import cancel_lapsed_front_leases
 from chat.models import Generation, GenerationRequest
+from chat.services.front_lease import cancel_lapsed_front_leases
 from contract.front_lease import FRONT_ID_HEADER, FRONT_LEASE_HEADER, front_process_gone, new_front_id
 from tests.chat.chat_route_helpers import CHAT_ASYNC, MODEL, chat_body, chat_worker
 from tests.hordesite.test_web_restart import CHAT_DECLARATION

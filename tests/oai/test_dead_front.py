@@ -151,9 +151,9 @@ def test_a_killed_web_process_s_requests_are_cancelled_before_their_lease_lapses
     once: the held job's submit to the new process is AbortedGen, the sweep cancels the queued one
     though its 600 s lease is far from lapsed, and nobody is charged or paid."""
     from accounts.models import HordeUser, KudosTransaction
-    from chat.services.front_lease import cancel_lapsed_front_leases
     from chat.models import Generation, GenerationRequest
     from chat.services.admission import HORDE_TAX
+    from chat.services.front_lease import cancel_lapsed_front_leases
 
     web = long_leased_web
     requester_key = web.manage("horde_user", "create", "killed-requester", "--kudos", "1000").strip().splitlines()[-1]
