@@ -226,7 +226,7 @@ def retrying_wsgi(app: Any) -> Any:
         raw = environ["wsgi.input"].read(int(length)) if length.isdigit() else b""
         for last in (False, True):
             start_request()
-            status, headers, exc_info, chunks = _run_wsgi(app, {**environ, "wsgi.input": io.BytesIO(raw)})
+            status, headers, exc_info, chunks = run_wsgi_whole(app, {**environ, "wsgi.input": io.BytesIO(raw)})
             if any(name.lower() == RETRY_HEADER.lower() for name, _ in headers) and not last:
                 continue
             start_response(status, [(n, v) for n, v in headers if n.lower() != RETRY_HEADER.lower()], exc_info)
@@ -236,7 +236,9 @@ def retrying_wsgi(app: Any) -> Any:
     return guarded
 
 
-def _run_wsgi(app: Any, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], Any, bytes]:
+def run_wsgi_whole(app: Any, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], Any, bytes]:
+    """One WSGI call start to end: its status, headers, exc_info and whole body (the iterable read
+    and closed)."""
     captured: list[Any] = []
 
     def capture(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:

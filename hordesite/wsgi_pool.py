@@ -33,6 +33,7 @@ from django.conf import settings
 
 from chat.services.pop_wait import POP_PATH, POP_WAIT_HEADER, queue_listener
 from hordesite.body_limits import body_limit, read_body, too_large_body
+from hordesite.db_guard import run_wsgi_whole
 from oai.asgi import cors_headers
 
 log = logging.getLogger(__name__)
@@ -59,20 +60,8 @@ class Answer:
 
 def run_wsgi(app: Any, environ: dict[str, Any]) -> Answer:
     """One WSGI call start to end (its iterable read and closed: Django's request_finished)."""
-    started: list[Any] = []
-
-    def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
-        started[:] = [status, headers]
-        return lambda data: None
-
-    result = app(environ, start_response)
-    try:
-        body = b"".join(result)
-    finally:
-        close = getattr(result, "close", None)
-        if close is not None:
-            close()
-    return Answer(int(started[0].split(" ", 1)[0]), list(started[1]), body)
+    status, headers, _exc_info, body = run_wsgi_whole(app, environ)
+    return Answer(int(status.split(" ", 1)[0]), list(headers), body)
 
 
 def wsgi_environ(scope: dict[str, Any], body: Any, length: int) -> dict[str, Any]:
