@@ -3,12 +3,18 @@ docs/adr/0018).
 
 After a restart (or `pg_terminate_backend`) the pool still holds connections whose server side is
 gone; each fails on its first statement. A request whose connection was lost before any of its
-statements completed has written nothing, so it is run once more on a fresh connection: the
+statements completed, with no statement that commits by itself in flight, has written nothing,
+so it is run once more on a fresh connection: the
 exception handler recycles the connection (the pool discards it and checks the others), probes
 the server with a short connect timeout, and marks the 503 it answers (RETRY_HEADER) for the retry
 that `retrying_wsgi` makes with the same body (every native route, from daphne or from the mounted
-front's in-process calls). A request that loses its connection
-after a statement completed is not run again (it may have written); it answers 503.
+front's in-process calls). A request that loses its connection after a statement completed, or while a statement that commits by itself was in flight (it may
+have committed before the connection went), is not run again; it answers 503 (docs/adr/0038).
+
+A lost connection is told by its error (psycopg's connection errors: SQLSTATE class 08, the
+server's shutdown codes 57P01-57P03, or a client-side error without SQLSTATE), not only by the
+connection the view ends with: an atomic block that fails takes a fresh connection from the pool
+when it restores autocommit, so that one looks healthy.
 
 When the probe fails the database is marked unavailable for HORDE_DATABASE_UNAVAILABLE_SECONDS:
 every request meanwhile answers 503 DatabaseUnavailable with Retry-After at once, instead of
@@ -21,6 +27,7 @@ import contextvars
 import io
 import json
 import logging
+import select
 import threading
 import time
 from dataclasses import dataclass
@@ -40,9 +47,15 @@ RETRY_HEADER = "X-Horde-Retry-Fresh-Connection"
 
 @dataclass
 class StatementCount:
-    """Statements of the current request that completed (0: nothing can have been written)."""
+    """Statements of the current request that completed, and those that failed outside a
+    transaction and may have committed anyway (both 0: nothing can have been written)."""
 
     completed: int = 0
+    in_doubt: int = 0
+
+    @property
+    def nothing_written(self) -> bool:
+        return self.completed == 0 and self.in_doubt == 0
 
 
 _statements: contextvars.ContextVar[StatementCount | None] = contextvars.ContextVar("horde_statements", default=None)
@@ -56,11 +69,41 @@ def start_request() -> StatementCount:
 
 
 def count_statements(execute, sql, params, many, context):
-    result = execute(sql, params, many, context)
     count = _statements.get()
+    connection = context["connection"]
+    doubtful = count is not None and _may_commit_alone(connection, sql) and not _session_ended_before(connection)
+    try:
+        result = execute(sql, params, many, context)
+    except Exception:
+        if doubtful:
+            count.in_doubt += 1
+        raise
     if count is not None:
         count.completed += 1
     return result
+
+
+def _may_commit_alone(connection: Any, sql: Any) -> bool:
+    """A statement sent outside a transaction commits by itself: when its connection is lost it
+    may have committed before the answer was read. A plain SELECT writes nothing; a statement in
+    an atomic block commits only with the block's COMMIT, which follows a completed statement."""
+    if connection.in_atomic_block:
+        return False
+    return str(sql).lstrip()[:6].upper() != "SELECT"
+
+
+def _session_ended_before(connection: Any) -> bool:
+    """Whether the server ended the session before this statement was sent: an idle session is
+    told nothing unasked but its end (a FATAL error, then the socket's EOF), so input already
+    waiting means a statement sent now never runs. One poll(2), no round trip."""
+    raw = connection.connection
+    try:
+        fd = raw.fileno()
+    except Exception:  # noqa: BLE001  (closed: psycopg refuses the statement before sending it)
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def install_statement_counter(sender: Any, connection: Any, **kwargs: Any) -> None:
@@ -145,13 +188,33 @@ def _check_pool(alias: str = DEFAULT_DB_ALIAS) -> None:
 # --- the exception handler's part ---------------------------------------------------------------
 
 
+# SQLSTATEs of a session the server ended or refused: admin_shutdown, crash_shutdown,
+# cannot_connect_now; class 08 is connection_exception.
+_SESSION_ENDED_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
+
+
 def is_connection_failure(exc: BaseException) -> bool:
     """A PostgreSQL connection lost or never obtained (SQLite's errors are the file's, not a server's)."""
     return (
         isinstance(exc, (OperationalError, InterfaceError))
         and connections[DEFAULT_DB_ALIAS].vendor == "postgresql"
-        and _connection_gone()
+        and (_lost_by_its_error(exc) or _connection_gone())
     )
+
+
+def _lost_by_its_error(exc: BaseException) -> bool:
+    """The psycopg error under Django's says the connection was lost, refused or never made."""
+    import psycopg
+    from psycopg_pool import PoolTimeout
+
+    cause = exc.__cause__
+    if isinstance(cause, PoolTimeout):
+        return True
+    if not isinstance(cause, (psycopg.OperationalError, psycopg.InterfaceError)):
+        return False
+    sqlstate = cause.sqlstate
+    # Without SQLSTATE the error is psycopg's or libpq's own: the socket closed, the connection lost.
+    return sqlstate is None or sqlstate.startswith("08") or sqlstate in _SESSION_ENDED_SQLSTATES
 
 
 def _connection_gone(alias: str = DEFAULT_DB_ALIAS) -> bool:
@@ -166,7 +229,7 @@ def on_connection_failure(exc: BaseException) -> bool:
     from psycopg_pool import PoolTimeout
 
     count = _statements.get()
-    unwritten = count is not None and count.completed == 0 and not isinstance(exc.__cause__, PoolTimeout)
+    unwritten = count is not None and count.nothing_written and not isinstance(exc.__cause__, PoolTimeout)
     try:
         connections[DEFAULT_DB_ALIAS].close()
     except Exception:

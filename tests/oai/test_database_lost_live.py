@@ -178,3 +178,130 @@ def terminate_other_backends_on(port: str | int) -> int:
             " WHERE datname = current_database() AND pid <> pg_backend_pid()"
         ).fetchall()
     return sum(1 for (ended,) in rows if ended)
+
+
+# --- a connection lost in the middle of a request ------------------------------------------------
+
+
+@pytest.fixture
+def terminate_at():
+    """terminate_at(fragment): the first statement whose text holds `fragment`, on any connection
+    of the live server, finds its server session ended (pg_terminate_backend from another
+    connection, waiting until the backend is gone) just before it is sent, as a restart ends it."""
+    from django.db.backends.signals import connection_created
+
+    wrappers: list = []
+    installed: list = []
+
+    def arm(fragment: str) -> threading.Event:
+        fired = threading.Event()
+
+        def wrapper(execute, sql, params, many, context):
+            if not fired.is_set() and fragment in str(sql):
+                fired.set()
+                _terminate(context["connection"].connection.info.backend_pid)
+            return execute(sql, params, many, context)
+
+        wrappers.append(wrapper)
+        return fired
+
+    def install(sender, connection, **kwargs):
+        for wrapper in wrappers:
+            if wrapper not in connection.execute_wrappers:
+                connection.execute_wrappers.append(wrapper)
+                installed.append((connection, wrapper))
+
+    connection_created.connect(install, weak=False)
+    yield arm
+    connection_created.disconnect(install)
+    for wrapped, wrapper in installed:
+        if wrapper in wrapped.execute_wrappers:
+            wrapped.execute_wrappers.remove(wrapper)
+
+
+def _terminate(pid: int) -> None:
+    params = connection.settings_dict
+    with psycopg.connect(
+        host=params["HOST"] or "127.0.0.1",
+        port=params["PORT"] or 5432,
+        user=params["USER"],
+        password=params["PASSWORD"] or None,
+        dbname=params["NAME"],
+        autocommit=True,
+    ) as admin:
+        assert admin.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,)).fetchone() == (True,)
+
+
+def _assert_unavailable(response: httpx.Response) -> None:
+    assert response.status_code == 503, (response.status_code, response.text[:500])
+    assert response.json() == {"message": "The database is unavailable; try again shortly.", "rc": "DatabaseUnavailable"}
+    assert int(response.headers["Retry-After"]) >= 1
+
+
+def test_a_connection_lost_inside_a_transaction_answers_503_and_writes_nothing(live_horde, make_user, terminate_at):
+    """The text request's creation transaction loses its connection after its first statements
+    completed: Django's atomic block takes a fresh connection when it restores autocommit, so the
+    one the view ends with looks healthy; the answer is still the 503, never a 500, and the request
+    is not run again (it may have written)."""
+    from accounts.models import HordeUser
+    from chat.models import GenerationRequest
+    from hordesite import db_guard
+
+    db_guard.forget_unavailable()
+    _restore_anonymous_user()
+    requester = make_user("db-mid-requester", kudos=10_000)
+    text = {"prompt": "Once upon a time", "params": {"n": 1, "max_length": 80}, "models": [MODEL]}
+    url = f"{live_horde.url}/api/v2/generate/text/async"
+    before = HordeUser.objects.values_list("kudos", "kudos_held").get(pk=requester.user.pk)
+
+    fired = terminate_at('INSERT INTO "horde_requests"')
+    response = httpx.post(url, json=text, headers={"apikey": requester.key}, timeout=60)
+    assert fired.is_set()
+    _assert_unavailable(response)
+    assert not GenerationRequest.objects.filter(user_id=requester.user.pk).exists()
+    assert HordeUser.objects.values_list("kudos", "kudos_held").get(pk=requester.user.pk) == before
+
+    again = httpx.post(url, json=text, headers={"apikey": requester.key}, timeout=60)
+    assert again.status_code == 202, again.text
+    assert GenerationRequest.objects.filter(user_id=requester.user.pk).count() == 1
+
+
+def test_a_connection_lost_under_a_statement_that_commits_alone_is_not_run_again(
+    live_horde, make_user, terminate_at
+):
+    """The text submit's single statement (autocommit) loses its connection: it may have committed
+    before the answer was lost, so the submit answers 503 and is not run again by the horde; the
+    worker's own retry is answered from the database, and the job is paid once."""
+    from accounts.models import KudosTransaction
+    from chat.models import Generation
+    from hordesite import db_guard
+
+    db_guard.forget_unavailable()
+    _restore_anonymous_user()
+    api = f"{live_horde.url}/api/v2"
+    requester = make_user("db-submit-requester", kudos=10_000)
+    owner = make_user("db-submit-owner", trusted=True)
+    pop = {
+        "name": f"db-submit-worker-{uuid.uuid4().hex[:6]}",
+        "models": [MODEL],
+        "max_length": 512,
+        "max_context_length": 4096,
+        "bridge_agent": BRIDGE,
+    }
+    text = {"prompt": "Once upon a time", "params": {"n": 1, "max_length": 80}, "models": [MODEL]}
+    queued = httpx.post(f"{api}/generate/text/async", json=text, headers={"apikey": requester.key}, timeout=30)
+    assert queued.status_code == 202, queued.text
+    job = httpx.post(f"{api}/generate/text/pop", json=pop, headers={"apikey": owner.key}, timeout=30).json()
+    assert job.get("id"), job
+    submit = {"id": job["id"], "generation": "There was a horde.", "state": "ok"}
+
+    fired = terminate_at("UPDATE horde_generations")
+    response = httpx.post(f"{api}/generate/text/submit", json=submit, headers={"apikey": owner.key}, timeout=60)
+    assert fired.is_set()
+    _assert_unavailable(response)
+    assert Generation.objects.get(pk=job["id"]).state == Generation.State.PROCESSING  # it did not commit
+
+    again = httpx.post(f"{api}/generate/text/submit", json=submit, headers={"apikey": owner.key}, timeout=60)
+    assert again.status_code == 200 and again.json()["reward"] > 0, again.text
+    assert Generation.objects.get(pk=job["id"]).state == Generation.State.OK
+    assert KudosTransaction.objects.filter(generation_id=job["id"], user_id=owner.user.pk).count() == 1
