@@ -25,8 +25,10 @@ from typing import Any
 from uuid import UUID
 
 import redis
+from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import F
+from django.utils.module_loading import import_string
 
 from accounts.models import HordeUser, hash_api_key
 from accounts.services import kudos_settle
@@ -156,7 +158,9 @@ return flagged
 
 @lru_cache(maxsize=4)
 def _client(url: str) -> redis.Redis:
-    pool = redis.ConnectionPool.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    # On request paths (pop, progress, submit, cancel): the configured short timeouts, and refused
+    # at once while this Redis is marked unavailable (hordesite/redis_guard.py), as the publisher.
+    pool = import_string(settings.HORDE_REDIS_POOL_CLASS).from_url(url, **settings.HORDE_REDIS_POOL_KWARGS)
     # The leases and streams live on the chat signal database, whatever the URL names.
     pool.connection_kwargs["db"] = CHAT_SIGNAL_DB
     return redis.Redis(connection_pool=pool)
