@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -764,6 +765,16 @@ class Drills:
                     time.sleep(0.5)
 
 
+# An answer the horde must never give (issue 13: "no 500"): any 5xx but the documented 503, as the
+# drill's clients note it ("submit 500 InternalError") or the openai client names it.
+_SERVER_ERROR = re.compile(r"\b5(?!03)\d\d\b|InternalServerError")
+
+
+def server_errors(result: DrillResult) -> list[str]:
+    seen = {**(result.reconciliation.client_errors if result.reconciliation else {}), **result.worker_errors}
+    return sorted(what for what in seen if _SERVER_ERROR.search(what))
+
+
 def print_report(results: list[DrillResult], args: argparse.Namespace, total: float) -> bool:
     print()
     print(f"## Drill report ({'--short' if args.short else 'full'}; {total:.0f} s in all)")
@@ -775,7 +786,7 @@ def print_report(results: list[DrillResult], args: argparse.Namespace, total: fl
     for result in results:
         summary = result.reconciliation.summary()
         print("| " + " | ".join([result.name, *(str(summary[h]) for h in header[1:])]) + " |")
-        clean = clean and result.reconciliation.clean
+        clean = clean and result.reconciliation.clean and not server_errors(result)
     for result in results:
         rec = result.reconciliation
         print(f"\n### {result.name} ({result.seconds:.0f} s)")
@@ -787,6 +798,8 @@ def print_report(results: list[DrillResult], args: argparse.Namespace, total: fl
         print(f"- errors the clients saw: {errors}")
         worker = ", ".join(f"{what} x{n}" for what, n in sorted(result.worker_errors.items())) or "none"
         print(f"- errors the workers saw: {worker}")
+        if server_errors(result):
+            print(f"- server errors other than 503 (a finding): {', '.join(server_errors(result))}")
         charged = [f"{rid} ({rec.details.get(rid, '')})" for rid in rec.charged_for_nothing]
         for label, items in (("lost", rec.lost), ("charged for nothing", charged),
                              ("double-charged", rec.double_charged), ("held by two", rec.two_workers),
