@@ -176,6 +176,11 @@ def refuse_while_unavailable() -> bool:
         _probe_lock.release()
 
 
+def unavailable_now() -> bool:
+    """Whether to answer 503 DatabaseUnavailable at once (the window, or another request probing)."""
+    return bool(_unavailable_until) and refuse_while_unavailable()
+
+
 def _check_pool(alias: str = DEFAULT_DB_ALIAS) -> None:
     pool = getattr(connections[alias], "pool", None)
     if pool is not None:
@@ -279,7 +284,7 @@ def retrying_wsgi(app: Any) -> Any:
     def guarded(environ: dict[str, Any], start_response: Any) -> Any:
         if not environ.get("PATH_INFO", "").startswith(NATIVE_PREFIX):
             return app(environ, start_response)
-        if _unavailable_until and refuse_while_unavailable():
+        if unavailable_now():
             start, body = _unavailable_start_and_body()
             start_response(
                 "503 Service Unavailable", [(k.decode(), v.decode()) for k, v in start["headers"]]

@@ -14,6 +14,7 @@ from django.http import JsonResponse
 from django.utils import timezone
 
 from chat.models import SweepRun
+from hordesite import db_guard
 
 PROCESS_STARTED = timezone.now()
 
@@ -25,10 +26,15 @@ def scheduled_sweeps() -> list[str]:
 def healthz(request) -> JsonResponse:
     now = timezone.now()
     late_after = timedelta(seconds=settings.HORDE_SWEEP_LATE_SECONDS)
+    unreachable = JsonResponse({"status": "unhealthy", "database": "unreachable"}, status=503)
+    if db_guard.unavailable_now():  # as the native routes: at once, not after the pool's timeout
+        return unreachable
     try:
         finished: dict[str, datetime] = dict(SweepRun.objects.values_list("task", "finished_at"))
-    except DatabaseError:
-        return JsonResponse({"status": "unhealthy", "database": "unreachable"}, status=503)
+    except DatabaseError as error:
+        if db_guard.is_connection_failure(error):
+            db_guard.on_connection_failure(error)  # probes; an unreachable server starts the window
+        return unreachable
     sweeps = {}
     for task in scheduled_sweeps():
         last = finished.get(task)

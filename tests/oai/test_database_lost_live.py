@@ -141,6 +141,11 @@ def test_an_unreachable_database_answers_503_with_retry_after_at_once(loop_calls
                 }
                 assert int(response.headers["Retry-After"]) >= 1
                 assert took < QUICK_SECONDS, (name, took)
+            # The health probe too: at once, not after the pool's timeout.
+            started = time.monotonic()
+            health = httpx.get(f"{front.live.url}/healthz", timeout=60)
+            assert health.status_code == 503 and health.json()["database"] == "unreachable", health.text
+            assert time.monotonic() - started < QUICK_SECONDS
             time.sleep(0.4)  # across the unavailable window: later calls probe again, and fail
         # The front in the same process: 503 in OpenAI's shape, with the horde's Retry-After.
         started = time.monotonic()
