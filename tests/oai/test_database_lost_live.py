@@ -310,3 +310,42 @@ def test_a_connection_lost_under_a_statement_that_commits_alone_is_not_run_again
     assert again.status_code == 200 and again.json()["reward"] > 0, again.text
     assert Generation.objects.get(pk=job["id"]).state == Generation.State.OK
     assert KudosTransaction.objects.filter(generation_id=job["id"], user_id=owner.user.pk).count() == 1
+
+
+def test_a_chat_submit_losing_its_connection_inside_its_settlement_answers_503(live_horde, make_user, terminate_at):
+    """The chat submit's settlement transaction (the drill's second 500): 503, the job still
+    processing; the worker's re-sent submit is paid once."""
+    from accounts.models import KudosTransaction
+    from chat.models import Generation
+    from hordesite import db_guard
+    from tests.oai.conftest import HordeTestWorker
+
+    db_guard.forget_unavailable()
+    _restore_anonymous_user()
+    api = f"{live_horde.url}/api/v2"
+    requester = make_user("db-chat-requester", kudos=10_000)
+    owner = make_user("db-chat-owner", trusted=True)
+    worker = HordeTestWorker(live=live_horde, key=owner.key)
+    worker.check_in()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 64}
+    queued = httpx.post(f"{api}/generate/chat/async", json=body, headers={"apikey": requester.key}, timeout=30)
+    assert queued.status_code == 202, queued.text
+    job = httpx.post(f"{api}/generate/text/pop", json=worker.pop_body(), headers={"apikey": owner.key}, timeout=30).json()
+    assert job.get("id"), job
+    submit = {
+        "id": job["id"],
+        "model_id": MODEL,
+        "message": {"role": "assistant", "content": "Hello there."},
+        "finish_reason": "stop",
+    }
+
+    fired = terminate_at("FOR UPDATE")
+    response = httpx.post(f"{api}/generate/text/submit", json=submit, headers={"apikey": owner.key}, timeout=60)
+    assert fired.is_set()
+    _assert_unavailable(response)
+    assert Generation.objects.get(pk=job["id"]).state == Generation.State.PROCESSING
+
+    again = httpx.post(f"{api}/generate/text/submit", json=submit, headers={"apikey": owner.key}, timeout=60)
+    assert again.status_code == 200 and again.json()["reward"] > 0, again.text
+    assert Generation.objects.get(pk=job["id"]).state == Generation.State.OK
+    assert KudosTransaction.objects.filter(generation_id=job["id"], user_id=owner.user.pk).count() == 1
