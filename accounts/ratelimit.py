@@ -14,6 +14,7 @@ import ipaddress
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from functools import lru_cache
 
 import redis
@@ -49,21 +50,51 @@ def _redis_client() -> redis.Redis | None:
     return redis.Redis(connection_pool=pool)
 
 
+# Every window of one check counted in one round trip: each key's INCR in order (its expiry set
+# once, NX), stopping at the first over its allowance, as counting them one call at a time did.
+# Returns that window's position (1-based), 0 when none is over.
+_COUNT_WINDOWS_SCRIPT = """
+for i, key in ipairs(KEYS) do
+  local count = redis.call('INCR', key)
+  redis.call('EXPIRE', key, ARGV[2 * i - 1], 'NX')
+  if count > tonumber(ARGV[2 * i]) then
+    return i
+  end
+end
+return 0
+"""
+
+
+@lru_cache(maxsize=1)
+def _count_windows_script(client: redis.Redis):
+    return client.register_script(_COUNT_WINDOWS_SCRIPT)
+
+
+@dataclass(frozen=True, slots=True)
+class _Window:
+    """One limit's current fixed window for one client."""
+
+    key: str
+    allowed: int
+    period: int
+    text: str
+    per: str
+
+
+def _windows(*, scope: str, client: str, limits: list[str], per: str) -> list[_Window]:
+    windows = []
+    for text in limits:
+        allowed, period = parse_limit(text)
+        window = int(time.time() // period)
+        windows.append(_Window(f"horde:rl:{scope}:{allowed}/{period}:{client}:{window}", allowed, period, text, per))
+    return windows
+
+
 _local: dict[str, tuple[int, float]] = {}
 _local_lock = threading.Lock()
 
 
-def _hit(key: str, period: int) -> int:
-    client = _redis_client()
-    if client is not None:
-        try:
-            pipe = client.pipeline()
-            pipe.incr(key)
-            pipe.expire(key, period, nx=True)
-            return int(pipe.execute()[0])
-        except redis.RedisError:
-            log.warning("rate limit store unreachable; letting %s through", key)
-            return 0
+def _local_hit(key: str, period: int) -> int:
     now = time.monotonic()
     with _local_lock:
         count, expires = _local.get(key, (0, now + period))
@@ -77,21 +108,34 @@ def _hit(key: str, period: int) -> int:
         return count
 
 
+def _first_exceeded(windows: list[_Window]) -> _Window | None:
+    """Count one hit in each window, in order, up to the first over its allowance (returned)."""
+    if not windows:
+        return None
+    client = _redis_client()
+    if client is None:
+        return next((w for w in windows if _local_hit(w.key, w.period) > w.allowed), None)
+    args: list[int] = []
+    for window in windows:
+        args += [window.period, window.allowed]
+    try:
+        position = int(_count_windows_script(client)(keys=[w.key for w in windows], args=args))
+    except redis.RedisError:
+        log.warning("rate limit store unreachable; letting %s through", windows[0].key)
+        return None
+    return windows[position - 1] if position else None
+
+
 def reset_local_counts() -> None:
     """Forget the in-process counts (the no-Redis store)."""
     with _local_lock:
         _local.clear()
 
 
-def check_rate_limits(*, scope: str, client: str, limits: list[str], per: str = "client address") -> None:
-    """Count one hit against every limit; raise 429 when any is exceeded."""
-    for text in limits:
-        allowed, period = parse_limit(text)
-        window = int(time.time() // period)
-        if _hit(f"horde:rl:{scope}:{allowed}/{period}:{client}:{window}", period) > allowed:
-            error = HordeError("RateLimited", f"Rate limit exceeded: {text} per {per}.", status=429)
-            error.headers["Retry-After"] = str(period - int(time.time()) % period or 1)
-            raise error
+def _refuse(window: _Window) -> None:
+    error = HordeError("RateLimited", f"Rate limit exceeded: {window.text} per {window.per}.", status=429)
+    error.headers["Retry-After"] = str(window.period - int(time.time()) % window.period or 1)
+    raise error
 
 
 # --- who is counted --------------------------------------------------------------------------------
@@ -197,7 +241,6 @@ def check_submit_rate_limits(request, *, scope: str, limits_per_ip: list[str]) -
     address = client_address(request)
     if is_whitelisted_service(address):
         limits_per_ip = settings.HORDE_WHITELISTED_SERVICE_RATE_LIMITS
-    check_rate_limits(scope=scope, client=address, limits=limits_per_ip)
     key = request.META.get("HTTP_APIKEY", "").strip() or ANONYMOUS_API_KEY
     key_limits = (
         settings.HORDE_ANONYMOUS_KEY_RATE_LIMITS
@@ -205,7 +248,14 @@ def check_submit_rate_limits(request, *, scope: str, limits_per_ip: list[str]) -
         else settings.HORDE_API_KEY_RATE_LIMITS
     )
     digest = hashlib.sha256(key.encode()).hexdigest()
-    check_rate_limits(scope=f"{scope}:key", client=digest, limits=key_limits, per="API key")
+    # The address's windows, then the key's, in one round trip: a refusal by the address's limits
+    # counts nothing against the key's, as when they were counted one call at a time.
+    exceeded = _first_exceeded(
+        _windows(scope=scope, client=address, limits=limits_per_ip, per="client address")
+        + _windows(scope=f"{scope}:key", client=digest, limits=key_limits, per="API key")
+    )
+    if exceeded is not None:
+        _refuse(exceeded)
     return address
 
 

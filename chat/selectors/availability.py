@@ -116,7 +116,11 @@ def _processing_count(request: GenerationRequest) -> int:
 
 
 def chat_request_availability(
-    request: GenerationRequest, *, processing: int | None = None, read: StatusRead | None = None
+    request: GenerationRequest,
+    *,
+    processing: int | None = None,
+    read: StatusRead | None = None,
+    created: bool = False,
 ) -> Availability:
     """The availability of a text or chat request, from the pass over online workers (cached
     AVAILABILITY_CACHE_SECONDS per request).
@@ -126,11 +130,12 @@ def chat_request_availability(
     `processing` is the request's processing generations when the caller has it (read otherwise,
     and only when the reason could apply). A status build passes its `read`, which holds the
     cached pass when there is one (it asked for availability_cache_key with the body) and takes
-    the write of a new one, sent with the body's.
+    the write of a new one, sent with the body's. The creation passes `created`: nothing is cached
+    under an id made moments ago, so it makes the pass without asking.
     """
     key = availability_cache_key(request.pk)
     if read is None:
-        found = cache.get(key)
+        found = None if created else cache.get(key)
         serving_version = current_serving_version()
     else:
         found = read.prefetched.get(key)

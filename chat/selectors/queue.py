@@ -265,14 +265,35 @@ def _reason_filters(worker: WorkerView) -> dict[str, Q]:
     return {**reasons, **_common_refusals(worker)}
 
 
-def skipped_counts(worker: WorkerView) -> dict[str, int]:
-    """How many waiting requests each reason kept from the worker (only reasons that did)."""
+_TAKEABLE = "horde_takeable"
+
+
+@dataclass(frozen=True)
+class EmptyPopCounts:
+    """After a pop that found nothing: how many waiting requests each reason kept from the worker
+    (only reasons that did), and how many it could take all the same: the pop's SKIP LOCKED passed
+    them over while another transaction held them (a pop, a submit settling), or they committed
+    after its statement."""
+
+    skipped: dict[str, int]
+    takeable: int
+
+
+def empty_pop_counts(worker: WorkerView) -> EmptyPopCounts:
+    """The skipped counts and the takeable count, in one aggregate query."""
     kinds = [kind for kind, _ in _kinds(worker, capacity=False)]
     if not kinds:
-        return {}
-    aggregates = {name: Count("pk", filter=refused) for name, refused in _reason_filters(worker).items()}
+        return EmptyPopCounts(skipped={}, takeable=0)
+    # Aliases apart from the column names (a reason is named after the column it compares, and the
+    # takeable count's filter reads those columns).
+    aggregates = {
+        f"skipped_{name}": Count("pk", filter=refused) for name, refused in _reason_filters(worker).items()
+    }
+    aggregates[_TAKEABLE] = Count("pk", filter=eligibility_filter(worker))
     counts = waiting_requests().filter(reduce(or_, kinds)).aggregate(**aggregates)
-    return {name: count for name, count in counts.items() if count}
+    takeable = counts.pop(_TAKEABLE)
+    skipped = {alias.removeprefix("skipped_"): count for alias, count in counts.items() if count}
+    return EmptyPopCounts(skipped=skipped, takeable=takeable)
 
 
 # --- Python twin ----------------------------------------------------------------------------

@@ -105,6 +105,7 @@ def request_rows_create(
         kudos_held=hold,
         expires_at=now + timedelta(seconds=settings.HORDE_TEXT_REQUEST_TTL_SECONDS),
         kudos_context=context_multiplier(fields["prompt"], fields["max_length"]),
+        consumed_kudos=HORDE_TAX,  # the tax charged below, in this transaction
         **fields,
     )
     RequestModel.objects.bulk_create([RequestModel(request=request, name=m) for m in dict.fromkeys(models)])
@@ -114,8 +115,6 @@ def request_rows_create(
     kudos_transfer(
         user_id=locked_user.pk, amount=-HORDE_TAX, kind=KudosTransaction.Kind.HORDE_TAX, request_id=request.id
     )
-    request.consumed_kudos = HORDE_TAX
-    GenerationRequest.objects.filter(pk=request.pk).update(consumed_kudos=HORDE_TAX)
     queue_grew()
     return request
 

@@ -486,7 +486,7 @@ def _no_eligible_worker_for_kudos(request: GenerationRequest) -> HordeError | No
     """NoEligibleWorker in place of a kudos refusal when no online worker can serve the request."""
     from chat.selectors.availability import chat_request_availability
 
-    availability = chat_request_availability(request)
+    availability = chat_request_availability(request, created=True)
     if availability.is_possible:
         return None
     message = "No online worker can serve this request"
@@ -654,7 +654,7 @@ def chat_request_create(
     from chat.selectors.availability import chat_request_availability
 
     created = ChatCreated(request=request, kudos=kudos)
-    if not chat_request_availability(request).is_possible:
+    if not chat_request_availability(request, created=True).is_possible:
         created = ChatCreated(
             request=request,
             kudos=kudos,

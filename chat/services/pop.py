@@ -20,7 +20,7 @@ from chat.gate_shadow import record_over_capacity_assignment
 from chat.metrics import lease_capacity_limited
 from chat.models import Generation, GenerationRequest
 from chat.pricing import model_kudos_factors
-from chat.selectors.queue import WorkerView, eligibility_filter, skipped_counts, waiting_requests
+from chat.selectors.queue import WorkerView, eligibility_filter, empty_pop_counts, waiting_requests
 from chat.selectors.status_cache import status_changed
 from chat.services.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember
 from chat.services.progress import write_stream_leases
@@ -102,9 +102,14 @@ def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
     else:
         popped = _pop_in_transaction(worker=worker, view=view, amount=amount, now=now)
     if popped is None:
-        skipped = skipped_counts(view)
-        empty_pop_remember(view, check, skipped)
-        return PoppedJob(request=None, generations=[], model=None, skipped=skipped)
+        counts = empty_pop_counts(view)
+        if counts.takeable:
+            # Passed over while locked, or committed after the statement: no queue addition will
+            # announce it, so the next pop looks again instead of answering from memory.
+            empty_pop_forget(view)
+        else:
+            empty_pop_remember(view, check, counts.skipped)
+        return PoppedJob(request=None, generations=[], model=None, skipped=counts.skipped)
     empty_pop_forget(view)
     status_changed(popped.request.pk)
     record_over_capacity_assignment(request=popped.request, generations=popped.generations, worker=worker)

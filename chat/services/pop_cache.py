@@ -10,8 +10,10 @@ once and again when it commits. A web process remembers a worker's empty answer 
 it was found at; the worker's next pop with the same declaration, while the count is unchanged,
 gets the same answer without a database read. The count is read only for workers whose last pop
 was empty, and before their pop's statement, so an addition committed after the read always
-changes it. Without Redis (the embedded default) every pop walks the queue: Celery requeues jobs
-in another process, which a per-process count would not see.
+changes it. An empty pop that passed over a request it could take (locked by another transaction
+at that moment) is not remembered (chat/services/pop.py): no addition would announce it. Without
+Redis (the embedded default) every pop walks the queue: Celery requeues jobs in another process,
+which a per-process count would not see.
 """
 
 from __future__ import annotations

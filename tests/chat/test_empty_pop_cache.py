@@ -93,3 +93,44 @@ def test_the_answer_is_remembered_for_a_bounded_time(horde, people, settings):
     with CaptureQueriesContext(connection) as queries:
         assert horde.pop(owner.key).json()["id"] is None
     assert _queue_reads(queries)  # too old: walked again
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_a_request_passed_over_locked_reaches_the_next_pop(horde, people):
+    """The pop's SKIP LOCKED passes over a request another transaction holds (a pop, a submit
+    settling): that empty answer is not remembered, since no queue addition will announce the
+    request once the lock is gone."""
+    import threading
+
+    from django.db import transaction
+
+    from chat.models import GenerationRequest
+
+    requester, owner = people
+    for _ in range(2):
+        assert horde.pop(owner.key).json()["id"] is None
+    request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
+    locked, release = threading.Event(), threading.Event()
+
+    def hold_the_row() -> None:
+        try:
+            with transaction.atomic():
+                list(GenerationRequest.objects.select_for_update().filter(pk=request_id))
+                locked.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold_the_row)
+    holder.start()
+    try:
+        assert locked.wait(10)
+        passed_over = horde.pop(owner.key).json()
+    finally:
+        release.set()
+        holder.join(10)
+    assert passed_over["id"] is None
+    job = horde.pop(owner.key).json()
+    assert job["id"] is not None
+    assert Generation.objects.get(pk=job["id"]).request_id.hex == request_id.replace("-", "")
