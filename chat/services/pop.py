@@ -10,12 +10,13 @@ from functools import lru_cache
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import BooleanField, F, Field
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from accounts.models import HordeUser
 from chat.gate_shadow import record_over_capacity_assignment
 from chat.metrics import lease_capacity_limited
 from chat.models import Generation, GenerationRequest
@@ -25,10 +26,13 @@ from chat.selectors.status_cache import status_changed
 from chat.services.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember
 from chat.services.progress import write_stream_leases
 from chat.sql import RowLoader, run_prepared
+from contract.chat_declaration import parse_chat_declaration
+from contract.chat_errors import ChatDeclarationInvalid
 from contract.chat_limits import CHAT_SAMPLING_DEFAULTS
 from contract.chat_progress import CHAT_STREAM_PROGRESS_KEY, streams_progress
 from contract.errors import HordeError
 from workers.models import Worker
+from workers.services import TextWorkerDeclaration, worker_check_in, worker_rows
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,61 @@ def _generation_model(request: GenerationRequest, worker: Worker) -> str:
         if model in served:
             return model
     return served[0] if served else ""
+
+
+def worker_check_in_and_pop(
+    *,
+    owner: HordeUser,
+    name: str,
+    models: list[str],
+    max_length: int,
+    max_context_length: int,
+    threads: int,
+    amount: int,
+    bridge_agent: str,
+    nsfw: bool,
+    softprompts: list[str],
+    priority_usernames: list[str],
+    chat_jobs: Any = None,
+    prompt_jobs: Any = None,
+    chat_features: Any = None,
+    chat_limits: Any = None,
+    model_id: Any = None,
+    image_transports: Any = None,
+) -> PoppedJob:
+    """A worker's pop: check it in under the declaration it states (its first pop registers it),
+    then hand it a job when one is eligible. The chat fields are as sent (None: not sent); the
+    contract reads them, and its refusal is the spec's."""
+    models = list(dict.fromkeys(models))
+    sent = {"chat_jobs": chat_jobs, "prompt_jobs": prompt_jobs, "chat_features": chat_features,
+            "chat_limits": chat_limits, "model_id": model_id, "image_transports": image_transports}
+    try:
+        chat = parse_chat_declaration({k: v for k, v in sent.items() if v is not None}, models=models)
+    except ChatDeclarationInvalid as refusal:
+        raise HordeError(refusal.rc, refusal.message, status=refusal.status) from refusal
+    declaration = TextWorkerDeclaration(
+        name=name.strip(),
+        models=models,
+        max_length=max_length,
+        max_context_length=max_context_length,
+        threads=threads,
+        bridge_agent=bridge_agent,
+        nsfw=nsfw,
+        softprompts=softprompts,
+        priority_usernames=priority_usernames,
+        chat=chat,
+    )
+    worker = worker_check_in(owner=owner, declaration=declaration)
+    worker.owner = owner
+    try:
+        return worker_pop(worker=worker, amount=amount)
+    except IntegrityError:
+        # The process's copy of the worker row outlived the row (an operator deleted it): the
+        # pop wrote nothing; check in afresh, which registers the worker again, and pop once more.
+        worker_rows.forget(declaration.name)
+        worker = worker_check_in(owner=owner, declaration=declaration)
+        worker.owner = owner
+        return worker_pop(worker=worker, amount=amount)
 
 
 def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
