@@ -10,7 +10,7 @@ from functools import lru_cache
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection, connections, transaction
 from django.db.models import BooleanField, F, Field
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
@@ -257,11 +257,10 @@ _WAITING_AS_INDEXED = RawSQL(
 )
 
 
-@lru_cache(maxsize=4096)
 def _eligible_select(view: WorkerView, priority: bool) -> tuple[str, tuple]:
     """SELECT of the first eligible request for the worker (with `priority`: only its priority
     users', an array parameter, _PRIORITY_IDS in params), as SQL and params. Compiled once per
-    declaration; `now()` keeps it free of per-pop values."""
+    declaration (_pop_statement); `now()` keeps it free of per-pop values."""
     qs = (
         GenerationRequest.objects.filter(_WAITING_AS_INDEXED, expires_at__gt=Now())
         .filter(eligibility_filter(view))
@@ -307,7 +306,8 @@ def _generation_insert_columns() -> tuple[list[str], list[str], list[Field]]:
 def _generation_per_call_values(template: Generation) -> list[Any]:
     """The per-call columns' values, as the ORM's insert would set them on `template` (its
     `created` included)."""
-    return [f.get_db_prep_save(f.pre_save(template, add=True), connection) for f in _generation_insert_columns()[2]]
+    db = connections[DEFAULT_DB_ALIAS]  # once: each read through django.db.connection looks it up again
+    return [f.get_db_prep_save(f.pre_save(template, add=True), db) for f in _generation_insert_columns()[2]]
 
 
 def _job_prices(worker: Worker) -> tuple[list[str], list[float], list[float]]:
@@ -324,18 +324,14 @@ def _popped_request_loader() -> RowLoader:
     return RowLoader.of_fields(connection.alias, [(GenerationRequest, _POP_REQUEST_COLUMNS)], extra=(None, None))
 
 
-def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now) -> PoppedJob | None:
+@lru_cache(maxsize=4096)
+def _pop_statement(view: WorkerView) -> tuple[str, tuple, tuple]:
+    """The pop's SQL for the worker's declaration, with the params of its priority select
+    (_PRIORITY_IDS standing for the priority users' ids) and of its other select: the text is
+    the same for every pop under one declaration, so it is built once."""
     priority_sql, priority_params = _eligible_select(view, True)
     rest_sql, rest_params = _eligible_select(view, False)
-    priority_ids = _priority_user_ids(worker)
-    priority_params = [priority_ids if value is _PRIORITY_IDS else value for value in priority_params]
-    lease = now + timedelta(seconds=settings.HORDE_TEXT_JOB_LEASE_SECONDS)
     columns, placeholders, _ = _generation_insert_columns()
-    served = list(worker.served_models or [])
-    assigned = _assigned_declaration(worker)
-    price_models, price_per_token, price_flat = _job_prices(worker)
-    template = Generation(worker=worker, lease_expires_at=lease)
-    generation_ids = [uuid.uuid4() for _ in range(max(1, amount))]
     fields = ", ".join(f"p.{connection.ops.quote_name(name)}" for name in _POP_REQUEST_COLUMNS)
     sql = f"""
         WITH priority AS ({priority_sql} FOR UPDATE SKIP LOCKED),
@@ -375,6 +371,19 @@ def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now)
         )
         SELECT {fields}, p.take, p.job_model FROM picked AS p
     """
+    return sql, priority_params, rest_params
+
+
+def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now) -> PoppedJob | None:
+    sql, priority_params, rest_params = _pop_statement(view)
+    priority_ids = _priority_user_ids(worker)
+    priority_params = [priority_ids if value is _PRIORITY_IDS else value for value in priority_params]
+    lease = now + timedelta(seconds=settings.HORDE_TEXT_JOB_LEASE_SECONDS)
+    served = list(worker.served_models or [])
+    assigned = _assigned_declaration(worker)
+    price_models, price_per_token, price_flat = _job_prices(worker)
+    template = Generation(worker=worker, lease_expires_at=lease)
+    generation_ids = [uuid.uuid4() for _ in range(max(1, amount))]
     params = [
         *priority_params,
         *rest_params,
