@@ -397,7 +397,7 @@ def fill(
 
     from accounts.models import HordeUser
     from accounts.services import user_create
-    from chat.services.create_chat import chat_request_create, map_chat_request
+    from chat.services.create_chat import chat_request_create
     from chat.services.create_text import TextRequestInput, text_request_create
     from contract.chat_shapes import validate_chat_request
     from contract.errors import HordeError
@@ -422,7 +422,7 @@ def fill(
             body, profile = chat_body(rng, i, models)
             body["models"] = chat_models_for(body, rng, models, chat_workers)
             profiles[profile] = profiles.get(profile, 0) + 1
-            specs.append((user, "chat", map_chat_request(validate_chat_request(body))))
+            specs.append((user, "chat", validate_chat_request(body)))
         else:
             first = min(int(rng.paretovariate(1.2)) - 1, args.models - 1)
             wanted = [models[first]]
@@ -457,7 +457,7 @@ def fill(
                 try:
                     if kind == "chat":
                         chat_request_create(
-                            user=user, submission=data, client_agent=CLIENT_AGENT, ip_address="127.0.0.1"
+                            user=user, chat=data, client_agent=CLIENT_AGENT, ip_address="127.0.0.1"
                         )
                     else:
                         text_request_create(

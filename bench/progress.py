@@ -106,7 +106,7 @@ def fill(jobs: int) -> float:
     """`jobs` streamed chat requests from one requester, as the chat route stores them."""
     from accounts.models import HordeUser
     from accounts.services import user_create
-    from chat.services.create_chat import chat_request_create, map_chat_request
+    from chat.services.create_chat import chat_request_create
     from contract.chat_shapes import validate_chat_request
 
     user, _ = user_create(username="bench-stream-requester", kudos=10_000_000)
@@ -121,7 +121,7 @@ def fill(jobs: int) -> float:
             "stream": True,
         }
         chat_request_create(
-            user=user, submission=map_chat_request(validate_chat_request(body)), client_agent=CLIENT_AGENT,
+            user=user, chat=validate_chat_request(body), client_agent=CLIENT_AGENT,
             ip_address="127.0.0.1",
         )
     return time.perf_counter() - started

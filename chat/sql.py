@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Any
 
-from django.db import connection, connections
+from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.db.models import Model
 
 from contract.process_cache import ProcessCache
@@ -76,25 +76,30 @@ def run_prepared(sql: str, params: Sequence[Any]) -> tuple | None:
     from django.db.backends.postgresql.psycopg_any import register_tzloader
     from psycopg.pq import Format
 
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
-    connection.validate_thread_sharing()
-    with connection.wrap_database_errors:
-        _ints_as_bigint(connection.connection)
-        cursor = psycopg.Cursor(connection.connection)
+    # The connection itself, looked up once: each attribute read through django.db.connection
+    # goes through its thread-local lookup again.
+    db = connections[DEFAULT_DB_ALIAS]
+    db.close_if_health_check_failed()
+    db.ensure_connection()
+    db.validate_thread_sharing()
+    with db.wrap_database_errors:
+        raw = db.connection
+        _ints_as_bigint(raw)
+        cursor = psycopg.Cursor(raw)
         try:
             # As Django's create_cursor: timestamps read in the connection's time zone.
-            if connection.timezone != connection.connection.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT).timezone:
-                register_tzloader(connection.timezone, cursor)
+            if db.timezone != raw.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT).timezone:
+                register_tzloader(db.timezone, cursor)
             executor = _execute
-            for wrapper in reversed(connection.execute_wrappers):
+            for wrapper in reversed(db.execute_wrappers):
                 executor = partial(wrapper, executor)
-            context = {"connection": connection, "cursor": cursor}
-            if connection.queries_logged:
+            context = {"connection": db, "cursor": cursor}
+            if db.queries_logged:
                 _logged(executor, sql, params, context)
             else:
                 executor(sql, params, False, context)
-            return cursor.fetchone() if cursor.description else None
+            # rownumber, not description: it does not build a Column for each of the row's columns.
+            return cursor.fetchone() if cursor.rownumber is not None else None
         finally:
             cursor.close()
 
@@ -368,9 +373,13 @@ class _RequestRead:
         db = connections[self.alias]
         params = list(self.params)
         params[self.id_param] = GenerationRequest._meta.pk.get_db_prep_value(request_id, db)
-        with db.cursor() as cursor:
-            cursor.execute(self.sql, params)
-            row = cursor.fetchone()
+        if self.alias == connection.alias:
+            # Prepared on PostgreSQL: a poll is planned once per connection, not on every read.
+            row = fetch_one(self.sql, params)
+        else:
+            with db.cursor() as cursor:
+                cursor.execute(self.sql, params)
+                row = cursor.fetchone()
         if row is None:
             return None
         (request,), counts = self.loader.load(row)

@@ -113,14 +113,13 @@ class ChatAsyncView(APIView):
         body = parse_chat_body(read_chat_request_body(request._request))
         try:
             chat = validate_chat_request(body)
-            submission = chat_create.map_chat_request(chat)
         except ChatRefusal as refusal:
             raise refusal_error(refusal) from None
         except RecursionError:
             raise HordeError("BadRequest", "The request body nests too deeply.") from None
         created = chat_create.chat_request_create(
             user=requester(request),
-            submission=submission,
+            chat=chat,
             client_agent=request.headers.get("Client-Agent", ""),
             ip_address=address,
             front_lease_seconds=front_lease.front_lease_seconds(request.headers),

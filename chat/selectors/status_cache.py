@@ -95,9 +95,7 @@ def cached_status(
     version = found.pop(version_key, None) or 0
     # A body also holds only under the workers' serving version it was built at: availability
     # (is_possible, eligible_worker_threads, impossible_reason) follows a worker's check-in at once.
-    serving = serving_version_in(found)
-    if serving_key:
-        found.pop(serving_key, None)
+    serving = found.pop(serving_key, None) if serving_key else serving_version_in(found)
     if isinstance(entry, tuple) and len(entry) == 3 and entry[0] == version and entry[1] == serving:
         return entry[2]
     read = StatusRead(prefetched=found, serving_version=serving)

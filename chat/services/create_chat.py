@@ -509,14 +509,19 @@ def _no_eligible_worker_for_kudos(request: GenerationRequest) -> HordeError | No
 def chat_request_create(
     *,
     user: HordeUser,
-    submission: ChatSubmission,
+    chat: ChatRequest,
     client_agent: str = "",
     ip_address: str = "",
     front_lease_seconds: int | None = None,
     front_id: str | None = None,
 ) -> ChatCreated:
-    """Steps 3-8 of the chat submit: operation key, admission flag, shared checks, known models,
-    worker_max_length, context sizing, pricing, then create and activate in one transaction."""
+    """Steps 3-8 of the chat submit for a validated body: map it (map_chat_request), then
+    operation key, admission flag, shared checks, known models, worker_max_length, context sizing,
+    pricing, then create and activate in one transaction."""
+    try:
+        submission = map_chat_request(chat)
+    except RecursionError:
+        raise HordeError("BadRequest", "The request body nests too deeply.") from None
     horde = submission.horde
     dry_run = horde.dry_run
     operation_key = None if dry_run else horde.operation_key

@@ -10,12 +10,13 @@ from functools import lru_cache
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection, connections, transaction
 from django.db.models import BooleanField, F, Field
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from accounts.models import HordeUser
 from chat.gate_shadow import record_over_capacity_assignment
 from chat.metrics import lease_capacity_limited
 from chat.models import Generation, GenerationRequest
@@ -25,10 +26,13 @@ from chat.selectors.status_cache import status_changed
 from chat.services.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember
 from chat.services.progress import write_stream_leases
 from chat.sql import RowLoader, run_prepared
+from contract.chat_declaration import parse_chat_declaration
+from contract.chat_errors import ChatDeclarationInvalid
 from contract.chat_limits import CHAT_SAMPLING_DEFAULTS
 from contract.chat_progress import CHAT_STREAM_PROGRESS_KEY, streams_progress
 from contract.errors import HordeError
 from workers.models import Worker
+from workers.services import TextWorkerDeclaration, worker_check_in, worker_rows
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,61 @@ def _generation_model(request: GenerationRequest, worker: Worker) -> str:
         if model in served:
             return model
     return served[0] if served else ""
+
+
+def worker_check_in_and_pop(
+    *,
+    owner: HordeUser,
+    name: str,
+    models: list[str],
+    max_length: int,
+    max_context_length: int,
+    threads: int,
+    amount: int,
+    bridge_agent: str,
+    nsfw: bool,
+    softprompts: list[str],
+    priority_usernames: list[str],
+    chat_jobs: Any = None,
+    prompt_jobs: Any = None,
+    chat_features: Any = None,
+    chat_limits: Any = None,
+    model_id: Any = None,
+    image_transports: Any = None,
+) -> PoppedJob:
+    """A worker's pop: check it in under the declaration it states (its first pop registers it),
+    then hand it a job when one is eligible. The chat fields are as sent (None: not sent); the
+    contract reads them, and its refusal is the spec's."""
+    models = list(dict.fromkeys(models))
+    sent = {"chat_jobs": chat_jobs, "prompt_jobs": prompt_jobs, "chat_features": chat_features,
+            "chat_limits": chat_limits, "model_id": model_id, "image_transports": image_transports}
+    try:
+        chat = parse_chat_declaration({k: v for k, v in sent.items() if v is not None}, models=models)
+    except ChatDeclarationInvalid as refusal:
+        raise HordeError(refusal.rc, refusal.message, status=refusal.status) from refusal
+    declaration = TextWorkerDeclaration(
+        name=name.strip(),
+        models=models,
+        max_length=max_length,
+        max_context_length=max_context_length,
+        threads=threads,
+        bridge_agent=bridge_agent,
+        nsfw=nsfw,
+        softprompts=softprompts,
+        priority_usernames=priority_usernames,
+        chat=chat,
+    )
+    worker = worker_check_in(owner=owner, declaration=declaration)
+    worker.owner = owner
+    try:
+        return worker_pop(worker=worker, amount=amount)
+    except IntegrityError:
+        # The process's copy of the worker row outlived the row (an operator deleted it): the
+        # pop wrote nothing; check in afresh, which registers the worker again, and pop once more.
+        worker_rows.forget(declaration.name)
+        worker = worker_check_in(owner=owner, declaration=declaration)
+        worker.owner = owner
+        return worker_pop(worker=worker, amount=amount)
 
 
 def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
@@ -203,11 +262,10 @@ _WAITING_AS_INDEXED = RawSQL(
 )
 
 
-@lru_cache(maxsize=4096)
 def _eligible_select(view: WorkerView, priority: bool) -> tuple[str, tuple]:
     """SELECT of the first eligible request for the worker (with `priority`: only its priority
     users', an array parameter, _PRIORITY_IDS in params), as SQL and params. Compiled once per
-    declaration; `now()` keeps it free of per-pop values."""
+    declaration (_pop_statement); `now()` keeps it free of per-pop values."""
     qs = (
         GenerationRequest.objects.filter(_WAITING_AS_INDEXED, expires_at__gt=Now())
         .filter(eligibility_filter(view))
@@ -253,7 +311,8 @@ def _generation_insert_columns() -> tuple[list[str], list[str], list[Field]]:
 def _generation_per_call_values(template: Generation) -> list[Any]:
     """The per-call columns' values, as the ORM's insert would set them on `template` (its
     `created` included)."""
-    return [f.get_db_prep_save(f.pre_save(template, add=True), connection) for f in _generation_insert_columns()[2]]
+    db = connections[DEFAULT_DB_ALIAS]  # once: each read through django.db.connection looks it up again
+    return [f.get_db_prep_save(f.pre_save(template, add=True), db) for f in _generation_insert_columns()[2]]
 
 
 def _job_prices(worker: Worker) -> tuple[list[str], list[float], list[float]]:
@@ -270,18 +329,14 @@ def _popped_request_loader() -> RowLoader:
     return RowLoader.of_fields(connection.alias, [(GenerationRequest, _POP_REQUEST_COLUMNS)], extra=(None, None))
 
 
-def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now) -> PoppedJob | None:
+@lru_cache(maxsize=4096)
+def _pop_statement(view: WorkerView) -> tuple[str, tuple, tuple]:
+    """The pop's SQL for the worker's declaration, with the params of its priority select
+    (_PRIORITY_IDS standing for the priority users' ids) and of its other select: the text is
+    the same for every pop under one declaration, so it is built once."""
     priority_sql, priority_params = _eligible_select(view, True)
     rest_sql, rest_params = _eligible_select(view, False)
-    priority_ids = _priority_user_ids(worker)
-    priority_params = [priority_ids if value is _PRIORITY_IDS else value for value in priority_params]
-    lease = now + timedelta(seconds=settings.HORDE_TEXT_JOB_LEASE_SECONDS)
     columns, placeholders, _ = _generation_insert_columns()
-    served = list(worker.served_models or [])
-    assigned = _assigned_declaration(worker)
-    price_models, price_per_token, price_flat = _job_prices(worker)
-    template = Generation(worker=worker, lease_expires_at=lease)
-    generation_ids = [uuid.uuid4() for _ in range(max(1, amount))]
     fields = ", ".join(f"p.{connection.ops.quote_name(name)}" for name in _POP_REQUEST_COLUMNS)
     sql = f"""
         WITH priority AS ({priority_sql} FOR UPDATE SKIP LOCKED),
@@ -321,6 +376,19 @@ def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now)
         )
         SELECT {fields}, p.take, p.job_model FROM picked AS p
     """
+    return sql, priority_params, rest_params
+
+
+def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now) -> PoppedJob | None:
+    sql, priority_params, rest_params = _pop_statement(view)
+    priority_ids = _priority_user_ids(worker)
+    priority_params = [priority_ids if value is _PRIORITY_IDS else value for value in priority_params]
+    lease = now + timedelta(seconds=settings.HORDE_TEXT_JOB_LEASE_SECONDS)
+    served = list(worker.served_models or [])
+    assigned = _assigned_declaration(worker)
+    price_models, price_per_token, price_flat = _job_prices(worker)
+    template = Generation(worker=worker, lease_expires_at=lease)
+    generation_ids = [uuid.uuid4() for _ in range(max(1, amount))]
     params = [
         *priority_params,
         *rest_params,
