@@ -20,6 +20,7 @@ front's /v1/):
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import io
 import json
@@ -133,6 +134,9 @@ class WebThreads:
             ]
             for thread in self._threads:
                 thread.start()
+            # At exit the calls already queued finish first, as ThreadPoolExecutor's threads did:
+            # daemon threads still run while atexit's handlers do.
+            atexit.register(self.close)
 
     def _work(self) -> None:
         while (call := self._calls.get()) is not None:
@@ -149,6 +153,7 @@ class WebThreads:
         """Every thread ends after the calls queued before this one (each one's last request done)."""
         with self._lock:
             threads, self._threads = self._threads, []
+        atexit.unregister(self.close)
         for _ in threads:
             self._calls.put(None)
         for thread in threads:
