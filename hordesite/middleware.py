@@ -46,11 +46,13 @@ class CorsMiddleware:
 
     def __init__(self, get_response):
         self.get_response = get_response
-        if iscoroutinefunction(get_response):
+        # Decided once, as Django's own MiddlewareMixin does: asking inspect on every call costs.
+        self.async_mode = iscoroutinefunction(get_response)
+        if self.async_mode:
             markcoroutinefunction(self)
 
     def __call__(self, request):
-        if iscoroutinefunction(self):
+        if self.async_mode:
             return self._acall(request)
         return _with_cors(_preflight(request) if _is_preflight(request) else self.get_response(request))
 
@@ -88,11 +90,12 @@ class AdminOnlyMiddleware:
                 )
             )
         )
-        if iscoroutinefunction(get_response):
+        self.async_mode = iscoroutinefunction(get_response)
+        if self.async_mode:
             markcoroutinefunction(self)
 
     def __call__(self, request):
-        if iscoroutinefunction(self):
+        if self.async_mode:
             return self._acall(request)
         if request.path.startswith(ADMIN_PATH_PREFIX):
             return self.admin(request)
@@ -145,11 +148,12 @@ class JsonBodyMiddleware:
 
     def __init__(self, get_response):
         self.get_response = get_response
-        if iscoroutinefunction(get_response):
+        self.async_mode = iscoroutinefunction(get_response)
+        if self.async_mode:
             markcoroutinefunction(self)
 
     def __call__(self, request):
-        if iscoroutinefunction(self):
+        if self.async_mode:
             return self._acall(request)
         return _body_refusal(request) or self.get_response(request)
 

@@ -20,13 +20,16 @@ front's /v1/):
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import io
 import json
 import logging
+import queue
 import sys
 import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from django.conf import settings
@@ -100,24 +103,82 @@ def wsgi_environ(scope: dict[str, Any], body: Any, length: int) -> dict[str, Any
     return environ
 
 
+class WebThreads:
+    """`count` threads that run calls one after another, each in its own context (as a WSGI server's
+    threads), started on the first call. A call's result comes back to its event loop with one
+    call_soon_threadsafe: run_in_executor chains a concurrent future to an asyncio one and copies
+    its state across, about twice the CPU per request for the hop alone."""
+
+    def __init__(self, count: int, *, name: str = "web"):
+        self.count = count
+        self.name = name
+        self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def run(self, fn: Any, *args: Any) -> asyncio.Future:
+        """`fn(*args)` on one of the threads; the future is the running loop's."""
+        if not self._threads:
+            self._start()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._calls.put((loop, future, fn, args))
+        return future
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._threads:
+                return
+            self._threads = [
+                threading.Thread(target=self._work, name=f"{self.name}_{i}", daemon=True) for i in range(self.count)
+            ]
+            for thread in self._threads:
+                thread.start()
+            # At exit the calls already queued finish first, as ThreadPoolExecutor's threads did:
+            # daemon threads still run while atexit's handlers do.
+            atexit.register(self.close)
+
+    def _work(self) -> None:
+        while (call := self._calls.get()) is not None:
+            loop, future, fn, args = call
+            try:
+                outcome = (fn(*args), None)
+            except BaseException as error:  # handed to the awaiting request, as run_in_executor does
+                outcome = (None, error)
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits for this answer
+                loop.call_soon_threadsafe(_settle, future, *outcome)
+            del call, loop, future, outcome  # hold nothing of the request while idle
+
+    def close(self) -> None:
+        """Every thread ends after the calls queued before this one (each one's last request done)."""
+        with self._lock:
+            threads, self._threads = self._threads, []
+        atexit.unregister(self.close)
+        for _ in threads:
+            self._calls.put(None)
+        for thread in threads:
+            thread.join()
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 class PooledWSGI:
     """ASGI: `app` (a WSGI application) for every HTTP request, on a bounded pool of threads."""
 
     def __init__(self, app: Any, *, threads: int | None = None):
         self.app = app
         self.threads = threads or settings.HORDE_WEB_THREADS
-        self._pool: ThreadPoolExecutor | None = None
-
-    @property
-    def pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="web")
-        return self._pool
+        self.pool = WebThreads(self.threads)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self.pool.close()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -171,11 +232,10 @@ class PooledWSGI:
         await _send_answer(send, answer)
 
     async def _serve(self, environ: dict[str, Any]) -> Answer:
-        loop = asyncio.get_running_loop()
         try:
-            # run_in_executor runs the call in the pool thread's own context (no copy of the
-            # loop's), as a WSGI server's thread runs one request after another.
-            return await loop.run_in_executor(self.pool, run_wsgi, self.app, environ)
+            # The pool thread runs the call in its own context (no copy of the loop's), as a WSGI
+            # server's thread runs one request after another.
+            return await self.pool.run(run_wsgi, self.app, environ)
         except Exception:
             log.exception("%s %s failed", environ["REQUEST_METHOD"], environ["PATH_INFO"])
             return Answer(500, [("Content-Type", "application/json"), *cors_headers()], _INTERNAL_ERROR)

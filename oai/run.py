@@ -474,6 +474,8 @@ class ChatRun:
                 await self.state.listener.unregister(self.request_id, self.wake)
         if self.relayed is not None:
             self.relayed.close()
+        if self.watcher is not None:
+            self.watcher.close()
         self.slot.release()
 
     # the first read decision, then the wait -------------------------------------------------------

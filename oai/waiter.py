@@ -288,6 +288,10 @@ class ChatRequestWatcher:
         self.poll_seconds = poll_seconds
         self.periodic_source = WakeSource.RECHECK if wake is not None else WakeSource.POLL
         self.disconnected = disconnected
+        # The signal's and the disconnect's waits outlive one next_wake: a relayed stream calls it
+        # for every delta, and making and cancelling a task per source per call was most of its cost.
+        self._signal_waiter: asyncio.Future | None = None
+        self._disconnect_waiter: asyncio.Future | None = None
 
     async def next_wake(
         self,
@@ -317,13 +321,18 @@ class ChatRequestWatcher:
         if self.wake is not None:
             if self.wake.event.is_set():
                 return self._take_signal()
-            waiters.append(asyncio.ensure_future(self.wake.event.wait()))
+            if self._signal_waiter is None or self._signal_waiter.done():
+                self._signal_waiter = asyncio.ensure_future(self.wake.event.wait())
+            waiters.append(self._signal_waiter)
         if self.disconnected is not None:
             if self.disconnected.is_set():
                 return WakeSource.DISCONNECT
-            waiters.append(asyncio.ensure_future(self.disconnected.wait()))
-        if deltas is not None:
-            waiters.append(asyncio.ensure_future(deltas.wait()))
+            if self._disconnect_waiter is None or self._disconnect_waiter.done():
+                self._disconnect_waiter = asyncio.ensure_future(self.disconnected.wait())
+            waiters.append(self._disconnect_waiter)
+        deltas_waiter = asyncio.ensure_future(deltas.wait()) if deltas is not None else None
+        if deltas_waiter is not None:
+            waiters.append(deltas_waiter)
         try:
             if waiters:
                 await asyncio.wait(
@@ -332,9 +341,8 @@ class ChatRequestWatcher:
             else:
                 await asyncio.sleep(max(0.0, due - time.monotonic()))
         finally:
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.cancel()
+            if deltas_waiter is not None and not deltas_waiter.done():
+                deltas_waiter.cancel()
         if self.disconnected is not None and self.disconnected.is_set():
             return WakeSource.DISCONNECT
         if deltas is not None and deltas.is_set():
@@ -342,6 +350,13 @@ class ChatRequestWatcher:
         if self.wake is not None and self.wake.event.is_set():
             return self._take_signal()
         return timer_source
+
+    def close(self) -> None:
+        """The request is over: its waits end with it."""
+        for waiter in (self._signal_waiter, self._disconnect_waiter):
+            if waiter is not None and not waiter.done():
+                waiter.cancel()
+        self._signal_waiter = self._disconnect_waiter = None
 
     def _take_signal(self) -> WakeSource:
         """A message woke the request (signal), or the listener lost its connection (recheck)."""

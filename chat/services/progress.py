@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 from functools import lru_cache
+from string import Template
 from typing import Any
 from uuid import UUID
 
@@ -61,12 +62,13 @@ from contract.text import TEXT_JOB_LEASE_SECONDS
 log = logging.getLogger(__name__)
 
 # KEYS: lease. ARGV: key digest, seq, content, reasoning ('' when absent), has reasoning (1/0), now
-# (Unix seconds), renewal seconds, lease grace, max entries, stream TTL, stream max entries,
-# generation id, stream key prefix. The stream's key is built from the lease's `request`, so a
-# post costs one round trip (a standalone Redis; ADR 0019).
+# (Unix seconds), generation id. The constants (renewal seconds, lease grace, max entries, stream
+# TTL, stream max entries, stream key prefix) are written into the script once, not sent with every
+# post. The stream's key is built from the lease's `request`, so a post costs one round trip (a
+# standalone Redis; ADR 0019).
 # Returns {'none'} | {'credentials'} | {'sequence', expected} | {'cap'} | {'retry', cancelled}
 # | {'ok', cancelled, renewal ('granted', 'at_cap' or ''), job_ttl, started, trusted}.
-APPEND_PROGRESS_SCRIPT = """
+APPEND_PROGRESS_SCRIPT = Template("""
 local f = redis.call('HMGET', KEYS[1], 'key', 'seq', 'bytes', 'max_bytes', 'cancelled', 'started',
   'job_ttl', 'lease_cap', 'worker', 'model', 'fake', 'last_content', 'last_reasoning', 'trusted', 'request')
 if not f[1] then return {'none'} end
@@ -80,11 +82,11 @@ if last > 0 and seq == last then
   return {'sequence', last + 1}
 end
 if seq ~= last + 1 then return {'sequence', last + 1} end
-if seq > tonumber(ARGV[9]) then return {'cap'} end
+if seq > $max_entries then return {'cap'} end
 local bytes = (tonumber(f[3]) or 0) + string.len(ARGV[3]) + string.len(ARGV[4])
 if bytes > (tonumber(f[4]) or 0) then return {'cap'} end
 if f[11] ~= '1' then
-  local entry = {'gen', ARGV[12], 'seq', ARGV[2], 'content', ARGV[3]}
+  local entry = {'gen', ARGV[7], 'seq', ARGV[2], 'content', ARGV[3]}
   if ARGV[5] == '1' then
     entry[#entry + 1] = 'reasoning_content'
     entry[#entry + 1] = ARGV[4]
@@ -97,9 +99,9 @@ if f[11] ~= '1' then
     entry[#entry + 1] = 'model'
     entry[#entry + 1] = f[10]
   end
-  local stream = ARGV[13] .. f[15]
-  redis.call('XADD', stream, 'MAXLEN', '~', ARGV[11], '*', unpack(entry))
-  redis.call('EXPIRE', stream, ARGV[10])
+  local stream = '$stream_prefix' .. f[15]
+  redis.call('XADD', stream, 'MAXLEN', '~', $stream_max_entries, '*', unpack(entry))
+  redis.call('EXPIRE', stream, $stream_ttl)
 end
 redis.call('HSET', KEYS[1], 'seq', seq, 'bytes', bytes, 'last_content', ARGV[3], 'last_reasoning', ARGV[4])
 local ttl = tonumber(f[7])
@@ -109,12 +111,12 @@ if cancelled == 0 then
   local now = tonumber(ARGV[6])
   local cap = tonumber(f[8])
   if now <= started + ttl then
-    local wanted = math.ceil(now + tonumber(ARGV[7]) - started)
+    local wanted = math.ceil(now + $renewal_seconds - started)
     if wanted > cap then wanted = cap end
     if wanted > ttl then
       ttl = wanted
       redis.call('HSET', KEYS[1], 'job_ttl', ttl)
-      redis.call('EXPIREAT', KEYS[1], started + ttl + tonumber(ARGV[8]))
+      redis.call('EXPIREAT', KEYS[1], started + ttl + $lease_grace)
       renewal = 'granted'
     elseif ttl >= cap then
       renewal = 'at_cap'
@@ -122,7 +124,14 @@ if cancelled == 0 then
   end
 end
 return {'ok', cancelled, renewal, ttl, f[6], f[14] or '0'}
-"""
+""").substitute(
+    max_entries=MAX_CHAT_PROGRESS_ENTRIES,
+    stream_prefix=CHAT_PROGRESS_STREAM_PREFIX,
+    stream_max_entries=CHAT_PROGRESS_STREAM_MAX_ENTRIES,
+    stream_ttl=CHAT_PROGRESS_STREAM_TTL_SECONDS,
+    renewal_seconds=CHAT_PROGRESS_RENEWAL_SECONDS,
+    lease_grace=CHAT_PROGRESS_LEASE_GRACE_SECONDS,
+)
 
 # KEYS: lease, stream. ARGV: generation id, stream TTL, stream max entries. The ended marker (not
 # for a fake generation) and the lease's deletion, only when the lease exists.
@@ -248,13 +257,7 @@ def job_progress(*, api_key: str, post: ProgressPost) -> dict[str, Any]:
                 (reasoning or "").encode("utf-8"),
                 1 if reasoning else 0,
                 repr(time.time()),
-                CHAT_PROGRESS_RENEWAL_SECONDS,
-                CHAT_PROGRESS_LEASE_GRACE_SECONDS,
-                MAX_CHAT_PROGRESS_ENTRIES,
-                CHAT_PROGRESS_STREAM_TTL_SECONDS,
-                CHAT_PROGRESS_STREAM_MAX_ENTRIES,
                 str(post.id),
-                CHAT_PROGRESS_STREAM_PREFIX,
             ],
         )
     except redis.RedisError as error:
