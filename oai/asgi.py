@@ -120,6 +120,17 @@ def front_django_handler() -> Any:
             get_response = self._get_response_async if is_async else self._get_response
             self._middleware_chain = convert_exception_to_response(get_response)
 
+        async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+            # Django's own __call__ enters a ThreadSensitiveContext per request, so its
+            # thread-sensitive sync work (the request_started and request_finished receivers, the
+            # response's close) gets a thread of its own, created at the start and idle for the
+            # whole of a stream's wait: tens of KB resident per open stream (issue 14). Without it
+            # that work runs on asgiref's one shared thread-sensitive thread; the front's views are
+            # async and make their native calls on their own executor.
+            if scope["type"] != "http":
+                raise ValueError(f"The front serves HTTP connections only, not {scope['type']}.")
+            await self.handle(scope, receive, send)
+
     return FrontDjangoHandler()
 
 
