@@ -441,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     env.update(
         HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP="100000/second",
         HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP="100000/second",
+        # One requester key opens every stream: its shipped 2/second would stagger the opening (ADR 0032).
+        HORDE_API_KEY_RATE_LIMITS="100000/second",
         HORDE_OAI_MAX_INFLIGHT_PER_SOURCE="100000",
         HORDE_OAI_KEEPALIVE_SECONDS="10",
     )
