@@ -95,7 +95,7 @@ class RespError(Exception):
 
 
 class _Incomplete(Exception):
-    pass
+    """The buffer ends inside a reply: read more before parsing it."""
 
 
 def _parse(buf: bytes, pos: int) -> tuple[Any, int]:
@@ -189,7 +189,7 @@ class RespConnection:
                 try:
                     reply, used = _parse(self._buffer, 0)
                 except _Incomplete:
-                    pass
+                    pass  # the rest of the reply is still on its way
                 else:
                     self._buffer = self._buffer[used:]
                     if isinstance(reply, RespError):
