@@ -61,13 +61,22 @@ from contract.text import TEXT_JOB_LEASE_SECONDS
 
 log = logging.getLogger(__name__)
 
+# The generation's row holds a streamed job's lease in steps of this many seconds (and at the cap):
+# a post renews the lease in Redis every second, the row about once a minute, and the stale sweep
+# reads the lease before it aborts a streamed job (ADR 0040). While a worker posts, the row's
+# deadline stays at least CHAT_PROGRESS_RENEWAL_SECONDS - this step ahead, so the sweep never even
+# looks at a job that is streaming.
+JOB_LEASE_WRITE_STEP_SECONDS = 60
+
 # KEYS: lease. ARGV: key digest, seq, content, reasoning ('' when absent), has reasoning (1/0), now
 # (Unix seconds), generation id. The constants (renewal seconds, lease grace, max entries, stream
 # TTL, stream max entries, stream key prefix) are written into the script once, not sent with every
 # post. The stream's key is built from the lease's `request`, so a post costs one round trip (a
 # standalone Redis; ADR 0019).
 # Returns {'none'} | {'credentials'} | {'sequence', expected} | {'cap'} | {'retry', cancelled}
-# | {'ok', cancelled, renewal ('granted', 'at_cap' or ''), job_ttl, started, trusted}.
+# | {'ok', cancelled, renewal ('granted', 'at_cap' or ''), job_ttl, started, trusted, persist}:
+# persist is 1 when the renewal crossed a JOB_LEASE_WRITE_STEP_SECONDS boundary or reached the cap
+# (the generation's row is written then; ADR 0040).
 APPEND_PROGRESS_SCRIPT = Template("""
 local f = redis.call('HMGET', KEYS[1], 'key', 'seq', 'bytes', 'max_bytes', 'cancelled', 'started',
   'job_ttl', 'lease_cap', 'worker', 'model', 'fake', 'last_content', 'last_reasoning', 'trusted', 'request')
@@ -106,6 +115,7 @@ end
 redis.call('HSET', KEYS[1], 'seq', seq, 'bytes', bytes, 'last_content', ARGV[3], 'last_reasoning', ARGV[4])
 local ttl = tonumber(f[7])
 local renewal = ''
+local persist = 0
 if cancelled == 0 then
   local started = tonumber(f[6])
   local now = tonumber(ARGV[6])
@@ -114,6 +124,7 @@ if cancelled == 0 then
     local wanted = math.ceil(now + $renewal_seconds - started)
     if wanted > cap then wanted = cap end
     if wanted > ttl then
+      if wanted == cap or math.floor(wanted / $write_step) > math.floor(ttl / $write_step) then persist = 1 end
       ttl = wanted
       redis.call('HSET', KEYS[1], 'job_ttl', ttl)
       redis.call('EXPIREAT', KEYS[1], started + ttl + $lease_grace)
@@ -123,8 +134,9 @@ if cancelled == 0 then
     end
   end
 end
-return {'ok', cancelled, renewal, ttl, f[6], f[14] or '0'}
+return {'ok', cancelled, renewal, ttl, f[6], f[14] or '0', persist}
 """).substitute(
+    write_step=JOB_LEASE_WRITE_STEP_SECONDS,
     max_entries=MAX_CHAT_PROGRESS_ENTRIES,
     stream_prefix=CHAT_PROGRESS_STREAM_PREFIX,
     stream_max_entries=CHAT_PROGRESS_STREAM_MAX_ENTRIES,
@@ -276,8 +288,8 @@ def job_progress(*, api_key: str, post: ProgressPost) -> dict[str, Any]:
     if outcome == "ok" and answer[2]:
         renewal, job_ttl, started, trusted = answer[2].decode(), int(answer[3]), int(answer[4]), answer[5] == b"1"
         lease_renewals.add(1, {"horde.outcome": renewal, "horde.worker_trusted": trusted})
-        if renewal == "granted":
-            _renew_job_lease(post.id, started + job_ttl)
+        if renewal == "granted" and answer[6]:
+            write_job_lease(post.id, datetime.fromtimestamp(started + job_ttl, tz=UTC))
     return {"accepted_seq": post.seq, "cancelled": cancelled}
 
 
@@ -303,15 +315,37 @@ _RENEW_SQL = (
 )
 
 
-def _renew_job_lease(generation_id: UUID, deadline_epoch: int) -> None:
-    """The extended job lease, written to the generation (the stale sweep reads it there)."""
-    deadline = datetime.fromtimestamp(deadline_epoch, tz=UTC)
+def write_job_lease(generation_id: UUID, deadline: datetime) -> None:
+    """The extended job lease, written to a generation still in progress (never shortened)."""
     if connection.vendor == "postgresql":
         run_prepared(_RENEW_SQL, [deadline, generation_id, Generation.State.PROCESSING, deadline])
         return
     Generation.objects.filter(
         pk=generation_id, state=Generation.State.PROCESSING, lease_expires_at__lt=deadline
     ).update(lease_expires_at=deadline)
+
+
+def leased_deadlines(generation_ids: list[UUID]) -> dict[UUID, datetime] | None:
+    """The job lease's deadline (started + job_ttl) of each streamed generation that still has a
+    stream lease, for the stale sweep; None when Redis cannot be read."""
+    client = progress_redis()
+    if client is None:
+        return {}
+    if not generation_ids:
+        return {}
+    try:
+        pipe = client.pipeline(transaction=False)
+        for generation_id in generation_ids:
+            pipe.hmget(chat_stream_lease_key(generation_id), "started", "job_ttl")
+        answers = pipe.execute()
+    except Exception as error:
+        log.warning("stream leases of %d stale generations not read: %s", len(generation_ids), error)
+        return None
+    return {
+        generation_id: datetime.fromtimestamp(int(started) + int(job_ttl), tz=UTC)
+        for generation_id, (started, job_ttl) in zip(generation_ids, answers, strict=True)
+        if started is not None and job_ttl is not None
+    }
 
 
 # --- ends: submit, fault, cancel ------------------------------------------------------------------
@@ -460,6 +494,8 @@ __all__ = [
     "end_progress_after_submit",
     "flag_cancelled_leases",
     "job_progress",
+    "leased_deadlines",
+    "write_job_lease",
     "read_posted_progress",
     "settle_cancelled_streams",
     "write_stream_leases",

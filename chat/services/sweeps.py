@@ -4,6 +4,7 @@ maintenance mode's waiting requests."""
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from functools import partial
 
 from django.db import transaction
@@ -17,26 +18,51 @@ from chat.selectors.status import request_completed, stored_result_count
 from chat.selectors.status_cache import status_changed
 from chat.services.faults import requeue_faulted, worker_record_dropped_job
 from chat.services.maintenance import abort_waiting_for_maintenance, horde_in_maintenance
-from chat.services.progress import end_progress_after_fault
+from chat.services.progress import (
+    JOB_LEASE_WRITE_STEP_SECONDS,
+    end_progress_after_fault,
+    leased_deadlines,
+    write_job_lease,
+)
 from chat.signals import publish_chat_signal
+from contract.chat_progress import streams_progress
 
 log = logging.getLogger(__name__)
 
 
 def abort_stale_generations() -> int:
-    """Fault jobs whose lease lapsed and put them back in the queue (the 60 s beat task)."""
+    """Fault jobs whose lease lapsed and put them back in the queue (the 60 s beat task).
+
+    A streamed job's row holds its lease in steps (ADR 0040): before aborting one, the sweep reads
+    its stream lease, writes a later deadline it finds to the row and leaves the job be. Without
+    the lease (Redis unreadable, or lost) the row may lag it by up to a step, so such a job is
+    aborted only once the row's deadline is a step behind.
+    """
     now = timezone.now()
     aborted = 0
     stale = list(
         Generation.objects.filter(state=Generation.State.PROCESSING, lease_expires_at__lt=now).values_list(
             "id", "request_id", "worker_id", "request__is_chat", "worker__owner__trusted",
-            "request__max_length", "over_capacity_at_assignment",
+            "request__max_length", "over_capacity_at_assignment", "lease_expires_at", "request__chat_extras",
         )[:1000]
     )
-    for generation_id, request_id, worker_id, is_chat, owner_trusted, max_length, over_capacity in stale:
+    streamed = [row[0] for row in stale if row[3] and streams_progress(row[8])]
+    leased = leased_deadlines(streamed) if streamed else {}
+    streamed_ids = set(streamed)
+    for generation_id, request_id, worker_id, is_chat, owner_trusted, max_length, over_capacity, row_deadline, _ in stale:
+        cutoff = now
+        if generation_id in streamed_ids:
+            deadline = leased.get(generation_id) if leased is not None else None
+            if deadline is not None and deadline >= now:
+                write_job_lease(generation_id, deadline)
+                continue
+            if deadline is None:
+                cutoff = now - timedelta(seconds=JOB_LEASE_WRITE_STEP_SECONDS)
+                if row_deadline >= cutoff:
+                    continue
         with transaction.atomic():
             if not Generation.objects.filter(
-                pk=generation_id, state=Generation.State.PROCESSING, lease_expires_at__lt=now
+                pk=generation_id, state=Generation.State.PROCESSING, lease_expires_at__lt=cutoff
             ).update(state=Generation.State.FAULTED, finished_at=now):
                 continue  # submitted meanwhile, or its lease renewed by a progress post
             # Read after the claim: a refusal is only recorded on a pending generation.

@@ -6,6 +6,7 @@ cancel) and the cancel's settlement on posted content (chat_requests.md, "Stream
 from __future__ import annotations
 
 import math
+import socket
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -20,6 +21,7 @@ from accounts.models import KudosTransaction, hash_api_key
 from chat.models import Generation, GenerationRequest
 from chat.pricing import text_generation_kudos
 from chat.services import progress
+from chat.services.progress import JOB_LEASE_WRITE_STEP_SECONDS
 from chat.services.sweeps import abort_stale_generations
 from contract.chat_progress import (
     CHAT_PROGRESS_BYTES_PER_TOKEN,
@@ -279,7 +281,7 @@ def test_faulted_submit_ends_the_stream_and_aborts_later_posts(horde, streamed_j
 def test_a_lapsed_lease_ends_the_stream(horde, streamed_job, stream_redis, metric_reader):  # noqa: F811
     _, owner, request, job_id, _ = streamed_job()
     assert post(horde, owner.key, job_id, 1, "Hi").status_code == 200
-    Generation.objects.filter(pk=job_id).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    _shift_lease(stream_redis, job_id, started_ago=TEXT_JOB_LEASE_SECONDS + 1, job_ttl=TEXT_JOB_LEASE_SECONDS)
     assert abort_stale_generations() == 1
     assert entries(stream_redis, request.pk)[-1] == {"gen": str(job_id), "ended": "1"}
     assert not stream_redis.exists(chat_stream_lease_key(job_id))
@@ -317,7 +319,8 @@ def test_an_appended_post_extends_the_lease_to_150_seconds_after_it(
     after = time.time()
     job_ttl = int(lease(stream_redis, job_id)["job_ttl"])
     assert math.ceil(before + 150 - started) <= job_ttl <= math.ceil(after + 150 - started)
-    assert _pg_deadline(job_id) == started + job_ttl
+    # 170 s from the pop: inside the row's step (ADR 0040), so the row keeps the lease it had.
+    assert _pg_deadline(job_id) == started + TEXT_JOB_LEASE_SECONDS
     assert stream_redis.expiretime(chat_stream_lease_key(job_id)) == started + job_ttl + CHAT_PROGRESS_LEASE_GRACE_SECONDS
     assert counter_points(metric_reader, "horde.text.lease_renewals") == {
         (("horde.outcome", "granted"), ("horde.worker_trusted", False)): 1
@@ -327,6 +330,79 @@ def test_an_appended_post_extends_the_lease_to_150_seconds_after_it(
     assert post(horde, owner.key, job_id, 1, "x").status_code == 200
     assert int(lease(stream_redis, job_id)["job_ttl"]) == TEXT_JOB_LEASE_SECONDS
     assert _pg_deadline(job_id) == started + TEXT_JOB_LEASE_SECONDS
+
+
+@redis_only
+def test_the_row_holds_the_renewed_lease_in_steps(horde, streamed_job, stream_redis):
+    _, owner, _, job_id, _ = streamed_job()
+    # 40 s after the pop, a post renews the lease to about 190 s: past the 180 s step, so the row
+    # is written with the lease.
+    started = _shift_lease(stream_redis, job_id, started_ago=40, job_ttl=TEXT_JOB_LEASE_SECONDS)
+    assert post(horde, owner.key, job_id, 1, "x").status_code == 200
+    job_ttl = int(lease(stream_redis, job_id)["job_ttl"])
+    assert job_ttl >= 3 * JOB_LEASE_WRITE_STEP_SECONDS
+    assert _pg_deadline(job_id) == started + job_ttl
+    # The next posts inside the same step renew the lease in Redis only.
+    _shift_lease(stream_redis, job_id, started_ago=20, job_ttl=job_ttl)
+    Generation.objects.filter(pk=job_id).update(lease_expires_at=datetime.fromtimestamp(started + job_ttl, tz=UTC))
+    assert post(horde, owner.key, job_id, 2, "y").json() == {"accepted_seq": 2, "cancelled": False}
+    assert _pg_deadline(job_id) == started + job_ttl
+
+
+@redis_only
+def test_the_sweep_reads_a_streamed_jobs_lease_before_aborting_it(horde, streamed_job, stream_redis):
+    _, owner, request, job_id, _ = streamed_job()
+    assert post(horde, owner.key, job_id, 1, "Hi").status_code == 200
+    fields = lease(stream_redis, job_id)
+    leased = int(fields["started"]) + int(fields["job_ttl"])
+    # The row lags the lease (its step not reached) and has passed: the lease in Redis still runs.
+    Generation.objects.filter(pk=job_id).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    assert abort_stale_generations() == 0
+    generation = Generation.objects.get(pk=job_id)
+    assert generation.state == Generation.State.PROCESSING
+    assert generation.lease_expires_at.timestamp() == leased  # written from the lease
+    assert post(horde, owner.key, job_id, 2, " there").json() == {"accepted_seq": 2, "cancelled": False}
+    # Once the lease itself lapsed, the job is aborted.
+    _shift_lease(stream_redis, job_id, started_ago=TEXT_JOB_LEASE_SECONDS + 1, job_ttl=TEXT_JOB_LEASE_SECONDS)
+    assert abort_stale_generations() == 1
+    assert Generation.objects.get(pk=job_id).state == Generation.State.FAULTED
+    assert entries(stream_redis, request.pk)[-1] == {"gen": str(job_id), "ended": "1"}
+
+
+@redis_only
+def test_a_streamed_job_without_its_lease_is_aborted_a_step_after_its_row(horde, streamed_job, stream_redis):
+    _, owner, _, job_id, _ = streamed_job()
+    assert post(horde, owner.key, job_id, 1, "Hi").status_code == 200
+    stream_redis.delete(chat_stream_lease_key(job_id))  # lost with a Redis restart
+    # The row may lag the lost lease by up to a step: not aborted inside it ...
+    lapsed = timezone.now() - timedelta(seconds=JOB_LEASE_WRITE_STEP_SECONDS - 5)
+    Generation.objects.filter(pk=job_id).update(lease_expires_at=lapsed)
+    assert abort_stale_generations() == 0
+    assert Generation.objects.get(pk=job_id).state == Generation.State.PROCESSING
+    # ... and aborted past it.
+    lapsed = timezone.now() - timedelta(seconds=JOB_LEASE_WRITE_STEP_SECONDS + 1)
+    Generation.objects.filter(pk=job_id).update(lease_expires_at=lapsed)
+    assert abort_stale_generations() == 1
+    assert Generation.objects.get(pk=job_id).state == Generation.State.FAULTED
+
+
+@redis_only
+def test_the_sweep_keeps_the_step_rule_when_redis_cannot_be_read(horde, streamed_job, stream_redis, settings):
+    _, owner, _, job_id, _ = streamed_job()
+    assert post(horde, owner.key, job_id, 1, "Hi").status_code == 200
+    lapsed = timezone.now() - timedelta(seconds=JOB_LEASE_WRITE_STEP_SECONDS - 5)
+    Generation.objects.filter(pk=job_id).update(lease_expires_at=lapsed)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there: every read is refused
+    settings.HORDE_CHAT_SIGNAL_REDIS_URL = f"redis://127.0.0.1:{port}/0"
+    assert progress.leased_deadlines([job_id]) is None
+    assert abort_stale_generations() == 0
+    Generation.objects.filter(pk=job_id).update(
+        lease_expires_at=timezone.now() - timedelta(seconds=JOB_LEASE_WRITE_STEP_SECONDS + 1)
+    )
+    assert abort_stale_generations() == 1
 
 
 @pytest.mark.parametrize(
