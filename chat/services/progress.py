@@ -329,9 +329,7 @@ def leased_deadlines(generation_ids: list[UUID]) -> dict[UUID, datetime] | None:
     """The job lease's deadline (started + job_ttl) of each streamed generation that still has a
     stream lease, for the stale sweep; None when Redis cannot be read."""
     client = progress_redis()
-    if client is None:
-        return {}
-    if not generation_ids:
+    if client is None or not generation_ids:
         return {}
     try:
         pipe = client.pipeline(transaction=False)

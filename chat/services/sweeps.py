@@ -22,6 +22,7 @@ from chat.services.progress import (
     JOB_LEASE_WRITE_STEP_SECONDS,
     end_progress_after_fault,
     leased_deadlines,
+    progress_redis,
     write_job_lease,
 )
 from chat.signals import publish_chat_signal
@@ -46,7 +47,9 @@ def abort_stale_generations() -> int:
             "request__max_length", "over_capacity_at_assignment", "lease_expires_at", "request__chat_extras",
         )[:1000]
     )
-    streamed = [row[0] for row in stale if row[3] and streams_progress(row[8])]
+    # Without Redis no job has a stream lease and the row is the lease.
+    leases = progress_redis() is not None
+    streamed = [row[0] for row in stale if leases and row[3] and streams_progress(row[8])]
     leased = leased_deadlines(streamed) if streamed else {}
     streamed_ids = set(streamed)
     for generation_id, request_id, worker_id, is_chat, owner_trusted, max_length, over_capacity, row_deadline, _ in stale:

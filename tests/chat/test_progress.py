@@ -559,6 +559,18 @@ def test_stream_hint_is_carried_without_redis(horde, make_user):
     assert chat_pop(horde, owner.key).json()["payload"]["stream_progress"] is True
 
 
+def test_without_redis_a_streamed_job_is_aborted_when_its_row_lapses(horde, make_user, settings):
+    """No stream lease without Redis: the row is the job's lease, so the step rule of ADR 0040
+    (for a lease that may have run on in Redis) does not delay the abort."""
+    settings.HORDE_CHAT_SIGNAL_REDIS_URL = None
+    settings.REDIS_URL = None
+    requester, owner = make_user("r3", kudos=100), make_user("o3")
+    queue_chat(requester.user, {"stream": True})
+    job_id = chat_pop(horde, owner.key).json()["id"]
+    Generation.objects.filter(pk=job_id).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    assert abort_stale_generations() == 1
+    assert Generation.objects.get(pk=job_id).state == Generation.State.FAULTED
+
 
 # --- races ------------------------------------------------------------------------------------------
 
