@@ -57,7 +57,6 @@ from contract.chat_progress import (
 )
 from contract.chat_verify import chat_output_tokens
 from contract.errors import HordeError
-from contract.text import TEXT_JOB_LEASE_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +218,7 @@ def write_stream_leases(
     if client is None or not generations:
         return
     started = int(now.timestamp())
-    job_ttl = TEXT_JOB_LEASE_SECONDS
+    job_ttl = settings.HORDE_TEXT_JOB_LEASE_SECONDS  # the row's lease at pop (chat/services/pop.py)
     fields = {
         "request": str(request.pk),
         "worker": str(worker.pk),

@@ -122,6 +122,18 @@ def test_pop_writes_the_lease_with_every_field(streamed_job, stream_redis):
 
 
 @redis_only
+def test_the_lease_at_pop_is_the_configured_job_lease(streamed_job, stream_redis, settings):
+    settings.HORDE_TEXT_JOB_LEASE_SECONDS = 30
+    _, _, _, job_id, body = streamed_job()
+    fields = lease(stream_redis, job_id)
+    assert body["ttl"] == 30 and int(fields["job_ttl"]) == 30
+    row = Generation.objects.get(pk=job_id).lease_expires_at.timestamp()
+    assert int(fields["started"]) <= row - 30 < int(fields["started"]) + 1
+    expires = stream_redis.expiretime(chat_stream_lease_key(job_id))
+    assert expires == int(fields["started"]) + 30 + CHAT_PROGRESS_LEASE_GRACE_SECONDS
+
+
+@redis_only
 def test_untrusted_owner_gets_the_untrusted_cap_and_unstreamed_jobs_get_no_lease(streamed_job, stream_redis):
     _, _, _, job_id, _ = streamed_job(trusted=False)
     fields = lease(stream_redis, job_id)
