@@ -56,4 +56,5 @@ class TextProgressView(APIView):
             raise ValidationError(invalid.errors) from None
         except ProgressDeltaEmpty:
             raise HordeError("BadRequest", PROGRESS_MESSAGES["BadRequest"], status=400) from None
-        return Response(job_progress(api_key=request.headers.get("apikey") or "", post=post))
+        # META, not request.headers: the latter builds a mapping of every header on each request.
+        return Response(job_progress(api_key=request.META.get("HTTP_APIKEY") or "", post=post))

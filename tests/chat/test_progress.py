@@ -169,6 +169,15 @@ def test_accepted_posts_are_appended_in_order_with_worker_and_model(horde, strea
 
 
 @redis_only
+def test_a_post_after_redis_lost_its_scripts_loads_the_script_again(horde, streamed_job, stream_redis):
+    _, owner, request, job_id, _ = streamed_job()
+    assert post(horde, owner.key, job_id, 1, "Hel").status_code == 200
+    stream_redis.script_flush()  # as a Redis restart does
+    assert post(horde, owner.key, job_id, 2, "lo").json() == {"accepted_seq": 2, "cancelled": False}
+    assert [e["content"] for e in entries(stream_redis, request.pk)] == ["Hel", "lo"]
+
+
+@redis_only
 def test_a_retried_post_answers_the_same_and_appends_nothing(horde, streamed_job, stream_redis):
     _, owner, request, job_id, _ = streamed_job()
     assert post(horde, owner.key, job_id, 1, "A", reasoning="r").status_code == 200
