@@ -7,8 +7,24 @@ marked `postgres_only` or `redis_only`.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from django.conf import settings
+
+
+def pytest_configure(config) -> None:
+    """On SQLite, a file test database instead of the shared in-memory one: the live servers'
+    threads (tests/oai/conftest.py, the bridge's and the web process's live tests) write
+    concurrently, which SQLite's shared cache refuses ("database table is locked", "no such
+    savepoint") where a file database in WAL mode waits for its busy timeout. pytest-django adds
+    the xdist worker suffix to the name. Here, not beside one of those tests: any subset of the
+    suite gets it."""
+    database = settings.DATABASES["default"]
+    if database["ENGINE"] == "django.db.backends.sqlite3" and not database.get("TEST", {}).get("NAME"):
+        folder = Path(settings.BASE_DIR) / "var"
+        folder.mkdir(exist_ok=True)
+        database.setdefault("TEST", {})["NAME"] = str(folder / "test-live.sqlite3")
 
 
 @pytest.fixture
@@ -43,7 +59,6 @@ def _flush_test_redis() -> None:
 
 import uuid  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 from rest_framework.test import APIClient  # noqa: E402
 

@@ -3,8 +3,8 @@ API and the mounted /v1/ front, through the Channels router) in a thread of the 
 free port, against the test database; and a test worker that pops chat jobs over HTTP and submits
 scripted replies.
 
-Why a thread of the test process: pytest-django's test database (test_<name>[_gwN], or SQLite's
-shared in-memory database) is configured in this process, so the server thread's connections reach
+Why a thread of the test process: pytest-django's test database (test_<name>[_gwN], or on SQLite
+a file, tests/conftest.py) is configured in this process, so the server thread's connections reach
 it with nothing to pass along; the tests use `transactional_db` so what they write is committed and
 visible to the server, and what the server writes is flushed after each test. Twisted's reactor
 runs once per process, so the server is session-scoped; the front's state (its settings, metrics
@@ -20,7 +20,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -46,18 +45,6 @@ ALL_DECLARATIONS = [
     "structured_output_enforced",
     "prompt_overflow_refused",
 ]
-
-
-def pytest_configure(config) -> None:
-    """On SQLite, a file test database instead of the shared in-memory one: the live server's
-    threads write concurrently, which SQLite's shared cache refuses ("database table is locked")
-    where a file database in WAL mode waits for its busy timeout. pytest-django adds the xdist
-    worker suffix to the name."""
-    database = django_settings.DATABASES["default"]
-    if database["ENGINE"] == "django.db.backends.sqlite3" and not database.get("TEST", {}).get("NAME"):
-        folder = Path(django_settings.BASE_DIR) / "var"
-        folder.mkdir(exist_ok=True)
-        database.setdefault("TEST", {})["NAME"] = str(folder / "test-live.sqlite3")
 
 
 def _free_port() -> int:
