@@ -498,8 +498,8 @@ __all__ = [
     "flag_cancelled_leases",
     "job_progress",
     "leased_deadlines",
-    "write_job_lease",
     "read_posted_progress",
     "settle_cancelled_streams",
+    "write_job_lease",
     "write_stream_leases",
 ]
