@@ -7,7 +7,7 @@ views' own cost shows apart from daphne's and the box's load.
     .venv/bin/python bench/view_cpu.py --profile tottime --only pop   # cProfile of one kind
 
 Each round is one heartbeat, one pop (by the next of 50 workers), its submits, and one status poll of
-a random queued request (most miss the status cache, as in text_queue.py). It prints each kind's
+a random queued request, as in text_queue.py. It prints each kind's
 median CPU time (time.process_time) and its multiple of the heartbeat's in the same run. Before
 measuring it puts every filled request back in the queue (its generations deleted), so runs of two
 worktrees against one database compare the same queue.

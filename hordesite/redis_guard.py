@@ -1,7 +1,7 @@
 """Redis calls that cost at most one short timeout per request when Redis hangs (issue 13;
 docs/adr/0018).
 
-Every Redis call on a request path (the cache, the rate limiter, the empty-pop and status caches,
+Every Redis call on a request path (the cache, the rate limiter, the empty-pop cache,
 the completion signal publisher) already falls back when Redis fails: the cache ignores the error,
 the limiter lets the request through, the publisher logs. A hung Redis (stopped, black-holed)
 still made each of those calls wait out its socket timeout, and a request makes several, so a pop

@@ -2,15 +2,17 @@
 worker can take, whether the workers' declarations are the cause (spec: "Impossible reason").
 
 One pass serves text and chat requests alike; the status routes read it (is_possible,
-eligible_worker_threads, impossible_reason) through a 60 second cache per request. A cached pass
-holds only under the workers' serving version it was made at (workers.serving_version): a
-worker's first pop, changed declaration or return online makes every process pass again.
+eligible_worker_threads, impossible_reason). A chat request's pass is cached 60 seconds per request
+(spec: "Impossible reason"); a text request's is made on each poll from the process's online
+workers snapshot, which costs less than the cache's round trip would. Either holds only under the
+workers' serving version it was made at (workers.serving_version): a worker's first pop, changed
+declaration or return online makes every process pass again.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from django.core.cache import cache
@@ -24,10 +26,9 @@ from chat.selectors.queue import (
     worker_serves_chat_model,
 )
 from chat.selectors.snapshots import OnlineWorkers, online_worker_facts
-from chat.selectors.status_cache import StatusRead
 from contract.chat_policy import ChatServiceGap, merge_service_gaps
 from contract.text import WORKER_ONLINE_SECONDS
-from workers.serving_version import current_serving_version
+from workers.serving_version import current_serving_version, serving_version_cache_key, serving_version_in
 
 AVAILABILITY_CACHE_SECONDS = 60
 
@@ -52,6 +53,25 @@ class _Pass:
     # again (epoch seconds; None without candidates): going quiet is no check-in, so no version
     # announces it, and the pass is made again from then on.
     recheck_at: float | None = None
+
+
+@dataclass(frozen=True)
+class StatusRead:
+    """What a status poll read from the cache in its one round trip (status_read): the workers'
+    serving version and, for a chat request, its cached pass."""
+
+    serving_version: Any = None
+    prefetched: dict[str, Any] = field(default_factory=dict)
+
+
+def status_read(request_id, *, is_chat: bool) -> StatusRead:
+    """One cache read for a status poll: the serving version, with the chat request's pass."""
+    if not is_chat:
+        return StatusRead(serving_version=current_serving_version())
+    serving_key = serving_version_cache_key()
+    found = cache.get_many([availability_cache_key(request_id), *((serving_key,) if serving_key else ())])
+    serving = found.pop(serving_key, None) if serving_key else serving_version_in(found)
+    return StatusRead(serving_version=serving, prefetched=found)
 
 
 def _listed_worker_ids(request: GenerationRequest) -> set:
@@ -122,24 +142,25 @@ def chat_request_availability(
     read: StatusRead | None = None,
     created: bool = False,
 ) -> Availability:
-    """The availability of a text or chat request, from the pass over online workers (cached
-    AVAILABILITY_CACHE_SECONDS per request).
+    """The availability of a text or chat request, from the pass over online workers (a chat
+    request's cached AVAILABILITY_CACHE_SECONDS).
 
     impossible_reason is set only for a chat request no worker is eligible for, with nothing
     processing, whose candidates were all refused for their declarations; always None for text.
     `processing` is the request's processing generations when the caller has it (read otherwise,
-    and only when the reason could apply). A status build passes its `read`, which holds the
-    cached pass when there is one (it asked for availability_cache_key with the body) and takes
-    the write of a new one, sent with the body's. The creation passes `created`: nothing is cached
-    under an id made moments ago, so it makes the pass without asking.
+    and only when the reason could apply). A status poll passes its `read` (status_read), which
+    holds the serving version and the cached pass when there is one. The creation passes
+    `created`: nothing is cached under an id made moments ago, so it makes the pass without asking.
     """
+    serving_version = current_serving_version() if read is None else read.serving_version
+    if not request.is_chat:
+        threads = _text_pass(request, online_worker_facts(serving_version)).eligible_worker_threads
+        return Availability(eligible_worker_threads=threads, is_possible=threads > 0, impossible_reason=None)
     key = availability_cache_key(request.pk)
     if read is None:
         found = None if created else cache.get(key)
-        serving_version = current_serving_version()
     else:
         found = read.prefetched.get(key)
-        serving_version = read.serving_version
     if (
         not isinstance(found, _Pass)
         or found.serving_version != serving_version
@@ -148,12 +169,8 @@ def chat_request_availability(
         # None cached, made before a worker's check-in changed what it serves, or counting a
         # worker that may have gone quiet since.
         online = online_worker_facts(serving_version)
-        found = _chat_pass(request, online) if request.is_chat else _text_pass(request, online)
-        found = replace(found, serving_version=serving_version)
-        if read is None:
-            cache.set(key, found, AVAILABILITY_CACHE_SECONDS)
-        else:
-            read.set_later(key, found, AVAILABILITY_CACHE_SECONDS)
+        found = replace(_chat_pass(request, online), serving_version=serving_version)
+        cache.set(key, found, AVAILABILITY_CACHE_SECONDS)
     reason = None
     if found.gap is not None and found.eligible_worker_threads == 0:
         if processing is None:

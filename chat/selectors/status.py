@@ -11,10 +11,9 @@ from uuid import UUID
 from django.db.models import Count, F, Q, Sum
 
 from chat.models import Generation, GenerationRequest
-from chat.selectors.availability import Availability, availability_cache_key, chat_request_availability
+from chat.selectors.availability import Availability, StatusRead, chat_request_availability, status_read
 from chat.selectors.queue import waiting_requests
 from chat.selectors.snapshots import online_worker_facts, queue_place
-from chat.selectors.status_cache import StatusRead, cached_status
 from chat.sql import request_with_counts
 
 
@@ -83,7 +82,7 @@ def _horde_tokens_per_second(read: StatusRead | None) -> float:
 
 def request_queue_stats(request: GenerationRequest, *, read: StatusRead | None = None) -> tuple[int, int]:
     """(queue_position, wait_time seconds): requests ahead in queue order, and the time the online
-    workers need for the tokens ahead plus this request's own (`read`: the status build's, whose
+    workers need for the tokens ahead plus this request's own (`read`: the status poll's, whose
     serving version the workers snapshot is taken under)."""
     if request.jobs_waiting == 0 or request.faulted or request.cancelled:
         return 0, 0
@@ -140,7 +139,7 @@ def request_status(
 ) -> dict[str, Any]:
     """The status body of a text request (upstream's keys, exactly) or of a chat request (those
     plus the chat keys, and each finished generation with its structured reply). `read`: the
-    cached status build's, see chat_request_availability."""
+    status poll's cache read, see chat_request_availability."""
     counts = generation_state_counts(request)
     finished = sum(counts.get(s, 0) for s in Generation.FINISHED_STATES)
     processing = counts.get(Generation.State.PROCESSING, 0)
@@ -198,14 +197,12 @@ chat_request_status = request_status
 
 
 def _status_body(request_id: UUID, *, is_chat: bool) -> dict[str, Any] | None:
-    """GET /generate/{text,chat}/status/<id>: the status body (cached briefly), None when not
-    found. The availability cache is read with the body's, in one round trip."""
-
-    def build(read: StatusRead) -> dict[str, Any] | None:
-        request = request_get(request_id, is_chat=is_chat)
-        return request_status(request, read=read) if request is not None else None
-
-    return cached_status(request_id, is_chat=is_chat, build=build, prefetch=(availability_cache_key(request_id),))
+    """GET /generate/{text,chat}/status/<id>: the status body, None when not found. One cache read
+    (the workers' serving version, with a chat request's cached pass) and one database read: the
+    body is built on every poll, so it shows each write the moment it commits."""
+    read = status_read(request_id, is_chat=is_chat)
+    request = request_get(request_id, is_chat=is_chat)
+    return request_status(request, read=read) if request is not None else None
 
 
 def text_status_body(request_id: UUID) -> dict[str, Any] | None:

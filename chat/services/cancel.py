@@ -8,7 +8,6 @@ from django.utils import timezone
 from accounts.services import kudos_release
 from chat.models import GenerationRequest
 from chat.selectors.status import stored_result_count
-from chat.selectors.status_cache import status_changed
 from chat.services.progress import settle_cancelled_streams
 from chat.signals import publish_chat_signal
 
@@ -30,7 +29,6 @@ def request_cancel(*, request: GenerationRequest, settle_streams: bool = True) -
             return False
         GenerationRequest.objects.filter(pk=request.pk).update(cancelled=True, jobs_waiting=0, kudos_held=0)
         kudos_release(user_id=locked.user_id, amount=locked.kudos_held)
-        status_changed(request.pk)
         if request.is_chat:
             if settle_streams:  # a streamed request's jobs in flight: on what their workers posted
                 settle_cancelled_streams(request_id=request.pk, now=timezone.now())

@@ -10,7 +10,6 @@ from django.db.models import F
 from accounts.services import kudos_release
 from chat.models import Generation, GenerationRequest
 from chat.selectors.status import stored_result_count
-from chat.selectors.status_cache import status_changed
 from chat.services.pop_cache import queue_grew
 from chat.signals import publish_chat_signal
 from contract.text import FAULTED_GENERATIONS_LIMIT
@@ -62,9 +61,6 @@ def requeue_faulted(generation_ids: list[UUID], request_id: UUID) -> None:
         jobs_waiting=F("jobs_waiting") + len(generation_ids)
     )
     queue_grew()
-    # Before the fault limit's signal: on commit the cached status goes first, so a client woken
-    # by the faulted signal reads the new state.
-    status_changed(request_id)
     fault_request_if_over_limit(request_id)
 
 

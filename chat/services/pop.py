@@ -22,7 +22,6 @@ from chat.metrics import lease_capacity_limited
 from chat.models import Generation, GenerationRequest
 from chat.pricing import model_kudos_factors
 from chat.selectors.queue import WorkerView, eligibility_filter, empty_pop_counts, waiting_requests
-from chat.selectors.status_cache import status_changed
 from chat.services.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember
 from chat.services.progress import write_stream_leases
 from chat.sql import RowLoader, run_prepared
@@ -170,7 +169,6 @@ def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
             empty_pop_remember(view, check, counts.skipped)
         return PoppedJob(request=None, generations=[], model=None, skipped=counts.skipped)
     empty_pop_forget(view)
-    status_changed(popped.request.pk)
     record_over_capacity_assignment(request=popped.request, generations=popped.generations, worker=worker)
     if popped.request.is_chat and streams_progress(popped.request.chat_extras):
         write_stream_leases(

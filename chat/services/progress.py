@@ -37,7 +37,6 @@ from accounts.services import kudos_settle
 from chat.metrics import lease_renewals
 from chat.models import Generation, GenerationRequest
 from chat.pricing import text_generation_kudos
-from chat.selectors.status_cache import status_changed
 from chat.signals import CHAT_SIGNAL_DB, signal_url
 from chat.sql import run_prepared
 from contract.chat_progress import (
@@ -485,7 +484,6 @@ def settle_cancelled_streams(*, request_id: UUID, now: datetime) -> list[UUID]:
         )
         settled.append(generation.pk)
     if settled:
-        status_changed(request_id)
         transaction.on_commit(lambda: flag_cancelled_leases(request_id, settled), robust=True)
     return settled
 

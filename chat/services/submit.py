@@ -31,7 +31,6 @@ from chat.pricing import (
     things_count,
 )
 from chat.selectors.status import request_completed, stored_result_count
-from chat.selectors.status_cache import status_changed
 from chat.services import front_lease
 from chat.services.faults import requeue_faulted, worker_record_dropped_job
 from chat.services.progress import end_progress_after_fault, end_progress_after_submit
@@ -150,7 +149,6 @@ def _settle(generation: Generation, *, state: str, tokens: int, reward: Decimal,
     GenerationRequest.objects.filter(pk=request.pk).update(
         consumed_kudos=F("consumed_kudos") + charge, kudos_held=F("kudos_held") - release
     )
-    status_changed(request.pk)
 
 
 # --- entry points ---------------------------------------------------------------------------
@@ -223,7 +221,6 @@ def _priced_text_submit(*, user: HordeUser, generation_id: UUID, data: TextSubmi
     if row is None:
         return None
     request_id, reward, created, max_length, trusted, over_capacity = row
-    status_changed(request_id)
     if over_capacity:
         record_outcome(
             "completed", max_length=max_length, trusted=trusted, is_chat=False, service_seconds=(now - created).total_seconds()

@@ -15,7 +15,6 @@ from chat import metrics
 from chat.gate_shadow import record_aborted_outcome
 from chat.models import Generation, GenerationRequest
 from chat.selectors.status import request_completed, stored_result_count
-from chat.selectors.status_cache import status_changed
 from chat.services.faults import requeue_faulted, worker_record_dropped_job
 from chat.services.maintenance import abort_waiting_for_maintenance, horde_in_maintenance
 from chat.services.progress import (
@@ -111,7 +110,6 @@ def expire_requests() -> int:
                 signal = (stored_result_count(request_id), request.chat_fault_reason, request.chat_fault_rc)
             kudos_release(user_id=request.user_id, amount=request.kudos_held)
             request.delete()
-            status_changed(request_id)
             expired += 1
             if signal is not None:
                 generations, fault_reason, fault_rc = signal

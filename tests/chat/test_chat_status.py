@@ -11,7 +11,6 @@ import pytest
 from django.utils import timezone
 
 from chat.models import Generation, GenerationRequest
-from chat.selectors.status_cache import status_changed
 from tests.chat.chat_route_helpers import MODEL, chat_async, chat_cancel, chat_status, chat_worker
 
 TEXT_STATUS_KEYS = {
@@ -110,7 +109,6 @@ def test_fault_details_show_only_once_faulted(horde, queued):
     body = chat_status(horde.client, request.id).json()
     assert (body["fault_reason"], body["fault_rc"], body["done"]) == (None, None, False)
     GenerationRequest.objects.filter(pk=request.pk).update(faulted=True, jobs_waiting=0)
-    status_changed(request.pk)  # the row changed behind the services, which announce their writes
     body = chat_status(horde.client, request.id).json()
     assert body["done"] is True and body["faulted"] is True
     assert body["fault_reason"] == "The worker could not fit the prompt into its context."
@@ -127,7 +125,7 @@ def test_cancel_stops_the_request_and_releases_the_hold(horde, make_user, queued
     assert set(body) == CHAT_STATUS_KEYS
     assert body["done"] is True and body["waiting"] == 0 and body["generations"] == []
     assert request.user.__class__.objects.get(pk=request.user_id).kudos_held == 0
-    assert len(callbacks) == 2  # the status cache drop and the cancelled signal, after the commit
+    assert len(callbacks) == 1  # the cancelled signal, after the commit
     # A second cancel claims nothing and publishes nothing.
     with django_capture_on_commit_callbacks(execute=True) as again:
         assert chat_cancel(horde.client, request.id).status_code == 200

@@ -1,5 +1,5 @@
 """The status routes' cheap reads: request_get compiled once per process, the online-worker and
-queue snapshots with their derived facts, and the status cache's two round trips."""
+queue snapshots with their derived facts, and each poll's one cache read and one database read."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from chat.selectors.availability import (
     chat_request_availability,
 )
 from chat.selectors.queue import worker_may_take
-from chat.selectors.status_cache import STATUS_CACHE_SECONDS, cached_status
 from contract.process_cache import reset_process_caches
 from tests.chat.chat_route_helpers import MODEL, chat_async, chat_status, chat_worker
 from workers.models import Worker
@@ -106,20 +105,27 @@ def test_compiled_reads_are_forgotten_by_the_process_reset(horde, requester):
     assert selectors.request_get(request_id) is not None
 
 
-def test_an_uncached_status_is_one_query_and_a_cached_one_none(horde, owner, requester, redis_url):
+def test_every_status_poll_is_one_query(horde, owner, requester, redis_url):
     horde.pop(owner.key, name="w", models=[MODEL])
     request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
     horde.status(request_id)  # snapshots taken
-    cache.delete_many([f"horde:status:text:{request_id}", availability_cache_key(request_id)])
     # Without Redis the workers' serving version is one more (indexed) read per poll.
     version_reads = 0 if redis_url else 1
-    with CaptureQueriesContext(connection) as queries:
-        body = horde.status(request_id).json()
-    assert len(queries) == 1 + version_reads, [q["sql"] for q in queries]
-    assert body["is_possible"] is True and body["queue_position"] == 0 and body["waiting"] == 1
-    with CaptureQueriesContext(connection) as queries:
-        assert horde.status(request_id).json() == body
-    assert len(queries) == version_reads
+    for _ in range(2):  # no body is kept between polls: the second reads the row again
+        with CaptureQueriesContext(connection) as queries:
+            body = horde.status(request_id).json()
+        assert len(queries) == 1 + version_reads, [q["sql"] for q in queries]
+        assert body["is_possible"] is True and body["queue_position"] == 0 and body["waiting"] == 1
+
+
+def test_a_change_shows_on_the_next_poll_with_nothing_announced(horde, owner, requester):
+    horde.pop(owner.key, name="w", models=[MODEL])
+    request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
+    assert horde.status(request_id).json()["waiting"] == 1
+    # A write no service announces (an operator's UPDATE): the very next poll shows it.
+    GenerationRequest.objects.filter(pk=request_id).update(jobs_waiting=0, cancelled=True)
+    body = horde.status(request_id).json()
+    assert (body["waiting"], body["done"]) == (0, True)
 
 
 # --- The online-worker snapshot's facts ---------------------------------------------------------
@@ -216,13 +222,10 @@ def test_a_request_newer_than_the_snapshot_is_counted_live(horde, requester):
     assert horde.status(newer).json()["queue_position"] == 1
 
 
-# --- The status cache -------------------------------------------------------------------------
+# --- The status poll's cache read ------------------------------------------------------------
 
 
-def test_a_miss_reads_the_availability_with_the_body_and_writes_both(horde, owner, requester, monkeypatch):
-    horde.pop(owner.key, name="w", models=[MODEL], threads=2)
-    request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
-    cache.clear()
+def _cache_calls(monkeypatch) -> list[str]:
     calls, depth = [], [0]
     for name in ("get", "get_many", "set", "set_many"):
         original = getattr(cache, name)
@@ -237,18 +240,44 @@ def test_a_miss_reads_the_availability_with_the_body_and_writes_both(horde, owne
                 depth[0] -= 1
 
         monkeypatch.setattr(cache, name, spy)
-    horde.status(request_id)
-    assert calls[0] == "get_many" and "get" not in calls
+    return calls
+
+
+@pytest.mark.redis_only
+def test_a_text_poll_reads_the_serving_version_and_writes_nothing(horde, owner, requester, monkeypatch):
+    horde.pop(owner.key, name="w", models=[MODEL], threads=2)
+    request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
+    cache.clear()
+    calls = _cache_calls(monkeypatch)
+    for _ in range(2):
+        assert horde.status(request_id).json()["is_possible"] is True
+        assert calls == ["get"]  # the serving version; the pass is made from the snapshot
+        calls.clear()
+    assert cache.get(availability_cache_key(request_id)) is None
+
+
+@pytest.mark.redis_only
+def test_a_chat_poll_reads_its_pass_with_the_serving_version_and_writes_it_once(
+    horde, owner, requester, monkeypatch
+):
+    chat_worker(owner, threads=2)
+    request_id = chat_async(horde.client, requester.key).json()["id"]
+    cache.clear()
+    calls = _cache_calls(monkeypatch)
+    assert chat_status(horde.client, request_id).json()["eligible_worker_threads"] == 2
+    assert calls == ["get_many", "set"]  # one read, then the pass it made
     assert cache.get(availability_cache_key(request_id)).eligible_worker_threads == 2
     calls.clear()
-    horde.status(request_id)
-    assert calls == ["get_many"]  # a hit: one read
+    assert chat_status(horde.client, request_id).json()["eligible_worker_threads"] == 2
+    assert calls == ["get_many"]  # the cached pass: one read
 
 
-def test_a_request_that_does_not_exist_is_not_cached(db):
+def test_an_unknown_request_is_404_and_writes_nothing(horde, requester):
     request_id = uuid.uuid4()
-    assert cached_status(request_id, is_chat=False, build=lambda read: None) is None
-    assert cache.get(f"horde:status:text:{request_id}") is None
+    cache.clear()
+    assert horde.client.get(f"/api/v2/generate/text/status/{request_id}").status_code == 404
+    assert chat_status(horde.client, request_id).status_code == 404
+    assert cache.get(availability_cache_key(request_id)) is None
 
 
 def test_the_chat_status_reads_a_cached_pass(horde, owner, requester):
@@ -266,18 +295,15 @@ def test_the_chat_status_reads_a_cached_pass(horde, owner, requester):
 
 
 @pytest.mark.redis_only
-def test_both_writes_keep_their_lifetimes_on_redis(horde, owner, requester):
+def test_the_chat_pass_keeps_its_lifetime_on_redis(horde, owner, requester):
     from django_redis import get_redis_connection
 
-    horde.pop(owner.key, name="w", models=[MODEL])
-    request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
+    chat_worker(owner)
+    request_id = chat_async(horde.client, requester.key).json()["id"]
     cache.clear()
-    horde.status(request_id)
-    redis = get_redis_connection("default")
-    status_ttl = redis.pttl(cache.make_key(f"horde:status:text:{request_id}"))
-    availability_ttl = redis.pttl(cache.make_key(availability_cache_key(request_id)))
-    assert 0 < status_ttl <= STATUS_CACHE_SECONDS * 1000
-    assert STATUS_CACHE_SECONDS * 1000 < availability_ttl <= 60_000
+    chat_status(horde.client, request_id)
+    availability_ttl = get_redis_connection("default").pttl(cache.make_key(availability_cache_key(request_id)))
+    assert 50_000 < availability_ttl <= 60_000
 
 
 @pytest.mark.redis_only
