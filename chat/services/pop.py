@@ -11,7 +11,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection, connections, transaction
-from django.db.models import BooleanField, F, Field
+from django.db.models import BooleanField, Case, F, Field, Value, When
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -263,10 +263,20 @@ _WAITING_AS_INDEXED = RawSQL(
 def _eligible_select(view: WorkerView, priority: bool) -> tuple[str, tuple]:
     """SELECT of the first eligible request for the worker (with `priority`: only its priority
     users', an array parameter, _PRIORITY_IDS in params), as SQL and params. Compiled once per
-    declaration (_pop_statement); `now()` keeps it free of per-pop values."""
+    declaration (_pop_statement); `now()` keeps it free of per-pop values.
+
+    In the other select the worker's rules go in as one CASE, which the planner cannot see into
+    and counts as true for half the rows. Spelled out, each rule compared with a parameter gets a
+    default selectivity, and their product told the generic plan that a handful of waiting
+    requests match: it then scanned and sorted every waiting request (2 ms a pop at 3,000
+    waiting, more as the queue grows) rather than walk the queue index in order and stop at the
+    first match (0.03 ms). The priority select keeps them spelled out: its plan starts from the
+    few priority users' requests (their index), which a walk of the whole queue would not."""
+    rules = eligibility_filter(view)
+    eligible = rules if priority else Case(When(rules, then=Value(True)), default=Value(False))
     qs = (
         GenerationRequest.objects.filter(_WAITING_AS_INDEXED, expires_at__gt=Now())
-        .filter(eligibility_filter(view))
+        .filter(eligible)
         .only(*POP_REQUEST_FIELDS)
         .order_by("-queue_score", "created")
     )
