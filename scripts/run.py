@@ -83,7 +83,12 @@ def serve_web(daphne_args: list[str]) -> int:
     gc.freeze()
     from daphne.cli import CommandLineInterface
 
-    CommandLineInterface().run(daphne_args)
+    from hordesite.web_server import HordeServer
+
+    class HordeCommandLine(CommandLineInterface):
+        server_class = HordeServer  # daphne without Twisted's form parsing (hordesite/web_server.py)
+
+    HordeCommandLine().run(daphne_args)
     return 0
 
 

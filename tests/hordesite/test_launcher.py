@@ -1,9 +1,17 @@
-"""The web process's tweaks (thread switch interval, gc.freeze()) are the launcher's: importing the
-ASGI application leaves Python's defaults, `scripts/run.py web` applies them before daphne runs."""
+"""The web process's tweaks (thread switch interval, gc.freeze(), daphne without Twisted's form
+parsing) are the launcher's: importing the ASGI application leaves Python's defaults,
+`scripts/run.py web` applies them before daphne runs."""
 
 from __future__ import annotations
 
-from tests.hordesite.clone import ROOT, clean_env, run_python
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.hordesite.clone import ROOT, clean_env, clone_like_copy, run_python
 
 SHOW = "import gc, sys; {}; print(sys.getswitchinterval(), gc.get_freeze_count())"
 
@@ -32,3 +40,44 @@ def test_the_launcher_sets_them_before_daphne():
     assert shown.returncode == 0, shown.stderr
     interval, frozen = shown.stdout.split()[-2:]
     assert float(interval) == 0.002 and int(frozen) > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_the_launchers_daphne_hands_a_multipart_post_to_the_api(tmp_path):
+    """Stock daphne lets Twisted parse a POST declared multipart and answers a body it cannot parse
+    with a bare 400; the launcher's daphne (hordesite/web_server.py) gives it to the route, which
+    answers its JSON 415 with the CORS headers (docs/adr/0043)."""
+    clone = clone_like_copy(tmp_path / "clone")
+    port = _free_port()
+    web = subprocess.Popen(
+        [sys.executable, "scripts/run.py", "web", "-b", "127.0.0.1", "-p", str(port), "hordesite.asgi:application"],
+        cwd=clone, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert web.poll() is None, web.stderr.read() if web.stderr else ""
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "the web process did not listen"
+                time.sleep(0.1)
+        response = httpx.post(
+            f"http://127.0.0.1:{port}/api/v2/generate/text/pop",
+            content=b"not a multipart body",
+            headers={"Content-Type": "multipart/form-data; boundary=xyz", "apikey": "any-key-at-all"},
+            timeout=10,
+        )
+    finally:
+        web.terminate()
+        web.wait(20)
+    assert response.status_code == 415
+    assert response.headers["content-type"] == "application/json"
+    assert response.headers["access-control-allow-origin"] == "*"
+    assert response.json()["rc"] == "BadRequest" and "multipart/form-data" in response.json()["message"]

@@ -72,13 +72,14 @@ class LiveHorde:
 
 @pytest.fixture(scope="session")
 def live_horde(django_db_setup, django_db_blocker) -> LiveHorde:
-    import daphne.server  # installs the asyncio reactor first
+    import daphne.server  # noqa: F401  (installs the asyncio reactor first)
     from twisted.internet import reactor
 
     from hordesite.asgi import application
+    from hordesite.web_server import HordeServer
 
     port = _free_port()
-    server = daphne.server.Server(
+    server = HordeServer(
         application=application,
         endpoints=[f"tcp:port={port}:interface=127.0.0.1"],
         signal_handlers=False,
