@@ -1,4 +1,4 @@
-"""daphne's server as the web process runs it (scripts/run.py serve_web; the tests' live horde).
+"""daphne as the web process runs it (scripts/run.py serve_web; the tests' live horde).
 
 One difference from stock daphne, through Twisted's and daphne's public classes: requests are made
 with Twisted's `parsePOSTFormSubmission=False`. Twisted otherwise reads every POST's Content-Type
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from daphne.cli import CommandLineInterface
 from daphne.http_protocol import HTTPFactory, WebRequest
 from daphne.server import Server
 
@@ -45,3 +46,9 @@ class HordeServer(Server):
     @http_factory.setter
     def http_factory(self, factory: HTTPFactory) -> None:
         self._json_http_factory = factory if isinstance(factory, JsonHTTPFactory) else JsonHTTPFactory(self)
+
+
+class HordeCommandLine(CommandLineInterface):
+    """daphne's command line (`daphne --help`), serving with HordeServer."""
+
+    server_class = HordeServer

@@ -71,22 +71,18 @@ GIL_SWITCH_INTERVAL_MS = float(os.environ.get("HORDE_GIL_SWITCH_INTERVAL_MS") or
 
 
 def serve_web(daphne_args: list[str]) -> int:
-    """daphne in this process with the web process's tweaks: the thread switch interval, and
+    """daphne in this process with the web process's tweaks: the thread switch interval,
     gc.freeze() once the application is loaded, so the collector's full passes stop walking every
-    module, model and URL pattern the process keeps for its lifetime. The rest is daphne's own
-    command line (`daphne --help`)."""
+    module, model and URL pattern the process keeps for its lifetime, and daphne's server class
+    (hordesite/web_server.py, docs/adr/0043). The rest is daphne's own command line
+    (`daphne --help`)."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_MS / 1000)
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hordesite.settings")
     import hordesite.asgi  # noqa: F401  (loaded before the freeze; daphne finds it imported)
 
     gc.freeze()
-    from daphne.cli import CommandLineInterface
-
-    from hordesite.web_server import HordeServer
-
-    class HordeCommandLine(CommandLineInterface):
-        server_class = HordeServer  # daphne without Twisted's form parsing (hordesite/web_server.py)
+    from hordesite.web_server import HordeCommandLine  # daphne without Twisted's form parsing
 
     HordeCommandLine().run(daphne_args)
     return 0

@@ -12,6 +12,7 @@ import time
 import httpx
 
 from tests.hordesite.clone import ROOT, clean_env, clone_like_copy, run_python
+from tests.oai.conftest import _free_port
 
 SHOW = "import gc, sys; {}; print(sys.getswitchinterval(), gc.get_freeze_count())"
 
@@ -42,26 +43,22 @@ def test_the_launcher_sets_them_before_daphne():
     assert float(interval) == 0.002 and int(frozen) > 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_the_launchers_daphne_hands_a_multipart_post_to_the_api(tmp_path):
     """Stock daphne lets Twisted parse a POST declared multipart and answers a body it cannot parse
     with a bare 400; the launcher's daphne (hordesite/web_server.py) gives it to the route, which
     answers its JSON 415 with the CORS headers (docs/adr/0043)."""
     clone = clone_like_copy(tmp_path / "clone")
     port = _free_port()
-    web = subprocess.Popen(
-        [sys.executable, "scripts/run.py", "web", "-b", "127.0.0.1", "-p", str(port), "hordesite.asgi:application"],
-        cwd=clone, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
+    log = tmp_path / "web.log"
+    with log.open("w") as output:
+        web = subprocess.Popen(
+            [sys.executable, "scripts/run.py", "web", "-b", "127.0.0.1", "-p", str(port), "hordesite.asgi:application"],
+            cwd=clone, env=clean_env(), stdout=output, stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 60
         while True:
-            assert web.poll() is None, web.stderr.read() if web.stderr else ""
+            assert web.poll() is None, log.read_text()
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                     break
