@@ -325,15 +325,18 @@ class _RequestRead:
     params: tuple
     id_param: int  # which param is the request id
     loader: RowLoader
-    annotations: tuple[str, ...]  # the counts, in row order after the model's columns
+    # The counts and the workers' serving version, in row order after the model's columns.
+    annotations: tuple[str, ...]
 
     @classmethod
-    def compile(cls, alias: str, *, is_chat: bool) -> _RequestRead:
+    def compile(cls, alias: str, *, is_chat: bool, only: tuple[str, ...] | None = None) -> _RequestRead:
+        """`only`: the only columns read (the rest deferred); all but _REQUEST_DEFERRED without."""
         from uuid import UUID
 
         from django.db.models import Count, Q
 
         from chat.models import Generation, GenerationRequest
+        from workers.serving_version import serving_version_subquery
 
         counts = {
             f"gen_{state}": Count("generations", filter=Q(generations__state=state)) for state in Generation.State.values
@@ -342,8 +345,11 @@ class _RequestRead:
         queryset = (
             GenerationRequest.objects.using(alias)
             .filter(pk=placeholder, is_chat=is_chat)
-            .defer(*_REQUEST_DEFERRED)
-            .annotate(**counts)
+        )
+        queryset = queryset.only(*only) if only is not None else queryset.defer(*_REQUEST_DEFERRED)
+        queryset = (
+            queryset
+            .annotate(**counts, serving_version=serving_version_subquery())
         )
         compiler = queryset.query.get_compiler(using=alias)
         sql, params = compiler.as_sql()
@@ -388,22 +394,25 @@ class _RequestRead:
         return request
 
 
-# A memo (no lifetime) per database alias and kind, forgotten by reset_process_caches.
-_request_reads: ProcessCache[tuple[str, bool], _RequestRead] = ProcessCache(
+# A memo (no lifetime) per database alias, kind and columns, forgotten by reset_process_caches.
+_request_reads: ProcessCache[tuple[str, bool, tuple[str, ...] | None], _RequestRead] = ProcessCache(
     "compiled request reads", ttl=math.inf, max_entries=16
 )
 
 
-def request_with_counts(request_id: Any, *, is_chat: bool) -> Any:
+def request_with_counts(request_id: Any, *, is_chat: bool, only: tuple[str, ...] | None = None) -> Any:
     """The request (of that kind) without its prompt, messages or tool settings, with its
-    generations counted by state (gen_<state>), in one query compiled once per process."""
+    generations counted by state (gen_<state>) and the workers' serving version (serving_version,
+    read here so a status poll needs no other round trip for it), in one query compiled once per
+    process. `only`: only those columns (a caller that reads no others; any other would be one
+    more query each), for the status polls' hot path."""
     from django.db import router
 
     from chat.models import GenerationRequest
 
     alias = router.db_for_read(GenerationRequest)
-    key = (alias, is_chat)
+    key = (alias, is_chat, only)
     read = _request_reads.get(key)
     if read is None:
-        read = _request_reads.get_or_build(key, lambda: _RequestRead.compile(alias, is_chat=is_chat))
+        read = _request_reads.get_or_build(key, lambda: _RequestRead.compile(alias, is_chat=is_chat, only=only))
     return read.read(request_id)

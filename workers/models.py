@@ -46,8 +46,8 @@ class Worker(models.Model):
     chat_tools_max_temperature = models.FloatField(null=True, blank=True)
     nonconformant_replies = models.PositiveIntegerField(default=0)
     created = models.DateTimeField(auto_now_add=True)
-    # When a check-in last changed what the worker serves (workers.serving_version): the latest
-    # of them is the serving version where there is no Redis.
+    # When a check-in or a switch last changed what the worker serves (for operators; the readers'
+    # signal of such a change is ServingVersion).
     serving_changed_at = models.DateTimeField(null=True, blank=True, db_index=True)
 
     class Meta:
@@ -55,3 +55,18 @@ class Worker(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class ServingVersion(models.Model):
+    """The workers' serving version (workers.serving_version): one row, whose counter every
+    check-in or switch that changes what a worker serves increments once that change is visible.
+    No row yet means no such change since the table was made (the version is None)."""
+
+    id = models.PositiveSmallIntegerField(primary_key=True)
+    version = models.BigIntegerField()
+
+    class Meta:
+        db_table = "horde_serving_version"
+
+    def __str__(self) -> str:
+        return f"serving version {self.version}"

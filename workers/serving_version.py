@@ -2,81 +2,56 @@
 serves (its first pop, a changed declaration, coming back online) or its owner switches its
 maintenance or pause.
 
-Every web process keeps snapshots derived from the online workers (chat.selectors.snapshots) and caches each
-request's availability (chat.selectors.availability); both record the version they were built at and are
-rebuilt as soon as the version they are read under differs, so such a check-in shows in every
-process's answers at once. With Redis the version is a counter there, which the status route reads
-in the round trip it already makes; without Redis it is the latest `serving_changed_at` of the
-worker table (one indexed read), which the same check-in writes. An unchanged pop changes nothing.
+Every web process keeps snapshots derived from the online workers (chat.selectors.snapshots) and
+caches each chat request's availability (chat.selectors.availability); both record the version
+they were built at and are rebuilt as soon as the version they are read under differs, so such a
+check-in shows in every process's answers at once.
+
+The version is a counter in one database row (workers.models.ServingVersion, ADR 0044), on every
+backend: the status poll reads it in its request's own statement (chat.sql), so a poll is one round
+trip. The change is written first and the counter after it (both commit on their own, or together
+in the caller's transaction), so a reader that sees the new count finds the change in the rows it
+reads next. An unchanged pop changes nothing.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any
 
-from django.conf import settings
-from django.core.cache import cache
-from django.db import transaction
-from django.db.models import Max
+from django.db import DatabaseError, connection
+from django.db.models import Subquery
 
-from workers.models import Worker
+from workers.models import ServingVersion
 
 logger = logging.getLogger(__name__)
 
-WORKERS_SERVING_VERSION_KEY = "horde:workers:serving-version"
+SERVING_VERSION_ROW = 1
 
 
-def _on_redis() -> bool:
-    """Whether the cache is django-redis on REDIS_URL (checked per call: tests switch settings)."""
-    return bool(settings.REDIS_URL) and hasattr(getattr(cache, "client", None), "get_client")
-
-
-def _redis():
-    return cache.client.get_client(write=True) if _on_redis() else None
-
-
-def serving_version_cache_key() -> str | None:
-    """The cache key of the version, for a reader that fetches it with other keys (cache.get_many);
-    None without Redis, where the version is read from the database (serving_version_in)."""
-    return WORKERS_SERVING_VERSION_KEY if _on_redis() else None
-
-
-def _database_version() -> Any:
-    return Worker.objects.aggregate(version=Max("serving_changed_at"))["version"]
-
-
-def serving_version_in(found: Mapping[str, Any]) -> Any:
-    """The version from a cache.get_many that asked for serving_version_cache_key() (None when the
-    counter was never bumped); read from the database without Redis."""
-    if not _on_redis():
-        return _database_version()
-    return found.get(WORKERS_SERVING_VERSION_KEY)
+def serving_version_subquery() -> Subquery:
+    """The version as an expression, for a statement that reads it beside its own rows."""
+    return Subquery(ServingVersion.objects.filter(pk=SERVING_VERSION_ROW).values("version")[:1])
 
 
 def current_serving_version() -> Any:
-    """The version now: one cache read with Redis (None when Redis fails, as the cache's
-    IGNORE_EXCEPTIONS answers), one indexed database read without."""
-    if not _on_redis():
-        return _database_version()
-    return cache.get(WORKERS_SERVING_VERSION_KEY)
+    """The version now (None before the first change): one primary-key read."""
+    return ServingVersion.objects.filter(pk=SERVING_VERSION_ROW).values_list("version", flat=True).first()
 
 
 def serving_changed() -> None:
-    """A worker's serving changed: bump the counter now and, inside a transaction, again when it
-    commits (a reader that took the first bump may have read the rows before the commit). Without
-    Redis the check-in's write of serving_changed_at is the change."""
-    if not _on_redis():
-        return
-    _bump()
-    if transaction.get_connection().in_atomic_block:
-        transaction.on_commit(_bump, robust=True)
-
-
-def _bump() -> None:
+    """A worker's serving changed: count it, after the change's own write. The row is made by the
+    first change (a flushed test database has none)."""
+    table = connection.ops.quote_name(ServingVersion._meta.db_table)
     try:
-        _redis().incr(cache.make_key(WORKERS_SERVING_VERSION_KEY))
-    except Exception:
-        # With Redis down readers see no version either, and fall back to the snapshots' lifetime.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"INSERT INTO {table} (id, version) VALUES (%s, 1)"
+                f" ON CONFLICT (id) DO UPDATE SET version = {table}.version + 1",
+                [SERVING_VERSION_ROW],
+            )
+    except DatabaseError:
+        if connection.in_atomic_block:  # the caller's transaction failed with it: theirs to handle
+            raise
+        # The change itself is committed: readers catch up within the snapshots' lifetime.
         logger.warning("workers serving version bump failed", exc_info=True)

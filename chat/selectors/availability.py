@@ -3,8 +3,9 @@ worker can take, whether the workers' declarations are the cause (spec: "Impossi
 
 One pass serves text and chat requests alike; the status routes read it (is_possible,
 eligible_worker_threads, impossible_reason). A chat request's pass is cached 60 seconds per request
-(spec: "Impossible reason"); a text request's is made on each poll from the process's online
-workers snapshot, which costs less than the cache's round trip would. Either holds only under the
+(spec: "Impossible reason"); a text request's is made from the process's online workers snapshot,
+which keeps it for every request of the same shape (OnlineWorkers.text_threads) and costs less
+than the cache's round trip would. Either holds only under the
 workers' serving version it was made at (workers.serving_version): a worker's first pop, changed
 declaration or return online makes every process pass again.
 """
@@ -21,6 +22,7 @@ from chat.models import Generation, GenerationRequest, RequestWorker
 from chat.selectors.queue import (
     chat_capacity_refusal,
     chat_declaration_gap,
+    text_eligibility_shape,
     worker_may_take,
     worker_passes_restrictions,
     worker_serves_chat_model,
@@ -28,7 +30,7 @@ from chat.selectors.queue import (
 from chat.selectors.snapshots import OnlineWorkers, online_worker_facts
 from contract.chat_policy import ChatServiceGap, merge_service_gaps
 from contract.text import WORKER_ONLINE_SECONDS
-from workers.serving_version import current_serving_version, serving_version_cache_key, serving_version_in
+from workers.serving_version import current_serving_version
 
 AVAILABILITY_CACHE_SECONDS = 60
 
@@ -57,21 +59,21 @@ class _Pass:
 
 @dataclass(frozen=True)
 class StatusRead:
-    """What a status poll read from the cache in its one round trip (status_read): the workers'
-    serving version and, for a chat request, its cached pass."""
+    """What a status poll read before its body: the workers' serving version (read in the request's
+    own statement, chat.sql) and, for a chat request, its cached pass."""
 
     serving_version: Any = None
     prefetched: dict[str, Any] = field(default_factory=dict)
 
 
-def status_read(request_id, *, is_chat: bool) -> StatusRead:
-    """One cache read for a status poll: the serving version, with the chat request's pass."""
-    if not is_chat:
-        return StatusRead(serving_version=current_serving_version())
-    serving_key = serving_version_cache_key()
-    found = cache.get_many([availability_cache_key(request_id), *((serving_key,) if serving_key else ())])
-    serving = found.pop(serving_key, None) if serving_key else serving_version_in(found)
-    return StatusRead(serving_version=serving, prefetched=found)
+def status_read(request: GenerationRequest) -> StatusRead:
+    """What a status poll needs beside its request row (request_get, which read the serving version
+    with it): nothing more for a text request, one cache read of the pass for a chat request."""
+    if not request.is_chat:
+        return StatusRead(serving_version=request.serving_version)
+    key = availability_cache_key(request.pk)
+    found = cache.get(key)
+    return StatusRead(serving_version=request.serving_version, prefetched={} if found is None else {key: found})
 
 
 def _listed_worker_ids(request: GenerationRequest) -> set:
@@ -154,7 +156,10 @@ def chat_request_availability(
     """
     serving_version = current_serving_version() if read is None else read.serving_version
     if not request.is_chat:
-        threads = _text_pass(request, online_worker_facts(serving_version)).eligible_worker_threads
+        online = online_worker_facts(serving_version)
+        threads = online.text_threads(
+            text_eligibility_shape(request), lambda: _text_pass(request, online).eligible_worker_threads
+        )
         return Availability(eligible_worker_threads=threads, is_possible=threads > 0, impossible_reason=None)
     key = availability_cache_key(request.pk)
     if read is None:

@@ -352,6 +352,22 @@ def chat_capacity_refusal(worker: Worker, request: GenerationRequest) -> str | N
     return "lease_speed" if capable.exists() else None
 
 
+def text_eligibility_shape(request: GenerationRequest) -> tuple | None:
+    """Everything of a text request that worker_may_take reads, as a key: two requests of one
+    shape are eligible for the same workers. None for a request with a worker list, which is its own."""
+    if request.is_chat or request.has_worker_list:
+        return None
+    return (
+        tuple(request.requested_models or ()),
+        request.any_model,
+        request.max_length,
+        request.max_context_length,
+        request.trusted_workers,
+        request.validated_backends,
+        request.slow_workers,
+    )
+
+
 def worker_may_take(worker: Worker, request: GenerationRequest, listed_worker_ids: set) -> bool:
     """Python twin of eligibility_filter, for availability over the online workers."""
     if not worker_passes_restrictions(worker, request, listed_worker_ids):

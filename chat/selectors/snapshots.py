@@ -14,7 +14,7 @@ workers keyed by the serving version, the queue by nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
@@ -31,6 +31,8 @@ from workers.serving_version import current_serving_version
 
 ONLINE_WORKERS_SNAPSHOT_SECONDS = 5
 QUEUE_SNAPSHOT_SECONDS = 2
+# Text passes one snapshot keeps (OnlineWorkers.text_threads); past it, passes are made per poll.
+TEXT_SHAPES_PER_SNAPSHOT = 4096
 
 # Read when the caller has no serving version of its own.
 _ANY_VERSION = object()
@@ -54,6 +56,21 @@ class OnlineWorkers:
     text_by_model: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Positions of the workers whose chat declaration serves a model_id (chat jobs with limits).
     chat_by_model: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Eligible threads by text request shape (chat.selectors.queue.text_eligibility_shape), found
+    # from this snapshot and dropped with it: the polls of a queue ask about a few shapes.
+    _text_threads: dict[tuple, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def text_threads(self, shape: tuple | None, count: Callable[[], int]) -> int:
+        """The eligible threads of a text request of `shape`: `count()` once per shape (every
+        time for None, a request with its own worker list)."""
+        if shape is None:
+            return count()
+        threads = self._text_threads.get(shape)
+        if threads is None:
+            threads = count()
+            if len(self._text_threads) < TEXT_SHAPES_PER_SNAPSHOT:
+                self._text_threads[shape] = threads
+        return threads
 
     def _union(self, index: dict[str, tuple[int, ...]], models: Iterable[str]) -> list[Worker]:
         positions: set[int] = set()

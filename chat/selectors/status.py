@@ -16,6 +16,16 @@ from chat.selectors.queue import waiting_requests
 from chat.selectors.snapshots import online_worker_facts, queue_place
 from chat.sql import request_with_counts
 
+# What a text request's status body reads of its row (request_status, the availability pass and the
+# queue place): the status poll reads only these, as converting the row's other columns costs more
+# than the statement. Reading any other is one more query (tests pin a poll at one).
+TEXT_STATUS_FIELDS = (
+    "id", "is_chat", "n", "jobs_waiting", "faulted", "cancelled", "consumed_kudos",
+    "queue_score", "created", "max_length", "max_context_length",
+    "requested_models", "any_model", "has_worker_list", "worker_blacklist",
+    "trusted_workers", "validated_backends", "slow_workers",
+)
+
 
 def request_get(request_id: UUID | str, *, is_chat: bool = False) -> GenerationRequest | None:
     """Every read filters on is_chat: a chat id is not found on the text routes, and vice versa.
@@ -197,12 +207,14 @@ chat_request_status = request_status
 
 
 def _status_body(request_id: UUID, *, is_chat: bool) -> dict[str, Any] | None:
-    """GET /generate/{text,chat}/status/<id>: the status body, None when not found. One cache read
-    (the workers' serving version, with a chat request's cached pass) and one database read: the
-    body is built on every poll, so it shows each write the moment it commits."""
-    read = status_read(request_id, is_chat=is_chat)
-    request = request_get(request_id, is_chat=is_chat)
-    return request_status(request, read=read) if request is not None else None
+    """GET /generate/{text,chat}/status/<id>: the status body, None when not found. One database
+    read (the request with its counts and the workers' serving version) and, for a chat request,
+    one cache read of its pass: the body is built on every poll, so it shows each write the moment
+    it commits."""
+    request = request_with_counts(request_id, is_chat=is_chat, only=None if is_chat else TEXT_STATUS_FIELDS)
+    if request is None:
+        return None
+    return request_status(request, read=status_read(request))
 
 
 def text_status_body(request_id: UUID) -> dict[str, Any] | None:

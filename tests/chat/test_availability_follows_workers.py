@@ -29,11 +29,12 @@ from django.utils import timezone
 from chat.models import Generation, GenerationRequest
 from chat.selectors import snapshots
 from chat.selectors.availability import availability_cache_key
+from chat.selectors.status import request_get
 from contract.process_cache import ProcessCache
 from contract.text import WORKER_ONLINE_SECONDS
 from tests.chat.chat_route_helpers import ALL_DECLARATIONS, MODEL, chat_async, chat_status
 from workers.models import Worker
-from workers.services import worker_rows
+from workers.services import worker_rows, worker_update
 from workers.serving_version import current_serving_version
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -211,8 +212,10 @@ def test_a_first_pop_shows_through_another_process_snapshot_at_once(horde, peopl
 
 def test_an_unchanged_pop_leaves_the_serving_version_alone(horde, people):
     _, owner = people
+    assert current_serving_version() is None  # nothing has changed since the table was made
     horde.pop(owner.key, **_declaration())
     first = current_serving_version()
+    assert first is not None  # the first pop counted
     for _ in range(3):
         horde.pop(owner.key, **_declaration())
     assert current_serving_version() == first
@@ -222,7 +225,19 @@ def test_an_unchanged_pop_leaves_the_serving_version_alone(horde, people):
     horde.pop(owner.key, **_declaration())
     assert current_serving_version() == first
     horde.pop(owner.key, **_declaration(threads=3))  # a changed declaration
-    assert current_serving_version() != first
+    assert current_serving_version() == first + 1
+    worker = Worker.objects.get()
+    worker_update(worker=worker, actor=owner.user, maintenance=True)  # the owner's switch
+    assert current_serving_version() == first + 2
+
+
+def test_a_status_poll_reads_the_serving_version_with_its_request(horde, people):
+    requester, owner = people
+    request_id = horde.text_async(requester.key).json()["id"]
+    before = request_get(request_id)
+    horde.pop(owner.key, **_declaration())  # the first pop takes the request and changes the version
+    after = request_get(request_id)
+    assert before.serving_version is None and after.serving_version == current_serving_version() is not None
 
 
 def test_a_worker_gone_quiet_leaves_the_cached_availability_with_the_snapshot(horde, people):

@@ -105,17 +105,28 @@ def test_compiled_reads_are_forgotten_by_the_process_reset(horde, requester):
     assert selectors.request_get(request_id) is not None
 
 
-def test_every_status_poll_is_one_query(horde, owner, requester, redis_url):
+def test_every_status_poll_is_one_query(horde, owner, requester):
     horde.pop(owner.key, name="w", models=[MODEL])
     request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
     horde.status(request_id)  # snapshots taken
-    # Without Redis the workers' serving version is one more (indexed) read per poll.
-    version_reads = 0 if redis_url else 1
     for _ in range(2):  # no body is kept between polls: the second reads the row again
         with CaptureQueriesContext(connection) as queries:
             body = horde.status(request_id).json()
-        assert len(queries) == 1 + version_reads, [q["sql"] for q in queries]
+        # The request, its counts and the workers' serving version, with or without Redis.
+        assert len(queries) == 1, [q["sql"] for q in queries]
         assert body["is_possible"] is True and body["queue_position"] == 0 and body["waiting"] == 1
+
+
+def test_a_done_text_poll_reads_its_results_in_one_more_query(horde, owner, requester):
+    request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
+    job = horde.pop(owner.key, name="w", models=[MODEL]).json()["id"]
+    assert horde.submit(owner.key, job, generation="Done.").status_code == 200
+    with CaptureQueriesContext(connection) as queries:
+        body = horde.status(request_id).json()
+    # The row (only the columns the body reads) and the finished generations with their workers.
+    assert len(queries) == 2, [q["sql"] for q in queries]
+    assert body["done"] is True and body["finished"] == 1 and body["kudos"] > 0
+    assert [(g["text"], g["worker_name"], g["model"]) for g in body["generations"]] == [("Done.", "w", MODEL)]
 
 
 def test_a_change_shows_on_the_next_poll_with_nothing_announced(horde, owner, requester):
@@ -186,6 +197,38 @@ def test_the_indexed_pass_finds_what_the_full_pass_finds(horde, owner, requester
     assert full > 0 and _chat_pass(chat_request, online).eligible_worker_threads == full
 
 
+def test_requests_of_one_shape_share_a_pass_and_every_poll_finds_its_own_answer(horde, owner, requester, make_user):
+    """The snapshot keeps a text pass per request shape: each request's status still shows what a
+    pass of its own would find, for shapes that differ in any rule and for worker lists."""
+    horde.pop(owner.key, name="a", models=[MODEL], threads=2, max_length=256)
+    horde.pop(owner.key, name="b", models=[MODEL, OTHER], max_length=512)
+    b = Worker.objects.get(name="b")
+    bodies = [
+        {"models": [MODEL]},
+        {"models": [MODEL]},  # the same shape as the first
+        {"models": [MODEL], "params": {"max_length": 300}},  # only b takes it
+        {"models": [MODEL], "params": {"max_length": 600}},  # nobody
+        {"models": [MODEL], "workers": [str(b.id)]},  # b alone
+        {"models": [MODEL], "workers": [str(b.id)], "worker_blacklist": True},  # a alone
+        {"models": [MODEL], "trusted_workers": True},  # the owner is not trusted
+        {"models": [OTHER]},
+    ]
+    ids = [horde.text_async(requester.key, **body).json()["id"] for body in bodies]
+    snapshots.reset_snapshots()
+    online = snapshots.online_worker_facts()
+    for _ in range(2):  # the second round reads every shape from the snapshot
+        for body, request_id in zip(bodies, ids, strict=True):
+            request = GenerationRequest.objects.get(pk=request_id)
+            listed = set(request.worker_rows.values_list("worker_id", flat=True)) if body.get("workers") else set()
+            own = sum(max(w.threads, 1) for w in online.workers if worker_may_take(w, request, listed))
+            assert chat_request_availability(request).eligible_worker_threads == own, body
+            assert horde.status(request_id).json()["is_possible"] is (own > 0), body
+    assert [chat_request_availability(GenerationRequest.objects.get(pk=i)).eligible_worker_threads for i in ids] == [
+        3, 3, 1, 0, 1, 2, 0, 1
+    ]
+    assert snapshots.online_worker_facts() is online  # one snapshot answered every poll
+
+
 def test_wait_time_uses_the_snapshot_throughput(horde, owner, requester):
     horde.pop(owner.key, name="a", models=[MODEL], threads=2)
     horde.pop(owner.key, name="b", models=[OTHER])
@@ -244,20 +287,20 @@ def _cache_calls(monkeypatch) -> list[str]:
 
 
 @pytest.mark.redis_only
-def test_a_text_poll_reads_the_serving_version_and_writes_nothing(horde, owner, requester, monkeypatch):
+def test_a_text_poll_leaves_the_cache_alone(horde, owner, requester, monkeypatch):
     horde.pop(owner.key, name="w", models=[MODEL], threads=2)
     request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
     cache.clear()
     calls = _cache_calls(monkeypatch)
     for _ in range(2):
         assert horde.status(request_id).json()["is_possible"] is True
-        assert calls == ["get"]  # the serving version; the pass is made from the snapshot
-        calls.clear()
+        # The serving version comes with the request's row; the pass is made from the snapshot.
+        assert calls == []
     assert cache.get(availability_cache_key(request_id)) is None
 
 
 @pytest.mark.redis_only
-def test_a_chat_poll_reads_its_pass_with_the_serving_version_and_writes_it_once(
+def test_a_chat_poll_reads_its_pass_and_writes_it_once(
     horde, owner, requester, monkeypatch
 ):
     chat_worker(owner, threads=2)
@@ -265,11 +308,11 @@ def test_a_chat_poll_reads_its_pass_with_the_serving_version_and_writes_it_once(
     cache.clear()
     calls = _cache_calls(monkeypatch)
     assert chat_status(horde.client, request_id).json()["eligible_worker_threads"] == 2
-    assert calls == ["get_many", "set"]  # one read, then the pass it made
+    assert calls == ["get", "set"]  # one read, then the pass it made
     assert cache.get(availability_cache_key(request_id)).eligible_worker_threads == 2
     calls.clear()
     assert chat_status(horde.client, request_id).json()["eligible_worker_threads"] == 2
-    assert calls == ["get_many"]  # the cached pass: one read
+    assert calls == ["get"]  # the cached pass: one read
 
 
 def test_an_unknown_request_is_404_and_writes_nothing(horde, requester):
