@@ -72,7 +72,10 @@ def main() -> None:
     from django.db import connection
     from django.test import Client
 
-    workers = pickle.loads(workers_file(args.database_url).read_bytes())
+    filled = workers_file(args.database_url)
+    if not filled.exists():
+        raise SystemExit(f"no filled queue for {args.database_url}: run bench/view_cpu.py --fill first")
+    workers = pickle.loads(filled.read_bytes())
     with connection.cursor() as cursor:  # the same queue for every run
         cursor.execute("DELETE FROM horde_generations")
         cursor.execute(
