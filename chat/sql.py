@@ -317,7 +317,7 @@ _ID_PLACEHOLDER = "5e1ec7ed-0000-4000-8000-00000000c0de"
 
 @dataclass(frozen=True)
 class _RequestRead:
-    """The read compiled once per process, database and kind: the ORM spends more building this
+    """The read compiled once per process, database, kind and columns: the ORM spends more building this
     SQL (the annotated counts) than the database spends answering it."""
 
     alias: str
@@ -342,15 +342,9 @@ class _RequestRead:
             f"gen_{state}": Count("generations", filter=Q(generations__state=state)) for state in Generation.State.values
         }
         placeholder = UUID(_ID_PLACEHOLDER)
-        queryset = (
-            GenerationRequest.objects.using(alias)
-            .filter(pk=placeholder, is_chat=is_chat)
-        )
+        queryset = GenerationRequest.objects.using(alias).filter(pk=placeholder, is_chat=is_chat)
         queryset = queryset.only(*only) if only is not None else queryset.defer(*_REQUEST_DEFERRED)
-        queryset = (
-            queryset
-            .annotate(**counts, serving_version=serving_version_subquery())
-        )
+        queryset = queryset.annotate(**counts, serving_version=serving_version_subquery())
         compiler = queryset.query.get_compiler(using=alias)
         sql, params = compiler.as_sql()
         prepared_id = GenerationRequest._meta.pk.get_db_prep_value(placeholder, connections[alias])

@@ -5,9 +5,9 @@ One pass serves text and chat requests alike; the status routes read it (is_poss
 eligible_worker_threads, impossible_reason). A chat request's pass is cached 60 seconds per request
 (spec: "Impossible reason"); a text request's is made from the process's online workers snapshot,
 which keeps it for every request of the same shape (OnlineWorkers.text_threads) and costs less
-than the cache's round trip would. Either holds only under the
-workers' serving version it was made at (workers.serving_version): a worker's first pop, changed
-declaration or return online makes every process pass again.
+than the cache's round trip would. Either holds only under the workers' serving version it was
+made at (workers.serving_version): a worker's first pop, changed declaration or return online
+makes every process pass again.
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ class StatusRead:
 
 
 def status_read(request: GenerationRequest) -> StatusRead:
-    """What a status poll needs beside its request row (request_get, which read the serving version
-    with it): nothing more for a text request, one cache read of the pass for a chat request."""
+    """What a status poll needs beside its request row (chat.sql.request_with_counts, which read the
+    serving version with it): nothing more for a text request, one cache read of its pass for a
+    chat request."""
     if not request.is_chat:
         return StatusRead(serving_version=request.serving_version)
     key = availability_cache_key(request.pk)
