@@ -197,7 +197,7 @@ def test_the_indexed_pass_finds_what_the_full_pass_finds(horde, owner, requester
     assert full > 0 and _chat_pass(chat_request, online).eligible_worker_threads == full
 
 
-def test_requests_of_one_shape_share_a_pass_and_every_poll_finds_its_own_answer(horde, owner, requester, make_user):
+def test_requests_of_one_shape_share_a_pass_and_every_poll_finds_its_own_answer(horde, owner, requester):
     """The snapshot keeps a text pass per request shape: each request's status still shows what a
     pass of its own would find, for shapes that differ in any rule and for worker lists."""
     horde.pop(owner.key, name="a", models=[MODEL], threads=2, max_length=256)
