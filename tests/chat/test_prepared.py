@@ -9,7 +9,7 @@ import itertools
 import pytest
 from django.db import connection
 
-from chat.sql import run_prepared
+from chat.sql import native_placeholders, run_prepared
 from contract.process_cache import reset_process_caches
 from tests.chat.pop_helpers import ALL_GUARANTEES, MODEL, OTHER, chat_pop
 
@@ -81,3 +81,15 @@ def test_a_prepared_statement_runs_with_each_calls_values_and_is_prepared_once()
     for value in ("first", "second", "third"):
         assert run_prepared("SELECT %s::text, %s::int", [value, 7]) == (value, 7)
     assert len(_prepared_on_this_connection() - before) == 1
+
+
+def test_a_statement_runs_in_postgresqls_own_placeholders_with_its_literal_percent_signs():
+    assert native_placeholders("SELECT %s::text, '100%%', %s::int") == "SELECT $1::text, '100%', $2::int"
+    assert run_prepared("SELECT %s::text || '%%', %s::int", ["50", 2]) == ("50%", 2)
+    statements = {text for text, _ in _prepared_on_this_connection()}
+    assert "SELECT $1::text || '%', $2::int" in statements
+
+
+def test_a_placeholder_other_than_s_is_refused_before_it_reaches_the_database():
+    with pytest.raises(ValueError, match="%b"):
+        native_placeholders("SELECT %b")
