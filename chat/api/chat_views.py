@@ -141,7 +141,9 @@ class ChatStatusView(APIView):
 
     @extend_schema(responses={200: ChatStatus, 404: s.ErrorSerializer})
     def get(self, request, request_id):
-        front_lease.front_lease_renew(request_id=request_id, headers=request.headers)
+        front_lease.front_lease_renew(
+            request_id=request_id, header=request.META.get(front_lease.FRONT_LEASE_META_KEY)
+        )
         body = chat_selectors.chat_status_body(request_id)
         if body is None:
             raise _not_found(request_id)

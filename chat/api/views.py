@@ -49,11 +49,16 @@ class TextAsyncView(APIView):
 
 
 class TextStatusView(APIView):
-    """GET (status) and DELETE (cancel) /api/v2/generate/text/status/<id>."""
+    """GET (status) and DELETE (cancel) /api/v2/generate/text/status/<id>: the id is the credential,
+    as upstream (KoboldAI Lite polls and cancels without a key), so no key is read or checked."""
+
+    authentication_classes: list = []
 
     @extend_schema(responses=s.TextStatusOutputSerializer)
     def get(self, request, request_id):
-        front_lease.front_lease_renew(request_id=request_id, headers=request.headers)
+        front_lease.front_lease_renew(
+            request_id=request_id, header=request.META.get(front_lease.FRONT_LEASE_META_KEY)
+        )
         body = selectors.text_status_body(request_id)
         if body is None:
             raise _not_found(request_id)

@@ -14,13 +14,15 @@ workers keyed by the serving version, the queue by nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 from uuid import UUID
 
 from django.db import connections, router
-from django.db.models import F
+from django.db.models import F, TextField
+from django.db.models.functions import Cast
 
 from chat.models import GenerationRequest
 from chat.selectors.queue import waiting_requests
@@ -116,57 +118,49 @@ def _build_online_workers() -> OnlineWorkers:
 
 
 class QueueSnapshot:
-    """The waiting requests in queue order: each one's position and the tokens ahead of it."""
+    """The waiting requests in queue order: each one's position and the tokens ahead of it, keyed by
+    the id's text as the database writes it (`_id_text`): strings, not UUID objects, so a rebuild of a
+    deep queue is a few C loops over the rows and leaves nothing for the garbage collector to walk."""
 
     __slots__ = ("_index", "_tokens_ahead")
 
-    def __init__(self, rows: Iterable[tuple[UUID, int]]):
-        index: dict[UUID, int] = {}
-        tokens_ahead: list[int] = []
-        tokens = 0
-        for request_id, request_tokens in rows:
-            index[request_id] = len(tokens_ahead)
-            tokens_ahead.append(tokens)
-            tokens += request_tokens or 0
-        self._index = index
-        self._tokens_ahead = tokens_ahead
+    def __init__(self, ids: Sequence[str], tokens: Iterable[int | None]):
+        self._index = dict(zip(ids, range(len(ids)), strict=True))
+        # tokens_ahead[i]: the outstanding tokens of the requests before position i.
+        self._tokens_ahead = list(accumulate((t or 0 for t in tokens), initial=0))
 
-    def get(self, request_id: UUID) -> QueuePlace | None:
-        position = self._index.get(request_id)
+    def get(self, id_text: str) -> QueuePlace | None:
+        position = self._index.get(id_text)
         if position is None:
             return None
         return QueuePlace(position=position, tokens_ahead=self._tokens_ahead[position])
 
     def __len__(self) -> int:
-        return len(self._tokens_ahead)
+        return len(self._index)
+
+
+def _id_text(request_id: UUID, alias: str) -> str:
+    """The request id as the database writes it as text: PostgreSQL's uuid type prints the dashed
+    form; a database without one stores the 32 hex digits (Django's UUIDField)."""
+    return str(GenerationRequest._meta.pk.get_db_prep_value(request_id, connections[alias]))
 
 
 def _build_queue() -> QueueSnapshot:
-    """One read of the waiting requests' (id, tokens) in queue order, straight off the cursor:
-    the ORM's per-row conversions cost more than the query on a deep queue."""
+    """One read of the waiting requests' (id as text, tokens) in queue order, straight off the
+    cursor: on a deep queue the ORM's per-row conversions, and even one UUID object per row, cost
+    more than the query (ten thousand rows every QUEUE_SNAPSHOT_SECONDS, on a serving thread)."""
     queryset = (
         waiting_requests()
         .order_by("-queue_score", "created")
-        .annotate(tokens=F("max_length") * F("jobs_waiting"))
-        .values_list("id", "tokens")
+        .annotate(id_text=Cast("id", TextField()), tokens=F("max_length") * F("jobs_waiting"))
+        .values_list("id_text", "tokens")
     )
     alias = router.db_for_read(GenerationRequest)
-    compiler = queryset.query.get_compiler(using=alias)
-    sql, params = compiler.as_sql()
-    connection = connections[alias]
-    id_expression = compiler.select[0][0]
-    id_converters = compiler.get_converters([id_expression]).get(0, ((), None))[0]
-    with connection.cursor() as cursor:
+    sql, params = queryset.query.get_compiler(using=alias).as_sql()
+    with connections[alias].cursor() as cursor:
         cursor.execute(sql, params)
         rows = cursor.fetchall()
-    if id_converters:  # e.g. SQLite stores UUIDs as text; PostgreSQL returns them as UUIDs
-        converted = []
-        for request_id, tokens in rows:
-            for converter in id_converters:
-                request_id = converter(request_id, id_expression, connection)
-            converted.append((request_id, tokens))
-        rows = converted
-    return QueueSnapshot(rows)
+    return QueueSnapshot([row[0] for row in rows], [row[1] for row in rows])
 
 
 # One entry each: a new version's snapshot replaces the last one. Readers keep the expired
@@ -194,7 +188,8 @@ def online_worker_facts(serving_version: Any = _ANY_VERSION) -> OnlineWorkers:
 
 def queue_place(request_id: UUID) -> QueuePlace | None:
     """The request's place in the last queue snapshot; None when it is newer than the snapshot."""
-    return _queue.get_or_build(None, _build_queue).get(request_id)
+    snapshot = _queue.get_or_build(None, _build_queue)
+    return snapshot.get(_id_text(request_id, router.db_for_read(GenerationRequest)))
 
 
 def reset_snapshots() -> None:

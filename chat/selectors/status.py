@@ -39,11 +39,16 @@ def chat_request_get(request_id: UUID) -> GenerationRequest | None:
     return request_get(request_id, is_chat=True)
 
 
+# (state, the count's attribute on a request read by request_with_counts), once: Choices.values
+# builds its list on every read.
+_STATE_COUNT_ATTNAMES = tuple((state, f"gen_{state}") for state in Generation.State.values)
+
+
 def generation_state_counts(request: GenerationRequest) -> dict[str, int]:
     """How many of the request's generations are in each state: read with the request by
     request_get, else one grouped query."""
     if hasattr(request, "gen_processing"):
-        return {state: getattr(request, f"gen_{state}") for state in Generation.State.values}
+        return {state: getattr(request, attname) for state, attname in _STATE_COUNT_ATTNAMES}
     return dict(
         Generation.objects.filter(request=request).values_list("state").annotate(c=Count("pk")).values_list("state", "c")
     )

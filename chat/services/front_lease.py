@@ -69,10 +69,16 @@ def front_lease_until(seconds: int | None) -> datetime | None:
     return timezone.now() + timedelta(seconds=seconds) if seconds else None
 
 
-def front_lease_renew(*, request_id: UUID, headers: Mapping[str, str]) -> bool:
-    """A status read carrying the header renews the lease of a request that holds one (a request
-    submitted without a lease is never put under one). Returns whether a lease was renewed."""
-    seconds = front_lease_seconds(headers)
+# The header as a WSGI environ key: a status poll reads it from request.META, without building
+# the request's whole header mapping for one header that polls rarely carry.
+FRONT_LEASE_META_KEY = "HTTP_" + FRONT_LEASE_HEADER.upper().replace("-", "_")
+
+
+def front_lease_renew(*, request_id: UUID, header: str | None) -> bool:
+    """A status read carrying the header (its value, None without it) renews the lease of a request
+    that holds one (a request submitted without a lease is never put under one). Returns whether a
+    lease was renewed."""
+    seconds = parse_front_lease_header(header)
     if seconds is None:
         return False
     return bool(

@@ -366,3 +366,15 @@ def test_status_answers_with_the_cache_down(horde, owner, requester, settings):
     assert body["waiting"] == 1 and body["is_possible"] is True
     chat = chat_status(horde.client, chat_id).json()
     assert chat["waiting"] == 1 and chat["eligible_worker_threads"] == 1
+
+
+def test_the_text_status_route_reads_no_key_as_upstream(horde, requester):
+    """The id is the credential, as upstream: KoboldAI Lite polls and cancels without a key, and a
+    key the horde does not know is not read on these routes either (no 401)."""
+    request_id = horde.text_async(requester.key).json()["id"]
+    assert horde.status(request_id).json()["waiting"] == 1
+    polled = horde.status(request_id, key="a-key-no-user-has")
+    assert polled.status_code == 200 and polled.json()["waiting"] == 1
+    cancelled = horde.cancel(request_id, key="a-key-no-user-has")
+    assert cancelled.status_code == 200 and cancelled.json()["waiting"] == 0
+    assert GenerationRequest.objects.get(pk=request_id).cancelled
