@@ -6,8 +6,9 @@ views' own cost shows apart from daphne's and the box's load.
     .venv/bin/python bench/view_cpu.py --requests 300    # measure (again: it re-queues the filled requests)
     .venv/bin/python bench/view_cpu.py --profile tottime --only pop   # cProfile of one kind
 
-Each round is one heartbeat, one pop (by the next of 50 workers), its submits, and one status poll of
-a random queued request, as in text_queue.py. It prints each kind's
+Each round is one heartbeat, one pop (by the next of 50 workers), its submits, one status poll of
+a random queued request, as in text_queue.py, and one poll of a request the warm-up finished (`done`:
+the client's last poll, with its results). It prints each kind's
 median CPU time (time.process_time) and its multiple of the heartbeat's in the same run. Before
 measuring it puts every filled request back in the queue (its generations deleted), so runs of two
 worktrees against one database compare the same queue.
@@ -46,7 +47,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--queued", type=int, default=3000, help="requests the fill queues (default 3000)")
     p.add_argument("--requests", type=int, default=300, help="rounds measured (default 300)")
     p.add_argument("--profile", default="", help="cProfile sort key (tottime, cumulative); off by default")
-    p.add_argument("--only", default="pop", help="with --profile: the kind profiled (heartbeat, pop, submit, status)")
+    p.add_argument("--only", default="pop", help="with --profile: the kind profiled (heartbeat, pop, submit, status, done)")
     p.add_argument("--top", type=int, default=40)
     return p.parse_args()
 
@@ -106,8 +107,11 @@ def main() -> None:
         for generation_id in pop(w).json().get("ids") or []:
             submit(w, generation_id)
     client.get("/api/v2/status/heartbeat")
+    from chat.models import Generation
 
-    times: dict[str, list[float]] = {"heartbeat": [], "pop": [], "submit": [], "status": []}
+    done_ids = [str(pk) for pk in Generation.objects.filter(state="ok").values_list("request_id", flat=True)]
+
+    times: dict[str, list[float]] = {"heartbeat": [], "pop": [], "submit": [], "status": [], "done": []}
     profile = cProfile.Profile(time.process_time)
 
     def measure(kind, call):
@@ -129,6 +133,7 @@ def main() -> None:
         for generation_id in popped.json().get("ids") or []:
             measure("submit", lambda w=w, g=generation_id: submit(w, g))
         measure("status", lambda: client.get(f"/api/v2/generate/text/status/{rng.choice(ids)}"))
+        measure("done", lambda: client.get(f"/api/v2/generate/text/status/{rng.choice(done_ids)}"))
 
     heartbeat = statistics.median(times["heartbeat"])
     for kind, values in times.items():

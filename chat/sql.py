@@ -91,7 +91,17 @@ def _ints_as_bigint(raw_connection: Any) -> None:
 
 
 def run_prepared(sql: str, params: Sequence[Any]) -> tuple | None:
-    """Run one statement prepared on the default connection (PostgreSQL); its first row, if any.
+    """Run one statement prepared on the default connection (PostgreSQL); its first row, if any."""
+    return _run_prepared(sql, params, all_rows=False)
+
+
+def run_prepared_all(sql: str, params: Sequence[Any]) -> list[tuple]:
+    """Run one statement prepared on the default connection (PostgreSQL); all its rows."""
+    return _run_prepared(sql, params, all_rows=True)
+
+
+def _run_prepared(sql: str, params: Sequence[Any], *, all_rows: bool) -> Any:
+    """The statement prepared on the default connection, its first row or all its rows.
 
     A psycopg server-binding raw cursor (Django's default binds on the client, which never prepares)
     on Django's connection, wrapped as Django wraps its own: thread check, database errors as
@@ -125,7 +135,9 @@ def run_prepared(sql: str, params: Sequence[Any]) -> tuple | None:
             else:
                 executor(sql, params, False, context)
             # rownumber, not description: it does not build a Column for each of the row's columns.
-            return cursor.fetchone() if cursor.rownumber is not None else None
+            if cursor.rownumber is None:
+                return [] if all_rows else None
+            return cursor.fetchall() if all_rows else cursor.fetchone()
         finally:
             cursor.close()
 
@@ -203,6 +215,15 @@ def fetch_one(sql: str, params: Sequence[Any]) -> tuple | None:
         return cursor.fetchone()
 
 
+def fetch_all(sql: str, params: Sequence[Any]) -> list[tuple]:
+    """Every row of a statement: prepared on PostgreSQL, through Django's cursor elsewhere."""
+    if connection.vendor == "postgresql":
+        return run_prepared_all(sql, params)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return cursor.fetchall()
+
+
 # --- a job with its request, worker and owner (every submit that is not a priced text one) -------
 
 
@@ -245,6 +266,52 @@ def generation_with_relations(generation_id: Any) -> Any:
     generation.worker = worker
     generation.request = request
     return generation
+
+
+# --- a request's finished generations (the status body's list) -----------------------------------
+
+# What the status body shows of a finished generation (chat.selectors.status._generation_entry).
+FINISHED_GENERATION_FIELDS = (
+    "id", "worker_id", "model", "state", "text", "seed", "gen_metadata", "created", "message",
+    "finish_reason", "native_finish_reason", "prompt_tokens", "completion_tokens", "reasoning_tokens",
+    "charge_basis",
+)
+
+
+@lru_cache(maxsize=1)
+def _finished_generations_read() -> tuple[str, RowLoader]:
+    from chat.models import Generation
+    from workers.models import Worker
+
+    quote = connection.ops.quote_name
+
+    def columns(model: type[Model], alias: str, names: Sequence[str]) -> list[str]:
+        return [f"{alias}.{quote(model._meta.get_field(name).column)}" for name in names]
+
+    worker_fields = ("id", "name")
+    states = ", ".join(f"'{state}'" for state in Generation.FINISHED_STATES)
+    sql = (
+        f"SELECT {', '.join(columns(Generation, 'g', FINISHED_GENERATION_FIELDS) + columns(Worker, 'w', worker_fields))}"
+        " FROM horde_generations AS g JOIN horde_workers AS w ON w.id = g.worker_id"
+        f" WHERE g.request_id = %s AND g.state IN ({states}) ORDER BY g.finished_at, g.id"
+    )
+    loader = RowLoader.of_fields(connection.alias, [(Generation, FINISHED_GENERATION_FIELDS), (Worker, worker_fields)])
+    return sql, loader
+
+
+def finished_generations(request_id: Any) -> list[Any]:
+    """The request's finished generations, each with its worker (id and name), in the order they
+    finished: one fixed SQL text (prepared on PostgreSQL), as the ORM would compile its select on
+    every poll that finds a result. Only FINISHED_GENERATION_FIELDS are loaded."""
+    from chat.models import GenerationRequest
+
+    sql, loader = _finished_generations_read()
+    generations = []
+    for row in fetch_all(sql, [GenerationRequest._meta.pk.get_db_prep_value(request_id, connection)]):
+        (generation, worker), _ = loader.load(row)
+        generation.worker = worker
+        generations.append(generation)
+    return generations
 
 
 # --- the priced text submit (docs/adr/0026-price-at-pop.md) ---------------------------------------

@@ -14,7 +14,7 @@ from chat.models import Generation, GenerationRequest
 from chat.selectors.availability import Availability, StatusRead, chat_request_availability, status_read
 from chat.selectors.queue import waiting_requests
 from chat.selectors.snapshots import online_worker_facts, queue_place
-from chat.sql import request_with_counts
+from chat.sql import finished_generations, request_with_counts
 
 # What a text request's status body reads of its row (request_status, the availability pass and the
 # queue place): the status poll reads only these, as converting the row's other columns costs more
@@ -118,7 +118,8 @@ def request_queue_stats(request: GenerationRequest, *, read: StatusRead | None =
 
 
 def _generation_entry(generation: Generation, request: GenerationRequest) -> dict[str, Any]:
-    """A finished generation as the status lists it; a chat one with its structured reply."""
+    """A finished generation as the status lists it; a chat one with its structured reply. It reads
+    only chat.sql.FINISHED_GENERATION_FIELDS and the worker's name (what finished_generations loads)."""
     entry = {
         "text": generation.text,
         "seed": generation.seed,
@@ -172,12 +173,7 @@ def request_status(
     availability = _DONE if done else chat_request_availability(request, processing=processing, read=read)
     generations = []
     if include_generations and finished:  # most polls find nothing finished: no second query
-        generations = [
-            _generation_entry(generation, request)
-            for generation in Generation.objects.filter(request=request, state__in=Generation.FINISHED_STATES)
-            .select_related("worker")
-            .order_by("finished_at")
-        ]
+        generations = [_generation_entry(generation, request) for generation in finished_generations(request.pk)]
     body = {
         "generations": generations,
         "finished": finished,

@@ -129,6 +129,37 @@ def test_a_done_text_poll_reads_its_results_in_one_more_query(horde, owner, requ
     assert [(g["text"], g["worker_name"], g["model"]) for g in body["generations"]] == [("Done.", "w", MODEL)]
 
 
+def test_the_finished_generations_read_matches_the_orm_read(horde, owner, requester):
+    horde.pop(owner.key, name="w1")  # registers the workers
+    horde.pop(owner.key, name="w2")
+    request_id = horde.text_async(requester.key, models=[MODEL], params={"n": 4}).json()["id"]
+    w1, w2 = Worker.objects.get(name="w1"), Worker.objects.get(name="w2")
+    now = timezone.now()
+    lease = now + timedelta(seconds=150)
+    rows = [  # (worker, state, finished seconds ago): listed by finish, the oldest first
+        (w2, "ok", 1), (w1, "censored", 3), (w1, "faulted", 2), (w2, "processing", None), (w1, "ok", 2),
+    ]
+    for index, (worker, state, ago) in enumerate(rows):
+        Generation.objects.create(
+            request_id=request_id, worker=worker, model=MODEL, state=state, text=f"t{index}", seed=index,
+            gen_metadata=[{"type": "info", "value": str(index)}], lease_expires_at=lease,
+            finished_at=None if ago is None else now - timedelta(seconds=ago),
+        )
+    expected = list(
+        Generation.objects.filter(request_id=request_id, state__in=Generation.FINISHED_STATES)
+        .select_related("worker").order_by("finished_at")
+    )
+    with CaptureQueriesContext(connection) as queries:
+        loaded = sql.finished_generations(uuid.UUID(request_id))
+        shown = [(g.text, g.seed, g.gen_metadata, g.worker_id, g.worker.name, g.model, g.state, g.created)
+                 for g in loaded]
+    assert len(queries) == 1, [q["sql"] for q in queries]  # every field the body reads is loaded
+    assert shown == [(g.text, g.seed, g.gen_metadata, g.worker_id, g.worker.name, g.model, g.state, g.created)
+                     for g in expected]
+    assert [g.text for g in loaded] == ["t1", "t4", "t0"]
+    assert sql.finished_generations(uuid.uuid4()) == []
+
+
 def test_a_change_shows_on_the_next_poll_with_nothing_announced(horde, owner, requester):
     horde.pop(owner.key, name="w", models=[MODEL])
     request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
