@@ -8,7 +8,8 @@ views' own cost shows apart from daphne's and the box's load.
 
 Each round is one heartbeat, one pop (by the next of 50 workers), its submits, one status poll of
 a random queued request, as in text_queue.py, and one poll of a request the warm-up finished (`done`:
-the client's last poll, with its results). It prints each kind's
+the client's last poll, with its results) and one text request created (`create`: KoboldAI Lite's
+body, by a requester of its own, whose requests are deleted after the run). It prints each kind's
 median CPU time (time.process_time) and its multiple of the heartbeat's in the same run. Before
 measuring it puts every filled request back in the queue (its generations deleted), so runs of two
 worktrees against one database compare the same queue.
@@ -47,14 +48,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--queued", type=int, default=3000, help="requests the fill queues (default 3000)")
     p.add_argument("--requests", type=int, default=300, help="rounds measured (default 300)")
     p.add_argument("--profile", default="", help="cProfile sort key (tottime, cumulative); off by default")
-    p.add_argument("--only", default="pop", help="with --profile: the kind profiled (heartbeat, pop, submit, status, done)")
+    p.add_argument("--only", default="pop", help="with --profile: the kind profiled (heartbeat, pop, submit, status, done, create)")
     p.add_argument("--top", type=int, default=40)
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    env = server_env(args.database_url, args.redis_url, ALLOWED_HOSTS="testserver")
+    env = server_env(
+        args.database_url,
+        args.redis_url,
+        ALLOWED_HOSTS="testserver",
+        # One requester creates a request every round.
+        HORDE_TEXT_ASYNC_RATE_LIMITS="1000000/second",
+        HORDE_API_KEY_RATE_LIMITS="1000000/second",
+    )
     if args.fill:
         prepare(env)
         fill_args = argparse.Namespace(requests=args.queued, models=50, requesters=20, fill_threads=1, workers=50)
@@ -110,8 +118,35 @@ def main() -> None:
     from chat.models import Generation
 
     done_ids = [str(pk) for pk in Generation.objects.filter(state="ok").values_list("request_id", flat=True)]
+    from accounts.models import HordeUser
+    from accounts.services import user_create
 
-    times: dict[str, list[float]] = {"heartbeat": [], "pop": [], "submit": [], "status": [], "done": []}
+    requester, requester_key = user_create(username=f"bench-requester-{random.getrandbits(32):08x}", kudos=10**9)
+    HordeUser.objects.filter(pk=requester.pk).update(concurrency=10**6)
+    create_body = json.dumps(
+        {  # KoboldAI Lite's text request
+            "prompt": "You: Tell me a story about a dragon.\nKoboldAI: " * 20,
+            "params": {
+                "n": 1, "max_context_length": 4096, "max_length": 240, "rep_pen": 1.07, "temperature": 0.7,
+                "top_p": 0.92, "top_k": 100, "top_a": 0, "typical": 1, "tfs": 1, "rep_pen_range": 360,
+                "rep_pen_slope": 0.7, "sampler_order": [6, 0, 1, 3, 4, 2, 5], "use_default_badwordsids": False,
+                "stop_sequence": ["You:", "\nYou "], "min_p": 0, "dynatemp_range": 0, "dynatemp_exponent": 1,
+                "smoothing_factor": 0,
+            },
+            "models": workers[0].models[:1],
+            "workers": [],
+        }
+    )
+
+    def create():
+        return client.post(
+            "/api/v2/generate/text/async", data=create_body, content_type="application/json",
+            HTTP_APIKEY=requester_key, **headers,
+        )
+
+    times: dict[str, list[float]] = {
+        "heartbeat": [], "pop": [], "submit": [], "status": [], "done": [], "create": []
+    }
     profile = cProfile.Profile(time.process_time)
 
     def measure(kind, call):
@@ -123,7 +158,7 @@ def main() -> None:
         times[kind].append(time.process_time() - started)
         if profiled:
             profile.disable()
-        assert response.status_code == 200, (kind, response.status_code, response.content[:200])
+        assert response.status_code in (200, 202), (kind, response.status_code, response.content[:200])
         return response
 
     for k in range(args.requests):
@@ -134,6 +169,9 @@ def main() -> None:
             measure("submit", lambda w=w, g=generation_id: submit(w, g))
         measure("status", lambda: client.get(f"/api/v2/generate/text/status/{rng.choice(ids)}"))
         measure("done", lambda: client.get(f"/api/v2/generate/text/status/{rng.choice(done_ids)}"))
+        measure("create", create)
+    requester.requests.all().delete()  # the filled queue stays as it was
+    requester.delete()
 
     heartbeat = statistics.median(times["heartbeat"])
     for kind, values in times.items():

@@ -83,6 +83,14 @@ class TextParamsSerializer(serializers.Serializer):
     )
 
 
+# The params of a body without them: each param's default (n and the two lengths).
+_TEXT_PARAMS_DEFAULTS = {
+    name: field.default
+    for name, field in TextParamsSerializer._declared_fields.items()
+    if field.default is not serializers.empty
+}
+
+
 class TextAsyncInputSerializer(serializers.Serializer):
     """The text request body. Every key upstream's schema types is held to its JSON type; the ones
     this horde does not apply (webhook, style, proxied_account, extra_slow_workers,
@@ -118,7 +126,7 @@ class TextAsyncInputSerializer(serializers.Serializer):
     def validate(self, attrs):
         """The body as services.TextRequestInput takes it: n and the two lengths out of params,
         the keys not applied dropped, an absent softprompt as ""."""
-        params = dict(attrs.pop("params", None) or TextParamsSerializer().to_internal_value({}))
+        params = dict(attrs.pop("params", None) or _TEXT_PARAMS_DEFAULTS)
         for key in self.NOT_APPLIED:
             attrs.pop(key, None)
         return {

@@ -14,6 +14,7 @@ from accounts.api.callers import registered_caller, requester
 from accounts.ratelimit import check_submit_rate_limits
 from chat import selectors, services
 from chat.api import serializers as s
+from chat.api.fast_validation import validated_body
 from chat.services import front_lease
 from contract.errors import HordeError
 
@@ -33,11 +34,10 @@ class TextAsyncView(APIView):
         address = check_submit_rate_limits(
             request, scope="text_async", limits_per_ip=settings.HORDE_TEXT_ASYNC_RATE_LIMITS
         )
-        body = s.TextAsyncInputSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
+        body = validated_body(s.TextAsyncInputSerializer, request.data)
         created = services.text_request_create(
             user=requester(request),
-            data=services.TextRequestInput(**body.validated_data),
+            data=services.TextRequestInput(**body),
             client_agent=request.headers.get("Client-Agent", ""),
             ip_address=address,
             front_lease_seconds=front_lease.front_lease_seconds(request.headers),

@@ -1,7 +1,9 @@
-"""The worker routes' canonical validation agrees with their DRF serializers (hypothesis)."""
+"""The canonical validation of the worker routes' bodies and of the text request agrees with their
+DRF serializers (hypothesis), and the bodies real clients send take it."""
 
 from __future__ import annotations
 
+import math
 import uuid
 
 from hypothesis import HealthCheck, given, settings
@@ -10,6 +12,8 @@ from hypothesis import strategies as st
 from chat.api import serializers as s
 from chat.api import submit_serializers as cs
 from chat.api.fast_validation import canonical_validated_data
+from contract.text import TEXT_PARAM_RANGES
+from tests.chat.test_text_request_types import SILLYTAVERN_PARAMS
 
 # Values near and across each field's bounds, of the right JSON type and of others.
 texts = st.one_of(
@@ -30,6 +34,8 @@ values = st.one_of(
 )
 
 POP_KEYS = list(s.TextPopInputSerializer._declared_fields)
+TEXT_KEYS = list(s.TextAsyncInputSerializer._declared_fields)
+PARAM_KEYS = list(s.TextParamsSerializer._declared_fields)
 SUBMIT_KEYS = list(s.TextSubmitInputSerializer._declared_fields)
 
 
@@ -66,6 +72,74 @@ submit_bodies = bodies(
 )
 
 
+def near(low, high):
+    """Numbers at, inside and across a param's bounds, as integers and floats, and the overflows."""
+    return st.one_of(
+        st.sampled_from([low, high, low - 1, high + 1, float(low), float(high), (low + high) / 2, high + 0.5]),
+        st.integers(min_value=int(low) - 2, max_value=int(high) + 2),
+        st.floats(min_value=low - 1, max_value=high + 1),
+        st.sampled_from([float("inf"), -float("inf"), 2**1100, -(2**1100), 1e308]),
+    )
+
+
+def inside(kind, low, high):
+    if kind == "integer":
+        return st.integers(min_value=low, max_value=high)
+    return st.one_of(st.integers(min_value=math.ceil(low), max_value=math.floor(high)), st.floats(min_value=low, max_value=high))
+
+
+BOOLEAN_PARAMS = [k for k, f in s.TextParamsSerializer._declared_fields.items() if type(f).__name__ == "StrictBooleanField"]
+BOOLEAN_KEYS = [k for k, f in s.TextAsyncInputSerializer._declared_fields.items() if type(f).__name__ == "StrictBooleanField"]
+names = st.text(min_size=1, max_size=20).filter(lambda t: t.strip() and "\x00" not in t)
+
+# Bodies the serializer takes (each value of its JSON type and inside its bounds), so the agreement
+# is checked on bodies the canonical path takes too; then the same with one value changed to
+# anything, at or across a bound or of another type.
+valid_params = st.fixed_dictionaries(
+    {},
+    optional={
+        **{name: inside(kind, low, high) for name, (kind, low, high) in TEXT_PARAM_RANGES.items()},
+        **{name: st.booleans() for name in BOOLEAN_PARAMS},
+        "sampler_order": st.lists(st.integers(min_value=0, max_value=10), max_size=8),
+        "stop_sequence": st.lists(names, max_size=4),
+    },
+)
+valid_text_bodies = st.fixed_dictionaries(
+    {"prompt": names},
+    optional={
+        **{name: st.booleans() for name in BOOLEAN_KEYS},
+        "params": valid_params,
+        "softprompt": st.one_of(names, st.none()),
+        "models": st.lists(names, max_size=3),
+        "workers": st.lists(uuids(), max_size=3),
+        "operation_key": st.one_of(uuids(), st.none()),
+        "style": st.text(min_size=3, max_size=20).filter(lambda t: "\x00" not in t),
+        "webhook": names,
+        "proxied_account": names,
+    },
+)
+edges = st.one_of(
+    values,
+    *(near(low, high) for _, low, high in TEXT_PARAM_RANGES.values()),
+    st.lists(st.integers(min_value=-1, max_value=11), max_size=3),
+    st.just(["x"] * 33),
+    st.just([None]),
+)
+
+
+def changed(body: dict, key: str, value) -> dict:
+    if key.startswith("params."):
+        return {**body, "params": {**(body.get("params") or {}), key.removeprefix("params."): value}}
+    return {**body, key: value}
+
+
+perturbed_text_bodies = st.builds(
+    changed, valid_text_bodies, st.sampled_from([*TEXT_KEYS, *(f"params.{k}" for k in PARAM_KEYS)]), edges
+)
+text_bodies = st.one_of(valid_text_bodies, perturbed_text_bodies, bodies(TEXT_KEYS, {"params": st.one_of(
+    bodies(PARAM_KEYS, {}), values)}))
+
+
 def agrees(serializer_class, body) -> None:
     fast = canonical_validated_data(serializer_class, body)
     if fast is None:
@@ -86,6 +160,43 @@ def test_pop_bodies_validate_as_drf_validates_them(body):
 def test_submit_bodies_validate_as_drf_validates_them(body):
     agrees(s.TextSubmitInputSerializer, body)
     agrees(cs.SubmitIdSerializer, body)
+
+
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text_bodies)
+def test_text_request_bodies_validate_as_drf_validates_them(body):
+    agrees(s.TextAsyncInputSerializer, body)
+    if isinstance(body.get("params"), dict):
+        agrees(s.TextParamsSerializer, body["params"])
+
+
+def test_the_bodies_text_clients_send_take_the_canonical_path():
+    lite = {  # KoboldAI Lite's horde request: its sampler params and an empty worker list
+        "prompt": "You: Hi\nKoboldAI:",
+        "params": {
+            "n": 1, "max_context_length": 4096, "max_length": 240, "rep_pen": 1.07, "temperature": 0.7,
+            "top_p": 0.92, "top_k": 100, "top_a": 0, "typical": 1, "tfs": 1, "rep_pen_range": 360,
+            "rep_pen_slope": 0.7, "sampler_order": [6, 0, 1, 3, 4, 2, 5], "use_default_badwordsids": False,
+            "stop_sequence": ["You:", "\nYou "], "min_p": 0, "dynatemp_range": 0, "dynatemp_exponent": 1,
+            "smoothing_factor": 0,
+        },
+        "models": ["koboldcpp/Mistral-7B"],
+        "workers": [],
+    }
+    sillytavern = {"prompt": "User: Hi\nAssistant:", "params": SILLYTAVERN_PARAMS, "trusted_workers": False,
+                   "models": ["koboldcpp/Mistral-7B"]}
+    bare = {"prompt": "Once upon a time"}
+    for body in (lite, sillytavern, bare):
+        validated = canonical_validated_data(s.TextAsyncInputSerializer, body)
+        serializer = s.TextAsyncInputSerializer(data=body)
+        assert serializer.is_valid(), serializer.errors
+        assert validated == dict(serializer.validated_data)
+    assert canonical_validated_data(s.TextAsyncInputSerializer, bare)["params"] == {}
+    assert canonical_validated_data(s.TextAsyncInputSerializer, bare)["max_length"] == serializer.validated_data["max_length"]
+    # A value the serializer refuses or would coerce, or a key it alone checks, goes to it.
+    assert canonical_validated_data(s.TextAsyncInputSerializer, {**lite, "params": {"max_length": 80.0}}) is None
+    assert canonical_validated_data(s.TextAsyncInputSerializer, {**lite, "params": {"temperature": "0.7"}}) is None
+    assert canonical_validated_data(s.TextAsyncInputSerializer, {**bare, "extra_source_images": [{}]}) is None
 
 
 def test_the_bodies_workers_send_take_the_canonical_path():
