@@ -104,8 +104,13 @@ def free_port() -> int:
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+    """The process's CPU seconds with its live children's (the launcher's web processes, ADR 0046)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    total = 0.0
+    for each in [pid, *(int(c) for c in (children.read_text().split() if children.exists() else ()))]:
+        fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+    return total
 
 
 class DoneCounter:

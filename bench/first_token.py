@@ -133,6 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pop-wait", type=int, default=10, help="the long-polling mode's --pop-wait (default 10)")
     p.add_argument("--modes", default="wait,poll", help="comma list of wait (long poll) and poll (default both)")
     p.add_argument("--seed", type=int, default=14)
+    p.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="a setting for the web process (repeatable), e.g. HORDE_WEB_PROCESSES=2")
     p.add_argument("--serve-instant-backend", type=int, metavar="PORT", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -205,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
 
     env = server_env(args.database_url, args.redis_url, **SERVER_SETTINGS)
     env.pop("HORDE_OAI_NATIVE_ROOTS", None)
+    for item in args.server_env:
+        name, _, value = item.partition("=")
+        env[name] = value
     prepare(env, django=False)
     worker_key = manage(env, "horde_user", "create", "bench-worker", "--trusted").strip().splitlines()[-1]
     requester_key = manage(env, "horde_user", "create", "bench-requester", "--kudos", "100000000").strip().splitlines()[-1]

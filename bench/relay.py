@@ -73,10 +73,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+    """The web process's resident set; with HORDE_WEB_PROCESSES above 1, its web processes' sum."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    pids = [int(child) for child in children.read_text().split()] if children.exists() else []
+    total = 0
+    for each in pids or [pid]:
+        for line in Path(f"/proc/{each}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1])
+    return total
 
 
 def make_requester(streams: int) -> str:

@@ -388,7 +388,8 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def cpu_seconds_by_process(server_pid: int | None) -> dict[str, float]:
-    """CPU seconds (user + system) so far of daphne (its process group), PostgreSQL's processes,
+    """CPU seconds (user + system) so far of daphne (its process group and, with more than one web
+    process, the launcher's children), PostgreSQL's processes,
     Redis and this client, from /proc (Linux; empty elsewhere). Sampled around each phase, the
     differences say where each request's CPU went on this machine."""
     totals: dict[str, float] = {}
@@ -404,10 +405,10 @@ def cpu_seconds_by_process(server_pid: int | None) -> dict[str, float]:
         except OSError:
             continue
         seconds = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-        pgid = int(fields[2])
+        ppid, pgid = int(fields[1]), int(fields[2])
         if int(entry.name) == os.getpid():
             group = "client"
-        elif server_pid is not None and pgid == server_pid:
+        elif server_pid is not None and server_pid in (pgid, ppid):  # ppid: HORDE_WEB_PROCESSES > 1
             group = "daphne"
         elif cmdline.startswith("postgres") or "postgres:" in cmdline:
             group = "postgres"

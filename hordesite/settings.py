@@ -255,6 +255,17 @@ HORDE_WORKER_CACHE_SECONDS = env.float("HORDE_WORKER_CACHE_SECONDS", default=5.0
 HORDE_EMPTY_POP_CACHE_SECONDS = env.float("HORDE_EMPTY_POP_CACHE_SECONDS", default=10.0)
 # Threads of the web process serving the native API through Django's WSGI handler (hordesite/wsgi_pool.py).
 HORDE_WEB_THREADS = env.int("HORDE_WEB_THREADS", default=4)
+# Web processes the launcher serves one port with (scripts/run.py web, docs/adr/0046). Processes
+# learn of each other's writes through PostgreSQL and Redis only (queue signals, wakes, rate limits),
+# so more than one needs both.
+HORDE_WEB_PROCESSES = env.int("HORDE_WEB_PROCESSES", default=1)
+if HORDE_WEB_PROCESSES < 1:
+    raise ImproperlyConfigured("HORDE_WEB_PROCESSES must be at least 1")
+if HORDE_WEB_PROCESSES > 1 and not (IS_POSTGRES and REDIS_URL):
+    raise ImproperlyConfigured(
+        "HORDE_WEB_PROCESSES above 1 needs DATABASE_URL (PostgreSQL) and REDIS_URL: the web processes "
+        "share the queue's signals, wakes and rate limits through them"
+    )
 # A long-polling pop (`wait`) re-checks the queue this often besides the queue's signal (chat/services/pop_wait.py).
 HORDE_POP_WAIT_RECHECK_SECONDS = env.float("HORDE_POP_WAIT_RECHECK_SECONDS", default=1.0)
 # Proxy hops whose X-Forwarded-For may be trusted for the client address (0: use the socket peer).

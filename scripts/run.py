@@ -4,7 +4,8 @@
 Runs, from the project root and with the interpreter that runs this script (the venv's):
 
   web     python scripts/run.py web -b 127.0.0.1 -p $PORT hordesite.asgi:application
-          (daphne with the web process's tweaks: see serve_web)
+          (daphne with the web process's tweaks: see serve_daphne; HORDE_WEB_PROCESSES of them on
+          the one port: see supervise_web)
   celery  celery -A hordesite worker -B --loglevel=INFO   (worker with the beat scheduler)
   demo    the reference worker on its scripted backend (python -m workers.bridge --backend scripted),
           unless HORDE_DEMO_WORKER is "0"; it serves the model DEMO_MODEL ("scripted") with the key of
@@ -21,10 +22,13 @@ which then stops each child once (Celery would take a second SIGINT as a cold sh
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import ctypes
 import gc
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -71,14 +75,36 @@ GIL_SWITCH_INTERVAL_MS = float(os.environ.get("HORDE_GIL_SWITCH_INTERVAL_MS") or
 
 
 def serve_web(daphne_args: list[str]) -> int:
+    """The web process: one daphne here, or, with HORDE_WEB_PROCESSES above 1, that many on one
+    port under this process (supervise_web)."""
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hordesite.settings")
+    listen, rest = _split_listen_args(daphne_args)
+    if listen.file_descriptor is None:
+        from django.conf import settings
+        from django.core.exceptions import ImproperlyConfigured
+
+        try:
+            processes = settings.HORDE_WEB_PROCESSES
+        except ImproperlyConfigured as exc:
+            print(f"[web] {exc}", file=sys.stderr, flush=True)
+            return 2
+        if processes > 1:
+            if listen.host is None or listen.port is None or listen.unix_socket or listen.endpoint:
+                print("[web] HORDE_WEB_PROCESSES above 1 serves one TCP port: give -b HOST -p PORT "
+                      "(no -u, --fd or -e)", file=sys.stderr, flush=True)
+                return 2
+            return supervise_web(processes, listen.host, listen.port, rest)
+    return serve_daphne(daphne_args)
+
+
+def serve_daphne(daphne_args: list[str]) -> int:
     """daphne in this process with the web process's tweaks: the thread switch interval,
     gc.freeze() once the application is loaded, so the collector's full passes stop walking every
     module, model and URL pattern the process keeps for its lifetime, and daphne's server class
     (hordesite/web_server.py, docs/adr/0043). The rest is daphne's own command line
     (`daphne --help`)."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_MS / 1000)
-    sys.path.insert(0, str(ROOT))
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hordesite.settings")
     import hordesite.asgi  # noqa: F401  (loaded before the freeze; daphne finds it imported)
 
     gc.freeze()
@@ -86,6 +112,114 @@ def serve_web(daphne_args: list[str]) -> int:
 
     HordeCommandLine().run(daphne_args)
     return 0
+
+
+def _split_listen_args(daphne_args: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """daphne's listening options (as daphne's command line spells them), and the other arguments
+    in their order."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("-b", "--bind", dest="host")
+    parser.add_argument("-p", "--port", type=int)
+    parser.add_argument("-u", "--unix-socket", dest="unix_socket")
+    parser.add_argument("--fd", type=int, dest="file_descriptor")
+    parser.add_argument("-e", "--endpoint", action="append")
+    return parser.parse_known_args(daphne_args)
+
+
+# A web process that exits within this many seconds of its start counts as failing to start;
+# after WEB_START_FAILURES of those in a row the supervisor gives up (a bad setting, a broken
+# deploy) instead of starting processes for ever.
+WEB_START_SECONDS = 10.0
+WEB_START_FAILURES = 3
+
+
+def _reuseport_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if family == socket.AF_INET6:
+        # daphne adopts a descriptor as IPv4 (its fd endpoint takes no address family).
+        raise ValueError("HORDE_WEB_PROCESSES above 1 listens on an IPv4 address")
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(socket.SOMAXCONN)
+    return sock
+
+
+def _die_with_parent() -> None:
+    """In a web process before it runs: SIGKILL when the supervisor dies, so that a supervisor
+    killed without its cleanup leaves no process holding the port (Linux's PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def supervise_web(processes: int, host: str, port: int, daphne_args: list[str]) -> int:
+    """`processes` daphne processes on one port, each on its own listening socket bound with
+    SO_REUSEPORT, so the kernel spreads new connections over them (docs/adr/0046).
+
+    The sockets are this process's: a web process that dies is started again on its socket, and
+    the connections the kernel queued on it meanwhile wait instead of being refused. SIGTERM or
+    SIGINT stops every web process with SIGTERM (daphne's graceful shutdown) and waits up to
+    STOP_TIMEOUT. Each web process runs in its own process group (a Ctrl-C at the terminal reaches
+    only this one, which stops each once) and is killed if this process dies.
+    """
+    try:
+        sockets = [_reuseport_socket(host, port)]
+        port = sockets[0].getsockname()[1]  # port 0: every socket on the port the first one got
+        sockets += [_reuseport_socket(host, port) for _ in range(processes - 1)]
+    except (OSError, ValueError) as exc:
+        print(f"[web] cannot listen on {host}:{port}: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    def start(sock: socket.socket) -> subprocess.Popen[bytes]:
+        fd = sock.fileno()
+        return subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "web", "--fd", str(fd), *daphne_args],
+            cwd=ROOT, pass_fds=(fd,), process_group=0, preexec_fn=_die_with_parent,
+        )
+
+    running = {index: (start(sock), time.monotonic()) for index, sock in enumerate(sockets)}
+    print(f"[web] {processes} processes on http://{host}:{port}/ (pids "
+          f"{', '.join(str(proc.pid) for proc, _ in running.values())})", file=sys.stderr, flush=True)
+    status, quick_failures = 0, 0
+    while not stopping:
+        for index, (proc, started) in running.items():
+            rc = proc.poll()
+            if rc is None:
+                continue
+            quick_failures = quick_failures + 1 if time.monotonic() - started < WEB_START_SECONDS else 0
+            if quick_failures >= WEB_START_FAILURES:
+                print(f"[web] process {proc.pid} exited with {rc} at its start, {quick_failures} times "
+                      "in a row: stopping", file=sys.stderr, flush=True)
+                status, stopping = (128 - rc if rc < 0 else rc or 1), True
+                break
+            running[index] = (start(sockets[index]), time.monotonic())
+            print(f"[web] process {proc.pid} exited with {rc}: started {running[index][0].pid} "
+                  "on its socket", file=sys.stderr, flush=True)
+        else:
+            time.sleep(0.2)
+
+    for proc, _ in running.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT
+    for proc, _ in running.values():
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            print(f"[web] process {proc.pid} still running: killing", file=sys.stderr, flush=True)
+            proc.kill()
+            proc.wait()
+    return status
 
 
 def commands(port: str) -> dict[str, list[str]]:
