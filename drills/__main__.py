@@ -5,6 +5,7 @@ what the clients saw (drills/reconcile.py).
     .venv/bin/python -m drills            # every drill on its own services, about 8-9 minutes on 2 cores
     .venv/bin/python -m drills --short    # one set of services for all, shorter faults (CI): 3-4 minutes
     .venv/bin/python -m drills --only redis,postgres
+    .venv/bin/python -m drills --short --web-processes 2 --only web,webproc   # the launcher's processes
 
 Processes per drill: PostgreSQL (a copy of a cluster initdb'd and migrated once, in a temporary
 folder, on a free loopback port), redis-server (free loopback port, no persistence), daphne serving
@@ -250,7 +251,7 @@ class Template:
 class Horde:
     """One drill's PostgreSQL, Redis, web process and Celery worker with beat."""
 
-    def __init__(self, base: Path, template: Template, name: str, *, shared: bool = False):
+    def __init__(self, base: Path, template: Template, name: str, *, shared: bool = False, web_processes: int = 1):
         self.folder = base / name
         self.pg_running = shared
         if shared:  # --short: every drill on the template's cluster, which is already up
@@ -265,8 +266,13 @@ class Horde:
         self.redis = Redis(self.folder, free_port())
         self.port = free_port()
         self.env = horde_env(self.pg.url, self.redis.url, self.port)
-        self.web = Process("web", [str(Path(PYTHON).parent / "daphne"), "-b", "127.0.0.1", "-p", str(self.port),
-                                   "hordesite.asgi:application"], self.env, self.folder)
+        listen = ["-b", "127.0.0.1", "-p", str(self.port), "hordesite.asgi:application"]
+        if web_processes > 1:  # the launcher's processes on the one port (docs/adr/0046)
+            self.env["HORDE_WEB_PROCESSES"] = str(web_processes)
+            web_argv = [PYTHON, str(ROOT / "scripts" / "run.py"), "web", *listen]
+        else:
+            web_argv = [str(Path(PYTHON).parent / "daphne"), *listen]
+        self.web = Process("web", web_argv, self.env, self.folder)
         self.celery = Process("celery", [str(Path(PYTHON).parent / "celery"), "-A", "hordesite", "worker", "-B",
                                          "--loglevel=INFO", "--concurrency=1", "-s",
                                          str(self.folder / "beat-schedule")], self.env, self.folder)
@@ -556,11 +562,12 @@ class Drills:
 
     def horde_for(self, name: str) -> Horde:
         if not self.short:
-            horde = Horde(self.base, self.template, "".join(c if c.isalnum() else "-" for c in name))
+            horde = Horde(self.base, self.template, "".join(c if c.isalnum() else "-" for c in name),
+                          web_processes=self.args.web_processes)
             horde.start()
             return horde
         if self.shared is None:
-            self.shared = Horde(self.base, self.template, "shared", shared=True)
+            self.shared = Horde(self.base, self.template, "shared", shared=True, web_processes=self.args.web_processes)
             self.shared.start()
         return self.shared
 
@@ -726,6 +733,27 @@ class Drills:
         # killed process waited for (its process is gone, docs/adr/0028-dead-front-requests.md).
         time.sleep(self.s(FRONT_LEASE_SECONDS + 12, 3 * SWEEP_SECONDS))
 
+    def one_web_process_killed(self, horde: Horde, load: Load, result: DrillResult) -> None:
+        """With --web-processes 2 or more: one of them killed -9, twice; the launcher starts another
+        on its socket while the others serve (docs/adr/0046)."""
+        assert horde.web.proc is not None
+        children = Path(f"/proc/{horde.web.proc.pid}/task/{horde.web.proc.pid}/children")
+        for _ in range(2):
+            pids = [int(pid) for pid in children.read_text().split()]
+            if len(pids) < 2:
+                raise SystemExit("the webproc drill needs --web-processes 2 or more")
+            victim = random.choice(pids)
+            os.kill(victim, signal.SIGKILL)
+            killed = time.monotonic()
+            log(f"web process {victim} of {len(pids)} killed -9")
+            while victim in [int(pid) for pid in children.read_text().split()] or len(
+                children.read_text().split()
+            ) < len(pids):
+                time.sleep(0.1)
+            result.recoveries.append((f"web process {victim} killed -9, another started "
+                                      f"{time.monotonic() - killed:.1f} s later", time.monotonic()))
+            time.sleep(self.s(FRONT_LEASE_SECONDS + 12, 3 * SWEEP_SECONDS))
+
     def operation_key(self, horde: Horde, load: Load, result: DrillResult) -> None:
         """10 concurrent chat submits with one operation key: one request, one id, charged once."""
         call = load.record(Call(kind="opkey", tag=new_tag()))
@@ -777,7 +805,8 @@ def server_errors(result: DrillResult) -> list[str]:
 
 def print_report(results: list[DrillResult], args: argparse.Namespace, total: float) -> bool:
     print()
-    print(f"## Drill report ({'--short' if args.short else 'full'}; {total:.0f} s in all)")
+    processes = f"; {args.web_processes} web processes" if args.web_processes > 1 else ""
+    print(f"## Drill report ({'--short' if args.short else 'full'}{processes}; {total:.0f} s in all)")
     header = ["drill", "accepted", "completed", "cancelled", "faulted", "waiting", "lost", "double-charged",
               "charged for nothing", "held by two", "balance != ledger", "holds != open holds"]
     print("| " + " | ".join(header) + " |")
@@ -812,16 +841,21 @@ def print_report(results: list[DrillResult], args: argparse.Namespace, total: fl
 
 
 DRILLS = ("worker", "celery", "redis", "postgres", "web", "opkey")
+# Drills that need an option: run only when named in --only.
+OPTIONAL_DRILLS = ("webproc",)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--short", action="store_true", help="shorter faults and load (CI)")
-    parser.add_argument("--only", default=",".join(DRILLS), help=f"comma-separated drills of {', '.join(DRILLS)}")
+    parser.add_argument("--only", default=",".join(DRILLS),
+                        help=f"comma-separated drills of {', '.join(DRILLS + OPTIONAL_DRILLS)}")
+    parser.add_argument("--web-processes", type=int, default=1,
+                        help="web processes on the port (HORDE_WEB_PROCESSES through the launcher; default 1: daphne)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, clusters)")
     args = parser.parse_args(argv)
     chosen = [name for name in args.only.split(",") if name]
-    unknown = set(chosen) - set(DRILLS)
+    unknown = set(chosen) - set(DRILLS) - set(OPTIONAL_DRILLS)
     if unknown:
         parser.error(f"unknown drills: {', '.join(sorted(unknown))}")
     if not shutil.which("redis-server"):
@@ -841,6 +875,8 @@ def main(argv: list[str] | None = None) -> int:
             "postgres": lambda: drills.run("postgres restarted, then down", drills.postgres),
             "web": lambda: drills.run("web killed -9", drills.web_killed, work=(2.0, 4.0), v1_clients=4),
             "opkey": lambda: drills.run("one operation key x10", drills.operation_key),
+            "webproc": lambda: drills.run("one web process killed -9", drills.one_web_process_killed,
+                                          work=(2.0, 4.0), v1_clients=4),
         }
         try:
             for name in chosen:

@@ -134,11 +134,7 @@ WEB_START_FAILURES = 3
 
 
 def _reuseport_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    if family == socket.AF_INET6:
-        # daphne adopts a descriptor as IPv4 (its fd endpoint takes no address family).
-        raise ValueError("HORDE_WEB_PROCESSES above 1 listens on an IPv4 address")
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
@@ -163,11 +159,18 @@ def supervise_web(processes: int, host: str, port: int, daphne_args: list[str]) 
     STOP_TIMEOUT. Each web process runs in its own process group (a Ctrl-C at the terminal reaches
     only this one, which stops each once) and is killed if this process dies.
     """
+    if ":" in host:  # daphne adopts a descriptor as IPv4 (its fd endpoint takes no address family)
+        print("[web] HORDE_WEB_PROCESSES above 1 listens on an IPv4 address", file=sys.stderr, flush=True)
+        return 2
     try:
-        sockets = [_reuseport_socket(host, port)]
-        port = sockets[0].getsockname()[1]  # port 0: every socket on the port the first one got
-        sockets += [_reuseport_socket(host, port) for _ in range(processes - 1)]
-    except (OSError, ValueError) as exc:
+        # A plain bind first: SO_REUSEPORT alone would let this launcher share a port that another
+        # horde (the same user's) is serving, splitting its connections between the two.
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+            port = probe.getsockname()[1]  # port 0: every socket on the port the probe got
+        sockets = [_reuseport_socket(host, port) for _ in range(processes)]
+    except OSError as exc:
         print(f"[web] cannot listen on {host}:{port}: {exc}", file=sys.stderr, flush=True)
         return 2
 

@@ -233,7 +233,12 @@ def test_a_killed_web_process_is_replaced_on_its_socket_and_no_connection_is_ref
 @pytest.mark.postgres_only
 @pytest.mark.redis_only
 @pytest.mark.django_db(transaction=True)
-def test_the_web_processes_die_with_a_killed_launcher(web_processes):
+def test_a_second_launcher_does_not_share_the_port_and_the_processes_die_with_a_killed_launcher(web_processes):
+    # SO_REUSEPORT would let a second horde of the same user split this one's connections.
+    second = run_python(ROOT, web_processes.env, *LAUNCH[1:], "-b", "127.0.0.1", "-p", str(web_processes.port),
+                        "hordesite.asgi:application")
+    assert second.returncode == 2 and "cannot listen on 127.0.0.1" in second.stderr, second.stderr
+
     children = web_processes.children()
     os.kill(web_processes.launcher.pid, signal.SIGKILL)
     web_processes.launcher.wait()
