@@ -248,3 +248,15 @@ def test_a_second_launcher_does_not_share_the_port_and_the_processes_die_with_a_
         time.sleep(0.1)
     with pytest.raises(ConnectionRefusedError):
         web_processes.connection().connect()
+
+
+@pytest.mark.postgres_only
+@pytest.mark.redis_only
+@pytest.mark.django_db(transaction=True)
+def test_processes_that_cannot_start_stop_the_launcher_instead_of_looping(tmp_path):
+    env = {**os.environ, "DATABASE_URL": _database_url(tmp_path), "REDIS_URL": settings.REDIS_URL or "",
+           "HORDE_WEB_PROCESSES": "2", "PYTHONUNBUFFERED": "1"}
+    started = run_python(ROOT, env, *LAUNCH[1:], "-b", "127.0.0.1", "-p", str(_free_port()),
+                         "no_such_module:application", timeout=120)
+    assert started.returncode != 0
+    assert "at its start, 3 times in a row: stopping" in started.stderr, started.stderr[-3000:]
