@@ -156,7 +156,7 @@ def supervise_web(processes: int, host: str, port: int, daphne_args: list[str]) 
     The sockets are this process's: a web process that dies is started again on its socket, and
     the connections the kernel queued on it meanwhile wait instead of being refused. SIGTERM or
     SIGINT stops every web process with SIGTERM (daphne's graceful shutdown) and waits up to
-    STOP_TIMEOUT. Each web process runs in its own process group (a Ctrl-C at the terminal reaches
+    STOP_TIMEOUT (a second signal: no wait). Each web process runs in its own process group (a Ctrl-C at the terminal reaches
     only this one, which stops each once) and is killed if this process dies.
     """
     if ":" in host:  # daphne adopts a descriptor as IPv4 (its fd endpoint takes no address family)
@@ -174,10 +174,11 @@ def supervise_web(processes: int, host: str, port: int, daphne_args: list[str]) 
         print(f"[web] cannot listen on {host}:{port}: {exc}", file=sys.stderr, flush=True)
         return 2
 
-    stopping = False
+    stopping = force = False
 
     def on_signal(signum: int, _frame: object) -> None:
-        nonlocal stopping
+        nonlocal stopping, force
+        force = stopping  # a second signal: do not wait for the graceful shutdown
         stopping = True
 
     signal.signal(signal.SIGINT, on_signal)
@@ -215,13 +216,15 @@ def supervise_web(processes: int, host: str, port: int, daphne_args: list[str]) 
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT
-    for proc, _ in running.values():
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
-            print(f"[web] process {proc.pid} still running: killing", file=sys.stderr, flush=True)
-            proc.kill()
-            proc.wait()
+    while any(proc.poll() is None for proc, _ in running.values()):
+        if force or time.monotonic() > deadline:
+            for proc, _ in running.values():
+                if proc.poll() is None:
+                    print(f"[web] process {proc.pid} still running: killing", file=sys.stderr, flush=True)
+                    proc.kill()
+                    proc.wait()
+            break
+        time.sleep(0.1)
     return status
 
 
