@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from django.conf import settings
 
 from tests.hordesite.clone import ROOT, clean_env, run_python
-from tests.hordesite.test_web_restart import TEXT_MODEL, _database_url, _free_port
+from tests.hordesite.test_web_restart import TEXT_MODEL, _free_port, web_env
 
 LAUNCH = [sys.executable, "scripts/run.py", "web"]
 
@@ -112,16 +111,8 @@ def _start(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]
 
 @pytest.fixture
 def web_processes(tmp_path) -> Iterator[WebProcesses]:
-    env = {
-        **os.environ,
-        "DATABASE_URL": _database_url(tmp_path),
-        "REDIS_URL": settings.REDIS_URL or "",
-        "CELERY_BROKER_URL": "",
-        "PYTHONUNBUFFERED": "1",
-        "HORDE_WEB_PROCESSES": "2",
-        # A held pop re-checks the queue only after the test is over: what wakes it is the signal.
-        "HORDE_POP_WAIT_RECHECK_SECONDS": "60",
-    }
+    # A held pop re-checks the queue only after the test is over: what wakes it is the signal.
+    env = web_env(tmp_path, HORDE_WEB_PROCESSES="2", HORDE_POP_WAIT_RECHECK_SECONDS="60")
     port, log = _free_port(), tmp_path / "web.log"
     launcher = _start(env, port, log)
     web = WebProcesses(launcher, port, env, log)
@@ -254,9 +245,7 @@ def test_a_second_launcher_does_not_share_the_port_and_the_processes_die_with_a_
 @pytest.mark.redis_only
 @pytest.mark.django_db(transaction=True)
 def test_processes_that_cannot_start_stop_the_launcher_instead_of_looping(tmp_path):
-    env = {**os.environ, "DATABASE_URL": _database_url(tmp_path), "REDIS_URL": settings.REDIS_URL or "",
-           "HORDE_WEB_PROCESSES": "2", "PYTHONUNBUFFERED": "1"}
-    started = run_python(ROOT, env, *LAUNCH[1:], "-b", "127.0.0.1", "-p", str(_free_port()),
+    started = run_python(ROOT, web_env(tmp_path, HORDE_WEB_PROCESSES="2"), *LAUNCH[1:], "-b", "127.0.0.1", "-p", str(_free_port()),
                          "no_such_module:application", timeout=120)
     assert started.returncode != 0
     assert "at its start, 3 times in a row: stopping" in started.stderr, started.stderr[-3000:]

@@ -55,6 +55,18 @@ def _database_url(tmp_path: Path) -> str:
     return f"sqlite:///{path}"
 
 
+def web_env(tmp_path: Path, **values: str) -> dict[str, str]:
+    """The environment of a web process on this test's database and Redis (values: more settings)."""
+    return {
+        **os.environ,
+        "DATABASE_URL": _database_url(tmp_path),
+        "REDIS_URL": settings.REDIS_URL or "",
+        "CELERY_BROKER_URL": "",
+        "PYTHONUNBUFFERED": "1",
+        **values,
+    }
+
+
 class WebProcess:
     def __init__(self, env: dict[str, str], port: int, log: Path):
         self.env, self.port, self.log = env, port, log
@@ -91,14 +103,7 @@ class WebProcess:
 
 @pytest.fixture
 def web(tmp_path) -> Iterator[WebProcess]:
-    env = {
-        **os.environ,
-        "DATABASE_URL": _database_url(tmp_path),
-        "REDIS_URL": settings.REDIS_URL or "",
-        "CELERY_BROKER_URL": "",
-        "PYTHONUNBUFFERED": "1",
-    }
-    process = WebProcess(env, _free_port(), tmp_path / "daphne.log")
+    process = WebProcess(web_env(tmp_path), _free_port(), tmp_path / "daphne.log")
     process.start()
     yield process
     if process.proc and process.proc.poll() is None:

@@ -13,22 +13,20 @@ the embedded SQLite file (no Redis) through its status reads.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from decimal import Decimal
 
 import httpx
 import pytest
-from django.conf import settings
 
 from tests.hordesite.test_web_restart import (
     CHAT_DECLARATION,
     CHAT_MODEL,
     SCRIBE_AGENT,
     WebProcess,
-    _database_url,
     _free_port,
+    web_env,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -38,21 +36,17 @@ LEASE_SECONDS = 2
 
 
 def _web_process(tmp_path, lease_seconds: int):
-    env = {
-        **os.environ,
-        "DATABASE_URL": _database_url(tmp_path),
-        "REDIS_URL": settings.REDIS_URL or "",
-        "CELERY_BROKER_URL": "",
-        "PYTHONUNBUFFERED": "1",
-        "HORDE_TEXT_ASYNC_RATE_LIMITS": "1000/second",
-        "HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP": "1000/second",
+    env = web_env(
+        tmp_path,
+        HORDE_TEXT_ASYNC_RATE_LIMITS="1000/second",
+        HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP="1000/second",
         # Short leases, so the test waits seconds, not the default 30 s.
-        "HORDE_OAI_FRONT_LEASE_SECONDS": str(lease_seconds),
-        "HORDE_OAI_FRONT_LEASE_RENEW_SECONDS": "0.5",
-        "HORDE_OAI_FAIL_FAST_GRACE_SECONDS": "120",
-        "HORDE_OAI_NONSTREAM_TIMEOUT_SECONDS": "120",
-        "HORDE_OAI_STREAM_TIMEOUT_SECONDS": "120",
-    }
+        HORDE_OAI_FRONT_LEASE_SECONDS=str(lease_seconds),
+        HORDE_OAI_FRONT_LEASE_RENEW_SECONDS="0.5",
+        HORDE_OAI_FAIL_FAST_GRACE_SECONDS="120",
+        HORDE_OAI_NONSTREAM_TIMEOUT_SECONDS="120",
+        HORDE_OAI_STREAM_TIMEOUT_SECONDS="120",
+    )
     process = WebProcess(env, _free_port(), tmp_path / "daphne.log")
     process.start()
     return process
