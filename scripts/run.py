@@ -156,8 +156,9 @@ def supervise_web(processes: int, host: str, port: int, daphne_args: list[str]) 
     The sockets are this process's: a web process that dies is started again on its socket, and
     the connections the kernel queued on it meanwhile wait instead of being refused. SIGTERM or
     SIGINT stops every web process with SIGTERM (daphne's graceful shutdown) and waits up to
-    STOP_TIMEOUT (a second signal: no wait). Each web process runs in its own process group (a Ctrl-C at the terminal reaches
-    only this one, which stops each once) and is killed if this process dies.
+    STOP_TIMEOUT (a second signal: no wait). Each web process runs in its own process group (a
+    Ctrl-C at the terminal reaches only this one, which stops each once) and is killed if this
+    process dies.
     """
     if ":" in host:  # daphne adopts a descriptor as IPv4 (its fd endpoint takes no address family)
         print("[web] HORDE_WEB_PROCESSES above 1 listens on an IPv4 address", file=sys.stderr, flush=True)
