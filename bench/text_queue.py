@@ -389,9 +389,9 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def cpu_seconds_by_process(server_pid: int | None) -> dict[str, float]:
     """CPU seconds (user + system) so far of daphne (its process group and, with more than one web
-    process, the launcher's children), PostgreSQL's processes,
-    Redis and this client, from /proc (Linux; empty elsewhere). Sampled around each phase, the
-    differences say where each request's CPU went on this machine."""
+    process, the launcher's children), PostgreSQL's processes, Redis and this client, from /proc
+    (Linux; empty elsewhere). Sampled around each phase, the differences say where each request's
+    CPU went on this machine."""
     totals: dict[str, float] = {}
     proc = Path("/proc")
     if not proc.is_dir():
