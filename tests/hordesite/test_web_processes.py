@@ -249,3 +249,17 @@ def test_processes_that_cannot_start_stop_the_launcher_instead_of_looping(tmp_pa
                          "no_such_module:application", timeout=120)
     assert started.returncode != 0
     assert "at its start, 3 times in a row: stopping" in started.stderr, started.stderr[-3000:]
+
+
+@pytest.mark.postgres_only
+@pytest.mark.redis_only
+@pytest.mark.django_db(transaction=True)
+def test_more_than_one_web_process_listens_on_one_ipv4_port_only(tmp_path):
+    env = web_env(tmp_path, HORDE_WEB_PROCESSES="2")
+    for listen, expected in (
+        (["-b", "::1", "-p", str(_free_port())], "listens on an IPv4 address"),
+        (["-u", str(tmp_path / "web.sock")], "serves one TCP port"),
+        (["-b", "127.0.0.1", "-p", str(_free_port()), "-e", "tcp:port=0"], "serves one TCP port"),
+    ):
+        started = run_python(ROOT, env, *LAUNCH[1:], *listen, "hordesite.asgi:application")
+        assert started.returncode == 2 and expected in started.stderr, (listen, started.stderr)
