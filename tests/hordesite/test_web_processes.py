@@ -30,6 +30,13 @@ from tests.hordesite.test_web_restart import TEXT_MODEL, _free_port, web_env
 LAUNCH = [sys.executable, "scripts/run.py", "web"]
 
 
+def live(test):
+    """A test of the launcher on this test's PostgreSQL and Redis (more than one process needs both)."""
+    for mark in (pytest.mark.django_db(transaction=True), pytest.mark.redis_only, pytest.mark.postgres_only):
+        test = mark(test)
+    return test
+
+
 def _children(pid: int) -> list[int]:
     return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
@@ -152,9 +159,7 @@ def test_more_than_one_web_process_needs_postgres_and_redis(tmp_path):
         assert expected in started.stderr
 
 
-@pytest.mark.postgres_only
-@pytest.mark.redis_only
-@pytest.mark.django_db(transaction=True)
+@live
 def test_a_pop_held_in_one_process_takes_the_request_made_in_the_other(web_processes):
     requester = web_processes.manage("horde_user", "create", "mp-requester", "--kudos", "1000").split()[-1]
     volunteer = web_processes.manage("horde_user", "create", "mp-volunteer", "--trusted").split()[-1]
@@ -189,9 +194,7 @@ def test_a_pop_held_in_one_process_takes_the_request_made_in_the_other(web_proce
     assert [g["text"] for g in done["generations"]] == [" upon a time."]
 
 
-@pytest.mark.postgres_only
-@pytest.mark.redis_only
-@pytest.mark.django_db(transaction=True)
+@live
 def test_a_killed_web_process_is_replaced_on_its_socket_and_no_connection_is_refused(web_processes):
     first, second = web_processes.children()
     os.kill(first, signal.SIGKILL)
@@ -221,9 +224,7 @@ def test_a_killed_web_process_is_replaced_on_its_socket_and_no_connection_is_ref
         web_processes.connection().connect()
 
 
-@pytest.mark.postgres_only
-@pytest.mark.redis_only
-@pytest.mark.django_db(transaction=True)
+@live
 def test_a_second_launcher_does_not_share_the_port_and_the_processes_die_with_a_killed_launcher(web_processes):
     # SO_REUSEPORT would let a second horde of the same user split this one's connections.
     second = run_python(ROOT, web_processes.env, *LAUNCH[1:], "-b", "127.0.0.1", "-p", str(web_processes.port),
@@ -241,9 +242,7 @@ def test_a_second_launcher_does_not_share_the_port_and_the_processes_die_with_a_
         web_processes.connection().connect()
 
 
-@pytest.mark.postgres_only
-@pytest.mark.redis_only
-@pytest.mark.django_db(transaction=True)
+@live
 def test_processes_that_cannot_start_stop_the_launcher_instead_of_looping(tmp_path):
     started = run_python(ROOT, web_env(tmp_path, HORDE_WEB_PROCESSES="2"), *LAUNCH[1:], "-b", "127.0.0.1", "-p", str(_free_port()),
                          "no_such_module:application", timeout=120)
@@ -251,9 +250,7 @@ def test_processes_that_cannot_start_stop_the_launcher_instead_of_looping(tmp_pa
     assert "at its start, 3 times in a row: stopping" in started.stderr, started.stderr[-3000:]
 
 
-@pytest.mark.postgres_only
-@pytest.mark.redis_only
-@pytest.mark.django_db(transaction=True)
+@live
 def test_more_than_one_web_process_listens_on_one_ipv4_port_only(tmp_path):
     env = web_env(tmp_path, HORDE_WEB_PROCESSES="2")
     for listen, expected in (
