@@ -738,17 +738,21 @@ class Drills:
         on its socket while the others serve (docs/adr/0046)."""
         assert horde.web.proc is not None
         children = Path(f"/proc/{horde.web.proc.pid}/task/{horde.web.proc.pid}/children")
+
+        def web_pids() -> list[int]:
+            return [int(pid) for pid in children.read_text().split()]
+
         for _ in range(2):
-            pids = [int(pid) for pid in children.read_text().split()]
+            pids = web_pids()
             if len(pids) < 2:
                 raise SystemExit("the webproc drill needs --web-processes 2 or more")
             victim = random.choice(pids)
             os.kill(victim, signal.SIGKILL)
             killed = time.monotonic()
             log(f"web process {victim} of {len(pids)} killed -9")
-            while victim in [int(pid) for pid in children.read_text().split()] or len(
-                children.read_text().split()
-            ) < len(pids):
+            while victim in (now := web_pids()) or len(now) < len(pids):
+                if time.monotonic() - killed > 60:
+                    raise SystemExit(f"no web process replaced {victim}: {horde.web.log.read_text()[-2000:]}")
                 time.sleep(0.1)
             result.recoveries.append((f"web process {victim} killed -9, another started "
                                       f"{time.monotonic() - killed:.1f} s later", time.monotonic()))
