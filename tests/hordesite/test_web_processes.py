@@ -136,7 +136,8 @@ def web_processes(tmp_path) -> Iterator[WebProcesses]:
 
 
 def _listening(port: int, pid: int) -> bool:
-    """The process `pid` has adopted its listening socket (daphne has started serving)."""
+    """The process `pid` holds its listening socket (connections the kernel gives it wait there
+    until its daphne serves them)."""
     try:
         sockets = {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}
     except OSError:
@@ -177,7 +178,7 @@ def test_a_pop_held_in_one_process_takes_the_request_made_in_the_other(web_proce
 
     holder = threading.Thread(target=hold)
     holder.start()
-    time.sleep(0.5)  # the pop is held in the first process
+    time.sleep(1.0)  # the pop is held in the first process (warm: it served the check-in)
     status, created = call(asking, "POST", "generate/text/async",
                            {"prompt": "Once", "params": {"max_length": 16}, "models": [TEXT_MODEL]}, requester)
     assert status == 202, created
