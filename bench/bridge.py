@@ -35,7 +35,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlparse
 
-from common import PYTHON, ROOT, prepare, server_env
+from common import PYTHON, ROOT, prepare, server_env, web_pids
 
 MODEL = "bench/instant"
 WORKER_NAME = "bench-bridge"
@@ -105,9 +105,8 @@ def free_port() -> int:
 
 def cpu_seconds(pid: int) -> float:
     """The process's CPU seconds with its live children's (the launcher's web processes, ADR 0046)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children")
     total = 0.0
-    for each in [pid, *(int(c) for c in (children.read_text().split() if children.exists() else ()))]:
+    for each in {pid, *web_pids(pid)}:
         fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
         total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
     return total

@@ -29,6 +29,14 @@ BENCH_SECRET_KEY = "bench-only-secret-key-not-for-production-0123456789"
 BENCH_ALLOWED_HOSTS = "127.0.0.1,localhost"
 
 
+def web_pids(pid: int) -> list[int]:
+    """The processes serving for the web process `pid`: itself, or with HORDE_WEB_PROCESSES above 1
+    the launcher's children (docs/adr/0046)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    pids = [int(child) for child in children.read_text().split()] if children.exists() else []
+    return pids or [pid]
+
+
 def server_env(database_url: str, redis_url: str, **settings: str) -> dict[str, str]:
     """This process's environment with the settings a bench's web process (and this process, after
     prepare()) runs with; `settings` add to or override them (rate limits, front options...)."""

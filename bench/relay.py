@@ -38,7 +38,7 @@ import time
 import uuid
 from pathlib import Path
 
-from common import ROOT, prepare
+from common import ROOT, prepare, web_pids
 from progress import make_owners, pop_body
 from text_queue import (  # the shared bench machinery
     RawHTTPClient,
@@ -74,10 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def rss_kb(pid: int) -> int:
     """The web process's resident set; with HORDE_WEB_PROCESSES above 1, its web processes' sum."""
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    pids = [int(child) for child in children.read_text().split()] if children.exists() else []
     total = 0
-    for each in pids or [pid]:
+    for each in web_pids(pid):
         for line in Path(f"/proc/{each}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 total += int(line.split()[1])

@@ -50,23 +50,38 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _accepting_pid(port: int, client_port: int, pids: list[int]) -> int | None:
-    """The process holding the server side of the connection from client_port to port."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            local, remote = int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16)
-            if local == port and remote == client_port:
-                inodes.add(f"socket:[{fields[9]}]")
+def _tcp_sockets(port: int) -> list[tuple[str, int, str]]:
+    """(state, remote port, inode link) of every loopback TCP socket on the local `port`, from the
+    kernel's table (state "0A": listening)."""
+    sockets = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].rsplit(":", 1)[1], 16) == port:
+            sockets.append((fields[3], int(fields[2].rsplit(":", 1)[1], 16), f"socket:[{fields[9]}]"))
+    return sockets
+
+
+def _holder(links: set[str], pids: list[int]) -> int | None:
+    """The process among `pids` holding one of the sockets `links`."""
     for pid in pids:
         for fd in Path(f"/proc/{pid}/fd").iterdir():
             try:
-                if os.readlink(fd) in inodes:
+                if os.readlink(fd) in links:
                     return pid
             except OSError:
                 continue
     return None
+
+
+def _accepting_pid(port: int, client_port: int, pids: list[int]) -> int | None:
+    """The process holding the server side of the connection from client_port to port."""
+    return _holder({link for _, remote, link in _tcp_sockets(port) if remote == client_port}, pids)
+
+
+def _listening(port: int, pid: int) -> bool:
+    """The process `pid` holds its listening socket (connections the kernel gives it wait there
+    until its daphne serves them)."""
+    return _holder({link for state, _, link in _tcp_sockets(port) if state == "0A"}, [pid]) == pid
 
 
 @dataclass
@@ -133,20 +148,6 @@ def web_processes(tmp_path) -> Iterator[WebProcesses]:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
-
-
-def _listening(port: int, pid: int) -> bool:
-    """The process `pid` holds its listening socket (connections the kernel gives it wait there
-    until its daphne serves them)."""
-    try:
-        sockets = {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}
-    except OSError:
-        return False
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port and f"socket:[{fields[9]}]" in sockets:
-            return True
-    return False
 
 
 def test_more_than_one_web_process_needs_postgres_and_redis(tmp_path):
@@ -245,8 +246,8 @@ def test_a_second_launcher_does_not_share_the_port_and_the_processes_die_with_a_
 
 @live
 def test_processes_that_cannot_start_stop_the_launcher_instead_of_looping(tmp_path):
-    started = run_python(ROOT, web_env(tmp_path, HORDE_WEB_PROCESSES="2"), *LAUNCH[1:], "-b", "127.0.0.1", "-p", str(_free_port()),
-                         "no_such_module:application", timeout=120)
+    started = run_python(ROOT, web_env(tmp_path, HORDE_WEB_PROCESSES="2"), *LAUNCH[1:], "-b", "127.0.0.1",
+                         "-p", str(_free_port()), "no_such_module:application", timeout=120)
     assert started.returncode != 0
     assert "at its start, 3 times in a row: stopping" in started.stderr, started.stderr[-3000:]
 
