@@ -369,3 +369,25 @@ def test_progress_interval_flag_and_environment():
     assert load_config(["--api-key", "k", "--progress-interval", "0"], {"BRIDGE_PROGRESS_INTERVAL": "2"}).progress_interval == 0
     with pytest.raises(ConfigError, match="progress-interval"):
         load_config(["--api-key", "k", "--progress-interval", "-1"], {})
+
+
+def test_a_job_still_served_when_run_closes_the_clients_is_left_to_its_lease():
+    """A pop answered after the stop deadline's faults (a held pop returns a job as run() ends):
+    the thread serving it finds the horde's client closed. It leaves the job to its lease (the
+    horde requeues it) instead of raising out of the thread."""
+    from io import StringIO
+
+    from workers.bridge.config import BridgeConfig
+    from workers.bridge.worker import Bridge
+
+    out = StringIO()
+    backend = ScriptedBackend()
+    config = BridgeConfig(horde_url="http://127.0.0.1:9", api_key="k" * 22, worker_name="closing", backend="scripted")
+    bridge = Bridge(config, backend, out=out)
+    bridge.caps = backend.probe(None)
+    bridge.close_clients()
+
+    bridge._serve({"id": "0" * 32, "payload": {"prompt": "Once", "max_length": 8}, "ttl": 150})
+
+    assert bridge.held == {}
+    assert "left to its lease: the bridge stopped while serving it" in out.getvalue()

@@ -194,6 +194,8 @@ class Bridge:
         self.context = config.max_context_length or DEFAULT_CONTEXT  # each job's, as declared
         self.username = ""
         self.ready = threading.Event()  # set once the first pop was answered
+        # Set by run() as it closes the clients; a thread still serving a job then leaves it to its lease.
+        self.closed = threading.Event()
         self.pop_wait = config.pop_wait  # 0 once the horde refused the key
 
     def _progress_poster(self, held: HeldJob, payload: dict[str, Any]) -> ProgressSink:
@@ -340,12 +342,18 @@ class Bridge:
             for thread in threads:
                 thread.join(timeout=0.1)
         self.log(self.stats.summary())
-        self.horde.close()
-        self.backend.close()
+        self.close_clients()
         if self.fatal:
             self.log(f"stopped: {self.fatal}")
             return 2
         return 0
+
+    def close_clients(self) -> None:
+        """The end of run(): the horde's and the backend's clients close. A daemon thread may still be
+        serving a job popped after the held jobs were faulted at stop; it finds the clients closed."""
+        self.closed.set()
+        self.horde.close()
+        self.backend.close()
 
     def _fault_held_at_stop(self) -> None:
         with self._lock:
@@ -464,6 +472,9 @@ class Bridge:
             else:
                 self._serve_text(job, held)
         except Exception as error:  # a bug here must not leave the job held until its lease lapses
+            if self.closed.is_set():  # nothing can reach the horde now: its lease ends the job
+                self.log(f"job {held.id[:8]} left to its lease: the bridge stopped while serving it")
+                return
             self.log(f"job {held.id[:8]}: unexpected {type(error).__name__}: {error}")
             self._fault(held, ChatFaultReason.GENERATION_ERROR, f"unexpected error: {error}")
         finally:
