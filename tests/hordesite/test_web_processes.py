@@ -216,7 +216,10 @@ def test_a_killed_web_process_is_replaced_on_its_socket_and_no_connection_is_ref
         assert time.monotonic() < deadline, web_processes.log.read_text()
         time.sleep(0.2)
     assert call(web_processes.connection_to(new), "GET", "status/heartbeat")[0] == 200
-    assert "exited with -9: started" in web_processes.log.read_text()
+    log = web_processes.log.read_text()
+    assert f"exited with -9: started {new} on its socket" in log
+    # The processes share the launcher's output: each log line names the process that wrote it.
+    assert f"[{new}] INFO daphne.server Listening on TCP address 127.0.0.1:{web_processes.port}" in log, log
 
     # SIGTERM stops them all (daphne's graceful shutdown) and frees the port.
     web_processes.launcher.send_signal(signal.SIGTERM)
