@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -250,6 +251,13 @@ _POP_COMPUTED_COLUMNS = ("id", "request_id", "model", *_ASSIGNED_COLUMNS, *_PRIC
 _PRIORITY_IDS = object()
 
 
+def _statement_shape(view: WorkerView) -> WorkerView:
+    """What the pop's statement depends on: the view without the worker's id (its requests' worker
+    lists) and chat capacity, which follows its speed and so moves with nearly every job a chat
+    worker finishes. Both are parameters of the statement; each pop binds its own (_PopStatement)."""
+    return dataclasses.replace(view, id=None, chat_capacity=None if view.chat_capacity is None else 0)
+
+
 # The queue index's own condition as literal SQL, not parameters: the statement is prepared, and a
 # generic plan can use the partial index request_queue_order only when its WHERE visibly implies the
 # index's (with `jobs_waiting > $1` it scans and sorts every waiting request instead).
@@ -337,13 +345,59 @@ def _popped_request_loader() -> RowLoader:
     return RowLoader.of_fields(connection.alias, [(GenerationRequest, _POP_REQUEST_COLUMNS)], extra=(None, None))
 
 
+@dataclass(frozen=True)
+class _PopStatement:
+    """The pop's SQL for one declaration shape and the params of its two selects, with the
+    stand-ins' positions in them."""
+
+    sql: str
+    select_params: tuple
+    slots: tuple[tuple[int, str], ...]  # (position in select_params, "priority_ids" | "worker_id" | "chat_capacity")
+
+    def bind(self, *, priority_ids: list[int], view: WorkerView) -> list[Any]:
+        """The selects' params with this pop's values in the stand-ins' places."""
+        values = {"priority_ids": priority_ids, "worker_id": view.id, "chat_capacity": view.chat_capacity}
+        params = list(self.select_params)
+        for position, name in self.slots:
+            params[position] = values[name]
+        return params
+
+
+# Two workers' ids and capacities: the selects are compiled for both, and the params that differ
+# are the worker's own (no stand-in value of one type can be mistaken for another parameter).
+_STAND_INS = (
+    (uuid.UUID("5e1ec7ed-0000-4000-8000-0000000f00d1"), 1),
+    (uuid.UUID("5e1ec7ed-0000-4000-8000-0000000f00d2"), 2),
+)
+
+
+def _select_params_and_slots(shape: WorkerView) -> tuple[str, str, tuple, tuple[tuple[int, str], ...]]:
+    """The two selects' SQL for the shape, their params, and where the pop's own values go."""
+    compiled = []
+    for worker_id, capacity in _STAND_INS:
+        view = dataclasses.replace(shape, id=worker_id, chat_capacity=None if shape.chat_capacity is None else capacity)
+        (priority_sql, priority_params), (rest_sql, rest_params) = _eligible_select(view, True), _eligible_select(view, False)
+        compiled.append((priority_sql, rest_sql, (*priority_params, *rest_params)))
+    (priority_sql, rest_sql, params), (*other_sql, other_params) = compiled
+    if [priority_sql, rest_sql] != other_sql or len(params) != len(other_params):  # pragma: no cover
+        raise RuntimeError("the pop's statement text depends on the worker's id or capacity")
+    names = {_STAND_INS[0][0]: "worker_id", _STAND_INS[0][1]: "chat_capacity"}
+    slots = []
+    for position, (value, other) in enumerate(zip(params, other_params, strict=True)):
+        if value is _PRIORITY_IDS:
+            slots.append((position, "priority_ids"))
+        elif value != other:
+            if value not in names:  # pragma: no cover - a Django change; the tests would show it
+                raise RuntimeError(f"the pop's parameter {position} varies with the worker: {value!r}")
+            slots.append((position, names[value]))
+    return priority_sql, rest_sql, params, tuple(slots)
+
+
 @lru_cache(maxsize=4096)
-def _pop_statement(view: WorkerView) -> tuple[str, tuple, tuple]:
-    """The pop's SQL for the worker's declaration, with the params of its priority select
-    (_PRIORITY_IDS standing for the priority users' ids) and of its other select: the text is
-    the same for every pop under one declaration, so it is built once."""
-    priority_sql, priority_params = _eligible_select(view, True)
-    rest_sql, rest_params = _eligible_select(view, False)
+def _pop_statement(shape: WorkerView) -> _PopStatement:
+    """The pop's SQL for a declaration shape (_statement_shape): the text and the selects' params
+    are the same for every pop under it, so they are built once."""
+    priority_sql, rest_sql, select_params, slots = _select_params_and_slots(shape)
     columns, placeholders, _ = _generation_insert_columns()
     fields = ", ".join(f"p.{connection.ops.quote_name(name)}" for name in _POP_REQUEST_COLUMNS)
     sql = f"""
@@ -384,13 +438,12 @@ def _pop_statement(view: WorkerView) -> tuple[str, tuple, tuple]:
         )
         SELECT {fields}, p.take, p.job_model FROM picked AS p
     """
-    return sql, priority_params, rest_params
+    return _PopStatement(sql=sql, select_params=select_params, slots=slots)
 
 
 def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now) -> PoppedJob | None:
-    sql, priority_params, rest_params = _pop_statement(view)
-    priority_ids = _priority_user_ids(worker)
-    priority_params = [priority_ids if value is _PRIORITY_IDS else value for value in priority_params]
+    statement = _pop_statement(_statement_shape(view))
+    select_params = statement.bind(priority_ids=_priority_user_ids(worker), view=view)
     lease = now + timedelta(seconds=settings.HORDE_TEXT_JOB_LEASE_SECONDS)
     served = list(worker.served_models or [])
     assigned = _assigned_declaration(worker)
@@ -398,8 +451,7 @@ def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now)
     template = Generation(worker=worker, lease_expires_at=lease)
     generation_ids = [uuid.uuid4() for _ in range(max(1, amount))]
     params = [
-        *priority_params,
-        *rest_params,
+        *select_params,
         amount,
         worker.chat_model_id or "",
         served,
@@ -415,7 +467,7 @@ def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now)
         generation_ids,
         now + timedelta(seconds=settings.HORDE_TEXT_REQUEST_TTL_SECONDS),
     ]
-    row = run_prepared(sql, params)
+    row = run_prepared(statement.sql, params)
     if row is None:
         return None
     (request,), (take, model) = _popped_request_loader().load(row)

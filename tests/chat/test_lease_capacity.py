@@ -188,3 +188,23 @@ def test_chat_job_over_capacity_counts_its_fault_once_and_a_lapsed_one_as_aborte
         _key(**chat, **{"horde.outcome": "aborted"}): 1,
     }
     assert counter_points(metric_reader, "horde.text.gate_shadow.assignments") == {_key(**chat): 2}
+
+
+@pytest.mark.postgres_only
+def test_a_worker_whose_speed_moved_pops_with_its_new_capacity_on_the_same_compiled_statement(horde, make_user):
+    from chat.services.pop import _pop_statement
+
+    requester, slow_owner, fast_owner = make_user("r", kudos=1000), make_user("s"), make_user("f")
+    _pop_statement.cache_clear()
+    slow = _register(horde, slow_owner.key, "slow", speed=2.0)  # capacity 240
+    _register(horde, fast_owner.key, "fast", speed=None)  # unmeasured: 1200
+    request = queue_chat(requester.user, max_length=512)
+    assert chat_pop(horde, slow_owner.key, name="slow").json()["id"] is None
+    # Its speed moves (as with every job it finishes): capacity 600, and the request is its own.
+    Worker.objects.filter(pk=slow.pk).update(speed=5.0)
+    worker_rows.forget("slow")
+    queue_grew()  # the remembered empty pop: a new capacity is not an addition to the queue
+    job = chat_pop(horde, slow_owner.key, name="slow").json()
+    assert job["id"] and Generation.objects.get(pk=job["id"]).request_id == request.pk
+    # Two workers, two speeds, one declaration: the statement was compiled once.
+    assert _pop_statement.cache_info().currsize == 1
