@@ -326,44 +326,18 @@ def _half_even_cents(value: str) -> str:
     )
 
 
-def priced_text_submit(
-    *,
-    generation_id: Any,
-    owner_id: int,
-    state: str,
-    text: str,
-    seed: int,
-    gen_metadata: str,
-    tokens: int,
-    charged: bool,
-    processing: str,
-    now: Any,
-) -> tuple[str, list]:
-    """The priced text submit as one statement (SQL, params), every write gated on the claim:
-    the pending text job of the caller's worker (`owner_id`), its reward from the rate its pop
-    stored (`tokens` uncapped; capped here at the stored max_length), rounded as
-    chat.pricing.kudos_amount, the hold's share, the kudos and the worker's record. Its row:
-    request_id, reward, created, max_length, owner trusted, over capacity; none when not won."""
+def _settled_submit(won: tuple[str, list], *, owner_id: int, charged: bool, now: Any) -> tuple[str, list]:
+    """A submit as one statement (SQL, params): the `won` CTE claims the job (an UPDATE returning
+    id, request_id, worker_id, created, kudos, tokens, price_max_length, price_owner_trusted and
+    over_capacity_at_assignment, no row when it did not win), then every write of the settlement
+    gated on it: the hold's share, the request's kudos, both balances and their ledger rows, the
+    worker's record. Its row: request_id, reward, created, max_length, owner trusted, over
+    capacity; none when not won."""
     from accounts.services import kudos_settle_ctes
     from workers.services import worker_record_job_cte
 
     ctes: list[tuple[str, str, list]] = [
-        (
-            "won",
-            "UPDATE horde_generations AS g SET state = %s, text = %s, seed = %s, gen_metadata = %s::jsonb,"
-            " finished_at = %s,"
-            " kudos = round((LEAST(%s, g.price_max_length) * g.price_rate + g.price_flat)::numeric, 2)"
-            " FROM horde_workers AS w, horde_requests AS r"
-            " WHERE g.id = %s AND g.state = %s AND g.price_rate IS NOT NULL"
-            " AND w.id = g.worker_id AND w.owner_id = %s AND r.id = g.request_id AND NOT r.is_chat"
-            # A request whose front named its process goes the read path, which checks that process
-            # is alive (docs/adr/0028-dead-front-requests.md).
-            " AND r.front_id IS NULL"
-            " RETURNING g.id, g.request_id, g.worker_id, g.created, g.kudos,"
-            " LEAST(%s, g.price_max_length) AS tokens,"
-            " g.price_max_length, g.price_owner_trusted, g.over_capacity_at_assignment",
-            [state, text, seed, gen_metadata, now, tokens, generation_id, processing, owner_id, tokens],
-        ),
+        ("won", *won),
         (
             # The request row locked before its hold is read (as chat.services.submit._settle), so
             # two jobs of one request release their shares one after the other.
@@ -398,6 +372,65 @@ def priced_text_submit(
         " s.over_capacity_at_assignment FROM settled AS s"
     )
     return sql, [param for _, _, params in ctes for param in params]
+
+
+def priced_text_submit(
+    *,
+    generation_id: Any,
+    owner_id: int,
+    state: str,
+    text: str,
+    seed: int,
+    gen_metadata: str,
+    tokens: int,
+    charged: bool,
+    processing: str,
+    now: Any,
+) -> tuple[str, list]:
+    """The priced text submit as one statement (_settled_submit): the pending text job of the
+    caller's worker (`owner_id`), its reward from the rate its pop stored (`tokens` uncapped; capped
+    here at the stored max_length), rounded as chat.pricing.kudos_amount."""
+    won = (
+        "UPDATE horde_generations AS g SET state = %s, text = %s, seed = %s, gen_metadata = %s::jsonb,"
+        " finished_at = %s,"
+        " kudos = round((LEAST(%s, g.price_max_length) * g.price_rate + g.price_flat)::numeric, 2)"
+        " FROM horde_workers AS w, horde_requests AS r"
+        " WHERE g.id = %s AND g.state = %s AND g.price_rate IS NOT NULL"
+        " AND w.id = g.worker_id AND w.owner_id = %s AND r.id = g.request_id AND NOT r.is_chat"
+        # A request whose front named its process goes the read path, which checks that process
+        # is alive (docs/adr/0028-dead-front-requests.md).
+        " AND r.front_id IS NULL"
+        " RETURNING g.id, g.request_id, g.worker_id, g.created, g.kudos,"
+        " LEAST(%s, g.price_max_length) AS tokens,"
+        " g.price_max_length, g.price_owner_trusted, g.over_capacity_at_assignment",
+        [state, text, seed, gen_metadata, now, tokens, generation_id, processing, owner_id, tokens],
+    )
+    return _settled_submit(won, owner_id=owner_id, charged=charged, now=now)
+
+
+def chat_reply_submit(
+    *,
+    generation_id: Any,
+    payee_id: int,
+    columns: dict[str, Any],
+    tokens: int,
+    reward: Any,
+    charged: bool,
+    processing: str,
+    now: Any,
+) -> tuple[str, list]:
+    """A verified chat reply stored and settled in one statement (_settled_submit): the job still
+    pending claims `columns` (the reply's; `message` as JSON text), its reward (priced by the
+    caller) and `finished_at`; its worker's owner `payee_id` earns it."""
+    names = [*columns, "finished_at", "kudos"]
+    assignments = ", ".join(f"{name} = %s::jsonb" if name == "message" else f"{name} = %s" for name in names)
+    won = (
+        f"UPDATE horde_generations AS g SET {assignments} WHERE g.id = %s AND g.state = %s"
+        " RETURNING g.id, g.request_id, g.worker_id, g.created, g.kudos, %s::bigint AS tokens,"
+        " g.price_max_length, g.price_owner_trusted, g.over_capacity_at_assignment",
+        [*columns.values(), now, reward, generation_id, processing, tokens],
+    )
+    return _settled_submit(won, owner_id=payee_id, charged=charged, now=now)
 
 
 # --- a request with its generation counts by state (the status polls) ----------------------------

@@ -86,6 +86,26 @@ def request_completed(request_id: UUID) -> bool:
     )
 
 
+_DONE_FIELDS = ("n", "jobs_waiting", "faulted", "cancelled")
+
+
+def stored_results_and_done(request_id: UUID) -> tuple[int, bool]:
+    """(stored_result_count, request_completed) of a chat request in one read, the request with its
+    generations counted by state. Call it with the request row locked, as request_completed."""
+    request = request_with_counts(request_id, is_chat=True, only=_DONE_FIELDS)
+    counts = generation_state_counts(request)
+    finished = sum(counts.get(s, 0) for s in Generation.FINISHED_STATES)
+    done = request_is_done(
+        faulted=request.faulted,
+        cancelled=request.cancelled,
+        n=request.n,
+        waiting=request.jobs_waiting,
+        processing=counts.get(Generation.State.PROCESSING, 0),
+        finished=finished,
+    )
+    return finished, done
+
+
 # --- queue position and wait ------------------------------------------------------------------
 
 

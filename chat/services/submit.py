@@ -30,12 +30,12 @@ from chat.pricing import (
     text_generation_kudos,
     things_count,
 )
-from chat.selectors.status import request_completed, stored_result_count
+from chat.selectors.status import stored_results_and_done
 from chat.services import front_lease
 from chat.services.faults import requeue_faulted, worker_record_dropped_job
 from chat.services.progress import end_progress_after_fault, end_progress_after_submit
 from chat.signals import publish_chat_signal
-from chat.sql import generation_with_relations, priced_text_submit, run_prepared
+from chat.sql import chat_reply_submit, generation_with_relations, priced_text_submit, run_prepared
 from contract.chat_declaration import chat_worker_fault_message, chat_worker_fault_metric_reason
 from contract.chat_errors import ChatRefusal
 from contract.chat_limits import MAX_CHAT_FAULT_REASON_LENGTH
@@ -439,28 +439,45 @@ def _store_chat_reply(
         owner_trusted=generation.worker.owner.trusted,
         tokens=tokens,
     )
+    columns = {  # in a fixed order: the statement's text is prepared once
+        "state": state,
+        "text": stored.get("content") or "",
+        "message": stored,
+        "finish_reason": finish_reason,
+        "native_finish_reason": _clean(submit.native_finish_reason),
+        "prompt_tokens": submit.prompt_tokens,
+        "completion_tokens": submit.completion_tokens,
+        "reasoning_tokens": submit.reasoning_tokens,
+        "charge_basis": chat_charge_basis(),
+    }
     with transaction.atomic():
-        # One update claims the pending job and writes every reply column, so a submit that loses to
-        # a cancel or a duplicate writes none of them.
-        won = Generation.objects.filter(pk=generation.pk, state=Generation.State.PROCESSING).update(
-            state=state,
-            text=stored.get("content") or "",
-            message=stored,
-            finish_reason=finish_reason,
-            native_finish_reason=_clean(submit.native_finish_reason),
-            prompt_tokens=submit.prompt_tokens,
-            completion_tokens=submit.completion_tokens,
-            reasoning_tokens=submit.reasoning_tokens,
-            charge_basis=chat_charge_basis(),
-            finished_at=now,
-            kudos=reward,
-        )
+        # The claim of the pending job writes every reply column, so a submit that loses to a
+        # cancel or a duplicate writes none of them; the settlement is gated on it.
+        if connection.vendor == "postgresql":
+            statement = chat_reply_submit(
+                generation_id=generation.pk,
+                payee_id=generation.worker.owner_id,
+                columns={**columns, "message": json.dumps(stored)},
+                tokens=tokens,
+                reward=reward,
+                charged=state not in ("censored", "csam"),
+                processing=Generation.State.PROCESSING,
+                now=now,
+            )
+            won = run_prepared(*statement) is not None
+        else:
+            won = bool(
+                Generation.objects.filter(pk=generation.pk, state=Generation.State.PROCESSING).update(
+                    **columns, finished_at=now, kudos=reward
+                )
+            )
+            if won:
+                _settle(generation, state=state, tokens=tokens, reward=reward, now=now)
         if not won:
             raise _not_pending_error(generation.pk, _current_state(generation.pk))
-        _settle(generation, state=state, tokens=tokens, reward=reward, now=now)
-        generations = stored_result_count(request.pk)
+        generations, done = stored_results_and_done(request.pk)
         publish_chat_signal(request.pk, "generation", generations)
-        if request_completed(request.pk):
+        if done:
             publish_chat_signal(request.pk, "done", generations)
         if streams_progress(request.chat_extras):
             transaction.on_commit(lambda: end_progress_after_submit(generation.pk), robust=True)
