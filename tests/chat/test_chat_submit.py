@@ -838,3 +838,29 @@ def test_request_faults_on_the_submit_that_crosses_the_limit(api, people):
     assert request.faulted and request.jobs_waiting == 0
     assert request.chat_fault_reason == CHAT_WORKER_FAULT_MESSAGES["prompt_overflow"]
     assert Worker.objects.get(pk=worker.pk).aborted_jobs == 3
+
+
+@pytest.mark.postgres_only
+def test_a_chat_reply_is_stored_and_settled_in_one_statement(people, chat_job):
+    """On PostgreSQL: the job read, its state, the claim with its whole settlement, and the
+    request's results and done: four statements, and the rows are the ORM path's."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from accounts.models import KudosTransaction
+    from chat.services.submit import job_submit
+
+    requester, owner = people
+    request, job = chat_job()
+    with CaptureQueriesContext(connection) as queries:
+        reward = job_submit(user=owner.user, generation_id=job.id, text=None, chat_body=reply("Hello from the bench."))
+    statements = [q["sql"] for q in queries.captured_queries if not q["sql"].startswith(("SAVEPOINT", "RELEASE"))]
+    assert len(statements) == 4, statements
+    job.refresh_from_db()
+    assert job.state == "ok" and job.kudos == reward == expected_reward(request, job, len("Hello from the bench."))
+    assert requester.refresh().kudos == Decimal("1000") - reward and owner.refresh().kudos == reward
+    assert sorted(KudosTransaction.objects.filter(generation_id=job.id).values_list("amount", flat=True)) == [-reward, reward]
+    request.refresh_from_db()
+    assert request.consumed_kudos == reward and request.kudos_held == Decimal("0")
+    worker = Worker.objects.get(pk=job.worker_id)
+    assert worker.fulfilments == 1 and len(worker.speed_samples) == 1 and worker.kudos_earned == reward
