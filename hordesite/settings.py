@@ -116,6 +116,12 @@ elif DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql"):
         # read this setting, and no other statement is prepared.
         options = DATABASES["default"]["OPTIONS"].get("options", "")
         DATABASES["default"]["OPTIONS"]["options"] = f"{options} -c plan_cache_mode=force_generic_plan".strip()
+    # Every query the horde runs is short, but the planner's estimate of one with correlated
+    # subqueries (a chat worker's eligibility) passes jit_above_cost, and compiling it took 0.4-0.7 s
+    # for a query that runs in 0.2 ms (docs/adr/0047). JIT stays off unless asked for.
+    if not env.bool("DATABASE_JIT", default=False):
+        options = DATABASES["default"]["OPTIONS"].get("options", "")
+        DATABASES["default"]["OPTIONS"]["options"] = f"{options} -c jit=off".strip()
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 IS_POSTGRES = DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql")
 

@@ -228,15 +228,17 @@ def _lease_tokens():
     )
 
 
-def _kinds(worker: WorkerView, *, capacity: bool = True) -> list[tuple[Q, dict[str, Q]]]:
-    """(request kind, its refusals) for each kind of request the worker takes. `skipped` is counted
-    without the capacity rule: the requests it withholds from a pop are not counted."""
+def _kinds(worker: WorkerView) -> list[tuple[Q, dict[str, Q], Q]]:
+    """(request kind, its refusals, its capacity rule) for each kind of request the worker takes.
+    The capacity rule is a correlated subquery: eligibility_filter checks it after every refusal,
+    so the database runs it only for the requests the cheap rules let through (an AND is checked
+    left to right, stopping at the first false). `skipped` is counted without it: the requests it
+    withholds from a pop are not counted."""
     kinds = []
     if worker.accepts_prompt_jobs:
-        kinds.append((Q(is_chat=False), _text_refusals(worker)))
+        kinds.append((Q(is_chat=False), _text_refusals(worker), Q()))
     if worker.takes_chat:
-        chat = Q(is_chat=True) & chat_capacity_clause(worker) if capacity else Q(is_chat=True)
-        kinds.append((chat, _chat_refusals(worker)))
+        kinds.append((Q(is_chat=True), _chat_refusals(worker), chat_capacity_clause(worker)))
     return kinds
 
 
@@ -249,7 +251,7 @@ def _none_of(refusals) -> Q:
 
 def eligibility_filter(worker: WorkerView) -> Q:
     """The requests `worker` may take: of a kind it takes, and no refusal applies."""
-    kinds = [kind & _none_of(refusals.values()) for kind, refusals in _kinds(worker)]
+    kinds = [kind & _none_of(refusals.values()) & capacity for kind, refusals, capacity in _kinds(worker)]
     if not kinds:
         return Q(pk__in=[])
     return reduce(or_, kinds) & _none_of(_common_refusals(worker).values())
@@ -259,7 +261,7 @@ def _reason_filters(worker: WorkerView) -> dict[str, Q]:
     """Per skip reason (upstream `skipped` keys, plus chat_features and tools_max_temperature), the
     requests of the kinds the worker takes that the reason keeps from it."""
     reasons: dict[str, Q] = {}
-    for kind, refusals in _kinds(worker, capacity=False):
+    for kind, refusals, _ in _kinds(worker):
         for name, refused in refusals.items():
             reasons[name] = reasons[name] | (kind & refused) if name in reasons else kind & refused
     return {**reasons, **_common_refusals(worker)}
@@ -281,7 +283,7 @@ class EmptyPopCounts:
 
 def empty_pop_counts(worker: WorkerView) -> EmptyPopCounts:
     """The skipped counts and the takeable count, in one aggregate query."""
-    kinds = [kind for kind, _ in _kinds(worker, capacity=False)]
+    kinds = [kind for kind, _, _ in _kinds(worker)]
     if not kinds:
         return EmptyPopCounts(skipped={}, takeable=0)
     # Aliases apart from the column names (a reason is named after the column it compares, and the
