@@ -107,6 +107,8 @@ elif DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql"):
         "max_size": env.int("DATABASE_POOL_MAX_SIZE", default=20),
         "timeout": env.int("DATABASE_POOL_TIMEOUT", default=10),
     }
+    # Server settings for the horde's sessions, sent at connect (`-c name=value`).
+    session_settings = []
     # The pop's and submit's statements are prepared on each connection (chat/sql.py); no
     # other statement is (a threshold never reached). Off (None) behind a transaction-mode pooler.
     if env.bool("DATABASE_PREPARED_STATEMENTS", default=True):
@@ -114,14 +116,15 @@ elif DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql"):
         # Those statements keep one generic plan: planning a pop cost more than running it, and
         # its plan (walk the queue index) does not depend on the values. Only prepared statements
         # read this setting, and no other statement is prepared.
-        options = DATABASES["default"]["OPTIONS"].get("options", "")
-        DATABASES["default"]["OPTIONS"]["options"] = f"{options} -c plan_cache_mode=force_generic_plan".strip()
+        session_settings.append("plan_cache_mode=force_generic_plan")
     # Every query the horde runs is short, but the planner's estimate of one with correlated
     # subqueries (a chat worker's eligibility) passes jit_above_cost, and compiling it took 0.4-0.7 s
     # for a query that runs in 0.2 ms (docs/adr/0047). JIT stays off unless asked for.
     if not env.bool("DATABASE_JIT", default=False):
+        session_settings.append("jit=off")
+    if session_settings:
         options = DATABASES["default"]["OPTIONS"].get("options", "")
-        DATABASES["default"]["OPTIONS"]["options"] = f"{options} -c jit=off".strip()
+        DATABASES["default"]["OPTIONS"]["options"] = " ".join([options, *(f"-c {setting}" for setting in session_settings)]).strip()
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 IS_POSTGRES = DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql")
 
