@@ -524,9 +524,13 @@ async def phase_status(
     return result
 
 
-async def phase_pop(client, seconds: float, concurrency: int, workers: list[WorkerSpec]) -> PhaseResult:
-    """Every worker loops pop -> submit; a semaphore keeps `concurrency` requests in flight."""
-    result = PhaseResult("pop")
+async def phase_pop(
+    client, seconds: float, concurrency: int, workers: list[WorkerSpec], *, submit: bool = True
+) -> PhaseResult:
+    """Every worker loops pop -> submit (with `submit` false, pop alone: the jobs it takes stay in
+    flight, and `jobs` counts the pops that handed out work); a semaphore keeps `concurrency`
+    requests in flight."""
+    result = PhaseResult("pop" if submit else "pop-alone")
     deadline = time.perf_counter() + seconds
     gate = asyncio.Semaphore(concurrency)
 
@@ -536,17 +540,12 @@ async def phase_pop(client, seconds: float, concurrency: int, workers: list[Work
         while time.perf_counter() < deadline:
             async with gate:
                 resp = await timed(
-                    client,
-                    "POST",
-                    "/api/v2/generate/text/pop",
-                    result,
-                    result.latencies,
-                    json=body,
-                    headers=headers,
+                    client, "POST", "/api/v2/generate/text/pop", result, result.latencies, json=body, headers=headers
                 )
-            if resp is None:
+            ids = (resp.json().get("ids") or []) if resp is not None else []
+            if not submit:
+                result.jobs += bool(ids)
                 continue
-            ids = resp.json().get("ids") or []
             for gen_id in ids:
                 result.jobs += 1
                 async with gate:
@@ -565,30 +564,6 @@ async def phase_pop(client, seconds: float, concurrency: int, workers: list[Work
                             "gen_metadata": [],
                         },
                     )
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker_loop(w) for w in workers))
-    result.seconds = time.perf_counter() - t0
-    return result
-
-
-async def phase_pop_alone(client, seconds: float, concurrency: int, workers: list[WorkerSpec]) -> PhaseResult:
-    """Every worker loops on pop alone: the pop's own rate, with no submit sharing the web process.
-    The jobs it hands out stay in flight (they are not what is measured)."""
-    result = PhaseResult("pop-alone")
-    deadline = time.perf_counter() + seconds
-    gate = asyncio.Semaphore(concurrency)
-
-    async def worker_loop(w: WorkerSpec):
-        headers = {"apikey": w.api_key, "Client-Agent": "bench:1:text_queue"}
-        body = pop_body(w)
-        while time.perf_counter() < deadline:
-            async with gate:
-                resp = await timed(
-                    client, "POST", "/api/v2/generate/text/pop", result, result.latencies, json=body, headers=headers
-                )
-            if resp is not None and resp.json().get("ids"):
-                result.jobs += 1  # pops that handed out work
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker_loop(w) for w in workers))
@@ -660,7 +635,7 @@ async def measure(
                 elif name == "pop":
                     res = await phase_pop(client, per_phase, args.concurrency, workers)
                 elif name == "pop-alone":
-                    res = await phase_pop_alone(client, per_phase, args.concurrency, workers)
+                    res = await phase_pop(client, per_phase, args.concurrency, workers, submit=False)
                 else:
                     res = await phase_status(client, per_phase, args.concurrency, ids, rng)
                 after = cpu_seconds_by_process(server_pid)
