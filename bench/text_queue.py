@@ -659,7 +659,8 @@ def report(
     args, totals: dict[str, PhaseResult], fill_seconds: float, depth_before: int, depth_after: int
 ) -> str:
     hb, pop, alone, st = totals["heartbeat"], totals["pop"], totals["pop-alone"], totals["status"]
-    phases = len(phase_order(args))
+    ran = phase_order(args)
+    phases = len(ran)
 
     def rps(r: PhaseResult) -> float:
         return len(r.latencies) / r.seconds if r.seconds else 0.0
@@ -689,6 +690,8 @@ def report(
         ("pop alone  POST /generate/text/pop (no submits)", alone, None),
         ("status     GET /generate/text/status/<id>", st, None),
     ):
+        if r.name not in ran:
+            continue
         lat = others if others is not None else r.latencies
         count = len(lat)
         rate = count / r.seconds if r.seconds else 0
@@ -696,11 +699,15 @@ def report(
         lines.append(
             f"| {label} | {count} | {rate:.1f} | {ms(pct(lat, 50))} | {ms(pct(lat, 95))} | {errors} |"
         )
+    lines.append("")
+    if "pop" in ran:
+        lines.append(
+            f"pop phase: {pop.jobs} jobs popped and submitted ({pop.jobs / pop.seconds if pop.seconds else 0:.1f} jobs/s), "
+            f"{pop_all_rps:.1f} req/s pop+submit together"
+        )
+    if "pop-alone" in ran:
+        lines.append(f"pop-alone phase: {alone.jobs} of {len(alone.latencies)} pops handed out work")
     lines += [
-        "",
-        f"pop phase: {pop.jobs} jobs popped and submitted ({pop.jobs / pop.seconds if pop.seconds else 0:.1f} jobs/s), "
-        f"{pop_all_rps:.1f} req/s pop+submit together",
-        f"pop-alone phase: {alone.jobs} of {len(alone.latencies)} pops handed out work",
         "",
         "CPU per request (ms, user + system, from /proc; the pop phase counts pops and submits):",
         "",
@@ -713,6 +720,8 @@ def report(
         (alone, len(alone.latencies)),
         (st, len(st.latencies)),
     ):
+        if r.name not in ran:
+            continue
         cells = [f"{r.cpu.get(g, 0.0) / count * 1000:.2f}" if count and r.cpu else "-" for g in ("daphne", "postgres", "redis", "client")]
         busy = [f"{r.cpu.get(g, 0.0) / r.seconds * 100:.0f}%" if r.seconds and r.cpu else "-" for g in ("daphne", "postgres", "redis", "client")]
         lines.append(f"| {r.name} | " + " | ".join(f"{c} ({b})" for c, b in zip(cells, busy, strict=True)) + " |")
@@ -729,13 +738,14 @@ def report(
     alone_ratio = alone.jobs / alone.seconds / hb_rps if hb_rps and alone.seconds else 0.0
     pop_p95_ratio = pop_p95 / hb_p95 if hb_p95 else float("inf")
     st_ratio = st_p95 / hb_p95 if hb_p95 else float("inf")
-    lines += [
-        f"| pop req/s / heartbeat req/s | {pop_ratio:.3f} | >= 0.5 | {'yes' if pop_ratio >= 0.5 else 'NO'} |",
-        f"| pops handing out work alone, req/s / heartbeat req/s | {alone_ratio:.3f} | >= 0.5 | {'yes' if alone_ratio >= 0.5 else 'NO'} |",
-        f"| pop p95 / heartbeat p95 | {pop_p95_ratio:.1f} | (reported) | |",
-        f"| status p95 / heartbeat p95 | {st_ratio:.2f} | <= 2.0 | {'yes' if st_ratio <= 2.0 else 'NO'} |",
-        f"| status req/s / heartbeat req/s | {st_rps / hb_rps if hb_rps else 0:.3f} | (reported) | |",
-    ]
+    ratios = (
+        ("pop", f"| pop req/s / heartbeat req/s | {pop_ratio:.3f} | >= 0.5 | {'yes' if pop_ratio >= 0.5 else 'NO'} |"),
+        ("pop-alone", f"| pops handing out work alone, req/s / heartbeat req/s | {alone_ratio:.3f} | >= 0.5 | {'yes' if alone_ratio >= 0.5 else 'NO'} |"),
+        ("pop", f"| pop p95 / heartbeat p95 | {pop_p95_ratio:.1f} | (reported) | |"),
+        ("status", f"| status p95 / heartbeat p95 | {st_ratio:.2f} | <= 2.0 | {'yes' if st_ratio <= 2.0 else 'NO'} |"),
+        ("status", f"| status req/s / heartbeat req/s | {st_rps / hb_rps if hb_rps else 0:.3f} | (reported) | |"),
+    )
+    lines += [line for phase, line in ratios if phase in ran]
     return "\n".join(lines)
 
 
