@@ -52,6 +52,14 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/14"
 VALIDATED_BRIDGE = "AI Horde Worker reGen:9.0.0:https://github.com/Haidra-Org/horde-worker-reGen"
 
 
+def _phase_names(value: str) -> list[str]:
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(PHASES))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown phases {unknown}; known: {', '.join(PHASES)}")
+    return names
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
@@ -75,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--phases",
+        type=_phase_names,
         default=",".join(PHASES),
         help=f"the measured phases, comma separated (default {','.join(PHASES)}; heartbeat is always run)",
     )
@@ -599,11 +608,8 @@ async def register_workers(client, workers: list[WorkerSpec], concurrency: int) 
 
 
 def phase_order(args: argparse.Namespace) -> list[str]:
-    wanted = [name.strip() for name in args.phases.split(",") if name.strip()]
-    unknown = sorted(set(wanted) - set(PHASES))
-    if unknown:
-        raise SystemExit(f"unknown phases {unknown}; known: {', '.join(PHASES)}")
-    return [name for name in PHASES if name == "heartbeat" or name in wanted]
+    """The phases to run, in PHASES' order (heartbeat, the baseline, always)."""
+    return [name for name in PHASES if name == "heartbeat" or name in args.phases]
 
 
 async def measure(
