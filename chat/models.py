@@ -116,6 +116,31 @@ class RequestModel(models.Model):
         constraints = [models.UniqueConstraint(fields=["request", "name"], name="request_model_unique")]
 
 
+class QueueEntry(models.Model):
+    """A waiting request under one of its models, in queue order: the pop walks the lists of the
+    models its worker serves, not the whole queue (docs/adr/0050-a-queue-list-per-model.md).
+
+    PostgreSQL keeps these rows itself, by trigger on horde_requests (migration 0009): a row per
+    requested model (and one under "" for a text request that named none) while the request has a
+    job waiting and is neither faulted nor cancelled. Nothing in Python writes them; elsewhere
+    (SQLite) the table stays empty and the pop walks the queue in the ORM."""
+
+    pk = models.CompositePrimaryKey("request_id", "is_chat", "model")
+    # No constraint: the trigger removes a request's rows when it stops waiting or is deleted.
+    request = models.ForeignKey(
+        GenerationRequest, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="+"
+    )
+    is_chat = models.BooleanField()
+    model = models.TextField()
+    # The request's own order (GenerationRequest.queue_score, created), fixed at its creation.
+    queue_score = models.BigIntegerField()
+    created = models.DateTimeField()
+
+    class Meta:
+        db_table = "horde_queue_entries"
+        indexes = [models.Index(fields=["is_chat", "model", "-queue_score", "created"], name="queue_entry_order")]
+
+
 class RequestWorker(models.Model):
     """One worker of a request's worker list."""
 

@@ -258,40 +258,64 @@ def _statement_shape(view: WorkerView) -> WorkerView:
     return dataclasses.replace(view, id=None, chat_capacity=None if view.chat_capacity is None else 0)
 
 
-# The queue index's own condition as literal SQL, not parameters: the statement is prepared, and a
-# generic plan can use the partial index request_queue_order only when its WHERE visibly implies the
-# index's (with `jobs_waiting > $1` it scans and sorts every waiting request instead).
+# A waiting request's condition as literal SQL, not parameters, as the queue's own index and the
+# queue lists state it (migration 0009): with `jobs_waiting > $1` a generic plan cannot tell.
 _WAITING_AS_INDEXED = RawSQL(
     '"horde_requests"."jobs_waiting" > 0 AND NOT "horde_requests"."faulted" AND NOT "horde_requests"."cancelled"',
     (),
     output_field=BooleanField(),
 )
+# Stand for the worker's queue lists (their kinds and models) while the select is compiled.
+_LIST_KINDS, _LIST_MODELS = object(), object()
+
+
+def _queue_lists(view: WorkerView) -> tuple[list[bool], list[str]]:
+    """The queue lists (chat.models.QueueEntry) that hold every request the worker may take: under
+    each model it serves and "" (a text request naming none) when it takes prompt jobs, under its
+    chat model when it takes chat jobs. As two arrays: (is_chat, model) per list."""
+    lists = [(False, model) for model in (*view.models, "")] if view.accepts_prompt_jobs else []
+    if view.takes_chat:
+        lists.append((True, view.chat.model_id))
+    return [is_chat for is_chat, _ in lists], [model for _, model in lists]
 
 
 def _eligible_select(view: WorkerView, priority: bool) -> tuple[str, tuple]:
-    """SELECT of the first eligible request for the worker (with `priority`: only its priority
-    users', an array parameter, _PRIORITY_IDS in params), as SQL and params. Compiled once per
+    """SELECT of the first eligible request for the worker, as SQL and params. Compiled once per
     declaration (_pop_statement); `now()` keeps it free of per-pop values.
 
-    In the other select the worker's rules go in as one CASE, which the planner cannot see into
-    and counts as true for half the rows. Spelled out, each rule compared with a parameter gets a
-    default selectivity, and their product told the generic plan that a handful of waiting
-    requests match: it then scanned and sorted every waiting request (2 ms a pop at 3,000
-    waiting, more as the queue grows) rather than walk the queue index in order and stop at the
-    first match (0.03 ms). The priority select keeps them spelled out: its plan starts from the
-    few priority users' requests (their index), which a walk of the whole queue would not."""
+    With `priority`: only its priority users' requests (an array parameter, _PRIORITY_IDS in
+    params), from their own index. Otherwise the first of one queue list (the lateral join's
+    `queue_list`, its kind and model): the pop walks the lists of its worker's models in queue
+    order and stops at the first request it may take, rather than walk the whole queue past every
+    other model's requests (docs/adr/0050-a-queue-list-per-model.md).
+
+    In the list's walk the worker's rules go in as one CASE, which the planner cannot see into and
+    counts as true for half the rows. Spelled out, each rule compared with a parameter gets a
+    default selectivity, and their product told the generic plan that a handful of requests match:
+    it then read and sorted every one rather than walk in order and stop at the first match
+    (docs/adr/0042-pop-plan-walks-the-queue.md). The priority select keeps them spelled out: its
+    plan starts from the few priority users' requests."""
     rules = eligibility_filter(view)
     eligible = rules if priority else Case(When(rules, then=Value(True)), default=Value(False))
-    qs = (
-        GenerationRequest.objects.filter(_WAITING_AS_INDEXED, expires_at__gt=Now())
-        .filter(eligible)
-        .only(*POP_REQUEST_FIELDS)
-        .order_by("-queue_score", "created")
-    )
+    qs = GenerationRequest.objects.filter(_WAITING_AS_INDEXED, expires_at__gt=Now()).filter(eligible)
     if priority:
         qs = qs.filter(RawSQL('"horde_requests"."user_id" = ANY(%s)', (_PRIORITY_IDS,), output_field=BooleanField()))
-    sql, params = qs[:1].query.sql_with_params()
-    return sql, tuple(params)
+    where, params = qs.query.get_compiler(connection=connection).compile(qs.query.where)
+    table = connection.ops.quote_name(GenerationRequest._meta.db_table)
+    columns = ", ".join(f"{table}.{connection.ops.quote_name(name)}" for name in _POP_REQUEST_COLUMNS)
+    if priority:
+        return (
+            f"SELECT {columns} FROM {table} WHERE {where}"
+            f' ORDER BY {table}."queue_score" DESC, {table}."created" ASC LIMIT 1',
+            tuple(params),
+        )
+    return (
+        f"SELECT {columns}, e.queue_score AS list_score, e.created AS list_created"
+        f" FROM horde_queue_entries AS e JOIN {table} ON {table}.\"id\" = e.request_id"
+        f" WHERE e.is_chat = queue_list.is_chat AND e.model = queue_list.model AND {where}"
+        " ORDER BY e.queue_score DESC, e.created ASC LIMIT 1",
+        tuple(params),
+    )
 
 
 # Generation columns a pop sets per call, beside the computed ones.
@@ -352,11 +376,19 @@ class _PopStatement:
 
     sql: str
     select_params: tuple
-    slots: tuple[tuple[int, str], ...]  # (position in select_params, "priority_ids" | "worker_id" | "chat_capacity")
+    # (position in select_params, "priority_ids" | "list_kinds" | "list_models" | "worker_id" | "chat_capacity")
+    slots: tuple[tuple[int, str], ...]
 
     def bind(self, *, priority_ids: list[int], view: WorkerView) -> list[Any]:
         """The selects' params with this pop's values in the stand-ins' places."""
-        values = {"priority_ids": priority_ids, "worker_id": view.id, "chat_capacity": view.chat_capacity}
+        kinds, models = _queue_lists(view)
+        values = {
+            "priority_ids": priority_ids,
+            "list_kinds": kinds,
+            "list_models": models,
+            "worker_id": view.id,
+            "chat_capacity": view.chat_capacity,
+        }
         params = list(self.select_params)
         for position, name in self.slots:
             params[position] = values[name]
@@ -377,15 +409,17 @@ def _select_params_and_slots(shape: WorkerView) -> tuple[str, str, tuple, tuple[
     for worker_id, capacity in _STAND_INS:
         view = dataclasses.replace(shape, id=worker_id, chat_capacity=None if shape.chat_capacity is None else capacity)
         (priority_sql, priority_params), (rest_sql, rest_params) = _eligible_select(view, True), _eligible_select(view, False)
-        compiled.append((priority_sql, rest_sql, (*priority_params, *rest_params)))
+        # In the statement's order: the priority select, the queue lists' arrays, the lists' walk.
+        compiled.append((priority_sql, rest_sql, (*priority_params, _LIST_KINDS, _LIST_MODELS, *rest_params)))
     (priority_sql, rest_sql, params), (*other_sql, other_params) = compiled
     if [priority_sql, rest_sql] != other_sql or len(params) != len(other_params):  # pragma: no cover
         raise RuntimeError("the pop's statement text depends on the worker's id or capacity")
     names = {_STAND_INS[0][0]: "worker_id", _STAND_INS[0][1]: "chat_capacity"}
+    stand_ins = {id(_PRIORITY_IDS): "priority_ids", id(_LIST_KINDS): "list_kinds", id(_LIST_MODELS): "list_models"}
     slots = []
     for position, (value, other) in enumerate(zip(params, other_params, strict=True)):
-        if value is _PRIORITY_IDS:
-            slots.append((position, "priority_ids"))
+        if id(value) in stand_ins:
+            slots.append((position, stand_ins[id(value)]))
         elif value != other:
             if value not in names:  # pragma: no cover - a Django change; the tests would show it
                 raise RuntimeError(f"the pop's parameter {position} varies with the worker: {value!r}")
@@ -400,10 +434,15 @@ def _pop_statement(shape: WorkerView) -> _PopStatement:
     priority_sql, rest_sql, select_params, slots = _select_params_and_slots(shape)
     columns, placeholders, _ = _generation_insert_columns()
     fields = ", ".join(f"p.{connection.ops.quote_name(name)}" for name in _POP_REQUEST_COLUMNS)
+    listed = ", ".join(f"c.{connection.ops.quote_name(name)}" for name in _POP_REQUEST_COLUMNS)
+    table = connection.ops.quote_name(GenerationRequest._meta.db_table)
     sql = f"""
         WITH priority AS ({priority_sql} FOR UPDATE SKIP LOCKED),
         rest AS (
-            SELECT * FROM ({rest_sql} FOR UPDATE SKIP LOCKED) AS r WHERE NOT EXISTS (SELECT 1 FROM priority)
+            SELECT {listed} FROM unnest(%s::boolean[], %s::text[]) AS queue_list(is_chat, model)
+            CROSS JOIN LATERAL ({rest_sql} FOR UPDATE OF {table} SKIP LOCKED) AS c
+            WHERE NOT EXISTS (SELECT 1 FROM priority)
+            ORDER BY c.list_score DESC, c.list_created ASC LIMIT 1
         ),
         picked AS (
             SELECT p.*,

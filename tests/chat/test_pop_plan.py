@@ -1,9 +1,9 @@
-"""The pop's generic plan walks the queue index in order and stops at the first eligible request,
-whatever the table's statistics say (chat/services/pop.py, _eligible_select)."""
+"""The pop's generic plan walks the queue lists of its worker's models in order and stops at the
+first eligible request in each, whatever the tables' statistics say (chat/services/pop.py,
+_eligible_select; docs/adr/0050-a-queue-list-per-model.md)."""
 
 from __future__ import annotations
 
-import re
 from datetime import timedelta
 
 import psycopg
@@ -12,7 +12,7 @@ from django.db import connection
 from django.utils import timezone
 
 import chat.services.pop as pop_service
-from chat.models import GenerationRequest
+from chat.models import Generation, GenerationRequest
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db]
 
@@ -53,7 +53,7 @@ def _generic_plan_of_the_last_pop(statements: list[tuple[str, list]]) -> list[st
     return [line for (line,) in cursor.fetchall()]
 
 
-def test_the_pop_walks_the_queue_index_in_order(horde, make_user, monkeypatch):
+def test_the_pop_walks_its_models_queue_lists_in_order(horde, make_user, monkeypatch):
     requesters = [make_user(f"plan-requester-{i}") for i in range(20)]
     _queue(requesters, 3000)
     statements: list[tuple[str, list]] = []
@@ -66,14 +66,18 @@ def test_the_pop_walks_the_queue_index_in_order(horde, make_user, monkeypatch):
     monkeypatch.setattr(pop_service, "run_prepared", capture)
     owner = make_user("plan-owner")
     job = horde.pop(owner.key, name="plan-worker", models=[MODELS[0], MODELS[1], MODELS[3]]).json()
-    assert job["id"] and job["model"] in MODELS[:4]  # the first eligible request in queue order
+    # The first request in queue order that lists one of the worker's models.
+    first = next(i for i in range(3000) if {MODELS[i % 50], MODELS[(i * 7 + 3) % 50]} & {MODELS[0], MODELS[1], MODELS[3]})
+    assert Generation.objects.get(id=job["id"]).request.queue_score == 3000 - first
     plan = _generic_plan_of_the_last_pop(statements)
     rest = plan[next(i for i, line in enumerate(plan) if "CTE rest" in line) :]
     rest = rest[: next(i for i, line in enumerate(rest) if "CTE picked" in line)]
-    walk = [line for line in rest if "Index Scan using request_queue_order" in line]
-    assert walk and not any("Sort" in line or "Seq Scan on horde_requests" in line for line in rest), "\n".join(plan)
-    # Why no table's statistics flip it to a scan and a sort: the planner expects many waiting
-    # requests to match (the worker's rules as one opaque condition), so the first comes soon.
-    # Spelled out, the rules' default selectivities multiplied to a handful of rows out of 3,000.
-    expected = int(re.search(r"rows=(\d+)", walk[0]).group(1))
-    assert expected >= 3000 // 4, walk[0]
+    lists = next(i for i, line in enumerate(rest) if "Function Scan on queue_list" in line)
+    walk = rest[lists:]
+    # Each list is walked through its index in queue order, each candidate read by its key, and
+    # the walk stops at the first it may take (the Limit over the lock); only the few lists' first
+    # requests are sorted.
+    assert any("Index Scan using queue_entry_order" in line for line in walk), "\n".join(plan)
+    assert any("Index Scan using horde_requests_pkey" in line for line in walk), "\n".join(plan)
+    assert not any("Sort" in line or "Seq Scan" in line or "Bitmap" in line for line in walk), "\n".join(plan)
+    assert [line.strip() for line in rest if "Sort Key" in line] == ["Sort Key: c.list_score DESC, c.list_created"]

@@ -1,0 +1,114 @@
+"""A queue list per model (docs/adr/0050-a-queue-list-per-model.md): horde_queue_entries holds a
+waiting request once under each of its models (under "" for a text request that named none), in
+queue order, so the pop walks only the lists of the models its worker serves.
+
+On PostgreSQL the database keeps the rows itself: triggers on horde_requests add a request's rows
+when it starts waiting (created with a job waiting, or a job handed back) and remove them when it
+stops (its last job handed out, faulted, cancelled, deleted). The waiting requests already queued
+are listed here. Elsewhere (SQLite, the embedded default) the table stays empty: the pop there
+walks the queue in the ORM. Reversible: the triggers, their function and the table are dropped.
+"""
+
+from django.db import migrations, models
+
+# A request waits while it has a job to hand out and is neither faulted nor cancelled: the
+# condition of the queue index request_queue_order, and of the pop's walk.
+WAITING = "({row}.jobs_waiting > 0 AND NOT {row}.faulted AND NOT {row}.cancelled)"
+
+# The list columns of a request: a change to any of them while it waits rewrites its rows.
+LISTED = "({row}.is_chat, {row}.queue_score, {row}.created, {row}.requested_models, {row}.any_model)"
+
+CREATE = f"""
+CREATE FUNCTION horde_queue_entries_follow() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP <> 'INSERT' THEN
+        DELETE FROM horde_queue_entries WHERE request_id = OLD.id;
+    END IF;
+    IF TG_OP <> 'DELETE' AND {WAITING.format(row="NEW")} THEN
+        INSERT INTO horde_queue_entries (request_id, is_chat, model, queue_score, created)
+        SELECT NEW.id, NEW.is_chat, listed.model, NEW.queue_score, NEW.created
+        FROM (
+            SELECT jsonb_array_elements_text(
+                CASE WHEN jsonb_typeof(NEW.requested_models) = 'array' THEN NEW.requested_models ELSE '[]' END)
+            UNION SELECT '' WHERE NEW.any_model
+        ) AS listed(model);
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER horde_queue_entries_on_insert AFTER INSERT ON horde_requests
+    FOR EACH ROW WHEN {WAITING.format(row="NEW")} EXECUTE FUNCTION horde_queue_entries_follow();
+
+CREATE TRIGGER horde_queue_entries_on_update
+    AFTER UPDATE OF jobs_waiting, faulted, cancelled, is_chat, queue_score, created, requested_models, any_model
+    ON horde_requests FOR EACH ROW WHEN (
+        {WAITING.format(row="OLD")} IS DISTINCT FROM {WAITING.format(row="NEW")}
+        OR ({WAITING.format(row="NEW")} AND {LISTED.format(row="OLD")} IS DISTINCT FROM {LISTED.format(row="NEW")})
+    ) EXECUTE FUNCTION horde_queue_entries_follow();
+
+CREATE TRIGGER horde_queue_entries_on_delete AFTER DELETE ON horde_requests
+    FOR EACH ROW WHEN {WAITING.format(row="OLD")} EXECUTE FUNCTION horde_queue_entries_follow();
+
+INSERT INTO horde_queue_entries (request_id, is_chat, model, queue_score, created)
+SELECT r.id, r.is_chat, listed.model, r.queue_score, r.created
+FROM horde_requests AS r CROSS JOIN LATERAL (
+    SELECT jsonb_array_elements_text(
+        CASE WHEN jsonb_typeof(r.requested_models) = 'array' THEN r.requested_models ELSE '[]' END)
+    UNION SELECT '' WHERE r.any_model
+) AS listed(model)
+WHERE {WAITING.format(row="r")};
+"""
+
+DROP = """
+DROP TRIGGER IF EXISTS horde_queue_entries_on_delete ON horde_requests;
+DROP TRIGGER IF EXISTS horde_queue_entries_on_update ON horde_requests;
+DROP TRIGGER IF EXISTS horde_queue_entries_on_insert ON horde_requests;
+DROP FUNCTION IF EXISTS horde_queue_entries_follow();
+"""
+
+
+def _on_postgresql(sql: str):
+    def run(apps, schema_editor) -> None:
+        if schema_editor.connection.vendor == "postgresql":
+            schema_editor.execute(sql)
+
+    return run
+
+
+class Migration(migrations.Migration):
+    dependencies = [("chat", "0008_front_id")]
+    operations = [
+        migrations.CreateModel(
+            name="QueueEntry",
+            fields=[
+                (
+                    "pk",
+                    models.CompositePrimaryKey(
+                        "request_id", "is_chat", "model", blank=True, editable=False, primary_key=True, serialize=False
+                    ),
+                ),
+                ("is_chat", models.BooleanField()),
+                ("model", models.TextField()),
+                ("queue_score", models.BigIntegerField()),
+                ("created", models.DateTimeField()),
+                (
+                    "request",
+                    models.ForeignKey(
+                        db_constraint=False,
+                        db_index=False,
+                        on_delete=models.DO_NOTHING,
+                        related_name="+",
+                        to="chat.generationrequest",
+                    ),
+                ),
+            ],
+            options={
+                "db_table": "horde_queue_entries",
+                "indexes": [
+                    models.Index(fields=["is_chat", "model", "-queue_score", "created"], name="queue_entry_order")
+                ],
+            },
+        ),
+        migrations.RunPython(_on_postgresql(CREATE), _on_postgresql(DROP), elidable=False),
+    ]
