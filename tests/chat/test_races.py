@@ -8,6 +8,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from accounts.models import KudosTransaction
+from chat.models import Generation
 from tests.chat.chat_jobs import make_chat_request, make_chat_worker, pop_chat_job, reply
 from tests.chat.chat_jobs import submit as chat_submit
 from tests.conftest import Horde
@@ -75,3 +76,18 @@ def test_racing_chat_submits_of_one_worker_each_keep_their_speed_sample(make_use
     worker.refresh_from_db()
     # Each submit reads the samples with the worker's row locked: none lost to another's.
     assert worker.fulfilments == 4 and len(worker.speed_samples) == 4
+
+
+def test_workers_racing_over_two_queue_lists_never_share_a_request(make_user):
+    """Each pop locks the first request of each of its lists and keeps one (ADR 0050): racing pops
+    skip each other's locks, so no request is handed out twice and none is left behind."""
+    requester, owner = make_user("r", kudos=1000), make_user("o")
+    horde = Horde(APIClient())
+    other = "koboldcpp/Pernicious_Prophecy_70B"
+    queued = {horde.text_async(requester.key, models=[[MODEL, other][i % 2]]).json()["id"] for i in range(8)}
+    pops = race([lambda n=n: Horde(APIClient()).pop(owner.key, name=f"racer-{n}", models=[MODEL, other]).json() for n in range(6)])
+    jobs = [p["id"] for p in pops if p["id"]]
+    while job := horde.pop(owner.key, name="sweeper", models=[MODEL, other]).json()["id"]:
+        jobs.append(job)
+    taken = list(Generation.objects.filter(pk__in=jobs).values_list("request_id", flat=True))
+    assert len(taken) == len(jobs) == 8 and {str(r) for r in taken} == queued
