@@ -132,13 +132,18 @@ class QueueEntry(models.Model):
     )
     is_chat = models.BooleanField()
     model = models.TextField()
+    # The requester, for the pop's first walk: its worker's owner's and priority users' requests.
+    user_id = models.BigIntegerField()
     # The request's own order (GenerationRequest.queue_score, created), fixed at its creation.
     queue_score = models.BigIntegerField()
     created = models.DateTimeField()
 
     class Meta:
         db_table = "horde_queue_entries"
-        indexes = [models.Index(fields=["is_chat", "model", "-queue_score", "created"], name="queue_entry_order")]
+        indexes = [
+            models.Index(fields=["is_chat", "model", "-queue_score", "created"], name="queue_entry_order"),
+            models.Index(fields=["user_id", "is_chat", "model", "-queue_score", "created"], name="queue_entry_user_order"),
+        ]
 
 
 class RequestWorker(models.Model):

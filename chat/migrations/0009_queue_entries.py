@@ -1,6 +1,7 @@
 """A queue list per model (docs/adr/0050-a-queue-list-per-model.md): horde_queue_entries holds a
 waiting request once under each of its models (under "" for a text request that named none), in
-queue order, so the pop walks only the lists of the models its worker serves.
+queue order, so the pop walks only the lists of the models its worker serves (and, first, the same
+lists of its owner's and priority users' requests).
 
 On PostgreSQL the database keeps the rows itself: triggers on horde_requests add a request's rows
 when it starts waiting (created with a job waiting, or a job handed back) and remove them when it
@@ -16,7 +17,7 @@ from django.db import migrations, models
 WAITING = "({row}.jobs_waiting > 0 AND NOT {row}.faulted AND NOT {row}.cancelled)"
 
 # The list columns of a request: a change to any of them while it waits rewrites its rows.
-LISTED = "({row}.is_chat, {row}.queue_score, {row}.created, {row}.requested_models, {row}.any_model)"
+LISTED = "({row}.user_id, {row}.is_chat, {row}.queue_score, {row}.created, {row}.requested_models, {row}.any_model)"
 
 CREATE = f"""
 CREATE FUNCTION horde_queue_entries_follow() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -25,8 +26,8 @@ BEGIN
         DELETE FROM horde_queue_entries WHERE request_id = OLD.id;
     END IF;
     IF TG_OP <> 'DELETE' AND {WAITING.format(row="NEW")} THEN
-        INSERT INTO horde_queue_entries (request_id, is_chat, model, queue_score, created)
-        SELECT NEW.id, NEW.is_chat, listed.model, NEW.queue_score, NEW.created
+        INSERT INTO horde_queue_entries (request_id, is_chat, model, user_id, queue_score, created)
+        SELECT NEW.id, NEW.is_chat, listed.model, NEW.user_id, NEW.queue_score, NEW.created
         FROM (
             SELECT jsonb_array_elements_text(
                 CASE WHEN jsonb_typeof(NEW.requested_models) = 'array' THEN NEW.requested_models ELSE '[]' END)
@@ -41,7 +42,7 @@ CREATE TRIGGER horde_queue_entries_on_insert AFTER INSERT ON horde_requests
     FOR EACH ROW WHEN {WAITING.format(row="NEW")} EXECUTE FUNCTION horde_queue_entries_follow();
 
 CREATE TRIGGER horde_queue_entries_on_update
-    AFTER UPDATE OF jobs_waiting, faulted, cancelled, is_chat, queue_score, created, requested_models, any_model
+    AFTER UPDATE OF jobs_waiting, faulted, cancelled, user_id, is_chat, queue_score, created, requested_models, any_model
     ON horde_requests FOR EACH ROW WHEN (
         {WAITING.format(row="OLD")} IS DISTINCT FROM {WAITING.format(row="NEW")}
         OR ({WAITING.format(row="NEW")} AND {LISTED.format(row="OLD")} IS DISTINCT FROM {LISTED.format(row="NEW")})
@@ -50,8 +51,8 @@ CREATE TRIGGER horde_queue_entries_on_update
 CREATE TRIGGER horde_queue_entries_on_delete AFTER DELETE ON horde_requests
     FOR EACH ROW WHEN {WAITING.format(row="OLD")} EXECUTE FUNCTION horde_queue_entries_follow();
 
-INSERT INTO horde_queue_entries (request_id, is_chat, model, queue_score, created)
-SELECT r.id, r.is_chat, listed.model, r.queue_score, r.created
+INSERT INTO horde_queue_entries (request_id, is_chat, model, user_id, queue_score, created)
+SELECT r.id, r.is_chat, listed.model, r.user_id, r.queue_score, r.created
 FROM horde_requests AS r CROSS JOIN LATERAL (
     SELECT jsonb_array_elements_text(
         CASE WHEN jsonb_typeof(r.requested_models) = 'array' THEN r.requested_models ELSE '[]' END)
@@ -90,6 +91,7 @@ class Migration(migrations.Migration):
                 ),
                 ("is_chat", models.BooleanField()),
                 ("model", models.TextField()),
+                ("user_id", models.BigIntegerField()),
                 ("queue_score", models.BigIntegerField()),
                 ("created", models.DateTimeField()),
                 (
@@ -106,7 +108,10 @@ class Migration(migrations.Migration):
             options={
                 "db_table": "horde_queue_entries",
                 "indexes": [
-                    models.Index(fields=["is_chat", "model", "-queue_score", "created"], name="queue_entry_order")
+                    models.Index(fields=["is_chat", "model", "-queue_score", "created"], name="queue_entry_order"),
+                    models.Index(
+                        fields=["user_id", "is_chat", "model", "-queue_score", "created"], name="queue_entry_user_order"
+                    ),
                 ],
             },
         ),

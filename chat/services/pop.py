@@ -280,39 +280,28 @@ def _queue_lists(view: WorkerView) -> tuple[list[bool], list[str]]:
 
 
 def _eligible_select(view: WorkerView, priority: bool) -> tuple[str, tuple]:
-    """SELECT of the first eligible request for the worker, as SQL and params. Compiled once per
-    declaration (_pop_statement); `now()` keeps it free of per-pop values.
+    """SELECT of the first request the worker may take in one queue list (the lateral join's
+    `queue_list`: its kind and model), with `priority` only among one priority user's requests
+    (`priority_user`), as SQL and params. Compiled once per declaration (_pop_statement); `now()`
+    keeps it free of per-pop values. The pop walks the lists of its worker's models in queue order
+    and stops at the first request it may take in each, rather than walk the whole queue past
+    every other model's (or every one of its owner's) requests (docs/adr/0050-a-queue-list-per-model.md).
 
-    With `priority`: only its priority users' requests (an array parameter, _PRIORITY_IDS in
-    params), from their own index. Otherwise the first of one queue list (the lateral join's
-    `queue_list`, its kind and model): the pop walks the lists of its worker's models in queue
-    order and stops at the first request it may take, rather than walk the whole queue past every
-    other model's requests (docs/adr/0050-a-queue-list-per-model.md).
-
-    In the list's walk the worker's rules go in as one CASE, which the planner cannot see into and
-    counts as true for half the rows. Spelled out, each rule compared with a parameter gets a
-    default selectivity, and their product told the generic plan that a handful of requests match:
-    it then read and sorted every one rather than walk in order and stop at the first match
-    (docs/adr/0042-pop-plan-walks-the-queue.md). The priority select keeps them spelled out: its
-    plan starts from the few priority users' requests."""
-    rules = eligibility_filter(view)
-    eligible = rules if priority else Case(When(rules, then=Value(True)), default=Value(False))
+    The worker's rules go in as one CASE, which the planner cannot see into and counts as true for
+    half the rows. Spelled out, each rule compared with a parameter gets a default selectivity,
+    and their product told the generic plan that a handful of requests match: it then read and
+    sorted every one rather than walk in order and stop at the first match
+    (docs/adr/0042-pop-plan-walks-the-queue.md)."""
+    eligible = Case(When(eligibility_filter(view), then=Value(True)), default=Value(False))
     qs = GenerationRequest.objects.filter(_WAITING_AS_INDEXED, expires_at__gt=Now()).filter(eligible)
-    if priority:
-        qs = qs.filter(RawSQL('"horde_requests"."user_id" = ANY(%s)', (_PRIORITY_IDS,), output_field=BooleanField()))
     where, params = qs.query.get_compiler(connection=connection).compile(qs.query.where)
     table = connection.ops.quote_name(GenerationRequest._meta.db_table)
     columns = ", ".join(f"{table}.{connection.ops.quote_name(name)}" for name in _POP_REQUEST_COLUMNS)
-    if priority:
-        return (
-            f"SELECT {columns} FROM {table} WHERE {where}"
-            f' ORDER BY {table}."queue_score" DESC, {table}."created" ASC LIMIT 1',
-            tuple(params),
-        )
+    requester = "e.user_id = priority_user.id AND " if priority else ""
     return (
         f"SELECT {columns}, e.queue_score AS list_score, e.created AS list_created"
         f" FROM horde_queue_entries AS e JOIN {table} ON {table}.\"id\" = e.request_id"
-        f" WHERE e.is_chat = queue_list.is_chat AND e.model = queue_list.model AND {where}"
+        f" WHERE {requester}e.is_chat = queue_list.is_chat AND e.model = queue_list.model AND {where}"
         " ORDER BY e.queue_score DESC, e.created ASC LIMIT 1",
         tuple(params),
     )
@@ -409,8 +398,15 @@ def _select_params_and_slots(shape: WorkerView) -> tuple[str, str, tuple, tuple[
     for worker_id, capacity in _STAND_INS:
         view = dataclasses.replace(shape, id=worker_id, chat_capacity=None if shape.chat_capacity is None else capacity)
         (priority_sql, priority_params), (rest_sql, rest_params) = _eligible_select(view, True), _eligible_select(view, False)
-        # In the statement's order: the priority select, the queue lists' arrays, the lists' walk.
-        compiled.append((priority_sql, rest_sql, (*priority_params, _LIST_KINDS, _LIST_MODELS, *rest_params)))
+        # In the statement's order: the priority users' and lists' arrays and their walk, then the
+        # lists' arrays and their walk.
+        compiled.append(
+            (
+                priority_sql,
+                rest_sql,
+                (_PRIORITY_IDS, _LIST_KINDS, _LIST_MODELS, *priority_params, _LIST_KINDS, _LIST_MODELS, *rest_params),
+            )
+        )
     (priority_sql, rest_sql, params), (*other_sql, other_params) = compiled
     if [priority_sql, rest_sql] != other_sql or len(params) != len(other_params):  # pragma: no cover
         raise RuntimeError("the pop's statement text depends on the worker's id or capacity")
@@ -437,7 +433,12 @@ def _pop_statement(shape: WorkerView) -> _PopStatement:
     listed = ", ".join(f"c.{connection.ops.quote_name(name)}" for name in _POP_REQUEST_COLUMNS)
     table = connection.ops.quote_name(GenerationRequest._meta.db_table)
     sql = f"""
-        WITH priority AS ({priority_sql} FOR UPDATE SKIP LOCKED),
+        WITH priority AS (
+            SELECT {listed} FROM unnest(%s::bigint[]) AS priority_user(id)
+            CROSS JOIN unnest(%s::boolean[], %s::text[]) AS queue_list(is_chat, model)
+            CROSS JOIN LATERAL ({priority_sql} FOR UPDATE OF {table} SKIP LOCKED) AS c
+            ORDER BY c.list_score DESC, c.list_created ASC LIMIT 1
+        ),
         rest AS (
             SELECT {listed} FROM unnest(%s::boolean[], %s::text[]) AS queue_list(is_chat, model)
             CROSS JOIN LATERAL ({rest_sql} FOR UPDATE OF {table} SKIP LOCKED) AS c

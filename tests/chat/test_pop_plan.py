@@ -4,6 +4,7 @@ _eligible_select; docs/adr/0050-a-queue-list-per-model.md)."""
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import psycopg
@@ -80,4 +81,12 @@ def test_the_pop_walks_its_models_queue_lists_in_order(horde, make_user, monkeyp
     assert any("Index Scan using queue_entry_order" in line for line in walk), "\n".join(plan)
     assert any("Index Scan using horde_requests_pkey" in line for line in walk), "\n".join(plan)
     assert not any("Sort" in line or "Seq Scan" in line or "Bitmap" in line for line in walk), "\n".join(plan)
-    assert [line.strip() for line in rest if "Sort Key" in line] == ["Sort Key: c.list_score DESC, c.list_created"]
+    assert [re.sub(r"c_\d+\.", "c.", line.strip()) for line in rest if "Sort Key" in line] == [
+        "Sort Key: c.list_score DESC, c.list_created"
+    ]
+    # The owner's and priority users' requests first, the same way: their own lists of the
+    # worker's models, not every request they have queued.
+    priority = plan[next(i for i, line in enumerate(plan) if "CTE priority" in line) :]
+    priority = priority[: next(i for i, line in enumerate(priority) if "CTE rest" in line)]
+    assert any("Index Scan using queue_entry_user_order" in line for line in priority), "\n".join(plan)
+    assert not any("Seq Scan" in line or "Bitmap" in line for line in priority), "\n".join(plan)

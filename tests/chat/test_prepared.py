@@ -67,7 +67,7 @@ def test_the_pop_prepares_one_text_per_declaration_shape_well_under_prepared_max
     before = _prepared_on_this_connection()
     _pops(horde, owners)
     first = _prepared_on_this_connection() - before
-    pops = [text for text, _ in first if "FOR UPDATE SKIP LOCKED" in text]
+    pops = [text for text, _ in first if "horde_queue_entries" in text and "SKIP LOCKED" in text]
     # 2 owners x 2 agents x 4 priority counts x 2 model lists, and 3 chat shapes twice each: only
     # what the worker takes (text, chat, both) and the chat declaration's shape make a text.
     assert 1 <= len(pops) <= 7, len(pops)

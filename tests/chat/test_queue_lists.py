@@ -126,3 +126,24 @@ def test_the_migration_lists_the_requests_already_waiting(people):
         assert cursor.fetchone() == (None, None)  # reversed: the table, its triggers and function
     call_command("migrate", "chat", verbosity=0)
     assert lists_of(waiting.id) == {(False, MODEL)} and lists_of(taken.id) == set()
+
+
+def test_the_owners_requests_come_first_in_queue_order_among_those_the_worker_may_take(horde, people, make_user):
+    """The owner's and priority users' requests are walked in the worker's own lists too: the
+    owner's requests for a model the worker does not serve neither block nor delay it."""
+    requester, owner = people
+    friend = make_user("friend")
+    rich = make_user("rich", kudos=1_000_000)
+    for _ in range(3):
+        horde.text_async(owner.key, models=[OTHER], prompt="owner, other model")
+    horde.text_async(rich.key, models=[MODEL], prompt="rich")
+    horde.text_async(owner.key, models=[MODEL], prompt="owner, first")
+    horde.text_async(friend.key, models=[MODEL], prompt="friend")
+    horde.text_async(owner.key, models=[MODEL], prompt="owner, second")
+    alias = f"friend#{friend.user.pk}"
+    prompts = [horde.pop(owner.key, name=f"w{i}", priority_usernames=[alias]).json()["payload"]["prompt"] for i in range(4)]
+    # The priority users' requests in queue order, then the rest.
+    priority = GenerationRequest.objects.filter(user__in=[owner.user, friend.user], requested_models=[MODEL])
+    assert prompts == [r.prompt for r in priority.order_by("-queue_score", "created")] + ["rich"]
+    assert sorted(prompts[:3]) == ["friend", "owner, first", "owner, second"]
+    assert horde.pop(owner.key, name="w4").json()["id"] is None  # the owner's OTHER requests are not its
