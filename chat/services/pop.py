@@ -265,18 +265,19 @@ _WAITING_AS_INDEXED = RawSQL(
     (),
     output_field=BooleanField(),
 )
-# Stand for the worker's queue lists (their kinds and models) while the select is compiled.
-_LIST_KINDS, _LIST_MODELS = object(), object()
+# Stand for the worker's queue lists while the select is compiled (_queue_lists).
+_LIST_MODELS, _LIST_TEXT_COUNT = object(), object()
 
 
-def _queue_lists(view: WorkerView) -> tuple[list[bool], list[str]]:
+def _queue_lists(view: WorkerView) -> tuple[list[str], int]:
     """The queue lists (chat.models.QueueEntry) that hold every request the worker may take: under
     each model it serves and "" (a text request naming none) when it takes prompt jobs, under its
-    chat model when it takes chat jobs. As two arrays: (is_chat, model) per list."""
-    lists = [(False, model) for model in (*view.models, "")] if view.accepts_prompt_jobs else []
-    if view.takes_chat:
-        lists.append((True, view.chat.model_id))
-    return [is_chat for is_chat, _ in lists], [model for _, model in lists]
+    chat model when it takes chat jobs. As the lists' models and how many of the first are text
+    lists: one array to bind (psycopg dumps an array in Python), not one per column. Bound per pop,
+    not spelled out in the statement: the statement's text stays one per declaration shape,
+    whatever the models (prepared_max, tests/chat/test_prepared.py)."""
+    text = [*view.models, ""] if view.accepts_prompt_jobs else []
+    return [*text, *([view.chat.model_id] if view.takes_chat else [])], len(text)
 
 
 def _eligible_select(view: WorkerView, priority: bool) -> tuple[str, tuple]:
@@ -365,16 +366,16 @@ class _PopStatement:
 
     sql: str
     select_params: tuple
-    # (position in select_params, "priority_ids" | "list_kinds" | "list_models" | "worker_id" | "chat_capacity")
+    # (position in select_params, "list_models" | "list_text_count" | "priority_ids" | "worker_id" | "chat_capacity")
     slots: tuple[tuple[int, str], ...]
 
     def bind(self, *, priority_ids: list[int], view: WorkerView) -> list[Any]:
         """The selects' params with this pop's values in the stand-ins' places."""
-        kinds, models = _queue_lists(view)
+        models, text_count = _queue_lists(view)
         values = {
-            "priority_ids": priority_ids,
-            "list_kinds": kinds,
             "list_models": models,
+            "list_text_count": text_count,
+            "priority_ids": priority_ids,
             "worker_id": view.id,
             "chat_capacity": view.chat_capacity,
         }
@@ -398,20 +399,14 @@ def _select_params_and_slots(shape: WorkerView) -> tuple[str, str, tuple, tuple[
     for worker_id, capacity in _STAND_INS:
         view = dataclasses.replace(shape, id=worker_id, chat_capacity=None if shape.chat_capacity is None else capacity)
         (priority_sql, priority_params), (rest_sql, rest_params) = _eligible_select(view, True), _eligible_select(view, False)
-        # In the statement's order: the priority users' and lists' arrays and their walk, then the
-        # lists' arrays and their walk.
-        compiled.append(
-            (
-                priority_sql,
-                rest_sql,
-                (_PRIORITY_IDS, _LIST_KINDS, _LIST_MODELS, *priority_params, _LIST_KINDS, _LIST_MODELS, *rest_params),
-            )
-        )
+        # In the statement's order: the lists, the priority users and their walk, the lists' walk.
+        params = (_LIST_TEXT_COUNT, _LIST_MODELS, _PRIORITY_IDS, *priority_params, *rest_params)
+        compiled.append((priority_sql, rest_sql, params))
     (priority_sql, rest_sql, params), (*other_sql, other_params) = compiled
     if [priority_sql, rest_sql] != other_sql or len(params) != len(other_params):  # pragma: no cover
         raise RuntimeError("the pop's statement text depends on the worker's id or capacity")
     names = {_STAND_INS[0][0]: "worker_id", _STAND_INS[0][1]: "chat_capacity"}
-    stand_ins = {id(_PRIORITY_IDS): "priority_ids", id(_LIST_KINDS): "list_kinds", id(_LIST_MODELS): "list_models"}
+    stand_ins = {id(_PRIORITY_IDS): "priority_ids", id(_LIST_MODELS): "list_models", id(_LIST_TEXT_COUNT): "list_text_count"}
     slots = []
     for position, (value, other) in enumerate(zip(params, other_params, strict=True)):
         if id(value) in stand_ins:
@@ -433,14 +428,16 @@ def _pop_statement(shape: WorkerView) -> _PopStatement:
     listed = ", ".join(f"c.{connection.ops.quote_name(name)}" for name in _POP_REQUEST_COLUMNS)
     table = connection.ops.quote_name(GenerationRequest._meta.db_table)
     sql = f"""
-        WITH priority AS (
-            SELECT {listed} FROM unnest(%s::bigint[]) AS priority_user(id)
-            CROSS JOIN unnest(%s::boolean[], %s::text[]) AS queue_list(is_chat, model)
+        WITH queue_list AS (
+            SELECT l.position > %s AS is_chat, l.model FROM unnest(%s::text[]) WITH ORDINALITY AS l(model, position)
+        ),
+        priority AS (
+            SELECT {listed} FROM unnest(%s::bigint[]) AS priority_user(id) CROSS JOIN queue_list
             CROSS JOIN LATERAL ({priority_sql} FOR UPDATE OF {table} SKIP LOCKED) AS c
             ORDER BY c.list_score DESC, c.list_created ASC LIMIT 1
         ),
         rest AS (
-            SELECT {listed} FROM unnest(%s::boolean[], %s::text[]) AS queue_list(is_chat, model)
+            SELECT {listed} FROM queue_list
             CROSS JOIN LATERAL ({rest_sql} FOR UPDATE OF {table} SKIP LOCKED) AS c
             WHERE NOT EXISTS (SELECT 1 FROM priority)
             ORDER BY c.list_score DESC, c.list_created ASC LIMIT 1

@@ -73,7 +73,7 @@ def test_the_pop_walks_its_models_queue_lists_in_order(horde, make_user, monkeyp
     plan = _generic_plan_of_the_last_pop(statements)
     rest = plan[next(i for i, line in enumerate(plan) if "CTE rest" in line) :]
     rest = rest[: next(i for i, line in enumerate(rest) if "CTE picked" in line)]
-    lists = next(i for i, line in enumerate(rest) if "Function Scan on queue_list" in line)
+    lists = next(i for i, line in enumerate(rest) if "Scan on queue_list" in line)
     walk = rest[lists:]
     # Each list is walked through its index in queue order, each candidate read by its key, and
     # the walk stops at the first it may take (the Limit over the lock); only the few lists' first

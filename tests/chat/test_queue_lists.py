@@ -147,3 +147,14 @@ def test_the_owners_requests_come_first_in_queue_order_among_those_the_worker_ma
     assert prompts == [r.prompt for r in priority.order_by("-queue_score", "created")] + ["rich"]
     assert sorted(prompts[:3]) == ["friend", "owner, first", "owner, second"]
     assert horde.pop(owner.key, name="w4").json()["id"] is None  # the owner's OTHER requests are not its
+
+
+def test_a_model_name_with_quotes_and_percent_signs_is_walked_as_named(horde, people):
+    """The statement spells the worker's lists out as literals: a name is quoted, never read as SQL
+    or as a placeholder."""
+    requester, owner = people
+    odd = "it's 100%s; DROP TABLE horde_requests; --"
+    request_id = horde.text_async(requester.key, models=[odd]).json()["id"]
+    assert lists_of(request_id) == {(False, odd)}
+    job = horde.pop(owner.key, models=[odd, MODEL]).json()
+    assert str(Generation.objects.get(pk=job["id"]).request_id) == request_id and job["model"] == odd
