@@ -258,8 +258,8 @@ def _statement_shape(view: WorkerView) -> WorkerView:
     return dataclasses.replace(view, id=None, chat_capacity=None if view.chat_capacity is None else 0)
 
 
-# A waiting request's condition as literal SQL, not parameters, as the queue's own index and the
-# queue lists state it (migration 0009): with `jobs_waiting > $1` a generic plan cannot tell.
+# The waiting condition, as the queue index and the queue lists' triggers (migration 0009) state
+# it: checked again on each row the walk locks, whose last job a concurrent pop may have taken.
 _WAITING_AS_INDEXED = RawSQL(
     '"horde_requests"."jobs_waiting" > 0 AND NOT "horde_requests"."faulted" AND NOT "horde_requests"."cancelled"',
     (),
