@@ -20,6 +20,13 @@ WAITING = "({row}.jobs_waiting > 0 AND NOT {row}.faulted AND NOT {row}.cancelled
 LISTED = "({row}.user_id, {row}.is_chat, {row}.queue_score, {row}.created, {row}.requested_models, {row}.any_model)"
 
 CREATE = f"""
+CREATE FUNCTION horde_request_listed_models(requested_models jsonb, any_model boolean) RETURNS SETOF text
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT jsonb_array_elements_text(
+        CASE WHEN jsonb_typeof(requested_models) = 'array' THEN requested_models ELSE '[]' END)
+    UNION SELECT '' WHERE any_model
+$$;
+
 CREATE FUNCTION horde_queue_entries_follow() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF TG_OP <> 'INSERT' THEN
@@ -28,11 +35,7 @@ BEGIN
     IF TG_OP <> 'DELETE' AND {WAITING.format(row="NEW")} THEN
         INSERT INTO horde_queue_entries (request_id, is_chat, model, user_id, queue_score, created)
         SELECT NEW.id, NEW.is_chat, listed.model, NEW.user_id, NEW.queue_score, NEW.created
-        FROM (
-            SELECT jsonb_array_elements_text(
-                CASE WHEN jsonb_typeof(NEW.requested_models) = 'array' THEN NEW.requested_models ELSE '[]' END)
-            UNION SELECT '' WHERE NEW.any_model
-        ) AS listed(model);
+        FROM horde_request_listed_models(NEW.requested_models, NEW.any_model) AS listed(model);
     END IF;
     RETURN NULL;
 END
@@ -53,11 +56,8 @@ CREATE TRIGGER horde_queue_entries_on_delete AFTER DELETE ON horde_requests
 
 INSERT INTO horde_queue_entries (request_id, is_chat, model, user_id, queue_score, created)
 SELECT r.id, r.is_chat, listed.model, r.user_id, r.queue_score, r.created
-FROM horde_requests AS r CROSS JOIN LATERAL (
-    SELECT jsonb_array_elements_text(
-        CASE WHEN jsonb_typeof(r.requested_models) = 'array' THEN r.requested_models ELSE '[]' END)
-    UNION SELECT '' WHERE r.any_model
-) AS listed(model)
+FROM horde_requests AS r
+CROSS JOIN LATERAL horde_request_listed_models(r.requested_models, r.any_model) AS listed(model)
 WHERE {WAITING.format(row="r")};
 """
 
@@ -66,6 +66,7 @@ DROP TRIGGER IF EXISTS horde_queue_entries_on_delete ON horde_requests;
 DROP TRIGGER IF EXISTS horde_queue_entries_on_update ON horde_requests;
 DROP TRIGGER IF EXISTS horde_queue_entries_on_insert ON horde_requests;
 DROP FUNCTION IF EXISTS horde_queue_entries_follow();
+DROP FUNCTION IF EXISTS horde_request_listed_models(jsonb, boolean);
 """
 
 

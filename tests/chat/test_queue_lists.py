@@ -122,8 +122,11 @@ def test_the_migration_lists_the_requests_already_waiting(people):
 
     call_command("migrate", "chat", "0008", verbosity=0)
     with connection.cursor() as cursor:
-        cursor.execute("SELECT to_regclass('horde_queue_entries'), to_regproc('horde_queue_entries_follow')")
-        assert cursor.fetchone() == (None, None)  # reversed: the table, its triggers and function
+        cursor.execute(
+            "SELECT to_regclass('horde_queue_entries'), to_regproc('horde_queue_entries_follow'),"
+            " to_regproc('horde_request_listed_models')"
+        )
+        assert cursor.fetchone() == (None, None, None)  # reversed: the table, its triggers and functions
     call_command("migrate", "chat", verbosity=0)
     assert lists_of(waiting.id) == {(False, MODEL)} and lists_of(taken.id) == set()
 
