@@ -265,17 +265,14 @@ _WAITING_AS_INDEXED = RawSQL(
     (),
     output_field=BooleanField(),
 )
-# Stand for the worker's queue lists while the select is compiled (_queue_lists).
-_LIST_MODELS, _LIST_TEXT_COUNT = object(), object()
-
-
 def _queue_lists(view: WorkerView) -> tuple[list[str], int]:
     """The queue lists (chat.models.QueueEntry) that hold every request the worker may take: under
     each model it serves and "" (a text request naming none) when it takes prompt jobs, under its
     chat model when it takes chat jobs. As the lists' models and how many of the first are text
-    lists: one array to bind (psycopg dumps an array in Python), not one per column. Bound per pop,
-    not spelled out in the statement: the statement's text stays one per declaration shape,
-    whatever the models (prepared_max, tests/chat/test_prepared.py)."""
+    lists: one array to bind (psycopg dumps an array in Python), not one per column. They follow
+    from the declaration's shape, so they are among the params built once with its statement;
+    parameters, not spelled out in the text, which stays one per declaration shape whatever the
+    models (prepared_max, tests/chat/test_prepared.py)."""
     text = [*view.models, ""] if view.accepts_prompt_jobs else []
     return [*text, *([view.chat.model_id] if view.takes_chat else [])], len(text)
 
@@ -366,19 +363,11 @@ class _PopStatement:
 
     sql: str
     select_params: tuple
-    # (position in select_params, "list_models" | "list_text_count" | "priority_ids" | "worker_id" | "chat_capacity")
-    slots: tuple[tuple[int, str], ...]
+    slots: tuple[tuple[int, str], ...]  # (position in select_params, "priority_ids" | "worker_id" | "chat_capacity")
 
     def bind(self, *, priority_ids: list[int], view: WorkerView) -> list[Any]:
         """The selects' params with this pop's values in the stand-ins' places."""
-        models, text_count = _queue_lists(view)
-        values = {
-            "list_models": models,
-            "list_text_count": text_count,
-            "priority_ids": priority_ids,
-            "worker_id": view.id,
-            "chat_capacity": view.chat_capacity,
-        }
+        values = {"priority_ids": priority_ids, "worker_id": view.id, "chat_capacity": view.chat_capacity}
         params = list(self.select_params)
         for position, name in self.slots:
             params[position] = values[name]
@@ -396,21 +385,21 @@ _STAND_INS = (
 def _select_params_and_slots(shape: WorkerView) -> tuple[str, str, tuple, tuple[tuple[int, str], ...]]:
     """The two selects' SQL for the shape, their params, and where the pop's own values go."""
     compiled = []
+    models, text_count = _queue_lists(shape)
     for worker_id, capacity in _STAND_INS:
         view = dataclasses.replace(shape, id=worker_id, chat_capacity=None if shape.chat_capacity is None else capacity)
         (priority_sql, priority_params), (rest_sql, rest_params) = _eligible_select(view, True), _eligible_select(view, False)
         # In the statement's order: the lists, the priority users and their walk, the lists' walk.
-        params = (_LIST_TEXT_COUNT, _LIST_MODELS, _PRIORITY_IDS, *priority_params, *rest_params)
+        params = (text_count, models, _PRIORITY_IDS, *priority_params, *rest_params)
         compiled.append((priority_sql, rest_sql, params))
     (priority_sql, rest_sql, params), (*other_sql, other_params) = compiled
     if [priority_sql, rest_sql] != other_sql or len(params) != len(other_params):  # pragma: no cover
         raise RuntimeError("the pop's statement text depends on the worker's id or capacity")
     names = {_STAND_INS[0][0]: "worker_id", _STAND_INS[0][1]: "chat_capacity"}
-    stand_ins = {id(_PRIORITY_IDS): "priority_ids", id(_LIST_MODELS): "list_models", id(_LIST_TEXT_COUNT): "list_text_count"}
     slots = []
     for position, (value, other) in enumerate(zip(params, other_params, strict=True)):
-        if id(value) in stand_ins:
-            slots.append((position, stand_ins[id(value)]))
+        if value is _PRIORITY_IDS:
+            slots.append((position, "priority_ids"))
         elif value != other:
             if value not in names:  # pragma: no cover - a Django change; the tests would show it
                 raise RuntimeError(f"the pop's parameter {position} varies with the worker: {value!r}")
