@@ -12,9 +12,10 @@ front's /v1/):
 - the PEP 3333 environ is built from the ASGI scope and the WSGI application runs on one of
   HORDE_WEB_THREADS threads, in that thread's own context as on a WSGI server (Django's per-context
   cache backends and connections are made once per thread, not once per request);
-- a pop that asked to wait and found nothing (docs/adr/0024) answers with POP_WAIT_HEADER: the
-  layer holds it here, on the event loop, until the queue's signal or the re-check, then runs the
-  same request again, holding no thread while it waits.
+- a pop that asked to wait and found nothing (docs/adr/0024) answers with POP_WAIT_HEADER (and
+  POP_LISTS_HEADER, its queue lists: ADR 0051): the layer holds it here, on the event loop, until
+  the queue's signal for one of those lists or the re-check, then runs the same request again,
+  holding no thread while it waits.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 
 from django.conf import settings
 
-from chat.services.pop_wait import POP_PATH, POP_WAIT_HEADER, queue_listener
+from chat.services.pop_wait import POP_LISTS_HEADER, POP_PATH, POP_WAIT_HEADER, queue_listener
 from hordesite.body_limits import body_limit, read_body, too_large_body
 from hordesite.db_guard import run_wsgi_whole
 from oai.asgi import cors_headers
@@ -56,9 +57,9 @@ class Answer:
         lowered = name.lower()
         return next((v for k, v in self.headers if k.lower() == lowered), None)
 
-    def without(self, name: str) -> list[tuple[str, str]]:
-        lowered = name.lower()
-        return [(k, v) for k, v in self.headers if k.lower() != lowered]
+    def without(self, *names: str) -> list[tuple[str, str]]:
+        lowered = {name.lower() for name in names}
+        return [(k, v) for k, v in self.headers if k.lower() not in lowered]
 
 
 def run_wsgi(app: Any, environ: dict[str, Any]) -> Answer:
@@ -200,9 +201,11 @@ class PooledWSGI:
         answer = await self._serve(wsgi_environ(scope, io.BytesIO(body), len(body)))
         held = answer.header(POP_WAIT_HEADER)
         if held is not None:
-            answer.headers = answer.without(POP_WAIT_HEADER)  # never sent to a client
+            lists = answer.header(POP_LISTS_HEADER)
+            answer.headers = answer.without(POP_WAIT_HEADER, POP_LISTS_HEADER)  # never sent to a client
             if answer.status == 200 and method == "POST" and path == POP_PATH:
-                answer = await self._hold(scope, body, receive, arrived + float(held))
+                tokens = None if lists is None else frozenset(filter(None, lists.split(",")))
+                answer = await self._hold(scope, body, receive, arrived + float(held), tokens)
                 if answer is None:
                     return  # the worker went away while its pop was held
         await _send_answer(send, answer)
@@ -240,14 +243,17 @@ class PooledWSGI:
             log.exception("%s %s failed", environ["REQUEST_METHOD"], environ["PATH_INFO"])
             return Answer(500, [("Content-Type", "application/json"), *cors_headers()], _INTERNAL_ERROR)
 
-    async def _hold(self, scope: dict[str, Any], body: bytes, receive: Any, until: float) -> Answer | None:
+    async def _hold(
+        self, scope: dict[str, Any], body: bytes, receive: Any, until: float, tokens: frozenset[str] | None
+    ) -> Answer | None:
         """An empty pop that asked to wait (docs/adr/0024): until `until`, wait on the event loop for
-        the queue's signal or the re-check and pop again (same body), holding no thread meanwhile.
+        the queue's signal of one of its lists (`tokens`; None: any) or the re-check and pop again
+        (same body), holding no thread meanwhile.
         The first pop again comes at once, after registering for the signal: an addition committed
         after the first pop read the queue is seen by it or wakes the wait. The answer of the last
         pop; None when the worker disconnected meanwhile."""
         listener = queue_listener()
-        waiter = listener.register()
+        waiter = listener.register(tokens)
         disconnected = asyncio.ensure_future(receive())
         try:
             await listener.subscribed(timeout=0.5)
@@ -255,7 +261,7 @@ class PooledWSGI:
                 waiter.event.clear()
                 answer = await self._serve(wsgi_environ(scope, io.BytesIO(body), len(body)))
                 still_held = answer.header(POP_WAIT_HEADER) is not None
-                answer.headers = answer.without(POP_WAIT_HEADER)
+                answer.headers = answer.without(POP_WAIT_HEADER, POP_LISTS_HEADER)
                 left = until - time.monotonic()
                 if answer.status != 200 or not still_held or left <= 0:
                     return answer

@@ -10,7 +10,7 @@ from accounts.api.callers import registered_caller
 from chat.api import serializers as s
 from chat.api.fast_validation import validated_body
 from chat.services.pop import worker_check_in_and_pop
-from chat.services.pop_wait import POP_WAIT_HEADER
+from chat.services.pop_wait import POP_LISTS_HEADER, POP_WAIT_HEADER
 from contract.text import TEXT_POP_WAIT_MAX_SECONDS
 
 
@@ -25,6 +25,8 @@ class TextPopView(APIView):
         job = worker_check_in_and_pop(owner=owner, **data)
         response = Response(s.POP_OUTPUT.to_representation(job))
         if job.request is None and wait:
-            # How long the serving layer may hold this empty answer for a job (ADR 0024).
+            # How long the serving layer may hold this empty answer for a job (ADR 0024), and the
+            # queue lists whose growth wakes it (ADR 0051).
             response[POP_WAIT_HEADER] = str(min(wait, TEXT_POP_WAIT_MAX_SECONDS))
+            response[POP_LISTS_HEADER] = ",".join(job.wake_on)
         return response

@@ -17,10 +17,12 @@ online (`chat_capacity_clause`, and `chat_capacity_refusal` in Python).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import reduce
 from operator import or_
+from typing import NamedTuple
 
 from django.db import connection
 from django.db.models import (
@@ -101,6 +103,29 @@ class WorkerView:
     @property
     def takes_chat(self) -> bool:
         return self.chat.chat_jobs and self.chat.model_id is not None and self.chat.chat_limits is not None
+
+
+class QueueList(NamedTuple):
+    """One of the queue's lists (chat.models.QueueEntry): the waiting requests of one kind that
+    name one model ("" for a text request naming none)."""
+
+    is_chat: bool
+    model: str
+
+
+def worker_queue_lists(worker: WorkerView) -> tuple[QueueList, ...]:
+    """The lists that hold every request the worker may take: each model it serves and "" when it
+    takes prompt jobs (text first), its chat model when it takes chat jobs."""
+    text = [QueueList(False, name) for name in dict.fromkeys((*worker.models, ""))] if worker.accepts_prompt_jobs else []
+    chat = [QueueList(True, worker.chat.model_id or "")] if worker.takes_chat else []
+    return (*text, *chat)
+
+
+def request_queue_lists(*, is_chat: bool, models: Iterable[str]) -> tuple[QueueList, ...]:
+    """The lists a waiting request is in: each model it names, or "" when it names none (as the
+    database lists it: horde_request_listed_models, chat/migrations/0009_queue_entries.py)."""
+    names = dict.fromkeys(models) or {"": None}
+    return tuple(QueueList(is_chat, name) for name in names)
 
 
 def waiting_requests():

@@ -15,6 +15,7 @@ from accounts.models import HordeUser, KudosTransaction
 from accounts.services import kudos_hold, kudos_transfer
 from chat.models import GenerationRequest, RequestModel, RequestWorker
 from chat.pricing import context_multiplier
+from chat.selectors.queue import request_queue_lists
 from chat.services.maintenance import horde_in_maintenance
 from chat.services.pop_cache import queue_grew
 from contract.errors import HordeError
@@ -115,6 +116,6 @@ def request_rows_create(
     kudos_transfer(
         user_id=locked_user.pk, amount=-HORDE_TAX, kind=KudosTransaction.Kind.HORDE_TAX, request_id=request.id
     )
-    queue_grew()
+    queue_grew(request_queue_lists(is_chat=request.is_chat, models=models))
     return request
 

@@ -9,6 +9,7 @@ from django.db.models import F
 
 from accounts.services import kudos_release
 from chat.models import Generation, GenerationRequest
+from chat.selectors.queue import request_queue_lists
 from chat.selectors.status import stored_result_count
 from chat.services.pop_cache import queue_grew
 from chat.signals import publish_chat_signal
@@ -57,10 +58,10 @@ def requeue_faulted(generation_ids: list[UUID], request_id: UUID) -> None:
 
     Called in the transaction that faulted them, so a fault and its restart commit together.
     """
-    GenerationRequest.objects.filter(pk=request_id, faulted=False, cancelled=False).update(
-        jobs_waiting=F("jobs_waiting") + len(generation_ids)
-    )
-    queue_grew()
+    requeued = GenerationRequest.objects.filter(pk=request_id, faulted=False, cancelled=False)
+    if requeued.update(jobs_waiting=F("jobs_waiting") + len(generation_ids)):
+        is_chat, models = requeued.values_list("is_chat", "requested_models").get()
+        queue_grew(request_queue_lists(is_chat=is_chat, models=models or ()))
     fault_request_if_over_limit(request_id)
 
 

@@ -22,8 +22,14 @@ from chat.gate_shadow import record_over_capacity_assignment
 from chat.metrics import lease_capacity_limited
 from chat.models import Generation, GenerationRequest
 from chat.pricing import model_kudos_factors
-from chat.selectors.queue import WorkerView, eligibility_filter, empty_pop_counts, waiting_requests
-from chat.services.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember
+from chat.selectors.queue import (
+    WorkerView,
+    eligibility_filter,
+    empty_pop_counts,
+    waiting_requests,
+    worker_queue_lists,
+)
+from chat.services.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember, view_list_tokens
 from chat.services.progress import write_stream_leases
 from chat.sql import RowLoader, run_prepared
 from contract.chat_declaration import parse_chat_declaration
@@ -41,6 +47,9 @@ class PoppedJob:
     generations: list[Generation]
     model: str | None
     skipped: dict[str, int]
+    # Of an empty answer: the tokens of the queue lists whose growth may change it (a held pop
+    # waits on them: chat/services/pop_wait.py).
+    wake_on: tuple[str, ...] = ()
 
 
 def _priority_user_ids(worker: Worker) -> list[int]:
@@ -153,8 +162,8 @@ def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
         # From values the pop holds: the worker's speed caps the chat output it is offered.
         lease_capacity_limited.add(1, {"horde.gentype": "text"})
     check = empty_pop_lookup(view)
-    if check.skipped is not None:  # found nothing last time, and nothing joined the queue since
-        return PoppedJob(request=None, generations=[], model=None, skipped=check.skipped)
+    if check.skipped is not None:  # found nothing last time, and nothing joined its lists since
+        return PoppedJob(request=None, generations=[], model=None, skipped=check.skipped, wake_on=view_list_tokens(view))
     now = timezone.now()
     if connection.vendor == "postgresql":
         popped = _pop_in_one_statement(worker=worker, view=view, amount=amount, now=now)
@@ -168,7 +177,7 @@ def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
             empty_pop_forget(view)
         else:
             empty_pop_remember(view, check, counts.skipped)
-        return PoppedJob(request=None, generations=[], model=None, skipped=counts.skipped)
+        return PoppedJob(request=None, generations=[], model=None, skipped=counts.skipped, wake_on=view_list_tokens(view))
     empty_pop_forget(view)
     record_over_capacity_assignment(request=popped.request, generations=popped.generations, worker=worker)
     if popped.request.is_chat and streams_progress(popped.request.chat_extras):
@@ -266,15 +275,13 @@ _WAITING_AS_INDEXED = RawSQL(
     output_field=BooleanField(),
 )
 def _queue_lists(view: WorkerView) -> tuple[list[str], int]:
-    """The queue lists (chat.models.QueueEntry) that hold every request the worker may take: under
-    each model it serves and "" (a text request naming none) when it takes prompt jobs, under its
-    chat model when it takes chat jobs. As the lists' models and how many of the first are text
-    lists: one array to bind (psycopg dumps an array in Python), not one per column. They follow
-    from the declaration's shape, so they are among the params built once with its statement;
-    parameters, not spelled out in the text, which stays one per declaration shape whatever the
-    models (prepared_max, tests/chat/test_prepared.py)."""
-    text = [*view.models, ""] if view.accepts_prompt_jobs else []
-    return [*text, *([view.chat.model_id] if view.takes_chat else [])], len(text)
+    """The worker's queue lists (worker_queue_lists, text lists first) as the lists' models and how
+    many of the first are text lists: one array to bind (psycopg dumps an array in Python), not one
+    per column. They follow from the declaration's shape, so they are among the params built once
+    with its statement; parameters, not spelled out in the text, which stays one per declaration
+    shape whatever the models (prepared_max, tests/chat/test_prepared.py)."""
+    lists = worker_queue_lists(view)
+    return [listed.model for listed in lists], sum(not listed.is_chat for listed in lists)
 
 
 def _eligible_select(view: WorkerView, priority: bool) -> tuple[str, tuple]:

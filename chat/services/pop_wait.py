@@ -1,17 +1,21 @@
 """The queue's signal, and the per-process wake that long-polling pops wait on.
 
-A pop that carries `wait` and finds nothing answers with POP_WAIT_HEADER; the web process's serving
-layer (hordesite/wsgi_pool.py) holds it on the event loop, not on a pool thread, until the queue
-grows or its wait ends, then pops again. The queue grows where
-chat/services/pop_cache.py bumps its count (a new text or chat request, a requeued job); on commit the same
-round trip PUBLISHes on QUEUE_SIGNAL_CHANNEL.
+A pop that carries `wait` and finds nothing answers with POP_WAIT_HEADER, and with POP_LISTS_HEADER
+naming the queue lists its worker takes from (chat/services/pop_cache.py's tokens); the web process's
+serving layer (hordesite/wsgi_pool.py) holds it on the event loop, not on a pool thread, until one
+of those lists grows or its wait ends, then pops again. The queue grows where
+chat/services/pop_cache.py bumps its lists' counts (a new text or chat request, a requeued job); on
+commit the same round trip PUBLISHes the lists' tokens on QUEUE_SIGNAL_CHANNEL.
 
 `QueueSignalListener` holds one Redis pub/sub connection per process (per event loop) subscribed to
-that channel, and wakes every waiting pop for each message: each pops again, one takes the job and
-the others find nothing and wait on. A waiting pop also re-checks every
-HORDE_POP_WAIT_RECHECK_SECONDS (a lost message, a connection drop, a job whose lease lapsed, which
-no signal announces). Without Redis the wake is in process: additions made by this process wake its
-pops at once (the embedded server is one process); the re-check covers the rest.
+that channel, and for each message wakes the waiting pops whose lists it names (all of them for
+EVERY_LIST_TOKEN, or a message it cannot read): each pops again, one takes the job and the others
+find nothing and wait on. Requests for other models wake no one: with a thousand held pops and
+twenty new requests a second, waking every pop for each would be twenty thousand pops a second. A
+waiting pop also re-checks every HORDE_POP_WAIT_RECHECK_SECONDS (a lost message, a connection drop,
+a job whose lease lapsed, which no signal announces). Without Redis the wake is in process:
+additions made by this process wake all of its pops at once (the embedded server is one process);
+the re-check covers the rest.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import threading
 
 from django.conf import settings
@@ -31,6 +36,30 @@ POP_PATH = "/api/v2/generate/text/pop"
 # On an empty pop that asked to wait: the seconds it may be held for a job, from its arrival. Never
 # sent to a client: the serving layer removes it.
 POP_WAIT_HEADER = "X-Horde-Pop-Wait"
+# Beside it: the tokens of the queue lists whose growth wakes the held pop, comma separated. Never
+# sent to a client either.
+POP_LISTS_HEADER = "X-Horde-Pop-Lists"
+# The token of "every list": an addition that may concern any worker (pop_cache.queue_grew()
+# without lists).
+EVERY_LIST_TOKEN = "*"
+
+
+def queue_signal_message(tokens: tuple[str, ...]) -> bytes:
+    """The signal's payload: the tokens of the lists that grew."""
+    return ",".join(tokens).encode()
+
+
+_TOKEN = re.compile(r"[0-9a-f]{16}(?:,[0-9a-f]{16})*")
+
+
+def signalled_tokens(data: object) -> frozenset[str] | None:
+    """The lists a signal names; None (every list) for EVERY_LIST_TOKEN or any other payload, such
+    as an earlier release's "1"."""
+    if isinstance(data, str):
+        data = data.encode()
+    if not isinstance(data, bytes) or not _TOKEN.fullmatch(data.decode("latin-1")):
+        return None
+    return frozenset(data.decode().split(","))
 
 
 def queue_signal_channel() -> str:
@@ -45,10 +74,11 @@ def queue_signal_channel() -> str:
 
 
 class PopWaiter:
-    """One held pop's wake-up flag."""
+    """One held pop's wake-up flag, and the lists whose growth sets it (None: any list)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokens: frozenset[str] | None = None) -> None:
         self.event = asyncio.Event()
+        self.tokens = tokens
 
     async def wait(self, seconds: float) -> bool:
         """True when woken within `seconds`."""
@@ -72,8 +102,8 @@ class QueueSignalListener:
         if redis_url:
             self._task = self.loop.create_task(self._run(), name="horde-queue-signal")
 
-    def register(self) -> PopWaiter:
-        waiter = PopWaiter()
+    def register(self, tokens: frozenset[str] | None = None) -> PopWaiter:
+        waiter = PopWaiter(tokens)
         self._waiters.add(waiter)
         return waiter
 
@@ -93,6 +123,14 @@ class QueueSignalListener:
     def wake_all(self) -> None:
         for waiter in list(self._waiters):
             waiter.event.set()
+
+    def wake(self, tokens: frozenset[str] | None) -> None:
+        """Wake the held pops that take from one of the lists `tokens` names (None: every one)."""
+        if tokens is None:
+            return self.wake_all()
+        for waiter in list(self._waiters):
+            if waiter.tokens is None or not waiter.tokens.isdisjoint(tokens):
+                waiter.event.set()
 
     async def close(self) -> None:
         if self._task is not None:
@@ -118,7 +156,7 @@ class QueueSignalListener:
                 while True:
                     message = await asyncio.wait_for(pubsub.get_message(timeout=1.0), 3.0)
                     if message is not None and message.get("type") == "message":
-                        self.wake_all()
+                        self.wake(signalled_tokens(message.get("data")))
                         idle = 0.0
                         continue
                     idle += 1.0

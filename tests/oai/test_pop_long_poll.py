@@ -108,6 +108,38 @@ def test_a_waiting_pop_gets_a_request_created_200_ms_later_at_once(live_horde, p
     assert pop.answered - pop.started < 2.0
 
 
+@pytest.mark.redis_only
+def test_a_request_for_another_model_does_not_wake_a_waiting_pop(live_horde, people):
+    """The signal names the lists that grew (ADR 0051): a held pop is popped again only for its own.
+    (Without Redis the embedded server's in-process wake wakes every held pop.)"""
+    from django.core.signals import request_started
+
+    owner, requester = people
+    name = f"lp-{uuid.uuid4().hex[:6]}"
+    pops: list[float] = []
+
+    def count_pops(sender, environ, **kwargs):
+        if environ.get("PATH_INFO") == "/api/v2/generate/text/pop":
+            pops.append(time.monotonic())
+
+    plain_pop(live_horde.url, owner.key, pop_body(name))
+    request_started.connect(count_pops)
+    try:
+        pop = TimedPop(live_horde.url, owner.key, pop_body(name, wait=10)).start()
+        time.sleep(0.3)
+        held = len(pops)
+        assert held >= 1 and not pop.done
+        queue_text(live_horde.url, requester.key, models=[OTHER])
+        time.sleep(0.5)
+        assert len(pops) == held and not pop.done  # not popped again
+        request_id, queued_at = queue_text(live_horde.url, requester.key, models=[MODEL])
+        job = pop.join().json()
+    finally:
+        request_started.disconnect(count_pops)
+    assert str(Generation.objects.get(pk=job["id"]).request_id) == request_id
+    assert pop.answered - queued_at < 0.5 and len(pops) == held + 1
+
+
 def test_the_wait_ends_with_the_empty_pop_and_its_skipped_counts(live_horde, people):
     owner, requester = people
     name = f"lp-{uuid.uuid4().hex[:6]}"

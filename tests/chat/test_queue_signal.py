@@ -1,0 +1,90 @@
+"""The queue's signal names the lists that grew, and wakes only the held pops that take from them
+(ADR 0051): through real Redis pub/sub, from queue_grew as the creation route and the requeue call it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from chat.selectors.queue import WorkerView, request_queue_lists
+from chat.services.pop_cache import queue_grew, view_list_tokens
+from chat.services.pop_wait import QueueSignalListener, queue_signal_message, signalled_tokens
+from contract.chat_declaration import parse_chat_declaration
+
+pytestmark = pytest.mark.redis_only
+
+MODEL = "Gryphe/MythoMax-L2-13b"
+OTHER = "koboldcpp/LLaMA2-13B-Psyfighter2"
+
+
+def _view(models: tuple[str, ...], **chat) -> WorkerView:
+    """A worker's view; with a chat declaration, one that takes chat jobs only."""
+    return WorkerView(
+        id=None,
+        models=models,
+        max_length=512,
+        max_context_length=4096,
+        owner_trusted=False,
+        validated=False,
+        slow=False,
+        accepts_prompt_jobs=not chat,
+        chat=parse_chat_declaration(chat, models=list(models)) if chat else WorkerView.chat,
+    )
+
+
+async def _woken_after(listener: QueueSignalListener, grow, waiters: dict) -> set[str]:
+    for waiter in waiters.values():
+        waiter.event.clear()
+    await asyncio.to_thread(grow)
+    await asyncio.sleep(0.3)
+    return {name for name, waiter in waiters.items() if waiter.event.is_set()}
+
+
+def test_a_signal_wakes_the_pops_of_the_lists_that_grew_and_no_other(settings):
+    async def scenario() -> None:
+        listener = QueueSignalListener(settings.REDIS_URL)
+        try:
+            waiters = {
+                "model": listener.register(frozenset(view_list_tokens(_view((MODEL,))))),
+                "other": listener.register(frozenset(view_list_tokens(_view((OTHER,))))),
+                "both": listener.register(frozenset(view_list_tokens(_view((MODEL, OTHER))))),
+                "chat": listener.register(
+                    frozenset(
+                        view_list_tokens(
+                            _view(
+                                (MODEL,),
+                                chat_jobs=True,
+                                prompt_jobs=False,
+                                model_id=MODEL,
+                                chat_limits={"max_context_length": 4096, "max_length": 512},
+                            )
+                        )
+                    )
+                ),
+                "unlisted": listener.register(None),  # a pop held without its lists: any signal
+            }
+            await listener.subscribed(timeout=5)
+
+            def text(models):
+                return lambda: queue_grew(request_queue_lists(is_chat=False, models=models))
+
+            assert await _woken_after(listener, text([OTHER]), waiters) == {"other", "both", "unlisted"}
+            assert await _woken_after(listener, text([MODEL]), waiters) == {"model", "both", "unlisted"}
+            # A text request naming no model: every worker that takes prompt jobs.
+            assert await _woken_after(listener, text([]), waiters) == {"model", "other", "both", "unlisted"}
+            chat = lambda: queue_grew(request_queue_lists(is_chat=True, models=[MODEL]))  # noqa: E731
+            assert await _woken_after(listener, chat, waiters) == {"chat", "unlisted"}
+            assert await _woken_after(listener, queue_grew, waiters) == set(waiters)  # every list
+        finally:
+            await listener.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_signal_that_names_no_list_wakes_every_pop():
+    tokens = view_list_tokens(_view((MODEL, OTHER)))[1:]
+    assert signalled_tokens(queue_signal_message(tokens)) == set(tokens)
+    # "every list", an earlier release's payload, and anything else.
+    for data in (queue_signal_message(("*",)), b"1", b"", b"a1,b2", tokens[0].encode() + b",*", None, 1):
+        assert signalled_tokens(data) is None, data
