@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -12,9 +11,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection, connections, transaction
-from django.db.models import BooleanField, Case, F, Field, Value, When
-from django.db.models.expressions import RawSQL
-from django.db.models.functions import Now
+from django.db.models import Case, F, Field, Value, When
 from django.utils import timezone
 
 from accounts.models import HordeUser
@@ -23,10 +20,15 @@ from chat.metrics import lease_capacity_limited
 from chat.models import Generation, GenerationRequest
 from chat.pricing import model_kudos_factors
 from chat.selectors.queue import (
+    WAITING_NOW,
+    ShapeSQL,
     WorkerView,
+    declaration_shape,
     eligibility_filter,
     empty_pop_counts,
+    sql_for_shape,
     waiting_requests,
+    where_sql,
     worker_queue_lists,
 )
 from chat.services.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember, view_list_tokens
@@ -260,20 +262,6 @@ _POP_COMPUTED_COLUMNS = ("id", "request_id", "model", *_ASSIGNED_COLUMNS, *_PRIC
 _PRIORITY_IDS = object()
 
 
-def _statement_shape(view: WorkerView) -> WorkerView:
-    """What the pop's statement depends on: the view without the worker's id (its requests' worker
-    lists) and chat capacity, which follows its speed and so moves with nearly every job a chat
-    worker finishes. Both are parameters of the statement; each pop binds its own (_PopStatement)."""
-    return dataclasses.replace(view, id=None, chat_capacity=None if view.chat_capacity is None else 0)
-
-
-# The waiting condition, as the queue index and the queue lists' triggers (migration 0009) state
-# it: checked again on each row the walk locks, whose last job a concurrent pop may have taken.
-_WAITING_AS_INDEXED = RawSQL(
-    '"horde_requests"."jobs_waiting" > 0 AND NOT "horde_requests"."faulted" AND NOT "horde_requests"."cancelled"',
-    (),
-    output_field=BooleanField(),
-)
 def _queue_lists(view: WorkerView) -> tuple[list[str], int]:
     """The worker's queue lists (worker_queue_lists, text lists first) as the lists' models and how
     many of the first are text lists: one array to bind (psycopg dumps an array in Python), not one
@@ -298,8 +286,7 @@ def _eligible_select(view: WorkerView, priority: bool) -> tuple[str, tuple]:
     sorted every one rather than walk in order and stop at the first match
     (docs/adr/0042-pop-plan-walks-the-queue.md)."""
     eligible = Case(When(eligibility_filter(view), then=Value(True)), default=Value(False))
-    qs = GenerationRequest.objects.filter(_WAITING_AS_INDEXED, expires_at__gt=Now()).filter(eligible)
-    where, params = qs.query.get_compiler(connection=connection).compile(qs.query.where)
+    where, params = where_sql(WAITING_NOW, eligible)
     table = connection.ops.quote_name(GenerationRequest._meta.db_table)
     columns = ", ".join(f"{table}.{connection.ops.quote_name(name)}" for name in _POP_REQUEST_COLUMNS)
     requester = "e.user_id = priority_user.id AND " if priority else ""
@@ -363,62 +350,34 @@ def _popped_request_loader() -> RowLoader:
     return RowLoader.of_fields(connection.alias, [(GenerationRequest, _POP_REQUEST_COLUMNS)], extra=(None, None))
 
 
+def _pop_selects(view: WorkerView) -> tuple[tuple[str, str], tuple]:
+    """The pop's two selects (the priority users' walk, the lists' walk) and their params in the
+    statement's order: the lists, the priority users and their walk, the lists' walk."""
+    models, text_count = _queue_lists(view)
+    (priority_sql, priority_params), (rest_sql, rest_params) = _eligible_select(view, True), _eligible_select(view, False)
+    return (priority_sql, rest_sql), (text_count, models, _PRIORITY_IDS, *priority_params, *rest_params)
+
+
 @dataclass(frozen=True)
 class _PopStatement:
-    """The pop's SQL for one declaration shape and the params of its two selects, with the
-    stand-ins' positions in them."""
+    """The pop's SQL for one declaration shape, and its selects' params (chat.selectors.queue.ShapeSQL)."""
 
     sql: str
-    select_params: tuple
-    slots: tuple[tuple[int, str], ...]  # (position in select_params, "priority_ids" | "worker_id" | "chat_capacity")
+    selects: ShapeSQL
 
     def bind(self, *, priority_ids: list[int], view: WorkerView) -> list[Any]:
-        """The selects' params with this pop's values in the stand-ins' places."""
-        values = {"priority_ids": priority_ids, "worker_id": view.id, "chat_capacity": view.chat_capacity}
-        params = list(self.select_params)
-        for position, name in self.slots:
-            params[position] = values[name]
+        """The selects' params with this pop's own values in their places."""
+        params = self.selects.bind(view)
+        params[params.index(_PRIORITY_IDS)] = priority_ids
         return params
-
-
-# Two workers' ids and capacities: the selects are compiled for both, and the params that differ
-# are the worker's own (no stand-in value of one type can be mistaken for another parameter).
-_STAND_INS = (
-    (uuid.UUID("5e1ec7ed-0000-4000-8000-0000000f00d1"), 1),
-    (uuid.UUID("5e1ec7ed-0000-4000-8000-0000000f00d2"), 2),
-)
-
-
-def _select_params_and_slots(shape: WorkerView) -> tuple[str, str, tuple, tuple[tuple[int, str], ...]]:
-    """The two selects' SQL for the shape, their params, and where the pop's own values go."""
-    compiled = []
-    models, text_count = _queue_lists(shape)
-    for worker_id, capacity in _STAND_INS:
-        view = dataclasses.replace(shape, id=worker_id, chat_capacity=None if shape.chat_capacity is None else capacity)
-        (priority_sql, priority_params), (rest_sql, rest_params) = _eligible_select(view, True), _eligible_select(view, False)
-        # In the statement's order: the lists, the priority users and their walk, the lists' walk.
-        params = (text_count, models, _PRIORITY_IDS, *priority_params, *rest_params)
-        compiled.append((priority_sql, rest_sql, params))
-    (priority_sql, rest_sql, params), (*other_sql, other_params) = compiled
-    if [priority_sql, rest_sql] != other_sql or len(params) != len(other_params):  # pragma: no cover
-        raise RuntimeError("the pop's statement text depends on the worker's id or capacity")
-    names = {_STAND_INS[0][0]: "worker_id", _STAND_INS[0][1]: "chat_capacity"}
-    slots = []
-    for position, (value, other) in enumerate(zip(params, other_params, strict=True)):
-        if value is _PRIORITY_IDS:
-            slots.append((position, "priority_ids"))
-        elif value != other:
-            if value not in names:  # pragma: no cover - a Django change; the tests would show it
-                raise RuntimeError(f"the pop's parameter {position} varies with the worker: {value!r}")
-            slots.append((position, names[value]))
-    return priority_sql, rest_sql, params, tuple(slots)
 
 
 @lru_cache(maxsize=4096)
 def _pop_statement(shape: WorkerView) -> _PopStatement:
-    """The pop's SQL for a declaration shape (_statement_shape): the text and the selects' params
+    """The pop's SQL for a declaration shape (declaration_shape): the text and the selects' params
     are the same for every pop under it, so they are built once."""
-    priority_sql, rest_sql, select_params, slots = _select_params_and_slots(shape)
+    selects = sql_for_shape(shape, _pop_selects)
+    priority_sql, rest_sql = selects.texts
     columns, placeholders, _ = _generation_insert_columns()
     fields = ", ".join(f"p.{connection.ops.quote_name(name)}" for name in _POP_REQUEST_COLUMNS)
     listed = ", ".join(f"c.{connection.ops.quote_name(name)}" for name in _POP_REQUEST_COLUMNS)
@@ -471,11 +430,11 @@ def _pop_statement(shape: WorkerView) -> _PopStatement:
         )
         SELECT {fields}, p.take, p.job_model FROM picked AS p
     """
-    return _PopStatement(sql=sql, select_params=select_params, slots=slots)
+    return _PopStatement(sql=sql, selects=selects)
 
 
 def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now) -> PoppedJob | None:
-    statement = _pop_statement(_statement_shape(view))
+    statement = _pop_statement(declaration_shape(view))
     select_params = statement.bind(priority_ids=_priority_user_ids(worker), view=view)
     lease = now + timedelta(seconds=settings.HORDE_TEXT_JOB_LEASE_SECONDS)
     served = list(worker.served_models or [])

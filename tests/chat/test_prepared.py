@@ -1,5 +1,5 @@
 """The hot path's prepared statements (PostgreSQL, chat/sql.py): how many statement texts the pop
-makes across declaration shapes, against psycopg's `prepared_max` (100 per connection), and that a
+and its empty answer's counts make across declaration shapes, against psycopg's `prepared_max` (100 per connection), and that a
 second round of the same pops prepares nothing new (no churn: nothing evicted and prepared again)."""
 
 from __future__ import annotations
@@ -71,6 +71,9 @@ def test_the_pop_prepares_one_text_per_declaration_shape_well_under_prepared_max
     # 2 owners x 2 agents x 4 priority counts x 2 model lists, and 3 chat shapes twice each: only
     # what the worker takes (text, chat, both) and the chat declaration's shape make a text.
     assert 1 <= len(pops) <= 7, len(pops)
+    # Every pop here finds nothing, so each shape's empty pop counts run too: one text a shape.
+    counts = [text for text, _ in first if text.startswith("SELECT COUNT(*) FILTER")]
+    assert 1 <= len(counts) <= 7, len(counts)
     assert len(first) < PSYCOPG_PREPARED_MAX // 4
     _pops(horde, owners)
     assert _prepared_on_this_connection() - before == first, "a second round of the same pops prepared new texts"
