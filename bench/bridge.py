@@ -87,7 +87,7 @@ def serve_instant_backend(port: int) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--database-url", default=os.environ.get("BENCH_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/horde_bridge_bench"))
-    p.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/13"))
+    p.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/5"))
     p.add_argument("--port", type=int, default=8767)
     p.add_argument("--requests", type=int, default=1500, help="chat requests queued before the bridge starts")
     p.add_argument("--threads", type=int, default=4, help="the bridge's --threads")

@@ -6,7 +6,7 @@ polling every second as upstream workers do (--pop-wait 0).
     .venv/bin/python bench/first_token.py [--requests 100 --pop-wait 10]
 
 1. Recreates the bench database (default postgres://postgres@127.0.0.1:5432/horde_first_token_bench),
-   flushes the Redis database (default redis://127.0.0.1:6379/9), migrates, starts daphne
+   flushes the Redis database (default redis://127.0.0.1:6379/8), migrates, starts daphne
    (hordesite.asgi: the native API, its hot route layer and the mounted /v1 front).
 2. Starts an instant OpenAI-compatible backend (this script with --serve-instant-backend: every
    chat completion answered at once; with stream: true as server-sent events, a role chunk, one
@@ -124,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--database-url",
         default=os.environ.get("BENCH_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/horde_first_token_bench"),
     )
-    p.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/9"))
+    p.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/8"))
     p.add_argument("--port", type=int, default=8795)
     p.add_argument("--requests", type=int, default=100, help="measured requests per mode (default 100)")
     p.add_argument("--warmup", type=int, default=5, help="unmeasured requests per mode first (default 5)")

@@ -19,7 +19,7 @@ one walked the queue and counted its skipped requests.
     .venv/bin/python bench/idle_pops.py [--requests 10000 --workers 100 --feed-rate 20 --duration 40]
 
 Its own database (default postgres://postgres@127.0.0.1:5432/horde_bench_idle, recreated) and
-Redis database (redis://127.0.0.1:6379/11, flushed).
+Redis database (redis://127.0.0.1:6379/6, flushed); port 8805.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from text_queue import (  # the shared bench machinery
 )
 
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/horde_bench_idle"
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/11"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/6"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=4, help="rounds of (heartbeat, idle), order rotated (default 4)")
     p.add_argument("--concurrency", type=int, default=12, help="requests in flight, both phases (default 12)")
     p.add_argument("--fill-threads", type=int, default=4, help="threads filling the queue (default 4)")
-    p.add_argument("--port", type=int, default=8795, help="daphne port (default 8795)")
+    p.add_argument("--port", type=int, default=8805, help="daphne port (default 8805)")
     p.add_argument("--seed", type=int, default=2)
     p.add_argument("--database-url", default=os.environ.get("BENCH_IDLE_DATABASE_URL", DEFAULT_DATABASE_URL))
     p.add_argument("--redis-url", default=os.environ.get("BENCH_IDLE_REDIS_URL", DEFAULT_REDIS_URL))

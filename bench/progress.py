@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=40.0, help="measured seconds, split over rounds x 2 phases")
     p.add_argument("--rounds", type=int, default=4, help="rounds of (heartbeat, progress), order rotated (default 4)")
     p.add_argument("--concurrency", type=int, default=12, help="requests in flight, both phases (default 12)")
-    p.add_argument("--port", type=int, default=8785, help="daphne port (default 8785)")
+    p.add_argument("--port", type=int, default=8789, help="daphne port (default 8789)")
     p.add_argument("--database-url", default=os.environ.get("BENCH_PROGRESS_DATABASE_URL", DEFAULT_DATABASE_URL))
     p.add_argument("--redis-url", default=os.environ.get("BENCH_PROGRESS_REDIS_URL", DEFAULT_REDIS_URL))
     p.add_argument(

@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=100, help="concurrent streams (default 100)")
     p.add_argument("--rate", type=float, default=20.0, help="posts a second per stream (default 20)")
     p.add_argument("--duration", type=float, default=20.0, help="measured seconds per loop (default 20)")
-    p.add_argument("--port", type=int, default=8786, help="daphne port (default 8786)")
+    p.add_argument("--port", type=int, default=8788, help="daphne port (default 8788)")
     p.add_argument("--database-url", default=os.environ.get("BENCH_RELAY_DATABASE_URL", DEFAULT_DATABASE_URL))
     p.add_argument("--redis-url", default=os.environ.get("BENCH_RELAY_REDIS_URL", DEFAULT_REDIS_URL))
     p.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE")
