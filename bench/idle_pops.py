@@ -10,11 +10,14 @@ client concurrency:
 
   heartbeat  GET  /api/v2/status/heartbeat
   idle       the idle workers loop on POST /api/v2/generate/text/pop; every answer is empty
+  held       the idle workers' pops carry `wait` (the reference worker's long poll, ADR 0024) and
+             are held by the web process, while the heartbeat loop runs as in its own phase
 
-and prints the idle pops' rate against the heartbeat's, and what each cost daphne and PostgreSQL.
+and prints the idle pops' rate against the heartbeat's, what each cost daphne and PostgreSQL, and
+the heartbeat's rate while the idle workers' pops are held against its rate alone.
 An empty pop is answered from the web process's memory while nothing joined its worker's queue
 lists; before ADR 0051 any addition to the queue ended every such answer, so each idle pop after
-one walked the queue and counted its skipped requests.
+one walked the queue and counted its skipped requests, and every held pop was popped again.
 
     .venv/bin/python bench/idle_pops.py [--requests 10000 --workers 100 --feed-rate 20 --duration 40]
 
@@ -46,7 +49,9 @@ from text_queue import (  # the shared bench machinery
     pct,
     phase_heartbeat,
     phase_pop,
+    pop_body,
     register_workers,
+    timed,
 )
 
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/horde_bench_idle"
@@ -60,9 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=100, help="idle workers popping (default 100)")
     p.add_argument("--requesters", type=int, default=50, help="requesting users (default 50)")
     p.add_argument("--feed-rate", type=float, default=20.0, help="new requests a second for queued models (default 20)")
-    p.add_argument("--duration", type=float, default=40.0, help="measured seconds, split over rounds x 2 phases")
-    p.add_argument("--rounds", type=int, default=4, help="rounds of (heartbeat, idle), order rotated (default 4)")
-    p.add_argument("--concurrency", type=int, default=12, help="requests in flight, both phases (default 12)")
+    p.add_argument("--duration", type=float, default=60.0, help="measured seconds, split over rounds x 3 phases")
+    p.add_argument("--rounds", type=int, default=4, help="rounds of (heartbeat, idle, held), order rotated (default 4)")
+    p.add_argument("--concurrency", type=int, default=12, help="requests in flight, every phase (default 12)")
+    p.add_argument("--wait", type=int, default=10, help="the held pops' `wait`, seconds (default 10)")
     p.add_argument("--fill-threads", type=int, default=4, help="threads filling the queue (default 4)")
     p.add_argument("--port", type=int, default=8805, help="daphne port (default 8805)")
     p.add_argument("--seed", type=int, default=2)
@@ -134,18 +140,45 @@ class Feeder(threading.Thread):
             connection.close()
 
 
+async def phase_held(args: argparse.Namespace, seconds: float, workers: list[WorkerSpec]) -> PhaseResult:
+    """The heartbeat loop while every idle worker's pop is held (`wait`), each on its own connection."""
+    held = PhaseResult("held pops")
+    deadline = time.perf_counter() + seconds
+
+    async def hold(client: RawHTTPClient, w: WorkerSpec) -> None:
+        headers = {"apikey": w.api_key, "Client-Agent": "bench:1:idle_pops"}
+        body = {**pop_body(w), "wait": args.wait}
+        while time.perf_counter() < deadline:
+            await timed(client, "POST", "/api/v2/generate/text/pop", held, held.latencies, json=body, headers=headers)
+
+    async with RawHTTPClient("127.0.0.1", args.port, len(workers)) as pops:
+        holders = [asyncio.ensure_future(hold(pops, w)) for w in workers]
+        await asyncio.sleep(0.5)  # every pop held
+        async with RawHTTPClient("127.0.0.1", args.port, args.concurrency) as client:
+            result = await phase_heartbeat(client, max(0.0, deadline - time.perf_counter()), args.concurrency)
+        for holder in holders:  # the held pops left go with their connections
+            holder.cancel()
+        await asyncio.gather(*holders, return_exceptions=True)
+    result.name = "held"
+    result.jobs = len(held.latencies)
+    return result
+
+
 async def measure(args: argparse.Namespace, workers: list[WorkerSpec], server_pid: int) -> dict[str, PhaseResult]:
-    totals = {name: PhaseResult(name) for name in ("heartbeat", "idle")}
-    per_phase = args.duration / (2 * args.rounds)
+    phases = ("heartbeat", "idle", "held")
+    totals = {name: PhaseResult(name) for name in phases}
+    per_phase = args.duration / (len(phases) * args.rounds)
     async with RawHTTPClient("127.0.0.1", args.port, args.concurrency) as client:
         print(f"registering {len(workers)} idle workers (first pop each) ...", flush=True)
         await register_workers(client, workers, args.concurrency)
         await phase_pop(client, 2.0, args.concurrency, workers, submit=False)  # warm: answers remembered
         for r in range(args.rounds):
-            for name in ("heartbeat", "idle") if r % 2 == 0 else ("idle", "heartbeat"):
+            for name in phases[r % len(phases):] + phases[: r % len(phases)]:
                 before = cpu_seconds_by_process(server_pid)
                 if name == "heartbeat":
                     result = await phase_heartbeat(client, per_phase, args.concurrency)
+                elif name == "held":
+                    result = await phase_held(args, per_phase, workers)
                 else:
                     result = await phase_pop(client, per_phase, args.concurrency, workers, submit=False)
                     result.name = "idle"
@@ -163,7 +196,7 @@ async def measure(args: argparse.Namespace, workers: list[WorkerSpec], server_pi
 
 
 def report(args: argparse.Namespace, totals: dict[str, PhaseResult], fed: int, handed_out: int) -> str:
-    heartbeat, idle = totals["heartbeat"], totals["idle"]
+    heartbeat, idle, held = totals["heartbeat"], totals["idle"], totals["held"]
 
     def rate(r: PhaseResult) -> float:
         return len(r.latencies) / r.seconds if r.seconds else 0.0
@@ -176,7 +209,7 @@ def report(args: argparse.Namespace, totals: dict[str, PhaseResult], fed: int, h
         "| phase | requests | req/s | p50 ms | p95 ms | daphne ms a request | PostgreSQL ms a request |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in (heartbeat, idle):
+    for r in (heartbeat, idle, held):
         count = len(r.latencies)
         cpu = [f"{r.cpu.get(g, 0.0) / count * 1000:.2f}" if count else "-" for g in ("daphne", "postgres")]
         lines.append(
@@ -184,7 +217,16 @@ def report(args: argparse.Namespace, totals: dict[str, PhaseResult], fed: int, h
             f"{pct(r.latencies, 95) * 1000:.1f} | {cpu[0]} | {cpu[1]} |"
         )
     ratio = rate(idle) / rate(heartbeat) if rate(heartbeat) else 0.0
-    lines += ["", f"idle pop req/s / heartbeat req/s: {ratio:.3f}"]
+    kept = rate(held) / rate(heartbeat) if rate(heartbeat) else 0.0
+    lines += [
+        "",
+        "(the held row is the heartbeat loop while the idle workers' pops are held; its CPU per",
+        " request counts everything daphne did meanwhile, held pops included)",
+        "",
+        f"idle pop req/s / heartbeat req/s: {ratio:.3f}",
+        f"heartbeat req/s with {args.workers} pops held (wait {args.wait} s) / alone: {kept:.3f}",
+        f"held pops answered: {held.jobs}",
+    ]
     if handed_out:
         lines.append(f"WARNING: {handed_out} idle pops handed out work (the idle models were asked for)")
     if idle.errors or heartbeat.errors:
