@@ -35,7 +35,13 @@ from typing import Any
 
 from django.conf import settings
 
-from chat.services.pop_wait import POP_LISTS_HEADER, POP_PATH, POP_WAIT_HEADER, queue_listener
+from chat.services.pop_wait import (
+    POP_LISTS_HEADER,
+    POP_PATH,
+    POP_RECHECK_HEADER,
+    POP_WAIT_HEADER,
+    queue_listener,
+)
 from hordesite.body_limits import body_limit, read_body, too_large_body
 from hordesite.db_guard import run_wsgi_whole
 from oai.asgi import cors_headers
@@ -202,7 +208,7 @@ class PooledWSGI:
         held = answer.header(POP_WAIT_HEADER)
         if held is not None:
             lists = answer.header(POP_LISTS_HEADER)
-            answer.headers = answer.without(POP_WAIT_HEADER, POP_LISTS_HEADER)  # never sent to a client
+            answer.headers = answer.without(*_HOLD_HEADERS)  # never sent to a client
             if answer.status == 200 and method == "POST" and path == POP_PATH:
                 tokens = None if lists is None else frozenset(filter(None, lists.split(",")))
                 answer = await self._hold(scope, body, receive, arrived + float(held), tokens)
@@ -247,8 +253,9 @@ class PooledWSGI:
         self, scope: dict[str, Any], body: bytes, receive: Any, until: float, tokens: frozenset[str] | None
     ) -> Answer | None:
         """An empty pop that asked to wait (docs/adr/0024): until `until`, wait on the event loop for
-        the queue's signal of one of its lists (`tokens`; None: any) or the re-check and pop again
-        (same body), holding no thread meanwhile.
+        the queue's signal of one of its lists (`tokens`; None: any) or the re-check (the seconds
+        the last answer's POP_RECHECK_HEADER gives, else HORDE_POP_WAIT_RECHECK_SECONDS) and pop
+        again (same body), holding no thread meanwhile.
         The first pop again comes at once, after registering for the signal: an addition committed
         after the first pop read the queue is seen by it or wakes the wait. The answer of the last
         pop; None when the worker disconnected meanwhile."""
@@ -261,11 +268,12 @@ class PooledWSGI:
                 waiter.event.clear()
                 answer = await self._serve(wsgi_environ(scope, io.BytesIO(body), len(body)))
                 still_held = answer.header(POP_WAIT_HEADER) is not None
-                answer.headers = answer.without(POP_WAIT_HEADER, POP_LISTS_HEADER)
+                recheck = _seconds(answer.header(POP_RECHECK_HEADER))
+                answer.headers = answer.without(*_HOLD_HEADERS)
                 left = until - time.monotonic()
                 if answer.status != 200 or not still_held or left <= 0:
                     return answer
-                woken = asyncio.ensure_future(waiter.wait(min(settings.HORDE_POP_WAIT_RECHECK_SECONDS, left)))
+                woken = asyncio.ensure_future(waiter.wait(min(recheck or settings.HORDE_POP_WAIT_RECHECK_SECONDS, left)))
                 await asyncio.wait((woken, disconnected), return_when=asyncio.FIRST_COMPLETED)
                 woken.cancel()
                 if disconnected.done():
@@ -273,6 +281,18 @@ class PooledWSGI:
         finally:
             listener.unregister(waiter)
             disconnected.cancel()
+
+
+_HOLD_HEADERS = (POP_WAIT_HEADER, POP_LISTS_HEADER, POP_RECHECK_HEADER)
+
+
+def _seconds(value: str | None) -> float | None:
+    """A hold header's seconds; None when absent or not a positive number."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and seconds > 0 else None
 
 
 def _too_large(limit: int) -> Answer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from drf_spectacular.utils import extend_schema
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -10,7 +11,7 @@ from accounts.api.callers import registered_caller
 from chat.api import serializers as s
 from chat.api.fast_validation import validated_body
 from chat.services.pop import worker_check_in_and_pop
-from chat.services.pop_wait import POP_LISTS_HEADER, POP_WAIT_HEADER
+from chat.services.pop_wait import POP_LISTS_HEADER, POP_RECHECK_HEADER, POP_WAIT_HEADER
 from contract.text import TEXT_POP_WAIT_MAX_SECONDS
 
 
@@ -29,4 +30,8 @@ class TextPopView(APIView):
             # queue lists whose growth wakes it (ADR 0051).
             response[POP_WAIT_HEADER] = str(min(wait, TEXT_POP_WAIT_MAX_SECONDS))
             response[POP_LISTS_HEADER] = ",".join(job.wake_on)
+            # A remembered answer changes only with its lists, whose growth the signal announces:
+            # it is looked at again when it ages out, not every HORDE_POP_WAIT_RECHECK_SECONDS.
+            recheck = max(settings.HORDE_POP_WAIT_RECHECK_SECONDS, job.remembered_for)
+            response[POP_RECHECK_HEADER] = f"{recheck:.3f}"
         return response

@@ -50,8 +50,11 @@ class PoppedJob:
     model: str | None
     skipped: dict[str, int]
     # Of an empty answer: the tokens of the queue lists whose growth may change it (a held pop
-    # waits on them: chat/services/pop_wait.py).
+    # waits on them: chat/services/pop_wait.py), and the seconds it is remembered under their
+    # stamps (0: not remembered), during which only their growth, which the queue's signal
+    # announces, can change it.
     wake_on: tuple[str, ...] = ()
+    remembered_for: float = 0.0
 
 
 def _priority_user_ids(worker: Worker) -> list[int]:
@@ -165,7 +168,10 @@ def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
         lease_capacity_limited.add(1, {"horde.gentype": "text"})
     check = empty_pop_lookup(view)
     if check.skipped is not None:  # found nothing last time, and nothing joined its lists since
-        return PoppedJob(request=None, generations=[], model=None, skipped=check.skipped, wake_on=view_list_tokens(view))
+        return PoppedJob(
+            request=None, generations=[], model=None, skipped=check.skipped,
+            wake_on=view_list_tokens(view), remembered_for=check.remembered_for,
+        )
     now = timezone.now()
     if connection.vendor == "postgresql":
         popped = _pop_in_one_statement(worker=worker, view=view, amount=amount, now=now)
@@ -173,13 +179,17 @@ def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
         popped = _pop_in_transaction(worker=worker, view=view, amount=amount, now=now)
     if popped is None:
         counts = empty_pop_counts(view)
+        remembered_for = 0.0
         if counts.takeable:
             # Passed over while locked, or committed after the statement: no queue addition will
             # announce it, so the next pop looks again instead of answering from memory.
             empty_pop_forget(view)
         else:
-            empty_pop_remember(view, check, counts.skipped)
-        return PoppedJob(request=None, generations=[], model=None, skipped=counts.skipped, wake_on=view_list_tokens(view))
+            remembered_for = empty_pop_remember(view, check, counts.skipped)
+        return PoppedJob(
+            request=None, generations=[], model=None, skipped=counts.skipped,
+            wake_on=view_list_tokens(view), remembered_for=remembered_for,
+        )
     empty_pop_forget(view)
     record_over_capacity_assignment(request=popped.request, generations=popped.generations, worker=worker)
     if popped.request.is_chat and streams_progress(popped.request.chat_extras):

@@ -153,6 +153,7 @@ class EmptyPopCheck:
     skipped: dict[str, int] | None = None
     additions: tuple[bytes | None, ...] = ()
     read: bool = False
+    remembered_for: float = 0.0  # with `skipped`: the seconds the answer is still remembered
 
 
 def empty_pop_lookup(view: WorkerView) -> EmptyPopCheck:
@@ -166,18 +167,20 @@ def empty_pop_lookup(view: WorkerView) -> EmptyPopCheck:
     except Exception:
         logger.warning("queue additions read failed", exc_info=True)
         return EmptyPopCheck()
-    fresh = time.monotonic() - entry.at < settings.HORDE_EMPTY_POP_CACHE_SECONDS
-    if entry.view == view and entry.counted and entry.additions == additions and fresh:
-        return EmptyPopCheck(skipped=dict(entry.skipped), additions=additions, read=True)
+    left = entry.at + settings.HORDE_EMPTY_POP_CACHE_SECONDS - time.monotonic()
+    if entry.view == view and entry.counted and entry.additions == additions and left > 0:
+        return EmptyPopCheck(skipped=dict(entry.skipped), additions=additions, read=True, remembered_for=left)
     return EmptyPopCheck(additions=additions, read=True)
 
 
-def empty_pop_remember(view: WorkerView, check: EmptyPopCheck, skipped: dict[str, int]) -> None:
+def empty_pop_remember(view: WorkerView, check: EmptyPopCheck, skipped: dict[str, int]) -> float:
     """The pop found nothing; remember it under the stamps read before it (if they were read, the
-    next empty pop can be answered from memory; if not, the next pop reads the stamps first)."""
+    next empty pop can be answered from memory; if not, the next pop reads the stamps first).
+    The seconds the answer is remembered for: 0 when no later pop may take it from memory."""
     if not _enabled():
-        return
+        return 0.0
     _empty_pops.set(view.id, _EmptyPop(view, check.read, check.additions, dict(skipped), time.monotonic()))
+    return settings.HORDE_EMPTY_POP_CACHE_SECONDS if check.read else 0.0
 
 
 def empty_pop_forget(view: WorkerView) -> None:

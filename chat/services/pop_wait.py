@@ -13,7 +13,10 @@ EVERY_LIST_TOKEN, or a message it cannot read): each pops again, one takes the j
 find nothing and wait on. Requests for other models wake no one: with a thousand held pops and
 twenty new requests a second, waking every pop for each would be twenty thousand pops a second. A
 waiting pop also re-checks every HORDE_POP_WAIT_RECHECK_SECONDS (a lost message, a connection drop,
-a job whose lease lapsed, which no signal announces). Without Redis the wake is in process:
+a request passed over while another transaction held it, which no signal announces), or, when its
+empty answer is remembered under its lists' stamps (chat/services/pop_cache.py), when that answer
+ages out: only its lists' growth can change it before then, and the signal announces that
+(POP_RECHECK_HEADER). Without Redis the wake is in process:
 additions made by this process wake all of its pops at once (the embedded server is one process);
 the re-check covers the rest.
 """
@@ -36,9 +39,10 @@ POP_PATH = "/api/v2/generate/text/pop"
 # On an empty pop that asked to wait: the seconds it may be held for a job, from its arrival. Never
 # sent to a client: the serving layer removes it.
 POP_WAIT_HEADER = "X-Horde-Pop-Wait"
-# Beside it: the tokens of the queue lists whose growth wakes the held pop, comma separated. Never
-# sent to a client either.
+# Beside it: the tokens of the queue lists whose growth wakes the held pop, comma separated, and
+# the seconds until it is popped again without a signal. Never sent to a client either.
 POP_LISTS_HEADER = "X-Horde-Pop-Lists"
+POP_RECHECK_HEADER = "X-Horde-Pop-Recheck"
 # The token of "every list": an addition that may concern any worker (pop_cache.queue_grew()
 # without lists).
 EVERY_LIST_TOKEN = "*"

@@ -140,6 +140,35 @@ def test_a_request_for_another_model_does_not_wake_a_waiting_pop(live_horde, peo
     assert pop.answered - queued_at < 0.5 and len(pops) == held + 1
 
 
+@pytest.mark.redis_only
+def test_a_held_pop_whose_answer_is_remembered_is_not_popped_again_each_recheck(live_horde, people, settings):
+    """A remembered empty answer changes only with its lists, whose growth the signal announces: the
+    held pop is looked at again when the answer ages out, not every HORDE_POP_WAIT_RECHECK_SECONDS
+    (ADR 0051). Without Redis nothing is remembered, and the re-check stays short."""
+    from django.core.signals import request_started
+
+    settings.HORDE_POP_WAIT_RECHECK_SECONDS = 0.2
+    owner, requester = people
+    name = f"lp-{uuid.uuid4().hex[:6]}"
+    pops: list[float] = []
+
+    def count_pops(sender, environ, **kwargs):
+        if environ.get("PATH_INFO") == "/api/v2/generate/text/pop":
+            pops.append(time.monotonic())
+
+    plain_pop(live_horde.url, owner.key, pop_body(name))
+    request_started.connect(count_pops)
+    try:
+        held = TimedPop(live_horde.url, owner.key, pop_body(name, wait=3)).start()
+        assert held.join().json()["id"] is None
+    finally:
+        request_started.disconnect(count_pops)
+    # The pop, its first look again (which remembers the answer), and the last at the wait's end,
+    # against about fifteen at a 0.2 s re-check.
+    assert len(pops) <= 4, len(pops)
+    assert held.answered - held.started >= 3.0
+
+
 def test_the_wait_ends_with_the_empty_pop_and_its_skipped_counts(live_horde, people):
     owner, requester = people
     name = f"lp-{uuid.uuid4().hex[:6]}"
