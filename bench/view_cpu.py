@@ -9,7 +9,8 @@ views' own cost shows apart from daphne's and the box's load.
 Each round is one heartbeat, one pop (by the next of 50 workers), its submits, one status poll of
 a random queued request, as in text_queue.py, and one poll of a request the warm-up finished (`done`:
 the client's last poll, with its results) and one text request created (`create`: KoboldAI Lite's
-body, by a requester of its own, whose requests are deleted after the run). It prints each kind's
+body, by a requester of its own, whose requests are deleted after the run), and one pop of an idle
+worker answered from memory (`idle`, ADR 0051). It prints each kind's
 median CPU time (time.process_time) and its multiple of the heartbeat's in the same run. Before
 measuring it puts every filled request back in the queue (its generations deleted), so runs of two
 worktrees against one database compare the same queue.
@@ -144,8 +145,16 @@ def main() -> None:
             HTTP_APIKEY=requester_key, **headers,
         )
 
+    # A worker whose model nobody asks for: after two empty pops its answer is remembered, and
+    # each later pop is answered from memory (ADR 0051), the pop idle workers make most.
+    idle = text_queue.WorkerSpec(
+        name="bench-view-cpu-idle", api_key=requester_key, models=["koboldcpp/bench-view-cpu-idle"],
+        max_length=512, max_context_length=4096, amount=1,
+    )
+    for _ in range(2):
+        assert pop(idle).json()["id"] is None
     times: dict[str, list[float]] = {
-        "heartbeat": [], "pop": [], "submit": [], "status": [], "done": [], "create": []
+        "heartbeat": [], "pop": [], "submit": [], "status": [], "done": [], "create": [], "idle": []
     }
     profile = cProfile.Profile(time.process_time)
 
@@ -170,6 +179,7 @@ def main() -> None:
         measure("status", lambda: client.get(f"/api/v2/generate/text/status/{rng.choice(ids)}"))
         measure("done", lambda: client.get(f"/api/v2/generate/text/status/{rng.choice(done_ids)}"))
         measure("create", create)
+        measure("idle", lambda: pop(idle))
     requester.requests.all().delete()  # the filled queue stays as it was
     requester.delete()
 
