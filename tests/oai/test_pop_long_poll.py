@@ -8,9 +8,11 @@ The re-check is set far above each test's bounds, so only the signal can explain
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -108,23 +110,33 @@ def test_a_waiting_pop_gets_a_request_created_200_ms_later_at_once(live_horde, p
     assert pop.answered - pop.started < 2.0
 
 
-@pytest.mark.redis_only
-def test_a_request_for_another_model_does_not_wake_a_waiting_pop(live_horde, people):
-    """The signal names the lists that grew (ADR 0051): a held pop is popped again only for its own.
-    (Without Redis the embedded server's in-process wake wakes every held pop.)"""
+@contextlib.contextmanager
+def pops_served() -> Iterator[list[float]]:
+    """When each pop the server handles meanwhile starts (Django's request_started: a held pop
+    popped again runs through the handler again)."""
     from django.core.signals import request_started
 
-    owner, requester = people
-    name = f"lp-{uuid.uuid4().hex[:6]}"
     pops: list[float] = []
 
     def count_pops(sender, environ, **kwargs):
         if environ.get("PATH_INFO") == "/api/v2/generate/text/pop":
             pops.append(time.monotonic())
 
-    plain_pop(live_horde.url, owner.key, pop_body(name))
     request_started.connect(count_pops)
     try:
+        yield pops
+    finally:
+        request_started.disconnect(count_pops)
+
+
+@pytest.mark.redis_only
+def test_a_request_for_another_model_does_not_wake_a_waiting_pop(live_horde, people):
+    """The signal names the lists that grew (ADR 0051): a held pop is popped again only for its own.
+    (Without Redis the embedded server's in-process wake wakes every held pop.)"""
+    owner, requester = people
+    name = f"lp-{uuid.uuid4().hex[:6]}"
+    plain_pop(live_horde.url, owner.key, pop_body(name))
+    with pops_served() as pops:
         pop = TimedPop(live_horde.url, owner.key, pop_body(name, wait=10)).start()
         time.sleep(0.3)
         held = len(pops)
@@ -134,8 +146,6 @@ def test_a_request_for_another_model_does_not_wake_a_waiting_pop(live_horde, peo
         assert len(pops) == held and not pop.done  # not popped again
         request_id, queued_at = queue_text(live_horde.url, requester.key, models=[MODEL])
         job = pop.join().json()
-    finally:
-        request_started.disconnect(count_pops)
     assert str(Generation.objects.get(pk=job["id"]).request_id) == request_id
     assert pop.answered - queued_at < 0.5 and len(pops) == held + 1
 
@@ -145,24 +155,13 @@ def test_a_held_pop_whose_answer_is_remembered_is_not_popped_again_each_recheck(
     """A remembered empty answer changes only with its lists, whose growth the signal announces: the
     held pop is looked at again when the answer ages out, not every HORDE_POP_WAIT_RECHECK_SECONDS
     (ADR 0051). Without Redis nothing is remembered, and the re-check stays short."""
-    from django.core.signals import request_started
-
     settings.HORDE_POP_WAIT_RECHECK_SECONDS = 0.2
-    owner, requester = people
+    owner, _ = people
     name = f"lp-{uuid.uuid4().hex[:6]}"
-    pops: list[float] = []
-
-    def count_pops(sender, environ, **kwargs):
-        if environ.get("PATH_INFO") == "/api/v2/generate/text/pop":
-            pops.append(time.monotonic())
-
     plain_pop(live_horde.url, owner.key, pop_body(name))
-    request_started.connect(count_pops)
-    try:
+    with pops_served() as pops:
         held = TimedPop(live_horde.url, owner.key, pop_body(name, wait=3)).start()
         assert held.join().json()["id"] is None
-    finally:
-        request_started.disconnect(count_pops)
     # The pop, its first look again (which remembers the answer), and the last at the wait's end,
     # against about fifteen at a 0.2 s re-check.
     assert len(pops) <= 4, len(pops)
