@@ -13,9 +13,9 @@ front's /v1/):
   HORDE_WEB_THREADS threads, in that thread's own context as on a WSGI server (Django's per-context
   cache backends and connections are made once per thread, not once per request);
 - a pop that asked to wait and found nothing (docs/adr/0024) answers with POP_WAIT_HEADER (and
-  POP_LISTS_HEADER, its queue lists: ADR 0051): the layer holds it here, on the event loop, until
-  the queue's signal for one of those lists or the re-check, then runs the same request again,
-  holding no thread while it waits.
+  POP_LISTS_HEADER, its queue lists, and POP_RECHECK_HEADER: ADR 0051): the layer holds it here, on
+  the event loop, until the queue's signal for one of those lists or the re-check, then runs the
+  same request again, holding no thread while it waits.
 """
 
 from __future__ import annotations
@@ -289,10 +289,10 @@ _HOLD_HEADERS = (POP_WAIT_HEADER, POP_LISTS_HEADER, POP_RECHECK_HEADER)
 def _seconds(value: str | None) -> float | None:
     """A hold header's seconds; None when absent or not a positive number."""
     try:
-        seconds = float(value) if value is not None else None
+        seconds = float(value or "")
     except ValueError:
         return None
-    return seconds if seconds is not None and seconds > 0 else None
+    return seconds if seconds > 0 else None
 
 
 def _too_large(limit: int) -> Answer:
