@@ -4,9 +4,9 @@ backend, with the bridge's CPU seconds per job beside the web process's, in the 
     .venv/bin/python bench/bridge.py [--requests 1500 --threads 4 --duration 60]
 
 1. Recreates the bench database (default postgres://postgres@127.0.0.1:5432/horde_bridge_bench;
-   a sqlite:/// URL works too), flushes the Redis database (default /13), migrates.
-2. Starts an instant OpenAI-compatible backend (this script with --serve-instant-backend: a
-   ThreadingHTTPServer answering every chat completion at once with a fixed reply) and daphne.
+   a sqlite:/// URL works too), flushes the Redis database (default /5), migrates.
+2. Starts an instant OpenAI-compatible backend (bench/instant_backend.py: every chat completion
+   answered at once with a fixed reply) and daphne.
 3. Registers the worker by one pop with the bridge's declaration, then queues --requests chat
    requests through POST /api/v2/generate/chat/async (the web's CPU per request is reported).
 4. Starts `python -m workers.bridge --backend <instant> --threads N --quiet` and lets it drain the
@@ -22,67 +22,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlparse
 
-from common import PYTHON, ROOT, prepare, server_env, web_pids
+from common import PYTHON, ROOT, Server, create_user_key, prepare, server_env, serving, web_pids
+from instant_backend import InstantBackend
 
 MODEL = "bench/instant"
 WORKER_NAME = "bench-bridge"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-INSTANT_REPLY = json.dumps(
-    {
-        "id": "chatcmpl-instant",
-        "object": "chat.completion",
-        "model": "instant",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "An instant reply."}, "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14},
-    }
-).encode()
-INSTANT_MODELS = json.dumps({"object": "list", "data": [{"id": "instant", "object": "model", "owned_by": "bench"}]}).encode()
-
-
-def serve_instant_backend(port: int) -> None:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args) -> None:
-            pass
-
-        def _send(self, body: bytes) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self) -> None:
-            if self.path == "/v1/models":
-                self._send(INSTANT_MODELS)
-            else:
-                self.send_response(404)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            self._send(INSTANT_REPLY)
-
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    server.daemon_threads = True
-    server.serve_forever()
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -93,14 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=4, help="the bridge's --threads")
     p.add_argument("--duration", type=float, default=60.0, help="longest measured window, seconds")
     p.add_argument("--fill-concurrency", type=int, default=8)
-    p.add_argument("--serve-instant-backend", type=int, metavar="PORT", help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -132,10 +80,6 @@ class DoneCounter:
         return int(cur.fetchone()[0])
 
 
-def manage(env: dict[str, str], *args: str) -> str:
-    return subprocess.run([PYTHON, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
-
-
 async def fill(url: str, key: str, count: int, concurrency: int) -> None:
     import httpx
 
@@ -160,12 +104,7 @@ async def fill(url: str, key: str, count: int, concurrency: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.serve_instant_backend:
-        serve_instant_backend(args.serve_instant_backend)
-        return 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the children on the way out
     import httpx
-    from text_queue import Server
 
     from workers.bridge.backends import OpenAIBackend
     from workers.bridge.config import BridgeConfig
@@ -180,82 +119,77 @@ def main(argv: list[str] | None = None) -> int:
         HORDE_API_KEY_RATE_LIMITS="100000/second",  # one requester key submits the whole load
     )
     prepare(env, django=False)
-    worker_key = manage(env, "horde_user", "create", "bench-worker", "--trusted").strip().splitlines()[-1]
-    requester_key = manage(env, "horde_user", "create", "bench-requester", "--kudos", "100000000").strip().splitlines()[-1]
+    worker_key = create_user_key(env, "bench-worker", "--trusted")
+    requester_key = create_user_key(env, "bench-requester", "--kudos", "100000000")
 
-    backend_port = free_port()
-    backend = subprocess.Popen([PYTHON, __file__, "--serve-instant-backend", str(backend_port)], start_new_session=True)
     server = Server(args.port, env, ROOT / "var" / "bench-bridge-daphne.log")
     bridge_proc: subprocess.Popen | None = None
     url = f"http://127.0.0.1:{args.port}"
-    backend_url = f"http://127.0.0.1:{backend_port}/v1"
-    try:
-        server.start()
-        server.wait_ready()
-        assert server.proc is not None
-        web_pid = server.proc.pid
+    with InstantBackend() as backend, serving(server):
+        try:
+            backend_url = backend.url
+            server.wait_ready()
+            assert server.proc is not None
+            web_pid = server.proc.pid
 
-        # Register the worker with the bridge's own declaration (one pop on an empty queue), so the
-        # model is served when the requests are queued.
-        config = BridgeConfig(horde_url=url, api_key=worker_key, worker_name=WORKER_NAME, backend=backend_url,
-                              horde_model=MODEL, threads=args.threads)
-        registrar = Bridge(config, OpenAIBackend(backend_url), out=open(os.devnull, "w"))  # noqa: SIM115
-        registrar.start()
-        assert registrar.horde.pop(registrar.pop_body()).get("id") is None
-        registrar.horde.close()
+            # Register the worker with the bridge's own declaration (one pop on an empty queue), so the
+            # model is served when the requests are queued.
+            config = BridgeConfig(horde_url=url, api_key=worker_key, worker_name=WORKER_NAME, backend=backend_url,
+                                  horde_model=MODEL, threads=args.threads)
+            registrar = Bridge(config, OpenAIBackend(backend_url), out=open(os.devnull, "w"))  # noqa: SIM115
+            registrar.start()
+            assert registrar.horde.pop(registrar.pop_body()).get("id") is None
+            registrar.horde.close()
 
-        cpu0, t0 = cpu_seconds(web_pid), time.monotonic()
-        asyncio.run(fill(url, requester_key, args.requests, args.fill_concurrency))
-        fill_seconds, fill_cpu = time.monotonic() - t0, cpu_seconds(web_pid) - cpu0
-        print(f"queued {args.requests} chat requests in {fill_seconds:.1f} s "
-              f"(web CPU {1000 * fill_cpu / args.requests:.2f} ms per request)", flush=True)
+            cpu0, t0 = cpu_seconds(web_pid), time.monotonic()
+            asyncio.run(fill(url, requester_key, args.requests, args.fill_concurrency))
+            fill_seconds, fill_cpu = time.monotonic() - t0, cpu_seconds(web_pid) - cpu0
+            print(f"queued {args.requests} chat requests in {fill_seconds:.1f} s "
+                  f"(web CPU {1000 * fill_cpu / args.requests:.2f} ms per request)", flush=True)
 
-        counter = DoneCounter(args.database_url)
-        bridge_env = {**env, "BRIDGE_API_KEY": worker_key}
-        bridge_proc = subprocess.Popen(
-            [PYTHON, "-m", "workers.bridge", "--horde-url", url, "--backend", backend_url, "--name", WORKER_NAME,
-             "--horde-model", MODEL, "--threads", str(args.threads), "--quiet", "--pop-interval", "0.2"],
-            cwd=ROOT, env=bridge_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        low, high = max(1, args.requests // 20), args.requests - max(1, args.requests // 20)
-        give_up = time.monotonic() + 60
-        while counter.count() < low:
-            if bridge_proc.poll() is not None or time.monotonic() > give_up:
-                bridge_proc.send_signal(signal.SIGTERM)
-                raise SystemExit(f"the bridge served no job: {bridge_proc.communicate(timeout=30)[0]}")
-            time.sleep(0.02)
-        start = (time.monotonic(), counter.count(), cpu_seconds(web_pid), cpu_seconds(bridge_proc.pid))
-        deadline = start[0] + args.duration
-        while counter.count() < high and time.monotonic() < deadline:
-            time.sleep(0.05)
-        end = (time.monotonic(), counter.count(), cpu_seconds(web_pid), cpu_seconds(bridge_proc.pid))
+            counter = DoneCounter(args.database_url)
+            bridge_env = {**env, "BRIDGE_API_KEY": worker_key}
+            bridge_proc = subprocess.Popen(
+                [PYTHON, "-m", "workers.bridge", "--horde-url", url, "--backend", backend_url, "--name", WORKER_NAME,
+                 "--horde-model", MODEL, "--threads", str(args.threads), "--quiet", "--pop-interval", "0.2"],
+                cwd=ROOT, env=bridge_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            low, high = max(1, args.requests // 20), args.requests - max(1, args.requests // 20)
+            give_up = time.monotonic() + 60
+            while counter.count() < low:
+                if bridge_proc.poll() is not None or time.monotonic() > give_up:
+                    bridge_proc.send_signal(signal.SIGTERM)
+                    raise SystemExit(f"the bridge served no job: {bridge_proc.communicate(timeout=30)[0]}")
+                time.sleep(0.02)
+            start = (time.monotonic(), counter.count(), cpu_seconds(web_pid), cpu_seconds(bridge_proc.pid))
+            deadline = start[0] + args.duration
+            while counter.count() < high and time.monotonic() < deadline:
+                time.sleep(0.05)
+            end = (time.monotonic(), counter.count(), cpu_seconds(web_pid), cpu_seconds(bridge_proc.pid))
 
-        bridge_proc.send_signal(signal.SIGTERM)
-        output = bridge_proc.communicate(timeout=30)[0]
-        summary = next((line for line in output.splitlines() if "summary:" in line), "(no summary)")
+            bridge_proc.send_signal(signal.SIGTERM)
+            output = bridge_proc.communicate(timeout=30)[0]
+            summary = next((line for line in output.splitlines() if "summary:" in line), "(no summary)")
 
-        jobs = end[1] - start[1]
-        seconds = end[0] - start[0]
-        web_per_job = (end[2] - start[2]) / jobs
-        bridge_per_job = (end[3] - start[3]) / jobs
-        ratio = bridge_per_job / web_per_job if web_per_job else float("inf")
-        print()
-        print(f"database {args.database_url.split('@')[-1]}, bridge threads {args.threads}, instant backend")
-        print(f"window: {jobs} jobs in {seconds:.1f} s = {jobs / seconds:.1f} jobs/s")
-        print("| process | CPU s in window | CPU ms per job |")
-        print("|---|---:|---:|")
-        print(f"| web (daphne: pop + submit) | {end[2] - start[2]:.2f} | {1000 * web_per_job:.2f} |")
-        print(f"| bridge | {end[3] - start[3]:.2f} | {1000 * bridge_per_job:.2f} |")
-        print(f"bridge / web per job: {ratio:.3f} (goal < 0.25: {'met' if ratio < 0.25 else 'NOT met'})")
-        print(f"bridge {summary.split('[bridge] ', 1)[-1]}")
-        httpx.get(f"{url}/api/v2/status/heartbeat", timeout=5)
-        return 0
-    finally:
-        if bridge_proc is not None and bridge_proc.poll() is None:
-            bridge_proc.kill()
-        server.stop()
-        os.killpg(backend.pid, signal.SIGTERM)
-        backend.wait(10)
+            jobs = end[1] - start[1]
+            seconds = end[0] - start[0]
+            web_per_job = (end[2] - start[2]) / jobs
+            bridge_per_job = (end[3] - start[3]) / jobs
+            ratio = bridge_per_job / web_per_job if web_per_job else float("inf")
+            print()
+            print(f"database {args.database_url.split('@')[-1]}, bridge threads {args.threads}, instant backend")
+            print(f"window: {jobs} jobs in {seconds:.1f} s = {jobs / seconds:.1f} jobs/s")
+            print("| process | CPU s in window | CPU ms per job |")
+            print("|---|---:|---:|")
+            print(f"| web (daphne: pop + submit) | {end[2] - start[2]:.2f} | {1000 * web_per_job:.2f} |")
+            print(f"| bridge | {end[3] - start[3]:.2f} | {1000 * bridge_per_job:.2f} |")
+            print(f"bridge / web per job: {ratio:.3f} (goal < 0.25: {'met' if ratio < 0.25 else 'NOT met'})")
+            print(f"bridge {summary.split('[bridge] ', 1)[-1]}")
+            httpx.get(f"{url}/api/v2/status/heartbeat", timeout=5)
+            return 0
+        finally:
+            if bridge_proc is not None and bridge_proc.poll() is None:
+                bridge_proc.kill()
 
 
 if __name__ == "__main__":

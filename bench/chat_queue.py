@@ -31,21 +31,21 @@ import asyncio
 import json
 import os
 import random
-import signal
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from common import ROOT, prepare
+from common import ROOT, Server, prepare, serving
 from text_queue import (  # the shared bench machinery
     PhaseResult,
-    Server,
     WorkerSpec,
+    analyze,
     bench_env,
     model_names,
     pct,
+    phase_gets,
     phase_heartbeat,
     pop_body,
     timed,
@@ -707,19 +707,9 @@ async def phase_pop(
 async def phase_chat_status(
     client, seconds: float, concurrency: int, ids: list[str], rng: random.Random
 ) -> PhaseResult:
-    result = PhaseResult("chat_status")
-    deadline = time.perf_counter() + seconds
-
-    async def loop():
-        while time.perf_counter() < deadline:
-            await timed(
-                client, "GET", f"/api/v2/generate/chat/status/{rng.choice(ids)}", result, result.latencies
-            )
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(loop() for _ in range(concurrency)))
-    result.seconds = time.perf_counter() - t0
-    return result
+    return await phase_gets(
+        client, "chat_status", seconds, concurrency, lambda: f"/api/v2/generate/chat/status/{rng.choice(ids)}"
+    )
 
 
 async def register_workers(client, workers: list[BenchWorker], concurrency: int) -> None:
@@ -775,16 +765,10 @@ async def measure(
                 else:
                     ids = await sync_to_async(queued_chat_ids)()
                     res = await phase_chat_status(client, per_phase, args.concurrency, ids, rng)
-                rps = len(res.latencies) / res.seconds if res.seconds else 0
                 extra = ""
                 if isinstance(res, PopResult):
                     extra = f", jobs {res.text_jobs} text + {res.chat_jobs} chat, {res.empty} empty pops"
-                errs = f", errors {res.errors}" if res.errors else ""
-                print(
-                    f"  round {r + 1} {name:11s} {rps:8.1f} req/s  p50 {pct(res.latencies, 50) * 1000:7.1f} ms  "
-                    f"p95 {pct(res.latencies, 95) * 1000:7.1f} ms{extra}{errs}",
-                    flush=True,
-                )
+                print(res.round_line(r + 1, name, extra), flush=True)
                 totals[name].merge(res)
     return totals
 
@@ -893,17 +877,10 @@ def main(argv: list[str] | None = None) -> int:
 
     server = Server(args.port, env, ROOT / "var" / "bench-chat-daphne.log")
 
-    def on_signal(signum, frame):
-        server.stop()
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        server.start()
+    with serving(server):
         workers = make_workers(args, rng, make_owners(args.workers))
         connection.close()
         server.wait_ready()
-        print(f"daphne pid {server.proc.pid} on port {args.port} (log {server.log_path})", flush=True)
 
         async def register():
             import httpx
@@ -917,22 +894,15 @@ def main(argv: list[str] | None = None) -> int:
         with KeepOnline():
             fill_seconds, profiles, refused = fill(args, rng, workers)
         if not args.no_analyze:
-            with connection.cursor() as cursor:
-                cursor.execute("ANALYZE")
+            analyze()
         depth_before = queue_counts()
         connection.close()
         totals = asyncio.run(measure(args, workers, rng))
         depth_after = queue_counts()
         connection.close()
         print(report(args, totals, workers, fill_seconds, profiles, refused, depth_before, depth_after))
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    finally:
-        if args.keep_server and server.proc and server.proc.poll() is None:
-            print(f"daphne left running: pid {server.proc.pid} (kill -- -{server.proc.pid})")
-        else:
-            server.stop()
+        if args.keep_server:
+            server.leave_running()
     return 0
 
 

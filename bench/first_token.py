@@ -7,10 +7,10 @@ polling every second as upstream workers do (--pop-wait 0).
 
 1. Recreates the bench database (default postgres://postgres@127.0.0.1:5432/horde_first_token_bench),
    flushes the Redis database (default redis://127.0.0.1:6379/8), migrates, starts daphne
-   (hordesite.asgi: the native API, its hot route layer and the mounted /v1 front).
-2. Starts an instant OpenAI-compatible backend (this script with --serve-instant-backend: every
-   chat completion answered at once; with stream: true as server-sent events, a role chunk, one
-   content chunk, a finish chunk and [DONE]).
+   (hordesite.asgi: the native API and the mounted /v1 front).
+2. Starts an instant OpenAI-compatible backend (bench/instant_backend.py: every chat completion
+   answered at once; with stream: true as server-sent events, a role chunk, one content chunk, a
+   finish chunk and [DONE]).
 3. Per mode, starts `python -m workers.bridge --backend <instant> --pop-wait N`, waits for it to
    check in, then sends --requests streamed chat completions one at a time, each after an idle
    pause drawn from [--idle-min, --idle-max] seconds (so the worker is idle and waiting when the
@@ -31,14 +31,12 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from common import PYTHON, ROOT, prepare, server_env
+from common import PYTHON, ROOT, Server, create_user_key, prepare, server_env, serving
+from instant_backend import InstantBackend
 
 MODEL = "bench/instant"
-REPLY = "An instant reply."
 
 # The web process's settings beyond common.server_env's: no submit limit this bench could meet.
 # One requester key sends about two requests a second: under the shipped 2/second per key, about
@@ -50,72 +48,6 @@ SERVER_SETTINGS = {
     "HORDE_API_KEY_RATE_LIMITS": "100000/second",
     "HORDE_DEFAULT_CONCURRENCY": "1000000",
 }
-
-
-def _chunk(delta: dict, finish: str | None = None) -> bytes:
-    body = {
-        "id": "chatcmpl-instant",
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": "instant",
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-    }
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
-
-
-def serve_instant_backend(port: int) -> None:
-    whole = json.dumps(
-        {
-            "id": "chatcmpl-instant",
-            "object": "chat.completion",
-            "model": "instant",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": REPLY}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14},
-        }
-    ).encode()
-    models = json.dumps({"object": "list", "data": [{"id": "instant", "object": "model", "owned_by": "bench"}]}).encode()
-    streamed = (
-        _chunk({"role": "assistant", "content": ""})
-        + _chunk({"content": REPLY})
-        + _chunk({}, "stop")
-        + b"data: [DONE]\n\n"
-    )
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args) -> None:
-            pass
-
-        def _send(self, body: bytes, content_type: str = "application/json") -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self) -> None:
-            if self.path == "/v1/models":
-                self._send(models)
-            else:
-                self.send_response(404)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-        def do_POST(self) -> None:
-            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            try:
-                stream = bool(json.loads(raw).get("stream"))
-            except ValueError:
-                stream = False
-            if stream:
-                self._send(streamed, "text/event-stream")
-            else:
-                self._send(whole)
-
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    server.daemon_threads = True
-    server.serve_forever()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -135,7 +67,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=14)
     p.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
                    help="a setting for the web process (repeatable), e.g. HORDE_WEB_PROCESSES=2")
-    p.add_argument("--serve-instant-backend", type=int, metavar="PORT", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -198,31 +129,21 @@ async def measure_mode(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.serve_instant_backend:
-        serve_instant_backend(args.serve_instant_backend)
-        return 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the children on the way out
-    from bridge import free_port, manage
-    from text_queue import Server
-
     env = server_env(args.database_url, args.redis_url, **SERVER_SETTINGS)
     env.pop("HORDE_OAI_NATIVE_ROOTS", None)
     for item in args.server_env:
         name, _, value = item.partition("=")
         env[name] = value
     prepare(env, django=False)
-    worker_key = manage(env, "horde_user", "create", "bench-worker", "--trusted").strip().splitlines()[-1]
-    requester_key = manage(env, "horde_user", "create", "bench-requester", "--kudos", "100000000").strip().splitlines()[-1]
+    worker_key = create_user_key(env, "bench-worker", "--trusted")
+    requester_key = create_user_key(env, "bench-requester", "--kudos", "100000000")
 
-    backend_port = free_port()
-    backend = subprocess.Popen([PYTHON, __file__, "--serve-instant-backend", str(backend_port)], start_new_session=True)
     server = Server(args.port, env, ROOT / "var" / "bench-first-token-daphne.log")
     url = f"http://127.0.0.1:{args.port}"
-    backend_url = f"http://127.0.0.1:{backend_port}/v1"
     rng = random.Random(args.seed)
     results: dict[str, dict[str, list[float]]] = {}
-    try:
-        server.start()
+    with InstantBackend() as backend, serving(server):
+        backend_url = backend.url
         server.wait_ready()
         for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
             pop_wait = args.pop_wait if mode == "wait" else 0
@@ -246,10 +167,6 @@ def main(argv: list[str] | None = None) -> int:
                 except subprocess.TimeoutExpired:
                     bridge.kill()
                     bridge.wait()
-    finally:
-        server.stop()
-        backend.terminate()
-        backend.wait(timeout=10)
 
     ms = lambda v: f"{1000 * v:.1f}"  # noqa: E731
     print(f"\nTime to first content chunk (issue 14): {args.requests} streamed chat completions per mode, one at a "

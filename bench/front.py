@@ -46,16 +46,14 @@ import json
 import os
 import re
 import resource
-import signal
-import subprocess
 import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import PYTHON, ROOT, prepare, server_env
-from text_queue import Server, pct
+from common import ROOT, Server, create_user_key, prepare, server_env, serving
+from text_queue import pct
 
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/horde_bench_front"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/9"
@@ -188,12 +186,6 @@ def bench_env(args: argparse.Namespace, port: int) -> dict[str, str]:
         name, _, value = item.partition("=")
         env[name] = value
     return env
-
-
-def manage(env: dict[str, str], *argv: str) -> str:
-    return subprocess.run(
-        [PYTHON, "manage.py", *argv], cwd=ROOT, env=env, capture_output=True, text=True, check=True
-    ).stdout
 
 
 def rss_kb(pid: int) -> tuple[int, int]:
@@ -846,18 +838,10 @@ def main(argv: list[str] | None = None) -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))  # inherited by daphne
     env = bench_env(args, args.port)
     prepare(env, django=False, note=f", open files {want}")
-    worker_key = (
-        manage(env, "horde_user", "create", "bench-front-owner", "--trusted").strip().splitlines()[-1]
-    )
-    key = (
-        manage(env, "horde_user", "create", "bench-front-requester", "--kudos", "100000000")
-        .strip()
-        .splitlines()[-1]
-    )
+    worker_key = create_user_key(env, "bench-front-owner", "--trusted")
+    key = create_user_key(env, "bench-front-requester", "--kudos", "100000000")
     keys = [key] + [
-        manage(env, "horde_user", "create", f"bench-front-requester-{i}", "--kudos", "100000000")
-        .strip()
-        .splitlines()[-1]
+        create_user_key(env, f"bench-front-requester-{i}", "--kudos", "100000000")
         for i in range(1, max(1, args.requesters))
     ]
 
@@ -868,35 +852,16 @@ def main(argv: list[str] | None = None) -> int:
         poll_env["HORDE_OAI_REDIS_URL"] = ""  # the front without Redis: waits poll the status route
         poll_server = Server(args.port + 1, poll_env, ROOT / "var" / "bench-front-poll-daphne.log")
 
-    def on_signal(signum, frame):
-        server.stop()
-        if poll_server:
-            poll_server.stop()
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        server.start()
-        if poll_server:
-            poll_server.start()
+    with serving(*(s for s in (server, poll_server) if s)):
         server.wait_ready()
         if poll_server:
-            poll_server.wait_ready()
-        print(f"daphne pid {server.proc.pid} on port {args.port} (log {server.log_path})", flush=True)
+            poll_server.wait_ready(announce=False)
         lat, poll_wakes, waits, worker = asyncio.run(
             run(args, env, key, keys, worker_key, server, poll_server)
         )
         print(report(args, lat, poll_wakes, waits, worker))
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    finally:
-        if poll_server:
-            poll_server.stop()
-        if args.keep_server and server.proc and server.proc.poll() is None:
-            print(f"daphne left running: pid {server.proc.pid} (kill -- -{server.proc.pid})")
-        else:
-            server.stop()
+        if args.keep_server:
+            server.leave_running()
     return 0
 
 

@@ -31,17 +31,16 @@ import argparse
 import asyncio
 import os
 import random
-import signal
 import sys
 import threading
 import time
 
-from common import ROOT, prepare
+from common import ROOT, Server, prepare, serving
 from text_queue import (  # the shared bench machinery
     PhaseResult,
     RawHTTPClient,
-    Server,
     WorkerSpec,
+    analyze,
     bench_env,
     cpu_seconds_by_process,
     fill,
@@ -184,13 +183,7 @@ async def measure(args: argparse.Namespace, workers: list[WorkerSpec], server_pi
                     result.name = "idle"
                 after = cpu_seconds_by_process(server_pid)
                 result.cpu = {k: after[k] - before.get(k, 0.0) for k in after}
-                rate = len(result.latencies) / result.seconds if result.seconds else 0.0
-                errors = f", errors {result.errors}" if result.errors else ""
-                print(
-                    f"  round {r + 1} {name:9s} {rate:8.1f} req/s  p50 {pct(result.latencies, 50) * 1000:6.1f} ms  "
-                    f"p95 {pct(result.latencies, 95) * 1000:6.1f} ms{errors}",
-                    flush=True,
-                )
+                print(result.round_line(r + 1, name), flush=True)
                 totals[name].merge(result)
     return totals
 
@@ -242,38 +235,24 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(args.port, env, ROOT / "var" / "bench-idle-daphne.log")
     feeder = Feeder(args.feed_rate, model_names(args.models), random.Random(args.seed + 1))
 
-    def on_signal(signum, frame):
-        server.stop()
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
     try:
-        server.start()
-        print(f"fill: {args.requests} requests over {args.models} models ...", flush=True)
-        fill_args = argparse.Namespace(
-            requests=args.requests, models=args.models, requesters=args.requesters,
-            fill_threads=args.fill_threads, workers=0,
-        )
-        fill(fill_args, rng)
-        workers = idle_workers(args.workers)
-        from django.db import connection
-
-        with connection.cursor() as cursor:
-            cursor.execute("ANALYZE")
-        connection.close()
-        server.wait_ready()
-        print(f"daphne pid {server.proc.pid} on port {args.port} (log {server.log_path})", flush=True)
-        feeder.start()
-        totals = asyncio.run(measure(args, workers, server.proc.pid))
-        feeder.stopped.set()
-        feeder.join(10)
-        print(report(args, totals, feeder.created, totals["idle"].jobs))
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+        with serving(server):
+            print(f"fill: {args.requests} requests over {args.models} models ...", flush=True)
+            fill_args = argparse.Namespace(
+                requests=args.requests, models=args.models, requesters=args.requesters,
+                fill_threads=args.fill_threads, workers=0,
+            )
+            fill(fill_args, rng)
+            workers = idle_workers(args.workers)
+            analyze()
+            server.wait_ready()
+            feeder.start()
+            totals = asyncio.run(measure(args, workers, server.proc.pid))
+            feeder.stopped.set()
+            feeder.join(10)
+            print(report(args, totals, feeder.created, totals["idle"].jobs))
     finally:
         feeder.stopped.set()
-        server.stop()
     return 0
 
 

@@ -27,18 +27,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass
 
-from common import ROOT, prepare
+from common import ROOT, Server, prepare, serving
 from text_queue import (  # the shared bench machinery
     VALIDATED_BRIDGE,
     PhaseResult,
     RawHTTPClient,
-    Server,
     bench_env,
     cpu_seconds_by_process,
     pct,
@@ -198,10 +196,7 @@ async def measure(args, owners: list[str], server_pid: int) -> tuple[dict[str, P
                     res = await phase_progress(client, per_phase, args.concurrency, jobs)
                 after = cpu_seconds_by_process(server_pid)
                 res.cpu = {k: after[k] - before.get(k, 0.0) for k in after}
-                rps = len(res.latencies) / res.seconds if res.seconds else 0
-                errs = f", errors {res.errors}" if res.errors else ""
-                print(f"  round {r + 1} {name:9s} {rps:8.1f} req/s  p50 {pct(res.latencies, 50) * 1000:6.2f} ms  "
-                      f"p95 {pct(res.latencies, 95) * 1000:6.2f} ms{errs}", flush=True)
+                print(res.round_line(r + 1, name), flush=True)
                 totals[name].merge(res)
     return totals, len(jobs)
 
@@ -240,24 +235,12 @@ def main(argv: list[str] | None = None) -> int:
 
     server = Server(args.port, env, ROOT / "var" / "bench-progress-daphne.log")
 
-    def on_signal(signum, frame):
-        server.stop()
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        server.start()
+    with serving(server):
         owners = make_owners(args.workers)
         connection.close()
         server.wait_ready()
-        print(f"daphne pid {server.proc.pid} on port {args.port} (log {server.log_path})", flush=True)
         totals, jobs = asyncio.run(measure(args, owners, server.proc.pid))
         print(report(args, totals, jobs))
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    finally:
-        server.stop()
     return 0
 
 

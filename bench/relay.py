@@ -32,17 +32,15 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 import time
 import uuid
 from pathlib import Path
 
-from common import ROOT, prepare, web_pids
+from common import ROOT, Server, prepare, serving, web_pids
 from progress import make_owners, pop_body
 from text_queue import (  # the shared bench machinery
     RawHTTPClient,
-    Server,
     bench_env,
     cpu_seconds_by_process,
     pct,
@@ -155,15 +153,22 @@ class SseStream:
             self.opened.set()
 
 
+def first_post_offset(index: int, streams: int, interval: float) -> float:
+    """When stream `index` posts first: the streams spread evenly over one interval, so the posts
+    arrive at an even rate (not in bursts, which would measure the queue a burst builds)."""
+    return index * interval / max(streams, 1)
+
+
 async def post_loop(
-    client, job: dict, key: str, index: int, rate: float, seconds: float, sent: dict, errors: list, answered: list
+    client, job: dict, key: str, index: int, streams: int, rate: float, seconds: float, sent: dict, errors: list,
+    answered: list,
 ):
     seq = 0
     interval = 1.0 / rate
     start = time.perf_counter()
     deadline = start + seconds
     texts: list[str] = []
-    next_at = start + (index % 50) * interval / 50  # spread the streams over the interval
+    next_at = start + first_post_offset(index, streams, interval)
     while True:
         now = time.perf_counter()
         if now < next_at:
@@ -243,7 +248,7 @@ async def relay_loop(args, owners: list[str], requester: str, server_pid: int) -
         cpu_before, posting_started = cpu_seconds_by_process(server_pid), time.perf_counter()
         texts = await asyncio.gather(
             *(
-                post_loop(client, job, key, i, args.rate, args.duration, sent, errors, answered)
+                post_loop(client, job, key, i, len(jobs), args.rate, args.duration, sent, errors, answered)
                 for i, (job, key) in enumerate(jobs)
             )
         )
@@ -315,7 +320,7 @@ async def reader_loop(args, registered: int) -> dict:
         key = subscriptions[i].key
         interval = 1.0 / args.rate
         start = time.perf_counter()
-        next_at = start + (i % 50) * interval / 50
+        next_at = start + first_post_offset(i, args.streams, interval)
         seq = 0
         while time.perf_counter() < start + args.duration:
             delay = next_at - time.perf_counter()
@@ -372,7 +377,7 @@ async def raw_loop(args) -> dict:
     async def post(i: int) -> None:
         interval = 1.0 / args.rate
         start = time.perf_counter()
-        next_at = start + (i % 50) * interval / 50
+        next_at = start + first_post_offset(i, args.streams, interval)
         seq = 0
         while time.perf_counter() < start + args.duration:
             delay = next_at - time.perf_counter()
@@ -462,28 +467,16 @@ def main(argv: list[str] | None = None) -> int:
 
     server = Server(args.port, env, ROOT / "var" / "bench-relay-daphne.log")
 
-    def on_signal(signum, frame):
-        server.stop()
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        server.start()
+    with serving(server):
         owners = make_owners(args.streams)
         requester = make_requester(args.streams)
         connection.close()
         server.wait_ready()
-        print(f"daphne pid {server.proc.pid} on port {args.port} (log {server.log_path})", flush=True)
         relay = asyncio.run(relay_loop(args, owners, requester, server.proc.pid))
         server.stop()
         raw = asyncio.run(raw_loop(args))
         readers = [asyncio.run(reader_loop(args, n)) for n in registered]
         print(report(args, relay, raw, readers))
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    finally:
-        server.stop()
     return 0
 
 

@@ -27,24 +27,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import PYTHON, ROOT, prepare, server_env
-
-# The web process as `make run` starts it: daphne with the launcher's process-level tweaks.
-WEB = [PYTHON, str(ROOT / "scripts" / "run.py"), "web"]
+from common import ROOT, Server, prepare, server_env, serving
 
 PHASES = ("heartbeat", "pop", "pop-alone", "status")
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/horde_bench"
@@ -139,60 +134,6 @@ def bench_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 # --- The web process ----------------------------------------------------------------------------
-
-
-class Server:
-    """daphne as a child process in its own process group; stopped on exit and on Ctrl-C."""
-
-    def __init__(self, port: int, env: dict[str, str], log_path: Path):
-        self.port = port
-        self.env = env
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")  # noqa: SIM115  (kept open for the child's lifetime)
-        self.proc = subprocess.Popen(
-            [*WEB, "-b", "127.0.0.1", "-p", str(self.port), "hordesite.asgi:application"],
-            cwd=ROOT,
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc and self.proc.poll() is not None:
-                raise SystemExit(f"daphne exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if (
-                    httpx.get(f"http://127.0.0.1:{self.port}/api/v2/status/heartbeat", timeout=2).status_code
-                    == 200
-                ):
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise SystemExit(
-            f"daphne did not answer on port {self.port} within {timeout:.0f}s; see {self.log_path}"
-        )
-
-    def stop(self) -> None:
-        if not self.proc or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=5)
 
 
 # --- Fill ---------------------------------------------------------------------------------------
@@ -313,6 +254,15 @@ def queue_depth() -> int:
     from chat.selectors.queue import waiting_requests
 
     return waiting_requests().count()
+
+
+def analyze() -> None:
+    """ANALYZE after a fill, as autovacuum would do in production; the fill's connection closed."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE")
+    connection.close()
 
 
 # --- The load generator -------------------------------------------------------------------------
@@ -453,6 +403,15 @@ class PhaseResult:
     def error(self, key: str) -> None:
         self.errors[key] = self.errors.get(key, 0) + 1
 
+    def round_line(self, round_number: int, label: str, extra: str = "") -> str:
+        """The phase's line in a bench's progress output: its rate, p50 and p95, and its errors."""
+        rate = len(self.latencies) / self.seconds if self.seconds else 0.0
+        errors = f", errors {self.errors}" if self.errors else ""
+        return (
+            f"  round {round_number} {label:11s} {rate:8.1f} req/s  p50 {pct(self.latencies, 50) * 1000:7.2f} ms  "
+            f"p95 {pct(self.latencies, 95) * 1000:7.2f} ms{extra}{errors}"
+        )
+
     def merge(self, other: PhaseResult) -> None:
         self.seconds += other.seconds
         self.latencies += other.latencies
@@ -501,36 +460,33 @@ async def timed(client, method: str, url: str, result: PhaseResult, bucket: list
     return resp
 
 
-async def phase_heartbeat(client, seconds: float, concurrency: int) -> PhaseResult:
-    result = PhaseResult("heartbeat")
+async def phase_gets(
+    client, name: str, seconds: float, concurrency: int, path: Callable[[], str]
+) -> PhaseResult:
+    """`concurrency` loops of GET `path()` for `seconds`: the heartbeat's and the status polls' phases."""
+    result = PhaseResult(name)
     deadline = time.perf_counter() + seconds
 
     async def loop():
         while time.perf_counter() < deadline:
-            await timed(client, "GET", "/api/v2/status/heartbeat", result, result.latencies)
+            await timed(client, "GET", path(), result, result.latencies)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(loop() for _ in range(concurrency)))
     result.seconds = time.perf_counter() - t0
     return result
+
+
+async def phase_heartbeat(client, seconds: float, concurrency: int) -> PhaseResult:
+    return await phase_gets(client, "heartbeat", seconds, concurrency, lambda: "/api/v2/status/heartbeat")
 
 
 async def phase_status(
     client, seconds: float, concurrency: int, ids: list[str], rng: random.Random
 ) -> PhaseResult:
-    result = PhaseResult("status")
-    deadline = time.perf_counter() + seconds
-
-    async def loop():
-        while time.perf_counter() < deadline:
-            await timed(
-                client, "GET", f"/api/v2/generate/text/status/{rng.choice(ids)}", result, result.latencies
-            )
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(loop() for _ in range(concurrency)))
-    result.seconds = time.perf_counter() - t0
-    return result
+    return await phase_gets(
+        client, "status", seconds, concurrency, lambda: f"/api/v2/generate/text/status/{rng.choice(ids)}"
+    )
 
 
 async def phase_pop(
@@ -646,14 +602,8 @@ async def measure(
                     res = await phase_status(client, per_phase, args.concurrency, ids, rng)
                 after = cpu_seconds_by_process(server_pid)
                 res.cpu = {k: after[k] - before.get(k, 0.0) for k in after}
-                rps = len(res.latencies) / res.seconds if res.seconds else 0
                 extra = {"pop": f", {res.jobs} jobs submitted", "pop-alone": f", {res.jobs} handed work"}.get(name, "")
-                errs = f", errors {res.errors}" if res.errors else ""
-                print(
-                    f"  round {r + 1} {name:9s} {rps:8.1f} req/s  p50 {pct(res.latencies, 50) * 1000:7.1f} ms  "
-                    f"p95 {pct(res.latencies, 95) * 1000:7.1f} ms{extra}{errs}",
-                    flush=True,
-                )
+                print(res.round_line(r + 1, name, extra), flush=True)
                 totals[name].merge(res)
     return totals
 
@@ -765,37 +715,21 @@ def main(argv: list[str] | None = None) -> int:
     prepare(env)
 
     server = Server(args.port, env, ROOT / "var" / "bench-daphne.log")
-
-    def on_signal(signum, frame):
-        server.stop()
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        server.start()
+    with serving(server):
         print(f"fill: {args.requests} requests over {args.models} models ...", flush=True)
         workers, fill_seconds = fill(args, rng)
+        if not args.no_analyze:
+            analyze()
+        server.wait_ready()
+        depth_before = queue_depth()
         from django.db import connection
 
-        if not args.no_analyze:
-            with connection.cursor() as cursor:
-                cursor.execute("ANALYZE")
-        connection.close()
-        server.wait_ready()
-        print(f"daphne pid {server.proc.pid} on port {args.port} (log {server.log_path})", flush=True)
-        depth_before = queue_depth()
         connection.close()
         totals = asyncio.run(measure(args, workers, rng, server.proc.pid))
         depth_after = queue_depth()
         print(report(args, totals, fill_seconds, depth_before, depth_after))
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    finally:
-        if args.keep_server and server.proc and server.proc.poll() is None:
-            print(f"daphne left running: pid {server.proc.pid} (kill -- -{server.proc.pid})")
-        else:
-            server.stop()
+        if args.keep_server:
+            server.leave_running()
     return 0
 
 
