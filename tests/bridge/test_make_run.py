@@ -9,7 +9,6 @@ on a free port with their own SQLite database file, so they do not touch the tes
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import socket
@@ -25,10 +24,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = "scripted"  # scripts/run.py DEMO_MODEL
 
-NEEDS_FRONT = pytest.mark.skipif(
-    importlib.util.find_spec("oai") is None or importlib.util.find_spec("openai") is None,
-    reason="needs the OpenAI front (oai app, /v1/chat/completions) and the openai package",
-)
 pytestmark = pytest.mark.slow
 
 
@@ -108,7 +103,6 @@ def test_make_run_demo_worker_answers_a_native_chat_request(make_run):
     assert status["generations"][0]["worker_name"] == "demo-worker"
 
 
-@NEEDS_FRONT
 def test_make_run_answers_the_openai_client(make_run):
     import openai
 
