@@ -5,9 +5,11 @@ second round of the same pops prepares nothing new (no churn: nothing evicted an
 from __future__ import annotations
 
 import itertools
+from datetime import datetime, timedelta
+from zoneinfo import ZoneInfo
 
 import pytest
-from django.db import connection
+from django.db import DataError, connection
 
 from chat.sql import native_placeholders, run_prepared
 from contract.process_cache import reset_process_caches
@@ -104,3 +106,17 @@ def test_the_hordes_connections_run_without_jit():
     with connection.cursor() as cursor:
         cursor.execute("SHOW jit")
         assert cursor.fetchone()[0] == "off"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_prepared_statements_read_timestamps_in_the_connections_zone_across_reconnects():
+    """The raw cursor is kept per connection (chat/sql.py): a new connection gets its own, with the
+    connection's time zone loader and bigint ints, and an error leaves it usable."""
+    moment = datetime(2026, 12, 4, 9, 30, tzinfo=ZoneInfo("Europe/Paris"))
+    for _ in range(2):
+        (value,) = run_prepared("SELECT %s::timestamptz", [moment])
+        assert value == moment and value.utcoffset() == timedelta(0)
+        with pytest.raises(DataError):
+            run_prepared("SELECT %s::int / 0", [3_000_000_000])
+        assert run_prepared("SELECT pg_typeof(%s)::text", [1]) == ("bigint",)
+        connection.close()
