@@ -15,7 +15,7 @@ from opentelemetry import metrics
 METER_NAME = "horde"
 
 _override: Any = None  # a provider set by use_meter_provider; None follows the global one
-_instruments: dict[tuple[int, str], Any] = {}
+_instruments: dict[tuple[int, str], Any] = {}  # by (id of the override, or of None), name
 
 
 def use_meter_provider(provider: Any) -> None:
@@ -38,10 +38,14 @@ class _LazyInstrument:
         self.unit = unit
 
     def _instrument(self) -> Any:
-        provider = _provider()
-        key = (id(provider), self.name)
+        # Keyed by the override, not by the provider it resolves to: asking the API for the
+        # global provider reads the environment on every call (a few us on every hot route's
+        # count). An instrument made before the global provider is set is the API's proxy,
+        # which records on that provider once it is set.
+        key = (id(_override), self.name)
         instrument = _instruments.get(key)
         if instrument is None:
+            provider = _provider()
             meter = provider.get_meter(METER_NAME)
             create = meter.create_histogram if self.kind == "histogram" else meter.create_counter
             instrument = create(self.name, unit=self.unit, description=self.description)
