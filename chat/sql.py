@@ -163,6 +163,9 @@ class _ModelSlice:
     start: int
     stop: int
     attnames: tuple[str, ...]
+    # What from_db tests each of the model's fields against when some are deferred: a set, not
+    # the list the ORM passes, as a status poll's row leaves most of a request's fields deferred.
+    loaded: frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,7 @@ class RowLoader:
                 converters.append((position, convs, expression))
         slices, position = [], 0
         for model, attnames in models:
-            slices.append(_ModelSlice(model, position, position + len(attnames), tuple(attnames)))
+            slices.append(_ModelSlice(model, position, position + len(attnames), tuple(attnames), frozenset(attnames)))
             position += len(attnames)
         return cls(alias=alias, slices=tuple(slices), converters=tuple(converters), width=len(columns))
 
@@ -213,7 +216,7 @@ class RowLoader:
                 value = convert(value, expression, db)
             values[position] = value
         instances = [
-            part.model.from_db(self.alias, list(part.attnames), values[part.start : part.stop]) for part in self.slices
+            part.model.from_db(self.alias, part.loaded, values[part.start : part.stop]) for part in self.slices
         ]
         return instances, values[self.slices[-1].stop if self.slices else 0 :]
 
