@@ -94,8 +94,8 @@ def _ints_as_bigint(raw_connection: Any) -> None:
 # One raw cursor per psycopg connection, made on its first prepared statement and reused by the
 # next ones (a cursor runs one statement after another; its connection serves one thread at a
 # time). Making a cursor and its adapters, and checking the int dumpers and the time zone loader,
-# cost each statement about 30 us of CPU, as much as PostgreSQL's side of a status poll's read.
-# Forgotten with its connection.
+# cost each statement about 20 us of CPU (docs/benchmarks.md, "Text queue"). Forgotten with its
+# connection.
 _raw_cursors: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 
 
