@@ -268,7 +268,9 @@ class PooledWSGI:
                 waiter.event.clear()
                 answer = await self._serve(wsgi_environ(scope, io.BytesIO(body), len(body)))
                 still_held = answer.header(POP_WAIT_HEADER) is not None
-                recheck = _seconds(answer.header(POP_RECHECK_HEADER))
+                # The long re-check of a remembered answer counts on the signal for its lists'
+                # growth: while the listener is not subscribed, the short one stands in for it.
+                recheck = _seconds(answer.header(POP_RECHECK_HEADER)) if listener.listening else None
                 answer.headers = answer.without(*_HOLD_HEADERS)
                 left = until - time.monotonic()
                 if answer.status != 200 or not still_held or left <= 0:

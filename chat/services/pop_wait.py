@@ -121,6 +121,12 @@ class QueueSignalListener:
                 await asyncio.wait_for(self._subscribed.wait(), timeout)
 
     @property
+    def listening(self) -> bool:
+        """Whether a queue addition would wake a held pop now: subscribed to the signal, or
+        without Redis (the in-process wake). False while the subscription is being made again."""
+        return self._task is None or self._subscribed.is_set()
+
+    @property
     def waiting(self) -> int:
         return len(self._waiters)
 

@@ -88,3 +88,23 @@ def test_a_signal_that_names_no_list_wakes_every_pop():
     # "every list", an earlier release's payload, and anything else.
     for data in (queue_signal_message(("*",)), b"1", b"", b"a1,b2", tokens[0].encode() + b",*", None, 1):
         assert signalled_tokens(data) is None, data
+
+
+def test_a_listener_is_listening_once_subscribed_and_not_while_it_cannot_reach_redis(settings):
+    """While it is not listening, a held pop whose empty answer is remembered re-checks every
+    HORDE_POP_WAIT_RECHECK_SECONDS instead of when the answer ages out (hordesite/wsgi_pool.py):
+    no addition would wake it."""
+
+    async def scenario() -> tuple[bool, bool, bool]:
+        in_process = QueueSignalListener(None)  # without Redis: the in-process wake always listens
+        live = QueueSignalListener(settings.REDIS_URL)
+        unreachable = QueueSignalListener("redis://127.0.0.1:9/0")  # the discard port: refused
+        try:
+            await live.subscribed(timeout=5)
+            await unreachable.subscribed(timeout=0.5)
+            return in_process.listening, live.listening, unreachable.listening
+        finally:
+            await live.close()
+            await unreachable.close()
+
+    assert asyncio.run(scenario()) == (True, True, False)
