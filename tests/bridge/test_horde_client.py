@@ -1,0 +1,111 @@
+"""The reference worker's horde client (workers/bridge/horde.py, on http.client): a keep-alive
+connection the server closed while idle is opened again, the environment's proxy is used with
+its credentials, NO_PROXY bypasses it, and a closed client refuses calls. The servers here stand
+for what is outside the project: a horde front that closes idle connections and an HTTP proxy."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from workers.bridge.horde import HordeClient, HordeUnavailable, _proxy_for
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    """Answers every request with {"id": null}, records its request line and headers, and with
+    `close_after` set closes the connection after answering without saying so (as a proxy or
+    server whose idle timeout ended the connection would)."""
+
+    protocol_version = "HTTP/1.1"
+    seen: list[tuple[str, dict[str, str], int]] = []
+    close_after = False
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        type(self).seen.append((self.requestline, dict(self.headers), id(self.connection)))
+        body = json.dumps({"id": None}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.wfile.flush()
+        if type(self).close_after:
+            self.close_connection = True
+
+
+@pytest.fixture()
+def server() -> Iterator[tuple[str, type[_Recorder]]]:
+    handler = type("Handler", (_Recorder,), {"seen": [], "close_after": False})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", handler
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_one_connection_serves_a_threads_calls(server, monkeypatch):
+    monkeypatch.delenv("HTTP_PROXY", raising=False)
+    monkeypatch.delenv("http_proxy", raising=False)
+    url, handler = server
+    client = HordeClient(url, "k" * 22)
+    assert [client.pop({"name": "w"}) for _ in range(3)] == [{"id": None}] * 3
+    assert len({connection for _, _, connection in handler.seen}) == 1
+    assert handler.seen[0][0] == "POST /api/v2/generate/text/pop HTTP/1.1"
+    assert handler.seen[0][1]["apikey"] == "k" * 22
+    client.close()
+
+
+def test_a_connection_the_server_closed_while_idle_is_opened_again(server, monkeypatch):
+    monkeypatch.delenv("HTTP_PROXY", raising=False)
+    monkeypatch.delenv("http_proxy", raising=False)
+    url, handler = server
+    handler.close_after = True
+    client = HordeClient(url, "k" * 22)
+    assert client.pop({"name": "w"}) == {"id": None}
+    threading.Event().wait(0.2)  # the server's close reaches the client's socket
+    assert client.pop({"name": "w"}) == {"id": None}
+    assert len(handler.seen) == 2
+    client.close()
+
+
+def test_the_environments_proxy_takes_the_absolute_url_with_its_credentials(server, monkeypatch):
+    proxy_url, proxy = server  # the recorder stands for the proxy: it answers for the horde
+    monkeypatch.setenv("HTTP_PROXY", proxy_url.replace("http://", "http://volunteer:s%3Dcret@"))
+    monkeypatch.setenv("NO_PROXY", "")
+    monkeypatch.delenv("no_proxy", raising=False)
+    client = HordeClient("http://horde.invalid:7001/base", "k" * 22)
+    assert client.pop({"name": "w"}) == {"id": None}
+    request_line, headers, _ = proxy.seen[0]
+    assert request_line == "POST http://horde.invalid:7001/base/api/v2/generate/text/pop HTTP/1.1"
+    assert headers["Proxy-Authorization"] == "Basic dm9sdW50ZWVyOnM9Y3JldA=="  # volunteer:s=cret
+    client.close()
+
+
+def test_no_proxy_names_the_hosts_reached_directly(monkeypatch):
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.internal:3128")
+    monkeypatch.setenv("NO_PROXY", "horde.example")
+    assert _proxy_for("https", "horde.example") is None
+    assert _proxy_for("https", "other.example") == ("proxy.internal", 3128, None)
+
+
+def test_a_closed_client_refuses_calls_and_an_unreachable_horde_is_unavailable(monkeypatch):
+    monkeypatch.delenv("HTTP_PROXY", raising=False)
+    monkeypatch.delenv("http_proxy", raising=False)
+    client = HordeClient("http://127.0.0.1:9", "k" * 22)  # the discard port: refused
+    with pytest.raises(HordeUnavailable, match="ConnectionRefused"):
+        client.pop({"name": "w"})
+    client.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        client.submit({"id": "x"})
