@@ -2,9 +2,8 @@
 chat request with the demo worker's scripted reply: on the native route, and through the OpenAI
 front at /v1 with the openai client.
 
-test_make_run_answers_the_openai_client NEEDS THE OPENAI FRONT (`oai`, /v1/chat/completions) and
-the `openai` package: until both are in the tree it is skipped with that reason. The processes run
-on a free port with their own SQLite database file, so they do not touch the test database.
+The processes run on a free port with their own SQLite database file, so they do not touch the
+test database.
 """
 
 from __future__ import annotations
