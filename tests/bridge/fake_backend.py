@@ -30,7 +30,7 @@ stream: true is answered as llama-server streams it: SSE `data: {chat.completion
 `chunk_delay` apart, a final chunk with finish_reason, the usage chunk under
 stream_options.include_usage, then `data: [DONE]`), chunked over HTTP/1.1; a client that closes
 the stream stops the generation (`streams` records what each stream sent). Every request body is
-kept in `requests`.
+kept in `requests`, and the client address it came from in `peers`.
 """
 
 from __future__ import annotations
@@ -129,6 +129,7 @@ class FakeLlamaCpp:
         self.chat_handler: Callable[[dict[str, Any]], dict[str, Any]] | None = None
         self.completion_handler: Callable[[dict[str, Any]], dict[str, Any]] | None = None
         self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.peers: list[tuple[str, int]] = []  # the client's address of every POST, by connection
         self.generating = threading.Event()  # set when a generation request arrived
         self.errors: list[tuple[str, int, str]] = []  # (path, status, message) of every error answered
         self.in_flight = 0  # generations running in a slot
@@ -225,6 +226,7 @@ class FakeLlamaCpp:
                                                "type": "invalid_request_error"}})
                     return
                 fake.requests.append((self.path, body))
+                fake.peers.append(self.client_address)
                 try:
                     if self.path == "/tokenize":
                         self._send(200, fake.tokenize(body))

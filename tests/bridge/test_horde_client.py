@@ -13,7 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from workers.bridge.horde import HordeClient, HordeUnavailable, _proxy_for
+from workers.bridge.connections import proxy_for
+from workers.bridge.horde import HordeClient, HordeUnavailable
 
 
 class _Recorder(BaseHTTPRequestHandler):
@@ -27,6 +28,24 @@ class _Recorder(BaseHTTPRequestHandler):
 
     def log_message(self, *args) -> None:
         pass
+
+    def do_GET(self) -> None:
+        """A messages_url: /moved redirects to /messages, which holds the offloaded array."""
+        type(self).seen.append((self.requestline, dict(self.headers), id(self.connection)))
+        if self.path == "/moved":
+            self.send_response(302)
+            self.send_header("Location", "/messages")
+            body = b""
+        elif self.path == "/messages":
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            body = json.dumps([{"role": "user", "content": "offloaded"}]).encode()
+        else:
+            self.send_response(404)
+            body = b"NoSuchKey"
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -97,8 +116,8 @@ def test_the_environments_proxy_takes_the_absolute_url_with_its_credentials(serv
 def test_no_proxy_names_the_hosts_reached_directly(monkeypatch):
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.internal:3128")
     monkeypatch.setenv("NO_PROXY", "horde.example")
-    assert _proxy_for("https", "horde.example") is None
-    assert _proxy_for("https", "other.example") == ("proxy.internal", 3128, None)
+    assert proxy_for("https", "horde.example") is None
+    assert proxy_for("https", "other.example") == ("proxy.internal", 3128, None)
 
 
 def test_a_closed_client_refuses_calls_and_an_unreachable_horde_is_unavailable(monkeypatch):
@@ -110,3 +129,15 @@ def test_a_closed_client_refuses_calls_and_an_unreachable_horde_is_unavailable(m
     client.close()
     with pytest.raises(RuntimeError, match="closed"):
         client.submit({"id": "x"})
+
+
+def test_a_messages_url_is_fetched_through_redirects_without_the_api_key(server, monkeypatch):
+    monkeypatch.delenv("HTTP_PROXY", raising=False)
+    monkeypatch.delenv("http_proxy", raising=False)
+    url, handler = server
+    client = HordeClient("http://horde.invalid", "k" * 22)  # the array lives on another host
+    assert client.fetch_json(f"{url}/moved") == [{"role": "user", "content": "offloaded"}]
+    assert [line for line, _, _ in handler.seen] == ["GET /moved HTTP/1.1", "GET /messages HTTP/1.1"]
+    assert all("apikey" not in headers for _, headers, _ in handler.seen)
+    with pytest.raises(HordeUnavailable, match="messages_url"):
+        client.fetch_json(f"{url}/expired")

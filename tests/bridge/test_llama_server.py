@@ -14,8 +14,14 @@ import pytest
 
 from contract.chat_declaration import CHAT_WORKER_FAULT_MESSAGES, ChatFaultReason
 from tests.bridge.conftest import running_bridge
-from tests.bridge.fake_backend import FakeLlamaCpp, RouteServer, fake_tokenize
-from workers.bridge.backends import OpenAIBackend, apply_overrides, classify_backend_error, public_model_name
+from tests.bridge.fake_backend import DEFAULT_REPLY, FakeLlamaCpp, RouteServer, fake_tokenize
+from workers.bridge.backends import (
+    GenerationStopped,
+    OpenAIBackend,
+    apply_overrides,
+    classify_backend_error,
+    public_model_name,
+)
 from workers.bridge.config import BridgeConfig, load_config
 from workers.bridge.jobs import chat_backend_request, response_format_for, trim_prompt_start
 from workers.bridge.worker import job_context, jobs_at_once
@@ -357,3 +363,47 @@ def test_tool_choice_enforced_is_not_declared_for_llama_server(live_horde):
         caps = OpenAIBackend(fake.url).probe(None)
         apply_overrides(caps, add={"tool_choice_enforced"}, remove=set(), transports=None)
         assert "tool_choice_enforced" in caps.features
+
+
+# --- the backend's connection -------------------------------------------------------------------------
+
+
+class _Deltas:
+    """A progress sink that keeps the deltas and says stop after `stop_after` of them."""
+
+    def __init__(self, stop_after: int | None = None):
+        self.content: list[str] = []
+        self.stop_after = stop_after
+
+    def delta(self, content: str, reasoning_content: str | None = None) -> bool:
+        self.content.append(content)
+        return self.stop_after is None or len(self.content) < self.stop_after
+
+    def flush(self) -> bool:
+        return True
+
+
+def test_a_stream_read_to_its_end_keeps_the_connection_and_a_stopped_one_is_closed():
+    with llama_server() as fake:
+        backend = OpenAIBackend(fake.url, timeout=10)
+        body = {"model": fake.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}
+        streamed = _Deltas()
+        first = backend.chat(body, timeout=10, progress=streamed)
+        whole = backend.chat(body, timeout=10)
+        again = backend.chat(body, timeout=10, progress=_Deltas())
+        assert first["choices"][0]["message"]["content"] == "".join(streamed.content) == DEFAULT_REPLY
+        assert len(streamed.content) > 3  # the reply came in the fake's 4-character chunks
+        assert whole["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"] == DEFAULT_REPLY
+        assert all(record.finished for record in fake.streams)
+        assert len(set(fake.peers)) == 1  # one keep-alive connection served the three calls
+
+        fake.chunk_delay = 0.05
+        fake.stream_ended.clear()
+        with pytest.raises(GenerationStopped):
+            backend.chat(body, timeout=10, progress=_Deltas(stop_after=2))
+        assert fake.stream_ended.wait(5)
+        assert fake.streams[-1].closed_early and not fake.streams[-1].finished  # llama-server stops generating
+        fake.chunk_delay = 0.0
+        assert backend.chat(body, timeout=10)["choices"][0]["message"]["content"] == DEFAULT_REPLY
+        assert len(set(fake.peers)) == 2  # the half-read stream's connection was not used again
+        backend.close()

@@ -1,18 +1,20 @@
 """The reference worker's pieces without a horde: configuration, backend probe and errors, reasoning,
-tool controls, the scripted backend's schema instances, and that it imports no Django."""
+tool controls, the scripted backend's schema instances, and that it imports no Django (nor any
+HTTP package: it speaks HTTP through the standard library)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import jsonschema
 import pytest
 
 from contract.chat_declaration import ChatFaultReason, ChatFinishReason
+from tests.bridge.fake_backend import RouteServer
 from workers.bridge.backends import (
     BackendDown,
     BackendError,
@@ -35,11 +37,12 @@ from workers.bridge.scripted import ScriptedBackend, minimal_instance
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_importing_the_bridge_loads_no_django_and_nothing_of_the_project_but_contract():
+def test_importing_the_bridge_loads_no_django_no_http_package_and_nothing_of_the_project_but_contract():
     code = (
         "import sys, workers.bridge.cli, workers.bridge.__main__\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('django', 'rest_framework', 'celery', 'accounts', 'chat', 'hordesite', 'oai') "
+        "('django', 'rest_framework', 'celery', 'accounts', 'chat', 'hordesite', 'oai', 'httpx', 'httpcore', "
+        "'requests', 'urllib3') "
         "or (m.startswith('workers.') and not m.startswith('workers.bridge')))\n"
         "print(bad)"
     )
@@ -89,23 +92,30 @@ def test_base_url_normalised():
 # --- backend probe and errors -------------------------------------------------------------------------
 
 
-def _backend(routes: dict[str, object]) -> OpenAIBackend:
-    def handler(request: httpx.Request) -> httpx.Response:
-        body = routes.get(request.url.path)
-        return httpx.Response(404) if body is None else httpx.Response(200, json=body)
+@pytest.fixture
+def route_backend() -> Iterator[Callable[[dict[str, object]], OpenAIBackend]]:
+    """A backend client on a local server answering each GET path with its JSON (404 elsewhere)."""
+    servers: list[RouteServer] = []
 
-    return OpenAIBackend("http://backend:8000/v1", transport=httpx.MockTransport(handler))
+    def start(routes: dict[str, object]) -> OpenAIBackend:
+        server = RouteServer({("GET", path): body for path, body in routes.items()})
+        servers.append(server)
+        return OpenAIBackend(server.start())
+
+    yield start
+    for server in servers:
+        server.stop()
 
 
-def test_probe_vllm_context_from_max_model_len():
-    backend = _backend({"/v1/models": {"data": [{"id": "Qwen/Qwen3-8B", "owned_by": "vllm", "max_model_len": 40960}]}})
+def test_probe_vllm_context_from_max_model_len(route_backend):
+    backend = route_backend({"/v1/models": {"data": [{"id": "Qwen/Qwen3-8B", "owned_by": "vllm", "max_model_len": 40960}]}})
     caps = backend.probe(None)
     assert (caps.kind, caps.model, caps.context) == ("vllm", "Qwen/Qwen3-8B", 40960)
     assert "prompt_overflow_refused" in caps.features and "tools" not in caps.features
 
 
-def test_probe_ollama_truncates_so_no_overflow_guarantee():
-    backend = _backend(
+def test_probe_ollama_truncates_so_no_overflow_guarantee(route_backend):
+    backend = route_backend(
         {"/v1/models": {"data": [{"id": "qwen3:8b", "owned_by": "library"}]}, "/api/version": {"version": "0.12.0"}}
     )
     caps = backend.probe(None)
@@ -113,8 +123,8 @@ def test_probe_ollama_truncates_so_no_overflow_guarantee():
     assert "prompt_overflow_refused" not in caps.features and "reasoning_effort" in caps.features
 
 
-def test_probe_llamacpp_prefers_the_running_context():
-    backend = _backend(
+def test_probe_llamacpp_prefers_the_running_context(route_backend):
+    backend = route_backend(
         {
             "/v1/models": {"data": [{"id": "m.gguf", "owned_by": "llamacpp", "meta": {"n_ctx_train": 131072}}]},
             "/props": {"default_generation_settings": {"n_ctx": 4096}, "chat_template": "{{ messages }}",

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
-
 from contract.chat_declaration import ChatFaultReason, ChatImageTransport
 from contract.chat_limits import CHAT_IMAGE_PROMPT_TOKENS
 from contract.chat_policy import ChatFeature, ChatGuarantee
+from workers.bridge import BRIDGE_AGENT
+from workers.bridge.connections import Connections, Unreachable
 
 DEFAULT_CONTEXT = 4096
 
@@ -178,6 +178,12 @@ def classify_backend_error(status: int, text: str) -> BackendError:
 # --- the OpenAI-compatible backend ----------------------------------------------------------------
 
 
+def _down(error: Unreachable) -> BackendDown:
+    if error.timed_out:
+        return BackendDown(f"backend timed out: {error}")
+    return BackendDown(f"backend unreachable: {error}")
+
+
 def normalise_base_url(url: str) -> tuple[str, str]:
     """(the OpenAI base ending in /v1, the server root without it)."""
     parts = urlsplit(url.rstrip("/"))
@@ -251,71 +257,60 @@ def _flatten(messages: list[dict[str, Any]], tools: Any) -> str:
 class OpenAIBackend:
     """Any server with OpenAI-compatible /v1/chat/completions (and /v1/completions for text jobs)."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        api_key: str | None = None,
-        kind: str = "auto",
-        timeout: float = 600.0,
-        transport: httpx.BaseTransport | None = None,
-    ):
+    def __init__(self, url: str, *, api_key: str | None = None, kind: str = "auto", timeout: float = 600.0):
         self.base, self.root = normalise_base_url(url)
         self.name = self.base
         self.kind = kind
         self.detected_kind: str | None = None  # what probe found (or was told)
         self.model: str | None = None
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(
-            headers=headers, timeout=httpx.Timeout(timeout, connect=10.0), transport=transport
-        )
+        self.timeout = timeout
+        headers = {"Accept": "application/json", "Content-Type": "application/json", "User-Agent": BRIDGE_AGENT}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self._http = Connections(self.base, headers=headers)
 
     def close(self) -> None:
-        self._client.close()
+        self._http.close()
 
     # -- plumbing
 
-    def _get_json(self, url: str, timeout: float = 10.0) -> Any:
+    def _exchange(self, method: str, url: str, body: Any, timeout: float) -> tuple[int, bytes]:
+        payload = None if body is None else json.dumps(body).encode()
+        return self._http.request(method, url, body=payload, timeout=min(max(timeout, 0.1), self.timeout))
+
+    def _json_or_none(self, method: str, url: str, body: Any = None, timeout: float = 10.0) -> Any:
+        """A probe's or helper route's answer (tokenize, apply-template); None on any failure."""
         try:
-            response = self._client.get(url, timeout=timeout)
-        except httpx.HTTPError:
+            status, data = self._exchange(method, url, body, timeout)
+        except Unreachable:
             return None
-        if response.status_code != 200:
+        if status != 200:
             return None
         try:
-            return response.json()
+            return json.loads(data)
         except ValueError:
             return None
 
+    def _get_json(self, url: str, timeout: float = 10.0) -> Any:
+        return self._json_or_none("GET", url, timeout=timeout)
+
     def _post_json(self, url: str, body: dict[str, Any], timeout: float = 30.0) -> Any:
-        """A helper route's answer (tokenize, apply-template); None on any failure."""
-        try:
-            response = self._client.post(url, json=body, timeout=timeout)
-        except httpx.HTTPError:
-            return None
-        if response.status_code != 200:
-            return None
-        try:
-            return response.json()
-        except ValueError:
-            return None
+        return self._json_or_none("POST", url, body, timeout)
 
     def _post(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         try:
-            response = self._client.post(f"{self.base}/{path}", json=body, timeout=max(timeout, 0.1))
-        except httpx.TimeoutException as error:
-            raise BackendDown(f"backend timed out: {error}") from None
-        except httpx.HTTPError as error:
-            raise BackendDown(f"backend unreachable: {type(error).__name__}: {error}") from None
-        if response.status_code != 200:
-            raise classify_backend_error(response.status_code, response.text)
+            status, data = self._exchange("POST", f"{self.base}/{path}", body, timeout)
+        except Unreachable as error:
+            raise _down(error) from None
+        if status != 200:
+            raise classify_backend_error(status, data.decode("utf-8", "replace"))
         try:
-            answer = response.json()
+            answer = json.loads(data)
         except ValueError:
             raise BackendError("backend answered 200 with a body that is not JSON") from None
         if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list) or not answer["choices"]:
             if isinstance(answer, dict) and answer.get("error"):
-                raise classify_backend_error(response.status_code, str(answer["error"]))
+                raise classify_backend_error(status, str(answer["error"]))
             raise BackendError("backend answered without choices")
         return answer
 
@@ -323,8 +318,8 @@ class OpenAIBackend:
 
     def healthy(self) -> bool:
         try:
-            return self._client.get(f"{self.base}/models", timeout=5.0).status_code == 200
-        except httpx.HTTPError:
+            return self._exchange("GET", f"{self.base}/models", None, 5.0)[0] == 200
+        except Unreachable:
             return False
 
     def chat(self, body: dict[str, Any], *, timeout: float, progress: ProgressSink | None = None) -> dict[str, Any]:
@@ -339,25 +334,25 @@ class OpenAIBackend:
         request = {**body, "stream": True, "stream_options": {"include_usage": True}}
         reader = ChatStreamReader()
         stopped = False
+        payload = json.dumps(request).encode()
         try:
-            with self._client.stream(
-                "POST", f"{self.base}/chat/completions", json=request, timeout=max(timeout, 0.1)
+            with self._http.stream(
+                "POST", f"{self.base}/chat/completions", body=payload, timeout=min(max(timeout, 0.1), self.timeout)
             ) as response:
-                if response.status_code != 200:
-                    raise classify_backend_error(response.status_code, response.read().decode("utf-8", "replace"))
-                for line in response.iter_lines():
+                if response.status != 200:
+                    raise classify_backend_error(response.status, response.read().decode("utf-8", "replace"))
+                for line in response.lines():
                     if time.monotonic() > deadline:
                         raise BackendDown("backend timed out while streaming")
                     content, reasoning = reader.feed_line(line)
                     if (content or reasoning) and not progress.delta(content, reasoning or None):
-                        stopped = True  # leaving the block closes the stream: the server stops generating
+                        stopped = True  # leaving the block half-read closes the stream: the server stops generating
                         break
                     if reader.done:
+                        response.finish()
                         break
-        except httpx.TimeoutException as error:
-            raise BackendDown(f"backend timed out: {error}") from None
-        except httpx.HTTPError as error:
-            raise BackendDown(f"backend unreachable: {type(error).__name__}: {error}") from None
+        except Unreachable as error:
+            raise _down(error) from None
         if not stopped:
             content, reasoning = reader.finish()
             if (content or reasoning) and not progress.delta(content, reasoning or None):
@@ -523,23 +518,22 @@ class OpenAIBackend:
         completion does, without generating; a build without that route gets a one-token chat."""
         body: dict[str, Any] = {"messages": [{"role": "user", "content": "ping"}], "tools": [PROBE_TOOL]}
         try:
-            response = self._client.post(f"{self.root}/apply-template", json=body, timeout=30.0)
-            if response.status_code == 404:
-                response = self._client.post(
-                    f"{self.base}/chat/completions",
-                    json={**body, "model": model, "max_tokens": 1, "stream": False},
-                    timeout=120.0,
+            status, data = self._exchange("POST", f"{self.root}/apply-template", body, 30.0)
+            if status == 404:
+                status, data = self._exchange(
+                    "POST", f"{self.base}/chat/completions",
+                    {**body, "model": model, "max_tokens": 1, "stream": False}, 120.0,
                 )
-        except httpx.HTTPError as error:
-            return False, f"{type(error).__name__}"
-        if response.status_code == 200:
+        except Unreachable as error:
+            return False, error.reason
+        if status == 200:
             return True, "200"
         try:
-            error = response.json().get("error") or {}
+            error = json.loads(data).get("error") or {}
             message = error.get("message") if isinstance(error, dict) else str(error)
         except (ValueError, AttributeError):
-            message = response.text[:200]
-        return False, f"{response.status_code} {message!r}"
+            message = data[:200].decode("utf-8", "replace")
+        return False, f"{status} {message!r}"
 
 
 # --- streamed replies (SSE chunks of chat.completion.chunk) ---------------------------------------

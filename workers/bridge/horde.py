@@ -1,30 +1,17 @@
-"""The native API as a worker uses it: find_user, pop, submit and progress, over the standard
-library's http.client, one keep-alive connection per bridge thread.
-
-A worker makes two or three horde calls a job, and the worker's CPU a job is what bench/bridge.py
-holds under a quarter of the horde's. httpx spent about 1.4 ms of CPU a call here against
-http.client's 0.5 ms (docs/benchmarks.md, "Chat queue and the reference worker"), so these calls
-take the plain client; the backend's calls and the rare messages_url fetch stay on httpx. The
-environment's proxies apply, as httpx and the upstream worker's requests apply them.
+"""The native API as a worker uses it: find_user, pop, submit and progress, on one keep-alive
+connection per bridge thread (`connections`), and the messages_url fetch.
 """
 
 from __future__ import annotations
 
-import base64
 import http.client
 import json as json_module
-import select
-import threading
-import urllib.parse
 import urllib.request
 from typing import Any
 
-import httpx
-
 from contract.chat_progress import PROGRESS_ROUTE
 from workers.bridge import BRIDGE_AGENT
-
-CONNECT_TIMEOUT = 10.0
+from workers.bridge.connections import Connections, Unreachable
 
 # The upstream worker's timeouts (spec: existing-clients.md): pop 40 s, submit 60 s.
 POP_TIMEOUT = 40.0
@@ -57,79 +44,27 @@ class HordeRefused(Exception):
 class HordeClient:
     def __init__(self, url: str, api_key: str):
         self.url = url.rstrip("/")
-        parts = urllib.parse.urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"the horde URL must be http:// or https://, not {url!r}")
-        self._https = parts.scheme == "https"
-        self._host = parts.hostname
-        self._port = parts.port or (443 if self._https else 80)
-        self._origin = f"{parts.scheme}://{parts.netloc}"
-        self._base = f"{parts.path.rstrip('/')}/api/v2/"
-        self._headers = {
-            "apikey": api_key, "Client-Agent": BRIDGE_AGENT, "Accept": "application/json",
-            "Content-Type": "application/json",
-        }
-        self._proxy = _proxy_for(parts.scheme, self._host)
-        self._local = threading.local()
-        self._opened: list[http.client.HTTPConnection] = []
-        self._lock = threading.Lock()
-        self._closed = False
+        try:
+            self._connections = Connections(
+                self.url,
+                headers={"apikey": api_key, "Client-Agent": BRIDGE_AGENT, "Accept": "application/json",
+                         "Content-Type": "application/json"},
+            )
+        except ValueError:
+            raise ValueError(f"the horde URL must be http:// or https://, not {url!r}") from None
+        self._api = f"{self.url}/api/v2/"
 
     def close(self) -> None:
-        """Close every thread's connection; a later call raises RuntimeError, as a closed httpx client does."""
-        with self._lock:
-            self._closed = True
-            opened, self._opened = self._opened, []
-        for connection in opened:
-            connection.close()
-
-    def _connection(self) -> http.client.HTTPConnection:
-        """This thread's connection; one the server closed while it was idle is opened again."""
-        connection = getattr(self._local, "connection", None)
-        if connection is None:
-            connection = self._new_connection()
-            self._local.connection = connection
-            with self._lock:
-                self._opened.append(connection)
-        elif connection.sock is not None and select.select([connection.sock], [], [], 0)[0]:
-            connection.close()  # an idle keep-alive connection that reads as ready was closed by the peer
-        return connection
-
-    def _new_connection(self) -> http.client.HTTPConnection:
-        kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        if self._proxy is None:
-            return kind(self._host, self._port, timeout=CONNECT_TIMEOUT)
-        host, port, authorization = self._proxy
-        if self._https:  # through the proxy's CONNECT tunnel
-            connection = kind(host, port, timeout=CONNECT_TIMEOUT)
-            headers = {"Proxy-Authorization": authorization} if authorization else None
-            connection.set_tunnel(self._host, self._port, headers=headers)
-            return connection
-        return http.client.HTTPConnection(host, port, timeout=CONNECT_TIMEOUT)
+        """Close every thread's connection; a later call raises RuntimeError."""
+        self._connections.close()
 
     def _exchange(self, method: str, path: str, body: Any, timeout: float) -> tuple[int, bytes]:
         """One request on this thread's connection: (status, body). HordeUnavailable without an answer."""
-        if self._closed:
-            raise RuntimeError("the horde's client is closed")
-        connection = self._connection()
-        target = self._base + path
-        headers = self._headers
-        if self._proxy is not None and not self._https:  # a plain HTTP proxy takes the absolute URL
-            target = self._origin + target
-            if self._proxy[2]:
-                headers = {**headers, "Proxy-Authorization": self._proxy[2]}
         payload = None if body is None else json_module.dumps(body).encode()
         try:
-            if connection.sock is None:
-                connection.timeout = CONNECT_TIMEOUT
-                connection.connect()
-            connection.sock.settimeout(timeout)
-            connection.request(method, target, body=payload, headers=headers)
-            response = connection.getresponse()
-            return response.status, response.read()
-        except (OSError, http.client.HTTPException) as error:
-            connection.close()  # the next call connects afresh
-            raise HordeUnavailable(f"{type(error).__name__}: {error}") from None
+            return self._connections.request(method, self._api + path, body=payload, timeout=timeout)
+        except Unreachable as error:
+            raise HordeUnavailable(str(error)) from None
 
     def _call(self, method: str, path: str, *, timeout: float, json: Any = None) -> Any:
         status, data = self._exchange(method, path, json, timeout)
@@ -161,12 +96,12 @@ class HordeClient:
         return status, answer if isinstance(answer, dict) else {}
 
     def fetch_json(self, url: str, *, timeout: float = 30.0) -> Any:
-        """A messages_url: a presigned URL outside the API, fetched without the API key."""
+        """A messages_url: a presigned URL outside the API (any host, redirects followed), fetched
+        without the API key. Rare, so through urllib's opener rather than a kept connection."""
         try:
-            response = httpx.get(url, timeout=timeout, follow_redirects=True)
-            response.raise_for_status()
-            return response.json()
-        except (httpx.HTTPError, ValueError) as error:
+            with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - the horde's own URL
+                return json_module.loads(response.read())
+        except (OSError, http.client.HTTPException, ValueError) as error:
             raise HordeUnavailable(f"messages_url: {error}") from None
 
 
@@ -175,17 +110,3 @@ def _json_or_none(data: bytes) -> Any:
         return json_module.loads(data)
     except ValueError:
         return None
-
-
-def _proxy_for(scheme: str, host: str) -> tuple[str, int, str | None] | None:
-    """The environment's proxy for the horde (HTTP_PROXY / HTTPS_PROXY, unless NO_PROXY names the
-    host): its host, port and Proxy-Authorization value (from the proxy URL's user and password)."""
-    proxy = urllib.request.getproxies().get(scheme)
-    if not proxy or urllib.request.proxy_bypass(host):
-        return None
-    parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-    authorization = None
-    if parts.username is not None:
-        credentials = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
-        authorization = "Basic " + base64.b64encode(credentials.encode()).decode()
-    return parts.hostname or "", parts.port or 80, authorization

@@ -1,0 +1,190 @@
+"""Keep-alive HTTP/1.1 connections to one origin, one per thread, over the standard library's
+http.client: how the reference worker calls the horde and its backend.
+
+A worker makes a pop, a submit, progress posts and a backend call for every job, and its CPU a job
+is what bench/bridge.py holds under a quarter of the horde's. httpx spent about 1.4 ms of CPU on a
+JSON POST where http.client spends 0.5 ms (docs/benchmarks.md, "Chat queue and the reference
+worker"). The environment's proxies apply (HTTP_PROXY / HTTPS_PROXY unless NO_PROXY names the
+host), as they do for httpx and for the upstream worker's requests.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import select
+import socket
+import threading
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+CONNECT_TIMEOUT = 10.0
+
+# After a stream's last event, how long its end (the chunked terminator) may take to arrive
+# before the connection is dropped rather than kept for the next call.
+STREAM_END_TIMEOUT = 1.0
+
+
+class Unreachable(Exception):
+    """No answer: the connection failed, broke or timed out (`timed_out`)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.timed_out = isinstance(error, TimeoutError)
+        self.reason = type(error).__name__
+
+
+class Streamed:
+    """An answer read as it arrives: `status`, then `lines()` or `read()`. A stream read to its
+    end (or `finish()`ed) leaves the connection for the next call; one left half-read is closed,
+    which tells the server to stop (llama-server cancels a generation whose client went away)."""
+
+    def __init__(self, response: http.client.HTTPResponse, sock: socket.socket):
+        self.status = response.status
+        self._response = response
+        self._sock = sock
+        self.complete = False
+
+    def read(self) -> bytes:
+        try:
+            data = self._response.read()
+        except (OSError, http.client.HTTPException) as error:
+            raise Unreachable(error) from None
+        self.complete = True
+        return data
+
+    def lines(self) -> Iterator[str]:
+        """The body's lines without their ends (\\n, \\r\\n or \\r, as server-sent events allow)."""
+        readline = self._response.readline
+        while True:
+            try:
+                raw = readline()
+            except (OSError, http.client.HTTPException) as error:
+                raise Unreachable(error) from None
+            if not raw:
+                self.complete = True
+                return
+            yield from raw.rstrip(b"\n").decode("utf-8", "replace").split("\r")
+
+    def finish(self) -> None:
+        """Read what is left of a stream whose last event came (its chunked terminator), so the
+        connection can be kept; given up after STREAM_END_TIMEOUT."""
+        try:
+            self._sock.settimeout(STREAM_END_TIMEOUT)
+            self._response.read()
+        except (OSError, http.client.HTTPException):
+            return
+        self.complete = True
+
+
+class Connections:
+    """This origin's connections: one per thread, kept alive between calls, made again when the
+    server closed an idle one. After `close()` a call raises RuntimeError (as httpx's client)."""
+
+    def __init__(self, url: str, *, headers: dict[str, str]):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"the URL must be http:// or https://, not {url!r}")
+        self.origin = f"{parts.scheme}://{parts.netloc}"
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname
+        self._port = parts.port or (443 if self._https else 80)
+        self._headers = headers
+        self._proxy = proxy_for(parts.scheme, self._host)
+        if self._proxy is not None and not self._https and self._proxy[2]:
+            self._headers = {**headers, "Proxy-Authorization": self._proxy[2]}
+        self._local = threading.local()
+        self._opened: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            opened, self._opened = self._opened, []
+        for connection in opened:
+            connection.close()
+
+    def request(self, method: str, url: str, *, body: bytes | None, timeout: float) -> tuple[int, bytes]:
+        """One exchange: (status, body). Unreachable without an answer."""
+        connection = self._send(method, url, body, timeout)
+        try:
+            response = connection.getresponse()
+            return response.status, response.read()
+        except (OSError, http.client.HTTPException) as error:
+            connection.close()  # the next call connects afresh
+            raise Unreachable(error) from None
+
+    @contextmanager
+    def stream(self, method: str, url: str, *, body: bytes | None, timeout: float) -> Iterator[Streamed]:
+        """An answer read as it arrives (`timeout` between reads); see Streamed."""
+        connection = self._send(method, url, body, timeout)
+        try:
+            streamed = Streamed(connection.getresponse(), connection.sock)
+        except (OSError, http.client.HTTPException) as error:
+            connection.close()
+            raise Unreachable(error) from None
+        try:
+            yield streamed
+        finally:
+            if not streamed.complete:
+                connection.close()
+
+    def _send(self, method: str, url: str, body: bytes | None, timeout: float) -> http.client.HTTPConnection:
+        if self._closed:
+            raise RuntimeError("the client is closed")
+        if not url.startswith(self.origin):
+            raise ValueError(f"{url!r} is not on {self.origin}")
+        connection = self._connection()
+        # A plain HTTP proxy takes the absolute URL; a direct connection or a tunnel the path.
+        target = url if self._proxy is not None and not self._https else (url[len(self.origin):] or "/")
+        try:
+            if connection.sock is None:
+                connection.timeout = CONNECT_TIMEOUT
+                connection.connect()
+            connection.sock.settimeout(timeout)
+            connection.request(method, target, body=body, headers=self._headers)
+        except (OSError, http.client.HTTPException) as error:
+            connection.close()
+            raise Unreachable(error) from None
+        return connection
+
+    def _connection(self) -> http.client.HTTPConnection:
+        """This thread's connection; one the server closed while it was idle is opened again."""
+        connection = getattr(self._local, "connection", None)
+        if connection is None:
+            connection = self._new_connection()
+            self._local.connection = connection
+            with self._lock:
+                self._opened.append(connection)
+        elif connection.sock is not None and select.select([connection.sock], [], [], 0)[0]:
+            connection.close()  # an idle keep-alive connection that reads as ready was closed by the peer
+        return connection
+
+    def _new_connection(self) -> http.client.HTTPConnection:
+        kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        if self._proxy is None:
+            return kind(self._host, self._port, timeout=CONNECT_TIMEOUT)
+        host, port, authorization = self._proxy
+        if self._https:  # through the proxy's CONNECT tunnel
+            connection = kind(host, port, timeout=CONNECT_TIMEOUT)
+            headers = {"Proxy-Authorization": authorization} if authorization else None
+            connection.set_tunnel(self._host, self._port, headers=headers)
+            return connection
+        return http.client.HTTPConnection(host, port, timeout=CONNECT_TIMEOUT)
+
+
+def proxy_for(scheme: str, host: str) -> tuple[str, int, str | None] | None:
+    """The environment's proxy for `host` (HTTP_PROXY / HTTPS_PROXY, unless NO_PROXY names it):
+    its host, port and Proxy-Authorization value (from the proxy URL's user and password)."""
+    proxy = urllib.request.getproxies().get(scheme)
+    if not proxy or urllib.request.proxy_bypass(host):
+        return None
+    parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    authorization = None
+    if parts.username is not None:
+        credentials = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+        authorization = "Basic " + base64.b64encode(credentials.encode()).decode()
+    return parts.hostname or "", parts.port or 80, authorization
