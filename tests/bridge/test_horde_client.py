@@ -20,11 +20,14 @@ from workers.bridge.horde import HordeClient, HordeUnavailable
 class _Recorder(BaseHTTPRequestHandler):
     """Answers every request with {"id": null}, records its request line and headers, and with
     `close_after` set closes the connection after answering without saying so (as a proxy or
-    server whose idle timeout ended the connection would)."""
+    server whose idle timeout ended the connection would). With `drop_after` N, a connection's
+    requests after its first N are read and left unanswered, the connection closed (as a server
+    whose idle timeout ends a kept connection while a request is on its way)."""
 
     protocol_version = "HTTP/1.1"
     seen: list[tuple[str, dict[str, str], int]] = []
     close_after = False
+    drop_after: int | None = None
 
     def log_message(self, *args) -> None:
         pass
@@ -50,6 +53,11 @@ class _Recorder(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         type(self).seen.append((self.requestline, dict(self.headers), id(self.connection)))
+        answered = getattr(self, "answered", 0)
+        if type(self).drop_after is not None and answered >= type(self).drop_after:
+            self.close_connection = True  # closed with nothing sent
+            return
+        self.answered = answered + 1
         body = json.dumps({"id": None}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -63,7 +71,7 @@ class _Recorder(BaseHTTPRequestHandler):
 
 @pytest.fixture()
 def server() -> Iterator[tuple[str, type[_Recorder]]]:
-    handler = type("Handler", (_Recorder,), {"seen": [], "close_after": False})
+    handler = type("Handler", (_Recorder,), {"seen": [], "close_after": False, "drop_after": None})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -97,6 +105,22 @@ def test_a_connection_the_server_closed_while_idle_is_opened_again(server, monke
     time.sleep(0.2)  # the server's close reaches the client's socket
     assert client.pop({"name": "w"}) == {"id": None}
     assert len(handler.seen) == 2
+    client.close()
+
+
+def test_a_request_a_kept_connection_dropped_unanswered_goes_once_more_on_a_new_one(server, monkeypatch):
+    monkeypatch.delenv("HTTP_PROXY", raising=False)
+    monkeypatch.delenv("http_proxy", raising=False)
+    url, handler = server
+    handler.drop_after = 1
+    client = HordeClient(url, "k" * 22)
+    assert client.pop({"name": "w"}) == {"id": None}
+    assert client.pop({"name": "w"}) == {"id": None}  # dropped on the kept connection, answered on a new one
+    assert len(handler.seen) == 3 and len({connection for _, _, connection in handler.seen}) == 2
+    handler.drop_after = 0  # a new connection that is dropped is a horde that did not answer
+    with pytest.raises(HordeUnavailable):
+        HordeClient(url, "k" * 22).pop({"name": "w"})
+    assert len(handler.seen) == 4
     client.close()
 
 

@@ -27,6 +27,10 @@ CONNECT_TIMEOUT = 10.0
 STREAM_END_TIMEOUT = 1.0
 
 
+# How a kept connection that the server had closed fails before any answer.
+_CLOSED_UNANSWERED = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+
+
 class Unreachable(Exception):
     """No answer: the connection failed, broke or timed out (`timed_out`)."""
 
@@ -109,9 +113,8 @@ class Connections:
 
     def request(self, method: str, url: str, *, body: bytes | None, timeout: float) -> tuple[int, bytes]:
         """One exchange: (status, body). Unreachable without an answer."""
-        connection = self._send(method, url, body, timeout)
+        connection, response = self._open(method, url, body, timeout)
         try:
-            response = connection.getresponse()
             return response.status, response.read()
         except (OSError, http.client.HTTPException) as error:
             connection.close()  # the next call connects afresh
@@ -120,36 +123,41 @@ class Connections:
     @contextmanager
     def stream(self, method: str, url: str, *, body: bytes | None, timeout: float) -> Iterator[Streamed]:
         """An answer read as it arrives (`timeout` between reads); see Streamed."""
-        connection = self._send(method, url, body, timeout)
-        try:
-            streamed = Streamed(connection.getresponse(), connection.sock)
-        except (OSError, http.client.HTTPException) as error:
-            connection.close()
-            raise Unreachable(error) from None
+        connection, response = self._open(method, url, body, timeout)
+        streamed = Streamed(response, connection.sock)
         try:
             yield streamed
         finally:
             if not streamed.complete:
                 connection.close()
 
-    def _send(self, method: str, url: str, body: bytes | None, timeout: float) -> http.client.HTTPConnection:
+    def _open(
+        self, method: str, url: str, body: bytes | None, timeout: float
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send the request and read the answer's head. A kept connection the server closed
+        before answering (an idle timeout that ended it as the request went out: it never read the
+        request) is not an answer: the request goes once more on a new connection."""
         if self._closed:
             raise RuntimeError("the client is closed")
         if not url.startswith(self.origin):
             raise ValueError(f"{url!r} is not on {self.origin}")
-        connection = self._connection()
         # A plain HTTP proxy takes the absolute URL; a direct connection or a tunnel the path.
         target = url if self._proxy is not None and not self._https else (url[len(self.origin):] or "/")
-        try:
-            if connection.sock is None:
-                connection.timeout = CONNECT_TIMEOUT
-                connection.connect()
-            connection.sock.settimeout(timeout)
-            connection.request(method, target, body=body, headers=self._headers)
-        except (OSError, http.client.HTTPException) as error:
-            connection.close()
-            raise Unreachable(error) from None
-        return connection
+        connection = self._connection()
+        while True:
+            reused = connection.sock is not None
+            try:
+                if not reused:
+                    connection.timeout = CONNECT_TIMEOUT
+                    connection.connect()
+                connection.sock.settimeout(timeout)
+                connection.request(method, target, body=body, headers=self._headers)
+                return connection, connection.getresponse()
+            except (OSError, http.client.HTTPException) as error:
+                connection.close()
+                if reused and isinstance(error, _CLOSED_UNANSWERED):
+                    continue  # once: the connection is a new one now
+                raise Unreachable(error) from None
 
     def _connection(self) -> http.client.HTTPConnection:
         """This thread's connection; one the server closed while it was idle is opened again."""
