@@ -1,11 +1,14 @@
 """The reference worker's horde client (workers/bridge/horde.py, on http.client): a keep-alive
-connection the server closed while idle is opened again, the environment's proxy is used with
-its credentials, NO_PROXY bypasses it, and a closed client refuses calls. The servers here stand
-for what is outside the project: a horde front that closes idle connections and an HTTP proxy."""
+connection the server closed while idle is opened again, a request a kept connection dropped
+unanswered goes once more, the environment's proxy is used with its credentials, NO_PROXY bypasses
+it, an HTTPS horde's certificate is verified, a messages_url is fetched through redirects, and a
+closed client refuses calls. The servers here stand for what is outside the project: a horde front
+that closes idle connections (over TLS too), an HTTP proxy and an object store."""
 
 from __future__ import annotations
 
 import json
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -165,3 +168,57 @@ def test_a_messages_url_is_fetched_through_redirects_without_the_api_key(server,
     assert all("apikey" not in headers for _, headers, _ in handler.seen)
     with pytest.raises(HordeUnavailable, match="messages_url"):
         client.fetch_json(f"{url}/expired")
+
+
+def _self_signed(folder) -> tuple[str, str]:
+    """A certificate for localhost and its key, as PEM files in `folder`."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return str(cert_file), str(key_file)
+
+
+def test_an_https_horde_is_verified_against_ssl_cert_file_else_the_certifi_bundle(tmp_path, monkeypatch):
+    for name in ("HTTPS_PROXY", "https_proxy", "SSL_CERT_FILE", "SSL_CERT_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    cert_file, key_file = _self_signed(tmp_path)
+    handler = type("Handler", (_Recorder,), {"seen": [], "close_after": False, "drop_after": None})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_file, key_file)
+    httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"https://localhost:{httpd.server_address[1]}"
+    try:
+        with pytest.raises(HordeUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
+            HordeClient(url, "k" * 22).pop({"name": "w"})  # a certificate no public authority signed
+        monkeypatch.setenv("SSL_CERT_FILE", cert_file)
+        client = HordeClient(url, "k" * 22)
+        assert [client.pop({"name": "w"}) for _ in range(2)] == [{"id": None}] * 2
+        assert len({connection for _, _, connection in handler.seen}) == 1  # kept alive over TLS too
+        client.close()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import base64
 import http.client
+import os
 import select
 import socket
+import ssl
 import threading
 import urllib.parse
 import urllib.request
@@ -96,6 +98,7 @@ class Connections:
         self._host = parts.hostname
         self._port = parts.port or (443 if self._https else 80)
         self._headers = headers
+        self._tls = tls_context() if self._https else None
         self._proxy = proxy_for(parts.scheme, self._host)
         if self._proxy is not None and not self._https and self._proxy[2]:
             self._headers = {**headers, "Proxy-Authorization": self._proxy[2]}
@@ -172,16 +175,34 @@ class Connections:
         return connection
 
     def _new_connection(self) -> http.client.HTTPConnection:
-        kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         if self._proxy is None:
-            return kind(self._host, self._port, timeout=CONNECT_TIMEOUT)
+            return self._plain_or_tls(self._host, self._port)
         host, port, authorization = self._proxy
-        if self._https:  # through the proxy's CONNECT tunnel
-            connection = kind(host, port, timeout=CONNECT_TIMEOUT)
+        if self._https:  # TLS to the server through the proxy's CONNECT tunnel
+            connection = self._plain_or_tls(host, port)
             headers = {"Proxy-Authorization": authorization} if authorization else None
             connection.set_tunnel(self._host, self._port, headers=headers)
             return connection
         return http.client.HTTPConnection(host, port, timeout=CONNECT_TIMEOUT)
+
+    def _plain_or_tls(self, host: str, port: int) -> http.client.HTTPConnection:
+        if self._https:
+            return http.client.HTTPSConnection(host, port, timeout=CONNECT_TIMEOUT, context=self._tls)
+        return http.client.HTTPConnection(host, port, timeout=CONNECT_TIMEOUT)
+
+
+def tls_context() -> ssl.SSLContext:
+    """What an HTTPS server's certificate is verified against: the files SSL_CERT_FILE /
+    SSL_CERT_DIR name when set, else certifi's bundle when it is installed (as httpx and requests
+    verify; a python.org macOS build has no system store until its certificates are installed),
+    else the system's store."""
+    if os.environ.get("SSL_CERT_FILE") or os.environ.get("SSL_CERT_DIR"):
+        return ssl.create_default_context()
+    try:
+        import certifi
+    except ImportError:
+        return ssl.create_default_context()
+    return ssl.create_default_context(cafile=certifi.where())
 
 
 def proxy_for(scheme: str, host: str) -> tuple[str, int, str | None] | None:
