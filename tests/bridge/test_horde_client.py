@@ -28,7 +28,8 @@ class _Recorder(BaseHTTPRequestHandler):
     whose idle timeout ends a kept connection while a request is on its way)."""
 
     protocol_version = "HTTP/1.1"
-    seen: list[tuple[str, dict[str, str], int]] = []
+    seen: list[tuple[str, dict[str, str], tuple[str, int]]] = []  # request line, headers, client address
+    bodies: list[bytes] = []
     close_after = False
     drop_after: int | None = None
 
@@ -37,7 +38,7 @@ class _Recorder(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         """A messages_url: /moved redirects to /messages, which holds the offloaded array."""
-        type(self).seen.append((self.requestline, dict(self.headers), id(self.connection)))
+        type(self).seen.append((self.requestline, dict(self.headers), self.client_address))
         if self.path == "/moved":
             self.send_response(302)
             self.send_header("Location", "/messages")
@@ -54,8 +55,8 @@ class _Recorder(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        type(self).seen.append((self.requestline, dict(self.headers), id(self.connection)))
+        type(self).bodies.append(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+        type(self).seen.append((self.requestline, dict(self.headers), self.client_address))
         answered = getattr(self, "answered", 0)
         if type(self).drop_after is not None and answered >= type(self).drop_after:
             self.close_connection = True  # closed with nothing sent
@@ -74,7 +75,7 @@ class _Recorder(BaseHTTPRequestHandler):
 
 @pytest.fixture()
 def server() -> Iterator[tuple[str, type[_Recorder]]]:
-    handler = type("Handler", (_Recorder,), {"seen": [], "close_after": False, "drop_after": None})
+    handler = type("Handler", (_Recorder,), {"seen": [], "bodies": [], "close_after": False, "drop_after": None})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -95,6 +96,8 @@ def test_one_connection_serves_a_threads_calls(server, monkeypatch):
     assert len({connection for _, _, connection in handler.seen}) == 1
     assert handler.seen[0][0] == "POST /api/v2/generate/text/pop HTTP/1.1"
     assert handler.seen[0][1]["apikey"] == "k" * 22
+    client.pop({"name": "wörker 工"})
+    assert handler.bodies[-1] == '{"name":"wörker 工"}'.encode()  # compact UTF-8, as httpx sent it
     client.close()
 
 
@@ -203,7 +206,7 @@ def test_an_https_horde_is_verified_against_ssl_cert_file_else_the_certifi_bundl
     for name in ("HTTPS_PROXY", "https_proxy", "SSL_CERT_FILE", "SSL_CERT_DIR"):
         monkeypatch.delenv(name, raising=False)
     cert_file, key_file = _self_signed(tmp_path)
-    handler = type("Handler", (_Recorder,), {"seen": [], "close_after": False, "drop_after": None})
+    handler = type("Handler", (_Recorder,), {"seen": [], "bodies": [], "close_after": False, "drop_after": None})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert_file, key_file)

@@ -20,7 +20,7 @@ from contract.chat_declaration import ChatFaultReason, ChatImageTransport
 from contract.chat_limits import CHAT_IMAGE_PROMPT_TOKENS
 from contract.chat_policy import ChatFeature, ChatGuarantee
 from workers.bridge import BRIDGE_AGENT
-from workers.bridge.connections import Connections, Unreachable
+from workers.bridge.connections import Connections, Unreachable, json_body
 
 DEFAULT_CONTEXT = 4096
 
@@ -274,9 +274,13 @@ class OpenAIBackend:
 
     # -- plumbing
 
+    def _read_timeout(self, timeout: float) -> float:
+        """Seconds any one read may wait: the call's, within --backend-timeout."""
+        return min(max(timeout, 0.1), self.timeout)
+
     def _exchange(self, method: str, url: str, body: Any, timeout: float) -> tuple[int, bytes]:
-        payload = None if body is None else json.dumps(body).encode()
-        return self._http.request(method, url, body=payload, timeout=min(max(timeout, 0.1), self.timeout))
+        payload = None if body is None else json_body(body)
+        return self._http.request(method, url, body=payload, timeout=self._read_timeout(timeout))
 
     def _json_or_none(self, method: str, url: str, body: Any = None, timeout: float = 10.0) -> Any:
         """A probe's or helper route's answer (tokenize, apply-template); None on any failure."""
@@ -334,10 +338,9 @@ class OpenAIBackend:
         request = {**body, "stream": True, "stream_options": {"include_usage": True}}
         reader = ChatStreamReader()
         stopped = False
-        payload = json.dumps(request).encode()
         try:
             with self._http.stream(
-                "POST", f"{self.base}/chat/completions", body=payload, timeout=min(max(timeout, 0.1), self.timeout)
+                "POST", f"{self.base}/chat/completions", body=json_body(request), timeout=self._read_timeout(timeout)
             ) as response:
                 if response.status != 200:
                     raise classify_backend_error(response.status, response.read().decode("utf-8", "replace"))

@@ -11,7 +11,7 @@ from typing import Any
 
 from contract.chat_progress import PROGRESS_ROUTE
 from workers.bridge import BRIDGE_AGENT
-from workers.bridge.connections import Connections, Unreachable
+from workers.bridge.connections import Connections, Unreachable, json_body
 
 # The upstream worker's timeouts (spec: existing-clients.md): pop 40 s, submit 60 s.
 POP_TIMEOUT = 40.0
@@ -60,7 +60,7 @@ class HordeClient:
 
     def _exchange(self, method: str, path: str, body: Any, timeout: float) -> tuple[int, bytes]:
         """One request on this thread's connection: (status, body). HordeUnavailable without an answer."""
-        payload = None if body is None else json_module.dumps(body).encode()
+        payload = None if body is None else json_body(body)
         try:
             return self._connections.request(method, self._api + path, body=payload, timeout=timeout)
         except Unreachable as error:
