@@ -12,7 +12,14 @@ process, then alternates four measured phases at the same client concurrency:
   status     GET  /api/v2/generate/text/status/<id> on random queued ids
 
 and prints throughput and p50/p95 latency of each, with the ratios the issue sets as goals:
-pop rps >= 0.5x heartbeat rps, status p95 <= 2x heartbeat p95. The pop phase's pop rate is at
+pop rps >= 0.5x heartbeat rps, status p95 <= 2x heartbeat p95.
+
+The phases above are closed loops: 12 requests always in flight keep the web process saturated,
+so their latencies are mostly queueing and the status p95 ratio reads the CPU ratio of the two
+routes. Then, with the status phase, the offered-load phases (ADR 0053) send the heartbeat and the
+status poll at the same fixed rates, fractions of the status phase's own closed-loop rate, as
+clients that poll on a clock do: each request is sent when due, without waiting for an earlier
+answer, so a slower route shows in its latency, not in a lower rate. The pop phase's pop rate is at
 most half the heartbeat's by construction (each job is a pop and a submit on the same stack, ADR
 0048); the pop-alone phase measures the pop's own rate (ADR 0049).
 
@@ -34,7 +41,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +88,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_phase_names,
         default=",".join(PHASES),
         help=f"the measured phases, comma separated (default {','.join(PHASES)}; heartbeat is always run)",
+    )
+    p.add_argument(
+        "--offered-loads",
+        default="0.25,0.5,0.75",
+        help="with the status phase: fixed rates, as fractions of the status phase's measured rate, at "
+        "which heartbeat and status are sent (open loop, ADR 0053); empty: none (default 0.25,0.5,0.75)",
+    )
+    p.add_argument(
+        "--offered-seconds", type=float, default=6.0, help="seconds per route at each offered load (default 6)"
     )
     p.add_argument("--fill-threads", type=int, default=4, help="threads filling the queue (default 4)")
     p.add_argument(
@@ -396,6 +412,7 @@ class PhaseResult:
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)  # of the phase's measured route
     other_latencies: list[float] = field(default_factory=list)  # submits, in the pop phase
+    lateness: list[float] = field(default_factory=list)  # sends behind their due time, offered load
     errors: dict[str, int] = field(default_factory=dict)
     jobs: int = 0
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per process group
@@ -416,6 +433,7 @@ class PhaseResult:
         self.seconds += other.seconds
         self.latencies += other.latencies
         self.other_latencies += other.other_latencies
+        self.lateness += other.lateness
         self.jobs += other.jobs
         for k, v in other.errors.items():
             self.errors[k] = self.errors.get(k, 0) + v
@@ -475,6 +493,81 @@ async def phase_gets(
     await asyncio.gather(*(loop() for _ in range(concurrency)))
     result.seconds = time.perf_counter() - t0
     return result
+
+
+async def phase_offered(client, name: str, seconds: float, rate: float, path: Callable[[], str]) -> PhaseResult:
+    """GET `path()` at a fixed `rate` for `seconds`, whatever the answers' pace (an open loop): each
+    request is sent when it is due, without waiting for an earlier answer, and timed from its send.
+    `lateness` records how late each send was against its due time (the client's timer rounds to a
+    millisecond; more than that means the client fell behind and the figures are the client's)."""
+    result = PhaseResult(name)
+    sent: list[asyncio.Task] = []
+    start = time.perf_counter()
+    count = int(rate * seconds)
+
+    async def one(due: float) -> None:
+        t0 = time.perf_counter()
+        result.lateness.append(t0 - due)
+        try:
+            response = await client.request("GET", path())
+        except Exception as exc:  # noqa: BLE001  (counted, the phase goes on)
+            result.error(type(exc).__name__)
+            return
+        result.latencies.append(time.perf_counter() - t0)
+        if response.status_code >= 400:
+            result.error(f"HTTP {response.status_code}")
+
+    for i in range(count):
+        due = start + i / rate
+        wait = due - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        sent.append(asyncio.ensure_future(one(due)))
+    await asyncio.gather(*sent)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _offered_loads(value: str) -> list[float]:
+    return [float(part) for part in value.split(",") if part.strip()]
+
+
+async def measure_offered(
+    args: argparse.Namespace, status_rps: float, rng: random.Random
+) -> list[tuple[float, float, PhaseResult, PhaseResult]]:
+    """At each offered load: (fraction, rate, heartbeat, status), each route sent at that rate in
+    two halves, heartbeat, status, status, heartbeat, so that a drift of the box falls on both."""
+    from asgiref.sync import sync_to_async
+
+    loads = _offered_loads(args.offered_loads)
+    if not loads or not status_rps:
+        return []
+    ids = await sync_to_async(queued_ids)()
+    half = args.offered_seconds / 2
+    rows = []
+    async with RawHTTPClient("127.0.0.1", args.port, limit=512) as client:
+        # Opens the connections the highest rate needs, so that no measured request pays a connect.
+        await phase_offered(client, "warm-up", 1.0, max(loads) * status_rps, lambda: "/api/v2/status/heartbeat")
+        for fraction in loads:
+            rate = fraction * status_rps
+            results = {"heartbeat": PhaseResult("heartbeat"), "status": PhaseResult("status")}
+            for name in ("heartbeat", "status", "status", "heartbeat"):
+                if name == "heartbeat":
+                    res = await phase_offered(client, name, half, rate, lambda: "/api/v2/status/heartbeat")
+                else:
+                    res = await phase_offered(
+                        client, name, half, rate, lambda: f"/api/v2/generate/text/status/{rng.choice(ids)}"
+                    )
+                results[name].merge(res)
+            hb, st = results["heartbeat"], results["status"]
+            print(
+                f"  offered {fraction:.2f} x status ({rate:.0f} req/s): heartbeat p95 {pct(hb.latencies, 95) * 1000:.2f} ms, "
+                f"status p95 {pct(st.latencies, 95) * 1000:.2f} ms; sends late p99 "
+                f"{pct(hb.lateness + st.lateness, 99) * 1000:.2f} ms",
+                flush=True,
+            )
+            rows.append((fraction, rate, hb, st))
+    return rows
 
 
 async def phase_heartbeat(client, seconds: float, concurrency: int) -> PhaseResult:
@@ -612,7 +705,12 @@ async def measure(
 
 
 def report(
-    args, totals: dict[str, PhaseResult], fill_seconds: float, depth_before: int, depth_after: int
+    args,
+    totals: dict[str, PhaseResult],
+    fill_seconds: float,
+    depth_before: int,
+    depth_after: int,
+    offered: Sequence[tuple[float, float, PhaseResult, PhaseResult]] = (),
 ) -> str:
     hb, pop, alone, st = totals["heartbeat"], totals["pop"], totals["pop-alone"], totals["status"]
     ran = phase_order(args)
@@ -702,6 +800,28 @@ def report(
         ("status", f"| status req/s / heartbeat req/s | {st_rps / hb_rps if hb_rps else 0:.3f} | (reported) | |"),
     )
     lines += [line for phase, line in ratios if phase in ran]
+    for fraction, _rate, o_hb, o_st in offered:
+        ratio = pct(o_st.latencies, 95) / pct(o_hb.latencies, 95)
+        lines.append(
+            f"| status p95 / heartbeat p95, both offered {fraction:.2f}x the status rate | {ratio:.2f} | <= 2.0 | "
+            f"{'yes' if ratio <= 2.0 else 'NO'} |"
+        )
+    if offered:
+        lines += [
+            "",
+            "Offered load (open loop, ADR 0053): each route sent at the same fixed rate, each request sent when "
+            "due and timed from its send:",
+            "",
+            "| offered | req/s | heartbeat p50 / p95 / p99 ms | status p50 / p95 / p99 ms | sends late p99 ms | errors |",
+            "|---|---:|---|---|---:|---|",
+        ]
+        for fraction, rate, o_hb, o_st in offered:
+            cells = [
+                " / ".join(f"{pct(r.latencies, q) * 1000:.2f}" for q in (50, 95, 99)) for r in (o_hb, o_st)
+            ]
+            errors = ", ".join(f"{k}: {v}" for r in (o_hb, o_st) for k, v in r.errors.items())
+            late = pct(o_hb.lateness + o_st.lateness, 99) * 1000
+            lines.append(f"| {fraction:.2f}x status | {rate:.0f} | {cells[0]} | {cells[1]} | {late:.2f} | {errors} |")
     return "\n".join(lines)
 
 
@@ -726,8 +846,13 @@ def main(argv: list[str] | None = None) -> int:
 
         connection.close()
         totals = asyncio.run(measure(args, workers, rng, server.proc.pid))
+        offered = []
+        if "status" in args.phases:
+            status = totals["status"]
+            status_rps = len(status.latencies) / status.seconds if status.seconds else 0.0
+            offered = asyncio.run(measure_offered(args, status_rps, rng))
         depth_after = queue_depth()
-        print(report(args, totals, fill_seconds, depth_before, depth_after))
+        print(report(args, totals, fill_seconds, depth_before, depth_after, offered))
         if args.keep_server:
             server.leave_running()
     return 0
