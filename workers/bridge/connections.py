@@ -18,6 +18,7 @@ import select
 import socket
 import ssl
 import threading
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ CONNECT_TIMEOUT = 10.0
 # After a stream's last event, how long its end (the chunked terminator) may take to arrive
 # before the connection is dropped rather than kept for the next call.
 STREAM_END_TIMEOUT = 1.0
+_FINISH_READ_BYTES = 65536
 
 
 # How a kept connection that the server had closed fails before any answer.
@@ -78,13 +80,18 @@ class Streamed:
 
     def finish(self) -> None:
         """Read what is left of a stream whose last event came (its chunked terminator), so the
-        connection can be kept; given up after STREAM_END_TIMEOUT."""
+        connection can be kept; given up STREAM_END_TIMEOUT after the call, in all (a server that
+        goes on trickling bytes loses its connection, not the caller's time)."""
+        deadline = time.monotonic() + STREAM_END_TIMEOUT
         try:
-            self._sock.settimeout(STREAM_END_TIMEOUT)
-            self._response.read()
+            while (left := deadline - time.monotonic()) > 0:
+                self._sock.settimeout(left)
+                # read1: one read from the socket a call, so that the deadline is checked between.
+                if not self._response.read1(_FINISH_READ_BYTES):
+                    self.complete = True
+                    return
         except (OSError, http.client.HTTPException):
             return
-        self.complete = True
 
 
 class Connections:
