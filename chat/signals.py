@@ -2,7 +2,8 @@
 (the channel, database and message keys: contract/chat_signal.py).
 
 Publishing is best effort and happens after the commit that stored what it announces: a Redis
-failure is logged and never fails the submit, cancel or sweep that published.
+failure is logged and never fails the submit, cancel or sweep that published. Without Redis the
+message is delivered in process (chat_signal_in_process).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from uuid import UUID
 import redis
 from django.conf import settings
 from django.db import transaction
+from django.dispatch import Signal
 from django.utils.module_loading import import_string
 
 from contract.chat_signal import CHAT_SIGNAL_DB, CHAT_SIGNAL_FAULT_KEYS, chat_signal_channel
@@ -35,14 +37,22 @@ def signal_url() -> str | None:
     return settings.HORDE_CHAT_SIGNAL_REDIS_URL or settings.REDIS_URL
 
 
+# Without Redis the message is sent here instead, in the process that committed what it announces:
+# hordesite/asgi.py hands it to the front mounted in the same process (docs/adr/0054). Receivers get
+# `message`, the dict that would have been published.
+chat_signal_in_process = Signal()
+
+
 def publish_now(request_id: UUID | str, event: str, generations: int, **fault: str | None) -> bool:
-    """Publish one message; returns whether Redis took it."""
-    url = signal_url()
-    if not url:
-        return False
+    """Publish one message; returns whether Redis took it. Without Redis the message goes to this
+    process's receivers of chat_signal_in_process instead."""
     message = {"id": str(request_id), "event": event, "generations": generations}
     # fault_reason and fault_rc only when present; a message never carries generated text.
     message.update({key: value for key, value in fault.items() if key in CHAT_SIGNAL_FAULT_KEYS and value})
+    url = signal_url()
+    if not url:
+        chat_signal_in_process.send_robust(sender=None, message=message)
+        return False
     try:
         _client(url).publish(chat_signal_channel(request_id), json.dumps(message))
         return True

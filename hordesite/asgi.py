@@ -22,10 +22,12 @@ from django.core.cache import caches  # noqa: E402
 from django.db.backends.signals import connection_created  # noqa: E402
 
 from accounts.ratelimit import trust_process_passkey  # noqa: E402
+from chat.signals import chat_signal_in_process, signal_url  # noqa: E402
 from hordesite.db_guard import install_statement_counter, retrying_wsgi  # noqa: E402
 from hordesite.wsgi_pool import PooledWSGI  # noqa: E402
 from oai.asgi import FrontASGI, front_django_handler  # noqa: E402
 from oai.horde_client import IN_PROCESS_PROXY_PASSKEY, mount_native_app  # noqa: E402
+from oai.waiter import in_process_signals  # noqa: E402
 
 # The native API as every caller reaches it: Django's WSGI handler, a request that lost its
 # database connection before any statement completed run once more (hordesite/db_guard.py).
@@ -40,6 +42,18 @@ trust_process_passkey(IN_PROCESS_PROXY_PASSKEY)
 application = ProtocolTypeRouter(
     {"http": FrontASGI(PooledWSGI(native_app), front_app=front_django_handler())}
 )
+
+
+
+def _wake_the_front(sender: object, *, message: dict, **kwargs: object) -> None:
+    in_process_signals.publish(message)
+
+
+# Without Redis the horde publishes its completion signal nowhere: the front mounted here, which
+# waits on requests this process's native API serves, is woken in process instead (docs/adr/0054).
+if not signal_url():
+    in_process_signals.enabled = True
+    chat_signal_in_process.connect(_wake_the_front)
 
 # Each request's completed statements are counted: one that lost its connection before any completed
 # is run again on a fresh connection (hordesite/db_guard.py).

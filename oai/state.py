@@ -5,7 +5,6 @@ shutdown drain."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import weakref
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from oai.front_lease import FrontLeaseRenewer
 from oai.horde_client import HordeClient
 from oai.metrics import FrontMetrics
 from oai.settings import FrontSettings, load_settings
-from oai.waiter import CompletionSignalListener
+from oai.waiter import CompletionSignalListener, InProcessSignalListener, in_process_signals
 
 log = logging.getLogger("oai.requests")
 
@@ -29,11 +28,11 @@ class FrontState:
         self.limiter = InflightLimiter(settings.max_inflight, settings.max_inflight_per_source)
         self.metrics = FrontMetrics(meter, inflight=self.limiter.snapshot)
         self.client = HordeClient(settings, self.metrics, propagate=propagate)
-        self.listener = (
-            CompletionSignalListener(settings.redis_url, ping_seconds=settings.signal_ping_seconds)
-            if settings.redis_url
-            else None
-        )
+        self.listener: CompletionSignalListener | InProcessSignalListener | None = None
+        if settings.redis_url:
+            self.listener = CompletionSignalListener(settings.redis_url, ping_seconds=settings.signal_ping_seconds)
+        elif in_process_signals.enabled:
+            self.listener = in_process_signals.listener()
         self.cancels = Cancels(settings, self.client, self.metrics)
         self.leases = (
             FrontLeaseRenewer(
@@ -54,12 +53,9 @@ class FrontState:
         retries with the first failed cancel (a refused request starts neither)."""
         self.started = True
 
-    async def ensure_listener(self) -> CompletionSignalListener | None:
-        if self.listener is not None and self.listener._task is None:
-            await self.listener.start()
-            # Give the first connection a moment, so the first request is woken by its signal.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.listener._ready.wait(), 0.5)
+    async def ensure_listener(self) -> CompletionSignalListener | InProcessSignalListener | None:
+        if self.listener is not None:
+            await self.listener.ensure_started()
         return self.listener
 
     def spawn(self, coro: Any) -> asyncio.Task:

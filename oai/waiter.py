@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -100,6 +101,14 @@ class CompletionSignalListener:
     async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="oai-completion-signal")
+
+    async def ensure_started(self) -> None:
+        """Started with the first wait; the first connection gets a moment, so that the first
+        request is woken by its signal."""
+        if self._task is None:
+            await self.start()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), 0.5)
 
     async def close(self) -> None:
         self._closing = True
@@ -253,6 +262,72 @@ class CompletionSignalListener:
             data = {}
         for wake in list(wakes):
             wake.set(data if isinstance(data, dict) else {})
+
+
+class InProcessSignalListener:
+    """Without Redis, in a process that also runs the horde's native API (the embedded default):
+    the completion signal's messages that this process's horde would have published, handed over
+    in process (hordesite/asgi.py; docs/adr/0054). Its wakes are not `listening`, so a waiting
+    request still reads every poll_seconds, as without a listener: a message published by another
+    process (a sweep in the Celery worker) reaches no one here. A message only brings the read
+    forward."""
+
+    healthy = True
+
+    def __init__(self) -> None:
+        self._wakes: dict[str, set[Wake]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def ensure_started(self) -> None:
+        self._loop = asyncio.get_running_loop()
+
+    async def close(self) -> None:
+        self._wakes.clear()
+
+    async def register(self, request_id: str) -> Wake:
+        wake = Wake(listening=False)
+        self._wakes.setdefault(request_id, set()).add(wake)
+        return wake
+
+    async def unregister(self, request_id: str, wake: Wake) -> None:
+        wakes = self._wakes.get(request_id)
+        if wakes is not None:
+            wakes.discard(wake)
+            if not wakes:
+                del self._wakes[request_id]
+
+    def deliver(self, message: dict[str, Any]) -> None:
+        """From any thread (the horde's submit commits on a serving thread)."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or message.get("id") not in self._wakes:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(self._dispatch, message)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        for wake in list(self._wakes.get(message.get("id"), ())):
+            wake.set(dict(message))
+
+
+class InProcessSignals:
+    """The process's in-process listeners (one per front state, so per event loop). Off until the
+    process that mounts the native API turns it on (hordesite/asgi.py, without Redis)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._listeners: weakref.WeakSet[InProcessSignalListener] = weakref.WeakSet()
+
+    def listener(self) -> InProcessSignalListener:
+        listener = InProcessSignalListener()
+        self._listeners.add(listener)
+        return listener
+
+    def publish(self, message: dict[str, Any]) -> None:
+        for listener in list(self._listeners):
+            listener.deliver(message)
+
+
+in_process_signals = InProcessSignals()
 
 
 @dataclass

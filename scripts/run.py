@@ -52,9 +52,12 @@ DEMO_WORKER_KEY_FILE = Path(os.environ.get("HORDE_DEMO_WORKER_KEY_FILE") or ROOT
 DEMO_WORKER_USER = "demo-worker"
 
 # Exits 0 when the key in argv[1] belongs to a user of the database the horde runs on.
+# Exits 0 when the key in HORDE_DEMO_WORKER_KEY is a user's, KEY_UNKNOWN when it is no one's. (The
+# key goes in the environment: `manage.py shell -c` takes no arguments after the code.)
+KEY_UNKNOWN = 3
 _KEY_CHECK = (
-    "import sys; from accounts.selectors import user_get_by_api_key; "
-    "sys.exit(0 if user_get_by_api_key(sys.argv[-1]) else 3)"
+    "import os, sys; from accounts.selectors import user_get_by_api_key; "
+    f"sys.exit(0 if user_get_by_api_key(os.environ['HORDE_DEMO_WORKER_KEY']) else {KEY_UNKNOWN})"
 )
 
 
@@ -241,9 +244,9 @@ def commands(port: str) -> dict[str, list[str]]:
     return cmds
 
 
-def _manage(*args: str) -> subprocess.CompletedProcess[str]:
+def _manage(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "manage.py", *args], cwd=ROOT, capture_output=True, text=True, check=False
+        [sys.executable, "manage.py", *args], cwd=ROOT, capture_output=True, text=True, check=False, env=env
     )
 
 
@@ -254,8 +257,18 @@ def demo_worker_key() -> str | None:
     """
     if DEMO_WORKER_KEY_FILE.exists():
         key = DEMO_WORKER_KEY_FILE.read_text().strip()
-        if key and _manage("shell", "-c", _KEY_CHECK, key).returncode == 0:
-            return key
+        if key:
+            checked = _manage("shell", "--no-imports", "-c", _KEY_CHECK, env={**os.environ, "HORDE_DEMO_WORKER_KEY": key})
+            if checked.returncode == 0:
+                return key
+            if checked.returncode != KEY_UNKNOWN:  # not an answer about the key: make no second user
+                print(
+                    f"[run] demo: could not check the stored key in {DEMO_WORKER_KEY_FILE}:\n"
+                    f"{checked.stderr.strip()[-2000:]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return None
     made = _manage("horde_user", "create", DEMO_WORKER_USER, "--trusted")
     lines = made.stdout.strip().splitlines()
     if made.returncode != 0 or not lines:

@@ -1,6 +1,7 @@
 """End to end: `make run`'s processes (scripts/run.py: daphne, Celery, the demo worker) answer a
 chat request with the demo worker's scripted reply: on the native route, and through the OpenAI
-front at /v1 with the openai client.
+front at /v1 with the openai client, whole and streamed, woken by the completion signal in process
+(no Redis; ADR 0054).
 
 The processes run on a free port with their own SQLite database file, so they do not touch the
 test database.
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -22,6 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = "scripted"  # scripts/run.py DEMO_MODEL
+FRONT_POLL_SECONDS = 30
 
 pytestmark = pytest.mark.slow
 
@@ -32,9 +35,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class MakeRun:
+    url: str
+    key: str  # a requester's
+    env: dict[str, str]  # the processes' environment (their database, the demo worker's key file)
+    demo_key_file: Path
+
+
 @pytest.fixture(scope="module")
-def make_run(tmp_path_factory) -> Iterator[tuple[str, str]]:
-    """scripts/run.py (what `make run` starts after migrating) on a free port: (root URL, a requester key)."""
+def make_run(tmp_path_factory) -> Iterator[MakeRun]:
+    """scripts/run.py (what `make run` starts after migrating) on a free port."""
     tmp_path = tmp_path_factory.mktemp("make-run")
     port = _free_port()
     env = {
@@ -45,6 +56,9 @@ def make_run(tmp_path_factory) -> Iterator[tuple[str, str]]:
         "PORT": str(port),
         "PYTHONUNBUFFERED": "1",
         "HORDE_DEMO_WORKER_KEY_FILE": str(tmp_path / "demo-worker.key"),  # not the checkout's var/
+        # A front wait that polls would read again only after this: a reply within it was woken
+        # by the horde's completion signal, handed over in process without Redis (ADR 0054).
+        "HORDE_OAI_POLL_SECONDS": str(FRONT_POLL_SECONDS),
     }
     env.pop("HORDE_DEMO_WORKER", None)
 
@@ -73,7 +87,7 @@ def make_run(tmp_path_factory) -> Iterator[tuple[str, str]]:
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.5)
-        yield url, key
+        yield MakeRun(url, key, env, Path(env["HORDE_DEMO_WORKER_KEY_FILE"]))
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -87,7 +101,7 @@ def make_run(tmp_path_factory) -> Iterator[tuple[str, str]]:
 
 
 def test_make_run_demo_worker_answers_a_native_chat_request(make_run):
-    url, key = make_run
+    url, key = make_run.url, make_run.key
     with httpx.Client(base_url=f"{url}/api/v2/", headers={"apikey": key}, timeout=10) as client:
         created = client.post(
             "generate/chat/async",
@@ -105,10 +119,41 @@ def test_make_run_demo_worker_answers_a_native_chat_request(make_run):
 def test_make_run_answers_the_openai_client(make_run):
     import openai
 
-    url, key = make_run
+    url, key = make_run.url, make_run.key
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+    started = time.monotonic()
     completion = client.chat.completions.create(
         model=DEMO_MODEL, messages=[{"role": "user", "content": "Hello, horde"}], max_tokens=64
     )
     assert completion.choices[0].message.content == "Scripted reply to: Hello, horde"
     assert completion.choices[0].finish_reason == "stop"
+    # Woken by the completion signal in process, not by the next poll (ADR 0054).
+    assert time.monotonic() - started < FRONT_POLL_SECONDS / 3
+
+    started = time.monotonic()
+    chunks = list(
+        client.chat.completions.create(
+            model=DEMO_MODEL, messages=[{"role": "user", "content": "Hello again"}], max_tokens=64, stream=True
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Scripted reply to: Hello again"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert time.monotonic() - started < FRONT_POLL_SECONDS / 3
+
+
+def test_a_second_make_run_finds_the_demo_workers_user_by_its_stored_key(make_run):
+    """Started again on the same database, the launcher reuses the demo worker's user: a new user
+    would not own the registered worker `demo-worker`, whose pops would then be refused."""
+    stored = make_run.demo_key_file.read_text().strip()
+    again = subprocess.run(
+        [sys.executable, "-c", "import runpy; print(runpy.run_path('scripts/run.py')['demo_worker_key']())"],
+        cwd=ROOT, env=make_run.env, capture_output=True, text=True, check=True,
+    )
+    assert again.stdout.strip() == stored, again.stderr
+    assert "created the user" not in again.stderr
+    count = subprocess.run(
+        [sys.executable, "manage.py", "shell", "--no-imports", "-c",
+         "from accounts.models import HordeUser; print(HordeUser.objects.filter(username='demo-worker').count())"],
+        cwd=ROOT, env=make_run.env, capture_output=True, text=True, check=True,
+    )
+    assert count.stdout.strip() == "1"

@@ -251,3 +251,42 @@ def test_mounted_front_answer_is_compact_json_with_its_length(front, requester, 
     assert int(response.headers["content-length"]) == len(response.content)
     assert response.headers["access-control-allow-origin"] == "*"
     assert '"content":"héllo"' in response.content.decode()
+
+
+# --- the completion signal in process (docs/adr/0054) ---------------------------------------------
+
+
+def test_the_completion_signal_in_process_wakes_only_the_requests_it_names_and_they_still_poll():
+    from oai.waiter import ChatRequestWatcher, InProcessSignals, WaitBudget, WakeSource
+
+    async def scenario() -> None:
+        signals = InProcessSignals()
+        listener = signals.listener()
+        await listener.ensure_started()
+        wake = await listener.register("r1")
+        other = await listener.register("r2")
+        gone = await listener.register("r3")
+        await listener.unregister("r3", gone)
+        watcher = ChatRequestWatcher(
+            wake=wake, budget=WaitBudget(time.monotonic(), 60), recheck_seconds=5.0, poll_seconds=0.2, disconnected=None
+        )
+        # Nothing published: the wait is the poll's, as without a listener.
+        started = time.monotonic()
+        assert await watcher.next_wake() == WakeSource.POLL
+        assert 0.15 < time.monotonic() - started < 1.0
+        # The horde's submit publishes from one of its serving threads.
+        published = threading.Thread(
+            target=signals.publish, args=({"id": "r1", "event": "cancelled", "generations": 0},)
+        )
+        started = time.monotonic()
+        asyncio.get_running_loop().call_later(0.05, published.start)
+        assert await watcher.next_wake() == WakeSource.SIGNAL
+        assert time.monotonic() - started < 0.15
+        assert wake.cancelled_signal and wake.last_message["event"] == "cancelled"
+        assert not other.event.is_set() and not gone.event.is_set()
+        signals.publish({"id": "unknown", "event": "finished", "generations": 1})  # no one waits on it
+        await asyncio.sleep(0.05)
+        assert not other.event.is_set()
+        published.join()
+
+    asyncio.run(scenario())
