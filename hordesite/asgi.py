@@ -44,7 +44,6 @@ application = ProtocolTypeRouter(
 )
 
 
-
 def _wake_the_front(sender: object, *, message: dict, **kwargs: object) -> None:
     in_process_signals.publish(message)
 

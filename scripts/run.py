@@ -51,7 +51,6 @@ DEMO_WORKER_COMMAND: list[str] | None = [
 DEMO_WORKER_KEY_FILE = Path(os.environ.get("HORDE_DEMO_WORKER_KEY_FILE") or ROOT / "var" / "demo-worker.key")
 DEMO_WORKER_USER = "demo-worker"
 
-# Exits 0 when the key in argv[1] belongs to a user of the database the horde runs on.
 # Exits 0 when the key in HORDE_DEMO_WORKER_KEY is a user's, KEY_UNKNOWN when it is no one's. (The
 # key goes in the environment: `manage.py shell -c` takes no arguments after the code.)
 KEY_UNKNOWN = 3
