@@ -2,7 +2,7 @@
 Redis), its demo worker, and a chat completion through the OpenAI front, against the native
 route's own completion time in the same run.
 
-    .venv/bin/python bench/embedded_reply.py [--requests 30 --gap 0.6]
+    .venv/bin/python bench/embedded_reply.py [--requests 30 --gap 0.6] [--text]
 
 It starts `scripts/run.py` (the web process, the Celery worker and the demo worker, as `make run`)
 on a free port with its own SQLite file (`var/bench-embedded.sqlite3`, deleted first) and demo
@@ -12,6 +12,9 @@ creates is 2 a second per client address):
   front   a chat completion through the openai client at /v1 (whole), timed by the client
   native  POST /api/v2/generate/chat/async, then its status read every 5 ms until done: when the
           horde itself had the reply, seen by an eager poller (the baseline)
+
+With --text the same for a text request: /v1/completions against /api/v2/generate/text/async and
+its status (ADR 0055).
 
 and prints p50 / p90 / max of each and the front's p50 over the native's.
 """
@@ -35,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=30, help="requests of each kind (default 30)")
     p.add_argument("--gap", type=float, default=0.6, help="seconds between two requests (default 0.6)")
+    p.add_argument("--text", action="store_true", help="text requests (/v1/completions) instead of chat")
     return p.parse_args()
 
 
@@ -93,13 +97,21 @@ def main() -> int:
         for i in range(args.requests * 2):
             kind = "front" if i % 2 == 0 else "native"
             started = time.perf_counter()
-            if kind == "front":
+            if kind == "front" and args.text:
+                completion = front.completions.create(model=DEMO_MODEL, prompt="Hello, horde", max_tokens=16)
+                assert completion.choices[0].text, completion
+            elif kind == "front":
                 reply = front.chat.completions.create(model=DEMO_MODEL, messages=messages, max_tokens=16)
                 assert reply.choices[0].message.content == "Scripted reply to: Hello, horde", reply
             else:
-                created = native.post("generate/chat/async", json={"model": DEMO_MODEL, "messages": messages, "max_tokens": 16})
+                family, body = (
+                    ("text", {"models": [DEMO_MODEL], "prompt": "Hello, horde", "params": {"max_length": 16}})
+                    if args.text
+                    else ("chat", {"model": DEMO_MODEL, "messages": messages, "max_tokens": 16})
+                )
+                created = native.post(f"generate/{family}/async", json=body)
                 assert created.status_code == 202, created.text
-                status_path = f"generate/chat/status/{created.json()['id']}"
+                status_path = f"generate/{family}/status/{created.json()['id']}"
                 while not native.get(status_path).json()["done"]:
                     time.sleep(0.005)
             timings[kind].append((time.perf_counter() - started) * 1000)
@@ -115,7 +127,8 @@ def main() -> int:
     print()
     print("| kind | p50 / p90 / max ms |")
     print("|---|---|")
-    print(f"| front: a chat completion through the openai client | {percentiles(timings['front'])} |")
+    route = "/v1/completions" if args.text else "/v1/chat/completions"
+    print(f"| front: {route} through the openai client | {percentiles(timings['front'])} |")
     print(f"| native: create, then status every 5 ms until done | {percentiles(timings['native'])} |")
     print()
     print(f"front p50 / native p50 = {statistics.median(timings['front']) / statistics.median(timings['native']):.2f}")

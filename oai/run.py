@@ -243,8 +243,7 @@ class ChatRun:
                 metrics=self.state.metrics,
                 submitted_mono=self.trace.submitted_mono,
             )
-        # No completion signal is published for text requests: their waits poll.
-        listener = None if self.is_text else await self.state.ensure_listener()
+        listener = await self.state.ensure_listener()
         if listener is not None and listener.healthy:
             self.wake = await listener.register(self.request_id)
         self.watcher = ChatRequestWatcher(
@@ -253,6 +252,8 @@ class ChatRun:
             recheck_seconds=self.settings.signal_recheck_seconds,
             poll_seconds=self.settings.poll_seconds,
             disconnected=self.disconnected,
+            # A text request's submit is signalled, not its fault, cancel or expiry (docs/adr/0055).
+            polls=self.is_text,
         )
 
     async def read(self, source: WakeSource) -> ReadOutcome:

@@ -346,7 +346,9 @@ class WaitBudget:
 
 
 class ChatRequestWatcher:
-    """Waits for the next reason to read one request's status."""
+    """Waits for the next reason to read one request's status. `polls`: the signal announces only
+    some of the request's changes (a text request's submit, docs/adr/0055), so the periodic read is
+    a poll every poll_seconds, which a signal brings forward."""
 
     def __init__(
         self,
@@ -356,12 +358,14 @@ class ChatRequestWatcher:
         recheck_seconds: float,
         poll_seconds: float,
         disconnected: asyncio.Event | None,
+        polls: bool = False,
     ):
         self.wake = wake
         self.budget = budget
-        self.recheck_seconds = recheck_seconds if wake is not None else poll_seconds
+        polls = polls or wake is None
+        self.recheck_seconds = poll_seconds if polls else recheck_seconds
         self.poll_seconds = poll_seconds
-        self.periodic_source = WakeSource.RECHECK if wake is not None else WakeSource.POLL
+        self.periodic_source = WakeSource.POLL if polls else WakeSource.RECHECK
         self.disconnected = disconnected
         # The signal's and the disconnect's waits outlive one next_wake: a relayed stream calls it
         # for every delta, and making and cancelling a task per source per call was most of its cost.

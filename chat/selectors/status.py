@@ -89,10 +89,10 @@ def request_completed(request_id: UUID) -> bool:
 _DONE_FIELDS = ("n", "jobs_waiting", "faulted", "cancelled")
 
 
-def stored_results_and_done(request_id: UUID) -> tuple[int, bool]:
-    """(stored_result_count, request_completed) of a chat request in one read, the request with its
+def stored_results_and_done(request_id: UUID, *, is_chat: bool = True) -> tuple[int, bool]:
+    """(stored_result_count, request_completed) of a request in one read, the request with its
     generations counted by state. Call it with the request row locked, as request_completed."""
-    request = request_with_counts(request_id, is_chat=True, only=_DONE_FIELDS)
+    request = request_with_counts(request_id, is_chat=is_chat, only=_DONE_FIELDS)
     counts = generation_state_counts(request)
     finished = sum(counts.get(s, 0) for s in Generation.FINISHED_STATES)
     done = request_is_done(

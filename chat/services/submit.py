@@ -265,6 +265,13 @@ def _text_submit(generation: Generation, data: TextSubmit) -> Decimal:
         if not won:
             raise _not_pending_error(generation.pk, _current_state(generation.pk))
         _settle(generation, state=state, tokens=tokens, reward=reward, now=now)
+        if generation.request.front_id is not None:
+            # A front waits on this text request (it named its process): wake it now, not at its
+            # next poll (docs/adr/0055). Other text requests publish nothing, as upstream's.
+            generations, done = stored_results_and_done(generation.request_id, is_chat=False)
+            publish_chat_signal(generation.request_id, "generation", generations)
+            if done:
+                publish_chat_signal(generation.request_id, "done", generations)
     record_gate_shadow_outcome(generation, "completed", now=now)
     return reward
 

@@ -5,6 +5,7 @@ live horde and a text worker popping as the AI-Horde-Worker scribe does (docs/ad
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -35,6 +36,22 @@ def test_whole_completion_through_the_openai_client(client, start_text_worker):
     assert completion.usage.total_tokens == 9
     payload = worker.jobs[0]["payload"]
     assert payload["prompt"] == PROMPT and payload["max_length"] == 64
+
+
+def test_a_text_completion_is_woken_by_its_submit_not_by_the_next_poll(front, client, start_text_worker):
+    """The text submit of a request a front waits on publishes the completion signal (over Redis,
+    or in process without it), so the reply comes before a poll 30 s away (docs/adr/0055)."""
+    front.configure(poll_seconds=30)
+    start_text_worker()
+    for stream in (False, True):
+        started = time.monotonic()
+        if stream:
+            chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=64, stream=True))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+        else:
+            text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=64).choices[0].text
+        assert text == " there was a horde."
+        assert time.monotonic() - started < 10
 
 
 def test_streamed_completion_with_usage(client, start_text_worker):
