@@ -1,6 +1,7 @@
 """A backend stream's end (workers/bridge/connections.py, Streamed.finish): after the last event the
-bridge reads the chunked terminator to keep the connection, and gives up after STREAM_END_TIMEOUT
-in all, even against a server that goes on sending bytes after [DONE]."""
+bridge reads the rest (a chunked body's terminator; nothing of a body with a Content-Length) to keep
+the connection for the next request, and gives up after STREAM_END_TIMEOUT in all, even against a
+server that goes on sending bytes after [DONE]."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
 
 from workers.bridge.connections import STREAM_END_TIMEOUT, Connections
 
@@ -19,6 +22,7 @@ class _Stream(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     after_done = 0
+    chunked = True  # else one body with its Content-Length, as llama.cpp's and vLLM's are not
     peers: list[tuple[str, int]] = []
     ended = threading.Event()
 
@@ -34,6 +38,13 @@ class _Stream(BaseHTTPRequestHandler):
         type(self).peers.append(self.client_address)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
+        if not type(self).chunked:
+            body = b'data: {"n": 1}\n\ndata: {"n": 2}\n\ndata: [DONE]\n\n'
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            type(self).ended.set()
+            return
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         try:
@@ -51,8 +62,10 @@ class _Stream(BaseHTTPRequestHandler):
 
 
 @contextmanager
-def _server(after_done: int) -> Iterator[str]:
-    handler = type("Stream", (_Stream,), {"after_done": after_done, "peers": [], "ended": threading.Event()})
+def _server(after_done: int, *, chunked: bool = True) -> Iterator[str]:
+    handler = type(
+        "Stream", (_Stream,), {"after_done": after_done, "chunked": chunked, "peers": [], "ended": threading.Event()}
+    )
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -78,10 +91,11 @@ def _read_events(connections: Connections, url: str) -> tuple[list[str], bool, f
     raise AssertionError("the stream ended without [DONE]")
 
 
-def test_a_stream_that_ends_after_done_keeps_its_connection():
-    with _server(after_done=1) as (url, handler):
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "content-length"])
+def test_a_stream_that_ends_after_done_keeps_its_connection(chunked):
+    with _server(after_done=1 if chunked else 0, chunked=chunked) as (url, handler):
         connections = Connections(url, headers={})
-        for _ in range(2):
+        for _ in range(3):
             events, complete, _seconds = _read_events(connections, url)
             assert events == ['{"n": 1}', '{"n": 2}', "[DONE]"]
             assert complete

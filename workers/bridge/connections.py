@@ -88,6 +88,9 @@ class Streamed:
                 self._sock.settimeout(left)
                 # read1: one read from the socket a call, so that the deadline is checked between.
                 if not self._response.read1(_FINISH_READ_BYTES):
+                    # At a Content-Length body's end read1 leaves the response open, which would
+                    # keep the connection from its next request: close it as read() does.
+                    self._response.close()
                     self.complete = True
                     return
         except (OSError, http.client.HTTPException):
