@@ -111,7 +111,7 @@ def test_a_server_still_sending_after_done_loses_its_connection_after_the_timeou
         events, complete, seconds = _read_events(connections, url)
         assert events[-1] == "[DONE]"
         assert not complete
-        assert STREAM_END_TIMEOUT <= seconds < STREAM_END_TIMEOUT + 0.5
+        assert STREAM_END_TIMEOUT <= seconds < STREAM_END_TIMEOUT + 1.0  # the old per-read wait took 5 s
         assert handler.ended.wait(5)  # the server found its client gone
         handler.after_done = 0
         events, complete, _seconds = _read_events(connections, url)
