@@ -36,6 +36,15 @@ def user_create(
     return user, api_key
 
 
+def user_api_key_replace(*, user_id: int) -> str:
+    """A new API key for the user, returned plain (only its hash is stored); the old one stops
+    authenticating, after at most HORDE_API_KEY_CACHE_SECONDS in a process that read it."""
+    api_key = new_api_key()
+    if not HordeUser.objects.filter(pk=user_id).update(api_key_hash=hash_api_key(api_key)):
+        raise HordeUser.DoesNotExist(f"no user {user_id}")
+    return api_key
+
+
 def kudos_transfer(
     *,
     user_id: int,

@@ -10,7 +10,8 @@ Runs, from the project root and with the interpreter that runs this script (the 
   demo    the reference worker on its scripted backend (python -m workers.bridge --backend scripted),
           unless HORDE_DEMO_WORKER is "0"; it serves the model DEMO_MODEL ("scripted") with the key of
           the trusted user "demo-worker", made once with `manage.py horde_user create` and kept in
-          var/demo-worker.key (made again when the database no longer knows it)
+          var/demo-worker.key (when the database no longer knows that key, the owner of the worker
+          "demo-worker" gets a new one with `manage.py worker_owner_key`, or a user is made again)
 
 Ctrl-C (SIGINT) or SIGTERM stops every child with SIGTERM (their graceful shutdown), waits up to
 STOP_TIMEOUT seconds (a second Ctrl-C: none), then kills what is left. If any child exits on its own, the others are stopped
@@ -41,10 +42,11 @@ STOP_TIMEOUT = 20.0
 # The demo worker: the reference worker on the scripted backend (no LLM). commands() adds
 # --horde-url for the port; the API key goes in its environment (BRIDGE_API_KEY), not argv.
 DEMO_MODEL = "scripted"
+DEMO_WORKER_NAME = "demo-worker"
 DEMO_WORKER_COMMAND: list[str] | None = [
     sys.executable, "-m", "workers.bridge",
     "--backend", "scripted",
-    "--name", "demo-worker",
+    "--name", DEMO_WORKER_NAME,
     "--horde-model", DEMO_MODEL,
     "--threads", "2",
 ]
@@ -54,6 +56,8 @@ DEMO_WORKER_USER = "demo-worker"
 # Exits 0 when the key in HORDE_DEMO_WORKER_KEY is a user's, KEY_UNKNOWN when it is no one's. (The
 # key goes in the environment: `manage.py shell -c` takes no arguments after the code.)
 KEY_UNKNOWN = 3
+# `manage.py worker_owner_key`'s exit when no worker has the name (workers/management/commands).
+NO_SUCH_WORKER = 3
 _KEY_CHECK = (
     "import os, sys; from accounts.selectors import user_get_by_api_key; "
     f"sys.exit(0 if user_get_by_api_key(os.environ['HORDE_DEMO_WORKER_KEY']) else {KEY_UNKNOWN})"
@@ -250,9 +254,11 @@ def _manage(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 
 
 def demo_worker_key() -> str | None:
-    """The demo worker's API key: the stored one while the database knows it, else a new user's.
+    """The demo worker's API key: the stored one while the database knows it; else a new key for
+    the user that owns the worker `demo-worker` (a lost key file, or a database another checkout
+    made: a new user's pops under that name would be refused); else a new user's.
 
-    None (and a message) when no user can be made, e.g. before `manage.py migrate`.
+    None (and a message) when no key can be had, e.g. before `manage.py migrate`.
     """
     if DEMO_WORKER_KEY_FILE.exists():
         key = DEMO_WORKER_KEY_FILE.read_text().strip()
@@ -261,27 +267,32 @@ def demo_worker_key() -> str | None:
             if checked.returncode == 0:
                 return key
             if checked.returncode != KEY_UNKNOWN:  # not an answer about the key: make no second user
-                print(
-                    f"[run] demo: could not check the stored key in {DEMO_WORKER_KEY_FILE}:\n"
-                    f"{checked.stderr.strip()[-2000:]}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return None
+                return _no_key(f"could not check the stored key in {DEMO_WORKER_KEY_FILE}", checked)
+    renewed = _manage("worker_owner_key", DEMO_WORKER_NAME, "--owner-username", DEMO_WORKER_USER)
+    if renewed.returncode == 0:
+        return _store_key(renewed, f"gave the owner of the worker {DEMO_WORKER_NAME!r} a new key")
+    if renewed.returncode != NO_SUCH_WORKER:
+        return _no_key(f"could not renew the key of the worker {DEMO_WORKER_NAME!r}'s owner", renewed)
     made = _manage("horde_user", "create", DEMO_WORKER_USER, "--trusted")
-    lines = made.stdout.strip().splitlines()
-    if made.returncode != 0 or not lines:
-        print(
-            f"[run] demo: could not create the user {DEMO_WORKER_USER!r} (run `manage.py migrate`?):\n"
-            f"{made.stderr.strip()[-2000:]}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return None
+    if made.returncode != 0:
+        return _no_key(f"could not create the user {DEMO_WORKER_USER!r} (run `manage.py migrate`?)", made)
+    return _store_key(made, f"created the user {DEMO_WORKER_USER!r}")
+
+
+def _no_key(why: str, ran: subprocess.CompletedProcess[str]) -> None:
+    print(f"[run] demo: {why}:\n{ran.stderr.strip()[-2000:]}", file=sys.stderr, flush=True)
+    return None
+
+
+def _store_key(ran: subprocess.CompletedProcess[str], done: str) -> str | None:
+    """The key a command printed on its last line, kept in the key file."""
+    lines = ran.stdout.strip().splitlines()
+    if not lines:
+        return _no_key(f"{done}, but printed no key", ran)
     key = lines[-1].strip()
     DEMO_WORKER_KEY_FILE.write_text(key + "\n")
     DEMO_WORKER_KEY_FILE.chmod(0o600)
-    print(f"[run] demo: created the user {DEMO_WORKER_USER!r}; its key is in {DEMO_WORKER_KEY_FILE}", file=sys.stderr)
+    print(f"[run] demo: {done}; its key is in {DEMO_WORKER_KEY_FILE}", file=sys.stderr, flush=True)
     return key
 
 

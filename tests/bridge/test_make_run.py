@@ -157,3 +157,34 @@ def test_a_second_make_run_finds_the_demo_workers_user_by_its_stored_key(make_ru
         cwd=ROOT, env=make_run.env, capture_output=True, text=True, check=True,
     )
     assert count.stdout.strip() == "1"
+
+
+def test_a_make_run_without_the_key_file_renews_the_demo_workers_owner_key(make_run, tmp_path):
+    """The key file is gone (deleted, or another checkout made the database): the owner of the
+    worker `demo-worker` gets a new key rather than a second user being made, whose pops under that
+    name would be refused. Run on a copy of the database, so the running demo worker keeps its key."""
+    import sqlite3
+
+    source = sqlite3.connect(make_run.env["DATABASE_URL"].removeprefix("sqlite:///"))
+    copy = sqlite3.connect(tmp_path / "copy.sqlite3")
+    source.backup(copy)
+    source.close()
+    copy.close()
+    env = {**make_run.env, "DATABASE_URL": f"sqlite:///{tmp_path / 'copy.sqlite3'}",
+           "HORDE_DEMO_WORKER_KEY_FILE": str(tmp_path / "missing.key")}
+    again = subprocess.run(
+        [sys.executable, "-c", "import runpy; print(runpy.run_path('scripts/run.py')['demo_worker_key']())"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True,
+    )
+    renewed = again.stdout.strip()
+    assert renewed not in ("", "None") and renewed != make_run.demo_key_file.read_text().strip(), again.stderr
+    assert (tmp_path / "missing.key").read_text().strip() == renewed
+    assert "gave the owner of the worker 'demo-worker' a new key" in again.stderr
+    owner = subprocess.run(
+        [sys.executable, "manage.py", "shell", "--no-imports", "-c",
+         "import os; from accounts.models import HordeUser, hash_api_key; from workers.models import Worker; "
+         "print(Worker.objects.get(name='demo-worker').owner.api_key_hash == hash_api_key(os.environ['K']), "
+         "HordeUser.objects.filter(username='demo-worker').count())"],
+        cwd=ROOT, env={**env, "K": renewed}, capture_output=True, text=True, check=True,
+    )
+    assert owner.stdout.split() == ["True", "1"]
