@@ -225,3 +225,67 @@ def test_an_https_horde_is_verified_against_ssl_cert_file_else_the_certifi_bundl
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+class _HoldingServer:
+    """A raw HTTP/1.1 server that holds each pop until the client half-closes, as the horde holds
+    a pop for a job; it then answers `answer_after_close` (a job the horde handed out just before
+    it saw the worker gone), or closes without answering (what the horde does)."""
+
+    def __init__(self, answer_after_close: bytes | None):
+        import socket
+
+        self.answer_after_close = answer_after_close
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.saw_end = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            while conn.recv(65536):  # the body, then the client's end of sending
+                pass
+            self.saw_end.set()
+            if self.answer_after_close is not None:
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                    + str(len(self.answer_after_close)).encode() + b"\r\n\r\n" + self.answer_after_close
+                )
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.parametrize("answer", [b'{"id": "job-1"}', None], ids=["answered", "unanswered"])
+def test_interrupting_a_held_pop_ends_it_and_still_reads_an_answer_already_sent(answer, monkeypatch):
+    monkeypatch.delenv("HTTP_PROXY", raising=False)
+    monkeypatch.delenv("http_proxy", raising=False)
+    server = _HoldingServer(answer)
+    client = HordeClient(f"http://127.0.0.1:{server.port}", "key")
+    outcome: list[object] = []
+
+    def pop() -> None:
+        try:
+            outcome.append(client.pop({"name": "w"}))
+        except HordeUnavailable as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=pop)
+    thread.start()
+    time.sleep(0.3)  # the pop is out and held
+    assert outcome == []
+    client.interrupt_pops()
+    thread.join(5)
+    assert not thread.is_alive() and server.saw_end.is_set()
+    if answer is None:
+        assert isinstance(outcome[0], HordeUnavailable)
+    else:
+        assert outcome == [{"id": "job-1"}]
+    with pytest.raises(HordeUnavailable, match="interrupted"):  # no pop after the stop
+        client.pop({"name": "w"})
+    client.close()
+    server.close()

@@ -34,3 +34,26 @@ def test_an_idle_bridge_takes_a_request_as_it_arrives(live_horde, make_user):
     assert status["generations"][0]["message"]["content"] == "Scripted reply to: Hi"
     assert elapsed < 2.0, out.text()  # polling alone would pop again 30 s after the first
     horde.client.close()
+
+
+def test_a_stopped_bridge_ends_its_held_pop_at_once_and_is_handed_nothing(live_horde, make_user):
+    """A stop while the horde holds the bridge's pop: the pop ends (the horde sees the worker gone),
+    the bridge stops well inside its stop grace, and a request made after it waits for another
+    worker rather than being handed to the one that stopped."""
+    owner = make_user(f"lp-stop-{uuid.uuid4().hex[:6]}", trusted=True)
+    requester = make_user(f"lp-stop-req-{uuid.uuid4().hex[:6]}", kudos=10_000)
+    horde = BridgeHorde(live_horde.url, owner.key, requester.key)
+    with running_bridge(horde, ScriptedBackend(), pop_interval=30.0, pop_wait=10, stop_grace=20.0) as (bridge, out):
+        time.sleep(0.5)  # every thread's next pop is held at the horde
+        started = time.monotonic()
+        bridge.request_stop()
+    stopped_in = time.monotonic() - started  # running_bridge joins the bridge's thread
+    assert stopped_in < 2.0, (stopped_in, out.text())
+    assert "horde unreachable" not in out.text()
+    assert bridge.stats.ok == 0 and bridge.stats.faulted == 0
+    time.sleep(0.3)  # a pop the horde still held would take the request below
+    request_id = horde.chat(messages=[{"role": "user", "content": "Hi"}])
+    time.sleep(1.0)
+    status = horde.chat_status(request_id)
+    assert status["waiting"] == 1 and status["processing"] == 0, status
+    horde.client.close()

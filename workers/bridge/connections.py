@@ -11,6 +11,7 @@ host), as they do for httpx and for the upstream worker's requests.
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
 import os
@@ -118,6 +119,9 @@ class Connections:
         self._opened: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
         self._closed = False
+        # Connections whose interruptible request is out, and whether interrupt() was called.
+        self._interruptible: set[http.client.HTTPConnection] = set()
+        self._interrupted = False
 
     def close(self) -> None:
         with self._lock:
@@ -126,19 +130,54 @@ class Connections:
         for connection in opened:
             connection.close()
 
-    def request(self, method: str, url: str, *, body: bytes | None, timeout: float) -> tuple[int, bytes]:
-        """One exchange: (status, body). Unreachable without an answer."""
-        connection, response = self._open(method, url, body, timeout)
+    def interrupt(self) -> None:
+        """End the interruptible requests that are out, and refuse later ones: each such
+        connection's sending side is shut, which the server sees as the client gone. An answer the
+        server had already sent is still read; without one the request ends Unreachable."""
+        with self._lock:
+            self._interrupted = True
+            waiting = list(self._interruptible)
+        for connection in waiting:
+            _shut_sending(connection)
+
+    def request(
+        self, method: str, url: str, *, body: bytes | None, timeout: float, interruptible: bool = False
+    ) -> tuple[int, bytes]:
+        """One exchange: (status, body). Unreachable without an answer. An interruptible one is
+        ended by interrupt()."""
+        connection = self._connection()
+        if interruptible:
+            self._enter_interruptible(connection)
         try:
-            return response.status, response.read()
-        except (OSError, http.client.HTTPException) as error:
-            connection.close()  # the next call connects afresh
-            raise Unreachable(error) from None
+            connection, response = self._open(method, url, body, timeout, connection, interruptible)
+            try:
+                return response.status, response.read()
+            except (OSError, http.client.HTTPException) as error:
+                connection.close()  # the next call connects afresh
+                raise Unreachable(error) from None
+        finally:
+            if interruptible:
+                with self._lock:
+                    self._interruptible.discard(connection)
+
+    def _enter_interruptible(self, connection: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if self._interrupted:
+                raise Unreachable("interrupted")
+            self._interruptible.add(connection)
+
+    def _check_interrupted(self, connection: http.client.HTTPConnection) -> None:
+        """After connecting: an interrupt() that found the connection not yet connected ends the
+        request here (a later one shuts the socket itself)."""
+        with self._lock:
+            if self._interrupted:
+                connection.close()
+                raise Unreachable("interrupted")
 
     @contextmanager
     def stream(self, method: str, url: str, *, body: bytes | None, timeout: float) -> Iterator[Streamed]:
         """An answer read as it arrives (`timeout` between reads); see Streamed."""
-        connection, response = self._open(method, url, body, timeout)
+        connection, response = self._open(method, url, body, timeout, self._connection(), False)
         streamed = Streamed(response, connection.sock)
         try:
             yield streamed
@@ -147,7 +186,13 @@ class Connections:
                 connection.close()
 
     def _open(
-        self, method: str, url: str, body: bytes | None, timeout: float
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        timeout: float,
+        connection: http.client.HTTPConnection,
+        interruptible: bool,
     ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """Send the request and read the answer's head. A kept connection the server closed
         before answering (an idle timeout that ended it as the request went out: it never read the
@@ -158,24 +203,27 @@ class Connections:
             raise ValueError(f"{url!r} is not on {self.origin}")
         # A plain HTTP proxy takes the absolute URL; a direct connection or a tunnel the path.
         target = url if self._proxy is not None and not self._https else (url[len(self.origin):] or "/")
-        connection = self._connection()
         while True:
             reused = connection.sock is not None
             try:
                 if not reused:
                     connection.timeout = CONNECT_TIMEOUT
                     connection.connect()
+                    if interruptible:
+                        self._check_interrupted(connection)
                 connection.sock.settimeout(timeout)
                 connection.request(method, target, body=body, headers=self._headers)
                 return connection, connection.getresponse()
             except (OSError, http.client.HTTPException) as error:
                 connection.close()
-                if reused and isinstance(error, _CLOSED_UNANSWERED):
+                if reused and isinstance(error, _CLOSED_UNANSWERED) and not (interruptible and self._interrupted):
                     continue  # once: the connection is a new one now
                 raise Unreachable(error) from None
 
     def _connection(self) -> http.client.HTTPConnection:
         """This thread's connection; one the server closed while it was idle is opened again."""
+        if self._closed:
+            raise RuntimeError("the client is closed")
         connection = getattr(self._local, "connection", None)
         if connection is None:
             connection = self._new_connection()
@@ -201,6 +249,16 @@ class Connections:
         if self._https:
             return http.client.HTTPSConnection(host, port, timeout=CONNECT_TIMEOUT, context=self._tls)
         return http.client.HTTPConnection(host, port, timeout=CONNECT_TIMEOUT)
+
+
+def _shut_sending(connection: http.client.HTTPConnection) -> None:
+    sock = connection.sock
+    if sock is None:
+        return
+    # The plain socket's shutdown, also under TLS: an SSLSocket's own drops its TLS state, which
+    # the answer still on its way needs. Already closed or reset: the request ends on its own.
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_WR)
 
 
 def json_body(value: Any) -> bytes:

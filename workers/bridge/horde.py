@@ -58,16 +58,25 @@ class HordeClient:
         """Close every thread's connection; a later call raises RuntimeError."""
         self._connections.close()
 
-    def _exchange(self, method: str, path: str, body: Any, timeout: float) -> tuple[int, bytes]:
+    def interrupt_pops(self) -> None:
+        """At stop: end the pops the horde holds (it sees the worker gone and hands them nothing),
+        and refuse later ones. A job the horde handed out first is still read."""
+        self._connections.interrupt()
+
+    def _exchange(
+        self, method: str, path: str, body: Any, timeout: float, *, interruptible: bool = False
+    ) -> tuple[int, bytes]:
         """One request on this thread's connection: (status, body). HordeUnavailable without an answer."""
         payload = None if body is None else json_body(body)
         try:
-            return self._connections.request(method, self._api + path, body=payload, timeout=timeout)
+            return self._connections.request(
+                method, self._api + path, body=payload, timeout=timeout, interruptible=interruptible
+            )
         except Unreachable as error:
             raise HordeUnavailable(str(error)) from None
 
-    def _call(self, method: str, path: str, *, timeout: float, json: Any = None) -> Any:
-        status, data = self._exchange(method, path, json, timeout)
+    def _call(self, method: str, path: str, *, timeout: float, json: Any = None, interruptible: bool = False) -> Any:
+        status, data = self._exchange(method, path, json, timeout, interruptible=interruptible)
         if status >= 500 or status == 429:
             raise HordeUnavailable(f"{status}: {data[:200].decode(errors='replace')}")
         body = _json_or_none(data)
@@ -84,7 +93,7 @@ class HordeClient:
         return self._call("GET", "find_user", timeout=POP_TIMEOUT)
 
     def pop(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", "generate/text/pop", json=body, timeout=POP_TIMEOUT)
+        return self._call("POST", "generate/text/pop", json=body, timeout=POP_TIMEOUT, interruptible=True)
 
     def submit(self, body: dict[str, Any]) -> dict[str, Any]:
         return self._call("POST", "generate/text/submit", json=body, timeout=SUBMIT_TIMEOUT)

@@ -6,8 +6,8 @@ that came sooner than `pop_interval` (a horde that ignores the key) is followed 
 end of that interval, so such a horde is polled about once a `pop_interval` as before. Leases:
 a job is given up (faulted) `lease_margin` seconds before its pop's ttl ends, so the request is
 handed out again at once instead of after the horde's stale sweep. Stop: the first SIGINT/SIGTERM
-stops popping and lets held jobs finish for `stop_grace` seconds, then faults what is left; a
-second signal faults at once.
+stops popping (a pop the horde holds ends at once) and lets held jobs finish for `stop_grace`
+seconds, then faults what is left; a second signal faults at once.
 """
 
 from __future__ import annotations
@@ -225,6 +225,8 @@ class Bridge:
                 self.username = str(user.get("username") or "")
                 break
             except HordeUnavailable as error:
+                if self.stop_event.is_set():
+                    break  # the stop ended the pop
                 delay = backoff.next()
                 self.log(f"horde unreachable ({error}); retrying in {delay:.0f} s")
                 self.stop_event.wait(delay)
@@ -304,6 +306,8 @@ class Bridge:
         deadline = now + grace
         self.stop_deadline = deadline if self.stop_deadline is None else min(self.stop_deadline, deadline)
         self.stop_event.set()
+        # A pop the horde holds for a job would keep the worker up to the stop grace: it ends now.
+        self.horde.interrupt_pops()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         name = signal.Signals(signum).name
@@ -382,6 +386,8 @@ class Bridge:
             try:
                 job = self._pop()
             except HordeUnavailable as error:
+                if self.stop_event.is_set():
+                    break  # the stop ended the pop
                 delay = backoff.next()
                 self.log(f"horde unreachable ({error}); retrying in {delay:.0f} s")
                 self.stop_event.wait(delay)
