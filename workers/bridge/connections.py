@@ -117,7 +117,8 @@ class Connections:
             self._headers = {**headers, "Proxy-Authorization": self._proxy[2]}
         self._local = threading.local()
         self._opened: list[http.client.HTTPConnection] = []
-        self._lock = threading.Lock()
+        # Reentrant: interrupt() runs in a signal handler, which may find the main thread holding it.
+        self._lock = threading.RLock()
         self._closed = False
         # Connections whose interruptible request is out, and whether interrupt() was called.
         self._interruptible: set[http.client.HTTPConnection] = set()
