@@ -3,6 +3,7 @@ takes a request as it arrives, through daphne's hot route layer."""
 
 from __future__ import annotations
 
+import signal
 import time
 import uuid
 
@@ -10,6 +11,7 @@ import pytest
 
 from tests.bridge.conftest import LiveHorde as BridgeHorde
 from tests.bridge.conftest import running_bridge
+from tests.bridge.test_live import _bridge_process, _wait_for_worker
 from workers.bridge.scripted import ScriptedBackend
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -56,4 +58,28 @@ def test_a_stopped_bridge_ends_its_held_pop_at_once_and_is_handed_nothing(live_h
     time.sleep(1.0)
     status = horde.chat_status(request_id)
     assert status["waiting"] == 1 and status["processing"] == 0, status
+    horde.client.close()
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_idle_bridge_process_stops_on_a_signal_at_once(live_horde, make_user, stop):
+    """`python -m workers.bridge`, idle with its pop held: Ctrl-C (or the service manager's SIGTERM)
+    stops it at once, not at the end of the held pop or the stop grace."""
+    owner = make_user(f"lp-sig-{uuid.uuid4().hex[:6]}", trusted=True)
+    requester = make_user(f"lp-sig-req-{uuid.uuid4().hex[:6]}", kudos=10_000)
+    horde = BridgeHorde(live_horde.url, owner.key, requester.key)
+    proc = _bridge_process(horde, "scripted", "--pop-wait", "10", "--stop-grace", "20")
+    try:
+        _wait_for_worker("sigterm-bridge", proc)
+        time.sleep(1.0)  # past the check-in pop: the next one is held
+        started = time.monotonic()
+        proc.send_signal(stop)
+        output, _ = proc.communicate(timeout=20)
+        stopped_in = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    assert f"{stop.name}: stopping" in output and "horde unreachable" not in output
+    assert stopped_in < 3.0, (stopped_in, output)
     horde.client.close()
