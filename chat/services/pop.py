@@ -270,6 +270,8 @@ _PRICE_COLUMNS = ("price_rate", "price_flat", "price_max_length", "price_owner_t
 _POP_COMPUTED_COLUMNS = ("id", "request_id", "model", *_ASSIGNED_COLUMNS, *_PRICE_COLUMNS)
 # Stands for the priority users' ids while the select is compiled; the pop's own go in its place.
 _PRIORITY_IDS = object()
+# The id of the unsaved generation the per-call column values are read from (never stored).
+_TEMPLATE_ID = uuid.UUID(int=0)
 
 
 def _queue_lists(view: WorkerView) -> tuple[list[str], int]:
@@ -357,7 +359,7 @@ def _job_prices(worker: Worker) -> tuple[list[str], list[float], list[float]]:
 
 @lru_cache(maxsize=1)
 def _popped_request_loader() -> RowLoader:
-    return RowLoader.of_fields(connection.alias, [(GenerationRequest, _POP_REQUEST_COLUMNS)], extra=(None, None))
+    return RowLoader.of_fields(connection.alias, [(GenerationRequest, _POP_REQUEST_COLUMNS)], extra=(None, None, None))
 
 
 def _pop_selects(view: WorkerView) -> tuple[tuple[str, str], tuple]:
@@ -431,14 +433,14 @@ def _pop_statement(shape: WorkerView) -> _PopStatement:
                 SELECT t.per_token, t.flat FROM unnest(%s::text[], %s::float8[], %s::float8[]) AS t(m, per_token, flat)
                 WHERE t.m = p.job_model LIMIT 1
             ) AS price ON true,
-            unnest(%s::uuid[]) WITH ORDINALITY AS g(id, position)
-            WHERE g.position <= p.take
+            LATERAL (SELECT gen_random_uuid() AS id FROM generate_series(1, p.take)) AS g
+            RETURNING id
         ),
         taken AS (
             UPDATE horde_requests AS r SET jobs_waiting = r.jobs_waiting - p.take, expires_at = %s
             FROM picked AS p WHERE r.id = p.id
         )
-        SELECT {fields}, p.take, p.job_model FROM picked AS p
+        SELECT {fields}, p.take, p.job_model, (SELECT array_agg(g.id) FROM generations AS g) FROM picked AS p
     """
     return _PopStatement(sql=sql, selects=selects)
 
@@ -450,8 +452,9 @@ def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now)
     served = list(worker.served_models or [])
     assigned = _assigned_declaration(worker)
     price_models, price_per_token, price_flat = _job_prices(worker)
-    template = Generation(worker=worker, lease_expires_at=lease)
-    generation_ids = [uuid.uuid4() for _ in range(max(1, amount))]
+    # The ids come from PostgreSQL (gen_random_uuid): uuid.uuid4() reads os.urandom, a system call
+    # that gives up the interpreter lock, which a loaded web process takes a while to get back.
+    template = Generation(id=_TEMPLATE_ID, worker=worker, lease_expires_at=lease)
     params = [
         *select_params,
         amount,
@@ -466,16 +469,15 @@ def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now)
         price_models,
         price_per_token,
         price_flat,
-        generation_ids,
         now + timedelta(seconds=settings.HORDE_TEXT_REQUEST_TTL_SECONDS),
     ]
     row = run_prepared(statement.sql, params)
     if row is None:
         return None
-    (request,), (take, model) = _popped_request_loader().load(row)
+    (request,), (_take, model, generation_ids) = _popped_request_loader().load(row)
     generations = [
         Generation(id=gid, request=request, worker=worker, model=model, lease_expires_at=lease, created=template.created)
-        for gid in generation_ids[:take]
+        for gid in generation_ids
     ]
     return PoppedJob(request=request, generations=generations, model=model, skipped={})
 
