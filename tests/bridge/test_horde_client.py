@@ -8,6 +8,7 @@ that closes idle connections (over TLS too), an HTTP proxy and an object store."
 from __future__ import annotations
 
 import json
+import select
 import ssl
 import threading
 import time
@@ -17,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from workers.bridge.connections import proxy_for
-from workers.bridge.horde import HordeClient, HordeUnavailable
+from workers.bridge.horde import POP_HELD_AFTER, HordeClient, HordeUnavailable
 
 
 class _Recorder(BaseHTTPRequestHandler):
@@ -230,12 +231,15 @@ def test_an_https_horde_is_verified_against_ssl_cert_file_else_the_certifi_bundl
 class _HoldingServer:
     """A raw HTTP/1.1 server that holds each pop until the client half-closes, as the horde holds
     a pop for a job; it then answers `answer_after_close` (a job the horde handed out just before
-    it saw the worker gone), or closes without answering (what the horde does)."""
+    it saw the worker gone), or closes without answering (what the horde does). With
+    `answer_after` it answers that many seconds after the request instead, as a pop the horde is
+    running (not holding) does, unless the client half-closes first."""
 
-    def __init__(self, answer_after_close: bytes | None):
+    def __init__(self, answer_after_close: bytes | None, *, answer_after: float | None = None):
         import socket
 
         self.answer_after_close = answer_after_close
+        self.answer_after = answer_after
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.saw_end = threading.Event()
@@ -247,25 +251,33 @@ class _HoldingServer:
             data = b""
             while b"\r\n\r\n" not in data:
                 data += conn.recv(65536)
+            if self.answer_after is not None:
+                # A client that ends its sending meanwhile is gone: like a proxy in front of a
+                # horde, the server drops the answer (and, with it, the job it handed out).
+                readable, _, _ = select.select([conn], [], [], self.answer_after)
+                if readable and not conn.recv(65536):
+                    self.saw_end.set()
+                    return
+                self._answer(conn, b'{"id": "job-running"}')
+                return
             while conn.recv(65536):  # the body, then the client's end of sending
                 pass
             self.saw_end.set()
             if self.answer_after_close is not None:
-                conn.sendall(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                    + str(len(self.answer_after_close)).encode() + b"\r\n\r\n" + self.answer_after_close
-                )
+                self._answer(conn, self.answer_after_close)
+
+    @staticmethod
+    def _answer(conn, body: bytes) -> None:
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
 
     def close(self) -> None:
         self.listener.close()
 
 
-@pytest.mark.parametrize("answer", [b'{"id": "job-1"}', None], ids=["answered", "unanswered"])
-def test_interrupting_a_held_pop_ends_it_and_still_reads_an_answer_already_sent(answer, monkeypatch):
-    monkeypatch.delenv("HTTP_PROXY", raising=False)
-    monkeypatch.delenv("http_proxy", raising=False)
-    server = _HoldingServer(answer)
-    client = HordeClient(f"http://127.0.0.1:{server.port}", "key")
+def _pop_in_a_thread(client: HordeClient) -> tuple[threading.Thread, list[object]]:
     outcome: list[object] = []
 
     def pop() -> None:
@@ -276,7 +288,17 @@ def test_interrupting_a_held_pop_ends_it_and_still_reads_an_answer_already_sent(
 
     thread = threading.Thread(target=pop)
     thread.start()
-    time.sleep(0.3)  # the pop is out and held
+    return thread, outcome
+
+
+@pytest.mark.parametrize("answer", [b'{"id": "job-1"}', None], ids=["answered", "unanswered"])
+def test_interrupting_a_held_pop_ends_it_and_still_reads_an_answer_already_sent(answer, monkeypatch):
+    monkeypatch.delenv("HTTP_PROXY", raising=False)
+    monkeypatch.delenv("http_proxy", raising=False)
+    server = _HoldingServer(answer)
+    client = HordeClient(f"http://127.0.0.1:{server.port}", "key")
+    thread, outcome = _pop_in_a_thread(client)
+    time.sleep(POP_HELD_AFTER + 0.2)  # out long enough to be taken as held
     assert outcome == []
     client.interrupt_pops()
     thread.join(5)
@@ -287,5 +309,21 @@ def test_interrupting_a_held_pop_ends_it_and_still_reads_an_answer_already_sent(
         assert outcome == [{"id": "job-1"}]
     with pytest.raises(HordeUnavailable, match="interrupted"):  # no pop after the stop
         client.pop({"name": "w"})
+    client.close()
+    server.close()
+
+
+def test_a_pop_younger_than_a_held_one_is_left_to_answer(monkeypatch):
+    """At a stop, a pop just sent may be one the horde is running: ending it would lose the job
+    the horde hands out. It is left to answer."""
+    monkeypatch.delenv("HTTP_PROXY", raising=False)
+    monkeypatch.delenv("http_proxy", raising=False)
+    server = _HoldingServer(None, answer_after=0.5)
+    client = HordeClient(f"http://127.0.0.1:{server.port}", "key")
+    thread, outcome = _pop_in_a_thread(client)
+    time.sleep(0.1)
+    client.interrupt_pops()
+    thread.join(5)
+    assert outcome == [{"id": "job-running"}] and not server.saw_end.is_set()
     client.close()
     server.close()

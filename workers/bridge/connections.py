@@ -120,8 +120,8 @@ class Connections:
         # Reentrant: interrupt() runs in a signal handler, which may find the main thread holding it.
         self._lock = threading.RLock()
         self._closed = False
-        # Connections whose interruptible request is out, and whether interrupt() was called.
-        self._interruptible: set[http.client.HTTPConnection] = set()
+        # Connections whose interruptible request is out (since when), and whether interrupt() was called.
+        self._interruptible: dict[http.client.HTTPConnection, float] = {}
         self._interrupted = False
 
     def close(self) -> None:
@@ -131,13 +131,14 @@ class Connections:
         for connection in opened:
             connection.close()
 
-    def interrupt(self) -> None:
-        """End the interruptible requests that are out, and refuse later ones: each such
-        connection's sending side is shut, which the server sees as the client gone. An answer the
-        server had already sent is still read; without one the request ends Unreachable."""
+    def interrupt(self, *, out_for: float = 0.0) -> None:
+        """Refuse later interruptible requests, and end those out for at least `out_for` seconds:
+        each such connection's sending side is shut, which the server sees as the client gone. An
+        answer the server had already sent is still read; without one the request ends Unreachable."""
+        now = time.monotonic()
         with self._lock:
             self._interrupted = True
-            waiting = list(self._interruptible)
+            waiting = [connection for connection, since in self._interruptible.items() if now - since >= out_for]
         for connection in waiting:
             _shut_sending(connection)
 
@@ -159,13 +160,13 @@ class Connections:
         finally:
             if interruptible:
                 with self._lock:
-                    self._interruptible.discard(connection)
+                    self._interruptible.pop(connection, None)
 
     def _enter_interruptible(self, connection: http.client.HTTPConnection) -> None:
         with self._lock:
             if self._interrupted:
                 raise Unreachable("interrupted")
-            self._interruptible.add(connection)
+            self._interruptible[connection] = time.monotonic()
 
     def _check_interrupted(self, connection: http.client.HTTPConnection) -> None:
         """After connecting: an interrupt() that found the connection not yet connected ends the

@@ -20,6 +20,10 @@ SUBMIT_TIMEOUT = 60.0
 # A progress post is small and frequent: a slow answer is not worth holding the backend's stream for.
 PROGRESS_TIMEOUT = 10.0
 
+# At stop, a pop out this long is taken as held for a job (ADR 0024) and ended; a younger one may be
+# one the horde is running, so it is left to answer.
+POP_HELD_AFTER = 1.0
+
 # Return codes after which popping again cannot help until the configuration changes.
 FATAL_POP_RCS = frozenset(
     {"InvalidAPIKey", "AnonForbiddenWorker", "AnonForbidden", "ChatDeclarationInvalid", "ProfaneWorkerName",
@@ -59,9 +63,11 @@ class HordeClient:
         self._connections.close()
 
     def interrupt_pops(self) -> None:
-        """At stop: end the pops the horde holds (it sees the worker gone and hands them nothing),
-        and refuse later ones. A job the horde handed out first is still read."""
-        self._connections.interrupt()
+        """At stop: refuse later pops, and end those the horde holds for a job (it sees the worker
+        gone and hands them nothing). A pop out for less than POP_HELD_AFTER seconds is left to
+        answer: it may be one the horde is running, whose job would be lost with the connection. A
+        job the horde handed out first is still read."""
+        self._connections.interrupt(out_for=POP_HELD_AFTER)
 
     def _exchange(
         self, method: str, path: str, body: Any, timeout: float, *, interruptible: bool = False

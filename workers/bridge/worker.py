@@ -306,7 +306,8 @@ class Bridge:
         deadline = now + grace
         self.stop_deadline = deadline if self.stop_deadline is None else min(self.stop_deadline, deadline)
         self.stop_event.set()
-        # A pop the horde holds for a job would keep the worker up to the stop grace: it ends now.
+        # A pop the horde holds for a job would keep the worker up to the stop grace: it ends now
+        # (run() ends one that was still young at the stop once it is held).
         self.horde.interrupt_pops()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -343,6 +344,8 @@ class Bridge:
             if self.stop_deadline is not None and time.monotonic() >= self.stop_deadline:
                 self._fault_held_at_stop()
                 break
+            if self.stop_event.is_set():
+                self.horde.interrupt_pops()  # again: a pop that was young at the stop is held by now
             for thread in threads:
                 thread.join(timeout=0.1)
         self.log(self.stats.summary())
