@@ -282,7 +282,7 @@ def _pop_in_a_thread(client: HordeClient) -> tuple[threading.Thread, list[object
 
     def pop() -> None:
         try:
-            outcome.append(client.pop({"name": "w"}))
+            outcome.append(client.pop({"name": "w", "wait": 10}))
         except HordeUnavailable as error:
             outcome.append(error)
 
@@ -308,7 +308,25 @@ def test_interrupting_a_held_pop_ends_it_and_still_reads_an_answer_already_sent(
     else:
         assert outcome == [{"id": "job-1"}]
     with pytest.raises(HordeUnavailable, match="interrupted"):  # no pop after the stop
-        client.pop({"name": "w"})
+        client.pop({"name": "w", "wait": 10})
+    client.close()
+    server.close()
+
+
+def test_a_pop_that_asks_not_to_be_held_is_never_interrupted(monkeypatch):
+    """A pop without `wait` (the check-in pop, a worker that polls) is one the horde runs at once:
+    however long it takes, a stop leaves it to answer."""
+    monkeypatch.delenv("HTTP_PROXY", raising=False)
+    monkeypatch.delenv("http_proxy", raising=False)
+    server = _HoldingServer(None, answer_after=POP_HELD_AFTER + 0.5)
+    client = HordeClient(f"http://127.0.0.1:{server.port}", "key")
+    outcome: list[object] = []
+    thread = threading.Thread(target=lambda: outcome.append(client.pop({"name": "w"})))
+    thread.start()
+    time.sleep(POP_HELD_AFTER + 0.2)  # as old as a held pop
+    client.interrupt_pops()
+    thread.join(5)
+    assert outcome == [{"id": "job-running"}] and not server.saw_end.is_set()
     client.close()
     server.close()
 

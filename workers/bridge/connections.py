@@ -14,6 +14,7 @@ import base64
 import contextlib
 import http.client
 import json
+import math
 import os
 import select
 import socket
@@ -36,6 +37,10 @@ _FINISH_READ_BYTES = 65536
 
 # How a kept connection that the server had closed fails before any answer.
 _CLOSED_UNANSWERED = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+
+
+class Interrupted(Exception):
+    """interrupt() ended the request, or refused it."""
 
 
 class Unreachable(Exception):
@@ -120,8 +125,10 @@ class Connections:
         # Reentrant: interrupt() runs in a signal handler, which may find the main thread holding it.
         self._lock = threading.RLock()
         self._closed = False
-        # Connections whose interruptible request is out (since when), and whether interrupt() was called.
+        # Connections whose interruptible request is out (since it was sent; inf before), those
+        # interrupt() shut, and whether it was called.
         self._interruptible: dict[http.client.HTTPConnection, float] = {}
+        self._shut: set[http.client.HTTPConnection] = set()
         self._interrupted = False
 
     def close(self) -> None:
@@ -136,11 +143,12 @@ class Connections:
         each such connection's sending side is shut, which the server sees as the client gone. An
         answer the server had already sent is still read; without one the request ends Unreachable."""
         now = time.monotonic()
-        with self._lock:
+        with self._lock:  # shut under the lock: a connection that left the set may carry a submit next
             self._interrupted = True
-            waiting = [connection for connection, since in self._interruptible.items() if now - since >= out_for]
-        for connection in waiting:
-            _shut_sending(connection)
+            for connection, since in self._interruptible.items():
+                if now - since >= out_for and connection not in self._shut:
+                    _shut_sending(connection)
+                    self._shut.add(connection)
 
     def request(
         self, method: str, url: str, *, body: bytes | None, timeout: float, interruptible: bool = False
@@ -161,12 +169,16 @@ class Connections:
             if interruptible:
                 with self._lock:
                     self._interruptible.pop(connection, None)
+                    shut = connection in self._shut
+                    self._shut.discard(connection)
+                if shut:
+                    connection.close()  # half-shut: the next call connects afresh
 
     def _enter_interruptible(self, connection: http.client.HTTPConnection) -> None:
         with self._lock:
             if self._interrupted:
-                raise Unreachable("interrupted")
-            self._interruptible[connection] = time.monotonic()
+                raise Unreachable(Interrupted("the client was interrupted"))
+            self._interruptible[connection] = math.inf  # not sent yet: never taken as long out
 
     def _check_interrupted(self, connection: http.client.HTTPConnection) -> None:
         """After connecting: an interrupt() that found the connection not yet connected ends the
@@ -174,7 +186,13 @@ class Connections:
         with self._lock:
             if self._interrupted:
                 connection.close()
-                raise Unreachable("interrupted")
+                raise Unreachable(Interrupted("the client was interrupted"))
+
+    def _sent(self, connection: http.client.HTTPConnection) -> None:
+        """The interruptible request is out: from now on it ages."""
+        with self._lock:
+            if connection in self._interruptible:
+                self._interruptible[connection] = time.monotonic()
 
     @contextmanager
     def stream(self, method: str, url: str, *, body: bytes | None, timeout: float) -> Iterator[Streamed]:
@@ -215,6 +233,8 @@ class Connections:
                         self._check_interrupted(connection)
                 connection.sock.settimeout(timeout)
                 connection.request(method, target, body=body, headers=self._headers)
+                if interruptible:
+                    self._sent(connection)
                 return connection, connection.getresponse()
             except (OSError, http.client.HTTPException) as error:
                 connection.close()

@@ -99,7 +99,8 @@ class HordeClient:
         return self._call("GET", "find_user", timeout=POP_TIMEOUT)
 
     def pop(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", "generate/text/pop", json=body, timeout=POP_TIMEOUT, interruptible=True)
+        # Only a pop that asks to be held may be ended at stop (interrupt_pops): any other is running.
+        return self._call("POST", "generate/text/pop", json=body, timeout=POP_TIMEOUT, interruptible="wait" in body)
 
     def submit(self, body: dict[str, Any]) -> dict[str, Any]:
         return self._call("POST", "generate/text/submit", json=body, timeout=SUBMIT_TIMEOUT)

@@ -183,7 +183,7 @@ class Bridge:
         self.fatal: str | None = None
         self.held: dict[str, HeldJob] = {}
         self._lock = threading.Lock()
-        self._print_lock = threading.Lock()
+        self._print_lock = threading.RLock()  # the signal handler logs, maybe mid-log in the main thread
         self._taken = 0
         self._backend_ok = threading.Event()
         self._probe_lock = threading.Lock()
@@ -226,7 +226,7 @@ class Bridge:
                 break
             except HordeUnavailable as error:
                 if self.stop_event.is_set():
-                    break  # the stop ended the pop
+                    break  # stopping: no retry
                 delay = backoff.next()
                 self.log(f"horde unreachable ({error}); retrying in {delay:.0f} s")
                 self.stop_event.wait(delay)
