@@ -1,6 +1,6 @@
 """LangChain's `ChatOpenAI` and `OpenAI` and LiteLLM, used unchanged against the front: the live horde
 (daphne, the mounted /v1 front, Redis), the reference worker and the fake llama-server streaming its
-reply in small pieces. What each library's user sees: the reply, its tokens as separate chunks in
+reply in small pieces (relayed as such with Redis). What each library's user sees: the reply, its tokens as separate chunks in
 order, the usage, a tool call, a structured reply, and the library's own error classes.
 """
 
@@ -19,7 +19,9 @@ from tests.bridge.conftest import LiveHorde as BridgeHorde
 from tests.bridge.fake_backend import DEFAULT_REPLY, FakeLlamaCpp
 from tests.bridge.test_live import WEATHER_TOOL
 
-pytestmark = [pytest.mark.redis_only, pytest.mark.django_db(transaction=True)]
+# Whole replies, tools and errors run in both passes (the embedded default too); the token-by-token
+# streams need Redis, which relays the worker's deltas (without it a stream is delivered whole).
+pytestmark = pytest.mark.django_db(transaction=True)
 
 # LiteLLM fetches its model cost map from GitHub when imported unless told to read its bundled copy.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
@@ -57,6 +59,15 @@ def test_langchain_chat_invoke_returns_the_reply_with_its_usage(horde):
     assert usage["output_tokens"] > 0 and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
 
 
+def test_langchain_chat_stream_gives_the_reply_one_finish_and_the_usage(horde):
+    """In both passes: the stream adds up to the reply, whether relayed (Redis) or whole."""
+    chunks = list(chat_model(*horde, stream_usage=True).stream("Say hello."))
+    assert "".join(chunk.content for chunk in chunks) == DEFAULT_REPLY
+    assert [f for f in (chunk.response_metadata.get("finish_reason") for chunk in chunks) if f] == ["stop"]
+    assert len([chunk for chunk in chunks if chunk.usage_metadata]) == 1
+
+
+@pytest.mark.redis_only
 def test_langchain_chat_stream_yields_the_workers_tokens_in_order_and_the_usage(horde):
     chunks = list(chat_model(*horde, stream_usage=True).stream("Say hello."))
     contents = [chunk.content for chunk in chunks if chunk.content]
@@ -68,6 +79,7 @@ def test_langchain_chat_stream_yields_the_workers_tokens_in_order_and_the_usage(
     assert len(usages) == 1 and usages[0]["output_tokens"] > 0
 
 
+@pytest.mark.redis_only
 def test_langchain_chat_astream(horde):
     async def contents() -> list[str]:
         return [chunk.content async for chunk in chat_model(*horde).astream("Say hello.") if chunk.content]
@@ -104,6 +116,7 @@ def test_langchain_openai_completion_class(horde):
     assert "".join(llm.stream("Once upon a time")) == TEXT_REPLY
 
 
+@pytest.mark.redis_only
 def test_litellm_completion_whole_and_streamed(horde):
     import litellm
 
