@@ -359,7 +359,7 @@ def _job_prices(worker: Worker) -> tuple[list[str], list[float], list[float]]:
 
 @lru_cache(maxsize=1)
 def _popped_request_loader() -> RowLoader:
-    return RowLoader.of_fields(connection.alias, [(GenerationRequest, _POP_REQUEST_COLUMNS)], extra=(None, None, None))
+    return RowLoader.of_fields(connection.alias, [(GenerationRequest, _POP_REQUEST_COLUMNS)], extra=(None, None))
 
 
 def _pop_selects(view: WorkerView) -> tuple[tuple[str, str], tuple]:
@@ -440,7 +440,7 @@ def _pop_statement(shape: WorkerView) -> _PopStatement:
             UPDATE horde_requests AS r SET jobs_waiting = r.jobs_waiting - p.take, expires_at = %s
             FROM picked AS p WHERE r.id = p.id
         )
-        SELECT {fields}, p.take, p.job_model, (SELECT array_agg(g.id) FROM generations AS g) FROM picked AS p
+        SELECT {fields}, p.job_model, (SELECT array_agg(g.id) FROM generations AS g) FROM picked AS p
     """
     return _PopStatement(sql=sql, selects=selects)
 
@@ -474,7 +474,7 @@ def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now)
     row = run_prepared(statement.sql, params)
     if row is None:
         return None
-    (request,), (_take, model, generation_ids) = _popped_request_loader().load(row)
+    (request,), (model, generation_ids) = _popped_request_loader().load(row)
     generations = [
         Generation(id=gid, request=request, worker=worker, model=model, lease_expires_at=lease, created=template.created)
         for gid in generation_ids

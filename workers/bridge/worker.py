@@ -6,7 +6,7 @@ that came sooner than `pop_interval` (a horde that ignores the key) is followed 
 end of that interval, so such a horde is polled about once a `pop_interval` as before. Leases:
 a job is given up (faulted) `lease_margin` seconds before its pop's ttl ends, so the request is
 handed out again at once instead of after the horde's stale sweep. Stop: the first SIGINT/SIGTERM
-stops popping (a pop the horde holds ends at once) and lets held jobs finish for `stop_grace`
+stops popping (a pop the horde holds ends within a second) and lets held jobs finish for `stop_grace`
 seconds, then faults what is left; a second signal faults at once.
 """
 
