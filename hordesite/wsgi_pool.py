@@ -31,10 +31,13 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from typing import Any
 
 from django.conf import settings
+from django.db import close_old_connections
 
+from chat.services.pop import popped_jobs_give_back
 from chat.services.pop_wait import (
     POP_LISTS_HEADER,
     POP_PATH,
@@ -68,8 +71,17 @@ class Answer:
         return [(k, v) for k, v in self.headers if k.lower() not in lowered]
 
 
+# In a pop's environ: whether its worker has left (the layer's watch of the connection).
+CLIENT_GONE = "horde.client_gone"
+# The answer of a pop not run because its worker left while it waited for a thread (never sent).
+_NOT_RUN = 499
+
+
 def run_wsgi(app: Any, environ: dict[str, Any]) -> Answer:
     """One WSGI call start to end (its iterable read and closed: Django's request_finished)."""
+    gone = environ.get(CLIENT_GONE)
+    if gone is not None and gone():
+        return Answer(_NOT_RUN, [], b"")  # its worker left while it waited for a thread
     status, headers, _exc_info, body = run_wsgi_whole(app, environ)
     return Answer(int(status.split(" ", 1)[0]), list(headers), body)
 
@@ -183,6 +195,7 @@ class PooledWSGI:
         self.app = app
         self.threads = threads or settings.HORDE_WEB_THREADS
         self.pool = WebThreads(self.threads)
+        self._giving_back: set[asyncio.Task] = set()
 
     def close(self) -> None:
         self.pool.close()
@@ -203,18 +216,60 @@ class PooledWSGI:
         if buffered.over_limit:
             return await _send_answer(send, _too_large(limit))
         body = buffered.content
+        if method == "POST" and path == POP_PATH:
+            return await self._serve_pop(scope, body, receive, send)
+        await _send_answer(send, await self._serve(wsgi_environ(scope, io.BytesIO(body), len(body))))
+
+    async def _serve_pop(self, scope: dict[str, Any], body: bytes, receive: Any, send: Any) -> None:
+        """A pop, watched for its worker leaving (the connection closed: http.disconnect). A pop
+        whose worker left before a thread took it is not run; one that handed out jobs after its
+        worker left gives them back to the queue at once (chat.services.pop.popped_jobs_give_back),
+        since nobody will ever read its answer, rather than when their leases lapse. An empty pop
+        that asked to wait is held (docs/adr/0024)."""
         arrived = time.monotonic()
-        answer = await self._serve(wsgi_environ(scope, io.BytesIO(body), len(body)))
-        held = answer.header(POP_WAIT_HEADER)
-        if held is not None:
-            lists = answer.header(POP_LISTS_HEADER)
-            answer.headers = answer.without(*_HOLD_HEADERS)  # never sent to a client
-            if answer.status == 200 and method == "POST" and path == POP_PATH:
-                tokens = None if lists is None else frozenset(filter(None, lists.split(",")))
-                answer = await self._hold(scope, body, receive, arrived + float(held), tokens)
-                if answer is None:
-                    return  # the worker went away while its pop was held
-        await _send_answer(send, answer)
+        gone = asyncio.ensure_future(receive())  # the body was read whole: the next message is the end
+        try:
+            answer = await self._pop(scope, body, gone)
+            held = answer.header(POP_WAIT_HEADER)
+            if held is not None:
+                lists = answer.header(POP_LISTS_HEADER)
+                answer.headers = answer.without(*_HOLD_HEADERS)  # never sent to a client
+                if answer.status == 200:
+                    tokens = None if lists is None else frozenset(filter(None, lists.split(",")))
+                    answer = await self._hold(scope, body, gone, arrived + float(held), tokens)
+            if not gone.done():
+                await _send_answer(send, answer)
+            elif answer is not None:
+                await self._give_back(answer)
+        finally:
+            gone.cancel()
+
+    async def _pop(self, scope: dict[str, Any], body: bytes, gone: asyncio.Future) -> Answer:
+        """One run of the pop. daphne cancels the request of a client gone for a while
+        (application_close_timeout) while its pop may still run, say behind a lock: that pop runs
+        to its end, and its jobs go back."""
+        environ = wsgi_environ(scope, io.BytesIO(body), len(body))
+        environ[CLIENT_GONE] = gone.done  # read from the serving thread: one attribute, no lock needed
+        return await self._serve(environ, if_cancelled=self._give_back_when_run)
+
+    def _give_back_when_run(self, served: asyncio.Future) -> None:
+        if served.cancelled() or served.exception() is not None:
+            return
+        task = asyncio.ensure_future(self._give_back(served.result()))
+        self._giving_back.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(self._giving_back.discard)
+
+    async def _give_back(self, answer: Answer) -> None:
+        """The jobs of a pop answer nobody will read, back to the queue."""
+        generation_ids = _popped_ids(answer)
+        if not generation_ids:
+            return
+        try:
+            given_back = await self.pool.run(_give_back_jobs, generation_ids)
+        except Exception:
+            log.exception("jobs %s of a pop whose worker left were not given back; their leases will", generation_ids)
+        else:
+            log.info("gave back %d job(s) of a pop whose worker left before its answer", given_back)
 
     async def _serve_spooled(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """Outside the native API's body rule (GET, the admin, the schema, /healthz): a body past
@@ -240,17 +295,24 @@ class PooledWSGI:
             answer = await self._serve(wsgi_environ(scope, spooled, length))
         await _send_answer(send, answer)
 
-    async def _serve(self, environ: dict[str, Any]) -> Answer:
+    async def _serve(self, environ: dict[str, Any], *, if_cancelled: Any = None) -> Answer:
+        """The WSGI call's answer; with `if_cancelled`, a cancel of the awaiting request leaves the
+        call running, and `if_cancelled` gets its future once it is done."""
+        # The pool thread runs the call in its own context (no copy of the loop's), as a WSGI
+        # server's thread runs one request after another.
+        served = self.pool.run(run_wsgi, self.app, environ)
         try:
-            # The pool thread runs the call in its own context (no copy of the loop's), as a WSGI
-            # server's thread runs one request after another.
-            return await self.pool.run(run_wsgi, self.app, environ)
+            return await (served if if_cancelled is None else asyncio.shield(served))
+        except asyncio.CancelledError:
+            if if_cancelled is not None:
+                served.add_done_callback(if_cancelled)
+            raise
         except Exception:
             log.exception("%s %s failed", environ["REQUEST_METHOD"], environ["PATH_INFO"])
             return Answer(500, [("Content-Type", "application/json"), *cors_headers()], _INTERNAL_ERROR)
 
     async def _hold(
-        self, scope: dict[str, Any], body: bytes, receive: Any, until: float, tokens: frozenset[str] | None
+        self, scope: dict[str, Any], body: bytes, gone: asyncio.Future, until: float, tokens: frozenset[str] | None
     ) -> Answer | None:
         """An empty pop that asked to wait (docs/adr/0024): until `until`, wait on the event loop for
         the queue's signal of one of its lists (`tokens`; None: any) or the re-check (the seconds
@@ -258,34 +320,56 @@ class PooledWSGI:
         again (same body), holding no thread meanwhile.
         The first pop again comes at once, after registering for the signal: an addition committed
         after the first pop read the queue is seen by it or wakes the wait. The answer of the last
-        pop; None when the worker disconnected meanwhile."""
+        pop; None when the worker left (`gone`) while it waited."""
         listener = queue_listener()
         waiter = listener.register(tokens)
-        disconnected = asyncio.ensure_future(receive())
         try:
             await listener.subscribed(timeout=0.5)
             while True:
                 waiter.event.clear()
-                answer = await self._serve(wsgi_environ(scope, io.BytesIO(body), len(body)))
+                answer = await self._pop(scope, body, gone)
                 still_held = answer.header(POP_WAIT_HEADER) is not None
                 # The long re-check of a remembered answer counts on the signal for its lists'
                 # growth: while the listener is not subscribed, the short one stands in for it.
                 recheck = _seconds(answer.header(POP_RECHECK_HEADER)) if listener.listening else None
                 answer.headers = answer.without(*_HOLD_HEADERS)
                 left = until - time.monotonic()
-                if answer.status != 200 or not still_held or left <= 0:
+                if answer.status != 200 or not still_held or left <= 0 or gone.done():
                     return answer
                 woken = asyncio.ensure_future(waiter.wait(min(recheck or settings.HORDE_POP_WAIT_RECHECK_SECONDS, left)))
-                await asyncio.wait((woken, disconnected), return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait((woken, gone), return_when=asyncio.FIRST_COMPLETED)
                 woken.cancel()
-                if disconnected.done():
+                if gone.done():
                     return None
         finally:
             listener.unregister(waiter)
-            disconnected.cancel()
 
 
 _HOLD_HEADERS = (POP_WAIT_HEADER, POP_LISTS_HEADER, POP_RECHECK_HEADER)
+
+
+def _popped_ids(answer: Answer) -> list[uuid.UUID]:
+    """The generation ids a pop's answer hands out (none for an empty pop, an error, a pop not run)."""
+    if answer.status != 200:
+        return []
+    try:
+        job = json.loads(answer.body)
+    except ValueError:
+        return []
+    ids = job.get("ids") if isinstance(job, dict) else None
+    try:
+        return [uuid.UUID(str(generation_id)) for generation_id in ids] if isinstance(ids, list) else []
+    except ValueError:
+        return []
+
+
+def _give_back_jobs(generation_ids: list[uuid.UUID]) -> int:
+    """On a serving thread, outside any request: the service, then the thread's connection back
+    to the pool, as at a request's end."""
+    try:
+        return popped_jobs_give_back(generation_ids=generation_ids)
+    finally:
+        close_old_connections()
 
 
 def _seconds(value: str | None) -> float | None:

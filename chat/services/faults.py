@@ -53,15 +53,23 @@ def fault_request_if_over_limit(request_id: UUID) -> bool:
     return True
 
 
+def requeue_jobs(request_id: UUID, count: int) -> bool:
+    """Put `count` jobs of a request back in the queue, unless it was faulted or cancelled meanwhile,
+    and tell the pops of its queue lists. Called in the transaction that took the jobs back."""
+    requeued = GenerationRequest.objects.filter(pk=request_id, faulted=False, cancelled=False)
+    if not requeued.update(jobs_waiting=F("jobs_waiting") + count):
+        return False
+    is_chat, models = requeued.values_list("is_chat", "requested_models").get()
+    queue_grew(request_queue_lists(is_chat=is_chat, models=models or ()))
+    return True
+
+
 def requeue_faulted(generation_ids: list[UUID], request_id: UUID) -> None:
     """Put faulted jobs back in the queue (not after a cancel), then apply the fault limit.
 
     Called in the transaction that faulted them, so a fault and its restart commit together.
     """
-    requeued = GenerationRequest.objects.filter(pk=request_id, faulted=False, cancelled=False)
-    if requeued.update(jobs_waiting=F("jobs_waiting") + len(generation_ids)):
-        is_chat, models = requeued.values_list("is_chat", "requested_models").get()
-        queue_grew(request_queue_lists(is_chat=is_chat, models=models or ()))
+    requeue_jobs(request_id, len(generation_ids))
     fault_request_if_over_limit(request_id)
 
 

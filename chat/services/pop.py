@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,8 +32,9 @@ from chat.selectors.queue import (
     where_sql,
     worker_queue_lists,
 )
+from chat.services.faults import requeue_jobs
 from chat.services.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember, view_list_tokens
-from chat.services.progress import write_stream_leases
+from chat.services.progress import delete_stream_leases, write_stream_leases
 from chat.sql import RowLoader, run_prepared
 from contract.chat_declaration import parse_chat_declaration
 from contract.chat_errors import ChatDeclarationInvalid
@@ -202,6 +204,26 @@ def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
             now=now,
         )
     return popped
+
+
+def popped_jobs_give_back(*, generation_ids: list[uuid.UUID]) -> int:
+    """Undo the pop of jobs whose answer never reached their worker, which left before it was sent
+    (hordesite/wsgi_pool.py): each job still processing is deleted, as if never handed out, and
+    goes back to the queue now rather than when its lease lapses. The worker's counters are left as
+    they are: it never had the job. Returns how many jobs went back."""
+    with transaction.atomic():
+        taken = list(
+            Generation.objects.select_for_update()
+            .filter(pk__in=generation_ids, state=Generation.State.PROCESSING)
+            .values_list("id", "request_id")
+        )
+        if not taken:
+            return 0
+        Generation.objects.filter(pk__in=[generation_id for generation_id, _ in taken]).delete()
+        for request_id, count in Counter(request_id for _, request_id in taken).items():
+            requeue_jobs(request_id, count)
+    delete_stream_leases([generation_id for generation_id, _ in taken])
+    return len(taken)
 
 
 def _assigned_declaration(worker: Worker) -> dict[str, Any]:

@@ -355,13 +355,19 @@ def leased_deadlines(generation_ids: list[UUID]) -> dict[UUID, datetime] | None:
 
 def end_progress_after_submit(generation_id: UUID) -> None:
     """A stored submit deletes the lease; the stream is left to expire, so a reader reconciles."""
+    delete_stream_leases([generation_id])
+
+
+def delete_stream_leases(generation_ids: list[UUID]) -> None:
+    """The jobs' stream leases deleted (a submit stored, or a pop taken back before its worker had
+    it): no progress post authenticates from them any more."""
     client = progress_redis()
-    if client is None:
+    if client is None or not generation_ids:
         return
     try:
-        client.delete(chat_stream_lease_key(generation_id))
+        client.delete(*(chat_stream_lease_key(generation_id) for generation_id in generation_ids))
     except Exception as error:
-        log.warning("stream lease of generation %s not deleted: %s", generation_id, error)
+        log.warning("stream leases of generations %s not deleted: %s", generation_ids, error)
 
 
 def end_progress_after_fault(generation_id: UUID, request_id: UUID) -> None:
