@@ -227,6 +227,9 @@ class PooledWSGI:
         since nobody will ever read its answer, rather than when their leases lapse. An empty pop
         that asked to wait is held (docs/adr/0024)."""
         arrived = time.monotonic()
+        # Started with the first pop: its subscription to the queue's signal is what lets an empty
+        # pop be answered from memory without a Redis round trip (docs/adr/0057).
+        queue_listener()
         gone = asyncio.ensure_future(receive())  # the body was read whole: the next message is the end
         try:
             answer = await self._pop(scope, body, gone)

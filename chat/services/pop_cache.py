@@ -15,7 +15,10 @@ nearly every idle pop walk (docs/adr/0051-empty-pops-remembered-per-queue-list.m
 counts in a remembered answer are as old as the answer, at most HORDE_EMPTY_POP_CACHE_SECONDS.
 
 The stamps are read only for workers whose last pop was empty, and before their pop's statement, so
-an addition committed after the read always changes them. An empty pop that passed over a request it
+an addition committed after the read always changes them. A process serving pops does not read them
+while its subscription to the queue's signal is live: the signal each addition publishes on commit
+tells it the same, with no round trip per pop (chat.services.pop_wait.QueueGrowth,
+docs/adr/0057-empty-pops-remembered-against-the-signal-heard.md). An empty pop that passed over a request it
 could take (locked by another transaction at that moment) is not remembered (chat/services/pop.py):
 no addition would announce it. Without Redis (the embedded default) every pop walks the queue:
 Celery requeues jobs in another process, which a per-process count would not see.
@@ -39,6 +42,7 @@ from django.db import transaction
 from chat.selectors.queue import QueueList, WorkerView, worker_queue_lists
 from chat.services.pop_wait import (
     EVERY_LIST_TOKEN,
+    queue_growth,
     queue_signal_channel,
     queue_signal_message,
     wake_in_process,
@@ -127,6 +131,8 @@ def queue_grew(lists: Iterable[QueueList] | None = None) -> None:
 
 
 def _bump(tokens: tuple[str, ...], *, signal: bool) -> None:
+    if signal:
+        queue_growth.grew(tokens)  # this process's own pops see it at once, before its signal comes back
     stamp = uuid.uuid4().hex
     try:
         pipe = _redis().pipeline(transaction=False)
@@ -162,11 +168,16 @@ def empty_pop_lookup(view: WorkerView) -> EmptyPopCheck:
     entry = _empty_pops.get(view.id)
     if entry is None or not _enabled():
         return EmptyPopCheck()  # the last pop was not empty: no read (most pops of a busy horde)
-    try:
-        additions = _additions(view_list_tokens(view))
-    except Exception:
-        logger.warning("queue additions read failed", exc_info=True)
-        return EmptyPopCheck()
+    tokens = view_list_tokens(view)
+    # What the process's subscription to the queue's signal heard of the lists, without a round
+    # trip; while it is not live, their stamps in Redis (docs/adr/0057).
+    additions = queue_growth.version(tokens)
+    if additions is None:
+        try:
+            additions = _additions(tokens)
+        except Exception:
+            logger.warning("queue additions read failed", exc_info=True)
+            return EmptyPopCheck()
     left = entry.at + settings.HORDE_EMPTY_POP_CACHE_SECONDS - time.monotonic()
     if entry.view == view and entry.counted and entry.additions == additions and left > 0:
         return EmptyPopCheck(skipped=dict(entry.skipped), additions=additions, read=True, remembered_for=left)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import re
 import threading
@@ -75,6 +76,59 @@ def queue_signal_channel() -> str:
         with contextlib.suppress(Exception):
             db = client.get_client(write=True).connection_pool.connection_kwargs.get("db", 0)
     return f"{cache.make_key(QUEUE_SIGNAL_CHANNEL)}:{db}"
+
+
+# The lists QueueGrowth keeps a value for before it starts afresh (a request may name any model).
+QUEUE_GROWTH_MAX_LISTS = 100_000
+
+
+class QueueGrowth:
+    """What this process has heard of each queue list's growth, for the empty pops it remembers
+    (chat/services/pop_cache.py, docs/adr/0057): per list token, a value that changes whenever
+    the queue's signal names the list (or every list), or this process grows it itself; and the
+    subscription it was heard on. Written on the event loop (the listener) and on serving threads
+    (queue_grew), read on serving threads: every write takes a new value of one process-wide
+    sequence (itertools.count is atomic), so a value once read never comes back, and a stale write
+    racing a newer one still changes it."""
+
+    def __init__(self) -> None:
+        self._sequence = itertools.count(1)
+        self._values: dict[str, int] = {}
+        self._owner: object | None = None  # the listener whose subscription is live
+        self._epoch = 0  # a new subscription, or its loss: every earlier version ends
+
+    def version(self, tokens: tuple[str, ...]) -> tuple | None:
+        """The lists' growth as heard now; None while no subscription is live (a message may be
+        missed: the caller reads the lists' stamps in Redis instead)."""
+        if self._owner is None:
+            return None
+        values = self._values
+        return ("signal", self._epoch, *(values.get(token, 0) for token in tokens))
+
+    def grew(self, tokens: tuple[str, ...]) -> None:
+        """The lists grew (EVERY_LIST_TOKEN: every list), heard from the signal or done here."""
+        if len(self._values) > QUEUE_GROWTH_MAX_LISTS:
+            # Lists of made-up model names would pile up: start afresh, which ends every version.
+            self._values = {}
+            self._epoch = next(self._sequence)
+        for token in tokens:
+            self._values[token] = next(self._sequence)
+
+    def subscribed(self, owner: object) -> None:
+        self._epoch = next(self._sequence)
+        self._owner = owner
+
+    def lost(self, owner: object) -> None:
+        if self._owner is owner:
+            self._owner = None
+            self._epoch = next(self._sequence)
+
+    def signalled(self, owner: object, tokens: frozenset[str] | None) -> None:
+        if self._owner is owner:
+            self.grew((EVERY_LIST_TOKEN,) if tokens is None else tuple(tokens))
+
+
+queue_growth = QueueGrowth()
 
 
 class PopWaiter:
@@ -160,13 +214,16 @@ class QueueSignalListener:
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(channel)
+                queue_growth.subscribed(self)
                 self._subscribed.set()
                 backoff = 0.5
                 idle = 0.0
                 while True:
                     message = await asyncio.wait_for(pubsub.get_message(timeout=1.0), 3.0)
                     if message is not None and message.get("type") == "message":
-                        self.wake(signalled_tokens(message.get("data")))
+                        tokens = signalled_tokens(message.get("data"))
+                        queue_growth.signalled(self, tokens)  # before the wake: a woken pop walks
+                        self.wake(tokens)
                         idle = 0.0
                         continue
                     idle += 1.0
@@ -182,6 +239,7 @@ class QueueSignalListener:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
             finally:
+                queue_growth.lost(self)  # whatever ended it (an error, a cancel): messages may be missed
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
                 with contextlib.suppress(Exception):

@@ -1,7 +1,8 @@
 """An idle worker's empty pops are answered from memory until one of its queue lists grows: a new
 request (text or chat) or a requeued job it could take reaches the very next pop, a request for
 another model or of another kind leaves the answer in memory (ADR 0051), and a changed declaration
-walks the queue."""
+walks the queue. In process, under the lists' stamps in Redis (the path of a process without a live
+subscription to the queue's signal, ADR 0057)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,17 @@ OTHER = "koboldcpp/LLaMA2-13B-Psyfighter2"
 
 def _queue_reads(queries) -> list[str]:
     return [q["sql"] for q in queries if "horde_requests" in q["sql"]]
+
+
+@pytest.fixture(autouse=True)
+def _lists_stamps(monkeypatch):
+    """These pops run in process, where a process serving pops through daphne would use what its
+    subscription heard (tests/oai/test_empty_pops_signal.py): here the lists' stamps in Redis are
+    read, as in any process without a live subscription."""
+    from chat.services import pop_cache
+    from chat.services.pop_wait import QueueGrowth
+
+    monkeypatch.setattr(pop_cache, "queue_growth", QueueGrowth())
 
 
 @pytest.fixture
