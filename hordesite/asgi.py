@@ -40,7 +40,7 @@ mount_native_app(native_app, root_path="/api/v2")
 trust_process_passkey(IN_PROCESS_PROXY_PASSKEY)
 
 application = ProtocolTypeRouter(
-    {"http": FrontASGI(PooledWSGI(native_app), front_app=front_django_handler())}
+    {"http": FrontASGI(PooledWSGI(native_app, subscribe_queue_signal=True), front_app=front_django_handler())}
 )
 
 

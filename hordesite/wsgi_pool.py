@@ -191,9 +191,12 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
 class PooledWSGI:
     """ASGI: `app` (a WSGI application) for every HTTP request, on a bounded pool of threads."""
 
-    def __init__(self, app: Any, *, threads: int | None = None):
+    def __init__(self, app: Any, *, threads: int | None = None, subscribe_queue_signal: bool = False):
         self.app = app
         self.threads = threads or settings.HORDE_WEB_THREADS
+        # The web process's layer subscribes with its first pop (its event loop lives as long as the
+        # process); a layer driven by short-lived loops (asyncio.run in tests) leaves it to held pops.
+        self.subscribe_queue_signal = subscribe_queue_signal
         self.pool = WebThreads(self.threads)
         self._giving_back: set[asyncio.Task] = set()
 
@@ -227,9 +230,10 @@ class PooledWSGI:
         since nobody will ever read its answer, rather than when their leases lapse. An empty pop
         that asked to wait is held (docs/adr/0024)."""
         arrived = time.monotonic()
-        # Started with the first pop: its subscription to the queue's signal is what lets an empty
-        # pop be answered from memory without a Redis round trip (docs/adr/0057).
-        queue_listener()
+        if self.subscribe_queue_signal:
+            # Started with the first pop: its subscription to the queue's signal is what lets an
+            # empty pop be answered from memory without a Redis round trip (docs/adr/0057).
+            queue_listener()
         gone = asyncio.ensure_future(receive())  # the body was read whole: the next message is the end
         try:
             answer = await self._pop(scope, body, gone)
