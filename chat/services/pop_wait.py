@@ -109,8 +109,8 @@ class QueueGrowth:
         """The lists grew (EVERY_LIST_TOKEN: every list), heard from the signal or done here."""
         if len(self._values) > QUEUE_GROWTH_MAX_LISTS:
             # Lists of made-up model names would pile up: start afresh, which ends every version.
+            self._epoch = next(self._sequence)  # first: a version read meanwhile is already ended
             self._values = {}
-            self._epoch = next(self._sequence)
         for token in tokens:
             self._values[token] = next(self._sequence)
 
@@ -233,6 +233,8 @@ class QueueSignalListener:
             except asyncio.CancelledError:
                 raise
             except Exception as error:
+                # Before the wake: a woken pop must not answer from memory what a lost message changed.
+                queue_growth.lost(self)
                 logger.warning("queue signal connection lost (%s): reconnecting", error)
                 self._subscribed.clear()
                 self.wake_all()  # each held pop re-checks: a message may have been lost
