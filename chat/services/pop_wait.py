@@ -211,19 +211,24 @@ class QueueSignalListener:
             client = aioredis.Redis.from_url(
                 self.redis_url, socket_connect_timeout=2, socket_timeout=None, health_check_interval=0
             )
-            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            pubsub = client.pubsub()
             try:
-                await pubsub.subscribe(channel)
-                queue_growth.subscribed(self)
-                self._subscribed.set()
-                backoff = 0.5
+                await pubsub.subscribe(channel)  # sent, not yet confirmed: nothing is heard yet
                 idle = 0.0
                 while True:
                     message = await asyncio.wait_for(pubsub.get_message(timeout=1.0), 3.0)
-                    if message is not None and message.get("type") == "message":
+                    kind = message.get("type") if message is not None else None
+                    if kind == "message":
                         tokens = signalled_tokens(message.get("data"))
                         queue_growth.signalled(self, tokens)  # before the wake: a woken pop walks
                         self.wake(tokens)
+                        idle = 0.0
+                        continue
+                    if kind == "subscribe":
+                        # Redis has taken the subscription: from here every signal reaches us.
+                        queue_growth.subscribed(self)
+                        self._subscribed.set()
+                        backoff = 0.5
                         idle = 0.0
                         continue
                     idle += 1.0

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from urllib.parse import urlsplit
 
 import pytest
 
 from chat.selectors.queue import WorkerView, request_queue_lists
 from chat.services.pop_cache import queue_grew, view_list_tokens
-from chat.services.pop_wait import QueueSignalListener, queue_signal_message, signalled_tokens
+from chat.services.pop_wait import QueueSignalListener, queue_growth, queue_signal_message, signalled_tokens
 from contract.chat_declaration import parse_chat_declaration
 
 pytestmark = pytest.mark.redis_only
@@ -108,3 +110,51 @@ def test_a_listener_is_listening_once_subscribed_and_not_while_it_cannot_reach_r
             await unreachable.close()
 
     assert asyncio.run(scenario()) == (True, True, False)
+
+
+async def _holding_proxy(redis_url: str, hold: bytes, seen: asyncio.Event, release: asyncio.Event):
+    """A loopback TCP relay to Redis that holds any client bytes containing `hold` until `release`:
+    a command sent but not yet taken by Redis, as on a slow network."""
+    target = urlsplit(redis_url)
+
+    async def pump(reader, writer, holding: bool) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+            while data := await reader.read(65536):
+                if holding and hold in data:
+                    seen.set()
+                    await release.wait()
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def relay(client_reader, client_writer) -> None:
+        server_reader, server_writer = await asyncio.open_connection(target.hostname, target.port or 6379)
+        await asyncio.gather(pump(client_reader, server_writer, True), pump(server_reader, client_writer, False))
+
+    server = await asyncio.start_server(relay, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"redis://127.0.0.1:{port}{target.path}"
+
+
+def test_a_subscription_counts_as_heard_only_once_redis_confirms_it(settings):
+    """Until Redis has taken the SUBSCRIBE, a signal published meanwhile is not delivered: neither a
+    held pop (listening) nor a remembered empty pop (queue_growth's version) may count on hearing it."""
+
+    async def scenario() -> tuple[tuple, tuple]:
+        seen, release = asyncio.Event(), asyncio.Event()
+        server, url = await _holding_proxy(settings.REDIS_URL, b"SUBSCRIBE", seen, release)
+        listener = QueueSignalListener(url)
+        try:
+            await asyncio.wait_for(seen.wait(), 5)
+            await asyncio.sleep(0.2)  # the listener runs on after sending
+            in_flight = (listener.listening, queue_growth.version((MODEL,)))
+            release.set()
+            await listener.subscribed(timeout=5)
+            return in_flight, (listener.listening, queue_growth.version((MODEL,)) is not None)
+        finally:
+            await listener.close()
+            server.close()
+
+    in_flight, confirmed = asyncio.run(scenario())
+    assert in_flight == (False, None)
+    assert confirmed == (True, True)
