@@ -119,6 +119,8 @@ _ERROR = inline_serializer(
         )
     },
 )
+# The statuses a completions request can answer with an OpenAI error body.
+_COMPLETION_ERRORS = dict.fromkeys((400, 401, 404, 408, 413, 429, 502, 503), _ERROR)
 
 
 class FrontView(APIView):
@@ -184,14 +186,7 @@ class ChatCompletionsView(FrontView):
             200: OpenApiResponse(
                 description="chat.completion, or text/event-stream of chat.completion.chunk"
             ),
-            400: _ERROR,
-            401: _ERROR,
-            404: _ERROR,
-            408: _ERROR,
-            413: _ERROR,
-            429: _ERROR,
-            502: _ERROR,
-            503: _ERROR,
+            **_COMPLETION_ERRORS,
         },
         examples=[
             OpenApiExample(
@@ -254,14 +249,7 @@ class TextCompletionsView(FrontView):
             200: OpenApiResponse(
                 description="text_completion, or text/event-stream of text_completion chunks"
             ),
-            400: _ERROR,
-            401: _ERROR,
-            404: _ERROR,
-            408: _ERROR,
-            413: _ERROR,
-            429: _ERROR,
-            502: _ERROR,
-            503: _ERROR,
+            **_COMPLETION_ERRORS,
         },
         examples=[
             OpenApiExample(
