@@ -6,6 +6,7 @@ import copy
 from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal
+from typing import Any
 
 from django.conf import settings
 from django.core.cache import cache
@@ -172,6 +173,12 @@ def _speed_samples_after(stored: list[float], *, tokens: int, seconds: float) ->
     if seconds > 0 and tokens > 0:
         samples = (samples + [round(tokens / seconds, 3)])[-WORKER_SPEED_SAMPLES:]
     return samples
+
+
+def worker_record_cancelled_settlement(*, worker_id: Any, kudos: Decimal) -> None:
+    """A streamed job settled at its request's cancel on the content it posted: the worker is paid
+    (its kudos earned grow) for partial work, which is neither a fulfilment nor a speed sample."""
+    Worker.objects.filter(pk=worker_id).update(kudos_earned=F("kudos_earned") + kudos)
 
 
 def worker_record_aborted(*, worker_ids: list) -> None:

@@ -57,6 +57,7 @@ from contract.chat_progress import (
 )
 from contract.chat_verify import chat_output_tokens
 from contract.errors import HordeError
+from workers.services import worker_record_cancelled_settlement
 
 log = logging.getLogger(__name__)
 
@@ -483,6 +484,7 @@ def settle_cancelled_streams(*, request_id: UUID, now: datetime) -> list[UUID]:
             request_id=request_id,
             generation_id=generation.pk,
         )
+        worker_record_cancelled_settlement(worker_id=generation.worker_id, kudos=reward)
         GenerationRequest.objects.filter(pk=request_id).update(consumed_kudos=F("consumed_kudos") + reward)
         log.info(
             "horde.cancel.settled generation=%s request=%s characters=%d source=%s kudos=%s",

@@ -36,6 +36,7 @@ from contract.chat_progress import (
 from contract.text import TEXT_JOB_LEASE_SECONDS
 from tests.chat.pop_helpers import MODEL, chat_pop, queue_chat
 from tests.chat.test_chat_submit import counter_points, metric_reader  # noqa: F401  (fixture)
+from workers.models import Worker
 
 PROGRESS = "generate/text/progress"
 CLOSED_PORT = "redis://127.0.0.1:1/0"
@@ -496,6 +497,9 @@ def test_cancel_mid_stream_settles_on_the_posted_content(horde, streamed_job, st
     assert rows == {(owner.user.pk, "generation_reward"): kudos, (requester.user.pk, "generation_charge"): -kudos}
     assert owner.refresh().kudos == kudos
     assert requester.refresh().kudos == before - kudos
+    # The worker is paid for the partial work; it is neither a fulfilment nor a speed sample.
+    worker = Worker.objects.get(pk=generation.worker_id)
+    assert (worker.kudos_earned, worker.fulfilments, worker.speed_samples or []) == (kudos, 0, [])
     # The lease is flagged and kept; the stream ends the generation.
     fields = lease(stream_redis, job_id)
     assert fields["cancelled"] == "1"
