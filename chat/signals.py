@@ -26,15 +26,23 @@ log = logging.getLogger(__name__)
 
 @lru_cache(maxsize=4)
 def _client(url: str) -> redis.Redis:
-    # Short timeouts, and refused at once while this Redis is marked unavailable (hordesite/redis_guard.py).
+    # On request paths (publish, pop, progress, submit, cancel): the configured short timeouts, and
+    # refused at once while this Redis is marked unavailable (hordesite/redis_guard.py).
     pool = import_string(settings.HORDE_REDIS_POOL_CLASS).from_url(url, **settings.HORDE_REDIS_POOL_KWARGS)
-    # A database in the URL would win over a keyword; the publisher always uses CHAT_SIGNAL_DB.
+    # A database in the URL would win over a keyword: the signal, the leases and the progress
+    # streams live on CHAT_SIGNAL_DB, whatever the URL names.
     pool.connection_kwargs["db"] = CHAT_SIGNAL_DB
     return redis.Redis(connection_pool=pool)
 
 
 def signal_url() -> str | None:
     return settings.HORDE_CHAT_SIGNAL_REDIS_URL or settings.REDIS_URL
+
+
+def signal_redis() -> redis.Redis | None:
+    """The client of the chat signal database, or None without Redis (the embedded default)."""
+    url = signal_url()
+    return _client(url) if url else None
 
 
 # Without Redis the message is sent here instead, in the process that committed what it announces:

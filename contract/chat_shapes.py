@@ -43,6 +43,7 @@ from contract.chat_limits import (
     MAX_CHAT_TOOL_CALL_COUNT,
     MAX_CHAT_TOOL_CALL_ID_LENGTH,
     MAX_CHAT_TOOL_COUNT,
+    MAX_CHAT_TOOL_NAME_LENGTH,
     MAX_CHAT_TOOL_SPEC_BYTES,
     MIN_CHAT_MAX_TOKENS,
     MIN_CHAT_TOOL_CALL_ID_LENGTH,
@@ -141,7 +142,6 @@ class ChatShape(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
 ToolName = Annotated[StrictStr, Field(pattern=TOOL_NAME_PATTERN)]
 ToolCallId = Annotated[
     StrictStr, Field(min_length=MIN_CHAT_TOOL_CALL_ID_LENGTH, max_length=MAX_CHAT_TOOL_CALL_ID_LENGTH)
@@ -780,7 +780,7 @@ def _check_tools(body: Mapping[str, Any]) -> list[str]:
         if not _TOOL_NAME.match(name):
             raise _bad(
                 _join(function_path, "name"),
-                f"Invalid '{_join(function_path, 'name')}': a function name has 1 to 64 characters "
+                f"Invalid '{_join(function_path, 'name')}': a function name has 1 to {MAX_CHAT_TOOL_NAME_LENGTH} characters "
                 "of a-z, A-Z, 0-9, underscores and dashes.",
             )
         _string(function, "description", function_path, required=False)
@@ -851,7 +851,8 @@ def _check_response_format(body: Mapping[str, Any]) -> None:
     if not _TOOL_NAME.match(name):
         raise _bad(
             _join(path, "name"),
-            f"Invalid '{path}.name': a name has 1 to 64 characters of a-z, A-Z, 0-9, underscores and dashes.",
+            f"Invalid '{path}.name': a name has 1 to {MAX_CHAT_TOOL_NAME_LENGTH} characters of a-z, A-Z, 0-9, "
+            "underscores and dashes.",
         )
     if json_schema.get("schema") is None:
         raise _bad(_join(path, "schema"), f"Missing required parameter: '{path}.schema'.")

@@ -11,7 +11,6 @@ from __future__ import annotations
 CHAT_SIGNAL_CHANNEL_PREFIX = "horde:chat:"
 # The logical database the publishing client uses (the spec's chat_signal_db).
 CHAT_SIGNAL_DB = 7
-CHAT_SIGNAL_EVENTS = ("generation", "done", "cancelled", "faulted")
 CHAT_SIGNAL_FAULT_KEYS = ("fault_reason", "fault_rc")
 
 

@@ -47,14 +47,6 @@ class BufferedBody:
     def content(self) -> bytes:
         return b"".join(m.get("body", b"") for m in self.messages)
 
-    def replay(self, receive: Any) -> Any:
-        """A receive that gives the buffered messages again, then whatever is left."""
-
-        async def replaying() -> dict[str, Any]:
-            return self.messages.pop(0) if self.messages else await receive()
-
-        return replaying
-
 
 async def read_body(receive: Any, limit: int | None) -> BufferedBody | None:
     """Read a request's body messages, stopping at the first that takes it past `limit` (None: no

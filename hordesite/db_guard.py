@@ -256,7 +256,6 @@ def unavailable_headers(*, retry: bool = False) -> dict[str, str]:
 
 # --- the retrying layers ------------------------------------------------------------------------
 
-_RETRY_HEADER_BYTES = RETRY_HEADER.lower().encode()
 NATIVE_PREFIX = "/api/v2/"
 
 

@@ -24,7 +24,7 @@ def configure_telemetry(settings: FrontSettings) -> bool:
 
             pyroscope.configure(
                 application_name=settings.service_name or FRONT_SERVICE_NAME,
-                server_address=os.environ.get("PYROSCOPE_SERVER_ADDRESS", "http://localhost:4040"),
+                server_address=settings.pyroscope_server_address,
             )
         except ImportError:
             log.warning(
@@ -72,7 +72,7 @@ def build_application() -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     settings = load_settings()
-    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"))
+    logging.basicConfig(level=settings.log_level)
     telemetry = configure_telemetry(settings)
     from oai import state as front_state
 

@@ -3,9 +3,11 @@ DRF with the front's views only. The front's own settings come from oai.settings
 
 from __future__ import annotations
 
-import os
+import environ
 
-SECRET_KEY = os.environ.get("SECRET_KEY") or "oai-front-has-no-sessions"
+env = environ.Env()  # the reader hordesite/settings.py and oai.settings use
+
+SECRET_KEY = env.str("SECRET_KEY", default="") or "oai-front-has-no-sessions"
 DEBUG = False
 ALLOWED_HOSTS = ["*"]
 INSTALLED_APPS = ["rest_framework", "drf_spectacular"]
@@ -32,5 +34,5 @@ LOGGING = {
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s [%(process)d] %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
 }

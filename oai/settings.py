@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import environ
 
 from contract.chat_limits import MAX_CHAT_BODY_BYTES
+from contract.chat_signal import CHAT_SIGNAL_DB
 from contract.front_lease import FRONT_LEASE_RENEW_SECONDS, FRONT_LEASE_TTL_SECONDS
 
 
@@ -39,7 +40,7 @@ class FrontSettings:
     native_in_process: bool = False
     # Redis for the completion signal; None: waits poll the status route.
     redis_url: str | None = None
-    stream_redis_db: int = 7
+    stream_redis_db: int = CHAT_SIGNAL_DB
     # Budgets and the wait.
     nonstream_timeout_seconds: float = 300.0
     stream_timeout_seconds: float = 600.0
@@ -75,6 +76,8 @@ class FrontSettings:
     otel_sdk_disabled: bool = False
     service_name: str = "horde-oai"
     pyroscope_enabled: bool = False
+    pyroscope_server_address: str = "http://localhost:4040"
+    log_level: str = "INFO"
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> FrontSettings:
@@ -96,7 +99,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> FrontSettings:
             "HORDE_OAI_NATIVE_IN_PROCESS", default=env.get("HORDE_OAI_NATIVE_ROOTS") in (None, "")
         ),
         redis_url=redis_url or None,
-        stream_redis_db=read.int("HORDE_OAI_STREAM_REDIS_DB", default=7),
+        stream_redis_db=read.int("HORDE_OAI_STREAM_REDIS_DB", default=CHAT_SIGNAL_DB),
         nonstream_timeout_seconds=read.float("HORDE_OAI_NONSTREAM_TIMEOUT_SECONDS", default=300.0),
         stream_timeout_seconds=read.float("HORDE_OAI_STREAM_TIMEOUT_SECONDS", default=600.0),
         fail_fast_grace_seconds=read.float("HORDE_OAI_FAIL_FAST_GRACE_SECONDS", default=20.0),
@@ -126,4 +129,6 @@ def load_settings(env: Mapping[str, str] | None = None) -> FrontSettings:
         otel_sdk_disabled=read.bool("OTEL_SDK_DISABLED", default=False),
         service_name=read.str("OTEL_SERVICE_NAME", default="") or "horde-oai",
         pyroscope_enabled=read.bool("PYROSCOPE_ENABLED", default=False),
+        pyroscope_server_address=read.str("PYROSCOPE_SERVER_ADDRESS", default="http://localhost:4040"),
+        log_level=read.str("LOG_LEVEL", default="INFO"),
     )

@@ -20,6 +20,7 @@ from typing import Any
 
 from contract.chat_limits import CHAT_MAX_TOKENS_DEFAULT
 from contract.text import (
+    TEXT_BOOLEAN_PARAMS,
     TEXT_MAX_CONTEXT_LENGTH_RANGE,
     TEXT_MAX_STOP_SEQUENCES,  # the native list's length; OpenAI's 4 would refuse SillyTavern's instruct stops
     TEXT_PARAM_RANGES,
@@ -109,8 +110,9 @@ NATIVE_SAMPLER_RANGES: dict[str, tuple[str, float, float]] = {
     )
 }
 NATIVE_SAMPLER_ORDER_RANGE = TEXT_SAMPLER_ORDER_RANGE
-# KoboldAI's output formatting switches, forwarded under their native names.
-NATIVE_BOOLEAN_PARAMS = ("singleline", "frmtadsnsp", "frmtrmblln", "frmtrmspch", "frmttriminc")
+# KoboldAI's output formatting switches, forwarded under their native names (the EOS ban below
+# has aliases of its own).
+NATIVE_BOOLEAN_PARAMS = tuple(name for name in TEXT_BOOLEAN_PARAMS if name != "use_default_badwordsids")
 # "Ban the EOS token": KoboldAI's use_default_badwordsids, SillyTavern's ban_eos_token, llama.cpp's and
 # vLLM's ignore_eos; any of them true asks for it.
 EOS_BAN_KEYS = ("use_default_badwordsids", "ban_eos_token", "ignore_eos")

@@ -218,7 +218,12 @@ def flatten_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
 
 def estimate_chat_prompt_tokens(prompt: str, image_count: int) -> int:
     """The text estimate of the flattened prompt plus CHAT_IMAGE_PROMPT_TOKENS per image part."""
-    return math.ceil(len(prompt) / CHARS_PER_TOKEN_ESTIMATE) + CHAT_IMAGE_PROMPT_TOKENS * image_count
+    return _prompt_tokens(len(prompt), image_count)
+
+
+def _prompt_tokens(characters: int, image_count: int) -> int:
+    """estimate_chat_prompt_tokens from the flattened prompt's length alone."""
+    return math.ceil(characters / CHARS_PER_TOKEN_ESTIMATE) + CHAT_IMAGE_PROMPT_TOKENS * image_count
 
 
 # --- context adjustments ----------------------------------------------------------------------
@@ -299,11 +304,8 @@ def size_chat_context(
     images = sum(n for _, n in rendered)
 
     def tokens_of(total_chars: int, parts: int, image_count: int) -> int:
-        separators = max(parts - 1, 0)
-        return (
-            math.ceil((total_chars + separators) / CHARS_PER_TOKEN_ESTIMATE)
-            + CHAT_IMAGE_PROMPT_TOKENS * image_count
-        )
+        # The flattened prompt joins its parts with one newline each.
+        return _prompt_tokens(total_chars + max(parts - 1, 0), image_count)
 
     total_chars, parts = sum(lengths), len(lengths)
     tokens = tokens_of(total_chars, parts, images)

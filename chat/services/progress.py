@@ -29,7 +29,6 @@ import redis
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import F
-from django.utils.module_loading import import_string
 from redis.exceptions import NoScriptError
 
 from accounts.models import HordeUser, hash_api_key
@@ -37,7 +36,7 @@ from accounts.services import kudos_settle
 from chat.metrics import lease_renewals
 from chat.models import Generation, GenerationRequest
 from chat.pricing import text_generation_kudos
-from chat.signals import CHAT_SIGNAL_DB, signal_url
+from chat.signals import signal_redis
 from chat.sql import run_prepared
 from contract.chat_progress import (
     CHAT_PROGRESS_LEASE_GRACE_SECONDS,
@@ -177,20 +176,8 @@ return flagged
 """
 
 
-@lru_cache(maxsize=4)
-def _client(url: str) -> redis.Redis:
-    # On request paths (pop, progress, submit, cancel): the configured short timeouts, and refused
-    # at once while this Redis is marked unavailable (hordesite/redis_guard.py), as the publisher.
-    pool = import_string(settings.HORDE_REDIS_POOL_CLASS).from_url(url, **settings.HORDE_REDIS_POOL_KWARGS)
-    # The leases and streams live on the chat signal database, whatever the URL names.
-    pool.connection_kwargs["db"] = CHAT_SIGNAL_DB
-    return redis.Redis(connection_pool=pool)
-
-
-def progress_redis() -> redis.Redis | None:
-    """The client of the chat signal database, or None without Redis (the embedded default)."""
-    url = signal_url()
-    return _client(url) if url else None
+# The leases and progress streams share the completion signal's client and database.
+progress_redis = signal_redis
 
 
 @lru_cache(maxsize=4)

@@ -8,11 +8,12 @@ import uuid
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rest_framework.fields import BooleanField
 
 from chat.api import serializers as s
 from chat.api import submit_serializers as cs
 from chat.api.fast_validation import canonical_validated_data
-from contract.text import TEXT_PARAM_RANGES
+from contract.text import TEXT_BOOLEAN_PARAMS, TEXT_PARAM_RANGES
 from tests.chat.test_text_request_types import SILLYTAVERN_PARAMS
 
 # Values near and across each field's bounds, of the right JSON type and of others.
@@ -223,3 +224,12 @@ def test_the_bodies_workers_send_take_the_canonical_path():
     # A value DRF would coerce ("512") or refuse goes to the serializer.
     assert canonical_validated_data(s.TextPopInputSerializer, {**pop, "max_length": "512"}) is None
     assert canonical_validated_data(s.TextPopInputSerializer, {**pop, "amount": 21}) is None
+
+
+def test_the_text_params_serializer_declares_the_contracts_booleans_and_ranges():
+    """contract.text is the one list the front forwards from and the native route validates by."""
+    fields = s.TextParamsSerializer().fields
+    assert sorted(name for name, field in fields.items() if isinstance(field, BooleanField)) == sorted(
+        TEXT_BOOLEAN_PARAMS
+    )
+    assert set(TEXT_PARAM_RANGES) <= set(fields)
