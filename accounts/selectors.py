@@ -3,7 +3,6 @@ from __future__ import annotations
 import copy
 
 from django.conf import settings
-from django.db.models import Sum
 
 from accounts.models import HordeUser, hash_api_key
 from contract.process_cache import ProcessCache
@@ -46,5 +45,18 @@ def user_get_fresh(user: HordeUser) -> HordeUser:
     return HordeUser.objects.get(pk=user.pk)
 
 
-def user_ledger_total(user: HordeUser) -> float:
-    return float(user.kudos_transactions.aggregate(total=Sum("amount"))["total"] or 0)
+def user_details(user: HordeUser) -> dict:
+    """The find_user body: the user's row read fresh (the balance never comes from the key cache)
+    and the ids of its workers."""
+    user = user_get_fresh(user)
+    worker_ids = [str(w) for w in user.workers.values_list("id", flat=True)]
+    return {
+        "username": user.unique_alias,
+        "id": user.pk,
+        "kudos": float(user.kudos),
+        "trusted": user.trusted,
+        "moderator": user.moderator,
+        "concurrency": user.concurrency,
+        "worker_count": len(worker_ids),
+        "worker_ids": worker_ids,
+    }

@@ -1,46 +1,13 @@
-"""/healthz: the web process answers, the database answers, and beat's sweeps keep running.
-
-Each sweep records when it finished (chat.models.SweepRun). One that has not finished for
-HORDE_SWEEP_LATE_SECONDS (never, counted from this process's start) is late, and a late sweep
-makes the answer 503: a dead beat is otherwise invisible (the worker keeps reporting ready)."""
+"""/healthz: the web process answers, the database answers, and beat's sweeps keep running;
+503 when the database is unreachable or a sweep is late (hordesite.sweep_health)."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
-
-from django.conf import settings
-from django.db import DatabaseError
 from django.http import JsonResponse
-from django.utils import timezone
 
-from chat.models import SweepRun
-from hordesite import db_guard
-
-PROCESS_STARTED = timezone.now()
-
-
-def scheduled_sweeps() -> list[str]:
-    return sorted({entry["task"] for entry in settings.CELERY_BEAT_SCHEDULE.values()})
+from hordesite.sweep_health import sweep_health
 
 
 def healthz(request) -> JsonResponse:
-    now = timezone.now()
-    late_after = timedelta(seconds=settings.HORDE_SWEEP_LATE_SECONDS)
-    unreachable = JsonResponse({"status": "unhealthy", "database": "unreachable"}, status=503)
-    if db_guard.unavailable_now():  # as the native routes: at once, not after the pool's timeout
-        return unreachable
-    try:
-        finished: dict[str, datetime] = dict(SweepRun.objects.values_list("task", "finished_at"))
-    except DatabaseError as error:
-        if db_guard.is_connection_failure(error):
-            db_guard.on_connection_failure(error)  # probes; an unreachable server starts the window
-        return unreachable
-    sweeps = {}
-    for task in scheduled_sweeps():
-        last = finished.get(task)
-        sweeps[task] = {
-            "last_finished_at": last.isoformat() if last else None,
-            "late": now - (last or PROCESS_STARTED) > late_after,
-        }
-    healthy = not any(sweep["late"] for sweep in sweeps.values())
-    return JsonResponse({"status": "ok" if healthy else "unhealthy", "sweeps": sweeps}, status=200 if healthy else 503)
+    healthy, body = sweep_health()
+    return JsonResponse(body, status=200 if healthy else 503)

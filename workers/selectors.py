@@ -80,6 +80,11 @@ def worker_details_name_cache_key(name: str) -> str:
     return f"horde:worker-details:name:{hashlib.sha256(name.encode()).hexdigest()}"
 
 
+def worker_get(worker_id) -> Worker | None:
+    """One worker with its owner, read now (None when there is none)."""
+    return Worker.objects.select_related("owner").filter(pk=worker_id).first()
+
+
 def worker_get_cached_by_name(name: str) -> Worker | None:
     """One worker by its name for its details, cached as by id (WORKER_DETAILS_CACHE_SECONDS)."""
     key = worker_details_name_cache_key(name)
@@ -97,7 +102,45 @@ def worker_get_cached(worker_id) -> Worker | None:
     key = worker_details_cache_key(worker_id)
     worker = cache.get(key)
     if worker is None:
-        worker = Worker.objects.select_related("owner").filter(pk=worker_id).first()
+        worker = worker_get(worker_id)
         if worker is not None:
             cache.set(key, worker, WORKER_DETAILS_CACHE_SECONDS)
     return worker
+
+
+def worker_details(worker: Worker) -> dict:
+    """The worker's public details (spec: "Worker details"); reads only the worker and its owner."""
+    details = {
+        "type": "text",
+        "name": worker.name,
+        "id": str(worker.id),
+        "online": worker.last_check_in >= online_cutoff(),
+        "models": worker.served_models,
+        "max_length": worker.max_length,
+        "max_context_length": worker.max_context_length,
+        "threads": worker.threads,
+        "bridge_agent": worker.bridge_agent,
+        "nsfw": worker.nsfw,
+        "maintenance_mode": worker.maintenance,
+        "paused": worker.paused,
+        "trusted": worker.owner.trusted,
+        "owner": worker.owner.unique_alias,
+        "performance": f"{worker_speed(worker):.1f} tokens per second",
+        "kudos_rewards": float(worker.kudos_earned),
+        "requests_fulfilled": worker.fulfilments,
+        "uncompleted_jobs": worker.aborted_jobs,
+        "uptime": int((worker.last_check_in - worker.created).total_seconds()),
+        "nonconformant_replies": worker.nonconformant_replies,
+        # The declaration of the latest pop; `chat` is absent for a worker that takes no chat jobs.
+        "accepts_chat_jobs": worker.accepts_chat_jobs,
+        "accepts_prompt_jobs": worker.accepts_prompt_jobs,
+    }
+    chat = worker_chat_declaration(worker).details()
+    if chat is not None:
+        details["chat"] = chat
+    return details
+
+
+def workers_online_details() -> list[dict]:
+    """The details of every online worker, by name (one query)."""
+    return [worker_details(worker) for worker in workers_online().order_by("name")]

@@ -6,7 +6,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.api.callers import requester
-from accounts.selectors import user_get_fresh
+from accounts.selectors import user_details
 
 
 class FindUserView(APIView):
@@ -24,17 +24,5 @@ class FindUserView(APIView):
 
     @extend_schema(responses=OutputSerializer)
     def get(self, request):
-        # The caller's identity may come from the process's key cache; the balance must not.
-        user = user_get_fresh(requester(request))
-        worker_ids = [str(w) for w in user.workers.values_list("id", flat=True)]
-        body = {
-            "username": user.unique_alias,
-            "id": user.pk,
-            "kudos": float(user.kudos),
-            "trusted": user.trusted,
-            "moderator": user.moderator,
-            "concurrency": user.concurrency,
-            "worker_count": len(worker_ids),
-            "worker_ids": worker_ids,
-        }
-        return Response(self.OutputSerializer(body).data)
+        # The caller's identity may come from the process's key cache; user_details re-reads the row.
+        return Response(self.OutputSerializer(user_details(requester(request))).data)

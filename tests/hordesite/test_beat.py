@@ -23,7 +23,7 @@ from django.db import connection
 from django.utils import timezone
 
 from chat.models import SweepRun
-from hordesite.health import scheduled_sweeps
+from hordesite.sweep_health import scheduled_sweeps
 from tests.hordesite.clone import clean_env, clone_like_copy, run_python
 
 SWEEPS = set(scheduled_sweeps())

@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from chat import tasks
 from chat.models import GenerationRequest, SweepRun
-from hordesite.health import scheduled_sweeps
+from hordesite.sweep_health import scheduled_sweeps
 
 SWEEPS = set(scheduled_sweeps())
 

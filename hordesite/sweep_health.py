@@ -1,0 +1,48 @@
+"""The health verdict behind /healthz: the database answers, and beat's sweeps keep running.
+
+Each sweep records when it finished (chat.models.SweepRun). One that has not finished for
+HORDE_SWEEP_LATE_SECONDS (never, counted from this process's start) is late, and a late sweep
+makes the answer unhealthy: a dead beat is otherwise invisible (the worker keeps reporting ready)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import DatabaseError
+from django.utils import timezone
+
+from chat.models import SweepRun
+from hordesite import db_guard
+
+PROCESS_STARTED = timezone.now()
+
+_DATABASE_UNREACHABLE = {"status": "unhealthy", "database": "unreachable"}
+
+
+def scheduled_sweeps() -> list[str]:
+    return sorted({entry["task"] for entry in settings.CELERY_BEAT_SCHEDULE.values()})
+
+
+def sweep_health() -> tuple[bool, dict]:
+    """(healthy, body): when each scheduled sweep last finished and whether it is late; unhealthy
+    at once while the database is unavailable or unreachable."""
+    now = timezone.now()
+    late_after = timedelta(seconds=settings.HORDE_SWEEP_LATE_SECONDS)
+    if db_guard.unavailable_now():  # as the native routes: at once, not after the pool's timeout
+        return False, dict(_DATABASE_UNREACHABLE)
+    try:
+        finished: dict[str, datetime] = dict(SweepRun.objects.values_list("task", "finished_at"))
+    except DatabaseError as error:
+        if db_guard.is_connection_failure(error):
+            db_guard.on_connection_failure(error)  # probes; an unreachable server starts the window
+        return False, dict(_DATABASE_UNREACHABLE)
+    sweeps = {}
+    for task in scheduled_sweeps():
+        last = finished.get(task)
+        sweeps[task] = {
+            "last_finished_at": last.isoformat() if last else None,
+            "late": now - (last or PROCESS_STARTED) > late_after,
+        }
+    healthy = not any(sweep["late"] for sweep in sweeps.values())
+    return healthy, {"status": "ok" if healthy else "unhealthy", "sweeps": sweeps}
