@@ -228,7 +228,7 @@ def _plan(serializer_class: type[serializers.Serializer]):
     if getattr(getattr(serializer_class, "Meta", None), "validators", None):
         return None
     plan = []
-    for name, field in serializer_class._declared_fields.items():
+    for name, field in serializer_class().fields.items():
         check = _check_for(field)
         if check is None and not field.required and field.default is empty:
             check = _absent_only

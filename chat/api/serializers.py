@@ -86,7 +86,7 @@ class TextParamsSerializer(serializers.Serializer):
 # The params of a body without them: each param's default (n and the two lengths).
 _TEXT_PARAMS_DEFAULTS = {
     name: field.default
-    for name, field in TextParamsSerializer._declared_fields.items()
+    for name, field in TextParamsSerializer().fields.items()
     if field.default is not serializers.empty
 }
 
