@@ -41,12 +41,14 @@ def parse_limit(text: str) -> tuple[int, int]:
     return int(count), PERIODS[period]
 
 
-@lru_cache(maxsize=1)
 def _redis_client() -> redis.Redis | None:
-    if not settings.REDIS_URL:
-        return None
+    return _client(settings.REDIS_URL) if settings.REDIS_URL else None
+
+
+@lru_cache(maxsize=4)
+def _client(url: str) -> redis.Redis:
     # Short timeouts, and refused at once while this Redis is marked unavailable (hordesite/redis_guard.py).
-    pool = import_string(settings.HORDE_REDIS_POOL_CLASS).from_url(settings.REDIS_URL, **settings.HORDE_REDIS_POOL_KWARGS)
+    pool = import_string(settings.HORDE_REDIS_POOL_CLASS).from_url(url, **settings.HORDE_REDIS_POOL_KWARGS)
     return redis.Redis(connection_pool=pool)
 
 

@@ -69,7 +69,6 @@ def own_redis():
 @pytest.fixture
 def pointed_at(own_redis, settings):
     """The horde's cache, rate limiter and completion signal on the test's own Redis."""
-    from accounts import ratelimit
     from hordesite import redis_guard
 
     process, url = own_redis
@@ -79,10 +78,8 @@ def pointed_at(own_redis, settings):
     settings.REDIS_URL = url
     settings.HORDE_CHAT_SIGNAL_REDIS_URL = url
     settings.HORDE_REDIS_UNAVAILABLE_SECONDS = 2.0
-    ratelimit._redis_client.cache_clear()
     redis_guard.forget_unavailable()
     yield process, url
-    ratelimit._redis_client.cache_clear()
     redis_guard.forget_unavailable()
 
 
