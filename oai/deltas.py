@@ -86,7 +86,9 @@ def _bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
 
-_XREAD_HEAD = _bulk(b"XREAD") + _bulk(b"BLOCK") + _bulk(str(DELTA_READ_BLOCK_MILLISECONDS).encode()) + _bulk(b"STREAMS")
+_XREAD_HEAD = (
+    _bulk(b"XREAD") + _bulk(b"BLOCK") + _bulk(str(DELTA_READ_BLOCK_MILLISECONDS).encode()) + _bulk(b"STREAMS")
+)
 _CLIENT_ID = b"*2\r\n" + _bulk(b"CLIENT") + _bulk(b"ID")
 
 
@@ -329,7 +331,9 @@ class DeltaStreamReader:
                     return
                 async with asyncio.timeout(DELTA_READ_TIMEOUT_SECONDS):
                     if self._control is None:
-                        self._control = RespConnection(self.redis_url, db=self.db, name=f"{self.client_name}-control")
+                        self._control = RespConnection(
+                            self.redis_url, db=self.db, name=f"{self.client_name}-control"
+                        )
                         await self._control.connect()
                     if await self._control.command(_pack("CLIENT", "UNBLOCK", self._connection_id)) == 1:
                         self.unblocks += 1
@@ -560,7 +564,6 @@ class RelayedStream:
         include_reasoning: bool,
         fallback_model: str,
         metrics: Any,
-        submitted_mono: float | None,
     ):
         self.reader = reader
         self.subscription = reader.register(request_id)
@@ -568,7 +571,6 @@ class RelayedStream:
         self.completion_id = f"chatcmpl-{request_id}"
         self.created = created
         self.metrics = metrics
-        self.submitted_mono = submitted_mono
         self.outcome_recorded = False
 
     @property
@@ -589,7 +591,8 @@ class RelayedStream:
 
     def pending_events(self) -> list[bytes]:
         """The chunks of the entries read since the last call, up to a divergence, as one write; the
-        caller sends it, then checks `diverged`."""
+        caller sends it, then checks `diverged`. The chunks that expose the stream are the request's
+        first content: the caller records it (oai.streaming)."""
         was_exposed = self.relay.exposed
         pieces: list[dict[str, Any]] = []
         for batch in self.subscription.take():
@@ -598,10 +601,6 @@ class RelayedStream:
                 break
         if self.relay.exposed and not was_exposed:
             self.metrics.stream_relayed.add(1)
-            if self.submitted_mono is not None:
-                self.metrics.first_content.record(
-                    time.monotonic() - self.submitted_mono, {"horde.streamed": True, "horde.relayed": True}
-                )
         # One write for everything read together: one ASGI send, one socket write, not one per chunk.
         events = self._events(pieces)
         return [b"".join(events)] if events else []

@@ -103,6 +103,8 @@ class ChatRun:
         # Relayed deltas (chat only): the stream hint is forwarded, and the stream subscribed after the submit.
         self.relays = not self.is_text and state.delta_reader is not None and relays_deltas(request)
         self.relayed: RelayedStream | None = None
+        # horde.oai.first_content.duration is recorded once (first_content_sent).
+        self.first_content_recorded = False
         # The next read's latest time after a first decision that delivered nothing.
         self.not_after: float | None = None
 
@@ -241,7 +243,6 @@ class ChatRun:
                 include_reasoning=self.request.include_reasoning,
                 fallback_model=self.request.requested_models[0],
                 metrics=self.state.metrics,
-                submitted_mono=self.trace.submitted_mono,
             )
         listener = await self.state.ensure_listener()
         if listener is not None and listener.healthy:
@@ -516,12 +517,20 @@ class ChatRun:
             metrics.completions_empty.add(1, {"horde.model": completion.model})
         if isinstance(completion.queue_wait, int | float):
             metrics.queue_wait.record(completion.queue_wait, {"horde.model": completion.model})
-        if self.trace.submitted_mono is not None and not (self.relayed and self.relayed.exposed):
-            metrics.first_content.record(
-                time.monotonic() - self.trace.submitted_mono,
-                {"horde.streamed": self.request.stream, "horde.relayed": False},
-            )
+        if not self.request.stream:
+            self.first_content_sent()  # the body; a stream records it as it sends (oai.streaming)
         self.state.cancels.open_requests.pop(self.request_id or "", None)
+
+    def first_content_sent(self, *, relayed: bool = False) -> None:
+        """horde.oai.first_content.duration, once per request, by whatever sends the first content:
+        the first relayed delta (relayed true), the first completion chunk or the non-streamed body."""
+        if self.first_content_recorded or self.trace.submitted_mono is None:
+            return
+        self.first_content_recorded = True
+        self.state.metrics.first_content.record(
+            time.monotonic() - self.trace.submitted_mono,
+            {"horde.streamed": self.request.stream, "horde.relayed": relayed},
+        )
 
     def client_closed(self) -> None:
         """The client left: recorded, and the request cancelled in the background."""

@@ -39,7 +39,7 @@ async def stream_completion(run: ChatRun, completion: Completion | None) -> Asyn
                     next_keepalive = time.monotonic() + keepalive
                     continue
                 if source == WakeSource.DELTA:
-                    for event in relayed.pending_events():
+                    for event in pending_events(run):
                         yield event
                         next_keepalive = time.monotonic() + keepalive
                     check_relay(run)
@@ -55,7 +55,9 @@ async def stream_completion(run: ChatRun, completion: Completion | None) -> Asyn
                 not_after = outcome.not_after
         run.delivered(completion)
         if relayed is not None:
-            for event in relayed.pending_events():  # entries read before the reply was
+            # Entries read before the reply (in the same wake, or before the first read found it
+            # done) are sent before it: they may expose the stream, and are then its first content.
+            for event in pending_events(run):
                 yield event
             check_relay(run)
         if relayed is not None and relayed.exposed:
@@ -64,6 +66,7 @@ async def stream_completion(run: ChatRun, completion: Completion | None) -> Asyn
             events = build_text_completion_events(completion, include_usage=run.request.include_usage)
         else:
             events = sse.build_completion_events(completion, include_usage=run.request.include_usage)
+        run.first_content_sent()  # the reply's chunks, unless a relayed delta came first
         for event in events:
             yield event
     except ChatFrontError as error:
@@ -78,6 +81,15 @@ async def stream_completion(run: ChatRun, completion: Completion | None) -> Asyn
         await run.finish()
 
 
+def pending_events(run: ChatRun) -> list[bytes]:
+    """The relayed chunks of the entries read so far; the ones that expose the stream are the
+    request's first content (relayed true)."""
+    events = run.relayed.pending_events()
+    if run.relayed.exposed:
+        run.first_content_sent(relayed=True)
+    return events
+
+
 def check_relay(run: ChatRun) -> None:
     """A relayed stream that an entry broke (another attempt, its ended marker, a gap) ends in
     ChatStreamDiverged, and the request is cancelled."""
@@ -85,4 +97,3 @@ def check_relay(run: ChatRun) -> None:
     if error is not None:
         run.cancel_in_background()
         raise error
-

@@ -21,6 +21,7 @@ import pytest
 from chat.services import progress
 from contract.chat_progress import PROGRESS_ROUTE, chat_progress_stream_key
 from tests.oai.conftest import MODEL, HordeTestWorker
+from tests.oai.test_text_completions import DelayingProxy
 
 pytestmark = pytest.mark.redis_only
 USER = [{"role": "user", "content": "Say hello."}]
@@ -236,6 +237,10 @@ def test_a_final_reply_not_starting_with_the_relayed_text_is_diverged(front, req
     assert [a for a, _ in front.metrics()["horde.oai.stream.failures"]] == [
         {"horde.code": "ChatStreamDiverged"}
     ]
+    # The request is done: a mismatch cancels nothing (only the entry rows do).
+    from chat.models import GenerationRequest
+
+    assert _cancels(front) == {} and GenerationRequest.objects.get(pk=_request_id(job)).cancelled is False
 
 
 def test_the_pinned_generations_ended_marker_diverges_and_cancels(front, requester, streaming_worker):
@@ -279,9 +284,12 @@ def test_another_generations_entry_after_exposure_diverges_and_cancels(front, re
     assert error["code"] == "ChatStreamDiverged" and _outcomes(front) == {"replaced_attempt": 1}
     assert client.contents() == ["Hel"]
     _wait(lambda: _cancels(front).get("acknowledged") == 1, 5, "the front's cancel")
+    from chat.models import GenerationRequest
+
+    assert GenerationRequest.objects.get(pk=_request_id(job)).cancelled is True
 
 
-def test_a_seq_out_of_order_after_exposure_diverges(front, requester, streaming_worker):
+def test_a_seq_out_of_order_after_exposure_diverges_and_cancels(front, requester, streaming_worker):
     client = _stream(front, requester)
     job = streaming_worker.pop()
     streaming_worker.post(job, 1, "Hel")
@@ -291,6 +299,68 @@ def test_a_seq_out_of_order_after_exposure_diverges(front, requester, streaming_
     error = _error(client.finish())
     assert error["code"] == "ChatStreamDiverged" and _outcomes(front) == {"gap": 1}
     assert client.contents() == ["Hel"]
+    # The reconciliation table's row: the front cancels the request (the worker is told at its next post).
+    _wait(lambda: _cancels(front).get("acknowledged") == 1, 5, "the front's cancel")
+    from chat.models import GenerationRequest
+
+    assert GenerationRequest.objects.get(pk=_request_id(job)).cancelled is True
+    assert streaming_worker.post(job, 2, "lo")["cancelled"] is True
+
+
+class HoldingProxy(DelayingProxy):
+    """The live horde behind a proxy that holds the first request starting with `prefix` until
+    `released` is set (`held` says it arrived)."""
+
+    def __init__(self, upstream_port: int, prefix: bytes):
+        super().__init__(upstream_port, {})
+        self.prefix = prefix
+        self.held = threading.Event()
+        self.released = threading.Event()
+
+    def _requests(self, source, target, hold) -> None:
+        try:
+            while data := source.recv(65536):
+                if data.startswith(self.prefix) and not self.held.is_set():
+                    self.held.set()
+                    self.released.wait(10)
+                target.sendall(data)
+        except OSError:
+            pass
+        finally:
+            target.close()
+
+
+def test_entries_read_with_the_reply_are_sent_first_and_timed_once(front, requester, streaming_worker):
+    """The worker's delta and its submit are both read before the stream sends anything (the first
+    status read finds the request done): the delta is sent first and is the first content, so
+    first_content.duration has one sample, relayed true."""
+    proxy = HoldingProxy(front.live.port, b"GET /api/v2/generate/chat/status/")
+    try:
+        front.configure(native_roots=[proxy.root])
+        client = _stream(front, requester)
+        job = streaming_worker.pop()
+        _wait(proxy.held.is_set, 5, "the front's first status read")
+        streaming_worker.post(job, 1, "Hel")
+        streaming_worker.submit(job, "Hello.")
+        reader = front.state().delta_reader
+        # The reader has queued the entry: the stream finds it beside the reply, in the same wake.
+        _wait(lambda: any(sub.batches for sub in list(reader._subscriptions.values())), 5, "the entry read")
+        proxy.released.set()
+        events = client.finish()
+    finally:
+        proxy.released.set()
+        proxy.close()
+    deltas = [c["choices"][0]["delta"] for c in client.chunks() if c["choices"]]
+    assert deltas[:3] == [{"role": "assistant"}, {"content": "Hel"}, {"content": "lo."}]
+    assert client.contents() == ["Hel", "lo."] and events[-1] == "[DONE]"
+    assert _outcomes(front) == {"prefix": 1}
+    metrics = front.metrics()
+    assert [v for _, v in metrics["horde.oai.stream.relayed"]] == [1]
+    first = [
+        (a["horde.relayed"], a["horde.streamed"], v[0])
+        for a, v in metrics["horde.oai.first_content.duration"]
+    ]
+    assert first == [(True, True, 1)]
 
 
 def test_before_exposure_an_ended_attempt_is_dropped_and_the_next_one_pins(
