@@ -382,6 +382,9 @@ class _Deltas:
     def flush(self) -> bool:
         return True
 
+    def lease_extension(self) -> float:
+        return 0.0
+
 
 def test_a_stream_read_to_its_end_keeps_the_connection_and_a_stopped_one_is_closed():
     with llama_server() as fake:

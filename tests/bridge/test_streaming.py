@@ -220,3 +220,19 @@ def test_caps_stop_posting_but_not_generating(streamed_job):
     assert generous.delta("c" * 16 * 16) is True
     assert not generous.posting and generous.posts == 1 and generous.flush() is True
     assert contents(request_id) == [("1", "a" * 10)]
+
+
+def test_a_streamed_job_outlives_its_lease_at_pop_while_its_posts_renew_it(live_horde, fake_backend, settings):
+    """The bridge gives a job up a margin before its lease ends; a streamed job's appended posts
+    renew that lease (150 s after each), so the bridge's deadline moves with them."""
+    settings.HORDE_TEXT_JOB_LEASE_SECONDS = 3  # the pop's ttl: given up at 2 s without renewals
+    fake_backend.chat_handler = reply()
+    fake_backend.chunk_chars, fake_backend.chunk_delay = 2, 0.1  # ~50 deltas over about five seconds
+    with running_bridge(live_horde, fake_backend.url, progress_interval=0.2, lease_margin=1.0) as (bridge, out):
+        started = time.monotonic()
+        request_id = live_horde.chat(stream=True)
+        status = live_horde.wait(request_id)
+    assert time.monotonic() - started > 3  # it did run past the lease it was popped with
+    assert status["done"] and not status["faulted"], out.text()
+    assert status["generations"][0]["message"]["content"] == CONTENT
+    assert "gave the job up" not in out.text()

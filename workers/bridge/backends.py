@@ -48,11 +48,15 @@ class ProgressSink(Protocol):
 
     `delta` gets the text read since its previous call, content and reasoning apart; `flush` is
     called once the stream finished. Either returns False when the horde says stop generating.
+    `lease_extension` is how many seconds the horde's renewals have moved the job's lease past its
+    end at pop (0 until a post renews it): the stream's deadline moves with it.
     """
 
     def delta(self, content: str, reasoning_content: str | None = None) -> bool: ...
 
     def flush(self) -> bool: ...
+
+    def lease_extension(self) -> float: ...
 
 
 @dataclass
@@ -345,7 +349,7 @@ class OpenAIBackend:
                 if response.status != 200:
                     raise classify_backend_error(response.status, response.read().decode("utf-8", "replace"))
                 for line in response.lines():
-                    if time.monotonic() > deadline:
+                    if time.monotonic() > deadline + progress.lease_extension():
                         raise BackendDown("backend timed out while streaming")
                     content, reasoning = reader.feed_line(line)
                     if (content or reasoning) and not progress.delta(content, reasoning or None):

@@ -3,7 +3,9 @@ POST /api/v2/generate/text/progress (spec: chat_requests.md, "Streaming progress
 
 A `ProgressPoster` is the backend's `ProgressSink` for one job whose payload carries the stream
 hint. It posts the first delta at once, then at most one post per `interval` with everything read
-since, and whatever is left when the backend finishes (`flush`). Each answer decides what follows:
+since, and whatever is left when the backend finishes (`flush`). Past half the entry cap the posts
+are spaced wider (`paced_interval`), so the entries last until the longest lease's cap: only an
+appended post renews the lease. Each answer decides what follows:
 
 - 200: accepted; `cancelled: true` means stop generating and do not submit.
 - 404 ChatJobAborted: stop generating, do not submit.
@@ -23,13 +25,38 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from contract.chat_progress import MAX_CHAT_PROGRESS_ENTRIES, chat_progress_max_bytes
+from contract.chat_progress import (
+    CHAT_PROGRESS_RENEWAL_SECONDS,
+    MAX_CHAT_PROGRESS_ENTRIES,
+    TRUSTED_TEXT_JOB_LEASE_CAP_SECONDS,
+    chat_progress_max_bytes,
+)
+from contract.text import TEXT_JOB_LEASE_SECONDS
 from workers.bridge.horde import HordeClient, HordeUnavailable
 
 # Batches about four posts a second: a reader sees text flow, the horde gets few requests.
 DEFAULT_PROGRESS_INTERVAL = 0.25
 # A post the horde did not answer is sent again this many times before the poster gives up.
 MAX_UNANSWERED_POSTS = 3
+# Posts keep the configured interval for this share of MAX_CHAT_PROGRESS_ENTRIES: a reply's start
+# flows at full rate (500 entries: 125 s of posts at 0.25 s).
+FULL_RATE_ENTRY_SHARE = 0.5
+
+
+def paced_interval(interval: float, elapsed: float, entries_used: int) -> float:
+    """Seconds from the last post to the next, the last post `elapsed` seconds into the job with
+    `entries_used` entries accepted: `interval` for the first FULL_RATE_ENTRY_SHARE of the entries,
+    then the time from the last post to the trusted lease cap shared among the entries left, never
+    less than `interval`.
+
+    Only an appended post renews the job lease, so the entries must last as long as the longest lease
+    (TRUSTED_TEXT_JOB_LEASE_CAP_SECONDS from the pop). When one entry is left its interval is all the
+    time left, so the last entry is not posted before the cap; and the shared interval never grows,
+    so past the share posts are at most 600 / 500 = 1.2 s apart (or `interval`, if wider)."""
+    left = MAX_CHAT_PROGRESS_ENTRIES - entries_used
+    if entries_used < FULL_RATE_ENTRY_SHARE * MAX_CHAT_PROGRESS_ENTRIES or left <= 0:
+        return interval
+    return max(interval, (TRUSTED_TEXT_JOB_LEASE_CAP_SECONDS - elapsed) / left)
 
 
 @dataclass
@@ -37,6 +64,7 @@ class _Post:
     seq: int
     content: str
     reasoning: str
+    first_sent: float = 0.0  # the horde appends it at this send or a later one: renewed from here
 
     def body(self, job_id: str) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": self.content}
@@ -56,12 +84,14 @@ class ProgressPoster:
         job_id: str,
         *,
         max_length: int,
+        lease_seconds: float = TEXT_JOB_LEASE_SECONDS,
         interval: float = DEFAULT_PROGRESS_INTERVAL,
         log: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.horde = horde
         self.job_id = job_id
+        self.lease_seconds = lease_seconds  # the pop's ttl
         self.interval = interval
         self.max_bytes = chat_progress_max_bytes(max_length)
         self.log = log or (lambda _message: None)
@@ -76,6 +106,8 @@ class ProgressPoster:
         self._pending: _Post | None = None  # sent, not answered yet
         self._unanswered = 0
         self._last_post: float | None = None
+        self._lease_extension = 0.0
+        self._started = clock()  # just after the pop: the cap's seconds counted from here last past it
         self._lock = threading.Lock()
 
     # -- ProgressSink
@@ -91,7 +123,7 @@ class ProgressPoster:
                 self._content.append(content)
             if reasoning_content:
                 self._reasoning.append(reasoning_content)
-            if self._last_post is None or self.clock() - self._last_post >= self.interval:
+            if self._last_post is None or self.clock() - self._last_post >= self.current_interval():
                 self._post_due()
             return self.stopped is None
 
@@ -106,6 +138,18 @@ class ProgressPoster:
                     self._post_due()  # one more try for a post the horde did not answer
             return self.stopped is None
 
+    def lease_extension(self) -> float:
+        """Seconds the renewals moved the lease past its end at pop: an appended post renews it to
+        CHAT_PROGRESS_RENEWAL_SECONDS after the post, within TRUSTED_TEXT_JOB_LEASE_CAP_SECONDS of the
+        pop. The owner's trust is the horde's to know: past an untrusted owner's cap the horde answers
+        ChatJobAborted, which stops the job."""
+        return self._lease_extension
+
+    def current_interval(self) -> float:
+        """The seconds the next post waits after the last one (`paced_interval`)."""
+        last = self.clock() if self._last_post is None else self._last_post
+        return paced_interval(self.interval, last - self._started, self.accepted_seq)
+
     # -- posting
 
     def _post_due(self) -> None:
@@ -114,7 +158,7 @@ class ProgressPoster:
             content, reasoning = "".join(self._content), "".join(self._reasoning)
             if not content and not reasoning:
                 return
-            post = _Post(self.accepted_seq + 1, content, reasoning)
+            post = _Post(self.accepted_seq + 1, content, reasoning, first_sent=self._last_post)
             if post.seq > MAX_CHAT_PROGRESS_ENTRIES or self.accepted_bytes + post.size > self.max_bytes:
                 self._stop_posting("the progress caps are reached")
                 return
@@ -161,6 +205,9 @@ class ProgressPoster:
         self.accepted_seq = post.seq
         self.accepted_bytes += post.size
         self._pending = None
+        # Counted from its first send, the earliest the horde can have appended (and renewed) it.
+        renewed_to = min(post.first_sent + CHAT_PROGRESS_RENEWAL_SECONDS, self._started + TRUSTED_TEXT_JOB_LEASE_CAP_SECONDS)
+        self._lease_extension = max(self._lease_extension, renewed_to - (self._started + self.lease_seconds))
 
     def _stop_posting(self, why: str) -> None:
         self.posting = False

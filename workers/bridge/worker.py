@@ -82,15 +82,20 @@ class HeldJob:
     margin: float
     owner: str | None = None  # who submits its outcome: "job" (its thread) or "stop" (the main thread)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    progress: ProgressSink | None = None  # a streamed job's poster, whose posts renew the lease
 
     @property
     def lease_end(self) -> float:
-        return self.popped + self.ttl
+        return self.popped + self.ttl + self._extension()
 
     @property
     def deadline(self) -> float:
-        """When the bridge gives the job up: the lease end less the margin (at least half the lease)."""
-        return self.popped + max(self.ttl - self.margin, self.ttl / 2)
+        """When the bridge gives the job up: the lease end less the margin (at least half the lease),
+        moved by the renewals its progress posts earned."""
+        return self.popped + max(self.ttl - self.margin, self.ttl / 2) + self._extension()
+
+    def _extension(self) -> float:
+        return self.progress.lease_extension() if self.progress is not None else 0.0
 
     def claim(self, owner: str) -> bool:
         with self.lock:
@@ -203,6 +208,7 @@ class Bridge:
             self.horde,
             held.id,
             max_length=int(payload.get("max_length") or self.config.max_length),
+            lease_seconds=held.ttl,
             interval=self.config.progress_interval,
             log=self.log,
         )
@@ -529,6 +535,7 @@ class Bridge:
         if not self._fit_chat_prompt(held, body):
             return
         progress = self.progress_factory(held, payload) if streams_progress(payload) else None
+        held.progress = progress
         response, seconds = self._generate(held, lambda timeout: self.backend.chat(body, timeout=timeout, progress=progress))
         if response is None:
             return
