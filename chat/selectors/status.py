@@ -69,21 +69,11 @@ def request_is_done(*, faulted: bool, cancelled: bool, n: int, waiting: int, pro
     return faulted or (waiting == 0 and processing == 0 and (finished >= n or cancelled))
 
 
-def request_completed(request_id: UUID) -> bool:
-    """request_is_done read from the database. Call it with the request row locked, so two
-    submits finishing the last jobs cannot both miss each other's result."""
-    request = GenerationRequest.objects.only("n", "jobs_waiting", "faulted", "cancelled").get(pk=request_id)
-    if request.faulted or request.jobs_waiting:  # decided without the counts
-        return request.faulted
-    counts = generation_state_counts(request)
-    return request_is_done(
-        faulted=False,
-        cancelled=request.cancelled,
-        n=request.n,
-        waiting=0,
-        processing=counts.get(Generation.State.PROCESSING, 0),
-        finished=sum(counts.get(s, 0) for s in Generation.FINISHED_STATES),
-    )
+def request_completed(request_id: UUID, *, is_chat: bool) -> bool:
+    """request_is_done read from the database (stored_results_and_done's one read). Call it with
+    the request row locked, so two submits finishing the last jobs cannot both miss each other's
+    result."""
+    return stored_results_and_done(request_id, is_chat=is_chat)[1]
 
 
 _DONE_FIELDS = ("n", "jobs_waiting", "faulted", "cancelled")

@@ -145,7 +145,7 @@ def cancel_for_dead_front(request_id: UUID) -> bool:
         if request is None:  # handled already
             return False
         GenerationRequest.objects.filter(pk=request_id).update(front_lease_expires_at=None)
-        if request.cancelled or request.faulted or request_completed(request_id):
+        if request.cancelled or request.faulted or request_completed(request_id, is_chat=request.is_chat):
             return False
         in_flight = list(
             Generation.objects.select_for_update(skip_locked=True)
@@ -212,7 +212,7 @@ def _cancel_lapsed(*, now: datetime) -> int:
             if request is None:  # renewed or expired meanwhile
                 continue
             GenerationRequest.objects.filter(pk=request_id).update(front_lease_expires_at=None)
-            if request.cancelled or request.faulted or request_completed(request_id):
+            if request.cancelled or request.faulted or request_completed(request_id, is_chat=request.is_chat):
                 continue  # nothing left to stop
             if request_cancel(request=request):
                 cancelled += 1

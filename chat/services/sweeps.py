@@ -106,7 +106,7 @@ def expire_requests() -> int:
                 continue
             # A done request already had its done (or faulted) message; only an open one is faulted here.
             signal = None
-            if request.is_chat and not request_completed(request_id):
+            if request.is_chat and not request_completed(request_id, is_chat=True):
                 signal = (stored_result_count(request_id), request.chat_fault_reason, request.chat_fault_rc)
             kudos_release(user_id=request.user_id, amount=request.kudos_held)
             request.delete()
