@@ -40,7 +40,7 @@ from django.db.models import (
 )
 from django.db.models.expressions import Expression, RawSQL
 from django.db.models.functions import Coalesce, Now
-from django.db.models.lookups import Exact
+from django.db.models.lookups import Exact, IsNull
 from django.utils import timezone
 
 from chat.models import GenerationRequest, RequestModel, RequestWorker
@@ -297,10 +297,10 @@ def text_worker_lease_capacity(speed: float | None) -> int:
 
 def _capable_chat_workers(side) -> Q:
     """Online chat workers capable of a chat request (capable_chat_worker_clauses): not in
-    maintenance or paused, serving one of its models, within their chat limits, declaring every
-    feature it requires (and an image transport for images), with the capacity for its max_length
-    (the annotation lease_tokens). `side(name)` is the request's column: an OuterRef in the pop's
-    query, a value in Python."""
+    maintenance or paused, serving one of its models, within their chat limits (the tools
+    temperature too), declaring every feature it requires (and an image transport for images), with
+    the capacity for its max_length (the annotation lease_tokens). `side(name)` is the request's
+    column: an OuterRef in the pop's query, a value in Python."""
     mask = side("chat_required_mask")
     images = Q(Exact(side("chat_has_images"), False))
     for transport in sorted(IMAGE_RECEIVING_TRANSPORTS):
@@ -309,6 +309,11 @@ def _capable_chat_workers(side) -> Q:
         Q(accepts_chat_jobs=True, maintenance=False, paused=False)
         & Q(last_check_in__gte=ExpressionWrapper(Now() - Value(timedelta(seconds=WORKER_ONLINE_SECONDS)), output_field=DateTimeField()))
         & Q(chat_max_length__gte=side("max_length"), chat_max_context_length__gte=side("max_context_length"))
+        & (
+            Q(IsNull(side("chat_tools_temperature"), True))
+            | Q(chat_tools_max_temperature__isnull=True)
+            | Q(chat_tools_max_temperature__gte=side("chat_tools_temperature"))
+        )
         & Q(Exact(mask.bitand(F("chat_feature_mask")), mask))
         & images
         & Q(lease_tokens__gte=side("max_length"))

@@ -60,7 +60,7 @@ def test_a_slow_worker_is_refused_a_chat_request_a_capable_worker_can_take(horde
     }
 
 
-@pytest.mark.parametrize("why", ["offline", "maintenance", "small_limits", "missing_feature"])
+@pytest.mark.parametrize("why", ["offline", "maintenance", "small_limits", "missing_feature", "tools_temperature"])
 def test_a_faster_worker_that_cannot_serve_it_does_not_block_the_slow_one(horde, make_user, why):
     requester, slow_owner, fast_owner = make_user("r", kudos=1000), make_user("s"), make_user("f")
     slow_features = ["prompt_overflow_refused", "tool_choice_enforced", "structured_output_enforced", "tools"]
@@ -70,13 +70,18 @@ def test_a_faster_worker_that_cannot_serve_it_does_not_block_the_slow_one(horde,
         pop["limits"] = {"max_context_length": 8192, "max_length": 256}
     if why == "missing_feature":
         pop["features"] = ["prompt_overflow_refused", "tool_choice_enforced", "structured_output_enforced"]
+    if why == "tools_temperature":  # applies at most 0.5 with tools: refused the request's 0.9
+        pop["features"] = slow_features
+        pop["limits"] = {"max_context_length": 8192, "max_length": 1024, "tools_max_temperature": 0.5}
     _register(horde, fast_owner.key, "fast", speed=None, **pop)
     if why == "offline":
         Worker.objects.filter(name="fast").update(last_check_in=timezone.now() - timedelta(seconds=301))
     if why == "maintenance":
         Worker.objects.filter(name="fast").update(maintenance=True)
     body = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
-    request = queue_chat(requester.user, body if why == "missing_feature" else None, max_length=512)
+    if why == "tools_temperature":
+        body["temperature"] = 0.9
+    request = queue_chat(requester.user, body if why in ("missing_feature", "tools_temperature") else None, max_length=512)
     assert chat_capacity_refusal(slow, request) is None
     popped = chat_pop(horde, slow_owner.key, name="slow", features=slow_features).json()
     assert popped["id"] and Generation.objects.get(pk=popped["id"]).request_id == request.id
