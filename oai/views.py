@@ -18,6 +18,7 @@ from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import exceptions, serializers
 from rest_framework.authentication import BaseAuthentication
+from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.response import Response
 
 from oai import app
@@ -123,10 +124,21 @@ _ERROR = inline_serializer(
 _COMPLETION_ERRORS = dict.fromkeys((400, 401, 404, 408, 413, 429, 502, 503), _ERROR)
 
 
+class AnswerAsTheBodyAsks(DefaultContentNegotiation):
+    """OpenAI's routes answer JSON, or an event stream when the body sets `stream`, whatever the
+    Accept header or a `format` parameter asks: an SSE client sends `Accept: text/event-stream`
+    (fetch-event-source, httpx-sse, a browser's hand-written reader), and DRF's negotiation would
+    refuse it with 406 for want of a renderer of that type."""
+
+    def select_renderer(self, request, renderers, format_suffix=None):
+        return renderers[0], renderers[0].media_type
+
+
 class FrontView(APIView):
     authentication_classes = [BearerKeyAuthentication]
     permission_classes: list = []
     throttle_classes: list = []
+    content_negotiation_class = AnswerAsTheBodyAsks
 
     def get_exception_handler(self):
         return openai_exception_handler

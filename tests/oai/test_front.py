@@ -310,6 +310,25 @@ def test_every_answer_allows_any_origin(front, requester, start_worker):
         assert "x-should-retry" in response.headers["access-control-expose-headers"].lower()
 
 
+def test_an_event_stream_accept_header_is_answered_as_the_body_asks(front, requester, start_worker):
+    """SSE clients (fetch-event-source, httpx-sse, a browser's own reader) send Accept:
+    text/event-stream; as OpenAI, the body's `stream` decides the answer, never a 406."""
+    start_worker()
+    headers = {"Authorization": f"Bearer {requester.key}", "Accept": "text/event-stream"}
+    body = {"model": MODEL, "messages": USER}
+    url = f"{front.live.v1}/chat/completions"
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers, timeout=20) as streamed:
+        assert streamed.status_code == 200
+        assert streamed.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+    whole = httpx.post(url, json=body, headers=headers, params={"format": "api"}, timeout=20)
+    assert whole.status_code == 200 and whole.json()["object"] == "chat.completion"
+    refused = httpx.post(url, json={"messages": USER}, headers=headers, timeout=20)
+    assert 400 <= refused.status_code < 500 and "error" in refused.json()
+    assert refused.headers["content-type"].startswith("application/json")
+
+
 # --- model cards ------------------------------------------------------------------------------------
 
 
