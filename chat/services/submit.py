@@ -428,17 +428,17 @@ def build_stored_reply(message: Mapping[str, Any]) -> dict[str, Any]:
     return _clean(stored)
 
 
-def _store_chat_reply(
-    generation: Generation, *, submit, message: Mapping[str, Any], finish_reason: str, dropped: int
-) -> Decimal:
+def _chat_reward(generation: Generation, stored: Mapping[str, Any]) -> tuple[int, Decimal]:
+    """(tokens, reward) of a chat reply, as _text_reward: the charge and the speed sample count the
+    verified reply (reasoning and tool calls too, chat_things_count), priced as its pop stored (or,
+    a job popped before prices were stored, at the model that served it). Reported token counts
+    never change the charge."""
+    if generation.price_rate is not None:
+        tokens = chat_things_count(stored, generation.price_max_length)
+        return tokens, kudos_amount(tokens * generation.price_rate + generation.price_flat)
     request = generation.request
-    stored = build_stored_reply(message)
-    state = submit.state
-    now = timezone.now()
-    # The charge and the speed sample count the verified reply, not generation (the content alone).
     tokens = chat_things_count(stored, request.max_length)
-    # Charged at the model that served it; reported token counts never change the charge.
-    reward = text_generation_kudos(
+    return tokens, text_generation_kudos(
         model=generation.assigned_model or generation.model,
         prompt=request.prompt,
         generation=None,
@@ -446,6 +446,16 @@ def _store_chat_reply(
         owner_trusted=generation.worker.owner.trusted,
         tokens=tokens,
     )
+
+
+def _store_chat_reply(
+    generation: Generation, *, submit, message: Mapping[str, Any], finish_reason: str, dropped: int
+) -> Decimal:
+    request = generation.request
+    stored = build_stored_reply(message)
+    state = submit.state
+    now = timezone.now()
+    tokens, reward = _chat_reward(generation, stored)
     columns = {  # in a fixed order: the statement's text is prepared once
         "state": state,
         "text": stored.get("content") or "",

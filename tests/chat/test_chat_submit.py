@@ -864,3 +864,23 @@ def test_a_chat_reply_is_stored_and_settled_in_one_statement(people, chat_job):
     assert request.consumed_kudos == reward and request.kudos_held == Decimal("0")
     worker = Worker.objects.get(pk=job.worker_id)
     assert worker.fulfilments == 1 and len(worker.speed_samples) == 1 and worker.kudos_earned == reward
+
+
+def test_a_chat_reply_is_priced_as_its_pop_stored(people, chat_job):
+    """The pop stores the job's price (ADR 0026): a change to the model reference or the owner's
+    trust between pop and submit does not change what the reply earns."""
+    from chat.pricing import kudos_amount
+    from chat.services.submit import job_submit
+
+    requester, owner = people
+    request, job = chat_job()
+    # The price a pop stores (chat/services/pop.py), unlike what the formula gives today.
+    Generation.objects.filter(pk=job.pk).update(
+        price_rate=0.5, price_flat=1.0, price_max_length=request.max_length, price_owner_trusted=False
+    )
+    job.refresh_from_db()
+    content = "A reply long enough to pass the floor of twenty tokens, counted by characters. " * 2
+    reward = job_submit(user=owner.user, generation_id=job.id, text=None, chat_body=reply(content))
+    tokens = math.ceil(len(content) / 4)
+    assert reward == kudos_amount(tokens * 0.5 + 1.0) == Generation.objects.get(pk=job.pk).kudos
+    assert owner.refresh().kudos == reward
