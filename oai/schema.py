@@ -299,6 +299,16 @@ def _check_ranges(body: Mapping[str, Any]) -> None:
             "messages",
             "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead.",
         )
+    # The front-only keys are not forwarded, so the contract never sees them: typed here, as OpenAI.
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise _bad("stream", "Invalid type for 'stream': expected a boolean.")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise _bad("user", "Invalid type for 'user': expected a string.")
+    metadata = body.get("metadata")
+    if metadata is not None and not (
+        isinstance(metadata, Mapping) and all(isinstance(value, str) for value in metadata.values())
+    ):
+        raise _bad("metadata", "Invalid type for 'metadata': expected an object of strings.")
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, Mapping):

@@ -128,6 +128,10 @@ REFUSALS = [
         "ChatRequestConflict",
     ),
     ({"horde": {"nope": True}}, openai.BadRequestError, "horde.nope", "UnsupportedChatParameter"),
+    # The keys the front applies itself are typed as OpenAI types them, not served as if omitted.
+    ({"stream": "true"}, openai.BadRequestError, "stream", "BadRequest"),
+    ({"user": 7}, openai.BadRequestError, "user", "BadRequest"),
+    ({"metadata": {"run": 1}}, openai.BadRequestError, "metadata", "BadRequest"),
     ({"max_tokens": 20000}, openai.BadRequestError, "max_tokens", "BadRequest"),
 ]
 
