@@ -220,7 +220,8 @@ class Completion:
 
     @property
     def empty(self) -> bool:
-        return not self.content
+        """The reply x_horde.notice reports: neither text nor tool calls."""
+        return not self.content and not self.tool_calls
 
     def tool_call_models(self) -> list[ToolCall] | None:
         if not self.tool_calls:

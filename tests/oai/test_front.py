@@ -385,6 +385,20 @@ def test_metrics_of_a_delivered_completion(front, client, start_worker):
     assert metrics["horde.oai.inflight"][0][1] == 0
 
 
+def test_a_reply_of_tool_calls_alone_is_not_counted_empty(front, client, start_worker):
+    """horde.oai.completions.empty counts the replies x_horde.notice reports: no text, no tool calls."""
+    from tests.oai.test_completions import WEATHER, calls_reply
+
+    worker = start_worker(reply=calls_reply("get_weather"))
+    called = client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER])
+    assert called.choices[0].message.tool_calls and "notice" not in (called.model_extra.get("x_horde") or {})
+    assert not front.metrics().get("horde.oai.completions.empty")
+    worker.reply = lambda job: {"message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}
+    empty = client.chat.completions.create(model=MODEL, messages=USER)
+    assert empty.model_extra["x_horde"]["notice"]
+    assert front.metrics()["horde.oai.completions.empty"] == [({"horde.model": MODEL}, 1)]
+
+
 def test_metrics_of_refusals_and_errors(front, client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=USER, temperature=5)
