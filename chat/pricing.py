@@ -32,7 +32,7 @@ def context_multiplier(prompt: str, max_length: int) -> float:
     return min(max(multiplier, CONTEXT_MULTIPLIER_MIN), CONTEXT_MULTIPLIER_MAX)
 
 
-# A chat generation's charge_basis: the Horde prices the output it measures (ADR 0027), never a
+# A chat generation's charge_basis: the Horde prices the output it measures (the spec's ADR 0027), never a
 # worker-reported token count.
 CHAT_CHARGE_BASIS_OUTPUT_ESTIMATE = "output_estimate"
 

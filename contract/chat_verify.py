@@ -1,4 +1,4 @@
-"""A chat job's structured submit, and reply verification against the request (ADR 0036, layer 3).
+"""A chat job's structured submit, and reply verification against the request (the spec's ADR 0036, layer 3).
 
 verify_chat_reply checks a reply against the client's stored chat_extras, never against a
 worker's declaration or the narrowed copy the worker received.
