@@ -183,6 +183,39 @@ def test_browser_preflight_and_cors_headers(horde):
     assert missing.status_code == 404 and missing.json()["message"]
 
 
+def _lite_preflight(horde, path: str, method: str):
+    """The preflight a browser sends before KoboldAI Lite's call (from file://, origin null)."""
+    preflight = horde.client.options(
+        path,
+        HTTP_ORIGIN="null",
+        HTTP_ACCESS_CONTROL_REQUEST_METHOD=method,
+        HTTP_ACCESS_CONTROL_REQUEST_HEADERS="apikey, client-agent, content-type",
+    )
+    assert preflight.status_code == 200
+    assert preflight["Access-Control-Allow-Origin"] == "*"
+    methods = {m.strip().upper() for m in preflight["Access-Control-Allow-Methods"].split(",")}
+    assert method in methods
+    allowed = {h.strip().lower() for h in preflight["Access-Control-Allow-Headers"].split(",")}
+    assert {"apikey", "client-agent", "content-type"} <= allowed
+
+
+def test_kobold_lite_find_user_preflight(horde, make_user):
+    user = make_user("lite")
+    _lite_preflight(horde, "/api/v2/find_user", "GET")
+    answer = horde.client.get("/api/v2/find_user", HTTP_ORIGIN="null", HTTP_APIKEY=user.key)
+    assert answer.status_code == 200 and answer["Access-Control-Allow-Origin"] == "*"
+
+
+def test_kobold_lite_abort_preflight(horde, make_user):
+    requester = make_user("lite", kudos=100)
+    request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
+    path = f"/api/v2/generate/text/status/{request_id}"
+    _lite_preflight(horde, path, "DELETE")
+    answer = horde.client.delete(path, HTTP_ORIGIN="null", HTTP_APIKEY=requester.key, HTTP_CLIENT_AGENT="KoboldAiLite:17")
+    assert answer.status_code == 200 and answer["Access-Control-Allow-Origin"] == "*"
+    assert GenerationRequest.objects.get(pk=request_id).cancelled
+
+
 def test_a_horde_without_anonymous_access_refuses_keyless_requests(horde, settings):
     settings.HORDE_ALLOW_ANONYMOUS = False
     refused = horde.text_async(None)

@@ -381,7 +381,13 @@ def test_chat_model_list(horde, owner, requester):
 
 def test_chat_model_list_leaves_out_maintenance_workers(horde, owner):
     chat_pop(horde, owner.key, name="a")
+    # An online text-only worker keeps the model served, so only the chat list can drop it.
+    horde.pop(owner.key, name="text", models=[MODEL])
     Worker.objects.filter(name="a").update(maintenance=True)
+    cache.clear()
+    reset_snapshots()
+    plain = {m["name"]: m for m in horde.client.get("/api/v2/status/models?type=text").json()}
+    assert set(plain) == {MODEL} and plain[MODEL]["count"] == 1
     assert horde.client.get("/api/v2/status/models?type=text&chat=true").json() == []
 
 

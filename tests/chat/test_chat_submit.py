@@ -211,9 +211,19 @@ def test_output_estimate_is_capped_at_the_requested_max_length(api, people, chat
 def test_reasoning_is_counted_in_the_charge_and_speed_sample(api, people, chat_job):
     _, owner = people
     request, job = chat_job()
+    # Started ten seconds ago, so the sample (tokens over seconds) is far from a 1-token one.
+    Generation.objects.filter(pk=job.pk).update(created=timezone.now() - timedelta(seconds=10))
     response = submit(api, owner.key, job.id, reply("ok", reasoning_content="r" * 398))
     assert Decimal(str(response.json()["reward"])) == expected_reward(request, job, 400)
-    assert Worker.objects.get(pk=job.worker_id).tokens_generated == 100
+    worker = Worker.objects.get(pk=job.worker_id)
+    assert worker.tokens_generated == 100
+    # The speed sample counts the reasoning's tokens too: 100 tokens over the job's seconds, from
+    # its start to the finish the submit stored (rounded to 3 places as stored).
+    job.refresh_from_db()
+    seconds = (job.finished_at - job.created).total_seconds()
+    assert 10 <= seconds < 60
+    assert worker.speed_samples == [pytest.approx(100 / seconds, abs=0.001)]
+    assert worker.speed == pytest.approx(100 / seconds, abs=0.001)
 
 
 def test_generation_is_charged_at_the_model_that_served_it(api, people):

@@ -68,27 +68,66 @@ def test_models_list_serves_any_listed_model(front, requester, start_worker):
 
 
 def test_sdk_replayed_stream_fields_are_dropped(client, start_worker):
-    start_worker()
+    """What the openai SDK sends back when an app appends a streamed assistant reply to `messages`
+    (its accumulated message: tool_calls[].index, function.parsed_arguments, refusal, audio,
+    annotations, function_call, parsed), plus a tool message with `name`: the front drops the keys
+    it does not serve and forwards the rest unchanged to the worker."""
+    worker = start_worker()
+    replayed_call = {
+        "index": 0,
+        "id": "call_0",
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "arguments": '{"city": "Oslo"}',
+            "parsed_arguments": {"city": "Oslo"},
+        },
+    }
     history = [
         {"role": "user", "content": "Hi", "extra_user_key": 1},
         {
             "role": "assistant",
-            "content": "Hello.",
+            "content": None,
             "refusal": None,
             "audio": None,
             "annotations": [],
             "function_call": None,
             "parsed": None,
+            "tool_calls": [replayed_call],
         },
-        {"role": "tool", "content": "x", "tool_call_id": "c1", "name": "dropped"}
-        if False
-        else {
+        {"role": "tool", "content": "Sunny.", "tool_call_id": "call_0", "name": "get_weather"},
+        {
             "role": "user",
             "content": [{"type": "text", "text": "And now?", "cache_control": {"type": "ephemeral"}}],
         },
     ]
-    completion = client.chat.completions.create(model=MODEL, messages=history, logprobs=False, store=False)
+    completion = client.chat.completions.create(
+        model=MODEL, messages=history, tools=[WEATHER], logprobs=False, store=False
+    )
     assert completion.choices[0].message.content == "Hello from the horde."
+    sent = worker.jobs[0]["payload"]["messages"]
+    assert "extra_user_key" not in sent[0]
+    assert not {"refusal", "audio", "annotations", "function_call", "parsed"} & set(sent[1])
+    assert "index" not in sent[1]["tool_calls"][0]
+    assert "parsed_arguments" not in sent[1]["tool_calls"][0]["function"]
+    assert "name" not in sent[2]
+    assert "cache_control" not in sent[3]["content"][0]
+    assert sent == [
+        {"role": "user", "content": "Hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_0",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "content": "Sunny.", "tool_call_id": "call_0"},
+        {"role": "user", "content": [{"type": "text", "text": "And now?"}]},
+    ]
 
 
 def test_empty_reply_carries_the_notice(client, start_worker):

@@ -111,3 +111,17 @@ def test_details_by_name_are_cached_but_the_owner_switch_shows_at_once(horde, ma
     horde.client.put(f"/api/v2/workers/{worker.id}", {"maintenance": True}, format="json", HTTP_APIKEY=owner.key)
     details = horde.client.get("/api/v2/workers/name/chat").json()
     assert details["maintenance_mode"] is True and "chat" not in details
+
+
+def test_the_text_worker_list_kobold_lite_asks_for(horde, make_user):
+    """KoboldAI Lite lists GET /api/v2/workers?type=text at load (spec: existing-clients.md)."""
+    owner = make_user("owner")
+    horde.pop(owner.key, name="text")
+    chat_pop(horde, owner.key, name="chat")
+    response = horde.client.get("/api/v2/workers?type=text", HTTP_ORIGIN="null")
+    assert response.status_code == 200 and response["Access-Control-Allow-Origin"] == "*"
+    listed = {w["name"]: w for w in response.json()}
+    assert set(listed) == {"text", "chat"}
+    assert listed["text"]["type"] == "text" and listed["text"]["models"] == [MODEL]
+    assert listed["text"]["accepts_prompt_jobs"] is True and listed["chat"]["accepts_chat_jobs"] is True
+    assert horde.client.get("/api/v2/workers?type=image").json() == []
