@@ -19,13 +19,17 @@ def request_cancel(*, request: GenerationRequest, settle_streams: bool = True) -
     flags their leases; maintenance mode's abort (`settle_streams=False`) lets them settle by
     their submits instead (spec: "Streaming progress").
 
-    Returns whether this call claimed the cancellation (False when it was already cancelled).
+    Returns whether this call claimed the cancellation (False when it was already cancelled, or
+    the request expired since the caller read it: the route then answers RequestNotFound).
     """
     with transaction.atomic():
-        locked = GenerationRequest.objects.select_for_update().only("user_id", "kudos_held", "cancelled").get(
-            pk=request.pk
+        locked = (
+            GenerationRequest.objects.select_for_update()
+            .only("user_id", "kudos_held", "cancelled")
+            .filter(pk=request.pk)
+            .first()
         )
-        if locked.cancelled:
+        if locked is None or locked.cancelled:
             return False
         GenerationRequest.objects.filter(pk=request.pk).update(cancelled=True, jobs_waiting=0, kudos_held=0)
         kudos_release(user_id=locked.user_id, amount=locked.kudos_held)

@@ -167,6 +167,20 @@ def test_cancel_stops_the_queue_and_keeps_finished_work(horde, people):
     assert horde.pop(owner.key).json()["id"] is None
 
 
+def test_a_cancel_of_a_request_that_expired_since_it_was_read_claims_nothing(horde, people):
+    """The route reads the request, then cancels it: an expiry in between is RequestNotFound on the
+    re-read, never a 500 from the cancel's lock."""
+    from chat.services.cancel import request_cancel
+
+    requester, _ = people
+    request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
+    read = GenerationRequest.objects.get(pk=request_id)
+    GenerationRequest.objects.filter(pk=request_id).delete()  # as the expiry sweep does
+    assert request_cancel(request=read) is False
+    gone = horde.cancel(request_id)
+    assert gone.status_code == 404 and gone.json()["rc"] == "RequestNotFound"
+
+
 def test_cancel_lets_a_job_in_flight_submit_and_be_paid(horde, people):
     requester, owner = people
     request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
