@@ -46,3 +46,14 @@ class HordeError(Exception):
 
     def body(self) -> dict:
         return {"message": self.message, "rc": self.rc, **self.extra}
+
+
+def request_too_large_body(limit: int) -> dict:
+    """The 413 RequestTooLarge body, wherever a body is refused for its size (the serving layer, the
+    middleware, DRF's handler, the chat route's own read)."""
+    return {"message": request_too_large_message(limit), "rc": "RequestTooLarge"}
+
+
+def request_too_large_message(limit: int) -> str:
+    """The 413 message, native and front alike."""
+    return f"The request body is over {limit} bytes."

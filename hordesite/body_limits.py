@@ -18,6 +18,7 @@ from typing import Any
 from django.conf import settings
 
 from contract.chat_limits import MAX_CHAT_BODY_BYTES
+from contract.errors import request_too_large_body
 
 NATIVE_PREFIX = "/api/v2/"
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -33,7 +34,7 @@ def body_limit(method: str, path: str) -> int | None:
 
 
 def too_large_body(limit: int) -> bytes:
-    return json.dumps({"message": f"The request body is over {limit} bytes.", "rc": "RequestTooLarge"}).encode()
+    return json.dumps(request_too_large_body(limit)).encode()
 
 
 @dataclass

@@ -11,7 +11,7 @@ from rest_framework import exceptions
 from rest_framework.response import Response
 
 from contract.chat_errors import ChatRefusal
-from contract.errors import HordeError
+from contract.errors import HordeError, request_too_large_body
 from hordesite import db_guard
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def horde_exception_handler(exc, context):
     if isinstance(exc, RequestDataTooBig):
         # A chunked body past DATA_UPLOAD_MAX_MEMORY_SIZE where no ASGI guard ran (WSGI).
         limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
-        return Response({"message": f"The request body is over {limit} bytes.", "rc": "RequestTooLarge"}, status=413)
+        return Response(request_too_large_body(limit), status=413)
     if isinstance(exc, Http404):
         return Response({"message": "Not found", "rc": "NotFound"}, status=404)
     if isinstance(exc, exceptions.Throttled):

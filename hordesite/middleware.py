@@ -12,6 +12,7 @@ from django.http import HttpResponse, JsonResponse
 from rest_framework.exceptions import UnsupportedMediaType
 from rest_framework.utils.mediatypes import media_type_matches
 
+from contract.errors import request_too_large_body
 from hordesite.body_limits import body_limit
 from oai.asgi import CorsPolicy, cors_headers, is_preflight, preflight_headers
 
@@ -134,7 +135,7 @@ def _body_refusal(request) -> JsonResponse | None:
     length = request.META.get("CONTENT_LENGTH") or ""
     if length.isdigit() and int(length) > limit:
         return JsonResponse(
-            {"message": f"The request body is over {limit} bytes.", "rc": "RequestTooLarge"}, status=413
+            request_too_large_body(limit), status=413
         )
     content_type = request.META.get("CONTENT_TYPE", "")
     if not media_type_matches(JSON_MEDIA_TYPE, content_type):

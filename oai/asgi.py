@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from contract.errors import request_too_large_message
 from oai.errors import ChatFrontError
 
 ALLOWED_HEADERS = (
@@ -237,7 +238,7 @@ def _too_large(limit: int) -> ChatFrontError:
     return ChatFrontError(
         413,
         "RequestTooLarge",
-        f"The request body is over {limit} bytes.",
+        request_too_large_message(limit),
         type="invalid_request_error",
         should_retry=False,
     )

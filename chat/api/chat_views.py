@@ -25,14 +25,14 @@ from contract.chat_errors import ChatRefusal
 from contract.chat_limits import MAX_CHAT_BODY_BYTES
 from contract.chat_shapes import ChatRequest, validate_chat_request
 from contract.chat_status import ChatStatus
-from contract.errors import HordeError
+from contract.errors import HordeError, request_too_large_message
 
 # Read a body without a declared length in pieces, to stop one byte past the limit.
 BODY_READ_CHUNK_BYTES = 1024 * 1024
 
 
 def request_too_large() -> HordeError:
-    return HordeError("RequestTooLarge", f"The request body is over {MAX_CHAT_BODY_BYTES} bytes.", status=413)
+    return HordeError("RequestTooLarge", request_too_large_message(MAX_CHAT_BODY_BYTES), status=413)
 
 
 def read_chat_request_body(request) -> bytes:
