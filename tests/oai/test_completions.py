@@ -37,6 +37,16 @@ def test_plain_reply(client, start_worker):
     assert payload["messages"] == USER and payload["max_length"] == 64
 
 
+def test_reasoning_effort_reaches_the_worker(client, start_worker):
+    """reasoning_effort is a field of the native chat request: the front forwards the SDK's key
+    unchanged, and the worker receives it in the job (docs/adr/0058-reasoning-keys-at-the-front.md)."""
+    worker = start_worker()  # declares reasoning_effort
+    client.chat.completions.create(model=MODEL, messages=USER, reasoning_effort="low")
+    assert worker.jobs[0]["payload"]["reasoning_effort"] == "low"
+    client.chat.completions.create(model=MODEL, messages=USER)
+    assert "reasoning_effort" not in worker.jobs[1]["payload"]  # no default is sent
+
+
 def test_reported_counts_and_reasoning_tokens(client, start_worker):
     start_worker(
         reply=lambda job: {

@@ -133,6 +133,8 @@ REFUSALS = [
     ({"user": 7}, openai.BadRequestError, "user", "BadRequest"),
     ({"metadata": {"run": 1}}, openai.BadRequestError, "metadata", "BadRequest"),
     ({"max_tokens": 20000}, openai.BadRequestError, "max_tokens", "BadRequest"),
+    # Forwarded to the native route, which types it (ChatReasoningEffort).
+    ({"reasoning_effort": "extreme"}, openai.BadRequestError, "reasoning_effort", "BadRequest"),
 ]
 
 
@@ -251,6 +253,14 @@ def test_declaration_gap_is_404_at_once(client, start_worker):
     assert "tools" in caught.value.message
     assert "retry-after" not in caught.value.response.headers
     assert _pending_requests() == [True]
+
+
+def test_reasoning_effort_needs_a_worker_declaring_it(client, start_worker):
+    start_worker(features=["prompt_overflow_refused"])
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model=MODEL, messages=USER, reasoning_effort="none")
+    assert caught.value.code == "no_worker_supports_features"
+    assert "reasoning_effort" in caught.value.message
 
 
 def test_a_withdrawn_feature_is_404_at_once_after_a_served_request(client, start_worker):
