@@ -357,8 +357,10 @@ def _settled_submit(won: tuple[str, list], *, owner_id: int, charged: bool, now:
             # The request row locked before its hold is read (as chat.services.submit._settle), so
             # two jobs of one request release their shares one after the other.
             "held",
-            "SELECT r.id, r.user_id,"
-            f" LEAST(r.kudos_held, {_half_even_cents('r.kudos_quote / r.n')}) AS release"
+            # A chat request's one job releases the whole hold, which a multi-model request
+            # takes at its dearest model while kudos_quote is its first's (spec: Pricing).
+            "SELECT r.id, r.user_id, CASE WHEN r.is_chat THEN r.kudos_held"
+            f" ELSE LEAST(r.kudos_held, {_half_even_cents('r.kudos_quote / r.n')}) END AS release"
             " FROM horde_requests AS r JOIN won ON r.id = won.request_id FOR UPDATE OF r",
             [],
         ),

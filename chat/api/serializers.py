@@ -269,7 +269,8 @@ class GenMetadataSerializer(serializers.Serializer):
 
 class TextSubmitInputSerializer(serializers.Serializer):
     id = serializers.UUIDField()
-    generation = serializers.CharField(allow_blank=True, trim_whitespace=False, default="")
+    # Required, as upstream's parser: a text submit without it is refused (spec: Structured submit).
+    generation = serializers.CharField(allow_blank=True, trim_whitespace=False)
     state = serializers.ChoiceField(choices=GENERATION_STATES, default="ok")
     seed = serializers.IntegerField(default=0, min_value=-(2**63), max_value=2**63 - 1)
     gen_metadata = GenMetadataSerializer(many=True, required=False, default=list)

@@ -136,7 +136,9 @@ def _settle(generation: Generation, *, state: str, tokens: int, reward: Decimal,
         # request also serialises the submits of one chat request, so the completion check after it
         # sees every result. A text request without a hold needs neither.
         locked = GenerationRequest.objects.select_for_update().only("kudos_held").get(pk=request.pk)
-        release = min(locked.kudos_held, (request.kudos_quote / request.n).quantize(Decimal("0.01")))
+        # A chat request's one job releases the whole hold (taken at its dearest model).
+        share = (request.kudos_quote / request.n).quantize(Decimal("0.01"))
+        release = locked.kudos_held if request.is_chat else min(locked.kudos_held, share)
     kudos_settle(
         payee_id=worker.owner_id,
         payer_id=request.user_id,
@@ -285,6 +287,9 @@ def _chat_job_text_shaped(generation: Generation, data: TextSubmit | None) -> De
         _count_worker_fault(generation, None)
         _apply_fault(generation, now=timezone.now())
         return Decimal("0")
+    current = _current_state(generation.pk)  # as _chat_submit: a late reply is answered before it is checked
+    if current != Generation.State.PROCESSING:
+        raise _not_pending_error(generation.pk, current)
     refusal = ChatRefusal(
         "ChatSubmitInvalid", "A chat job's submit needs message, finish_reason and model_id.", param="message"
     )

@@ -25,8 +25,10 @@ from tests.chat.chat_route_helpers import (
     SMALL_MODEL,
     chat_async,
     chat_body,
+    chat_status,
     chat_worker,
 )
+from tests.chat.pop_helpers import chat_pop
 
 TOOLS = [{"type": "function", "function": {"name": "lookup_weather", "parameters": {"type": "object"}}}]
 
@@ -567,6 +569,15 @@ def test_multi_model_quotes_the_first_and_holds_at_the_highest(horde, make_user,
     assert Decimal(str(response.json()["kudos"])) == quote == request.kudos_quote
     assert hold > quote and request.kudos_held == hold
     assert requester.refresh().kudos_held == hold
+    # Its one job settles the whole hold, whichever model served it: nothing stays held once done.
+    popped = chat_pop(horde, owner.key, model_id=SMALL_MODEL)
+    assert popped.status_code == 200 and popped.json()["id"]
+    reply = {"message": {"role": "assistant", "content": "Hi."}, "finish_reason": "stop", "model_id": SMALL_MODEL}
+    assert horde.chat_submit(owner.key, popped.json()["id"], **reply).status_code == 200
+    request.refresh_from_db()
+    assert request.kudos_held == 0 and request.consumed_kudos > 0
+    assert chat_status(horde.client, request.pk, requester.key).json()["done"] is True
+    assert requester.refresh().kudos_held == 0
 
 
 def test_chat_requests_never_downgrade(horde, make_user, served):

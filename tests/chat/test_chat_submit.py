@@ -415,6 +415,16 @@ def test_reply_for_a_faulted_generation_is_aborted_before_it_is_checked(api, peo
     assert request.chat_fault_rc is None and Generation.objects.get(pk=job.pk).chat_refusal_rc is None
 
 
+def test_a_text_shaped_reply_for_a_faulted_chat_job_is_aborted_too(api, people, chat_job):
+    """Before the reply's shape is checked: AbortedGen, not ChatSubmitInvalid, and nothing recorded."""
+    _, owner = people
+    request, job = chat_job()
+    Generation.objects.filter(pk=job.pk).update(state="faulted")
+    refused(submit(api, owner.key, job.id, {"generation": "plain text"}), "AbortedGen")
+    request.refresh_from_db()
+    assert request.chat_fault_rc is None and Generation.objects.get(pk=job.pk).chat_refusal_rc is None
+
+
 def test_second_reply_is_a_duplicate(api, people, chat_job):
     _, owner = people
     _, job = chat_job()

@@ -146,6 +146,11 @@ def test_submit_errors(horde, people, make_user):
     anonymous = horde.submit("0000000000", job["id"])
     assert anonymous.status_code == 403 and anonymous.json()["rc"] == "AnonForbiddenWorker"
 
+    # The parser refuses a text submit without generation: the job stays pending, nothing is paid.
+    bare = horde.chat_submit(owner.key, job["id"], seed=0)
+    assert bare.status_code == 400 and "generation" in bare.json()["errors"] and bare.json()["message"]
+    assert Generation.objects.get(pk=job["id"]).state == "processing" and owner.refresh().kudos == 0
+
     assert horde.submit(owner.key, job["id"]).status_code == 200
     again = horde.submit(owner.key, job["id"])
     assert again.status_code == 400 and again.json()["rc"] == "DuplicateGen"
