@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -78,6 +79,27 @@ def _count(body: Mapping[str, Any], key: str) -> int | None:
     return value
 
 
+# A lone surrogate: JSON's \ud800 escapes parse to one, and UTF-8 (hence PostgreSQL) cannot hold it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _unencodable_path(value: Any, path: str) -> str | None:
+    """The path of the first string in `value` that UTF-8 cannot encode, else None."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, Mapping):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _unencodable_path(item, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]")
+        if found:
+            return found
+    return None
+
+
 def _reply_message(value: Any) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise _invalid("A chat submit needs message, an assistant reply object.", "message")
@@ -90,11 +112,15 @@ def _reply_message(value: Any) -> dict[str, Any]:
         raise _invalid(f"Invalid '{path}': {first['msg']}.", path) from None
     if reply.content is None and not reply.tool_calls:
         raise _invalid("message.content may be null only with tool_calls.", "message.content")
+    dumped = reply.model_dump(mode="json", exclude_none=True) | {"content": reply.content}
+    unencodable = _unencodable_path(dumped, "message")
+    if unencodable:
+        raise _invalid("The text holds a lone surrogate, which is not valid Unicode.", unencodable)
     if reply.reasoning_content is not None and utf8_size(reply.reasoning_content) > MAX_CHAT_TEXT_BYTES:
         raise _invalid(
             f"message.reasoning_content is over {MAX_CHAT_TEXT_BYTES} bytes.", "message.reasoning_content"
         )
-    return reply.model_dump(mode="json", exclude_none=True) | {"content": reply.content}
+    return dumped
 
 
 def parse_chat_submit(body: Mapping[str, Any]) -> ChatSubmit:

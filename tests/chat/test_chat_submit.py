@@ -20,6 +20,7 @@ from contract.chat_verify import SCHEMA_CANNOT_COMPILE_MESSAGE
 from tests.chat.chat_jobs import (
     CHAT_MODEL,
     CHEAP_MODEL,
+    SUBMIT,
     call,
     make_chat_request,
     make_chat_worker,
@@ -404,6 +405,24 @@ def test_text_job_chat_shaped_submit_with_generation_is_stored_as_text(api, hord
     job = horde.pop(owner.key).json()
     assert submit(api, owner.key, job["id"], {"generation": "A story.", "model_id": "m"}).json()["reward"] > 0
     assert Generation.objects.get(pk=job["id"]).text == "A story."
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "assistant", "content": "abc\ud800def"}, "message.content"),
+        ({"role": "assistant", "content": "ok", "reasoning_content": "\udfff"}, "message.reasoning_content"),
+    ],
+)
+def test_a_lone_surrogate_in_a_reply_is_an_invalid_reply(api, people, chat_job, message, param):
+    """JSON's \\ud800 escape parses to text UTF-8 cannot encode: a refused reply, not a 500."""
+    _, owner = people
+    request, job = chat_job()
+    body = json.dumps({"id": str(job.id), **reply(), "message": message})  # ensure_ascii: the escape as sent
+    response = api.post(SUBMIT, body, content_type="application/json", HTTP_APIKEY=owner.key)
+    refused(response, "ChatSubmitInvalid", f"'{param}': The text holds a lone surrogate, which is not valid Unicode.")
+    request.refresh_from_db()
+    assert request.chat_fault_rc == "ChatSubmitInvalid" and Generation.objects.get(pk=job.pk).state == "processing"
 
 
 def test_reply_for_a_faulted_generation_is_aborted_before_it_is_checked(api, people, chat_job):
