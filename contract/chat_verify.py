@@ -19,6 +19,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.validators import validator_for
 from pydantic import Field, StrictStr
 from referencing import Registry
+from referencing.jsonschema import DRAFT202012, specification_with
 
 from contract.chat_declaration import ChatFinishReason
 from contract.chat_errors import ChatRefusal
@@ -199,19 +200,23 @@ SCHEMA_CANNOT_COMPILE_MESSAGE = (
 )
 
 
-def _local_refs_only(schema: Any) -> bool:
-    """Whether every $ref stays inside the schema; remote or meta-schema refs are refused."""
-    stack = [schema]
+def _check_references(schema: Any, cls: Any) -> None:
+    """Resolve every $ref of the schema now, inside the schema only (its own $id and embedded
+    ones count as inside; nothing is retrieved); raises referencing's Unresolvable. Validation
+    resolves a reference only when an instance reaches it, so a broken one could otherwise pass."""
+    meta = cls.META_SCHEMA
+    specification = specification_with(meta.get("$id") or meta.get("id") or "", default=DRAFT202012)
+    root = specification.create_resource(schema)
+    uri = root.id() or ""
+    resolver = Registry().with_resource(uri, root).crawl().resolver(base_uri=uri)
+    stack = [(resolver, root)]
     while stack:
-        node = stack.pop()
-        if isinstance(node, Mapping):
-            for key, value in node.items():
-                if key in ("$ref", "$dynamicRef") and isinstance(value, str) and not value.startswith("#"):
-                    return False
-                stack.append(value)
-        elif isinstance(node, list):
-            stack.extend(node)
-    return True
+        resolver, resource = stack.pop()
+        resolver = resolver.in_subresource(resource)  # a subschema's $id moves the base
+        ref = resource.contents.get("$ref") if isinstance(resource.contents, Mapping) else None
+        if isinstance(ref, str):
+            resolver.lookup(ref)
+        stack.extend((resolver, sub) for sub in resource.subresources())
 
 
 def schema_validator(schema: Any) -> Any:
@@ -242,8 +247,10 @@ def _compile_validator(schema: Any) -> Any:
         cls.check_schema(schema)
     except Exception as exc:
         raise ValueError(str(exc)) from None
-    if not _local_refs_only(schema):
-        raise ValueError("remote reference")
+    try:
+        _check_references(schema, cls)
+    except Exception as exc:  # Unresolvable: outside the schema or pointing nowhere
+        raise ValueError(f"unresolvable reference: {exc!r}") from None
     # An empty registry: nothing is retrieved, so references resolve inside the schema only.
     return cls(schema, registry=Registry())
 

@@ -134,11 +134,14 @@ def test_forced_function_finishes_with_stop():
         {"$ref": "https://json-schema.org/draft/2020-12/schema"},
         {"$ref": "https://example.com/remote.json"},
         {"type": 12},
+        # The reply never reaches the broken reference; the schema is refused all the same.
+        {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}, "b": {"type": "integer"}}},
+        {"$id": "https://ex.com/root.json", "properties": {"a": {"$ref": "other.json#/$defs/n"}}},
     ],
 )
 def test_uncompilable_schema_refuses_the_reply(schema):
     with pytest.raises(ChatRefusal) as info:
-        verify_chat_reply(reply('{"a": 1}'), "stop", extras=schema_format(schema))
+        verify_chat_reply(reply('{"b": 1}'), "stop", extras=schema_format(schema))
     assert (info.value.rc, info.value.text) == ("ChatSubmitNonconformant", SCHEMA_CANNOT_COMPILE_MESSAGE)
 
 
@@ -159,6 +162,18 @@ def test_schema_draft_follows_its_dollar_schema():
     }
     assert outcome(reply('{"a": "x"}'), schema_format(local_ref)) is None
     assert outcome(reply('{"a": 1}'), schema_format(local_ref)) == "ChatSubmitNonconformant"
+    # A reference through the schema's own $id, or a nested $id's base, stays inside the schema.
+    by_id = {
+        "$id": "https://ex.com/root.json",
+        "$defs": {"n": {"type": "number"}},
+        "properties": {
+            "a": {"$ref": "root.json#/$defs/n"},
+            "b": {"$id": "sub/b.json", "$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s"},
+        },
+    }
+    assert outcome(reply('{"a": 1, "b": "x"}'), schema_format(by_id)) is None
+    assert outcome(reply('{"a": "x"}'), schema_format(by_id)) == "ChatSubmitNonconformant"
+    assert outcome(reply('{"b": 2}'), schema_format(by_id)) == "ChatSubmitNonconformant"
 
 
 # --- structured submit ----------------------------------------------------------------------------
