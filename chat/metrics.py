@@ -79,6 +79,10 @@ chat_max_length_lowered = LazyCounter(
 text_stale_aborts = LazyCounter(
     "horde.text.stale_aborts", description="Text and chat jobs aborted because the lease lapsed"
 )
+text_empty_generations = LazyCounter(
+    "horde.text.empty_generations",
+    description="Stored replies without text (a chat reply of tool calls is not empty), by the model that served them",
+)
 text_context_fit = LazyCounter(
     "horde.text.context_fit", description="Requests whose context sizing trimmed or grew them"
 )

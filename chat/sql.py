@@ -343,11 +343,11 @@ def _half_even_cents(value: str) -> str:
 
 def _settled_submit(won: tuple[str, list], *, owner_id: int, charged: bool, now: Any) -> tuple[str, list]:
     """A submit as one statement (SQL, params): the `won` CTE claims the job (an UPDATE returning
-    id, request_id, worker_id, created, kudos, tokens, price_max_length, price_owner_trusted and
-    over_capacity_at_assignment, no row when it did not win), then every write of the settlement
-    gated on it: the hold's share, the request's kudos, both balances and their ledger rows, the
-    worker's record. Its row: request_id, reward, created, max_length, owner trusted, over
-    capacity; none when not won."""
+    id, request_id, worker_id, created, kudos, tokens, price_max_length, price_owner_trusted,
+    over_capacity_at_assignment and model, no row when it did not win), then every write of the
+    settlement gated on it: the hold's share, the request's kudos, both balances and their ledger
+    rows, the worker's record. Its row: request_id, reward, created, max_length, owner trusted, over
+    capacity, model; none when not won."""
     from accounts.services import kudos_settle_ctes
     from workers.services import worker_record_job_cte
 
@@ -369,7 +369,7 @@ def _settled_submit(won: tuple[str, list], *, owner_id: int, charged: bool, now:
             "SELECT won.id AS generation_id, won.request_id, won.worker_id, won.created, won.tokens,"
             " won.kudos AS reward, won.kudos AS kudos, CASE WHEN %s THEN won.kudos ELSE 0 END AS charge,"
             " %s::bigint AS payee_id, held.user_id AS payer_id, held.release,"
-            " won.price_max_length, won.price_owner_trusted, won.over_capacity_at_assignment"
+            " won.price_max_length, won.price_owner_trusted, won.over_capacity_at_assignment, won.model"
             " FROM won JOIN held ON held.id = won.request_id",
             [charged, owner_id],
         ),
@@ -386,7 +386,7 @@ def _settled_submit(won: tuple[str, list], *, owner_id: int, charged: bool, now:
         "WITH "
         + ", ".join(f"{name} AS ({body})" for name, body, _ in ctes)
         + " SELECT s.request_id, s.reward, s.created, s.price_max_length, s.price_owner_trusted,"
-        " s.over_capacity_at_assignment FROM settled AS s"
+        " s.over_capacity_at_assignment, s.model FROM settled AS s"
     )
     return sql, [param for _, _, params in ctes for param in params]
 
@@ -419,7 +419,7 @@ def priced_text_submit(
         " AND r.front_id IS NULL"
         " RETURNING g.id, g.request_id, g.worker_id, g.created, g.kudos,"
         " LEAST(%s, g.price_max_length) AS tokens,"
-        " g.price_max_length, g.price_owner_trusted, g.over_capacity_at_assignment",
+        " g.price_max_length, g.price_owner_trusted, g.over_capacity_at_assignment, g.model",
         [state, text, seed, gen_metadata, now, tokens, generation_id, processing, owner_id, tokens],
     )
     return _settled_submit(won, owner_id=owner_id, charged=charged, now=now)
@@ -444,7 +444,7 @@ def chat_reply_submit(
     won = (
         f"UPDATE horde_generations AS g SET {assignments} WHERE g.id = %s AND g.state = %s"
         " RETURNING g.id, g.request_id, g.worker_id, g.created, g.kudos, %s::bigint AS tokens,"
-        " g.price_max_length, g.price_owner_trusted, g.over_capacity_at_assignment",
+        " g.price_max_length, g.price_owner_trusted, g.over_capacity_at_assignment, g.model",
         [*columns.values(), now, reward, generation_id, processing, tokens],
     )
     return _settled_submit(won, owner_id=payee_id, charged=charged, now=now)

@@ -21,7 +21,7 @@ from django.utils import timezone
 from accounts.models import HordeUser
 from accounts.services import kudos_settle
 from chat.gate_shadow import record_gate_shadow_outcome, record_outcome
-from chat.metrics import chat_worker_faults
+from chat.metrics import chat_worker_faults, text_empty_generations
 from chat.models import Generation, GenerationRequest
 from chat.pricing import (
     chat_charge_basis,
@@ -222,7 +222,8 @@ def _priced_text_submit(*, user: HordeUser, generation_id: UUID, data: TextSubmi
     )
     if row is None:
         return None
-    request_id, reward, created, max_length, trusted, over_capacity = row
+    request_id, reward, created, max_length, trusted, over_capacity, model = row
+    _count_if_empty(state=state, text=data.text, model=model, is_chat=False)
     if over_capacity:
         record_outcome(
             "completed", max_length=max_length, trusted=trusted, is_chat=False, service_seconds=(now - created).total_seconds()
@@ -267,6 +268,7 @@ def _text_submit(generation: Generation, data: TextSubmit) -> Decimal:
         if not won:
             raise _not_pending_error(generation.pk, _current_state(generation.pk))
         _settle(generation, state=state, tokens=tokens, reward=reward, now=now)
+        _count_if_empty(state=state, text=data.text, model=generation.model, is_chat=False)
         if generation.request.front_id is not None:
             # A front waits on this text request (it named its process): wake it now, not at its
             # next poll (docs/adr/0055). Other text requests publish nothing, as upstream's.
@@ -391,6 +393,14 @@ def record_chat_worker_fault(*, generation: Generation, fault_reason: Any) -> bo
         return False
 
 
+def _count_if_empty(*, state: str, text: str | None, model: str, is_chat: bool) -> None:
+    """The per-model empty-generation counter (spec: Structured submit): a stored ok reply
+    without text. It is charged and rewarded as any other; the count lets operators see a model
+    whose workers answer with nothing."""
+    if state == "ok" and not text:
+        text_empty_generations.add(1, {"horde.model": model, "horde.chat": is_chat})
+
+
 def _count_worker_fault(generation: Generation, fault_reason: Any) -> None:
     # Before the fault is applied: a repeated fault submit for a faulted job is counted again.
     chat_worker_faults.add(
@@ -497,6 +507,8 @@ def _store_chat_reply(
                 _settle(generation, state=state, tokens=tokens, reward=reward, now=now)
         if not won:
             raise _not_pending_error(generation.pk, _current_state(generation.pk))
+        if not stored.get("tool_calls"):  # calls alone are a complete reply
+            _count_if_empty(state=state, text=columns["text"], model=generation.model, is_chat=True)
         generations, done = stored_results_and_done(request.pk)
         publish_chat_signal(request.pk, "generation", generations)
         if done:

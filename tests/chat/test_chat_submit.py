@@ -853,6 +853,27 @@ def test_worker_faults_metric_counts_each_faulted_chat_submit(
     }
 
 
+def test_empty_generations_are_counted_per_model(api, horde, people, chat_job, metric_reader):
+    """A stored reply without text counts (chat and text, on either submit path); a chat reply of
+    tool calls alone is a complete reply and does not."""
+    requester, owner = people
+    _, job = chat_job()
+    assert submit(api, owner.key, job.id, reply("")).status_code == 200
+    _, calls_job = chat_job(extras={"tools": [tool("f")], "tool_choice": "required"})
+    calls = reply(None, finish_reason="tool_calls", tool_calls=[call("f")])
+    assert submit(api, owner.key, calls_job.id, calls).status_code == 200
+    _, worded_job = chat_job()
+    assert submit(api, owner.key, worded_job.id, reply("Words.")).status_code == 200
+    for text in ("", "A story."):
+        horde.text_async(requester.key, models=[CHAT_MODEL])
+        text_job = horde.pop(owner.key, models=[CHAT_MODEL]).json()
+        assert horde.submit(owner.key, text_job["id"], text).status_code == 200
+    assert counter_points(metric_reader, "horde.text.empty_generations") == {
+        (("horde.chat", True), ("horde.model", CHAT_MODEL)): 1,
+        (("horde.chat", False), ("horde.model", CHAT_MODEL)): 1,
+    }
+
+
 def test_text_faults_are_not_counted_as_chat_worker_faults(api, horde, people, metric_reader):
     requester, owner = people
     horde.text_async(requester.key, models=[CHAT_MODEL])
