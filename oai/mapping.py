@@ -11,6 +11,8 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, Field
 
+from contract.chat_shapes import ChatContextAdjustmentReason
+
 EMPTY_REPLY_NOTICE = "The worker returned neither text nor tool calls."
 # The horde's own character-based token estimate: about four characters a token.
 CHARS_PER_TOKEN = 4
@@ -217,6 +219,15 @@ class Completion:
         self.usage, self.estimated_usage = build_usage(request, generation, content, calls, reasoning)
         self.x_horde = build_x_horde(status, content, calls)
         self.queue_wait = generation.get("queue_wait_seconds")
+
+    @property
+    def max_length_lowered(self) -> bool:
+        """Whether the horde lowered the request's max_length to its workers' (the status's
+        worker_max_length adjustment): a length finish then reflects the workers' limit."""
+        return any(
+            isinstance(a, Mapping) and a.get("reason") == ChatContextAdjustmentReason.WORKER_MAX_LENGTH
+            for a in self.x_horde.get("context_adjustments") or ()
+        )
 
     @property
     def empty(self) -> bool:

@@ -92,6 +92,16 @@ def native_field_param(field: str, request: ChatCompletionRequest | TextCompleti
     return NATIVE_FIELD_PARAMETERS.get(name, name) + rest
 
 
+def submit_declaration_gap(answer: NativeAnswer) -> dict[str, Any] | None:
+    """The impossible_reason of a submit refused as NoEligibleWorker for a declaration gap (a
+    requester without the kudos upfront learns of the gap at submit), else None."""
+    body = answer.body if isinstance(answer.body, dict) else {}
+    reason = body.get("impossible_reason")
+    if body.get("rc") == "NoEligibleWorker" and isinstance(reason, dict) and reason.get("kind") == "declaration_gap":
+        return reason
+    return None
+
+
 def native_submit_error(
     answer: NativeAnswer, request: ChatCompletionRequest | TextCompletionRequest
 ) -> ChatFrontError:
@@ -115,8 +125,8 @@ def native_submit_error(
             429, rc or "rate_limit_exceeded", message, type="rate_limit_error", retry_after=retry_after
         )
     if rc == "NoEligibleWorker":
-        reason = body.get("impossible_reason")
-        if isinstance(reason, dict) and reason.get("kind") == "declaration_gap":
+        reason = submit_declaration_gap(answer)
+        if reason is not None:  # the run reads the model list first (declaration_gap_error)
             return gap_error(reason, request, None)
         return no_eligible_worker(message)
     if rc == "UnknownChatModel":
@@ -151,9 +161,9 @@ def no_eligible_worker(message: str | None = None) -> ChatFrontError:
     )
 
 
-def _limit_sentence(limit: str, value: int | None, several: bool) -> str:
+def _limit_sentence(limit: str, value: int | None, listed: bool) -> str:
     words, _param, unit = LIMIT_WORDS[limit]
-    scope = "the listed models" if several else "the model"
+    scope = "the listed models" if listed else "the model"
     if value is None:
         return (
             f"No worker eligible for this request currently declares {words} that high; the largest "
@@ -178,7 +188,7 @@ def gap_error(
                 continue
             values = [((offers or {}).get(m) or {}).get(limit) for m in models]
             values = [v for v in values if isinstance(v, int)]
-            sentences.append(_limit_sentence(limit, max(values) if values else None, len(models) > 1))
+            sentences.append(_limit_sentence(limit, max(values) if values else None, request.lists_models))
         param = "max_tokens" if "max_length" in exceeded else "horde.max_context_length"
         return ChatFrontError(
             400,

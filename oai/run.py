@@ -21,7 +21,12 @@ from oai.errors import ChatFrontError
 from oai.front_lease import lease_header
 from oai.horde_client import NativeAnswer, NativeUnreachable, SubmitAnswerLost, rate_limit_pause
 from oai.mapping import Completion
-from oai.native_errors import declaration_gap_error, native_submit_error, no_eligible_worker
+from oai.native_errors import (
+    declaration_gap_error,
+    native_submit_error,
+    no_eligible_worker,
+    submit_declaration_gap,
+)
 from oai.schema import ChatCompletionRequest, build_native_chat_body, relays_deltas
 from oai.state import FrontState
 from oai.text_completions import TextCompletionRequest
@@ -146,8 +151,13 @@ class ChatRun:
             answer = await self._recover_submit(body, native_headers)
         self.submit_in_flight = None
         if not answer.ok:
+            gap = submit_declaration_gap(answer)
+            if gap is not None and not self.is_text:
+                # Read the model list for the declared values, as a gap found on the status is.
+                raise await declaration_gap_error(self.state.client, gap, self.request)
             raise native_submit_error(answer, self.request)
         if not isinstance(answer.body, dict) or not answer.body.get("id"):
+            self.state.metrics.submit_outcome_unknown.add(1)
             await self._give_up_submit(LostSubmit(body, native_headers, self.is_text))
             raise ChatFrontError(
                 502,
@@ -511,7 +521,13 @@ class ChatRun:
         self.trace.estimated_usage = completion.estimated_usage
         self.trace.served_model = completion.model
         metrics.completions.add(
-            1, {"horde.model": completion.model, "horde.estimated_usage": completion.estimated_usage}
+            1,
+            {
+                "horde.model": completion.model,
+                "horde.estimated_usage": completion.estimated_usage,
+                "horde.finish_reason": completion.finish_reason,
+                "horde.max_length_lowered": completion.max_length_lowered,
+            },
         )
         if completion.empty:
             metrics.completions_empty.add(1, {"horde.model": completion.model})

@@ -205,7 +205,10 @@ def drop_unknown_nested_keys(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    # An int is always finite: math.isfinite would overflow on one too large for a float.
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
 
 
 def _shown(value: Any) -> str:
@@ -362,6 +365,11 @@ class ChatCompletionRequest(BaseModel):
     @property
     def requested_models(self) -> list[str]:
         return self.chat.model_list
+
+    @property
+    def lists_models(self) -> bool:
+        """Whether the client sent models (a list), not model."""
+        return bool(self.chat.models)
 
 
 def relays_deltas(request: ChatCompletionRequest) -> bool:

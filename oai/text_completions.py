@@ -216,6 +216,11 @@ class TextCompletionRequest:
     def requested_models(self) -> list[str]:
         return self.models
 
+    @property
+    def lists_models(self) -> bool:
+        """Whether the client sent models (a list), not model."""
+        return self.model_key == "models"
+
 
 def _type_error(param: str, expected: str) -> ChatFrontError:
     return _bad(param, f"Invalid type for '{param}': expected {expected}.")

@@ -37,6 +37,7 @@ class TextCompletion:
 
     estimated_usage = True  # a text worker reports no token counts
     queue_wait = None  # the text status does not carry it
+    max_length_lowered = False  # only a chat request's max_length is lowered to the workers'
 
     def __init__(
         self, request: RepliedTextRequest, request_id: str, created: int, status: Mapping[str, Any]

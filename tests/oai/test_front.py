@@ -372,7 +372,13 @@ def test_metrics_of_a_delivered_completion(front, client, start_worker):
     )
     metrics = front.metrics()
     assert ({"horde.streamed": False}, 1) in metrics["horde.oai.requests.admitted"]
-    assert ({"horde.model": MODEL, "horde.estimated_usage": True}, 1) in metrics["horde.oai.completions"]
+    delivered = {
+        "horde.model": MODEL,
+        "horde.estimated_usage": True,
+        "horde.finish_reason": "stop",
+        "horde.max_length_lowered": False,
+    }
+    assert (delivered, 1) in metrics["horde.oai.completions"]
     assert metrics["horde.oai.client_retry_hints"][0][1] == 1
     call_types = {a["horde.call_type"] for a, _ in metrics["horde.oai.native.duration"]}
     assert {"submit", "status"} <= call_types
@@ -383,6 +389,23 @@ def test_metrics_of_a_delivered_completion(front, client, start_worker):
     for name in ("horde.oai.queue_wait", "horde.oai.first_content.duration", "horde.oai.request.body_bytes"):
         assert metrics[name], name
     assert metrics["horde.oai.inflight"][0][1] == 0
+
+
+def test_completions_count_a_max_length_lowered_to_the_workers(front, client, start_worker):
+    """horde.oai.completions records the finish reason and whether the horde lowered max_length to
+    the largest its workers declare (spec: Context adjustments), so a length finish can be told apart."""
+    start_worker(max_length=512)
+    completion = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1024)
+    assert completion.model_extra["x_horde"]["context_adjustments"][0]["reason"] == "worker_max_length"
+    attributes = [a for a, _ in front.metrics()["horde.oai.completions"]]
+    assert attributes == [
+        {
+            "horde.model": MODEL,
+            "horde.estimated_usage": True,
+            "horde.finish_reason": "stop",
+            "horde.max_length_lowered": True,
+        }
+    ]
 
 
 def test_a_reply_of_tool_calls_alone_is_not_counted_empty(front, client, start_worker):

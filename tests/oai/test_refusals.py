@@ -133,6 +133,10 @@ REFUSALS = [
     ({"user": 7}, openai.BadRequestError, "user", "BadRequest"),
     ({"metadata": {"run": 1}}, openai.BadRequestError, "metadata", "BadRequest"),
     ({"max_tokens": 20000}, openai.BadRequestError, "max_tokens", "BadRequest"),
+    # Integers too large for a float are compared as integers, not a 500.
+    ({"temperature": 10**400}, openai.BadRequestError, "temperature", "UnsupportedChatParameter"),
+    ({"max_tokens": 10**400}, openai.BadRequestError, "max_tokens", "BadRequest"),
+    ({"n": 10**400}, openai.BadRequestError, "n", "UnsupportedChatParameter"),
     # Forwarded to the native route, which types it (ChatReasoningEffort).
     ({"reasoning_effort": "extreme"}, openai.BadRequestError, "reasoning_effort", "BadRequest"),
 ]
@@ -286,6 +290,35 @@ def test_limit_gap_is_400_no_worker_supports_limit(client, start_worker):
         )
     assert (caught.value.code, caught.value.param) == ("no_worker_supports_limit", "horde.max_context_length")
     assert "a context length that high" in caught.value.message and "4096 tokens" in caught.value.message
+
+
+def test_limit_gap_found_at_submit_reads_the_declared_value(front, make_user, start_worker):
+    """A requester without the kudos upfront learns of the gap at submit (the horde's 403
+    NoEligibleWorker); the front still names what the workers declare, read from the model list."""
+    poor = make_user("poor", kudos=0)
+    start_worker(max_context_length=4096, max_length=2048)
+    client = openai.OpenAI(base_url=front.live.v1, api_key=poor.key, max_retries=0, timeout=30)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=2000, extra_body={"horde": {"max_context_length": 8192}}
+        )
+    client.close()
+    assert (caught.value.code, caught.value.param) == ("no_worker_supports_limit", "horde.max_context_length")
+    assert caught.value.body["message"] == (
+        "No worker eligible for this request currently declares a context length that high; the largest "
+        "any online worker for the model declares now is 4096 tokens."
+    )
+
+
+def test_a_models_list_of_one_reads_the_listed_models(client, start_worker):
+    start_worker(max_context_length=4096)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=openai.NOT_GIVEN,
+            messages=USER,
+            extra_body={"models": [MODEL], "horde": {"max_context_length": 8192}},
+        )
+    assert "the largest any online worker for the listed models declares now is 4096 tokens" in caught.value.message
 
 
 def test_streamed_refusal_at_the_first_read_has_the_same_status(client, start_worker):
