@@ -91,14 +91,15 @@ def text_operation_fingerprint(data: TextRequestInput) -> str:
 def text_operation_claim(*, user: HordeUser, operation_key: UUID, fingerprint: str) -> CreatedRequest | None:
     """A repeated text operation key: the first request when it is the same operation, else
     OperationKeyConflict; None when the user has no claim on the key."""
+    # The claim is the user's whatever the route: a key a chat request holds is another operation.
     claim = (
-        GenerationRequest.objects.filter(user=user, operation_key=operation_key, is_chat=False)
-        .only("id", "kudos_quote", "operation_fingerprint")
+        GenerationRequest.objects.filter(user=user, operation_key=operation_key)
+        .only("id", "is_chat", "kudos_quote", "operation_fingerprint")
         .first()
     )
     if claim is None:
         return None
-    if claim.operation_fingerprint != fingerprint:
+    if claim.is_chat or claim.operation_fingerprint != fingerprint:
         raise HordeError(
             "OperationKeyConflict",
             "The operation_key was already used for a different request: a repeated submission has to "

@@ -107,6 +107,20 @@ def test_different_request_with_the_key_conflicts(horde, make_user, served):
     assert GenerationRequest.objects.count() == 1
 
 
+def test_a_key_is_one_claim_across_the_text_and_chat_routes(horde, make_user, served):
+    """The user's claim on a key is one, whichever route made it: the other route's request with the
+    key is another operation (400 OperationKeyConflict), never a 500 from the unique index."""
+    requester = make_user("r", kudos=1000)
+    chat_key, text_key = str(uuid.uuid4()), str(uuid.uuid4())
+    assert chat_async(horde.client, requester.key, horde={"operation_key": chat_key}).status_code == 202
+    assert horde.text_async(requester.key, models=[MODEL], operation_key=text_key).status_code == 202
+    text_on_chat_key = horde.text_async(requester.key, models=[MODEL], operation_key=chat_key)
+    chat_on_text_key = chat_async(horde.client, requester.key, horde={"operation_key": text_key})
+    for refused in (text_on_chat_key, chat_on_text_key):
+        assert refused.status_code == 400 and refused.json()["rc"] == "OperationKeyConflict", refused.json()
+    assert GenerationRequest.objects.count() == 2
+
+
 def test_same_key_from_another_user_is_a_separate_claim(horde, make_user, served):
     key = str(uuid.uuid4())
     first = chat_async(horde.client, make_user("a").key, horde={"operation_key": key})
