@@ -117,8 +117,14 @@ class ChatAsyncView(APIView):
             raise refusal_error(refusal) from None
         except RecursionError:
             raise HordeError("BadRequest", "The request body nests too deeply.") from None
+        try:
+            user = requester(request)
+        except HordeError:
+            # Authentication is step 5: a caller who holds no claim hears the flag and maintenance first.
+            chat_create.ensure_chat_admitting()
+            raise
         created = chat_create.chat_request_create(
-            user=requester(request),
+            user=user,
             chat=chat,
             client_agent=request.headers.get("Client-Agent", ""),
             ip_address=address,

@@ -387,6 +387,18 @@ class ChatCreated:
     dry_run: dict[str, Any] | None = None
 
 
+def ensure_chat_admitting() -> None:
+    """Step 4, the admission flag, which gates new chat requests only, then step 5's first check,
+    maintenance mode. Both come before authentication, so a caller that fails it hears them first."""
+    if not settings.HORDE_CHAT_ADMISSION_ENABLED:
+        raise HordeError(
+            "ChatAdmissionDisabled",
+            "This horde is not accepting new chat requests at the moment.",
+            status=503,
+        )
+    admission.ensure_not_in_maintenance()
+
+
 def find_operation_claim(*, user: HordeUser, operation_key: UUID) -> GenerationRequest | None:
     """The request holding the user's claim on a key (the claim lives as long as that row)."""
     return (
@@ -532,15 +544,9 @@ def chat_request_create(
         claim = find_operation_claim(user=user, operation_key=operation_key)
         if claim is not None:
             return answer_operation_claim(claim, submission.fingerprint)
-    # 4. The admission flag gates new chat requests only.
-    if not settings.HORDE_CHAT_ADMISSION_ENABLED:
-        raise HordeError(
-            "ChatAdmissionDisabled",
-            "This horde is not accepting new chat requests at the moment.",
-            status=503,
-        )
-    # 5. The checks every generate route shares.
-    admission.ensure_not_in_maintenance()
+    # 4 and the start of 5.
+    ensure_chat_admitting()
+    # 5. The rest of the checks every generate route shares (the caller was authenticated).
     admission.check_concurrency(user=user, n=1)
     # 6. Known models, and at least one online chat worker serving them.
     offers = chat_model_offers(submission.models)

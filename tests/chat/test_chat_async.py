@@ -320,6 +320,21 @@ def test_maintenance_mode_refuses(horde, make_user, served, settings):
     assert response.status_code == 503 and response.json()["rc"] == "MaintenanceMode"
 
 
+@pytest.mark.parametrize("key", ["no-such-key-0123", None])
+def test_flag_and_maintenance_come_before_authentication(horde, served, settings, key):
+    """Steps 4-5's order: the admission flag, then maintenance, then authentication (an unknown key,
+    or no key where anonymous requests are not served)."""
+    settings.HORDE_ALLOW_ANONYMOUS = False
+    settings.HORDE_CHAT_ADMISSION_ENABLED = False
+    settings.HORDE_MAINTENANCE = True
+    assert chat_async(horde.client, key).json()["rc"] == "ChatAdmissionDisabled"
+    settings.HORDE_CHAT_ADMISSION_ENABLED = True
+    assert chat_async(horde.client, key).json()["rc"] == "MaintenanceMode"
+    settings.HORDE_MAINTENANCE = False
+    refused = chat_async(horde.client, key)
+    assert refused.json()["rc"] == ("InvalidAPIKey" if key else "AnonForbidden")
+
+
 def test_concurrency_comes_before_the_model_check(horde, make_user):
     requester = make_user("r")
     requester.user.concurrency = 0
