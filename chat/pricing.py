@@ -25,9 +25,14 @@ def things_count(text: str | None, max_length: int) -> int:
     return min(max(math.ceil(len(text) / 4), TEXT_KUDOS_MIN_TOKENS), max_length)
 
 
-def context_multiplier(prompt: str, max_length: int) -> float:
+def context_multiplier(prompt: str, max_length: int, *, prompt_tokens: int | None = None) -> float:
+    """The price's context factor. `prompt_tokens`: a chat request's estimate, which counts each
+    image part (spec: Flattened prompt); else a quarter of the prompt's characters."""
     # Upstream measures the prompt with the same capped count, so it never exceeds max_length.
-    context = things_count(prompt, max_length)
+    if prompt_tokens is None:
+        context = things_count(prompt, max_length)
+    else:
+        context = min(max(prompt_tokens, TEXT_KUDOS_MIN_TOKENS), max_length)
     multiplier = 1.2 + 2.2 ** math.log2(context / 1024)
     return min(max(multiplier, CONTEXT_MULTIPLIER_MIN), CONTEXT_MULTIPLIER_MAX)
 
@@ -80,27 +85,37 @@ def text_generation_kudos(
     max_length: int,
     owner_trusted: bool,
     tokens: int | None = None,
+    context: float | None = None,
 ) -> Decimal:
     """What a worker earns for one text generation (and what its requester is charged).
 
     `tokens` overrides the count taken from `generation`: a chat reply is priced by
     chat_things_count, which counts reasoning and tool calls beside the content. The text submit's
-    statement computes the same from the rate its pop stored (chat/services/pop.py).
+    statement computes the same from the rate its pop stored (chat/services/pop.py). `context`:
+    the request's stored factor (kudos_context), else it is taken from `prompt`.
     """
-    ctx = context_multiplier(prompt, max_length)
+    ctx = context if context is not None else context_multiplier(prompt, max_length)
     if tokens is None:
         tokens = things_count(generation, max_length)
     per_token, flat = model_kudos_factors(model, owner_trusted)
     return kudos_amount(tokens * (ctx * per_token) + ctx * flat)
 
 
-def text_request_quote(*, models: list[str], prompt: str, max_length: int, n: int) -> Decimal:
-    """The kudos a request is expected to cost: n full-length generations at the first model.
+def text_request_quote(
+    *, models: list[str], prompt: str, max_length: int, n: int, prompt_tokens: int | None = None
+) -> Decimal:
+    """The kudos a request is expected to cost: n full-length generations at the first model
+    (`prompt_tokens`: as context_multiplier).
 
     The quote assumes an untrusted worker and full-length replies, so it bounds the charge.
     """
     model = models[0] if models else ""
     per_generation = text_generation_kudos(
-        model=model, prompt=prompt, generation="x" * (max_length * 4), max_length=max_length, owner_trusted=True
+        model=model,
+        prompt=prompt,
+        generation="x" * (max_length * 4),
+        max_length=max_length,
+        owner_trusted=True,
+        context=context_multiplier(prompt, max_length, prompt_tokens=prompt_tokens),
     )
     return per_generation * n

@@ -87,8 +87,10 @@ def request_rows_create(
     workers: list[UUID],
     kudos: Decimal,
     hold: Decimal,
+    prompt_tokens: int | None = None,
 ) -> GenerationRequest:
     """Insert an active request with its model and worker rows, take its hold and the horde tax.
+    `prompt_tokens`: a chat request's prompt estimate, which its price's context follows.
 
     Runs inside the caller's transaction, on the locked requester.
     """
@@ -105,7 +107,7 @@ def request_rows_create(
         kudos_quote=kudos,
         kudos_held=hold,
         expires_at=now + timedelta(seconds=settings.HORDE_TEXT_REQUEST_TTL_SECONDS),
-        kudos_context=context_multiplier(fields["prompt"], fields["max_length"]),
+        kudos_context=context_multiplier(fields["prompt"], fields["max_length"], prompt_tokens=prompt_tokens),
         consumed_kudos=HORDE_TAX,  # the tax charged below, in this transaction
         **fields,
     )

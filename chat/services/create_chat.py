@@ -492,8 +492,10 @@ def _worker_list(submission: ChatSubmission) -> tuple[bool, bool, list[UUID]]:
     return True, horde.ignore is not None, list(listed)
 
 
-def _quote(models: list[str], prompt: str, max_length: int) -> Decimal:
-    return text_request_quote(models=models, prompt=prompt, max_length=max_length, n=1) + admission.HORDE_TAX
+def _quote(models: list[str], prompt: str, max_length: int, prompt_tokens: int) -> Decimal:
+    """The quote at the first of `models`, its context priced at the prompt estimate (images too)."""
+    quote = text_request_quote(models=models, prompt=prompt, max_length=max_length, n=1, prompt_tokens=prompt_tokens)
+    return quote + admission.HORDE_TAX
 
 
 def _no_eligible_worker_for_kudos(request: GenerationRequest) -> HordeError | None:
@@ -582,7 +584,9 @@ def chat_request_create(
     )
     adjustments.extend(sized.adjustments)
     _validate_mapped_params(submission.params, sized.max_context_length)
-    kudos = _quote(submission.models, sized.prompt, max_length)
+    # The price's context is the prompt estimate, image parts included (spec: Flattened prompt).
+    prompt_tokens = estimate_chat_prompt_tokens(sized.prompt, sized.image_count)
+    kudos = _quote(submission.models, sized.prompt, max_length, prompt_tokens)
     if horde.max_kudos is not None and kudos > horde.max_kudos:
         raise HordeError("ChatKudosCapExceeded", kudos_cap_message(float(kudos), horde.max_kudos), status=400)
     if dry_run:
@@ -602,7 +606,7 @@ def chat_request_create(
     # The features are derived from the kept messages: a dropped image turn needs no vision.
     requirements = chat_request_requirements({**submission.chat.wire(), "messages": sized.messages})
     # Multi-model: the hold and the upfront check use the highest multiplier across the list.
-    upfront = max(_quote([m], sized.prompt, max_length) for m in submission.models)
+    upfront = max(_quote([m], sized.prompt, max_length, prompt_tokens) for m in submission.models)
     has_worker_list, blacklist, worker_ids = _worker_list(submission)
     fields = {
         "is_chat": True,
@@ -649,6 +653,7 @@ def chat_request_create(
                 workers=worker_ids,
                 kudos=kudos,
                 hold=upfront if needs_hold and locked_user.kudos_available >= upfront else Decimal("0"),
+                prompt_tokens=prompt_tokens,
             )
             if needs_hold and locked_user.kudos_available < upfront:
                 # Chat requests never downgrade. Kudos do not help a request no worker can serve.

@@ -242,6 +242,7 @@ def _text_reward(generation: Generation, text: str | None) -> tuple[int, Decimal
     return tokens, text_generation_kudos(
         model=generation.model,
         prompt=request.prompt,
+        context=request.kudos_context,
         generation=text,
         max_length=request.max_length,
         owner_trusted=generation.worker.owner.trusted,
@@ -456,6 +457,7 @@ def _chat_reward(generation: Generation, stored: Mapping[str, Any]) -> tuple[int
     return tokens, text_generation_kudos(
         model=generation.assigned_model or generation.model,
         prompt=request.prompt,
+        context=request.kudos_context,
         generation=None,
         max_length=request.max_length,
         owner_trusted=generation.worker.owner.trusted,

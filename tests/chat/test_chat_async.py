@@ -573,6 +573,28 @@ def test_flattened_prompt_and_image_estimate():
 # --- pricing at admission ----------------------------------------------------------------------
 
 
+def test_an_image_part_prices_the_context_at_the_estimate(horde, make_user, owner):
+    """The quote's context follows the prompt estimate, 512 tokens per image part included: a dry
+    run with an image quotes more than the same words without it, and the request stores that price."""
+    from chat.pricing import context_multiplier
+
+    chat_worker(owner)  # declares vision
+    requester = make_user("r", kudos=5000)
+    words = {"role": "user", "content": [{"type": "text", "text": "Look:"}]}
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    seen = {**words, "content": [*words["content"], image]}
+    plain = chat_async(horde.client, requester.key, messages=[words], max_tokens=1024, horde={"dry_run": True})
+    with_image = chat_async(horde.client, requester.key, messages=[seen], max_tokens=1024, horde={"dry_run": True})
+    assert with_image.json()["estimated_prompt_tokens"] - plain.json()["estimated_prompt_tokens"] >= 512
+    assert with_image.json()["kudos"] > plain.json()["kudos"]
+    created = chat_async(horde.client, requester.key, messages=[seen], max_tokens=1024)
+    assert created.status_code == 202 and created.json()["kudos"] == with_image.json()["kudos"]
+    request = GenerationRequest.objects.get(pk=created.json()["id"])
+    estimate = with_image.json()["estimated_prompt_tokens"]
+    assert request.kudos_context == context_multiplier(request.prompt, 1024, prompt_tokens=estimate)
+    assert request.kudos_context > context_multiplier(request.prompt, 1024)
+
+
 def test_multi_model_quotes_the_first_and_holds_at_the_highest(horde, make_user, owner):
     chat_worker(owner, model=SMALL_MODEL)
     requester = make_user("r", kudos=5000)
