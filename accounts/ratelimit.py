@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -27,18 +28,24 @@ from contract.text import ANONYMOUS_API_KEY
 
 log = logging.getLogger(__name__)
 
-PERIODS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
+# flask-limiter's granularities (its `limits` library counts a month as 30 days, a year as 12 months).
+PERIODS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "month": 2_592_000, "year": 31_104_000}
+# One limit in flask-limiter notation: "5/second", "5 per second", "10/2 minutes", "1 per 3 hours".
+_LIMIT = re.compile(r"\s*(\d+)\s*(?:/|\s+per\s+)\s*(\d+)?\s*(second|minute|hour|day|month|year)s?\s*", re.IGNORECASE)
 _PROXY_PASSKEY_META = "HTTP_" + PROXY_PASSKEY_HEADER.upper().replace("-", "_")
 _PROXIED_FOR_META = "HTTP_" + PROXIED_FOR_HEADER.upper().replace("-", "_")
 
 
 def parse_limit(text: str) -> tuple[int, int]:
-    """'90/minute' -> (90, 60)."""
-    count, _, period = text.strip().partition("/")
-    period = period.strip().lower().rstrip("s") or "second"
-    if period not in PERIODS or not count.strip().isdigit():
-        raise ValueError(f"bad rate limit {text!r}: use N/second, N/minute, N/hour or N/day")
-    return int(count), PERIODS[period]
+    """A flask-limiter limit as (allowed, window seconds): '90/minute' -> (90, 60), '10 per 2 hours'
+    -> (10, 7200)."""
+    match = _LIMIT.fullmatch(text)
+    if match is None or int(match[2] or 1) == 0:
+        raise ValueError(
+            f"bad rate limit {text!r}: use flask-limiter notation, N/second, N per minute or N/M hours "
+            "(second, minute, hour, day, month, year)"
+        )
+    return int(match[1]), int(match[2] or 1) * PERIODS[match[3].lower()]
 
 
 def _redis_client() -> redis.Redis | None:

@@ -436,8 +436,9 @@ def test_chat_request_limits_per_ip_by_setting(settings):
 @pytest.mark.parametrize(
     "name, value",
     [
-        ("HORDE_API_KEY_RATE_LIMITS", ["2 per second"]),
+        ("HORDE_API_KEY_RATE_LIMITS", ["2 every second"]),
         ("HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP", "90/fortnight"),
+        ("HORDE_TEXT_ASYNC_RATE_LIMITS", ["5"]),
         ("HORDE_WHITELISTED_SERVICE_IPS", ["10.0.0.300"]),
     ],
 )
@@ -450,6 +451,23 @@ def test_a_limit_that_cannot_be_read_fails_at_start(settings, name, value):
     setattr(settings, name, value)
     with pytest.raises(ImproperlyConfigured, match=name):
         validate_rate_limit_settings()
+
+
+@pytest.mark.parametrize(
+    "text, limit",
+    [
+        ("90/minute", (90, 60)),
+        ("2 per second", (2, 1)),
+        ("10/2 minutes", (10, 120)),
+        ("1 per 3 hours", (1, 10_800)),
+        ("3/Day", (3, 86_400)),
+        ("1/year", (1, 31_104_000)),
+    ],
+)
+def test_limits_read_flask_limiter_notation(text, limit):
+    from accounts.ratelimit import parse_limit
+
+    assert parse_limit(text) == limit
 
 
 def test_only_a_rate_limit_refusal_is_waited_out():
