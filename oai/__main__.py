@@ -58,7 +58,36 @@ def configure_telemetry(settings: FrontSettings) -> bool:
     )
     trace.set_tracer_provider(tracer_provider)
     asgi.set_tracer(trace.get_tracer("horde.oai"))
+    bridge_request_log(_logger_provider(resource))
     return True
+
+
+def _logger_provider(resource: Any) -> Any:
+    from opentelemetry._logs import set_logger_provider
+    from opentelemetry.sdk._logs import LoggerProvider
+
+    provider = LoggerProvider(resource=resource)
+    try:
+        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter  # type: ignore
+        from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
+
+        provider.add_log_record_processor(BatchLogRecordProcessor(OTLPLogExporter()))
+    except ImportError:
+        pass  # configure_telemetry already warned that nothing is exported
+    set_logger_provider(provider)
+    return provider
+
+
+def bridge_request_log(logger_provider: Any) -> None:
+    """The finished-request line to OpenTelemetry logs, its fields (the record's extra) as the log
+    record's attributes (spec: Finished-request log line)."""
+    from opentelemetry.sdk._logs import LoggingHandler
+
+    from oai.trace import REQUEST_LOG_NAME
+
+    request_log = logging.getLogger(REQUEST_LOG_NAME)
+    if not any(isinstance(h, LoggingHandler) for h in request_log.handlers):
+        request_log.addHandler(LoggingHandler(logger_provider=logger_provider))
 
 
 def build_application() -> Any:

@@ -11,7 +11,9 @@ from typing import Any
 from oai.errors import ChatFrontError
 from oai.metrics import FrontMetrics
 
-log = logging.getLogger("oai.requests")
+# The finished-request line's logger, bridged to OpenTelemetry logs when telemetry is on.
+REQUEST_LOG_NAME = "oai.requests"
+log = logging.getLogger(REQUEST_LOG_NAME)
 
 
 @dataclass

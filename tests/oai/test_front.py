@@ -463,6 +463,41 @@ def test_finished_request_log_line(front, client, start_worker, caplog):
     assert record.streamed is False and record.estimated_usage is True
 
 
+def test_the_finished_line_is_an_opentelemetry_log_record_with_its_fields(front, client, start_worker):
+    """configure_telemetry's bridge: the line goes to OpenTelemetry logs with the record's extra as
+    attributes, which a log backend can query (status_code, code, served_model...)."""
+    import logging
+
+    from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler
+    from opentelemetry.sdk._logs.export import InMemoryLogExporter, SimpleLogRecordProcessor
+
+    from oai.__main__ import bridge_request_log
+
+    exporter = InMemoryLogExporter()
+    provider = LoggerProvider()
+    provider.add_log_record_processor(SimpleLogRecordProcessor(exporter))
+    request_log = logging.getLogger("oai.requests")
+    level = request_log.level
+    request_log.setLevel(logging.INFO)
+    bridge_request_log(provider)
+    bridge_request_log(provider)  # once per process
+    try:
+        start_worker()
+        completion = client.chat.completions.create(model=MODEL, messages=USER)
+    finally:
+        bridged = [h for h in request_log.handlers if isinstance(h, LoggingHandler)]
+        for handler in bridged:
+            request_log.removeHandler(handler)
+        request_log.setLevel(level)
+    assert len(bridged) == 1
+    (exported,) = exporter.get_finished_logs()
+    record = exported.log_record
+    assert LINE.match(str(record.body)), record.body
+    assert record.attributes["request_id"] == completion.id.removeprefix("chatcmpl-")
+    assert record.attributes["status_code"] == 200 and record.attributes["code"] == "ok"
+    assert record.attributes["served_model"] == MODEL and record.attributes["streamed"] is False
+
+
 def test_queue_unavailable_line_and_unsubmitted_line(front, client, start_worker, caplog):
     start_worker()
     caplog.set_level("INFO", logger="oai.requests")
