@@ -3,6 +3,7 @@ roots, with its telemetry set-up and /healthz. Settings: oai.settings (docs/conf
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -67,13 +68,12 @@ def _logger_provider(resource: Any) -> Any:
     from opentelemetry.sdk._logs import LoggerProvider
 
     provider = LoggerProvider(resource=resource)
-    try:
+    # Without the OTLP exporters nothing is exported; configure_telemetry already warned.
+    with contextlib.suppress(ImportError):
         from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter  # type: ignore
         from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
 
         provider.add_log_record_processor(BatchLogRecordProcessor(OTLPLogExporter()))
-    except ImportError:
-        pass  # configure_telemetry already warned that nothing is exported
     set_logger_provider(provider)
     return provider
 

@@ -430,7 +430,9 @@ def settle_cancelled_streams(*, request_id: UUID, now: datetime) -> list[UUID]:
     """Inside the cancel's transaction (the request row locked): settle each in-flight generation
     of a streamed request on its posted content (TextProcessingGeneration.settle_cancelled) and
     return their ids, whose leases the cancel then flags."""
-    request = GenerationRequest.objects.only("user_id", "prompt", "max_length", "kudos_context", "chat_extras").get(pk=request_id)
+    request = GenerationRequest.objects.only(
+        "user_id", "prompt", "max_length", "kudos_context", "chat_extras"
+    ).get(pk=request_id)
     if not streams_progress(request.chat_extras):
         return []
     # The cancel holds the request row; a submit holds its generation's row before it locks the
@@ -449,7 +451,7 @@ def settle_cancelled_streams(*, request_id: UUID, now: datetime) -> list[UUID]:
         reward = text_generation_kudos(
             model=generation.assigned_model or generation.model,
             prompt=request.prompt,
-        context=request.kudos_context,
+            context=request.kudos_context,
             generation=None,
             max_length=request.max_length,
             owner_trusted=bool(generation.worker.owner.trusted),
