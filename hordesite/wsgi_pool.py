@@ -42,6 +42,7 @@ from chat.services.pop_wait import (
     POP_LISTS_HEADER,
     POP_PATH,
     POP_RECHECK_HEADER,
+    POP_REPEATED_ENVIRON,
     POP_WAIT_HEADER,
     queue_listener,
 )
@@ -251,12 +252,14 @@ class PooledWSGI:
         finally:
             gone.cancel()
 
-    async def _pop(self, scope: dict[str, Any], body: bytes, gone: asyncio.Future) -> Answer:
-        """One run of the pop. daphne cancels the request of a client gone for a while
-        (application_close_timeout) while its pop may still run, say behind a lock: that pop runs
-        to its end, and its jobs go back."""
+    async def _pop(self, scope: dict[str, Any], body: bytes, gone: asyncio.Future, *, repeated: bool = False) -> Answer:
+        """One run of the pop (`repeated`: a held pop's run after its first). daphne cancels the
+        request of a client gone for a while (application_close_timeout) while its pop may still
+        run, say behind a lock: that pop runs to its end, and its jobs go back."""
         environ = wsgi_environ(scope, io.BytesIO(body), len(body))
         environ[CLIENT_GONE] = gone.done  # read from the serving thread: one attribute, no lock needed
+        if repeated:
+            environ[POP_REPEATED_ENVIRON] = True
         return await self._serve(environ, if_cancelled=self._give_back_when_run)
 
     def _give_back_when_run(self, served: asyncio.Future) -> None:
@@ -334,7 +337,7 @@ class PooledWSGI:
             await listener.subscribed(timeout=0.5)
             while True:
                 waiter.event.clear()
-                answer = await self._pop(scope, body, gone)
+                answer = await self._pop(scope, body, gone, repeated=True)
                 still_held = answer.header(POP_WAIT_HEADER) is not None
                 # The long re-check of a remembered answer counts on the signal for its lists'
                 # growth: while the listener is not subscribed, the short one stands in for it.

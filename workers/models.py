@@ -19,6 +19,9 @@ class Worker(models.Model):
     max_context_length = models.PositiveIntegerField(default=1024)
     threads = models.PositiveIntegerField(default=1)
     bridge_agent = models.CharField(max_length=1000, default="unknown:0:unknown")
+    # is_validated_bridge(bridge_agent), written with it at check-in: the speed gate's SQL asks
+    # which online workers a request with validated_backends accepts.
+    validated_bridge = models.BooleanField(default=False)
     nsfw = models.BooleanField(default=False)
     softprompts = models.JSONField(default=list)
     priority_usernames = models.JSONField(default=list)

@@ -18,7 +18,7 @@ from accounts.models import HordeUser
 from contract.chat_declaration import ChatDeclaration
 from contract.errors import HordeError
 from contract.process_cache import ProcessCache
-from contract.text import WORKER_SPEED_SAMPLES
+from contract.text import WORKER_SPEED_SAMPLES, is_validated_bridge
 from workers.declarations import declaration_mask
 from workers.models import Worker
 from workers.selectors import online_cutoff, worker_details_cache_key, worker_details_name_cache_key
@@ -73,6 +73,7 @@ def worker_check_in(*, owner: HordeUser, declaration: TextWorkerDeclaration) -> 
         "max_context_length": declaration.max_context_length,
         "threads": declaration.threads,
         "bridge_agent": declaration.bridge_agent,
+        "validated_bridge": is_validated_bridge(declaration.bridge_agent),
         "nsfw": declaration.nsfw,
         "softprompts": declaration.softprompts,
         "priority_usernames": declaration.priority_usernames,

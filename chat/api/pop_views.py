@@ -11,7 +11,7 @@ from accounts.api.callers import registered_caller
 from chat.api import serializers as s
 from chat.api.fast_validation import validated_body
 from chat.services.pop import worker_check_in_and_pop
-from chat.services.pop_wait import POP_LISTS_HEADER, POP_RECHECK_HEADER, POP_WAIT_HEADER
+from chat.services.pop_wait import POP_LISTS_HEADER, POP_RECHECK_HEADER, POP_REPEATED_ENVIRON, POP_WAIT_HEADER
 from contract.text import TEXT_POP_WAIT_MAX_SECONDS
 
 
@@ -23,7 +23,7 @@ class TextPopView(APIView):
         owner = registered_caller(request, rc="AnonForbiddenWorker")
         data = dict(validated_body(s.TextPopInputSerializer, request.data))
         wait = data.pop("wait")
-        job = worker_check_in_and_pop(owner=owner, **data)
+        job = worker_check_in_and_pop(owner=owner, repeated=bool(request.META.get(POP_REPEATED_ENVIRON)), **data)
         response = Response(s.POP_OUTPUT.to_representation(job))
         if job.request is None and wait:
             # How long the serving layer may hold this empty answer for a job (ADR 0024), and the

@@ -118,7 +118,7 @@ def _chat_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
         gap = chat_declaration_gap(worker, request)
         if not gap.empty:
             gaps.append(gap)
-        elif chat_capacity_refusal(worker, request) is not None:
+        elif chat_capacity_refusal(worker, request, listed) is not None:
             other_refusal = True
         else:
             threads += max(worker.threads, 1)

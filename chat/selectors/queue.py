@@ -10,8 +10,8 @@ requests go to workers that declared chat_jobs on their latest pop (spec: chat_r
   3. max_context_length, max_length and chat_tools_temperature fit the worker's chat limits;
   4. the usual restrictions (only/ignore, trusted, validated backends, slow workers), shared with text.
 The lease capacity rule (chat_requests.md "Job lease", ADR 0041 of the spec): a chat request over
-the worker's capacity, floor(speed * (150 - 30)) tokens, goes to it only while no capable worker is
-online (`chat_capacity_clause`, and `chat_capacity_refusal` in Python).
+the worker's capacity, floor(speed * (lease - 30)) tokens with the 150-second base lease, goes to
+it only while no capable worker (one the request does not exclude) is online (`chat_capacity_clause`, and `chat_capacity_refusal` in Python).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from operator import or_
 from typing import Any, NamedTuple
 from uuid import UUID
 
+from django.conf import settings
 from django.db import connection
 from django.db.models import (
     BooleanField,
@@ -56,6 +57,7 @@ from contract.chat_policy import (
 )
 from contract.chat_progress import TEXT_JOB_PREPARATION_SECONDS
 from contract.text import (
+    SLOW_TEXT_WORKER_TOKENS_PER_SECOND,
     TEXT_JOB_LEASE_SECONDS,
     UNMEASURED_TEXT_WORKER_TOKENS_PER_SECOND,
     WORKER_ONLINE_SECONDS,
@@ -84,6 +86,9 @@ class WorkerView:
     chat_feature_mask: int = 0
     # The chat output its lease admits (text_worker_lease_capacity); None for a worker without chat.
     chat_capacity: int | None = None
+    # The base lease the capacity is measured in (HORDE_TEXT_JOB_LEASE_SECONDS): part of the shape,
+    # so a statement compiled for one lease is not reused under another.
+    lease_seconds: int = TEXT_JOB_LEASE_SECONDS
 
     @classmethod
     def of(cls, worker: Worker) -> WorkerView:
@@ -101,6 +106,7 @@ class WorkerView:
             chat=chat,
             chat_feature_mask=worker.chat_feature_mask,
             chat_capacity=text_worker_lease_capacity(worker.speed) if takes_chat else None,
+            lease_seconds=settings.HORDE_TEXT_JOB_LEASE_SECONDS,
         )
 
     @property
@@ -284,23 +290,29 @@ def _fact(value: bool) -> Q:
     return Q(Value(bool(value), output_field=BooleanField()))
 
 
-# The seconds of the base lease a worker generates in, after preparing the job.
-LEASE_GENERATION_SECONDS = TEXT_JOB_LEASE_SECONDS - TEXT_JOB_PREPARATION_SECONDS
+def lease_generation_seconds(lease_seconds: int | None = None) -> int:
+    """The seconds of the base lease (HORDE_TEXT_JOB_LEASE_SECONDS, the spec's 150 by default) a
+    worker generates in, after preparing the job."""
+    if lease_seconds is None:
+        lease_seconds = settings.HORDE_TEXT_JOB_LEASE_SECONDS
+    return max(lease_seconds - TEXT_JOB_PREPARATION_SECONDS, 0)
 
 
 def text_worker_lease_capacity(speed: float | None) -> int:
     """Tokens the worker finishes inside the base lease (get_text_worker_lease_capacity); a worker
     without a measured speed runs at UNMEASURED_TEXT_WORKER_TOKENS_PER_SECOND."""
     tokens_per_second = speed if speed is not None else UNMEASURED_TEXT_WORKER_TOKENS_PER_SECOND
-    return math.floor(tokens_per_second * LEASE_GENERATION_SECONDS)
+    return math.floor(tokens_per_second * lease_generation_seconds())
 
 
-def _capable_chat_workers(side) -> Q:
+def _capable_chat_workers(side, listed: Q) -> Q:
     """Online chat workers capable of a chat request (capable_chat_worker_clauses): not in
     maintenance or paused, serving one of its models, within their chat limits (the tools
-    temperature too), declaring every feature it requires (and an image transport for images), with
-    the capacity for its max_length (the annotation lease_tokens). `side(name)` is the request's
-    column: an OuterRef in the pop's query, a value in Python."""
+    temperature too), declaring every feature it requires (and an image transport for images),
+    passing its own restrictions (rule 4: a worker it excludes cannot serve it, so does not block a
+    slower one), with the capacity for its max_length (the annotation lease_tokens). `side(name)` is
+    the request's column: an OuterRef in the pop's query, a value in Python; `listed` holds for a
+    worker in the request's worker list."""
     mask = side("chat_required_mask")
     images = Q(Exact(side("chat_has_images"), False))
     for transport in sorted(IMAGE_RECEIVING_TRANSPORTS):
@@ -316,7 +328,22 @@ def _capable_chat_workers(side) -> Q:
         )
         & Q(Exact(mask.bitand(F("chat_feature_mask")), mask))
         & images
+        & _passing_restrictions(side, listed)
         & Q(lease_tokens__gte=side("max_length"))
+    )
+
+
+def _passing_restrictions(side, listed: Q) -> Q:
+    """Rule 4 over workers, as worker_passes_restrictions states it for one."""
+    return (
+        (
+            Q(Exact(side("has_worker_list"), False))
+            | (Q(Exact(side("worker_blacklist"), False)) & listed)
+            | (Q(Exact(side("worker_blacklist"), True)) & ~listed)
+        )
+        & (Q(Exact(side("trusted_workers"), False)) | Q(owner__trusted=True))
+        & (Q(Exact(side("validated_backends"), False)) | Q(validated_bridge=True))
+        & (Q(Exact(side("slow_workers"), True)) | Q(lease_speed__gte=SLOW_TEXT_WORKER_TOKENS_PER_SECOND))
     )
 
 
@@ -327,17 +354,26 @@ def chat_capacity_clause(worker: WorkerView) -> Q:
     if worker.chat_capacity is None:
         return Q()
     capable = (
-        Worker.objects.annotate(lease_tokens=_lease_tokens())
-        .filter(_capable_chat_workers(OuterRef))
+        _with_lease_tokens(worker.lease_seconds)
+        .filter(
+            _capable_chat_workers(
+                OuterRef,
+                Q(Exists(RequestWorker.objects.filter(request=OuterRef(OuterRef("pk")), worker_id=OuterRef("pk")))),
+            )
+        )
         .filter(Exists(RequestModel.objects.filter(request=OuterRef(OuterRef("pk")), name=OuterRef("chat_model_id"))))
     )
     return Q(max_length__lte=worker.chat_capacity) | ~Exists(capable)
 
 
-def _lease_tokens():
-    return ExpressionWrapper(
-        Coalesce(F("speed"), Value(float(UNMEASURED_TEXT_WORKER_TOKENS_PER_SECOND))) * Value(float(LEASE_GENERATION_SECONDS)),
-        output_field=FloatField(),
+def _with_lease_tokens(lease_seconds: int):
+    """Workers annotated with their speed (the unmeasured assumption without samples) and the
+    tokens they finish inside a base lease of `lease_seconds`."""
+    speed = Coalesce(F("speed"), Value(float(UNMEASURED_TEXT_WORKER_TOKENS_PER_SECOND)))
+    return Worker.objects.annotate(lease_speed=speed).annotate(
+        lease_tokens=ExpressionWrapper(
+            F("lease_speed") * Value(float(lease_generation_seconds(lease_seconds))), output_field=FloatField()
+        )
     )
 
 
@@ -484,14 +520,16 @@ def chat_declaration_gap(worker: Worker, request: GenerationRequest, *, with_siz
     )
 
 
-def chat_capacity_refusal(worker: Worker, request: GenerationRequest) -> str | None:
+def chat_capacity_refusal(
+    worker: Worker, request: GenerationRequest, listed_worker_ids: set | frozenset = frozenset()
+) -> str | None:
     """"lease_speed" when the worker's lease capacity is below the chat request's max_length and a
     capable worker is online (the Python twin of chat_capacity_clause; one query, only then)."""
     if not request.is_chat or text_worker_lease_capacity(worker.speed) >= request.max_length:
         return None
     capable = (
-        Worker.objects.annotate(lease_tokens=_lease_tokens())
-        .filter(_capable_chat_workers(lambda name: Value(getattr(request, name))))
+        _with_lease_tokens(settings.HORDE_TEXT_JOB_LEASE_SECONDS)
+        .filter(_capable_chat_workers(lambda name: Value(getattr(request, name)), Q(pk__in=listed_worker_ids)))
         .filter(chat_model_id__in=list(request.requested_models or ()))
     )
     return "lease_speed" if capable.exists() else None
@@ -521,7 +559,7 @@ def worker_may_take(worker: Worker, request: GenerationRequest, listed_worker_id
         return (
             worker_serves_chat_model(worker, request)
             and chat_declaration_gap(worker, request).empty
-            and chat_capacity_refusal(worker, request) is None
+            and chat_capacity_refusal(worker, request, listed_worker_ids) is None
         )
     if not worker.accepts_prompt_jobs:
         return False

@@ -118,10 +118,12 @@ def worker_check_in_and_pop(
     chat_limits: Any = None,
     model_id: Any = None,
     image_transports: Any = None,
+    repeated: bool = False,
 ) -> PoppedJob:
     """A worker's pop: check it in under the declaration it states (its first pop registers it),
     then hand it a job when one is eligible. The chat fields are as sent (None: not sent); the
-    contract reads them, and its refusal is the spec's."""
+    contract reads them, and its refusal is the spec's. `repeated`: the serving layer runs a held
+    pop again (ADR 0024), which is not another pop of the worker's for the pop counters."""
     models = list(dict.fromkeys(models))
     sent = {"chat_jobs": chat_jobs, "prompt_jobs": prompt_jobs, "chat_features": chat_features,
             "chat_limits": chat_limits, "model_id": model_id, "image_transports": image_transports}
@@ -144,19 +146,20 @@ def worker_check_in_and_pop(
     worker = worker_check_in(owner=owner, declaration=declaration)
     worker.owner = owner
     try:
-        return worker_pop(worker=worker, amount=amount)
+        return worker_pop(worker=worker, amount=amount, repeated=repeated)
     except IntegrityError:
         # The process's copy of the worker row outlived the row (an operator deleted it): the
         # pop wrote nothing; check in afresh, which registers the worker again, and pop once more.
         worker_rows.forget(declaration.name)
         worker = worker_check_in(owner=owner, declaration=declaration)
         worker.owner = owner
-        return worker_pop(worker=worker, amount=amount)
+        return worker_pop(worker=worker, amount=amount, repeated=repeated)
 
 
-def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
+def worker_pop(*, worker: Worker, amount: int, repeated: bool = False) -> PoppedJob:
     """Hand the first eligible request's jobs (up to `amount`) to the worker: the owner's and its
-    priority users' requests first, then by queue score, oldest first."""
+    priority users' requests first, then by queue score, oldest first. A `repeated` run of a held
+    pop is not counted again."""
     if worker.maintenance:
         raise HordeError(
             "WorkerMaintenance",
@@ -165,7 +168,7 @@ def worker_pop(*, worker: Worker, amount: int) -> PoppedJob:
     if worker.paused:
         return PoppedJob(request=None, generations=[], model=None, skipped={})
     view = WorkerView.of(worker)
-    if view.chat_capacity is not None and view.chat_capacity < view.chat.chat_limits.max_length:
+    if not repeated and view.chat_capacity is not None and view.chat_capacity < view.chat.chat_limits.max_length:
         # From values the pop holds: the worker's speed caps the chat output it is offered.
         lease_capacity_limited.add(1, {"horde.gentype": "text"})
     check = empty_pop_lookup(view)

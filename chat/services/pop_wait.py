@@ -44,6 +44,9 @@ POP_WAIT_HEADER = "X-Horde-Pop-Wait"
 # the seconds until it is popped again without a signal. Never sent to a client either.
 POP_LISTS_HEADER = "X-Horde-Pop-Lists"
 POP_RECHECK_HEADER = "X-Horde-Pop-Recheck"
+# The WSGI environ key the serving layer sets on each pop after the first of one held request: the
+# same worker's pop again, not a new one, for the counters that count a worker's pops.
+POP_REPEATED_ENVIRON = "horde.pop_repeated"
 # The token of "every list": an addition that may concern any worker (pop_cache.queue_grew()
 # without lists).
 EVERY_LIST_TOKEN = "*"

@@ -11,9 +11,10 @@ import pytest
 from django.utils import timezone
 
 from chat.models import Generation, GenerationRequest
+from chat.selectors.availability import chat_request_availability
 from chat.selectors.queue import chat_capacity_refusal, text_worker_lease_capacity
 from chat.services.pop_cache import queue_grew
-from tests.chat.pop_helpers import MODEL, chat_pop
+from tests.chat.pop_helpers import ALL_GUARANTEES, MODEL, chat_pop
 from tests.chat.pop_helpers import queue_chat as _queue_chat
 from tests.chat.test_chat_submit import counter_points, metric_reader  # noqa: F401  (fixture)
 from workers.models import Worker
@@ -85,6 +86,56 @@ def test_a_faster_worker_that_cannot_serve_it_does_not_block_the_slow_one(horde,
     assert chat_capacity_refusal(slow, request) is None
     popped = chat_pop(horde, slow_owner.key, name="slow", features=slow_features).json()
     assert popped["id"] and Generation.objects.get(pk=popped["id"]).request_id == request.id
+
+
+@pytest.mark.parametrize("why", ["ignored", "not_listed", "untrusted", "unvalidated", "paused", "no_image_transport"])
+def test_a_faster_worker_the_request_excludes_does_not_block_the_slow_one(horde, make_user, why):
+    """ADR 0041's capable worker passes the request's own restrictions (rule 4) too: a faster worker
+    it excludes, by its worker list, trust or backend, cannot take it, so the slow one does."""
+    requester = make_user("r", kudos=1000)
+    slow_owner, fast_owner = make_user("s", trusted=True), make_user("f")
+    vision = ["vision", *ALL_GUARANTEES]
+    body = None
+    if why == "no_image_transport":
+        image = {"type": "image_url", "image_url": {"url": "https://example.org/cat.png"}}
+        body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]}
+    slow_pop = {"transports": ["url"], "features": vision}
+    fast_pop = dict(slow_pop)
+    if why == "unvalidated":
+        fast_pop["bridge_agent"] = "Unlisted Bridge:1:https://example.org"
+    if why == "no_image_transport":
+        fast_pop["transports"] = []
+    slow = _register(horde, slow_owner.key, "slow", speed=2.0, **slow_pop)  # capacity 240
+    fast = _register(horde, fast_owner.key, "fast", speed=None, **fast_pop)  # capacity 1200
+    if why == "paused":
+        Worker.objects.filter(name="fast").update(paused=True)
+    options = {
+        "ignored": {"ignore": [fast.id]},
+        "not_listed": {"only": [slow.id]},
+        "untrusted": {"trusted_workers": True},
+        "unvalidated": {"validated_backends": True},
+    }.get(why, {})
+    request = queue_chat(requester.user, body, max_length=512, **options)
+    assert chat_capacity_refusal(slow, request, {slow.id} if why == "not_listed" else {fast.id}) is None
+    availability = chat_request_availability(request, created=True)
+    assert availability.is_possible and availability.eligible_worker_threads == 1
+    popped = chat_pop(horde, slow_owner.key, name="slow", **slow_pop).json()
+    assert popped["id"] and Generation.objects.get(pk=popped["id"]).request_id == request.id
+
+
+def test_the_gate_measures_against_the_configured_lease(horde, make_user, settings):
+    """HORDE_TEXT_JOB_LEASE_SECONDS is the base lease the capacity is measured in: at 330 seconds a
+    2 tokens/s worker finishes 600 tokens, and takes the 512-token request before a faster one."""
+    settings.HORDE_TEXT_JOB_LEASE_SECONDS = 330
+    requester, slow_owner, fast_owner = make_user("r", kudos=1000), make_user("s"), make_user("f")
+    slow = _register(horde, slow_owner.key, "slow", speed=2.0)
+    _register(horde, fast_owner.key, "fast", speed=None)
+    assert text_worker_lease_capacity(2.0) == 600
+    request = queue_chat(requester.user, max_length=512)
+    assert chat_capacity_refusal(slow, request) is None
+    popped = chat_pop(horde, slow_owner.key, name="slow").json()
+    assert popped["id"] and Generation.objects.get(pk=popped["id"]).request_id == request.id
+    assert popped["ttl"] == 330
 
 
 def test_legacy_text_requests_are_offered_whatever_their_length(horde, make_user):

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from chat.models import Generation
+from tests.chat.test_chat_submit import counter_points, metric_reader  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -279,3 +280,34 @@ def test_a_worker_that_went_away_while_held_takes_no_job(live_horde, people):
     taken, _ = plain_pop(live_horde.url, owner.key, pop_body(other))
     assert taken.json()["id"] is not None  # the job was still in the queue
     assert str(Generation.objects.get(pk=taken.json()["id"]).request_id) == request_id
+
+
+def test_a_held_pop_of_a_speed_capped_chat_worker_is_counted_once(
+    live_horde, people, settings, metric_reader  # noqa: F811
+):
+    """horde.pop.lease_capacity_limited counts a worker's pops: the serving layer's runs of one held
+    pop, however many, are one pop."""
+    from workers.models import Worker
+    from workers.services import worker_rows
+
+    settings.HORDE_POP_WAIT_RECHECK_SECONDS = 0.2
+    owner, _ = people
+    name = f"lp-{uuid.uuid4().hex[:6]}"
+    chat = {
+        "chat_jobs": True,
+        "model_id": MODEL,
+        "chat_features": ["prompt_overflow_refused", "tool_choice_enforced", "structured_output_enforced"],
+        "chat_limits": {"max_context_length": 8192, "max_length": 1024},
+    }
+    plain_pop(live_horde.url, owner.key, pop_body(name, **chat))
+    Worker.objects.filter(name=name).update(speed=2.0)  # capacity 240, below its declared 1024
+    worker_rows.forget(name)
+    counted = counter_points(metric_reader, "horde.pop.lease_capacity_limited").get((("horde.gentype", "text"),), 0)
+    with pops_served() as pops:
+        held = TimedPop(live_horde.url, owner.key, pop_body(name, wait=2, **chat)).start()
+        answer = held.join()
+    assert answer.status_code == 200 and answer.json()["id"] is None, answer.text
+    assert len(pops) >= 2  # run again while held
+    assert counter_points(metric_reader, "horde.pop.lease_capacity_limited") == {
+        (("horde.gentype", "text"),): counted + 1
+    }
