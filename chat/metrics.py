@@ -104,6 +104,14 @@ gate_shadow_service_seconds = LazyHistogram(
     "horde.text.gate_shadow.service_seconds", unit="s", description="Pop to submit time of completed over-capacity jobs"
 )
 
+free_allowance_decisions = LazyCounter(
+    "horde.text.free_allowance.decisions",
+    description="Request creations by how the free output allowance admitted them: free, funded, refused or downgraded",
+)
+queue_wait_seconds = LazyHistogram(
+    "horde.text.queue_wait_seconds", unit="s", description="Each job's time from its request's creation to its pop"
+)
+
 # horde.size_bucket / TEXT_LENGTH_BUCKETS labels.
 TEXT_LENGTH_BUCKETS = ((512, "<=512"), (1024, "513-1024"), (2048, "1025-2048"), (4096, "2049-4096"))
 

@@ -65,9 +65,10 @@ def worker_chat_declaration(worker: Worker) -> ChatDeclaration:
 
 
 def chat_workers_online() -> QuerySet[Worker]:
-    """Online workers, not in maintenance, that serve chat jobs (the chat model list's one query)."""
+    """Online workers, not in maintenance, that serve chat jobs (the chat model list's one query).
+    A paused worker is left out as well: it receives no job, as the plain list's entries say."""
     return Worker.objects.filter(
-        last_check_in__gte=online_cutoff(), maintenance=False, accepts_chat_jobs=True
+        last_check_in__gte=online_cutoff(), maintenance=False, paused=False, accepts_chat_jobs=True
     ).exclude(chat_model_id=None)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from datetime import timedelta
 from decimal import Decimal
+from typing import Any, Literal
 from uuid import UUID
 
 from django.db.models import Sum
@@ -13,6 +14,7 @@ from django.utils import timezone
 
 from accounts.models import HordeUser, KudosTransaction
 from accounts.services import kudos_hold, kudos_transfer
+from chat.metrics import free_allowance_decisions, size_bucket
 from chat.models import GenerationRequest, RequestModel, RequestWorker
 from chat.pricing import context_multiplier
 from chat.selectors.queue import request_queue_lists
@@ -48,6 +50,52 @@ def kudos_upfront_error(*, allowance: int, kudos: Decimal) -> HordeError:
         "KudosUpfront",
         f"Due to heavy demand, for requests over {allowance} tokens, the client needs to already "
         f"have the required kudos. This request requires {kudos} kudos to fulfil.",
+    )
+
+
+def no_eligible_worker_refusal(request: GenerationRequest) -> HordeError | None:
+    """NoEligibleWorker in place of a kudos refusal when no online worker can serve the request
+    (spec: Free output allowance): kudos do not help it until such a worker comes online. A chat
+    request's declaration gap is stated, with its impossible_reason."""
+    from chat.selectors.availability import chat_request_availability
+
+    availability = chat_request_availability(request, created=True)
+    if availability.is_possible:
+        return None
+    message = "No online worker can serve this request"
+    extra: dict[str, Any] = {}
+    reason = availability.impossible_reason
+    if reason:
+        gaps = []
+        if reason.get("missing_declarations"):
+            gaps.append(f"no online worker serving the model declares {', '.join(reason['missing_declarations'])}")
+        for limit in reason.get("exceeded_limits") or []:
+            gaps.append(f"the request exceeds the {limit} limit of every online worker serving the model")
+        if gaps:
+            message = f"{message}: {'; '.join(gaps)}"
+        extra["impossible_reason"] = reason
+    return HordeError("NoEligibleWorker", f"{message}.", status=403, extra=extra)
+
+
+AllowanceOutcome = Literal["free", "funded", "refused", "downgraded"]
+
+
+def record_allowance_decision(
+    *, user: HordeUser, outcome: AllowanceOutcome, requested_max_length: int, is_chat: bool
+) -> None:
+    """horde.text.free_allowance.decisions for one creation (a dry run is not recorded). The
+    allowance is the free output floor (docs/adr/0004-text-kudos-admission.md)."""
+    from django.conf import settings
+
+    free_allowance_decisions.add(
+        1,
+        {
+            "horde.requester": "anonymous" if user.is_anonymous else "registered",
+            "horde.outcome": outcome,
+            "horde.requested_bucket": size_bucket(requested_max_length),
+            "horde.allowance_bucket": size_bucket(settings.HORDE_TEXT_FREE_OUTPUT_FLOOR),
+            "horde.chat": is_chat,
+        },
     )
 
 

@@ -498,30 +498,6 @@ def _quote(models: list[str], prompt: str, max_length: int, prompt_tokens: int) 
     return quote + admission.HORDE_TAX
 
 
-def _no_eligible_worker_for_kudos(request: GenerationRequest) -> HordeError | None:
-    """NoEligibleWorker in place of a kudos refusal when no online worker can serve the request."""
-    from chat.selectors.availability import chat_request_availability
-
-    availability = chat_request_availability(request, created=True)
-    if availability.is_possible:
-        return None
-    message = "No online worker can serve this request"
-    extra: dict[str, Any] = {}
-    reason = availability.impossible_reason
-    if reason:
-        gaps = []
-        if reason.get("missing_declarations"):
-            gaps.append(
-                f"no online worker serving the model declares {', '.join(reason['missing_declarations'])}"
-            )
-        for limit in reason.get("exceeded_limits") or []:
-            gaps.append(f"the request exceeds the {limit} limit of every online worker serving the model")
-        if gaps:
-            message = f"{message}: {'; '.join(gaps)}"
-        extra["impossible_reason"] = reason
-    return HordeError("NoEligibleWorker", f"{message}.", status=403, extra=extra)
-
-
 def chat_request_create(
     *,
     user: HordeUser,
@@ -657,8 +633,11 @@ def chat_request_create(
             )
             if needs_hold and locked_user.kudos_available < upfront:
                 # Chat requests never downgrade. Kudos do not help a request no worker can serve.
-                refusal = _no_eligible_worker_for_kudos(request) or admission.kudos_upfront_error(
+                refusal = admission.no_eligible_worker_refusal(request) or admission.kudos_upfront_error(
                     allowance=settings.HORDE_TEXT_FREE_OUTPUT_FLOOR, kudos=upfront
+                )
+                admission.record_allowance_decision(
+                    user=user, outcome="refused", requested_max_length=submission.max_length, is_chat=True
                 )
                 raise refusal
     except IntegrityError:
@@ -669,6 +648,12 @@ def chat_request_create(
             raise
         log.info("operation key %s: a concurrent submit won; answering with %s", operation_key, claim.id)
         return answer_operation_claim(claim, submission.fingerprint)
+    admission.record_allowance_decision(
+        user=user,
+        outcome="funded" if needs_hold else "free",
+        requested_max_length=submission.max_length,
+        is_chat=True,
+    )
     from chat.selectors.availability import chat_request_availability
 
     created = ChatCreated(request=request, kudos=kudos)

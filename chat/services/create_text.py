@@ -19,17 +19,19 @@ from chat.models import GenerationRequest
 from chat.pricing import text_request_quote
 from chat.services.admission import (
     HORDE_TAX,
+    AllowanceOutcome,
     check_concurrency,
     ensure_not_in_maintenance,
     kudos_upfront_error,
     lock_requester,
     needs_upfront_kudos,
+    no_eligible_worker_refusal,
+    record_allowance_decision,
     request_rows_create,
 )
 from contract.errors import HordeError
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -109,28 +111,6 @@ def text_operation_claim(*, user: HordeUser, operation_key: UUID, fingerprint: s
     return CreatedRequest(request=claim, kudos=claim.kudos_quote, repeated=True)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def text_request_create(
     *,
     user: HordeUser,
@@ -196,7 +176,9 @@ def _text_request_rows(
     from django.conf import settings
 
     floor = settings.HORDE_TEXT_FREE_OUTPUT_FLOOR
+    requested = data.max_length
     message = None
+    outcome: AllowanceOutcome = "free"
     with transaction.atomic():
         locked_user = lock_requester(user)
         check_concurrency(user=locked_user, n=data.n)
@@ -204,15 +186,25 @@ def _text_request_rows(
         if needs_upfront_kudos(
             max_length=data.max_length, slow_workers=data.slow_workers, has_worker_list=bool(data.workers)
         ):
-            if locked_user.kudos_available < kudos:
-                downgradable = data.allow_downgrade and data.slow_workers and data.max_length > floor
-                if not downgradable:
-                    raise kudos_upfront_error(allowance=floor, kudos=kudos)
+            if locked_user.kudos_available >= kudos:
+                hold, outcome = kudos, "funded"
+            elif (
+                data.allow_downgrade
+                and data.slow_workers
+                and data.max_length > floor
+                # A listed request holds its kudos upfront under this setting and is never lowered.
+                and not (settings.HORDE_UPFRONT_KUDOS_ON_WORKERLIST and data.workers)
+            ):
                 data.max_length = floor
                 kudos = quote()
                 message = f"This request was downgraded to {floor} tokens: the requester lacks the kudos upfront."
+                outcome = "downgraded"
+                log.info(
+                    "text request of user %s downgraded from %d to %d tokens: %s kudos available",
+                    locked_user.pk, requested, floor, locked_user.kudos_available,
+                )
             else:
-                hold = kudos
+                outcome = "refused"
         request = request_rows_create(
             locked_user=locked_user,
             fields={
@@ -237,4 +229,11 @@ def _text_request_rows(
             kudos=kudos,
             hold=hold,
         )
+        if outcome == "refused":
+            # The row is rolled back with the refusal; it exists here so that the worker check
+            # reads it as the status would.
+            refusal = no_eligible_worker_refusal(request) or kudos_upfront_error(allowance=floor, kudos=kudos)
+            record_allowance_decision(user=user, outcome=outcome, requested_max_length=requested, is_chat=False)
+            raise refusal
+    record_allowance_decision(user=user, outcome=outcome, requested_max_length=requested, is_chat=False)
     return request, kudos, message

@@ -16,8 +16,9 @@ from django.db.models import Case, F, Field, Value, When
 from django.utils import timezone
 
 from accounts.models import HordeUser
+from accounts.selectors import anonymous_user_get
 from chat.gate_shadow import record_over_capacity_assignment
-from chat.metrics import lease_capacity_limited
+from chat.metrics import lease_capacity_limited, queue_wait_seconds, size_bucket
 from chat.models import Generation, GenerationRequest
 from chat.pricing import model_kudos_factors
 from chat.selectors.queue import (
@@ -80,7 +81,7 @@ CHAT_EXTRAS_KEYS = ("tools", "tool_choice", "parallel_tool_calls", "response_for
 POP_REQUEST_FIELDS = (
     "id", "is_chat", "prompt", "params", "softprompt", "max_length", "max_context_length",
     "requested_models", "jobs_waiting", "disable_batching", "n", "messages", "chat_extras",
-    "user", "kudos_quote", "kudos_context",
+    "user", "kudos_quote", "kudos_context", "created",
     # What a submit checks of the front that waits (chat.front_lease.front_gone).
     "front_id", "front_lease_expires_at",
 )
@@ -196,6 +197,7 @@ def worker_pop(*, worker: Worker, amount: int, repeated: bool = False) -> Popped
             wake_on=view_list_tokens(view), remembered_for=remembered_for,
         )
     empty_pop_forget(view)
+    _record_queue_wait(popped, now)
     record_over_capacity_assignment(request=popped.request, generations=popped.generations, worker=worker)
     if popped.request.is_chat and streams_progress(popped.request.chat_extras):
         write_stream_leases(
@@ -207,6 +209,23 @@ def worker_pop(*, worker: Worker, amount: int, repeated: bool = False) -> Popped
             now=now,
         )
     return popped
+
+
+def _record_queue_wait(popped: PoppedJob, now) -> None:
+    """horde.text.queue_wait_seconds: each job's time from its request's creation to this pop."""
+    request = popped.request
+    try:
+        anonymous = request.user_id == anonymous_user_get().pk
+    except HordeUser.DoesNotExist:  # a database without the anonymous user's row
+        anonymous = False
+    attributes = {
+        "horde.requester": "anonymous" if anonymous else "registered",
+        "horde.chat": request.is_chat,
+        "horde.requested_bucket": size_bucket(request.max_length),
+    }
+    wait = max((now - request.created).total_seconds(), 0.0)
+    for _ in popped.generations:
+        queue_wait_seconds.record(wait, attributes)
 
 
 def popped_jobs_give_back(*, generation_ids: list[uuid.UUID]) -> int:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+from django.utils import timezone
 
 from chat.models import GenerationRequest
+from tests.chat.test_chat_submit import metric_reader  # noqa: F401  (fixture)
 
 MODEL = "Gryphe/MythoMax-L2-13b"
 
@@ -84,8 +87,18 @@ def test_invalid_key_is_401(horde):
     assert response.status_code == 401 and response.json()["rc"] == "InvalidAPIKey"
 
 
+def _serving_worker(horde, make_user, **pop) -> str:
+    """A worker online for MODEL up to 1024 tokens (registered by an empty pop); its id."""
+    answer = horde.pop(make_user("serving-owner").key, name="serving", max_length=1024, **pop)
+    assert answer.status_code == 200 and answer.json()["id"] is None, answer.json()
+    from workers.models import Worker
+
+    return str(Worker.objects.get(name="serving").id)
+
+
 def test_request_above_the_free_output_floor_needs_kudos_upfront(horde, make_user):
     poor = make_user("poor", kudos=5)
+    _serving_worker(horde, make_user)
     refused = horde.text_async(poor.key, models=[MODEL], params={"max_length": 1024})
     assert refused.status_code == 403 and refused.json()["rc"] == "KudosUpfront"
     assert "512 tokens" in refused.json()["message"]
@@ -93,12 +106,55 @@ def test_request_above_the_free_output_floor_needs_kudos_upfront(horde, make_use
     assert poor.refresh().kudos == Decimal("5")
 
 
-def test_allow_downgrade_lowers_to_the_floor(horde, make_user):
+def test_allow_downgrade_lowers_to_the_floor(horde, make_user, caplog):
     poor = make_user("poor", kudos=5)
-    response = horde.text_async(poor.key, models=[MODEL], params={"max_length": 1024}, allow_downgrade=True)
+    with caplog.at_level("INFO", logger="chat.services.create_text"):
+        response = horde.text_async(poor.key, models=[MODEL], params={"max_length": 1024}, allow_downgrade=True)
     assert response.status_code == 202
     assert "downgraded" in response.json()["message"]
     assert GenerationRequest.objects.get(pk=response.json()["id"]).max_length == 512
+    # The downgrade log line beside the downgraded outcome.
+    assert [r.getMessage() for r in caplog.records if "downgraded" in r.getMessage()] == [
+        f"text request of user {poor.user.pk} downgraded from 1024 to 512 tokens: 5.00 kudos available"
+    ]
+
+
+@pytest.mark.parametrize("why", ["no_worker", "too_short", "slow_workers_false"])
+def test_a_kudos_refusal_no_online_worker_could_serve_is_no_eligible_worker(horde, make_user, why):
+    """Kudos do not help a request no online worker can serve: 403 NoEligibleWorker in place of
+    KudosUpfront, and nothing created or charged."""
+    poor = make_user("poor", kudos=5)
+    if why == "too_short":
+        horde.pop(make_user("o").key, name="short", max_length=512)  # online, but not for 1024 tokens
+    body = {"params": {"max_length": 1024}} if why != "slow_workers_false" else {"slow_workers": False}
+    refused = horde.text_async(poor.key, models=[MODEL], **body)
+    assert refused.status_code == 403, refused.json()
+    assert refused.json() == {"message": "No online worker can serve this request.", "rc": "NoEligibleWorker"}
+    assert not GenerationRequest.objects.exists()
+    user = poor.refresh()
+    assert (user.kudos, user.kudos_held) == (Decimal("5"), Decimal("0"))
+
+
+def test_a_listed_request_is_not_downgraded_when_worker_lists_hold_upfront(horde, make_user, settings):
+    """HORDE_UPFRONT_KUDOS_ON_WORKERLIST: a request that lists workers holds its kudos upfront and
+    cannot be downgraded, allow_downgrade or not."""
+    settings.HORDE_UPFRONT_KUDOS_ON_WORKERLIST = True
+    poor = make_user("poor", kudos=5)
+    worker_id = _serving_worker(horde, make_user)
+    body = {"models": [MODEL], "params": {"max_length": 1024}, "allow_downgrade": True, "workers": [worker_id]}
+    refused = horde.text_async(poor.key, **body)
+    assert refused.status_code == 403 and refused.json()["rc"] == "KudosUpfront"
+    assert not GenerationRequest.objects.exists()
+    # A request at the floor that lists workers holds its kudos as well.
+    rich = make_user("rich", kudos=1000)
+    listed = horde.text_async(rich.key, models=[MODEL], params={"max_length": 64}, workers=[worker_id])
+    assert listed.status_code == 202
+    assert rich.refresh().kudos_held == Decimal(str(listed.json()["kudos"]))
+    # Without the setting the same request is lowered to the floor.
+    settings.HORDE_UPFRONT_KUDOS_ON_WORKERLIST = False
+    lowered = horde.text_async(poor.key, **body)
+    assert lowered.status_code == 202
+    assert GenerationRequest.objects.get(pk=lowered.json()["id"]).max_length == 512
 
 
 def test_upfront_kudos_are_held_and_released_as_generations_settle(horde, make_user):
@@ -114,6 +170,7 @@ def test_upfront_kudos_are_held_and_released_as_generations_settle(horde, make_u
 
 def test_slow_workers_false_always_holds_upfront(horde, make_user):
     poor = make_user("poor", kudos=1)
+    _serving_worker(horde, make_user)
     refused = horde.text_async(poor.key, models=[MODEL], slow_workers=False)
     assert refused.status_code == 403 and refused.json()["rc"] == "KudosUpfront"
 
@@ -226,3 +283,62 @@ def test_a_horde_without_anonymous_access_refuses_keyless_requests(horde, settin
 def test_new_users_get_the_default_concurrency(make_user, settings):
     settings.HORDE_DEFAULT_CONCURRENCY = 5
     assert make_user("limited").user.concurrency == 5
+
+
+def _points(reader, name: str) -> dict[tuple, object]:
+    """{sorted attribute items: the point} of one instrument."""
+    data = reader.get_metrics_data()
+    points: dict[tuple, object] = {}
+    for resource in data.resource_metrics if data else ():
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                if metric.name == name:
+                    for point in metric.data.data_points:
+                        points[tuple(sorted(point.attributes.items()))] = point
+    return points
+
+
+def _decision(outcome: str, requested: str, *, requester: str = "registered", chat: bool = False) -> tuple:
+    return tuple(
+        sorted(
+            {
+                "horde.requester": requester,
+                "horde.outcome": outcome,
+                "horde.requested_bucket": requested,
+                "horde.allowance_bucket": "<=512",
+                "horde.chat": chat,
+            }.items()
+        )
+    )
+
+
+def test_each_creation_records_how_the_allowance_admitted_it(horde, make_user, metric_reader):  # noqa: F811
+    poor, rich = make_user("poor", kudos=5), make_user("rich", kudos=1000)
+    _serving_worker(horde, make_user)
+    assert horde.text_async(None, models=[MODEL], params={"max_length": 80}).status_code == 202
+    assert horde.text_async(rich.key, models=[MODEL], params={"max_length": 1024}).status_code == 202
+    assert horde.text_async(poor.key, models=[MODEL], params={"max_length": 2048}).status_code == 403
+    lowered = horde.text_async(poor.key, models=[MODEL], params={"max_length": 1024}, allow_downgrade=True)
+    assert lowered.status_code == 202
+    assert horde.text_async(poor.key, models=[MODEL], params={"max_length": 1024}, dry_run=True).status_code == 200
+    counts = {key: point.value for key, point in _points(metric_reader, "horde.text.free_allowance.decisions").items()}
+    assert counts == {
+        _decision("free", "<=512", requester="anonymous"): 1,
+        _decision("funded", "513-1024"): 1,
+        _decision("refused", "1025-2048"): 1,
+        _decision("downgraded", "513-1024"): 1,  # the bucket it asked for, before the downgrade
+    }
+
+
+def test_each_assignment_records_its_wait_from_the_request_creation(horde, make_user, metric_reader):  # noqa: F811
+    owner = make_user("owner")
+    request_id = horde.text_async(None, models=[MODEL], params={"max_length": 200, "n": 2}).json()["id"]
+    GenerationRequest.objects.filter(pk=request_id).update(created=timezone.now() - timedelta(seconds=30))
+    job = horde.pop(owner.key, max_length=1024, amount=2).json()
+    assert len(job["ids"]) == 2
+    points = _points(metric_reader, "horde.text.queue_wait_seconds")
+    key = tuple(
+        sorted({"horde.requester": "anonymous", "horde.chat": False, "horde.requested_bucket": "<=512"}.items())
+    )
+    assert list(points) == [key]
+    assert points[key].count == 2 and 60 <= points[key].sum < 70

@@ -29,6 +29,7 @@ from tests.chat.chat_route_helpers import (
     chat_worker,
 )
 from tests.chat.pop_helpers import chat_pop
+from tests.chat.test_chat_submit import counter_points, metric_reader  # noqa: F401  (fixture)
 
 TOOLS = [{"type": "function", "function": {"name": "lookup_weather", "parameters": {"type": "object"}}}]
 
@@ -645,6 +646,49 @@ def test_no_eligible_worker_replaces_a_kudos_refusal(horde, make_user, owner):
     # A request that fits the floor is queued whether or not a worker can serve it.
     queued = chat_async(horde.client, poor.key, seed=3)
     assert queued.status_code == 202 and queued.json()["warnings"]
+
+
+def test_no_eligible_worker_states_an_exceeded_limit(horde, make_user, owner):
+    chat_worker(owner, tools_max_temperature=0.5)  # applies at most 0.5 with tools
+    poor = make_user("poor", kudos=1)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    response = chat_async(horde.client, poor.key, max_tokens=1024, temperature=0.9, tools=tools)
+    assert response.status_code == 403
+    assert response.json() == {
+        "message": "No online worker can serve this request: the request exceeds the tools_max_temperature limit "
+        "of every online worker serving the model.",
+        "rc": "NoEligibleWorker",
+        "impossible_reason": {
+            "kind": "declaration_gap", "missing_declarations": [], "exceeded_limits": ["tools_max_temperature"]
+        },
+    }
+    assert not GenerationRequest.objects.exists()
+
+
+def test_each_chat_creation_records_how_the_allowance_admitted_it(
+    horde, make_user, served, metric_reader  # noqa: F811
+):
+    poor, rich = make_user("poor", kudos=1), make_user("rich", kudos=5000)
+    assert chat_async(horde.client, poor.key, max_tokens=100).status_code == 202
+    assert chat_async(horde.client, rich.key, max_tokens=1024).status_code == 202
+    assert chat_async(horde.client, poor.key, max_tokens=1024).status_code == 403
+    assert chat_async(horde.client, poor.key, max_tokens=1024, horde={"dry_run": True}).status_code == 200
+
+    def key(outcome: str, requested: str) -> tuple:
+        return tuple(
+            sorted(
+                {
+                    "horde.requester": "registered", "horde.outcome": outcome, "horde.requested_bucket": requested,
+                    "horde.allowance_bucket": "<=512", "horde.chat": True,
+                }.items()
+            )
+        )
+
+    assert counter_points(metric_reader, "horde.text.free_allowance.decisions") == {
+        key("free", "<=512"): 1,
+        key("funded", "513-1024"): 1,
+        key("refused", "513-1024"): 1,
+    }
 
 
 def test_max_kudos_caps_the_estimate(horde, make_user, served):

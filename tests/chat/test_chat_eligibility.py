@@ -379,11 +379,13 @@ def test_chat_model_list(horde, owner, requester):
     assert listed["solo/model"]["count"] == 0 and listed["solo/model"]["chat"]["workers"] == 1
 
 
-def test_chat_model_list_leaves_out_maintenance_workers(horde, owner):
+@pytest.mark.parametrize("switch", ["maintenance", "paused"])
+def test_chat_model_list_leaves_out_maintenance_and_paused_workers(horde, owner, switch):
+    """A worker in maintenance or paused receives no job: its chat model is not offered."""
     chat_pop(horde, owner.key, name="a")
     # An online text-only worker keeps the model served, so only the chat list can drop it.
     horde.pop(owner.key, name="text", models=[MODEL])
-    Worker.objects.filter(name="a").update(maintenance=True)
+    Worker.objects.filter(name="a").update(**{switch: True})
     cache.clear()
     reset_snapshots()
     plain = {m["name"]: m for m in horde.client.get("/api/v2/status/models?type=text").json()}
