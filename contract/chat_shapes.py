@@ -574,7 +574,7 @@ def _check_content(message: Mapping[str, Any], role: str, path: str) -> int:
             raise _unsupported(
                 _join(part_path, "type"),
                 f"Unsupported value: {_join(part_path, 'type')}={shown} is not supported on "
-                f"a {role} message.",
+                f"{'an' if role[0] in 'aeiou' else 'a'} {role} message.",
             )
         if kind == "text":
             _check_keys(part, {"type", "text"}, part_path)
@@ -777,7 +777,7 @@ def _check_tools(body: Mapping[str, Any]) -> list[str]:
         function = _object(tool.get("function"), function_path)
         _check_keys(function, {"name", "description", "parameters", "strict"}, function_path)
         name = _string(function, "name", function_path)
-        if not _TOOL_NAME.match(name):
+        if not _TOOL_NAME.fullmatch(name):
             raise _bad(
                 _join(function_path, "name"),
                 f"Invalid '{_join(function_path, 'name')}': a function name has 1 to {MAX_CHAT_TOOL_NAME_LENGTH} characters "
@@ -848,7 +848,7 @@ def _check_response_format(body: Mapping[str, Any]) -> None:
     json_schema = _object(response_format["json_schema"], path)
     _check_keys(json_schema, {"name", "schema", "description", "strict"}, path)
     name = _string(json_schema, "name", path)
-    if not _TOOL_NAME.match(name):
+    if not _TOOL_NAME.fullmatch(name):
         raise _bad(
             _join(path, "name"),
             f"Invalid '{path}.name': a name has 1 to {MAX_CHAT_TOOL_NAME_LENGTH} characters of a-z, A-Z, 0-9, "

@@ -92,6 +92,10 @@ async def _completions(
 ) -> JsonAnswer | StreamAnswer:
     state = await get_front_state()
     metrics = state.metrics
+    # Counted for every request that carries it, refused ones included.
+    retry_count = headers.get("x-stainless-retry-count", "0")
+    if retry_count.isdigit() and int(retry_count) > 0:
+        metrics.client_retry_hints.add(1)
     if api_key is None:
         if not state.settings.allow_anonymous:
             error = ChatFrontError(
@@ -109,9 +113,6 @@ async def _completions(
     except ChatFrontError as error:
         metrics.refused(error.status, error.code)
         return _json_error(error)
-    retry_count = headers.get("x-stainless-retry-count", "0")
-    if retry_count.isdigit() and int(retry_count) > 0:
-        metrics.client_retry_hints.add(1)
     slot = state.limiter.acquire(source)
     if slot is None:
         metrics.refused(503, "FrontAtCapacity")

@@ -155,7 +155,7 @@ class FrontASGI:
             return await self.app(scope, receive, send)
         if _tracer is None:
             return await self._handle(scope, receive, send)
-        with _tracer.start_as_current_span(f"{scope.get('method', 'GET')} {path}", kind=_server_kind()):
+        with _tracer.start_as_current_span(server_span_name(scope.get("method", "GET"), path), kind=_server_kind()):
             return await self._handle(scope, receive, send)
 
     async def _handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -242,6 +242,15 @@ def _too_large(limit: int) -> ChatFrontError:
         type="invalid_request_error",
         should_retry=False,
     )
+
+
+# The front's routes; a span of any other path is named by its method alone, as OpenTelemetry's
+# HTTP conventions name a request without a route, so unknown paths make no new span names.
+FRONT_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+
+
+def server_span_name(method: str, path: str) -> str:
+    return f"{method} {path}" if path in FRONT_ROUTES else method
 
 
 def _server_kind() -> Any:

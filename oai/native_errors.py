@@ -162,16 +162,13 @@ def no_eligible_worker(message: str | None = None) -> ChatFrontError:
 
 
 def _limit_sentence(limit: str, value: int | None, listed: bool) -> str:
+    """The sentence of one exceeded limit; without a model list entry the limit's name stands in
+    the value's place."""
     words, _param, unit = LIMIT_WORDS[limit]
     scope = "the listed models" if listed else "the model"
-    if value is None:
-        return (
-            f"No worker eligible for this request currently declares {words} that high; the largest "
-            f"any online worker for {scope} declares now is not reported ({limit})."
-        )
     return (
         f"No worker eligible for this request currently declares {words} that high; the largest any "
-        f"online worker for {scope} declares now is {value} {unit}."
+        f"online worker for {scope} declares now is {limit if value is None else value} {unit}."
     )
 
 

@@ -53,9 +53,10 @@ CHAT_MAX_CONTEXT_LENGTH_DEFAULT = TEXT_MAX_CONTEXT_LENGTH_DEFAULT
 # The text path's character-based estimate: a token is about four characters.
 CHARS_PER_TOKEN_ESTIMATE = 4
 
+# Upstream's WarningMessage.NoAvailableWorker, word for word ("confider" included).
 NO_AVAILABLE_WORKER_WARNING = (
     "Warning: No available workers can fulfill this request. It will expire in 20 minutes unless a "
-    "worker appears. Please consider reducing its size of the request or choosing a different model."
+    "worker appears. Please confider reducing its size of the request or choosing a different model."
 )
 
 
@@ -463,7 +464,7 @@ def ensure_models_served(submission: ChatSubmission, offers: ChatModelOffers) ->
             )
             raise HordeError(refusal.rc, refusal.message, status=refusal.status)
     if offers.workers == 0:
-        if len(submission.models) == 1:
+        if submission.model_paths == ["model"]:  # a request with models reads "any of the models", one or more
             message = f"No worker is currently serving the model '{submission.models[0]}'."
         else:
             names = ", ".join(f"'{m}'" for m in submission.models)

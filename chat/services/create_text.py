@@ -57,6 +57,13 @@ class TextRequestInput:
     operation_key: UUID | None = None
 
 
+# Upstream's text async answer when no worker can serve the request (it is still queued).
+TEXT_NO_AVAILABLE_WORKER_WARNING = (
+    "Warning: No available workers can fulfill this request. It will expire in 20 minutes. "
+    "Consider reducing the amount of tokens to generate."
+)
+
+
 @dataclass(frozen=True)
 class CreatedRequest:
     request: GenerationRequest | None
@@ -166,6 +173,10 @@ def text_request_create(
             raise
         log.info("operation key %s: a concurrent text submit won; answering with %s", operation_key, repeated.request.id)
         return repeated
+    from chat.selectors.availability import chat_request_availability
+
+    if not chat_request_availability(request, created=True).is_possible:
+        message = TEXT_NO_AVAILABLE_WORKER_WARNING
     return CreatedRequest(request=request, kudos=kudos, message=message)
 
 

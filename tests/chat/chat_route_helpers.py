@@ -11,6 +11,7 @@ from django.utils import timezone
 from contract.chat_policy import KNOWN_CHAT_DECLARATIONS
 from workers.declarations import declaration_mask
 from workers.models import Worker
+from workers.serving_version import serving_changed
 
 MODEL = "Gryphe/MythoMax-L2-13b"  # 13B in the reference
 SMALL_MODEL = "koboldcpp/Marx-3B-V3"  # 3B
@@ -35,7 +36,7 @@ def chat_worker(
     """A worker whose latest pop declared chat jobs with `model` (default: every declaration)."""
     features = ALL_DECLARATIONS if features is None else features
     now = timezone.now()
-    return Worker.objects.create(
+    worker = Worker.objects.create(
         name=f"chat-worker-{uuid.uuid4().hex[:8]}",
         owner=owner.user if hasattr(owner, "user") else owner,
         served_models=[model],
@@ -53,6 +54,8 @@ def chat_worker(
         image_transports=image_transports or [],
         chat_tools_max_temperature=tools_max_temperature,
     )
+    serving_changed()  # as the pop that declared it: availability read before it sees it now
+    return worker
 
 
 def chat_body(**body) -> dict:

@@ -67,6 +67,21 @@ def test_unparseable_body_is_a_validation_failure(horde):
     assert response.status_code == 400 and response.json()["message"] == "Input payload validation failed"
 
 
+def test_a_request_no_online_worker_can_serve_is_queued_with_upstreams_warning(horde, make_user):
+    requester = make_user("r")
+    queued = horde.text_async(requester.key, models=["koboldcpp/unserved-model"])
+    assert queued.status_code == 202
+    assert set(queued.json()) == {"id", "kudos", "message"}
+    assert queued.json()["message"] == (
+        "Warning: No available workers can fulfill this request. It will expire in 20 minutes. "
+        "Consider reducing the amount of tokens to generate."
+    )
+    assert GenerationRequest.objects.filter(pk=queued.json()["id"], jobs_waiting=1).exists()
+    _serving_worker(horde, make_user)
+    served = horde.text_async(requester.key, models=[MODEL])
+    assert served.status_code == 202 and set(served.json()) == {"id", "kudos"}
+
+
 def test_defaults_match_upstream(horde, make_user):
     requester = make_user("r")
     request_id = horde.text_async(requester.key, prompt="x").json()["id"]
@@ -108,6 +123,7 @@ def test_request_above_the_free_output_floor_needs_kudos_upfront(horde, make_use
 
 def test_allow_downgrade_lowers_to_the_floor(horde, make_user, caplog):
     poor = make_user("poor", kudos=5)
+    _serving_worker(horde, make_user)  # without one, the answer's message is the no-worker warning
     with caplog.at_level("INFO", logger="chat.services.create_text"):
         response = horde.text_async(poor.key, models=[MODEL], params={"max_length": 1024}, allow_downgrade=True)
     assert response.status_code == 202

@@ -109,8 +109,12 @@ def test_horde_only_and_ignore_become_the_worker_list(horde, make_user, served):
     request = GenerationRequest.objects.get(pk=ignored.json()["id"])
     assert (request.has_worker_list, request.worker_blacklist) == (True, True)
     # Nobody can serve it: the usual warning, and the status reports is_possible.
-    assert ignored.json()["message"].startswith("Warning: No available workers")
-    assert ignored.json()["warnings"][0]["code"] == "NoAvailableWorker"
+    warning = (  # upstream's WarningMessage.NoAvailableWorker, word for word
+        "Warning: No available workers can fulfill this request. It will expire in 20 minutes unless a worker "
+        "appears. Please confider reducing its size of the request or choosing a different model."
+    )
+    assert ignored.json()["message"] == warning
+    assert ignored.json()["warnings"] == [{"code": "NoAvailableWorker", "message": warning}]
 
 
 # --- step 1: body size --------------------------------------------------------------------------
@@ -419,6 +423,9 @@ def test_known_model_without_chat_worker_is_no_eligible_worker(horde, make_user,
         "message": f"No worker is currently serving any of the models '{MODEL}', '{SMALL_MODEL}'.",
         "rc": "NoEligibleWorker",
     }
+    # A request with models reads "any of the models" with one entry as well.
+    one = chat_async(horde.client, requester.key, models=[MODEL])
+    assert one.json() == {"message": f"No worker is currently serving any of the models '{MODEL}'.", "rc": "NoEligibleWorker"}
     # A text-only worker does not serve chat requests.
     horde.pop(owner.key, models=[MODEL])
     assert chat_async(horde.client, requester.key).status_code == 403

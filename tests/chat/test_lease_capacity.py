@@ -46,10 +46,12 @@ def test_capacity_is_the_speed_over_the_lease_after_preparation():
 def test_a_slow_worker_is_refused_a_chat_request_a_capable_worker_can_take(horde, make_user):
     requester, slow_owner, fast_owner = make_user("r", kudos=1000), make_user("s"), make_user("f")
     slow = _register(horde, slow_owner.key, "slow", speed=2.0)  # capacity 240
-    fast = _register(horde, fast_owner.key, "fast", speed=None)  # unmeasured: 1200
+    fast = _register(horde, fast_owner.key, "fast", speed=None, threads=2)  # unmeasured: 1200
     request = queue_chat(requester.user, max_length=512)
     assert chat_capacity_refusal(slow, request) == "lease_speed"
     assert chat_capacity_refusal(fast, request) is None
+    # Availability counts the fast worker's two threads, not the slow one's.
+    assert chat_request_availability(request, created=True).eligible_worker_threads == 2
     assert chat_pop(horde, slow_owner.key, name="slow").json()["id"] is None
     job = chat_pop(horde, fast_owner.key, name="fast").json()
     assert job["id"] and Generation.objects.get(pk=job["id"]).worker_id == fast.id

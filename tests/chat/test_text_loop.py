@@ -25,6 +25,7 @@ def people(make_user):
 def test_whole_loop_charges_and_rewards_the_upstream_formula(horde, people):
     requester, owner = people
     prompt = "a" * 4000
+    assert horde.pop(owner.key, max_length=512, max_context_length=4096).json()["id"] is None  # online, idle
     created = horde.text_async(
         requester.key, prompt=prompt, models=[MODEL], params={"max_length": 200, "temperature": 0.7, "top_k": 40}
     )

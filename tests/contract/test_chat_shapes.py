@@ -108,6 +108,7 @@ def test_every_model_entry_and_tools_at_their_caps_pass():
     validate_chat_request(body(model=None, models=["a", "b", "c", "d", "e"]))
     tools = [{"type": "function", "function": {"name": f"t{i}"}} for i in range(MAX_CHAT_TOOL_COUNT)]
     validate_chat_request(body(tools=tools))
+    validate_chat_request(body(tools=[{"type": "function", "function": {"name": "x" * 64}}]))
     validate_chat_request(
         body(tools=[{"type": "function", "function": {"name": "f", "parameters": nested(10)}}])
     )
@@ -321,6 +322,16 @@ REFUSALS = [
         400,
         "BadRequest",
         "tools[0].function.name",
+        None,
+    ),
+    # `$` alone would let a name end in a newline through; the whole name has to match.
+    ({"tools": [{"type": "function", "function": {"name": "get_weather\n"}}]}, 400, "BadRequest", "tools[0].function.name", None),
+    ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, 400, "BadRequest", "tools[0].function.name", None),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "reply\n", "schema": {"type": "object"}}}},
+        400,
+        "BadRequest",
+        "response_format.json_schema.name",
         None,
     ),
     (

@@ -365,6 +365,14 @@ def test_models_match_the_workers_online(front, client, start_worker):
 # --- metrics and the finished line ------------------------------------------------------------------
 
 
+def test_a_refused_request_carrying_a_retry_count_is_counted(front, client):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=MODEL, messages=[], extra_headers={"x-stainless-retry-count": "2"}
+        )
+    assert front.metrics()["horde.oai.client_retry_hints"][0][1] == 1
+
+
 def test_metrics_of_a_delivered_completion(front, client, start_worker):
     start_worker()
     client.chat.completions.with_raw_response.create(

@@ -292,6 +292,22 @@ def test_limit_gap_is_400_no_worker_supports_limit(client, start_worker):
     assert "a context length that high" in caught.value.message and "4096 tokens" in caught.value.message
 
 
+def test_a_limit_gap_without_a_model_list_entry_names_the_limit():
+    """When the model list holds no entry for a requested model, the limit's name stands in the
+    value's place."""
+    from oai.native_errors import gap_error
+    from oai.schema import screen_request
+
+    request = screen_request({"model": MODEL, "messages": USER, "max_tokens": 4000})
+    reason = {"kind": "declaration_gap", "missing_declarations": [], "exceeded_limits": ["max_length"]}
+    error = gap_error(reason, request, None)
+    assert (error.status, error.code, error.param) == (400, "no_worker_supports_limit", "max_tokens")
+    assert error.message == (
+        "No worker eligible for this request currently declares a completion limit that high; the largest "
+        "any online worker for the model declares now is max_length tokens."
+    )
+
+
 def test_limit_gap_found_at_submit_reads_the_declared_value(front, make_user, start_worker):
     """A requester without the kudos upfront learns of the gap at submit (the horde's 403
     NoEligibleWorker); the front still names what the workers declare, read from the model list."""
