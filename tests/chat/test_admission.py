@@ -252,8 +252,18 @@ def test_browser_preflight_and_cors_headers(horde):
     assert all(h in allowed for h in ("apikey", "client-agent", "content-type", "authorization"))
     assert "DELETE" in preflight["Access-Control-Allow-Methods"]
     assert horde.client.get("/api/v2/status/heartbeat", HTTP_ORIGIN="null")["Access-Control-Allow-Origin"] == "*"
-    missing = horde.client.get("/api/v2/nothing-here")
+    missing = horde.client.get("/api/v2/nothing-here", HTTP_ORIGIN="null")
     assert missing.status_code == 404 and missing.json()["message"]
+    # Error answers carry the header too: a browser client reads their message.
+    invalid = horde.client.post(
+        "/api/v2/generate/text/async", {"prompt": ""}, format="json", HTTP_ORIGIN="null"
+    )
+    wrong_key = horde.client.post(
+        "/api/v2/generate/text/async", {"prompt": "x"}, format="json", HTTP_ORIGIN="null", HTTP_APIKEY="wrong-key"
+    )
+    assert (invalid.status_code, wrong_key.status_code) == (400, 401)
+    for answer in (missing, invalid, wrong_key):
+        assert answer["Access-Control-Allow-Origin"] == "*"
 
 
 def _lite_preflight(horde, path: str, method: str):

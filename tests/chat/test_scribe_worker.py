@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from chat.models import Generation
+from workers.models import Worker
 from tests.chat.live_stack import REQUESTS_HEADERS, LiveStack
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -115,6 +116,17 @@ def test_the_engine_name_growing_on_every_reload_keeps_the_jobs_coming(live, mak
         engine = "~unknown~kai" + "~kai" * reloads  # 69, 73, 77, 81 characters of program name and url
         lite_request(live, requester.key, f"Prompt {reloads}")
         assert_scribe_job(scribe_pop(live, owner.key, "reloading-scribe", engine), f"Prompt {reloads}")
+
+
+def test_a_bridge_agent_of_upstreams_longest_is_kept_and_a_longer_one_refused(horde, make_user):
+    """Upstream accepts a bridge_agent up to 1,000 characters; so do we, whole."""
+    owner = make_user("long-agent-owner")
+    prefix = "AI Horde Worker~aphrodite~kai:24:https://github.com/db0/AI-Horde-Worker#"
+    agent = prefix + "k" * (1000 - len(prefix))
+    assert horde.pop(owner.key, name="long-agent", bridge_agent=agent).status_code == 200
+    assert Worker.objects.get(name="long-agent").bridge_agent == agent
+    refused = horde.pop(owner.key, name="long-agent", bridge_agent=agent + "x")
+    assert refused.status_code == 400 and "bridge_agent" in refused.json()["errors"]
 
 
 @pytest.mark.parametrize("engine", UNVALIDATED_ENGINES)
