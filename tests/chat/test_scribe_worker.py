@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from chat.models import Generation
-from workers.models import Worker
 from tests.chat.live_stack import REQUESTS_HEADERS, LiveStack
+from workers.models import Worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -477,11 +477,11 @@ def test_the_finished_line_is_an_opentelemetry_log_record_with_its_fields(front,
     import logging
 
     from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler
-    from opentelemetry.sdk._logs.export import InMemoryLogExporter, SimpleLogRecordProcessor
+    from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor
 
     from oai.__main__ import bridge_request_log
 
-    exporter = InMemoryLogExporter()
+    exporter = InMemoryLogRecordExporter()
     provider = LoggerProvider()
     provider.add_log_record_processor(SimpleLogRecordProcessor(exporter))
     request_log = logging.getLogger("oai.requests")
