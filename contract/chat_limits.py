@@ -37,7 +37,14 @@ MAX_CHAT_IMAGE_COUNT = 20
 MAX_CHAT_IMAGE_BYTES = 5 * MIB
 MAX_CHAT_IMAGE_TOTAL_BYTES = 25 * MIB  # trusted users and patrons; every request at parse
 MAX_CHAT_IMAGE_TOTAL_BYTES_UNTRUSTED = 5 * MIB
-MAX_CHAT_IMAGE_PIXELS = 3072 * 3072
+MAX_CHAT_IMAGE_PIXELS = 3072 * 3072  # read from the header, before decoding
+# A stored image: RGB (RGBA flattened onto white), longest side at most this, JPEG at this quality.
+CHAT_IMAGE_MAX_SIDE = 2048
+CHAT_IMAGE_JPEG_QUALITY = 90
+# An image part's url in a stored request: this scheme and the key it is stored under.
+CHAT_IMAGE_REFERENCE_PREFIX = "horde-r2://"
+# A presigned image URL in a job lives the job's TTL, and at least this long.
+MIN_CHAT_IMAGE_URL_SECONDS = 600
 CHAT_IMAGE_PLACEHOLDER = "[image]"  # an image part in the flattened prompt
 CHAT_IMAGE_PROMPT_TOKENS = 512  # what koboldcpp's worker adds per image in its own estimate
 

@@ -204,12 +204,32 @@ if STORAGE_BACKEND == "s3":
             "secret_key": env.str("AWS_SECRET_ACCESS_KEY", default=""),
         },
     }
+    # A chat request's images (chat/image_store.py): the source image bucket, private, presigned.
+    _chat_image_storage = {
+        "BACKEND": "storages.backends.s3.S3Storage",
+        "OPTIONS": {
+            **_default_storage["OPTIONS"],
+            "bucket_name": env.str("R2_SOURCE_IMAGE_BUCKET", default="") or _default_storage["OPTIONS"]["bucket_name"],
+            "querystring_auth": True,
+            "file_overwrite": False,
+        },
+    }
 else:
     _default_storage = {"BACKEND": "django.core.files.storage.FileSystemStorage"}
+    _chat_image_storage = {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(Path(MEDIA_ROOT) / "chat-images")},
+    }
 STORAGES = {
     "default": _default_storage,
+    "chat_images": _chat_image_storage,
     "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
 }
+# The horde's own address, for the image URLs of the local store; empty: the pop request's host.
+HORDE_PUBLIC_URL = env.str("HORDE_PUBLIC_URL", default="")
+# Networks an image URL may point into although they are private (CIDRs, comma separated): an
+# operator's own image host. Empty: every private, loopback and link-local address is refused.
+HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS = env.list("HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS", default=[])
 STATIC_URL = "static/"
 STATIC_ROOT = str(VAR_DIR / "static")
 

@@ -157,6 +157,16 @@ def horde(api, db) -> Horde:
 
 
 @pytest.fixture(autouse=True)
+def _chat_image_store(settings, tmp_path_factory):
+    """Each test's chat images in a folder of its own (made by its first save), never under var/."""
+    folder = tmp_path_factory.getbasetemp() / f"chat-images-{uuid.uuid4().hex}"
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "chat_images": {"BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(folder)}},
+    }
+
+
+@pytest.fixture(autouse=True)
 def _generous_rate_limits(settings):
     """Most tests submit many requests from one address; the rate limit tests set their own."""
     from accounts.ratelimit import reset_local_counts

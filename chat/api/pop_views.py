@@ -23,7 +23,12 @@ class TextPopView(APIView):
         owner = registered_caller(request, rc="AnonForbiddenWorker")
         data = dict(validated_body(s.TextPopInputSerializer, request.data))
         wait = data.pop("wait")
-        job = worker_check_in_and_pop(owner=owner, repeated=bool(request.META.get(POP_REPEATED_ENVIRON)), **data)
+        job = worker_check_in_and_pop(
+            owner=owner,
+            repeated=bool(request.META.get(POP_REPEATED_ENVIRON)),
+            image_url_base=lambda: request.build_absolute_uri("/"),
+            **data,
+        )
         response = Response(s.POP_OUTPUT.to_representation(job))
         if job.request is None and wait:
             # How long the serving layer may hold this empty answer for a job (ADR 0024), and the

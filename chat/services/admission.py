@@ -136,9 +136,13 @@ def request_rows_create(
     kudos: Decimal,
     hold: Decimal,
     prompt_tokens: int | None = None,
+    tax: Decimal = HORDE_TAX,
+    inactive_id: UUID | None = None,
 ) -> GenerationRequest:
-    """Insert an active request with its model and worker rows, take its hold and the horde tax.
-    `prompt_tokens`: a chat request's prompt estimate, which its price's context follows.
+    """Insert an active request with its model and worker rows, take its hold and the horde tax
+    (`tax`: a chat request's images add theirs). `prompt_tokens`: a chat request's prompt
+    estimate, which its price's context follows. `inactive_id`: activate that row, written
+    inactive before its images were stored (chat.services.create_chat), instead of inserting one.
 
     Runs inside the caller's transaction, on the locked requester.
     """
@@ -146,26 +150,29 @@ def request_rows_create(
 
     now = timezone.now()
     priority = int(locked_user.kudos)
-    request = GenerationRequest.objects.create(
-        user=locked_user,
-        requested_models=models,
-        any_model=not models,
-        priority=priority,
-        queue_score=queue_score(priority, now.timestamp()),
-        kudos_quote=kudos,
-        kudos_held=hold,
-        expires_at=now + timedelta(seconds=settings.HORDE_TEXT_REQUEST_TTL_SECONDS),
-        kudos_context=context_multiplier(fields["prompt"], fields["max_length"], prompt_tokens=prompt_tokens),
-        consumed_kudos=HORDE_TAX,  # the tax charged below, in this transaction
+    values = {
+        "requested_models": models,
+        "any_model": not models,
+        "priority": priority,
+        "queue_score": queue_score(priority, now.timestamp()),
+        "kudos_quote": kudos,
+        "kudos_held": hold,
+        "expires_at": now + timedelta(seconds=settings.HORDE_TEXT_REQUEST_TTL_SECONDS),
+        "kudos_context": context_multiplier(fields["prompt"], fields["max_length"], prompt_tokens=prompt_tokens),
+        "consumed_kudos": tax,  # the tax charged below, in this transaction
         **fields,
-    )
+    }
+    if inactive_id is None:
+        request = GenerationRequest.objects.create(user=locked_user, **values)
+    else:
+        if not GenerationRequest.objects.filter(pk=inactive_id, user=locked_user, jobs_waiting=0).update(**values):
+            raise HordeError("ChatImageStorageUnavailable", "The request expired before its images were stored.",
+                             status=503)
+        request = GenerationRequest.objects.get(pk=inactive_id)
     RequestModel.objects.bulk_create([RequestModel(request=request, name=m) for m in dict.fromkeys(models)])
     RequestWorker.objects.bulk_create([RequestWorker(request=request, worker_id=w) for w in dict.fromkeys(workers)])
     if hold:
         kudos_hold(user_id=locked_user.pk, amount=hold)
-    kudos_transfer(
-        user_id=locked_user.pk, amount=-HORDE_TAX, kind=KudosTransaction.Kind.HORDE_TAX, request_id=request.id
-    )
+    kudos_transfer(user_id=locked_user.pk, amount=-tax, kind=KudosTransaction.Kind.HORDE_TAX, request_id=request.id)
     queue_grew(request_queue_lists(is_chat=request.is_chat, models=models))
     return request
-

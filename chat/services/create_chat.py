@@ -14,22 +14,34 @@ import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from decimal import Decimal
 from typing import Any
-from uuid import UUID
+from uuid import UUID, uuid4
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Count, Max
+from django.utils import timezone
 from rest_framework.exceptions import ValidationError
 
 from accounts.models import HordeUser
 from chat import metrics
+from chat.image_store import chat_images_delete
 from chat.model_reference import is_known_text_model
 from chat.models import GenerationRequest
 from chat.pricing import text_request_quote
 from chat.services import admission
 from chat.services.cancel import request_cancel
+from chat.services.chat_images import (
+    EXTRA_SOURCE_IMAGE_HORDE_TAX,
+    chat_images_store,
+    check_data_url_total,
+    image_parts,
+    load_chat_images,
+    stored_image_messages,
+    user_image_total_cap,
+)
 from chat.services.front_lease import front_lease_until
 from contract.chat_errors import ChatRefusal
 from contract.chat_limits import CHAT_IMAGE_PLACEHOLDER, CHAT_IMAGE_PROMPT_TOKENS
@@ -563,9 +575,14 @@ def chat_request_create(
     _validate_mapped_params(submission.params, sized.max_context_length)
     # The price's context is the prompt estimate, image parts included (spec: Flattened prompt).
     prompt_tokens = estimate_chat_prompt_tokens(sized.prompt, sized.image_count)
-    kudos = _quote(submission.models, sized.prompt, max_length, prompt_tokens)
+    # Each kept image adds the extra source image tax to the activation tax, the quote included.
+    images = image_parts(sized.messages, submission.messages)
+    image_tax = Decimal(EXTRA_SOURCE_IMAGE_HORDE_TAX * len(images))
+    kudos = _quote(submission.models, sized.prompt, max_length, prompt_tokens) + image_tax
     if horde.max_kudos is not None and kudos > horde.max_kudos:
         raise HordeError("ChatKudosCapExceeded", kudos_cap_message(float(kudos), horde.max_kudos), status=400)
+    if images:  # the requester's image total over the data URLs; a dry run checks only these
+        check_data_url_total(images, user_image_total_cap(user))
     if dry_run:
         return ChatCreated(
             request=None,
@@ -583,7 +600,7 @@ def chat_request_create(
     # The features are derived from the kept messages: a dropped image turn needs no vision.
     requirements = chat_request_requirements({**submission.chat.wire(), "messages": sized.messages})
     # Multi-model: the hold and the upfront check use the highest multiplier across the list.
-    upfront = max(_quote([m], sized.prompt, max_length, prompt_tokens) for m in submission.models)
+    upfront = max(_quote([m], sized.prompt, max_length, prompt_tokens) for m in submission.models) + image_tax
     has_worker_list, blacklist, worker_ids = _worker_list(submission)
     fields = {
         "is_chat": True,
@@ -614,6 +631,12 @@ def chat_request_create(
         "front_lease_expires_at": front_lease_until(front_lease_seconds),
         "front_id": front_id if front_lease_seconds else None,
     }
+    inactive: InactiveImageRequest | None = None
+    if images:
+        # Fetched and normalised before any row; the row is written (inactive) before the images
+        # are stored, so every stored image is referenced by a row until that row is deleted.
+        jpegs = load_chat_images(parts=images, user=user)
+        inactive = inactive_image_request_create(user=user, fields=fields, jpegs=jpegs)
     try:
         with transaction.atomic():
             locked_user = admission.lock_requester(user)
@@ -631,6 +654,8 @@ def chat_request_create(
                 kudos=kudos,
                 hold=upfront if needs_hold and locked_user.kudos_available >= upfront else Decimal("0"),
                 prompt_tokens=prompt_tokens,
+                tax=admission.HORDE_TAX + image_tax,
+                inactive_id=inactive.id if inactive else None,
             )
             if needs_hold and locked_user.kudos_available < upfront:
                 # Chat requests never downgrade. Kudos do not help a request no worker can serve.
@@ -642,6 +667,8 @@ def chat_request_create(
                 )
                 raise refusal
     except IntegrityError:
+        if inactive is not None:
+            inactive.discard()
         if operation_key is None:
             raise
         claim = find_operation_claim(user=user, operation_key=operation_key)
@@ -649,6 +676,10 @@ def chat_request_create(
             raise
         log.info("operation key %s: a concurrent submit won; answering with %s", operation_key, claim.id)
         return answer_operation_claim(claim, submission.fingerprint)
+    except BaseException:
+        if inactive is not None:  # a refused activation deletes the row and the images it stored
+            inactive.discard()
+        raise
     admission.record_allowance_decision(
         user=user,
         outcome="funded" if needs_hold else "free",
@@ -666,6 +697,51 @@ def chat_request_create(
             warnings=[{"code": "NoAvailableWorker", "message": NO_AVAILABLE_WORKER_WARNING}],
         )
     return created
+
+
+# --- images ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InactiveImageRequest:
+    """A request row written before its images were stored: not in the queue (no job waiting) and
+    unknown to its client until activated; a crash before the activation leaves it to the expiry
+    sweep, which deletes it with its images."""
+
+    id: UUID
+    keys: list[str]
+
+    def discard(self) -> None:
+        GenerationRequest.objects.filter(pk=self.id, jobs_waiting=0).delete()
+        chat_images_delete(self.keys)
+
+
+def inactive_image_request_create(
+    *, user: HordeUser, fields: dict[str, Any], jpegs: list[bytes]
+) -> InactiveImageRequest:
+    """Write the row with each image part's url replaced by its key's reference, then store the
+    images; a store failure deletes the row and refuses with 503 ChatImageStorageUnavailable.
+    `fields["messages"]` becomes the stored messages."""
+    request_id = uuid4()
+    fields["messages"], keys = stored_image_messages(fields["messages"], request_id)
+    GenerationRequest.objects.create(
+        id=request_id,
+        user=user,
+        is_chat=True,
+        prompt=fields["prompt"],
+        messages=fields["messages"],
+        max_length=fields["max_length"],
+        max_context_length=fields["max_context_length"],
+        chat_has_images=True,
+        jobs_waiting=0,
+        expires_at=timezone.now() + timedelta(seconds=settings.HORDE_TEXT_REQUEST_TTL_SECONDS),
+    )
+    try:
+        chat_images_store(keys, jpegs)
+    except BaseException:
+        GenerationRequest.objects.filter(pk=request_id).delete()
+        raise
+    return InactiveImageRequest(id=request_id, keys=keys)
 
 
 # --- cancel -------------------------------------------------------------------------------------

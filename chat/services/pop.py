@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import lru_cache
@@ -18,6 +19,7 @@ from django.utils import timezone
 from accounts.models import HordeUser
 from accounts.selectors import anonymous_user_get
 from chat.gate_shadow import record_over_capacity_assignment
+from chat.image_store import ChatImageStoreUnavailable
 from chat.metrics import lease_capacity_limited, queue_wait_seconds, size_bucket
 from chat.models import Generation, GenerationRequest
 from chat.pricing import model_kudos_factors
@@ -33,6 +35,7 @@ from chat.selectors.queue import (
     where_sql,
     worker_queue_lists,
 )
+from chat.services.chat_images import job_image_messages, select_chat_transport
 from chat.services.faults import requeue_jobs
 from chat.services.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember, view_list_tokens
 from chat.services.progress import delete_stream_leases, write_stream_leases
@@ -44,6 +47,8 @@ from contract.chat_progress import CHAT_STREAM_PROGRESS_KEY, streams_progress
 from contract.errors import HordeError
 from workers.models import Worker
 from workers.services import TextWorkerDeclaration, worker_check_in, worker_rows
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,7 @@ CHAT_EXTRAS_KEYS = ("tools", "tool_choice", "parallel_tool_calls", "response_for
 POP_REQUEST_FIELDS = (
     "id", "is_chat", "prompt", "params", "softprompt", "max_length", "max_context_length",
     "requested_models", "jobs_waiting", "disable_batching", "n", "messages", "chat_extras",
-    "user", "kudos_quote", "kudos_context", "created",
+    "user", "kudos_quote", "kudos_context", "created", "chat_has_images",
     # What a submit checks of the front that waits (chat.front_lease.front_gone).
     "front_id", "front_lease_expires_at",
 )
@@ -120,11 +125,14 @@ def worker_check_in_and_pop(
     model_id: Any = None,
     image_transports: Any = None,
     repeated: bool = False,
+    image_url_base: Callable[[], str] | None = None,
 ) -> PoppedJob:
     """A worker's pop: check it in under the declaration it states (its first pop registers it),
     then hand it a job when one is eligible. The chat fields are as sent (None: not sent); the
     contract reads them, and its refusal is the spec's. `repeated`: the serving layer runs a held
-    pop again (ADR 0024), which is not another pop of the worker's for the pop counters."""
+    pop again (ADR 0024), which is not another pop of the worker's for the pop counters.
+    `image_url_base`: the horde's address as the worker reached it, for the image URLs of the
+    local store (HORDE_PUBLIC_URL when set)."""
     models = list(dict.fromkeys(models))
     sent = {"chat_jobs": chat_jobs, "prompt_jobs": prompt_jobs, "chat_features": chat_features,
             "chat_limits": chat_limits, "model_id": model_id, "image_transports": image_transports}
@@ -147,17 +155,19 @@ def worker_check_in_and_pop(
     worker = worker_check_in(owner=owner, declaration=declaration)
     worker.owner = owner
     try:
-        return worker_pop(worker=worker, amount=amount, repeated=repeated)
+        return worker_pop(worker=worker, amount=amount, repeated=repeated, image_url_base=image_url_base)
     except IntegrityError:
         # The process's copy of the worker row outlived the row (an operator deleted it): the
         # pop wrote nothing; check in afresh, which registers the worker again, and pop once more.
         worker_rows.forget(declaration.name)
         worker = worker_check_in(owner=owner, declaration=declaration)
         worker.owner = owner
-        return worker_pop(worker=worker, amount=amount, repeated=repeated)
+        return worker_pop(worker=worker, amount=amount, repeated=repeated, image_url_base=image_url_base)
 
 
-def worker_pop(*, worker: Worker, amount: int, repeated: bool = False) -> PoppedJob:
+def worker_pop(
+    *, worker: Worker, amount: int, repeated: bool = False, image_url_base: Callable[[], str] | None = None
+) -> PoppedJob:
     """Hand the first eligible request's jobs (up to `amount`) to the worker: the owner's and its
     priority users' requests first, then by queue score, oldest first. A `repeated` run of a held
     pop is not counted again."""
@@ -197,6 +207,8 @@ def worker_pop(*, worker: Worker, amount: int, repeated: bool = False) -> Popped
             wake_on=view_list_tokens(view), remembered_for=remembered_for,
         )
     empty_pop_forget(view)
+    if popped.request.is_chat and popped.request.chat_has_images:
+        _send_job_images(popped, worker, image_url_base)
     _record_queue_wait(popped, now)
     record_over_capacity_assignment(request=popped.request, generations=popped.generations, worker=worker)
     if popped.request.is_chat and streams_progress(popped.request.chat_extras):
@@ -209,6 +221,29 @@ def worker_pop(*, worker: Worker, amount: int, repeated: bool = False) -> Popped
             now=now,
         )
     return popped
+
+
+def _send_job_images(popped: PoppedJob, worker: Worker, image_url_base: Callable[[], str] | None) -> None:
+    """Replace each image reference of the job's messages by what the worker declared (after the
+    commit that assigned the job, so the store is not read under the queue's lock) and record the
+    transport on its generations. A store that fails gives the jobs back and refuses with 503."""
+    transport = select_chat_transport(worker.image_transports)
+    request = popped.request
+    base_url = settings.HORDE_PUBLIC_URL or (image_url_base() if image_url_base else "")
+    try:
+        request.messages = job_image_messages(
+            request.messages or [], transport=transport, seconds=settings.HORDE_TEXT_JOB_LEASE_SECONDS,
+            base_url=base_url,
+        )
+    except ChatImageStoreUnavailable:
+        log.warning("chat images of %s unavailable at pop; its jobs go back", request.id, exc_info=True)
+        popped_jobs_give_back(generation_ids=[g.id for g in popped.generations])
+        raise HordeError(
+            "ChatImageStorageUnavailable", "The job's images could not be read; please try again.", status=503
+        ) from None
+    Generation.objects.filter(pk__in=[g.id for g in popped.generations]).update(image_transport=transport)
+    for generation in popped.generations:
+        generation.image_transport = transport
 
 
 def _record_queue_wait(popped: PoppedJob, now) -> None:

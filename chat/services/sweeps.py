@@ -13,6 +13,7 @@ from django.utils import timezone
 from accounts.services import kudos_release
 from chat import metrics
 from chat.gate_shadow import record_aborted_outcome
+from chat.image_store import chat_images_delete, referenced_image_keys, retry_chat_image_deletes
 from chat.models import Generation, GenerationRequest
 from chat.selectors.status import request_completed, stored_result_count
 from chat.services.faults import requeue_faulted, worker_record_dropped_job
@@ -86,7 +87,8 @@ def abort_stale_generations() -> int:
 
 
 def expire_requests() -> int:
-    """Delete requests past their expiry and release their holds (the 60 s beat task).
+    """Delete requests past their expiry, release their holds and delete their images (the 60 s
+    beat task), after a retry of the image deletes that failed before.
 
     A chat request that was still open publishes faulted after its deletion commits, so a client
     woken by it reads the settled state (404); the message carries the stored fault details, since
@@ -94,12 +96,13 @@ def expire_requests() -> int:
     """
     now = timezone.now()
     expired = 0
+    retry_chat_image_deletes()
     for request_id in GenerationRequest.objects.filter(expires_at__lt=now).values_list("id", flat=True)[:1000]:
         with transaction.atomic():
             request = (
                 GenerationRequest.objects.select_for_update()
                 .filter(pk=request_id, expires_at__lt=now)
-                .only("user_id", "kudos_held", "is_chat", "faulted", "chat_fault_reason", "chat_fault_rc")
+                .only("user_id", "kudos_held", "is_chat", "faulted", "chat_fault_reason", "chat_fault_rc", "chat_has_images")
                 .first()
             )
             if request is None:
@@ -109,7 +112,11 @@ def expire_requests() -> int:
             if request.is_chat and not request_completed(request_id, is_chat=True):
                 signal = (stored_result_count(request_id), request.chat_fault_reason, request.chat_fault_rc)
             kudos_release(user_id=request.user_id, amount=request.kudos_held)
+            # The images go with their row (the messages are read only for a request that has some).
+            image_keys = referenced_image_keys(request.messages) if request.chat_has_images else []
             request.delete()
+            if image_keys:
+                transaction.on_commit(partial(chat_images_delete, image_keys), robust=True)
             expired += 1
             if signal is not None:
                 generations, fault_reason, fault_rc = signal

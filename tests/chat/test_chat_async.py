@@ -581,6 +581,12 @@ def test_flattened_prompt_and_image_estimate():
 # --- pricing at admission ----------------------------------------------------------------------
 
 
+# An 8x8 PNG, as a client sends an image inline.
+_PNG_DATA_URL = (
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAgAAAAICAIAAABLbSncAAAAEklEQVR4nGP4z8CAFWEXHbQSACj/P8Fu7N9hAAAAAElFTkSuQmCC"
+)
+
+
 def test_an_image_part_prices_the_context_at_the_estimate(horde, make_user, owner):
     """The quote's context follows the prompt estimate, 512 tokens per image part included: a dry
     run with an image quotes more than the same words without it, and the request stores that price."""
@@ -589,7 +595,7 @@ def test_an_image_part_prices_the_context_at_the_estimate(horde, make_user, owne
     chat_worker(owner)  # declares vision
     requester = make_user("r", kudos=5000)
     words = {"role": "user", "content": [{"type": "text", "text": "Look:"}]}
-    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    image = {"type": "image_url", "image_url": {"url": _PNG_DATA_URL}}
     seen = {**words, "content": [*words["content"], image]}
     plain = chat_async(horde.client, requester.key, messages=[words], max_tokens=1024, horde={"dry_run": True})
     with_image = chat_async(horde.client, requester.key, messages=[seen], max_tokens=1024, horde={"dry_run": True})

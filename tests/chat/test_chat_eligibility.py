@@ -116,7 +116,13 @@ def test_a_strict_request_needs_its_guarantees_and_best_effort_does_not(horde, o
     ("transports", "expected"),
     [([], False), (["messages_url"], False), (["url"], True), (["base64"], True)],
 )
-def test_images_need_vision_and_an_image_transport(horde, owner, requester, transports, expected):
+def test_images_need_vision_and_an_image_transport(horde, owner, requester, transports, expected, settings, tmp_path):
+    # The referenced image is in the store, so a base64 worker's pop can read it.
+    folder = tmp_path / "chat-images"
+    folder.mkdir()
+    (folder / "x_chat_0.jpg").write_bytes(b"\xff\xd8\xff stored image")
+    settings.STORAGES = {**settings.STORAGES, "chat_images": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(folder)}}}
     request = queue_chat(requester.user, {"messages": [IMAGE]})
     assert request.chat_has_images
     assert_takes(horde, owner.key, request, False, features=ALL_GUARANTEES, transports=["url"])

@@ -226,6 +226,7 @@ class HordeTestWorker:
     key: str
     model: str = MODEL
     features: list[str] = field(default_factory=lambda: list(ALL_DECLARATIONS))
+    image_transports: list[str] = field(default_factory=list)
     max_length: int = 2048
     max_context_length: int = 8192
     reply: Reply = field(default_factory=text_reply)
@@ -249,6 +250,7 @@ class HordeTestWorker:
             "chat_features": self.features,
             "chat_limits": {"max_context_length": self.max_context_length, "max_length": self.max_length},
             "model_id": self.model,
+            "image_transports": self.image_transports,
         }
 
     def check_in(self) -> dict[str, Any]:

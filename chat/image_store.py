@@ -1,0 +1,203 @@
+"""Where a chat request's images are kept (spec: chat_requests.md, "Images"): keys, the store,
+the download URLs a worker receives, and deletes that are retried until they succeed.
+
+The store is Django's storage named `chat_images` (settings.STORAGES): a folder under MEDIA_ROOT
+in the embedded default, the source image bucket with STORAGE_BACKEND=s3. A URL into the bucket
+is presigned by the S3 client, locally; a URL into the folder is signed here with the secret key
+and served by the horde itself (chat.api.image_views).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+from urllib.parse import urlencode
+from uuid import UUID
+
+from django.core.files.base import ContentFile
+from django.core.files.storage import FileSystemStorage, Storage, storages
+from django.utils.crypto import constant_time_compare, salted_hmac
+
+from chat.signals import signal_redis
+from contract.chat_limits import CHAT_IMAGE_REFERENCE_PREFIX
+
+log = logging.getLogger(__name__)
+
+# Keys whose delete failed, retried by the expiry sweep; no TTL, since a key that expired out of
+# the set would leave its image stored and unreferenced. Bounded: past the bound keys are logged.
+CHAT_IMAGE_DELETE_RETRY_KEY = "horde:chat:image_delete_retry"
+MAX_CHAT_IMAGE_DELETE_RETRY_KEYS = 100_000
+CHAT_IMAGE_DELETE_RETRY_BATCH = 1000
+# The path the horde serves images of the local store under (hordesite/urls.py).
+LOCAL_CHAT_IMAGE_PATH = "/api/v2/chat_images/"
+_SIGNATURE_SALT = "chat.image_store.signed_url"
+
+
+class ChatImageStoreUnavailable(Exception):
+    """The store did not take, give or sign an image."""
+
+
+def chat_image_key(request_id: UUID | str, n: int) -> str:
+    """The key of a request's n-th image (from 0)."""
+    return f"{request_id}_chat_{n}.jpg"
+
+
+def chat_image_reference(key: str) -> str:
+    """An image part's url in the stored request."""
+    return f"{CHAT_IMAGE_REFERENCE_PREFIX}{key}"
+
+
+def _image_parts(messages: Iterable[dict[str, Any]] | None) -> Iterator[dict[str, Any]]:
+    for message in messages or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image_url" and isinstance(part.get("image_url"), dict):
+                    yield part
+
+
+def referenced_image_keys(messages: Iterable[dict[str, Any]] | None) -> list[str]:
+    """The store keys a stored request's messages reference, in order."""
+    keys = []
+    for part in _image_parts(messages):
+        url = part["image_url"].get("url")
+        if isinstance(url, str) and url.startswith(CHAT_IMAGE_REFERENCE_PREFIX):
+            keys.append(url.removeprefix(CHAT_IMAGE_REFERENCE_PREFIX))
+    return keys
+
+
+def messages_with_image_urls(messages: list[dict[str, Any]], url_of: Any) -> list[dict[str, Any]]:
+    """A copy of `messages` with each image part's url replaced by `url_of(url)`; the parts'
+    other keys (detail) and the other messages are kept as they are."""
+    replaced = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list) or not any(
+            isinstance(p, dict) and p.get("type") == "image_url" for p in content
+        ):
+            replaced.append(message)
+            continue
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "image_url" and isinstance(part.get("image_url"), dict):
+                part = {**part, "image_url": {**part["image_url"], "url": url_of(part["image_url"]["url"])}}
+            parts.append(part)
+        replaced.append({**message, "content": parts})
+    return replaced
+
+
+def chat_image_storage() -> Storage:
+    return storages["chat_images"]
+
+
+def chat_images_save(images: Iterable[tuple[str, bytes]]) -> None:
+    """Store each (key, JPEG bytes). When one is not taken, those already stored are deleted and
+    ChatImageStoreUnavailable is raised."""
+    storage = chat_image_storage()
+    stored: list[str] = []
+    for key, data in images:
+        try:
+            saved = storage.save(key, ContentFile(data))
+        except Exception as error:  # any storage backend's failure: the caller refuses with 503
+            chat_images_delete(stored)
+            raise ChatImageStoreUnavailable(f"the image store did not take {key}: {error}") from error
+        stored.append(saved)
+        if saved != key:  # a key is a request id's: another object under it is not ours to overwrite
+            chat_images_delete(stored)
+            raise ChatImageStoreUnavailable(f"the image store already holds {key}")
+
+
+def chat_image_read(key: str) -> bytes:
+    try:
+        with chat_image_storage().open(key, "rb") as stored:
+            return stored.read()
+    except Exception as error:
+        raise ChatImageStoreUnavailable(f"the image store did not give {key}: {error}") from error
+
+
+def chat_image_url(key: str, *, seconds: int, base_url: str) -> str:
+    """A download URL for a worker, valid `seconds`: presigned by the bucket's client, or signed
+    here for the local store (served under LOCAL_CHAT_IMAGE_PATH of `base_url`)."""
+    storage = chat_image_storage()
+    if isinstance(storage, FileSystemStorage):
+        expires = int(time.time()) + seconds
+        query = urlencode({"expires": expires, "signature": _signature(key, expires)})
+        return f"{base_url.rstrip('/')}{LOCAL_CHAT_IMAGE_PATH}{key}?{query}"
+    try:
+        return storage.url(key, expire=seconds)
+    except Exception as error:
+        raise ChatImageStoreUnavailable(f"the image store did not sign {key}: {error}") from error
+
+
+def _signature(key: str, expires: int) -> str:
+    return salted_hmac(_SIGNATURE_SALT, f"{key}:{expires}", algorithm="sha256").hexdigest()
+
+
+def local_image_url_valid(key: str, expires: str | None, signature: str | None) -> bool:
+    """Whether a local download URL's signature is ours and it has not expired."""
+    if not expires or not signature or not expires.isdigit():
+        return False
+    return int(expires) >= time.time() and constant_time_compare(signature, _signature(key, int(expires)))
+
+
+def chat_images_delete(keys: Iterable[str]) -> int:
+    """Delete each key; a key the store does not delete is queued for the retry. Returns how many
+    were deleted."""
+    storage = chat_image_storage()
+    deleted, failed = 0, []
+    for key in keys:
+        try:
+            storage.delete(key)
+            deleted += 1
+        except Exception:
+            log.warning("chat image %s was not deleted; queued for a retry", key, exc_info=True)
+            failed.append(key)
+    if failed:
+        _queue_delete_retry(failed)
+    return deleted
+
+
+def _queue_delete_retry(keys: list[str]) -> None:
+    client = signal_redis()
+    if client is None:
+        log.error("chat images not deleted and no retry set without Redis: %s", ", ".join(keys))
+        return
+    try:
+        room = MAX_CHAT_IMAGE_DELETE_RETRY_KEYS - int(client.scard(CHAT_IMAGE_DELETE_RETRY_KEY))
+        if room > 0:
+            client.sadd(CHAT_IMAGE_DELETE_RETRY_KEY, *keys[:room])
+        if len(keys) > max(room, 0):
+            log.error("chat image delete retry set is full; not deleted: %s", ", ".join(keys[max(room, 0):]))
+    except Exception:
+        log.error("chat images not deleted and not queued: %s", ", ".join(keys), exc_info=True)
+
+
+def retry_chat_image_deletes() -> int:
+    """The expiry sweep's retry of failed deletes: up to CHAT_IMAGE_DELETE_RETRY_BATCH keys, each
+    removed from the set once it deletes. Returns how many deleted."""
+    client = signal_redis()
+    if client is None:
+        return 0
+    try:
+        keys = [k.decode() if isinstance(k, bytes) else k for k in client.srandmember(
+            CHAT_IMAGE_DELETE_RETRY_KEY, CHAT_IMAGE_DELETE_RETRY_BATCH
+        )]
+    except Exception:
+        log.warning("chat image delete retry set unreadable", exc_info=True)
+        return 0
+    storage = chat_image_storage()
+    done = []
+    for key in keys:
+        try:
+            storage.delete(key)
+            done.append(key)
+        except Exception:
+            log.warning("chat image %s still not deleted", key, exc_info=True)
+    if done:
+        try:
+            client.srem(CHAT_IMAGE_DELETE_RETRY_KEY, *done)
+        except Exception:  # deleted already: a later retry deletes nothing and removes them
+            log.warning("chat image delete retry set not updated", exc_info=True)
+    return len(done)

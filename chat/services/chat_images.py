@@ -1,0 +1,244 @@
+"""A chat request's images at submit (spec: chat_requests.md, "Images"): the requester's total,
+the fetch of URL images, the header checks, the normalisation to JPEG and the store; and at pop,
+each reference replaced by what the worker declared it receives.
+
+The caps every request is held to when the body is parsed (count, size per data URL, the 25 MiB
+total) are the contract's (contract.chat_shapes); here come the caps that need the user, the
+fetched bytes or the decoded image.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import ipaddress
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from django.conf import settings
+from PIL import Image, UnidentifiedImageError
+
+from accounts.models import HordeUser
+from chat.image_fetch import ImageTooLarge, ImageUrlInvalid, ImageUrlRefused, fetch_public_image
+from chat.image_store import (
+    ChatImageStoreUnavailable,
+    chat_image_key,
+    chat_image_read,
+    chat_image_reference,
+    chat_image_url,
+    chat_images_save,
+    messages_with_image_urls,
+)
+from contract.chat_errors import ChatRefusal
+from contract.chat_limits import (
+    CHAT_IMAGE_JPEG_QUALITY,
+    CHAT_IMAGE_MAX_SIDE,
+    CHAT_IMAGE_REFERENCE_PREFIX,
+    MAX_CHAT_IMAGE_BYTES,
+    MAX_CHAT_IMAGE_PIXELS,
+    MAX_CHAT_IMAGE_TOTAL_BYTES,
+    MAX_CHAT_IMAGE_TOTAL_BYTES_UNTRUSTED,
+    MIN_CHAT_IMAGE_URL_SECONDS,
+)
+from contract.chat_shapes import data_url_decoded_size, image_too_large, images_total_exceeded
+from contract.errors import HordeError
+
+log = logging.getLogger(__name__)
+
+# Each image adds this to the activation tax (upstream's extra source image tax), in the quote too.
+EXTRA_SOURCE_IMAGE_HORDE_TAX = 5
+
+DATA_IMAGE_URL_PREFIX = "data:image/"
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """An image part of the kept messages: its path in the submitted body and its url."""
+
+    path: str
+    url: str
+
+    @property
+    def is_data_url(self) -> bool:
+        return self.url[: len(DATA_IMAGE_URL_PREFIX)].lower() == DATA_IMAGE_URL_PREFIX
+
+
+def image_parts(kept: list[dict[str, Any]], submitted: list[dict[str, Any]]) -> list[ImagePart]:
+    """The image parts of the kept messages (a truncated request keeps some of the submitted
+    ones, the same objects), each with its path in the submitted body."""
+    index_of = {id(message): i for i, message in enumerate(submitted)}
+    parts = []
+    for message in kept:
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        i = index_of.get(id(message), 0)
+        for j, part in enumerate(content):
+            if part.get("type") == "image_url":
+                parts.append(ImagePart(f"messages[{i}].content[{j}].image_url.url", part["image_url"]["url"]))
+    return parts
+
+
+def user_image_total_cap(user: HordeUser) -> int:
+    """The requester's total: 25 MiB for trusted users, 5 MiB for anyone else."""
+    return MAX_CHAT_IMAGE_TOTAL_BYTES if user.trusted else MAX_CHAT_IMAGE_TOTAL_BYTES_UNTRUSTED
+
+
+def check_data_url_total(parts: list[ImagePart], cap: int) -> int:
+    """The data URLs' decoded sizes against the requester's total, before anything is fetched (all
+    a dry run checks). Returns their total."""
+    total = sum(data_url_decoded_size(p.url) for p in parts if p.is_data_url)
+    if total > cap:
+        raise images_total_exceeded(total, cap)
+    return total
+
+
+def load_chat_images(*, parts: list[ImagePart], user: HordeUser) -> list[bytes]:
+    """The images of a request as the JPEGs to store, in order, after the requester's total, the
+    fetches, the header checks and the normalisation; each refusal is the spec's."""
+    cap = user_image_total_cap(user)
+    total = check_data_url_total(parts, cap)
+    raw: list[bytes] = []
+    for part in parts:
+        if part.is_data_url:
+            raw.append(_decoded(part))
+            continue
+        data = _fetched(part)
+        # A URL image's size is known once fetched: the total is checked before the next fetch.
+        total += len(data)
+        if total > cap:
+            raise images_total_exceeded(total, cap)
+        raw.append(data)
+    for part, data in zip(parts, raw, strict=True):
+        _check_header(part, data)
+    jpegs = [normalise_chat_image(data) for data in raw]
+    encoded = sum(len(j) for j in jpegs)
+    if encoded > cap:  # a compact PNG can re-encode to a far larger JPEG
+        raise images_total_exceeded(encoded, cap, encoded=True)
+    return jpegs
+
+
+def _decoded(part: ImagePart) -> bytes:
+    payload = part.url.split(",", 1)[1]
+    try:
+        return base64.b64decode(payload, validate=False)
+    except (binascii.Error, ValueError):
+        raise ChatRefusal("SourceImageUnreadable", "The image's base64 data is not valid.", param=part.path) from None
+
+
+def _allowed_networks() -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    return [ipaddress.ip_network(n, strict=False) for n in settings.HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS]
+
+
+def _fetched(part: ImagePart) -> bytes:
+    try:
+        return fetch_public_image(part.url, max_bytes=MAX_CHAT_IMAGE_BYTES, allowed_networks=_allowed_networks())
+    except ImageTooLarge as error:
+        raise image_too_large(part.path, error.size) from None
+    except ImageUrlRefused as error:
+        raise ChatRefusal("SourceImageUrlRefused", f"The image URL is refused: {error}.", param=part.path) from None
+    except ImageUrlInvalid as error:
+        raise ChatRefusal(
+            "SourceImageUrlInvalid", f"The image URL could not be fetched: {error}.", param=part.path
+        ) from None
+
+
+def _check_header(part: ImagePart, data: bytes) -> None:
+    """Readable as an image, and at most MAX_CHAT_IMAGE_PIXELS as its header states."""
+    if len(data) > MAX_CHAT_IMAGE_BYTES:
+        raise image_too_large(part.path, len(data))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:  # reads the header only
+                width, height = image.size
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+        raise ChatRefusal(
+            "SourceImageUnreadable", "The image could not be read as an image.", param=part.path
+        ) from None
+    if width * height > MAX_CHAT_IMAGE_PIXELS:
+        raise ChatRefusal(
+            "SourceImageResolutionExceeded",
+            f"The image is {width}x{height} pixels; at most {MAX_CHAT_IMAGE_PIXELS} pixels (3072x3072) are "
+            "supported.",
+            param=part.path,
+        )
+
+
+def normalise_chat_image(data: bytes) -> bytes:
+    """RGB (RGBA flattened onto white), longest side at most CHAT_IMAGE_MAX_SIDE, as JPEG at
+    CHAT_IMAGE_JPEG_QUALITY: what every chat worker's image loader decodes."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with Image.open(io.BytesIO(data)) as opened:
+            image = opened.convert("RGBA") if _has_transparency(opened) else opened.convert("RGB")
+    if image.mode == "RGBA":
+        flat = Image.new("RGB", image.size, (255, 255, 255))
+        flat.paste(image, mask=image.getchannel("A"))
+        image = flat
+    if max(image.size) > CHAT_IMAGE_MAX_SIDE:
+        image.thumbnail((CHAT_IMAGE_MAX_SIDE, CHAT_IMAGE_MAX_SIDE), Image.Resampling.LANCZOS)
+    out = io.BytesIO()
+    image.save(out, format="JPEG", quality=CHAT_IMAGE_JPEG_QUALITY)
+    return out.getvalue()
+
+
+def _has_transparency(image: Image.Image) -> bool:
+    return image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info) or (
+        image.mode in ("RGB", "L") and "transparency" in image.info
+    )
+
+
+def stored_image_messages(messages: list[dict[str, Any]], request_id: UUID) -> tuple[list[dict[str, Any]], list[str]]:
+    """The messages as stored: each image part's url replaced by its key's reference, n counting
+    the request's images from 0. Returns them and the keys."""
+    keys: list[str] = []
+
+    def reference(_url: str) -> str:
+        keys.append(chat_image_key(request_id, len(keys)))
+        return chat_image_reference(keys[-1])
+
+    return messages_with_image_urls(messages, reference), keys
+
+
+def chat_images_store(keys: list[str], jpegs: list[bytes]) -> None:
+    """Store the images; a failure (which deletes those stored) refuses with 503."""
+    try:
+        chat_images_save(zip(keys, jpegs, strict=True))
+    except ChatImageStoreUnavailable:
+        log.warning("chat images of a submission not stored", exc_info=True)
+        raise HordeError(
+            "ChatImageStorageUnavailable",
+            "The request's images could not be stored; nothing was charged. Please try again later.",
+            status=503,
+        ) from None
+
+
+# --- at pop --------------------------------------------------------------------------------------
+
+
+def select_chat_transport(declared: list[str] | None) -> str:
+    """The image transport a job is sent with: a URL when the worker fetches them, else base64."""
+    return "url" if "url" in (declared or ()) else "base64"
+
+
+def job_image_messages(
+    messages: list[dict[str, Any]], *, transport: str, seconds: int, base_url: str
+) -> list[dict[str, Any]]:
+    """The job's messages with each reference replaced as the transport says: a presigned URL valid
+    `seconds` (at least MIN_CHAT_IMAGE_URL_SECONDS), or a data URL of the stored JPEG."""
+    lifetime = max(seconds, MIN_CHAT_IMAGE_URL_SECONDS)
+
+    def resolved(url: str) -> str:
+        if not url.startswith(CHAT_IMAGE_REFERENCE_PREFIX):
+            return url
+        key = url.removeprefix(CHAT_IMAGE_REFERENCE_PREFIX)
+        if transport == "url":
+            return chat_image_url(key, seconds=lifetime, base_url=base_url)
+        return "data:image/jpeg;base64," + base64.b64encode(chat_image_read(key)).decode("ascii")
+
+    return messages_with_image_urls(messages, resolved)

@@ -1,0 +1,410 @@
+"""A chat request's images (chat_requests.md, "Images"): the requester's total, URL fetches, the
+header checks, the normalisation to JPEG, the store and its refusals, the extra source image tax,
+what a worker receives under each transport, and the deletes with their retry."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+import time
+from decimal import Decimal
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+from django.utils import timezone
+from PIL import Image
+
+from accounts.models import KudosTransaction
+from chat.image_store import CHAT_IMAGE_DELETE_RETRY_KEY, chat_image_key
+from chat.models import Generation, GenerationRequest
+from chat.services.create_chat import inactive_image_request_create
+from chat.services.sweeps import expire_requests
+from contract.chat_limits import MAX_CHAT_IMAGE_TOTAL_BYTES_UNTRUSTED, MIN_CHAT_IMAGE_URL_SECONDS
+from tests.chat.chat_route_helpers import chat_async, chat_worker
+from tests.chat.pop_helpers import ALL_GUARANTEES, chat_pop
+
+VISION = ["vision", *ALL_GUARANTEES]
+
+
+def png(width: int = 8, height: int = 8, *, mode: str = "RGB", color=(200, 30, 30), noise: bool = False) -> bytes:
+    image = Image.frombytes(mode, (width, height), _noise(width * height * len(mode))) if noise else Image.new(
+        mode, (width, height), color
+    )
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def _noise(n: int) -> bytes:
+    import random
+
+    return random.Random(n).randbytes(n)
+
+
+def data_url(data: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+
+
+def image_message(*urls: str, text: str = "What is it?") -> dict:
+    parts = [{"type": "text", "text": text}]
+    parts += [{"type": "image_url", "image_url": {"url": url, "detail": "low"}} for url in urls]
+    return {"role": "user", "content": parts}
+
+
+@pytest.fixture
+def image_store(settings, tmp_path) -> Path:
+    """The chat image store in a folder of this test's own."""
+    folder = tmp_path / "chat-images"
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "chat_images": {"BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(folder)}},
+    }
+    return folder
+
+
+def stored_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+@pytest.fixture
+def vision_owner(make_user):
+    owner = make_user("vision-owner", trusted=True)
+    chat_worker(owner, features=[*VISION], image_transports=["url", "base64"])
+    return owner
+
+
+class ImageHost:
+    """A local image host: paths to (status, body)."""
+
+    def __init__(self, routes: dict[str, tuple[int, bytes]]):
+        routes_ = routes
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                status, body = routes_.get(self.path, (404, b"missing"))
+                self.send_response(status)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.server.server_port}{path}"
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def image_host():
+    hosts = []
+
+    def start(routes):
+        hosts.append(ImageHost(routes))
+        return hosts[-1]
+
+    yield start
+    for host in hosts:
+        host.close()
+
+
+# --- submit: stored as JPEG, referenced by key, taxed -------------------------------------------------
+
+
+def test_an_image_is_stored_as_jpeg_under_its_key_and_the_row_holds_only_the_reference(
+    horde, make_user, vision_owner, image_store
+):
+    requester = make_user("r", kudos=1000)
+    transparent = png(4, 4, mode="RGBA", color=(0, 0, 0, 0))
+    wide = png(3000, 1000, color=(10, 120, 10))
+    response = chat_async(
+        horde.client, requester.key, messages=[image_message(data_url(transparent), data_url(wide))], max_tokens=64
+    )
+    assert response.status_code == 202, response.json()
+    request_id = response.json()["id"]
+    request = GenerationRequest.objects.get(pk=request_id)
+    parts = request.messages[0]["content"]
+    assert [p["image_url"] for p in parts[1:]] == [
+        {"url": f"horde-r2://{request_id}_chat_0.jpg", "detail": "low"},
+        {"url": f"horde-r2://{request_id}_chat_1.jpg", "detail": "low"},
+    ]
+    assert "base64" not in str(request.messages)
+    assert stored_files(image_store) == [chat_image_key(request_id, 0), chat_image_key(request_id, 1)]
+    with Image.open(image_store / chat_image_key(request_id, 0)) as first:
+        # Transparency flattened onto white, as RGB JPEG.
+        assert (first.format, first.mode) == ("JPEG", "RGB")
+        assert all(channel >= 250 for channel in first.getpixel((1, 1)))
+    with Image.open(image_store / chat_image_key(request_id, 1)) as second:
+        assert second.format == "JPEG" and second.size == (2048, 683)
+
+
+def test_each_image_adds_the_extra_source_image_tax_to_the_quote_and_the_charge(
+    horde, make_user, vision_owner, image_store
+):
+    requester = make_user("r", kudos=1000)
+    image = data_url(png())
+    messages = [image_message(image, image)]
+    words_only = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}]}]
+    quote = chat_async(horde.client, requester.key, messages=messages, max_tokens=64, horde={"dry_run": True})
+    plain = chat_async(horde.client, requester.key, messages=words_only, max_tokens=64, horde={"dry_run": True})
+    assert quote.status_code == plain.status_code == 200
+    assert stored_files(image_store) == []  # a dry run stores nothing
+    created = chat_async(horde.client, requester.key, messages=messages, max_tokens=64)
+    assert created.status_code == 202, created.json()
+    assert created.json()["kudos"] == quote.json()["kudos"]
+    request = GenerationRequest.objects.get(pk=created.json()["id"])
+    assert request.consumed_kudos == Decimal("11")  # the horde tax, 1, and 5 per image
+    tax = KudosTransaction.objects.get(request_id=request.id, kind=KudosTransaction.Kind.HORDE_TAX)
+    assert tax.amount == Decimal("-11")
+    assert requester.refresh().kudos == Decimal("989")
+
+
+# --- submit: refusals ---------------------------------------------------------------------------------
+
+
+def _refused(response, rc: str, path: str | None = None) -> str:
+    assert response.status_code == 400, response.json()
+    body = response.json()
+    assert body["rc"] == rc, body
+    if path is not None:
+        assert body["message"].startswith(f"'{path}': "), body
+    return body["message"]
+
+
+def test_a_picture_over_the_pixel_cap_is_refused_from_its_header(horde, make_user, vision_owner, image_store):
+    requester = make_user("r", kudos=1000)
+    big = data_url(png(3073, 3072))
+    response = chat_async(horde.client, requester.key, messages=[image_message(big)], max_tokens=64)
+    message = _refused(response, "SourceImageResolutionExceeded", "messages[0].content[1].image_url.url")
+    assert "3073x3072" in message
+    assert not GenerationRequest.objects.exists() and stored_files(image_store) == []
+    assert requester.refresh().kudos == Decimal("1000")
+
+
+def test_bytes_that_are_not_an_image_are_refused_as_unreadable(horde, make_user, vision_owner, image_store):
+    requester = make_user("r", kudos=1000)
+    messages = [{"role": "system", "content": "S"}, image_message(data_url(png()), data_url(b"not an image at all"))]
+    response = chat_async(horde.client, requester.key, messages=messages, max_tokens=64)
+    _refused(response, "SourceImageUnreadable", "messages[1].content[2].image_url.url")
+    assert not GenerationRequest.objects.exists() and stored_files(image_store) == []
+
+
+def test_an_untrusted_requester_is_held_to_five_mib_in_all_and_a_trusted_one_to_twenty_five(
+    horde, make_user, vision_owner, image_store
+):
+    """Counted over the data URLs before anything else: a dry run is refused the same way."""
+    noisy = png(1024, 1024, noise=True)  # about 3 MiB: two pass each cap alone, not the untrusted total
+    assert 2 * len(noisy) > MAX_CHAT_IMAGE_TOTAL_BYTES_UNTRUSTED > len(noisy)
+    messages = [image_message(data_url(noisy), data_url(noisy))]
+    untrusted, trusted = make_user("u", kudos=1000), make_user("t", kudos=1000, trusted=True)
+    for options in ({}, {"horde": {"dry_run": True}}):
+        refused = chat_async(horde.client, untrusted.key, messages=messages, max_tokens=64, **options)
+        message = _refused(refused, "SourceImageSizeExceeded")
+        assert f"{2 * len(noisy)} bytes, over the {MAX_CHAT_IMAGE_TOTAL_BYTES_UNTRUSTED} byte cap" in message
+    accepted = chat_async(horde.client, trusted.key, messages=messages, max_tokens=64)
+    assert accepted.status_code == 202, accepted.json()
+    assert len(stored_files(image_store)) == 2
+
+
+def test_a_url_image_is_fetched_and_stored(horde, make_user, vision_owner, image_store, image_host, settings):
+    settings.HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS = ["127.0.0.0/8"]
+    host = image_host({"/cat.png": (200, png(16, 8))})
+    requester = make_user("r", kudos=1000)
+    response = chat_async(horde.client, requester.key, messages=[image_message(host.url("/cat.png"))], max_tokens=64)
+    assert response.status_code == 202, response.json()
+    (name,) = stored_files(image_store)
+    with Image.open(image_store / name) as stored:
+        assert stored.format == "JPEG" and stored.size == (16, 8)
+
+
+def test_a_url_into_a_private_network_is_refused_and_a_missing_image_is_invalid(
+    horde, make_user, vision_owner, image_store, image_host, settings
+):
+    host = image_host({"/cat.png": (200, png())})
+    requester = make_user("r", kudos=1000)
+    refused = chat_async(horde.client, requester.key, messages=[image_message(host.url("/cat.png"))], max_tokens=64)
+    _refused(refused, "SourceImageUrlRefused", "messages[0].content[1].image_url.url")
+    settings.HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS = ["127.0.0.0/8"]
+    missing = chat_async(horde.client, requester.key, messages=[image_message(host.url("/dog.png"))], max_tokens=64)
+    assert "404" in _refused(missing, "SourceImageUrlInvalid", "messages[0].content[1].image_url.url")
+    assert not GenerationRequest.objects.exists() and stored_files(image_store) == []
+
+
+def test_a_store_that_fails_refuses_with_503_and_charges_nothing(horde, make_user, vision_owner, settings, tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the store's folder should be")
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "chat_images": {
+            "BACKEND": "django.core.files.storage.FileSystemStorage",
+            "OPTIONS": {"location": str(blocker / "chat-images")},
+        },
+    }
+    requester = make_user("r", kudos=1000)
+    response = chat_async(horde.client, requester.key, messages=[image_message(data_url(png()))], max_tokens=64)
+    assert response.status_code == 503 and response.json()["rc"] == "ChatImageStorageUnavailable", response.json()
+    assert not GenerationRequest.objects.exists()
+    assert requester.refresh().kudos == Decimal("1000")
+    assert list(KudosTransaction.objects.filter(user=requester.user).values_list("kind", flat=True)) == ["grant"]
+
+
+def test_a_refused_activation_deletes_the_row_and_the_images_it_stored(horde, make_user, vision_owner, image_store):
+    """A requester without the kudos a large request holds upfront is refused inside the
+    activation, after the images were stored: they go with the inactive row."""
+    requester = make_user("r", kudos=0)
+    response = chat_async(horde.client, requester.key, messages=[image_message(data_url(png()))], max_tokens=1024)
+    assert response.status_code == 403 and response.json()["rc"] == "KudosUpfront", response.json()
+    assert not GenerationRequest.objects.exists()
+    assert stored_files(image_store) == []
+
+
+# --- pop: what the worker receives ---------------------------------------------------------------
+
+
+def _queued_image_request(horde, make_user, image: bytes) -> str:
+    requester = make_user("r", kudos=1000)
+    response = chat_async(horde.client, requester.key, messages=[image_message(data_url(image))], max_tokens=64)
+    assert response.status_code == 202, response.json()
+    return response.json()["id"]
+
+
+def _queued_for_a_popping_worker(horde, make_user, transports: list[str]) -> tuple[object, str]:
+    """A worker registered by its first (empty) pop, then a request with one image."""
+    owner = make_user("o", trusted=True)
+    assert chat_pop(horde, owner.key, features=VISION, transports=transports).json()["id"] is None
+    return owner, _queued_image_request(horde, make_user, png(6, 6))
+
+
+def test_a_url_worker_receives_a_signed_download_url_that_serves_the_stored_jpeg(horde, make_user, image_store):
+    owner, request_id = _queued_for_a_popping_worker(horde, make_user, ["url", "base64"])
+    popped = chat_pop(horde, owner.key, features=VISION, transports=["url", "base64"])
+    assert popped.status_code == 200 and popped.json()["id"], popped.json()
+    image_url = popped.json()["payload"]["messages"][0]["content"][1]["image_url"]
+    assert image_url["detail"] == "low"
+    parts = urlsplit(image_url["url"])
+    assert (parts.scheme, parts.netloc) == ("http", "testserver")
+    assert parts.path == f"/api/v2/chat_images/{chat_image_key(request_id, 0)}"
+    expires = int(parse_qs(parts.query)["expires"][0])
+    assert expires >= time.time() + MIN_CHAT_IMAGE_URL_SECONDS - 5
+    assert Generation.objects.get(pk=popped.json()["id"]).image_transport == "url"
+    download = horde.client.get(f"{parts.path}?{parts.query}")
+    assert download.status_code == 200 and download["Content-Type"] == "image/jpeg"
+    assert b"".join(download.streaming_content) == (image_store / chat_image_key(request_id, 0)).read_bytes()
+    forged = parts.query.replace("signature=", "signature=0")
+    assert horde.client.get(f"{parts.path}?{forged}").status_code == 403
+    assert horde.client.get(parts.path).status_code == 403
+
+
+def test_a_signed_url_serves_nothing_once_it_expired(horde, make_user, image_store, settings):
+    settings.HORDE_PUBLIC_URL = "https://horde.example"
+    owner, request_id = _queued_for_a_popping_worker(horde, make_user, ["url"])
+    popped = chat_pop(horde, owner.key, features=VISION, transports=["url"])
+    parts = urlsplit(popped.json()["payload"]["messages"][0]["content"][1]["image_url"]["url"])
+    assert (parts.scheme, parts.netloc) == ("https", "horde.example")  # the configured address
+    query = parse_qs(parts.query)
+    from chat.image_store import _signature
+
+    past = int(time.time()) - 1
+    stale = f"expires={past}&signature={_signature(chat_image_key(request_id, 0), past)}"
+    assert horde.client.get(f"{parts.path}?{stale}").status_code == 403
+    assert horde.client.get(f"{parts.path}?expires={query['expires'][0]}&signature={query['signature'][0]}").status_code == 200
+
+
+def test_a_base64_worker_receives_the_stored_jpeg_inline(horde, make_user, image_store):
+    owner, request_id = _queued_for_a_popping_worker(horde, make_user, ["base64"])
+    popped = chat_pop(horde, owner.key, features=VISION, transports=["base64"])
+    assert popped.status_code == 200 and popped.json()["id"], popped.json()
+    url = popped.json()["payload"]["messages"][0]["content"][1]["image_url"]["url"]
+    stored = (image_store / chat_image_key(request_id, 0)).read_bytes()
+    assert url == "data:image/jpeg;base64," + base64.b64encode(stored).decode()
+    assert Generation.objects.get(pk=popped.json()["id"]).image_transport == "base64"
+    # The stored row keeps its reference: the payload is the worker's copy.
+    stored_url = GenerationRequest.objects.get(pk=request_id).messages[0]["content"][1]["image_url"]["url"]
+    assert stored_url == f"horde-r2://{chat_image_key(request_id, 0)}"
+
+
+def test_a_worker_without_an_image_transport_is_not_given_the_request(horde, make_user, image_store):
+    owner, _ = _queued_for_a_popping_worker(horde, make_user, ["base64"])
+    popped = chat_pop(horde, owner.key, features=VISION, transports=[])
+    assert popped.status_code == 200 and popped.json()["id"] is None
+
+
+def test_a_store_that_cannot_give_the_image_at_pop_gives_the_job_back(horde, make_user, image_store):
+    owner, request_id = _queued_for_a_popping_worker(horde, make_user, ["base64"])
+    (image_store / chat_image_key(request_id, 0)).unlink()
+    popped = chat_pop(horde, owner.key, features=VISION, transports=["base64"])
+    assert popped.status_code == 503 and popped.json()["rc"] == "ChatImageStorageUnavailable", popped.json()
+    assert not Generation.objects.exists()
+    assert GenerationRequest.objects.get(pk=request_id).jobs_waiting == 1
+
+
+# --- deletes ----------------------------------------------------------------------------------------
+
+
+def test_expiry_deletes_the_images_with_their_row(
+    horde, make_user, vision_owner, image_store, django_capture_on_commit_callbacks
+):
+    request_id = _queued_image_request(horde, make_user, png())
+    assert stored_files(image_store)
+    GenerationRequest.objects.filter(pk=request_id).update(expires_at=timezone.now())
+    with django_capture_on_commit_callbacks(execute=True):
+        assert expire_requests() == 1
+    assert stored_files(image_store) == []
+
+
+def test_an_inactive_row_left_by_a_crash_is_deleted_with_its_images_at_expiry(
+    make_user, image_store, django_capture_on_commit_callbacks
+):
+    """A process that dies between storing the images and the activation leaves the row, which
+    the expiry sweep deletes with the images: nothing stays stored unreferenced."""
+    requester = make_user("r", kudos=10)
+    fields = {"prompt": "user: [image]", "max_length": 64, "max_context_length": 2048,
+              "messages": [image_message("data:image/png;base64,AAAA")]}
+    inactive = inactive_image_request_create(user=requester.user, fields=fields, jpegs=[b"jpeg bytes"])
+    assert stored_files(image_store) == inactive.keys
+    row = GenerationRequest.objects.get(pk=inactive.id)
+    assert row.jobs_waiting == 0 and row.messages[0]["content"][1]["image_url"]["url"] == f"horde-r2://{inactive.keys[0]}"
+    GenerationRequest.objects.filter(pk=inactive.id).update(expires_at=timezone.now())
+    with django_capture_on_commit_callbacks(execute=True):
+        expire_requests()
+    assert stored_files(image_store) == [] and not GenerationRequest.objects.exists()
+    assert requester.refresh().kudos == Decimal("10")
+
+
+@pytest.mark.redis_only
+def test_a_delete_that_fails_is_queued_and_retried_by_the_sweep(
+    horde, make_user, vision_owner, image_store, django_capture_on_commit_callbacks
+):
+    from chat.signals import signal_redis
+
+    client = signal_redis()
+    client.delete(CHAT_IMAGE_DELETE_RETRY_KEY)
+    request_id = _queued_image_request(horde, make_user, png())
+    key = chat_image_key(request_id, 0)
+    # Make the stored object undeletable for now: a non-empty folder under its key.
+    (image_store / key).unlink()
+    (image_store / key).mkdir()
+    (image_store / key / "pinned").write_bytes(b"x")
+    GenerationRequest.objects.filter(pk=request_id).update(expires_at=timezone.now())
+    with django_capture_on_commit_callbacks(execute=True):
+        assert expire_requests() == 1
+    assert client.smembers(CHAT_IMAGE_DELETE_RETRY_KEY) == {key.encode()}
+    expire_requests()  # still undeletable: it stays queued
+    assert client.smembers(CHAT_IMAGE_DELETE_RETRY_KEY) == {key.encode()}
+    (image_store / key / "pinned").unlink()
+    expire_requests()
+    assert not (image_store / key).exists()
+    assert client.smembers(CHAT_IMAGE_DELETE_RETRY_KEY) == set()
+
+

@@ -1,0 +1,72 @@
+"""Images through the front, as an OpenAI client sends them: the horde stores each as a JPEG and the
+worker fetches it from the signed URL its job carries; a bad image is an OpenAI error at its path."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import openai
+import pytest
+from PIL import Image
+
+from tests.oai.conftest import MODEL
+
+
+def png_data_url(width: int, height: int) -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (20, 40, 200)).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def image_messages(url: str) -> list[dict]:
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": url}}],
+        }
+    ]
+
+
+@pytest.fixture
+def image_store(settings, tmp_path):
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "chat_images": {
+            "BACKEND": "django.core.files.storage.FileSystemStorage",
+            "OPTIONS": {"location": str(tmp_path / "chat-images")},
+        },
+    }
+    return tmp_path / "chat-images"
+
+
+def test_the_worker_fetches_the_stored_jpeg_of_an_sdk_image(client, start_worker, image_store):
+    fetched: list[httpx.Response] = []
+
+    def reply(job: dict) -> dict:
+        url = job["payload"]["messages"][0]["content"][1]["image_url"]["url"]
+        fetched.append(httpx.get(url, timeout=10))
+        answer = fetched[-1]
+        return {
+            "message": {"role": "assistant", "content": f"{len(answer.content)} bytes of {answer.headers['content-type']}"},
+            "finish_reason": "stop",
+        }
+
+    start_worker(image_transports=["url"], reply=reply)
+    completion = client.chat.completions.create(model=MODEL, messages=image_messages(png_data_url(40, 30)))
+    (answer,) = fetched
+    assert answer.status_code == 200 and answer.content[:3] == b"\xff\xd8\xff"  # a JPEG
+    with Image.open(io.BytesIO(answer.content)) as image:
+        assert image.size == (40, 30)
+    assert completion.choices[0].message.content == f"{len(answer.content)} bytes of image/jpeg"
+
+
+def test_an_unreadable_image_is_a_bad_request_at_its_path(client, start_worker, image_store):
+    start_worker(image_transports=["url"])
+    not_an_image = "data:image/png;base64," + base64.b64encode(b"plain words").decode()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=image_messages(not_an_image))
+    assert caught.value.code == "SourceImageUnreadable"
+    assert caught.value.param == "messages[0].content[1].image_url.url"
+    assert not image_store.exists() or not any(image_store.iterdir())  # nothing stored
