@@ -45,6 +45,10 @@ CHAT_IMAGE_JPEG_QUALITY = 90
 CHAT_IMAGE_REFERENCE_PREFIX = "horde-r2://"
 # A presigned image URL in a job lives the job's TTL, and at least this long.
 MIN_CHAT_IMAGE_URL_SECONDS = 600
+# An offloaded request's messages object: its key's suffix, and its URL's lifetime (the worker
+# fetches right after its pop; a short life limits the replay of a leaked URL).
+CHAT_MESSAGES_OBJECT_SUFFIX = "_chat_messages.json"
+CHAT_MESSAGES_URL_SECONDS = 120
 CHAT_IMAGE_PLACEHOLDER = "[image]"  # an image part in the flattened prompt
 CHAT_IMAGE_PROMPT_TOKENS = 512  # what koboldcpp's worker adds per image in its own estimate
 

@@ -204,7 +204,7 @@ if STORAGE_BACKEND == "s3":
             "secret_key": env.str("AWS_SECRET_ACCESS_KEY", default=""),
         },
     }
-    # A chat request's images (chat/image_store.py): the source image bucket, private, presigned.
+    # A chat request's images (chat/object_store.py): the source image bucket, private, presigned.
     _chat_image_storage = {
         "BACKEND": "storages.backends.s3.S3Storage",
         "OPTIONS": {
@@ -214,15 +214,26 @@ if STORAGE_BACKEND == "s3":
             "file_overwrite": False,
         },
     }
+    # An offloaded request's messages object: its own bucket, or beside the images.
+    _chat_messages_storage = {
+        "BACKEND": "storages.backends.s3.S3Storage",
+        "OPTIONS": {
+            **_chat_image_storage["OPTIONS"],
+            "bucket_name": env.str("R2_CHAT_MESSAGES_BUCKET", default="")
+            or _chat_image_storage["OPTIONS"]["bucket_name"],
+        },
+    }
 else:
     _default_storage = {"BACKEND": "django.core.files.storage.FileSystemStorage"}
     _chat_image_storage = {
         "BACKEND": "django.core.files.storage.FileSystemStorage",
         "OPTIONS": {"location": str(Path(MEDIA_ROOT) / "chat-images")},
     }
+    _chat_messages_storage = _chat_image_storage
 STORAGES = {
     "default": _default_storage,
     "chat_images": _chat_image_storage,
+    "chat_messages": _chat_messages_storage,
     "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
 }
 # The horde's own address, for the image URLs of the local store; empty: the pop request's host.
@@ -230,6 +241,12 @@ HORDE_PUBLIC_URL = env.str("HORDE_PUBLIC_URL", default="")
 # Networks an image URL may point into although they are private (CIDRs, comma separated): an
 # operator's own image host. Empty: every private, loopback and link-local address is refused.
 HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS = env.list("HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS", default=[])
+# Messages offload (chat_requests.md): a request whose messages, as a base64 worker receives them,
+# pass HORDE_CHAT_MESSAGES_OFFLOAD_BYTES is also stored as one JSON object, which a worker that
+# declares messages_url fetches instead of receiving the messages in its pop.
+HORDE_CHAT_MESSAGES_OFFLOAD_ENABLED = env.bool("HORDE_CHAT_MESSAGES_OFFLOAD_ENABLED", default=False)
+HORDE_CHAT_MESSAGES_OFFLOAD_BYTES = env.int("HORDE_CHAT_MESSAGES_OFFLOAD_BYTES", default=262144)
+HORDE_CHAT_MESSAGES_OFFLOAD_GZIP = env.bool("HORDE_CHAT_MESSAGES_OFFLOAD_GZIP", default=False)
 STATIC_URL = "static/"
 STATIC_ROOT = str(VAR_DIR / "static")
 

@@ -7,7 +7,7 @@ from accounts.api.views import FindUserView
 from chat.api import pop_views, progress_views, submit_views
 from chat.api import views as chat_views
 from chat.api.chat_views import ChatAsyncView, ChatStatusView
-from chat.api.image_views import chat_image_download
+from chat.api.image_views import chat_object_download
 from hordesite.health import healthz
 from workers.api.views import WorkerByNameView, WorkerDetailView, WorkerListView
 
@@ -19,7 +19,7 @@ api_v2 = [
     path("generate/text/pop", pop_views.TextPopView.as_view()),
     path("generate/text/submit", submit_views.TextSubmitView.as_view()),
     path("generate/text/progress", progress_views.TextProgressView.as_view()),
-    path("chat_images/<str:key>", chat_image_download),
+    path("chat_images/<str:key>", chat_object_download),
     path("find_user", FindUserView.as_view()),
     path("workers", WorkerListView.as_view()),
     path("workers/<uuid:worker_id>", WorkerDetailView.as_view()),

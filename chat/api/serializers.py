@@ -232,7 +232,7 @@ class TextPopOutputSerializer(serializers.Serializer):
     chat = serializers.BooleanField(source="request.is_chat", required=False, help_text="true on a chat job only")
 
     def get_payload(self, job: PoppedJob) -> dict[str, Any]:
-        return build_job_payload(job.request) if job.request is not None else {}
+        return build_job_payload(job.request, job.messages_url) if job.request is not None else {}
 
     @extend_schema_field(serializers.UUIDField(allow_null=True))
     def get_id(self, job: PoppedJob) -> str | None:

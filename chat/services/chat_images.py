@@ -1,6 +1,7 @@
 """A chat request's images at submit (spec: chat_requests.md, "Images"): the requester's total,
-the fetch of URL images, the header checks, the normalisation to JPEG and the store; and at pop,
-each reference replaced by what the worker declared it receives.
+the fetch of URL images, the header checks, the normalisation to JPEG and the store, with the
+messages object of "Messages offload"; and at pop, the transport the worker declared: each image
+reference replaced, or the messages object's URL in place of the messages.
 
 The caps every request is held to when the body is parsed (count, size per data URL, the 25 MiB
 total) are the contract's (contract.chat_shapes); here come the caps that need the user, the
@@ -13,6 +14,7 @@ import base64
 import binascii
 import io
 import ipaddress
+import json
 import logging
 import warnings
 from dataclasses import dataclass
@@ -24,13 +26,16 @@ from PIL import Image, UnidentifiedImageError
 
 from accounts.models import HordeUser
 from chat.image_fetch import ImageTooLarge, ImageUrlInvalid, ImageUrlRefused, fetch_public_image
-from chat.image_store import (
-    ChatImageStoreUnavailable,
+from chat.object_store import (
+    ChatObjectStoreUnavailable,
     chat_image_key,
-    chat_image_read,
     chat_image_reference,
-    chat_image_url,
     chat_images_save,
+    chat_messages_key,
+    chat_messages_save,
+    chat_object_read,
+    chat_object_url,
+    gzip_if_smaller,
     messages_with_image_urls,
 )
 from contract.chat_errors import ChatRefusal
@@ -38,6 +43,7 @@ from contract.chat_limits import (
     CHAT_IMAGE_JPEG_QUALITY,
     CHAT_IMAGE_MAX_SIDE,
     CHAT_IMAGE_REFERENCE_PREFIX,
+    CHAT_MESSAGES_URL_SECONDS,
     MAX_CHAT_IMAGE_BYTES,
     MAX_CHAT_IMAGE_PIXELS,
     MAX_CHAT_IMAGE_TOTAL_BYTES,
@@ -209,21 +215,73 @@ def chat_images_store(keys: list[str], jpegs: list[bytes]) -> None:
     """Store the images; a failure (which deletes those stored) refuses with 503."""
     try:
         chat_images_save(zip(keys, jpegs, strict=True))
-    except ChatImageStoreUnavailable:
+    except ChatObjectStoreUnavailable:
         log.warning("chat images of a submission not stored", exc_info=True)
-        raise HordeError(
-            "ChatImageStorageUnavailable",
-            "The request's images could not be stored; nothing was charged. Please try again later.",
-            status=503,
-        ) from None
+        raise _storage_unavailable() from None
+
+
+def _storage_unavailable() -> HordeError:
+    return HordeError(
+        "ChatImageStorageUnavailable",
+        "The request's images could not be stored; nothing was charged. Please try again later.",
+        status=503,
+    )
+
+
+def jpeg_data_url(jpeg: bytes) -> str:
+    return "data:image/jpeg;base64," + base64.b64encode(jpeg).decode("ascii")
+
+
+def worker_messages_body(messages: list[dict[str, Any]], jpegs: list[bytes]) -> bytes:
+    """The messages as a base64 worker receives them, as compact JSON: each image inlined as its
+    stored JPEG, in order. What the offload threshold measures and the object holds."""
+    inlined = iter(jpegs)
+    inline = messages_with_image_urls(messages, lambda _url: jpeg_data_url(next(inlined))) if jpegs else messages
+    text = json.dumps(inline, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: escaped, so the object stays valid UTF-8
+        return json.dumps(inline, separators=(",", ":")).encode("ascii")
+
+
+def offloaded_messages_body(messages: list[dict[str, Any]], jpegs: list[bytes]) -> bytes | None:
+    """The messages object to store when the offload is on and the messages pass its threshold."""
+    if not settings.HORDE_CHAT_MESSAGES_OFFLOAD_ENABLED:
+        return None
+    body = worker_messages_body(messages, jpegs)
+    return body if len(body) > settings.HORDE_CHAT_MESSAGES_OFFLOAD_BYTES else None
+
+
+def chat_messages_store(key: str, body: bytes) -> None:
+    """Store the messages object (gzipped when HORDE_CHAT_MESSAGES_OFFLOAD_GZIP and smaller); a
+    failure refuses with 503."""
+    gzipped = False
+    if settings.HORDE_CHAT_MESSAGES_OFFLOAD_GZIP:
+        body, gzipped = gzip_if_smaller(body)
+    try:
+        chat_messages_save(key, body, gzipped=gzipped)
+    except ChatObjectStoreUnavailable:
+        log.warning("messages object %s not stored", key, exc_info=True)
+        raise _storage_unavailable() from None
 
 
 # --- at pop --------------------------------------------------------------------------------------
 
 
-def select_chat_transport(declared: list[str] | None) -> str:
-    """The image transport a job is sent with: a URL when the worker fetches them, else base64."""
-    return "url" if "url" in (declared or ()) else "base64"
+def select_chat_transport(declared: list[str] | None, *, offloaded: bool, has_images: bool) -> str | None:
+    """The transport a job is sent with: messages_url for an offloaded request to a worker that
+    declared it; for images, a URL when the worker fetches them, else base64; None: inline."""
+    declared = declared or []
+    if offloaded and "messages_url" in declared:
+        return "messages_url"
+    if has_images:
+        return "url" if "url" in declared else "base64"
+    return None
+
+
+def job_messages_url(request_id: UUID, *, base_url: str) -> str:
+    """The messages object's URL, valid CHAT_MESSAGES_URL_SECONDS: the worker fetches right away."""
+    return chat_object_url(chat_messages_key(request_id), seconds=CHAT_MESSAGES_URL_SECONDS, base_url=base_url)
 
 
 def job_image_messages(
@@ -238,7 +296,7 @@ def job_image_messages(
             return url
         key = url.removeprefix(CHAT_IMAGE_REFERENCE_PREFIX)
         if transport == "url":
-            return chat_image_url(key, seconds=lifetime, base_url=base_url)
-        return "data:image/jpeg;base64," + base64.b64encode(chat_image_read(key)).decode("ascii")
+            return chat_object_url(key, seconds=lifetime, base_url=base_url)
+        return jpeg_data_url(chat_object_read(key))
 
     return messages_with_image_urls(messages, resolved)

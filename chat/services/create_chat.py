@@ -27,18 +27,20 @@ from rest_framework.exceptions import ValidationError
 
 from accounts.models import HordeUser
 from chat import metrics
-from chat.image_store import chat_images_delete
 from chat.model_reference import is_known_text_model
 from chat.models import GenerationRequest
+from chat.object_store import chat_messages_key, chat_objects_delete
 from chat.pricing import text_request_quote
 from chat.services import admission
 from chat.services.cancel import request_cancel
 from chat.services.chat_images import (
     EXTRA_SOURCE_IMAGE_HORDE_TAX,
     chat_images_store,
+    chat_messages_store,
     check_data_url_total,
     image_parts,
     load_chat_images,
+    offloaded_messages_body,
     stored_image_messages,
     user_image_total_cap,
 )
@@ -631,12 +633,12 @@ def chat_request_create(
         "front_lease_expires_at": front_lease_until(front_lease_seconds),
         "front_id": front_id if front_lease_seconds else None,
     }
-    inactive: InactiveImageRequest | None = None
-    if images:
-        # Fetched and normalised before any row; the row is written (inactive) before the images
-        # are stored, so every stored image is referenced by a row until that row is deleted.
-        jpegs = load_chat_images(parts=images, user=user)
-        inactive = inactive_image_request_create(user=user, fields=fields, jpegs=jpegs)
+    inactive: InactiveRequest | None = None
+    if images or settings.HORDE_CHAT_MESSAGES_OFFLOAD_ENABLED:
+        # Fetched and normalised before any row; the row is written (inactive) before its objects
+        # are stored, so every stored object is referenced by a row until that row is deleted.
+        jpegs = load_chat_images(parts=images, user=user) if images else []
+        inactive = inactive_request_create(user=user, fields=fields, jpegs=jpegs)
     try:
         with transaction.atomic():
             locked_user = admission.lock_requester(user)
@@ -703,27 +705,32 @@ def chat_request_create(
 
 
 @dataclass(frozen=True)
-class InactiveImageRequest:
-    """A request row written before its images were stored: not in the queue (no job waiting) and
-    unknown to its client until activated; a crash before the activation leaves it to the expiry
-    sweep, which deletes it with its images."""
+class InactiveRequest:
+    """A request row written before its objects (images, messages object) were stored: not in the
+    queue (no job waiting) and unknown to its client until activated; a crash before the
+    activation leaves it to the expiry sweep, which deletes it with its objects."""
 
     id: UUID
     keys: list[str]
 
     def discard(self) -> None:
         GenerationRequest.objects.filter(pk=self.id, jobs_waiting=0).delete()
-        chat_images_delete(self.keys)
+        chat_objects_delete(self.keys)
 
 
-def inactive_image_request_create(
+def inactive_request_create(
     *, user: HordeUser, fields: dict[str, Any], jpegs: list[bytes]
-) -> InactiveImageRequest:
-    """Write the row with each image part's url replaced by its key's reference, then store the
-    images; a store failure deletes the row and refuses with 503 ChatImageStorageUnavailable.
-    `fields["messages"]` becomes the stored messages."""
+) -> InactiveRequest | None:
+    """For a request with images or messages to offload: write the row with each image part's url
+    replaced by its key's reference, then store the images and the messages object; a store
+    failure deletes the row and refuses with 503 ChatImageStorageUnavailable. `fields` takes the
+    stored messages and the offload flag. None: nothing to store."""
     request_id = uuid4()
+    messages_body = offloaded_messages_body(fields["messages"], jpegs)
+    if not jpegs and messages_body is None:
+        return None
     fields["messages"], keys = stored_image_messages(fields["messages"], request_id)
+    fields["chat_messages_offloaded"] = messages_body is not None
     GenerationRequest.objects.create(
         id=request_id,
         user=user,
@@ -732,16 +739,25 @@ def inactive_image_request_create(
         messages=fields["messages"],
         max_length=fields["max_length"],
         max_context_length=fields["max_context_length"],
-        chat_has_images=True,
+        chat_has_images=bool(keys),
+        chat_messages_offloaded=fields["chat_messages_offloaded"],
         jobs_waiting=0,
         expires_at=timezone.now() + timedelta(seconds=settings.HORDE_TEXT_REQUEST_TTL_SECONDS),
     )
     try:
         chat_images_store(keys, jpegs)
+        if messages_body is not None:
+            try:
+                chat_messages_store(chat_messages_key(request_id), messages_body)
+            except BaseException:
+                chat_objects_delete(keys)
+                raise
     except BaseException:
         GenerationRequest.objects.filter(pk=request_id).delete()
         raise
-    return InactiveImageRequest(id=request_id, keys=keys)
+    if messages_body is not None:
+        keys.append(chat_messages_key(request_id))
+    return InactiveRequest(id=request_id, keys=keys)
 
 
 # --- cancel -------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import lru_cache
 from typing import Any
@@ -19,9 +19,9 @@ from django.utils import timezone
 from accounts.models import HordeUser
 from accounts.selectors import anonymous_user_get
 from chat.gate_shadow import record_over_capacity_assignment
-from chat.image_store import ChatImageStoreUnavailable
 from chat.metrics import lease_capacity_limited, queue_wait_seconds, size_bucket
 from chat.models import Generation, GenerationRequest
+from chat.object_store import ChatObjectStoreUnavailable
 from chat.pricing import model_kudos_factors
 from chat.selectors.queue import (
     WAITING_NOW,
@@ -35,7 +35,7 @@ from chat.selectors.queue import (
     where_sql,
     worker_queue_lists,
 )
-from chat.services.chat_images import job_image_messages, select_chat_transport
+from chat.services.chat_images import job_image_messages, job_messages_url, select_chat_transport
 from chat.services.faults import requeue_jobs
 from chat.services.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember, view_list_tokens
 from chat.services.progress import delete_stream_leases, write_stream_leases
@@ -63,6 +63,8 @@ class PoppedJob:
     # announces, can change it.
     wake_on: tuple[str, ...] = ()
     remembered_for: float = 0.0
+    # A job whose messages the worker fetches (the messages_url transport), sent in their place.
+    messages_url: str | None = None
 
 
 def _priority_user_ids(worker: Worker) -> list[int]:
@@ -87,6 +89,7 @@ POP_REQUEST_FIELDS = (
     "id", "is_chat", "prompt", "params", "softprompt", "max_length", "max_context_length",
     "requested_models", "jobs_waiting", "disable_batching", "n", "messages", "chat_extras",
     "user", "kudos_quote", "kudos_context", "created", "chat_has_images",
+    "chat_messages_offloaded",
     # What a submit checks of the front that waits (chat.front_lease.front_gone).
     "front_id", "front_lease_expires_at",
 )
@@ -207,8 +210,8 @@ def worker_pop(
             wake_on=view_list_tokens(view), remembered_for=remembered_for,
         )
     empty_pop_forget(view)
-    if popped.request.is_chat and popped.request.chat_has_images:
-        _send_job_images(popped, worker, image_url_base)
+    if popped.request.is_chat and (popped.request.chat_has_images or popped.request.chat_messages_offloaded):
+        popped = _send_job_objects(popped, worker, image_url_base)
     _record_queue_wait(popped, now)
     record_over_capacity_assignment(request=popped.request, generations=popped.generations, worker=worker)
     if popped.request.is_chat and streams_progress(popped.request.chat_extras):
@@ -223,20 +226,29 @@ def worker_pop(
     return popped
 
 
-def _send_job_images(popped: PoppedJob, worker: Worker, image_url_base: Callable[[], str] | None) -> None:
-    """Replace each image reference of the job's messages by what the worker declared (after the
-    commit that assigned the job, so the store is not read under the queue's lock) and record the
-    transport on its generations. A store that fails gives the jobs back and refuses with 503."""
-    transport = select_chat_transport(worker.image_transports)
+def _send_job_objects(popped: PoppedJob, worker: Worker, image_url_base: Callable[[], str] | None) -> PoppedJob:
+    """Send the job's stored objects as the worker declared (after the commit that assigned the
+    job, so the store is not read under the queue's lock): the messages object's URL in place of
+    the messages, or each image reference replaced; the transport is recorded on its generations.
+    A store that fails gives the jobs back and refuses with 503."""
     request = popped.request
+    transport = select_chat_transport(
+        worker.image_transports, offloaded=request.chat_messages_offloaded, has_images=request.chat_has_images
+    )
+    if transport is None:  # offloaded, to a worker that takes it inline
+        return popped
     base_url = settings.HORDE_PUBLIC_URL or (image_url_base() if image_url_base else "")
+    messages_url = None
     try:
-        request.messages = job_image_messages(
-            request.messages or [], transport=transport, seconds=settings.HORDE_TEXT_JOB_LEASE_SECONDS,
-            base_url=base_url,
-        )
-    except ChatImageStoreUnavailable:
-        log.warning("chat images of %s unavailable at pop; its jobs go back", request.id, exc_info=True)
+        if transport == "messages_url":
+            messages_url = job_messages_url(request.id, base_url=base_url)
+        else:
+            request.messages = job_image_messages(
+                request.messages or [], transport=transport, seconds=settings.HORDE_TEXT_JOB_LEASE_SECONDS,
+                base_url=base_url,
+            )
+    except ChatObjectStoreUnavailable:
+        log.warning("stored objects of %s unavailable at pop; its jobs go back", request.id, exc_info=True)
         popped_jobs_give_back(generation_ids=[g.id for g in popped.generations])
         raise HordeError(
             "ChatImageStorageUnavailable", "The job's images could not be read; please try again.", status=503
@@ -244,6 +256,7 @@ def _send_job_images(popped: PoppedJob, worker: Worker, image_url_base: Callable
     Generation.objects.filter(pk__in=[g.id for g in popped.generations]).update(image_transport=transport)
     for generation in popped.generations:
         generation.image_transport = transport
+    return replace(popped, messages_url=messages_url)
 
 
 def _record_queue_wait(popped: PoppedJob, now) -> None:
@@ -591,11 +604,12 @@ def build_worker_chat_extras(chat_extras: Mapping[str, Any] | None) -> dict[str,
     return extras
 
 
-def build_chat_job_payload(request: GenerationRequest) -> dict[str, Any]:
+def build_chat_job_payload(request: GenerationRequest, messages_url: str | None = None) -> dict[str, Any]:
     """A chat job's payload (spec: "Chat job pop response"). No prompt: the worker renders the
-    messages with its own template. Every sampling key is present, so a worker's defaults never apply."""
+    messages with its own template. Every sampling key is present, so a worker's defaults never apply.
+    `messages_url`: the messages object the worker fetches, in place of the messages."""
     params = request.params or {}
-    payload: dict[str, Any] = {"messages": request.messages or []}
+    payload: dict[str, Any] = {"messages_url": messages_url} if messages_url else {"messages": request.messages or []}
     payload.update(build_worker_chat_extras(request.chat_extras))
     for key in CHAT_PAYLOAD_SAMPLING_KEYS:
         value = params.get(key)
@@ -622,5 +636,5 @@ def build_text_job_payload(request: GenerationRequest) -> dict[str, Any]:
     }
 
 
-def build_job_payload(request: GenerationRequest) -> dict[str, Any]:
-    return build_chat_job_payload(request) if request.is_chat else build_text_job_payload(request)
+def build_job_payload(request: GenerationRequest, messages_url: str | None = None) -> dict[str, Any]:
+    return build_chat_job_payload(request, messages_url) if request.is_chat else build_text_job_payload(request)

@@ -13,8 +13,8 @@ from django.utils import timezone
 from accounts.services import kudos_release
 from chat import metrics
 from chat.gate_shadow import record_aborted_outcome
-from chat.image_store import chat_images_delete, referenced_image_keys, retry_chat_image_deletes
 from chat.models import Generation, GenerationRequest
+from chat.object_store import chat_objects_delete, retry_chat_object_deletes, stored_object_keys
 from chat.selectors.status import request_completed, stored_result_count
 from chat.services.faults import requeue_faulted, worker_record_dropped_job
 from chat.services.maintenance import abort_waiting_for_maintenance, horde_in_maintenance
@@ -96,13 +96,14 @@ def expire_requests() -> int:
     """
     now = timezone.now()
     expired = 0
-    retry_chat_image_deletes()
+    retry_chat_object_deletes()
     for request_id in GenerationRequest.objects.filter(expires_at__lt=now).values_list("id", flat=True)[:1000]:
         with transaction.atomic():
             request = (
                 GenerationRequest.objects.select_for_update()
                 .filter(pk=request_id, expires_at__lt=now)
-                .only("user_id", "kudos_held", "is_chat", "faulted", "chat_fault_reason", "chat_fault_rc", "chat_has_images")
+                .only("user_id", "kudos_held", "is_chat", "faulted", "chat_fault_reason", "chat_fault_rc", "chat_has_images",
+                      "chat_messages_offloaded")
                 .first()
             )
             if request is None:
@@ -112,11 +113,15 @@ def expire_requests() -> int:
             if request.is_chat and not request_completed(request_id, is_chat=True):
                 signal = (stored_result_count(request_id), request.chat_fault_reason, request.chat_fault_rc)
             kudos_release(user_id=request.user_id, amount=request.kudos_held)
-            # The images go with their row (the messages are read only for a request that has some).
-            image_keys = referenced_image_keys(request.messages) if request.chat_has_images else []
+            # The objects go with their row (the messages are read only for a request that has some).
+            object_keys = (
+                stored_object_keys(request.id, request.messages, offloaded=request.chat_messages_offloaded)
+                if request.chat_has_images or request.chat_messages_offloaded
+                else []
+            )
             request.delete()
-            if image_keys:
-                transaction.on_commit(partial(chat_images_delete, image_keys), robust=True)
+            if object_keys:
+                transaction.on_commit(partial(chat_objects_delete, object_keys), robust=True)
             expired += 1
             if signal is not None:
                 generations, fault_reason, fault_rc = signal

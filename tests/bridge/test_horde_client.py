@@ -7,6 +7,7 @@ that closes idle connections (over TLS too), an HTTP proxy and an object store."
 
 from __future__ import annotations
 
+import gzip
 import json
 import select
 import ssl
@@ -48,6 +49,11 @@ class _Recorder(BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             body = json.dumps([{"role": "user", "content": "offloaded"}]).encode()
+        elif self.path == "/messages.gz":  # stored gzipped: served as stored, whatever was accepted
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Encoding", "gzip")
+            body = gzip.compress(json.dumps([{"role": "user", "content": "packed"}]).encode())
         else:
             self.send_response(404)
             body = b"NoSuchKey"
@@ -172,6 +178,15 @@ def test_a_messages_url_is_fetched_through_redirects_without_the_api_key(server,
     assert all("apikey" not in headers for _, headers, _ in handler.seen)
     with pytest.raises(HordeUnavailable, match="messages_url"):
         client.fetch_json(f"{url}/expired")
+
+
+def test_a_gzipped_messages_object_is_decoded(server, monkeypatch):
+    """urllib leaves Content-Encoding to the caller: an object stored gzipped still reads as JSON."""
+    monkeypatch.delenv("HTTP_PROXY", raising=False)
+    monkeypatch.delenv("http_proxy", raising=False)
+    url, _ = server
+    client = HordeClient("http://horde.invalid", "k" * 22)
+    assert client.fetch_json(f"{url}/messages.gz") == [{"role": "user", "content": "packed"}]
 
 
 def _self_signed(folder) -> tuple[str, str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from chat.models import Generation
+from chat.models import Generation, GenerationRequest
 from contract.chat_declaration import CHAT_WORKER_FAULT_MESSAGES, ChatFaultReason
 from tests.bridge.conftest import MODEL, running_bridge
 from tests.bridge.fake_backend import (
@@ -369,3 +369,33 @@ def test_horde_down_backs_off_until_stopped(fake_backend):
     lines = [line for line in out.text().splitlines() if "horde unreachable" in line]
     assert 1 <= len(lines) <= 3  # 1 s, then 2 s: backing off, not hammering
     assert result == [0]
+
+
+def test_an_offloaded_request_is_fetched_gzipped_from_its_messages_url(live_horde, fake_backend, settings):
+    """The bridge declares messages_url whatever its backend: with the offload on, its job carries
+    the URL, which the live horde serves gzipped, and the backend receives the messages whole."""
+    settings.HORDE_CHAT_MESSAGES_OFFLOAD_ENABLED = True
+    settings.HORDE_CHAT_MESSAGES_OFFLOAD_BYTES = 64
+    settings.HORDE_CHAT_MESSAGES_OFFLOAD_GZIP = True
+    messages = [{"role": "user", "content": "Tell me about the sea. " * 20}]
+    with running_bridge(live_horde, fake_backend.url):
+        status = live_horde.wait(live_horde.chat(messages=messages))
+    assert status["done"] and not status["faulted"], status
+    assert list(Generation.objects.values_list("image_transport", flat=True)) == ["messages_url"]
+    assert fake_backend.chat_requests()[0]["messages"] == messages
+
+
+def test_a_messages_url_that_cannot_be_fetched_faults_the_job_without_a_reason(live_horde, fake_backend, settings):
+    settings.HORDE_CHAT_MESSAGES_OFFLOAD_ENABLED = True
+    settings.HORDE_CHAT_MESSAGES_OFFLOAD_BYTES = 64
+    settings.HORDE_PUBLIC_URL = "http://127.0.0.1:9"  # nothing listens there: the fetch fails
+    messages = [{"role": "user", "content": "Tell me about the sea. " * 20}]
+    with running_bridge(live_horde, fake_backend.url) as (_, out):
+        request_id = live_horde.chat(messages=messages)
+        deadline = time.monotonic() + 15
+        while not Generation.objects.filter(request__id=request_id, state=Generation.State.FAULTED).exists():
+            assert time.monotonic() < deadline, out.text()
+            time.sleep(0.1)
+    # No fault reason was sent, so the request records no worker fault message.
+    assert GenerationRequest.objects.get(pk=request_id).chat_fault_reason is None
+    assert "chat faulted (no reason)" in out.text() and fake_backend.chat_requests() == []

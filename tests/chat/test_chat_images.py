@@ -18,9 +18,9 @@ from django.utils import timezone
 from PIL import Image
 
 from accounts.models import KudosTransaction
-from chat.image_store import CHAT_IMAGE_DELETE_RETRY_KEY, chat_image_key
 from chat.models import Generation, GenerationRequest
-from chat.services.create_chat import inactive_image_request_create
+from chat.object_store import CHAT_IMAGE_DELETE_RETRY_KEY, chat_image_key
+from chat.services.create_chat import inactive_request_create
 from chat.services.sweeps import expire_requests
 from contract.chat_limits import MAX_CHAT_IMAGE_TOTAL_BYTES_UNTRUSTED, MIN_CHAT_IMAGE_URL_SECONDS
 from tests.chat.chat_route_helpers import chat_async, chat_worker
@@ -300,7 +300,7 @@ def test_a_url_worker_receives_a_signed_download_url_that_serves_the_stored_jpeg
     assert Generation.objects.get(pk=popped.json()["id"]).image_transport == "url"
     download = horde.client.get(f"{parts.path}?{parts.query}")
     assert download.status_code == 200 and download["Content-Type"] == "image/jpeg"
-    assert b"".join(download.streaming_content) == (image_store / chat_image_key(request_id, 0)).read_bytes()
+    assert download.content == (image_store / chat_image_key(request_id, 0)).read_bytes()
     forged = parts.query.replace("signature=", "signature=0")
     assert horde.client.get(f"{parts.path}?{forged}").status_code == 403
     assert horde.client.get(parts.path).status_code == 403
@@ -313,7 +313,7 @@ def test_a_signed_url_serves_nothing_once_it_expired(horde, make_user, image_sto
     parts = urlsplit(popped.json()["payload"]["messages"][0]["content"][1]["image_url"]["url"])
     assert (parts.scheme, parts.netloc) == ("https", "horde.example")  # the configured address
     query = parse_qs(parts.query)
-    from chat.image_store import _signature
+    from chat.object_store import _signature  # the local store's own signer
 
     past = int(time.time()) - 1
     stale = f"expires={past}&signature={_signature(chat_image_key(request_id, 0), past)}"
@@ -371,7 +371,7 @@ def test_an_inactive_row_left_by_a_crash_is_deleted_with_its_images_at_expiry(
     requester = make_user("r", kudos=10)
     fields = {"prompt": "user: [image]", "max_length": 64, "max_context_length": 2048,
               "messages": [image_message("data:image/png;base64,AAAA")]}
-    inactive = inactive_image_request_create(user=requester.user, fields=fields, jpegs=[b"jpeg bytes"])
+    inactive = inactive_request_create(user=requester.user, fields=fields, jpegs=[b"jpeg bytes"])
     assert stored_files(image_store) == inactive.keys
     row = GenerationRequest.objects.get(pk=inactive.id)
     assert row.jobs_waiting == 0 and row.messages[0]["content"][1]["image_url"]["url"] == f"horde-r2://{inactive.keys[0]}"

@@ -4,6 +4,7 @@ connection per bridge thread (`connections`), and the messages_url fetch.
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json as json_module
 import urllib.request
@@ -113,11 +114,15 @@ class HordeClient:
 
     def fetch_json(self, url: str, *, timeout: float = 30.0) -> Any:
         """A messages_url: a presigned URL outside the API (any host, redirects followed), fetched
-        without the API key. Rare, so through urllib's opener rather than a kept connection."""
+        without the API key. Rare, so through urllib's opener rather than a kept connection. The
+        object may be stored gzipped: urllib does not decode Content-Encoding, so this does."""
         try:
             with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - the horde's own URL
-                return json_module.loads(response.read())
-        except (OSError, http.client.HTTPException, ValueError) as error:
+                body = response.read()
+                if (response.headers.get("Content-Encoding") or "").strip().lower() == "gzip":
+                    body = gzip.decompress(body)
+                return json_module.loads(body)
+        except (OSError, EOFError, http.client.HTTPException, ValueError) as error:
             raise HordeUnavailable(f"messages_url: {error}") from None
 
 

@@ -529,7 +529,8 @@ class Bridge:
             try:
                 payload["messages"] = self.horde.fetch_json(payload["messages_url"])
             except HordeUnavailable as error:
-                self._fault(held, ChatFaultReason.GENERATION_ERROR, str(error))
+                # ChatFaultReason has no value for a failed input fetch: faulted without a reason.
+                self._fault(held, None, str(error))
                 return
         body = chat_backend_request(payload, model=self.caps.model, kind=self.caps.kind)
         if not self._fit_chat_prompt(held, body):
@@ -656,8 +657,9 @@ class Bridge:
                 self._record_dropped(held, f"submit refused: {error.rc}: {error.message}")
                 return None
 
-    def _fault(self, held: HeldJob, reason: str, detail: str, *, claimed: bool = False) -> None:
-        """Submit the job as faulted with `reason` (chat jobs; a text fault has no reason field)."""
+    def _fault(self, held: HeldJob, reason: str | None, detail: str, *, claimed: bool = False) -> None:
+        """Submit the job as faulted with `reason` (chat jobs; a text fault has no reason field;
+        None: a chat fault sent without one)."""
         body = chat_fault_body(held.id, held.model_id, reason) if held.chat else text_fault_body(held.id)
         outcome = self._submit(held, body, claimed=claimed)
         if outcome is None:
@@ -666,7 +668,7 @@ class Bridge:
             self.stats.faulted += 1
         if not self.config.quiet:
             kind = "chat" if held.chat else "text"
-            self.log(f"job {held.id[:8]} {kind} faulted ({reason if held.chat else 'fault'}): {detail}")
+            self.log(f"job {held.id[:8]} {kind} faulted ({(reason or 'no reason') if held.chat else 'fault'}): {detail}")
 
     def _record_ok(self, held: HeldJob, tokens: int, seconds: float, reward: float, detail: str) -> None:
         with self.stats.lock:

@@ -1,14 +1,17 @@
-"""Where a chat request's images are kept (spec: chat_requests.md, "Images"): keys, the store,
-the download URLs a worker receives, and deletes that are retried until they succeed.
+"""Where a chat request's objects are kept (spec: chat_requests.md, "Images" and "Messages
+offload"): its images and an offloaded messages object. Keys, the stores, the download URLs a
+worker receives, and deletes that are retried until they succeed.
 
-The store is Django's storage named `chat_images` (settings.STORAGES): a folder under MEDIA_ROOT
-in the embedded default, the source image bucket with STORAGE_BACKEND=s3. A URL into the bucket
-is presigned by the S3 client, locally; a URL into the folder is signed here with the secret key
-and served by the horde itself (chat.api.image_views).
+The stores are Django's storages `chat_images` and `chat_messages` (settings.STORAGES), told apart
+by the key's suffix: one folder under MEDIA_ROOT in the embedded default, the source image bucket
+(and R2_CHAT_MESSAGES_BUCKET) with STORAGE_BACKEND=s3. A URL into a bucket is presigned by the S3
+client, locally; a URL into the folder is signed here with the secret key and served by the horde
+itself (chat.api.image_views).
 """
 
 from __future__ import annotations
 
+import gzip
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -21,7 +24,7 @@ from django.core.files.storage import FileSystemStorage, Storage, storages
 from django.utils.crypto import constant_time_compare, salted_hmac
 
 from chat.signals import signal_redis
-from contract.chat_limits import CHAT_IMAGE_REFERENCE_PREFIX
+from contract.chat_limits import CHAT_IMAGE_REFERENCE_PREFIX, CHAT_MESSAGES_OBJECT_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +35,21 @@ MAX_CHAT_IMAGE_DELETE_RETRY_KEYS = 100_000
 CHAT_IMAGE_DELETE_RETRY_BATCH = 1000
 # The path the horde serves images of the local store under (hordesite/urls.py).
 LOCAL_CHAT_IMAGE_PATH = "/api/v2/chat_images/"
-_SIGNATURE_SALT = "chat.image_store.signed_url"
+_SIGNATURE_SALT = "chat.object_store.signed_url"
 
 
-class ChatImageStoreUnavailable(Exception):
-    """The store did not take, give or sign an image."""
+class ChatObjectStoreUnavailable(Exception):
+    """The store did not take, give or sign an object."""
 
 
 def chat_image_key(request_id: UUID | str, n: int) -> str:
     """The key of a request's n-th image (from 0)."""
     return f"{request_id}_chat_{n}.jpg"
+
+
+def chat_messages_key(request_id: UUID | str) -> str:
+    """The key of a request's offloaded messages object."""
+    return f"{request_id}{CHAT_MESSAGES_OBJECT_SUFFIX}"
 
 
 def chat_image_reference(key: str) -> str:
@@ -68,6 +76,14 @@ def referenced_image_keys(messages: Iterable[dict[str, Any]] | None) -> list[str
     return keys
 
 
+def stored_object_keys(
+    request_id: UUID | str, messages: Iterable[dict[str, Any]] | None, *, offloaded: bool
+) -> list[str]:
+    """Every object a stored request owns: its images and its messages object (the spec's
+    list_stored_chat_object_keys)."""
+    return referenced_image_keys(messages) + ([chat_messages_key(request_id)] if offloaded else [])
+
+
 def messages_with_image_urls(messages: list[dict[str, Any]], url_of: Any) -> list[dict[str, Any]]:
     """A copy of `messages` with each image part's url replaced by `url_of(url)`; the parts'
     other keys (detail) and the other messages are kept as they are."""
@@ -88,39 +104,72 @@ def messages_with_image_urls(messages: list[dict[str, Any]], url_of: Any) -> lis
     return replaced
 
 
-def chat_image_storage() -> Storage:
-    return storages["chat_images"]
+def chat_object_storage(key: str) -> Storage:
+    """The store a key lives in: its suffix tells a messages object from an image."""
+    return storages["chat_messages" if key.endswith(CHAT_MESSAGES_OBJECT_SUFFIX) else "chat_images"]
 
 
 def chat_images_save(images: Iterable[tuple[str, bytes]]) -> None:
     """Store each (key, JPEG bytes). When one is not taken, those already stored are deleted and
-    ChatImageStoreUnavailable is raised."""
-    storage = chat_image_storage()
+    ChatObjectStoreUnavailable is raised."""
     stored: list[str] = []
     for key, data in images:
+        storage = chat_object_storage(key)
         try:
             saved = storage.save(key, ContentFile(data))
         except Exception as error:  # any storage backend's failure: the caller refuses with 503
-            chat_images_delete(stored)
-            raise ChatImageStoreUnavailable(f"the image store did not take {key}: {error}") from error
+            chat_objects_delete(stored)
+            raise ChatObjectStoreUnavailable(f"the image store did not take {key}: {error}") from error
         stored.append(saved)
         if saved != key:  # a key is a request id's: another object under it is not ours to overwrite
-            chat_images_delete(stored)
-            raise ChatImageStoreUnavailable(f"the image store already holds {key}")
+            chat_objects_delete(stored)
+            raise ChatObjectStoreUnavailable(f"the image store already holds {key}")
 
 
-def chat_image_read(key: str) -> bytes:
+def chat_messages_save(key: str, body: bytes, *, gzipped: bool) -> None:
+    """Store an offloaded messages object: JSON, never transformed by a CDN, and gzipped as a
+    transport encoding of the whole body when `gzipped`."""
+    storage = chat_object_storage(key)
     try:
-        with chat_image_storage().open(key, "rb") as stored:
+        if isinstance(storage, FileSystemStorage):  # served by chat.api.image_views with its headers
+            saved = storage.save(key, ContentFile(body))
+            if saved != key:
+                storage.delete(saved)
+                raise ChatObjectStoreUnavailable(f"the store already holds {key}")
+            return
+        headers = {"ContentType": "application/json", "CacheControl": "no-transform"}
+        if gzipped:
+            headers["ContentEncoding"] = "gzip"
+        storage.bucket.put_object(Key=key, Body=body, **headers)
+    except ChatObjectStoreUnavailable:
+        raise
+    except Exception as error:
+        raise ChatObjectStoreUnavailable(f"the store did not take {key}: {error}") from error
+
+
+def stored_object_is_gzip(body: bytes) -> bool:
+    """Whether a stored messages object was kept gzipped (JSON never starts with gzip's magic)."""
+    return body[:2] == b"\x1f\x8b"
+
+
+def gzip_if_smaller(body: bytes) -> tuple[bytes, bool]:
+    """The body gzipped when that is smaller, and whether it is."""
+    packed = gzip.compress(body, mtime=0)
+    return (packed, True) if len(packed) < len(body) else (body, False)
+
+
+def chat_object_read(key: str) -> bytes:
+    try:
+        with chat_object_storage(key).open(key, "rb") as stored:
             return stored.read()
     except Exception as error:
-        raise ChatImageStoreUnavailable(f"the image store did not give {key}: {error}") from error
+        raise ChatObjectStoreUnavailable(f"the image store did not give {key}: {error}") from error
 
 
-def chat_image_url(key: str, *, seconds: int, base_url: str) -> str:
+def chat_object_url(key: str, *, seconds: int, base_url: str) -> str:
     """A download URL for a worker, valid `seconds`: presigned by the bucket's client, or signed
     here for the local store (served under LOCAL_CHAT_IMAGE_PATH of `base_url`)."""
-    storage = chat_image_storage()
+    storage = chat_object_storage(key)
     if isinstance(storage, FileSystemStorage):
         expires = int(time.time()) + seconds
         query = urlencode({"expires": expires, "signature": _signature(key, expires)})
@@ -128,7 +177,7 @@ def chat_image_url(key: str, *, seconds: int, base_url: str) -> str:
     try:
         return storage.url(key, expire=seconds)
     except Exception as error:
-        raise ChatImageStoreUnavailable(f"the image store did not sign {key}: {error}") from error
+        raise ChatObjectStoreUnavailable(f"the image store did not sign {key}: {error}") from error
 
 
 def _signature(key: str, expires: int) -> str:
@@ -142,17 +191,16 @@ def local_image_url_valid(key: str, expires: str | None, signature: str | None) 
     return int(expires) >= time.time() and constant_time_compare(signature, _signature(key, int(expires)))
 
 
-def chat_images_delete(keys: Iterable[str]) -> int:
+def chat_objects_delete(keys: Iterable[str]) -> int:
     """Delete each key; a key the store does not delete is queued for the retry. Returns how many
     were deleted."""
-    storage = chat_image_storage()
     deleted, failed = 0, []
     for key in keys:
         try:
-            storage.delete(key)
+            chat_object_storage(key).delete(key)
             deleted += 1
         except Exception:
-            log.warning("chat image %s was not deleted; queued for a retry", key, exc_info=True)
+            log.warning("chat object %s was not deleted; queued for a retry", key, exc_info=True)
             failed.append(key)
     if failed:
         _queue_delete_retry(failed)
@@ -174,7 +222,7 @@ def _queue_delete_retry(keys: list[str]) -> None:
         log.error("chat images not deleted and not queued: %s", ", ".join(keys), exc_info=True)
 
 
-def retry_chat_image_deletes() -> int:
+def retry_chat_object_deletes() -> int:
     """The expiry sweep's retry of failed deletes: up to CHAT_IMAGE_DELETE_RETRY_BATCH keys, each
     removed from the set once it deletes. Returns how many deleted."""
     client = signal_redis()
@@ -187,14 +235,13 @@ def retry_chat_image_deletes() -> int:
     except Exception:
         log.warning("chat image delete retry set unreadable", exc_info=True)
         return 0
-    storage = chat_image_storage()
     done = []
     for key in keys:
         try:
-            storage.delete(key)
+            chat_object_storage(key).delete(key)
             done.append(key)
         except Exception:
-            log.warning("chat image %s still not deleted", key, exc_info=True)
+            log.warning("chat object %s still not deleted", key, exc_info=True)
     if done:
         try:
             client.srem(CHAT_IMAGE_DELETE_RETRY_KEY, *done)
