@@ -12,21 +12,24 @@ when it connects, which is exactly the second lookup this module must not make.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import ipaddress
 import socket
 import ssl
 import string
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import SplitResult, urljoin, urlsplit
 
+from contract.chat_limits import CHAT_IMAGE_FETCH_TOTAL_SECONDS
+
 CHAT_IMAGE_FETCH_TIMEOUT_SECONDS = 2.0
 CHAT_IMAGE_FETCH_MAX_REDIRECTS = 3
-# Not the spec's: a whole fetch's bound, so a server that drips a byte before each read timeout
-# cannot hold a submit (docs/adr/0062-chat-images.md).
-CHAT_IMAGE_FETCH_TOTAL_SECONDS = 15.0
+# Not the spec's: a whole fetch's bound (contract.chat_limits.CHAT_IMAGE_FETCH_TOTAL_SECONDS), so a
+# server that drips a byte before each read timeout cannot hold a submit (docs/adr/0062).
 
 USER_AGENT = "AI-Horde-chat-image-fetch/1.0 (+https://aihorde.net)"
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
@@ -64,6 +67,7 @@ def fetch_public_image(
     allowed_networks: Sequence[IPNetwork] = (),
     ssl_context: ssl.SSLContext | None = None,
     timeout: float = CHAT_IMAGE_FETCH_TIMEOUT_SECONDS,
+    total_timeout: float = CHAT_IMAGE_FETCH_TOTAL_SECONDS,
 ) -> bytes:
     """GET an image over http(s), following at most CHAT_IMAGE_FETCH_MAX_REDIRECTS redirects.
 
@@ -71,7 +75,7 @@ def fetch_public_image(
     operator (or a test) reach addresses that would otherwise be refused. Raises ImageUrlRefused,
     ImageUrlInvalid or ImageTooLarge; returns the body of the 200 answer.
     """
-    deadline = time.monotonic() + CHAT_IMAGE_FETCH_TOTAL_SECONDS
+    deadline = time.monotonic() + total_timeout
     for hop in range(CHAT_IMAGE_FETCH_MAX_REDIRECTS + 1):
         parts = _parse(url)
         host = _ascii_host(parts)
@@ -79,9 +83,15 @@ def fetch_public_image(
         family, sockaddr = _resolve_public(host, port, resolve, allowed_networks)
         tls = (ssl_context or ssl.create_default_context()) if parts.scheme == "https" else None
         connection = _PinnedConnection(host, port, family, sockaddr, timeout, tls)
+        # The per-read timeout restarts with every byte: the watchdog bounds the whole hop.
+        watchdog = threading.Timer(max(deadline - time.monotonic(), 0.0), connection.abort)
+        watchdog.daemon = True
+        watchdog.start()
         try:
             try:
                 response = _get(connection, parts)
+                if time.monotonic() >= deadline:  # the watchdog ended it: what arrived is cut short
+                    raise ImageUrlInvalid(f"the image took longer than {total_timeout:g} seconds to arrive")
                 if response.status in REDIRECT_STATUSES and response.getheader("Location"):
                     if hop == CHAT_IMAGE_FETCH_MAX_REDIRECTS:
                         raise ImageUrlInvalid(f"more than {CHAT_IMAGE_FETCH_MAX_REDIRECTS} redirects")
@@ -89,11 +99,16 @@ def fetch_public_image(
                     continue
                 if response.status != 200:
                     raise ImageUrlInvalid(f"the image URL answered {response.status} {response.reason}")
-                return _read_bounded(response, max_bytes, deadline)
+                return _read_bounded(response, max_bytes, deadline, total_timeout)
             except (OSError, http.client.HTTPException) as error:
                 # Timeouts, refused connections, TLS verification failures, malformed answers.
+                if time.monotonic() >= deadline:
+                    raise ImageUrlInvalid(
+                        f"the image took longer than {total_timeout:g} seconds to arrive"
+                    ) from error
                 raise ImageUrlInvalid(f"fetching {host!r} failed: {error or type(error).__name__}") from error
         finally:
+            watchdog.cancel()
             connection.close()
     raise AssertionError("unreachable: the last hop returns or raises")
 
@@ -190,11 +205,20 @@ class _PinnedConnection(http.client.HTTPConnection):
         self._family = family
         self._sockaddr = sockaddr
         self._tls = tls
+        self._raw: socket.socket | None = None
         # The Host header leaves out the port only when it is the scheme's default.
         self.default_port = 443 if tls is not None else 80
 
+    def abort(self) -> None:
+        """End a fetch past its deadline from another thread: a blocked read returns at once."""
+        raw = self._raw
+        if raw is not None:
+            with contextlib.suppress(OSError):
+                raw.shutdown(socket.SHUT_RDWR)
+
     def connect(self) -> None:
         sock = socket.socket(self._family, socket.SOCK_STREAM)
+        self._raw = sock
         try:
             sock.settimeout(self.timeout)  # covers the connect, the handshake and every read
             sock.connect(self._sockaddr)
@@ -216,7 +240,7 @@ def _get(connection: _PinnedConnection, parts: SplitResult) -> http.client.HTTPR
     return connection.getresponse()
 
 
-def _read_bounded(response: http.client.HTTPResponse, max_bytes: int, deadline: float) -> bytes:
+def _read_bounded(response: http.client.HTTPResponse, max_bytes: int, deadline: float, total: float) -> bytes:
     """Read at most max_bytes + 1 bytes (one byte more proves the image too large), by then."""
     declared = response.getheader("Content-Length")
     if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
@@ -225,7 +249,9 @@ def _read_bounded(response: http.client.HTTPResponse, max_bytes: int, deadline: 
     while chunk := response.read1(min(_CHUNK_BYTES, max_bytes + 1 - len(body))):
         body += chunk
         if time.monotonic() > deadline:
-            raise ImageUrlInvalid(f"the image took longer than {CHAT_IMAGE_FETCH_TOTAL_SECONDS:g} seconds to arrive")
+            raise ImageUrlInvalid(f"the image took longer than {total:g} seconds to arrive")
         if len(body) > max_bytes:
             raise ImageTooLarge(len(body), max_bytes)
+    if time.monotonic() >= deadline:  # ended by the watchdog, not by the server
+        raise ImageUrlInvalid(f"the image took longer than {total:g} seconds to arrive")
     return bytes(body)

@@ -108,6 +108,11 @@ free_allowance_decisions = LazyCounter(
     "horde.text.free_allowance.decisions",
     description="Request creations by how the free output allowance admitted them: free, funded, refused or downgraded",
 )
+free_allowance_estimated_wait = LazyHistogram(
+    "horde.text.free_allowance.estimated_wait_seconds",
+    unit="s",
+    description="The estimated wait on the eligible workers a request's free output allowance was sized by",
+)
 queue_wait_seconds = LazyHistogram(
     "horde.text.queue_wait_seconds", unit="s", description="Each job's time from its request's creation to its pop"
 )

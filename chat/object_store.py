@@ -21,6 +21,7 @@ from uuid import UUID
 
 from django.core.files.base import ContentFile
 from django.core.files.storage import FileSystemStorage, Storage, storages
+from django.db import transaction
 from django.utils.crypto import constant_time_compare, salted_hmac
 
 from chat.signals import signal_redis
@@ -40,6 +41,10 @@ _SIGNATURE_SALT = "chat.object_store.signed_url"
 
 class ChatObjectStoreUnavailable(Exception):
     """The store did not take, give or sign an object."""
+
+
+class ChatObjectMissing(ChatObjectStoreUnavailable):
+    """The store answered that the object is not there: it will not come back."""
 
 
 def chat_image_key(request_id: UUID | str, n: int) -> str:
@@ -162,6 +167,8 @@ def chat_object_read(key: str) -> bytes:
     try:
         with chat_object_storage(key).open(key, "rb") as stored:
             return stored.read()
+    except FileNotFoundError as error:  # what the folder and the bucket storages both raise
+        raise ChatObjectMissing(f"the store does not hold {key}") from error
     except Exception as error:
         raise ChatObjectStoreUnavailable(f"the image store did not give {key}: {error}") from error
 
@@ -248,3 +255,14 @@ def retry_chat_object_deletes() -> int:
         except Exception:  # deleted already: a later retry deletes nothing and removes them
             log.warning("chat image delete retry set not updated", exc_info=True)
     return len(done)
+
+
+def delete_objects_with_request(sender: Any, instance: Any, **kwargs: Any) -> None:
+    """pre_delete of a request row, however it goes (the expiry sweep, a refused activation, an
+    operator's delete in the admin, its user's deletion): its stored objects are deleted once the
+    row's deletion commits, or their keys queued for the retry."""
+    if not instance.is_chat or not (instance.chat_has_images or instance.chat_messages_offloaded):
+        return
+    keys = stored_object_keys(instance.pk, instance.messages, offloaded=instance.chat_messages_offloaded)
+    if keys:
+        transaction.on_commit(lambda: chat_objects_delete(keys), robust=True)

@@ -43,6 +43,9 @@ CHAT_IMAGE_MAX_SIDE = 2048
 CHAT_IMAGE_JPEG_QUALITY = 90
 # An image part's url in a stored request: this scheme and the key it is stored under.
 CHAT_IMAGE_REFERENCE_PREFIX = "horde-r2://"
+# The horde's bound on fetching one image URL (every hop, headers and body): a submit with URL
+# images may take this long per image, which the front's wait for the submit allows for.
+CHAT_IMAGE_FETCH_TOTAL_SECONDS = 15.0
 # A presigned image URL in a job lives the job's TTL, and at least this long.
 MIN_CHAT_IMAGE_URL_SECONDS = 600
 # An offloaded request's messages object: its key's suffix, and its URL's lifetime (the worker

@@ -291,6 +291,11 @@ HORDE_MAINTENANCE = env.bool("HORDE_MAINTENANCE", default=False)
 HORDE_TEXT_ASYNC_RATE_LIMITS = env.list("HORDE_TEXT_ASYNC_RATE_LIMITS", default=["2/second", "90/minute"])
 HORDE_DEFAULT_CONCURRENCY = env.int("HORDE_DEFAULT_CONCURRENCY", default=30)
 HORDE_TEXT_FREE_OUTPUT_FLOOR = env.int("HORDE_TEXT_FREE_OUTPUT_FLOOR", default=512)
+# The free output allowance (chat_requests.md): the ceiling while the queue ahead of a request on
+# its eligible workers clears within WAIT_FULL seconds, the floor from WAIT_FLOOR, linear between.
+HORDE_TEXT_FREE_OUTPUT_CEILING = env.int("HORDE_TEXT_FREE_OUTPUT_CEILING", default=4096)
+HORDE_TEXT_FREE_OUTPUT_WAIT_FULL_SECONDS = env.float("HORDE_TEXT_FREE_OUTPUT_WAIT_FULL_SECONDS", default=60)
+HORDE_TEXT_FREE_OUTPUT_WAIT_FLOOR_SECONDS = env.float("HORDE_TEXT_FREE_OUTPUT_WAIT_FLOOR_SECONDS", default=300)
 HORDE_UPFRONT_KUDOS_ON_WORKERLIST = env.bool("HORDE_UPFRONT_KUDOS_ON_WORKERLIST", default=False)
 HORDE_ALLOW_ANONYMOUS = env.bool("HORDE_ALLOW_ANONYMOUS", default=True)
 # Seconds a process reuses the user row it read for an API key (0: read it on every request).

@@ -37,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from contract.chat_limits import CHAT_IMAGE_FETCH_TOTAL_SECONDS
 from contract.rate_limits import PROXIED_FOR_HEADER, PROXY_PASSKEY_HEADER
 from oai.metrics import FrontMetrics
 from oai.settings import FrontSettings
@@ -56,6 +57,8 @@ _native_app_root = "/api/v2"
 # Threads of the in-process calls: each runs one native request start to end (its views are sync
 # and use the database; more threads than the horde's database pool would only wait on it).
 IN_PROCESS_THREADS = 16
+# What the front allows the horde to decode, check and re-encode one image of a submit.
+IMAGE_ENCODE_SECONDS = 1.0
 # The passkey of this process's in-process calls: they never leave the process, and the horde in it
 # is told this value (hordesite/asgi.py), so the mounted front forwards its clients' addresses
 # without one being configured.
@@ -334,13 +337,30 @@ class HordeClient:
         was created: the limits are the route's first check)."""
         path = TEXT_SUBMIT_PATH if text else SUBMIT_PATH
         deadline = time.monotonic() + rate_limit_wait_seconds
+        timeout = None if text else self.submit_timeout(body)
         while True:
             # A lost answer already moved the current root on: the recovery goes to the next root.
-            answer = await self._send("POST", path, call_type=call_type, json=body, headers=headers)
+            answer = await self._send("POST", path, call_type=call_type, json=body, headers=headers, timeout=timeout)
             pause = rate_limit_pause(answer)
             if pause is None or time.monotonic() + pause > deadline:
                 return answer
             await asyncio.sleep(pause)
+
+    def submit_timeout(self, body: dict[str, Any]) -> float | None:
+        """A chat submit with images waits longer: the horde fetches each URL image (up to
+        CHAT_IMAGE_FETCH_TOTAL_SECONDS) and re-encodes every image before it answers. None: the
+        usual native timeout."""
+        urls = images = 0
+        for message in body.get("messages") or ():
+            content = message.get("content") if isinstance(message, dict) else None
+            for part in content if isinstance(content, list) else ():
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    images += 1
+                    url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
+                    urls += isinstance(url, str) and not url.startswith("data:")
+        if not images:
+            return None
+        return self.settings.native_timeout_seconds + urls * CHAT_IMAGE_FETCH_TOTAL_SECONDS + images * IMAGE_ENCODE_SECONDS
 
     async def status(
         self, request_id: str, *, text: bool = False, headers: dict[str, str] | None = None

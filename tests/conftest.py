@@ -166,6 +166,13 @@ def _chat_image_store(settings, tmp_path_factory):
     }
 
 
+@pytest.fixture
+def allowance_at_the_floor(settings):
+    """The free output allowance held at its floor whatever the queue (a ceiling at the floor):
+    for tests of the upfront kudos rules themselves."""
+    settings.HORDE_TEXT_FREE_OUTPUT_CEILING = settings.HORDE_TEXT_FREE_OUTPUT_FLOOR
+
+
 @pytest.fixture(autouse=True)
 def _generous_rate_limits(settings):
     """Most tests submit many requests from one address; the rate limit tests set their own."""

@@ -4,6 +4,7 @@ upfront kudos, and the rows of an active request with its hold and the horde tax
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any, Literal
@@ -14,9 +15,10 @@ from django.utils import timezone
 
 from accounts.models import HordeUser, KudosTransaction
 from accounts.services import kudos_hold, kudos_transfer
-from chat.metrics import free_allowance_decisions, size_bucket
+from chat.metrics import free_allowance_decisions, free_allowance_estimated_wait, size_bucket
 from chat.models import GenerationRequest, RequestModel, RequestWorker
 from chat.pricing import context_multiplier
+from chat.selectors.allowance import QueueWait, estimate_queue_wait_seconds, free_output_allowance
 from chat.selectors.queue import request_queue_lists
 from chat.services.maintenance import horde_in_maintenance
 from chat.services.pop_cache import queue_grew
@@ -32,20 +34,47 @@ def queue_score(priority: int, created_epoch: float) -> int:
     return priority - QUEUE_PRIORITY_STEP * math.floor(created_epoch / QUEUE_PRIORITY_STEP_SECONDS)
 
 
-def needs_upfront_kudos(*, max_length: int, slow_workers: bool, has_worker_list: bool) -> bool:
+@dataclass(frozen=True)
+class FreeOutputAllowance:
+    """The free output a request is allowed, and the wait it was sized by (None: no eligible worker)."""
+
+    tokens: int
+    wait: QueueWait | None
+
+
+def free_output_allowance_for(
+    *, user: HordeUser, fields: dict[str, Any], models: list[str], workers: list[UUID], record: bool = True
+) -> FreeOutputAllowance:
+    """The request's allowance, from its estimated wait on the workers eligible for it at its
+    requested max_length (spec: Free output allowance). `fields` are the row's; the request is not
+    written yet. `record`: horde.text.free_allowance.estimated_wait_seconds (not for a dry run)."""
+    probe = GenerationRequest(user=user, requested_models=models, any_model=not models, **fields)
+    wait = estimate_queue_wait_seconds(probe, workers)
+    if record and wait is not None:
+        free_allowance_estimated_wait.record(
+            wait.seconds, {"horde.chat": bool(probe.is_chat), "horde.requester": _requester_kind(user)}
+        )
+    return FreeOutputAllowance(tokens=free_output_allowance(wait), wait=wait)
+
+
+def _requester_kind(user: HordeUser) -> str:
+    return "anonymous" if user.is_anonymous else "registered"
+
+
+def needs_upfront_kudos(*, max_length: int, slow_workers: bool, has_worker_list: bool, allowance: int) -> bool:
     """Above the free output allowance, without slow workers, or (when the setting says so) with a
     worker list, a request holds its kudos at admission."""
     from django.conf import settings
 
     return (
-        max_length > settings.HORDE_TEXT_FREE_OUTPUT_FLOOR
+        max_length > allowance
         or not slow_workers
         or (settings.HORDE_UPFRONT_KUDOS_ON_WORKERLIST and has_worker_list)
     )
 
 
 def kudos_upfront_error(*, allowance: int, kudos: Decimal) -> HordeError:
-    """KudosUpfront, stating the allowance (the free output floor until the allowance issue)."""
+    """KudosUpfront, stating the allowance."""
     return HordeError(
         "KudosUpfront",
         f"Due to heavy demand, for requests over {allowance} tokens, the client needs to already "
@@ -81,19 +110,16 @@ AllowanceOutcome = Literal["free", "funded", "refused", "downgraded"]
 
 
 def record_allowance_decision(
-    *, user: HordeUser, outcome: AllowanceOutcome, requested_max_length: int, is_chat: bool
+    *, user: HordeUser, outcome: AllowanceOutcome, requested_max_length: int, is_chat: bool, allowance: int
 ) -> None:
-    """horde.text.free_allowance.decisions for one creation (a dry run is not recorded). The
-    allowance is the free output floor (docs/adr/0004-text-kudos-admission.md)."""
-    from django.conf import settings
-
+    """horde.text.free_allowance.decisions for one creation (a dry run is not recorded)."""
     free_allowance_decisions.add(
         1,
         {
-            "horde.requester": "anonymous" if user.is_anonymous else "registered",
+            "horde.requester": _requester_kind(user),
             "horde.outcome": outcome,
             "horde.requested_bucket": size_bucket(requested_max_length),
-            "horde.allowance_bucket": size_bucket(settings.HORDE_TEXT_FREE_OUTPUT_FLOOR),
+            "horde.allowance_bucket": size_bucket(allowance),
             "horde.chat": is_chat,
         },
     )

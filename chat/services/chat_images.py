@@ -22,7 +22,7 @@ from typing import Any
 from uuid import UUID
 
 from django.conf import settings
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageMath, UnidentifiedImageError
 
 from accounts.models import HordeUser
 from chat.image_fetch import ImageTooLarge, ImageUrlInvalid, ImageUrlRefused, fetch_public_image
@@ -121,7 +121,12 @@ def load_chat_images(*, parts: list[ImagePart], user: HordeUser) -> list[bytes]:
         raw.append(data)
     for part, data in zip(parts, raw, strict=True):
         _check_header(part, data)
-    jpegs = [normalise_chat_image(data) for data in raw]
+    jpegs = []
+    for part, data in zip(parts, raw, strict=True):
+        try:
+            jpegs.append(normalise_chat_image(data))
+        except _UNREADABLE:  # a header that reads over a body that does not (truncated, corrupt)
+            raise _unreadable(part) from None
     encoded = sum(len(j) for j in jpegs)
     if encoded > cap:  # a compact PNG can re-encode to a far larger JPEG
         raise images_total_exceeded(encoded, cap, encoded=True)
@@ -153,6 +158,21 @@ def _fetched(part: ImagePart) -> bytes:
         ) from None
 
 
+# The formats a chat image may come in: what browsers and the OpenAI API take. Naming them keeps
+# Pillow from handing anything else (EPS to Ghostscript, say) to a decoder.
+CHAT_IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
+# What a decoder raises on a file that is not a readable image of those formats.
+_UNREADABLE = (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+
+
+def _unreadable(part: ImagePart) -> ChatRefusal:
+    return ChatRefusal("SourceImageUnreadable", "The image could not be read as an image.", param=part.path)
+
+
+def _open(data: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(data), formats=CHAT_IMAGE_FORMATS)
+
+
 def _check_header(part: ImagePart, data: bytes) -> None:
     """Readable as an image, and at most MAX_CHAT_IMAGE_PIXELS as its header states."""
     if len(data) > MAX_CHAT_IMAGE_BYTES:
@@ -160,12 +180,10 @@ def _check_header(part: ImagePart, data: bytes) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as image:  # reads the header only
+            with _open(data) as image:  # reads the header only
                 width, height = image.size
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
-        raise ChatRefusal(
-            "SourceImageUnreadable", "The image could not be read as an image.", param=part.path
-        ) from None
+    except _UNREADABLE:
+        raise _unreadable(part) from None
     if width * height > MAX_CHAT_IMAGE_PIXELS:
         raise ChatRefusal(
             "SourceImageResolutionExceeded",
@@ -180,8 +198,8 @@ def normalise_chat_image(data: bytes) -> bytes:
     CHAT_IMAGE_JPEG_QUALITY: what every chat worker's image loader decodes."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        with Image.open(io.BytesIO(data)) as opened:
-            image = opened.convert("RGBA") if _has_transparency(opened) else opened.convert("RGB")
+        with _open(data) as opened:
+            image = _as_rgb_or_rgba(opened)
     if image.mode == "RGBA":
         flat = Image.new("RGB", image.size, (255, 255, 255))
         flat.paste(image, mask=image.getchannel("A"))
@@ -193,10 +211,25 @@ def normalise_chat_image(data: bytes) -> bytes:
     return out.getvalue()
 
 
+def _as_rgb_or_rgba(image: Image.Image) -> Image.Image:
+    """RGBA when the image has transparency, else RGB. A 16- or 32-bit grey image is scaled to 8
+    bits first (Pillow's own conversion clips it), its transparent value made a mask."""
+    if image.mode in ("I", "I;16", "I;16B", "I;16L", "F"):
+        wide = image.convert("I") if image.mode != "F" else image
+        grey = wide.point(lambda v: v / 256 if image.mode != "F" else v * 255).convert("L")
+        transparent = image.info.get("transparency")
+        if transparent is None or isinstance(transparent, bytes):
+            return grey.convert("RGB")
+        alpha = ImageMath.lambda_eval(lambda a: a["v"] != transparent, v=wide).point(lambda v: v * 255).convert("L")
+        rgba = grey.convert("RGBA")
+        rgba.putalpha(alpha)
+        return rgba
+    return image.convert("RGBA") if _has_transparency(image) else image.convert("RGB")
+
+
 def _has_transparency(image: Image.Image) -> bool:
-    return image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info) or (
-        image.mode in ("RGB", "L") and "transparency" in image.info
-    )
+    """An alpha channel, or a transparent colour or palette entry (any mode)."""
+    return image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info
 
 
 def stored_image_messages(messages: list[dict[str, Any]], request_id: UUID) -> tuple[list[dict[str, Any]], list[str]]:

@@ -29,7 +29,7 @@ from accounts.models import HordeUser
 from chat import metrics
 from chat.model_reference import is_known_text_model
 from chat.models import GenerationRequest
-from chat.object_store import chat_messages_key, chat_objects_delete
+from chat.object_store import chat_messages_key
 from chat.pricing import text_request_quote
 from chat.services import admission
 from chat.services.cancel import request_cancel
@@ -633,6 +633,8 @@ def chat_request_create(
         "front_lease_expires_at": front_lease_until(front_lease_seconds),
         "front_id": front_id if front_lease_seconds else None,
     }
+    # The free output allowance, from the queue ahead on the workers eligible for the request.
+    allowance = admission.free_output_allowance_for(user=user, fields=fields, models=submission.models, workers=worker_ids)
     inactive: InactiveRequest | None = None
     if images or settings.HORDE_CHAT_MESSAGES_OFFLOAD_ENABLED:
         # Fetched and normalised before any row; the row is written (inactive) before its objects
@@ -644,7 +646,10 @@ def chat_request_create(
             locked_user = admission.lock_requester(user)
             admission.check_concurrency(user=locked_user, n=1)
             needs_hold = admission.needs_upfront_kudos(
-                max_length=max_length, slow_workers=horde.slow_workers, has_worker_list=has_worker_list
+                max_length=max_length,
+                slow_workers=horde.slow_workers,
+                has_worker_list=has_worker_list,
+                allowance=allowance.tokens,
             )
             # The claim is written with the activation: the unique index lets one of two racing
             # submits commit; the other's row, hold and tax roll back here.
@@ -662,10 +667,11 @@ def chat_request_create(
             if needs_hold and locked_user.kudos_available < upfront:
                 # Chat requests never downgrade. Kudos do not help a request no worker can serve.
                 refusal = admission.no_eligible_worker_refusal(request) or admission.kudos_upfront_error(
-                    allowance=settings.HORDE_TEXT_FREE_OUTPUT_FLOOR, kudos=upfront
+                    allowance=allowance.tokens, kudos=upfront
                 )
                 admission.record_allowance_decision(
-                    user=user, outcome="refused", requested_max_length=submission.max_length, is_chat=True
+                    user=user, outcome="refused", requested_max_length=submission.max_length, is_chat=True,
+                    allowance=allowance.tokens,
                 )
                 raise refusal
     except IntegrityError:
@@ -687,6 +693,7 @@ def chat_request_create(
         outcome="funded" if needs_hold else "free",
         requested_max_length=submission.max_length,
         is_chat=True,
+        allowance=allowance.tokens,
     )
     from chat.selectors.availability import chat_request_availability
 
@@ -711,11 +718,10 @@ class InactiveRequest:
     activation leaves it to the expiry sweep, which deletes it with its objects."""
 
     id: UUID
-    keys: list[str]
 
     def discard(self) -> None:
+        """Delete the row; its objects go with it (chat.object_store.delete_objects_with_request)."""
         GenerationRequest.objects.filter(pk=self.id, jobs_waiting=0).delete()
-        chat_objects_delete(self.keys)
 
 
 def inactive_request_create(
@@ -747,17 +753,12 @@ def inactive_request_create(
     try:
         chat_images_store(keys, jpegs)
         if messages_body is not None:
-            try:
-                chat_messages_store(chat_messages_key(request_id), messages_body)
-            except BaseException:
-                chat_objects_delete(keys)
-                raise
+            chat_messages_store(chat_messages_key(request_id), messages_body)
     except BaseException:
+        # The row's deletion deletes what was stored (chat.object_store.delete_objects_with_request).
         GenerationRequest.objects.filter(pk=request_id).delete()
         raise
-    if messages_body is not None:
-        keys.append(chat_messages_key(request_id))
-    return InactiveRequest(id=request_id, keys=keys)
+    return InactiveRequest(id=request_id)
 
 
 # --- cancel -------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from chat.services.admission import (
     AllowanceOutcome,
     check_concurrency,
     ensure_not_in_maintenance,
+    free_output_allowance_for,
     kudos_upfront_error,
     lock_requester,
     needs_upfront_kudos,
@@ -183,68 +184,78 @@ def text_request_create(
 def _text_request_rows(
     *, user: HordeUser, data: TextRequestInput, kudos: Decimal, quote, extra_fields: dict
 ) -> tuple[GenerationRequest, Decimal, str | None]:
-    """The creation transaction of a text request: concurrency, the hold (or the downgrade), the rows."""
+    """The creation transaction of a text request: concurrency, the hold (or the downgrade to the
+    free output allowance), the rows."""
     from django.conf import settings
 
-    floor = settings.HORDE_TEXT_FREE_OUTPUT_FLOOR
     requested = data.max_length
     message = None
     outcome: AllowanceOutcome = "free"
+
+    def row_fields() -> dict:
+        return {
+            "prompt": data.prompt,
+            "params": data.params,
+            "softprompt": data.softprompt,
+            "n": data.n,
+            "jobs_waiting": data.n,
+            "max_length": data.max_length,
+            "max_context_length": data.max_context_length,
+            "has_worker_list": bool(data.workers),
+            "worker_blacklist": data.worker_blacklist,
+            "trusted_workers": data.trusted_workers,
+            "validated_backends": data.validated_backends,
+            "slow_workers": data.slow_workers,
+            "allow_downgrade": data.allow_downgrade,
+            "disable_batching": data.disable_batching,
+            **extra_fields,
+        }
+
+    # Measured at the requested max_length, before the lock: the queue ahead on the eligible workers.
+    allowance = free_output_allowance_for(user=user, fields=row_fields(), models=data.models, workers=data.workers)
     with transaction.atomic():
         locked_user = lock_requester(user)
         check_concurrency(user=locked_user, n=data.n)
         hold = Decimal("0")
         if needs_upfront_kudos(
-            max_length=data.max_length, slow_workers=data.slow_workers, has_worker_list=bool(data.workers)
+            max_length=data.max_length,
+            slow_workers=data.slow_workers,
+            has_worker_list=bool(data.workers),
+            allowance=allowance.tokens,
         ):
             if locked_user.kudos_available >= kudos:
                 hold, outcome = kudos, "funded"
             elif (
                 data.allow_downgrade
                 and data.slow_workers
-                and data.max_length > floor
+                and data.max_length > allowance.tokens
                 # A listed request holds its kudos upfront under this setting and is never lowered.
                 and not (settings.HORDE_UPFRONT_KUDOS_ON_WORKERLIST and data.workers)
             ):
-                data.max_length = floor
+                data.max_length = allowance.tokens
                 kudos = quote()
-                message = f"This request was downgraded to {floor} tokens: the requester lacks the kudos upfront."
+                message = (
+                    f"This request was downgraded to {allowance.tokens} tokens: the requester lacks the kudos upfront."
+                )
                 outcome = "downgraded"
                 log.info(
                     "text request of user %s downgraded from %d to %d tokens: %s kudos available",
-                    locked_user.pk, requested, floor, locked_user.kudos_available,
+                    locked_user.pk, requested, allowance.tokens, locked_user.kudos_available,
                 )
             else:
                 outcome = "refused"
         request = request_rows_create(
-            locked_user=locked_user,
-            fields={
-                "prompt": data.prompt,
-                "params": data.params,
-                "softprompt": data.softprompt,
-                "n": data.n,
-                "jobs_waiting": data.n,
-                "max_length": data.max_length,
-                "max_context_length": data.max_context_length,
-                "has_worker_list": bool(data.workers),
-                "worker_blacklist": data.worker_blacklist,
-                "trusted_workers": data.trusted_workers,
-                "validated_backends": data.validated_backends,
-                "slow_workers": data.slow_workers,
-                "allow_downgrade": data.allow_downgrade,
-                "disable_batching": data.disable_batching,
-                **extra_fields,
-            },
-            models=data.models,
-            workers=data.workers,
-            kudos=kudos,
-            hold=hold,
+            locked_user=locked_user, fields=row_fields(), models=data.models, workers=data.workers, kudos=kudos, hold=hold
         )
         if outcome == "refused":
             # The row is rolled back with the refusal; it exists here so that the worker check
             # reads it as the status would.
-            refusal = no_eligible_worker_refusal(request) or kudos_upfront_error(allowance=floor, kudos=kudos)
-            record_allowance_decision(user=user, outcome=outcome, requested_max_length=requested, is_chat=False)
+            refusal = no_eligible_worker_refusal(request) or kudos_upfront_error(allowance=allowance.tokens, kudos=kudos)
+            record_allowance_decision(
+                user=user, outcome=outcome, requested_max_length=requested, is_chat=False, allowance=allowance.tokens
+            )
             raise refusal
-    record_allowance_decision(user=user, outcome=outcome, requested_max_length=requested, is_chat=False)
+    record_allowance_decision(
+        user=user, outcome=outcome, requested_max_length=requested, is_chat=False, allowance=allowance.tokens
+    )
     return request, kudos, message

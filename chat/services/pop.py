@@ -21,7 +21,7 @@ from accounts.selectors import anonymous_user_get
 from chat.gate_shadow import record_over_capacity_assignment
 from chat.metrics import lease_capacity_limited, queue_wait_seconds, size_bucket
 from chat.models import Generation, GenerationRequest
-from chat.object_store import ChatObjectStoreUnavailable
+from chat.object_store import ChatObjectMissing, ChatObjectStoreUnavailable
 from chat.pricing import model_kudos_factors
 from chat.selectors.queue import (
     WAITING_NOW,
@@ -36,7 +36,7 @@ from chat.selectors.queue import (
     worker_queue_lists,
 )
 from chat.services.chat_images import job_image_messages, job_messages_url, select_chat_transport
-from chat.services.faults import requeue_jobs
+from chat.services.faults import requeue_faulted, requeue_jobs
 from chat.services.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember, view_list_tokens
 from chat.services.progress import delete_stream_leases, write_stream_leases
 from chat.sql import RowLoader, run_prepared
@@ -247,6 +247,19 @@ def _send_job_objects(popped: PoppedJob, worker: Worker, image_url_base: Callabl
                 request.messages or [], transport=transport, seconds=settings.HORDE_TEXT_JOB_LEASE_SECONDS,
                 base_url=base_url,
             )
+    except ChatObjectMissing:
+        # Gone for good: the jobs fault, so the fault limit ends the request instead of every
+        # later pop being handed it again until it expires.
+        log.warning("stored objects of %s missing at pop; its jobs fault", request.id, exc_info=True)
+        generation_ids = [g.id for g in popped.generations]
+        with transaction.atomic():
+            Generation.objects.filter(pk__in=generation_ids, state=Generation.State.PROCESSING).update(
+                state=Generation.State.FAULTED, finished_at=timezone.now()
+            )
+            requeue_faulted(generation_ids, request.id)
+        raise HordeError(
+            "ChatImageStorageUnavailable", "The job's images are no longer stored; the job was faulted.", status=503
+        ) from None
     except ChatObjectStoreUnavailable:
         log.warning("stored objects of %s unavailable at pop; its jobs go back", request.id, exc_info=True)
         popped_jobs_give_back(generation_ids=[g.id for g in popped.generations])

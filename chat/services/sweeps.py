@@ -14,7 +14,7 @@ from accounts.services import kudos_release
 from chat import metrics
 from chat.gate_shadow import record_aborted_outcome
 from chat.models import Generation, GenerationRequest
-from chat.object_store import chat_objects_delete, retry_chat_object_deletes, stored_object_keys
+from chat.object_store import retry_chat_object_deletes
 from chat.selectors.status import request_completed, stored_result_count
 from chat.services.faults import requeue_faulted, worker_record_dropped_job
 from chat.services.maintenance import abort_waiting_for_maintenance, horde_in_maintenance
@@ -113,15 +113,7 @@ def expire_requests() -> int:
             if request.is_chat and not request_completed(request_id, is_chat=True):
                 signal = (stored_result_count(request_id), request.chat_fault_reason, request.chat_fault_rc)
             kudos_release(user_id=request.user_id, amount=request.kudos_held)
-            # The objects go with their row (the messages are read only for a request that has some).
-            object_keys = (
-                stored_object_keys(request.id, request.messages, offloaded=request.chat_messages_offloaded)
-                if request.chat_has_images or request.chat_messages_offloaded
-                else []
-            )
-            request.delete()
-            if object_keys:
-                transaction.on_commit(partial(chat_objects_delete, object_keys), robust=True)
+            request.delete()  # its stored objects go after the commit (chat.object_store, pre_delete)
             expired += 1
             if signal is not None:
                 generations, fault_reason, fault_rc = signal

@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from contract.chat_limits import MAX_CHAT_BODY_BYTES
 from workers.bridge.connections import proxy_for
 from workers.bridge.horde import POP_HELD_AFTER, HordeClient, HordeUnavailable
 
@@ -54,6 +55,14 @@ class _Recorder(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Encoding", "gzip")
             body = gzip.compress(json.dumps([{"role": "user", "content": "packed"}]).encode())
+        elif self.path == "/broken.gz":
+            self.send_response(200)
+            self.send_header("Content-Encoding", "gzip")
+            body = b"\x1f\x8b\x08\x00 not really gzip"
+        elif self.path == "/huge.gz":  # a small body that inflates past the fetch cap
+            self.send_response(200)
+            self.send_header("Content-Encoding", "gzip")
+            body = gzip.compress(b"[" + b" " * (MAX_CHAT_BODY_BYTES + 10) + b"]", compresslevel=9)
         else:
             self.send_response(404)
             body = b"NoSuchKey"
@@ -187,6 +196,10 @@ def test_a_gzipped_messages_object_is_decoded(server, monkeypatch):
     url, _ = server
     client = HordeClient("http://horde.invalid", "k" * 22)
     assert client.fetch_json(f"{url}/messages.gz") == [{"role": "user", "content": "packed"}]
+    # A body that is not gzip, or that inflates past the cap, is a failed fetch like any other.
+    for path in ("/broken.gz", "/huge.gz"):
+        with pytest.raises(HordeUnavailable, match="messages_url"):
+            client.fetch_json(f"{url}{path}")
 
 
 def _self_signed(folder) -> tuple[str, str]:

@@ -111,7 +111,7 @@ def _serving_worker(horde, make_user, **pop) -> str:
     return str(Worker.objects.get(name="serving").id)
 
 
-def test_request_above_the_free_output_floor_needs_kudos_upfront(horde, make_user):
+def test_request_above_the_free_output_floor_needs_kudos_upfront(allowance_at_the_floor, horde, make_user):
     poor = make_user("poor", kudos=5)
     _serving_worker(horde, make_user)
     refused = horde.text_async(poor.key, models=[MODEL], params={"max_length": 1024})
@@ -121,7 +121,7 @@ def test_request_above_the_free_output_floor_needs_kudos_upfront(horde, make_use
     assert poor.refresh().kudos == Decimal("5")
 
 
-def test_allow_downgrade_lowers_to_the_floor(horde, make_user, caplog):
+def test_allow_downgrade_lowers_to_the_floor(allowance_at_the_floor, horde, make_user, caplog):
     poor = make_user("poor", kudos=5)
     _serving_worker(horde, make_user)  # without one, the answer's message is the no-worker warning
     with caplog.at_level("INFO", logger="chat.services.create_text"):
@@ -151,7 +151,7 @@ def test_a_kudos_refusal_no_online_worker_could_serve_is_no_eligible_worker(hord
     assert (user.kudos, user.kudos_held) == (Decimal("5"), Decimal("0"))
 
 
-def test_a_listed_request_is_not_downgraded_when_worker_lists_hold_upfront(horde, make_user, settings):
+def test_a_listed_request_is_not_downgraded_when_worker_lists_hold_upfront(allowance_at_the_floor, horde, make_user, settings):
     """HORDE_UPFRONT_KUDOS_ON_WORKERLIST: a request that lists workers holds its kudos upfront and
     cannot be downgraded, allow_downgrade or not."""
     settings.HORDE_UPFRONT_KUDOS_ON_WORKERLIST = True
@@ -338,7 +338,7 @@ def _decision(outcome: str, requested: str, *, requester: str = "registered", ch
     )
 
 
-def test_each_creation_records_how_the_allowance_admitted_it(horde, make_user, metric_reader):  # noqa: F811
+def test_each_creation_records_how_the_allowance_admitted_it(allowance_at_the_floor, horde, make_user, metric_reader):  # noqa: F811
     poor, rich = make_user("poor", kudos=5), make_user("rich", kudos=1000)
     _serving_worker(horde, make_user)
     assert horde.text_async(None, models=[MODEL], params={"max_length": 80}).status_code == 202

@@ -609,7 +609,7 @@ def test_an_image_part_prices_the_context_at_the_estimate(horde, make_user, owne
     assert request.kudos_context > context_multiplier(request.prompt, 1024)
 
 
-def test_multi_model_quotes_the_first_and_holds_at_the_highest(horde, make_user, owner):
+def test_multi_model_quotes_the_first_and_holds_at_the_highest(allowance_at_the_floor, horde, make_user, owner):
     chat_worker(owner, model=SMALL_MODEL)
     requester = make_user("r", kudos=5000)
     response = chat_async(horde.client, requester.key, models=[SMALL_MODEL, BIG_MODEL], max_tokens=1024)
@@ -631,7 +631,7 @@ def test_multi_model_quotes_the_first_and_holds_at_the_highest(horde, make_user,
     assert requester.refresh().kudos_held == 0
 
 
-def test_chat_requests_never_downgrade(horde, make_user, served):
+def test_chat_requests_never_downgrade(allowance_at_the_floor, horde, make_user, served):
     poor = make_user("poor", kudos=1)
     response = chat_async(horde.client, poor.key, max_tokens=1024)
     assert response.status_code == 403
@@ -679,7 +679,7 @@ def test_no_eligible_worker_states_an_exceeded_limit(horde, make_user, owner):
 
 
 def test_each_chat_creation_records_how_the_allowance_admitted_it(
-    horde, make_user, served, metric_reader  # noqa: F811
+    allowance_at_the_floor, horde, make_user, served, metric_reader  # noqa: F811
 ):
     poor, rich = make_user("poor", kudos=1), make_user("rich", kudos=5000)
     assert chat_async(horde.client, poor.key, max_tokens=100).status_code == 202

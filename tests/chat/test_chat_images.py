@@ -23,6 +23,7 @@ from chat.object_store import CHAT_IMAGE_DELETE_RETRY_KEY, chat_image_key
 from chat.services.create_chat import inactive_request_create
 from chat.services.sweeps import expire_requests
 from contract.chat_limits import MAX_CHAT_IMAGE_TOTAL_BYTES_UNTRUSTED, MIN_CHAT_IMAGE_URL_SECONDS
+from contract.text import FAULTED_GENERATIONS_LIMIT
 from tests.chat.chat_route_helpers import chat_async, chat_worker
 from tests.chat.pop_helpers import ALL_GUARANTEES, chat_pop
 
@@ -200,6 +201,41 @@ def test_bytes_that_are_not_an_image_are_refused_as_unreadable(horde, make_user,
     assert not GenerationRequest.objects.exists() and stored_files(image_store) == []
 
 
+def _truncated_png() -> bytes:
+    whole = png(64, 64, noise=True)
+    return whole[: len(whole) // 2]  # the header reads; the pixels do not
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(_truncated_png(), id="truncated-png"),
+        pytest.param(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n", id="eps"),
+        pytest.param(b"GIF89a\x0a\x00\x0a\x00\x80\x00\x00broken", id="corrupt-gif"),
+    ],
+)
+def test_an_image_whose_body_does_not_decode_is_unreadable(horde, make_user, vision_owner, image_store, data):
+    requester = make_user("r", kudos=1000)
+    response = chat_async(horde.client, requester.key, messages=[image_message(data_url(data))], max_tokens=64)
+    _refused(response, "SourceImageUnreadable", "messages[0].content[1].image_url.url")
+    assert not GenerationRequest.objects.exists() and stored_files(image_store) == []
+
+
+def test_a_sixteen_bit_grey_image_keeps_its_greys_and_its_transparent_value_turns_white(
+    horde, make_user, vision_owner, image_store
+):
+    grey = Image.new("I;16", (32, 32), 20000)
+    grey.putpixel((0, 0), 1000)  # the transparent value
+    out = io.BytesIO()
+    grey.save(out, format="PNG", transparency=1000)
+    requester = make_user("r", kudos=1000)
+    response = chat_async(horde.client, requester.key, messages=[image_message(data_url(out.getvalue()))], max_tokens=64)
+    assert response.status_code == 202, response.json()
+    with Image.open(image_store / chat_image_key(response.json()["id"], 0)) as stored:
+        assert abs(stored.getpixel((28, 28))[0] - 20000 // 256) <= 3  # not clipped to white
+        assert stored.getpixel((0, 0))[0] >= 200  # transparent: white (JPEG blurs the one pixel)
+
+
 def test_an_untrusted_requester_is_held_to_five_mib_in_all_and_a_trusted_one_to_twenty_five(
     horde, make_user, vision_owner, image_store
 ):
@@ -259,11 +295,19 @@ def test_a_store_that_fails_refuses_with_503_and_charges_nothing(horde, make_use
     assert list(KudosTransaction.objects.filter(user=requester.user).values_list("kind", flat=True)) == ["grant"]
 
 
-def test_a_refused_activation_deletes_the_row_and_the_images_it_stored(horde, make_user, vision_owner, image_store):
-    """A requester without the kudos a large request holds upfront is refused inside the
-    activation, after the images were stored: they go with the inactive row."""
+def test_a_refused_activation_deletes_the_row_and_the_images_it_stored(
+    horde, make_user, vision_owner, image_store, django_capture_on_commit_callbacks
+):
+    """A requester without the kudos a request holds upfront is refused inside the
+    activation, after the images were stored: they go with the inactive row, once its deletion
+    commits."""
     requester = make_user("r", kudos=0)
-    response = chat_async(horde.client, requester.key, messages=[image_message(data_url(png()))], max_tokens=1024)
+    # Without slow workers a request always holds its kudos: this requester has none.
+    with django_capture_on_commit_callbacks(execute=True):
+        response = chat_async(
+            horde.client, requester.key, messages=[image_message(data_url(png()))], max_tokens=64,
+            horde={"slow_workers": False},
+        )
     assert response.status_code == 403 and response.json()["rc"] == "KudosUpfront", response.json()
     assert not GenerationRequest.objects.exists()
     assert stored_files(image_store) == []
@@ -342,11 +386,30 @@ def test_a_worker_without_an_image_transport_is_not_given_the_request(horde, mak
 
 def test_a_store_that_cannot_give_the_image_at_pop_gives_the_job_back(horde, make_user, image_store):
     owner, request_id = _queued_for_a_popping_worker(horde, make_user, ["base64"])
-    (image_store / chat_image_key(request_id, 0)).unlink()
+    key = chat_image_key(request_id, 0)
+    saved = (image_store / key).read_bytes()
+    (image_store / key).unlink()
+    (image_store / key).mkdir()  # unreadable for now: the store answers with an error, not "missing"
     popped = chat_pop(horde, owner.key, features=VISION, transports=["base64"])
     assert popped.status_code == 503 and popped.json()["rc"] == "ChatImageStorageUnavailable", popped.json()
     assert not Generation.objects.exists()
     assert GenerationRequest.objects.get(pk=request_id).jobs_waiting == 1
+    (image_store / key).rmdir()
+    (image_store / key).write_bytes(saved)
+    assert chat_pop(horde, owner.key, features=VISION, transports=["base64"]).json()["id"]
+
+
+def test_an_image_gone_from_the_store_faults_the_job_until_the_request_faults(horde, make_user, image_store):
+    """A missing object will not come back: each pop faults the job, and the fault limit ends the
+    request instead of handing it to every pop until it expires."""
+    owner, request_id = _queued_for_a_popping_worker(horde, make_user, ["base64"])
+    (image_store / chat_image_key(request_id, 0)).unlink()
+    answers = [chat_pop(horde, owner.key, features=VISION, transports=["base64"]) for _ in range(FAULTED_GENERATIONS_LIMIT + 2)]
+    assert [a.status_code for a in answers[: FAULTED_GENERATIONS_LIMIT + 1]] == [503] * (FAULTED_GENERATIONS_LIMIT + 1)
+    assert answers[-1].status_code == 200 and answers[-1].json()["id"] is None
+    request = GenerationRequest.objects.get(pk=request_id)
+    assert request.faulted and request.jobs_waiting == 0
+    assert Generation.objects.filter(request=request, state="faulted").count() == FAULTED_GENERATIONS_LIMIT + 1
 
 
 # --- deletes ----------------------------------------------------------------------------------------
@@ -372,14 +435,26 @@ def test_an_inactive_row_left_by_a_crash_is_deleted_with_its_images_at_expiry(
     fields = {"prompt": "user: [image]", "max_length": 64, "max_context_length": 2048,
               "messages": [image_message("data:image/png;base64,AAAA")]}
     inactive = inactive_request_create(user=requester.user, fields=fields, jpegs=[b"jpeg bytes"])
-    assert stored_files(image_store) == inactive.keys
+    key = chat_image_key(inactive.id, 0)
+    assert stored_files(image_store) == [key]
     row = GenerationRequest.objects.get(pk=inactive.id)
-    assert row.jobs_waiting == 0 and row.messages[0]["content"][1]["image_url"]["url"] == f"horde-r2://{inactive.keys[0]}"
+    assert row.jobs_waiting == 0 and row.messages[0]["content"][1]["image_url"]["url"] == f"horde-r2://{key}"
     GenerationRequest.objects.filter(pk=inactive.id).update(expires_at=timezone.now())
     with django_capture_on_commit_callbacks(execute=True):
         expire_requests()
     assert stored_files(image_store) == [] and not GenerationRequest.objects.exists()
     assert requester.refresh().kudos == Decimal("10")
+
+
+def test_deleting_the_requester_deletes_its_requests_images(
+    horde, make_user, vision_owner, image_store, django_capture_on_commit_callbacks
+):
+    """However a row goes (here with its user, as from the admin), its objects go with it."""
+    request_id = _queued_image_request(horde, make_user, png())
+    assert stored_files(image_store)
+    with django_capture_on_commit_callbacks(execute=True):
+        GenerationRequest.objects.get(pk=request_id).user.delete()
+    assert stored_files(image_store) == [] and not GenerationRequest.objects.filter(pk=request_id).exists()
 
 
 @pytest.mark.redis_only

@@ -115,7 +115,7 @@ def test_fault_details_show_only_once_faulted(horde, queued):
     assert body["fault_rc"] == "ChatWorkerFault"
 
 
-def test_cancel_stops_the_request_and_releases_the_hold(horde, make_user, queued, django_capture_on_commit_callbacks):
+def test_cancel_stops_the_request_and_releases_the_hold(allowance_at_the_floor, horde, make_user, queued, django_capture_on_commit_callbacks):
     request, _ = queued
     assert request.kudos_held > 0
     with django_capture_on_commit_callbacks(execute=True) as callbacks:

@@ -322,6 +322,38 @@ def test_a_server_that_never_answers_times_out() -> None:
         assert time.monotonic() - started < 1.0
 
 
+def test_a_server_that_drips_its_headers_is_cut_off_at_the_whole_fetch_bound() -> None:
+    """Each byte restarts the per-read timeout; the whole fetch is still bounded."""
+    stop = threading.Event()
+
+    def drip(listener: socket.socket) -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(4096)
+            connection.sendall(b"HTTP/1.1 200 OK\r\n")
+            while not stop.is_set():
+                try:
+                    connection.sendall(b"X-Slow: a\r\n")
+                except OSError:
+                    return
+                time.sleep(0.1)
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        thread = threading.Thread(target=drip, args=(listener,), daemon=True)
+        thread.start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(ImageUrlInvalid, match="took longer than 1 seconds"):
+                fetch_public_image(
+                    f"http://127.0.0.1:{port}/", max_bytes=10, allowed_networks=LOOPBACK, timeout=0.5, total_timeout=1.0
+                )
+        finally:
+            stop.set()
+        assert time.monotonic() - started < 2.0
+        thread.join(2)
+
+
 def test_a_refused_connection_is_invalid() -> None:
     with socket.create_server(("127.0.0.1", 0)) as closed:
         port = closed.getsockname()[1]

@@ -156,7 +156,7 @@ def test_operation_key_must_be_a_uuid(horde, make_user, served):
 @pytest.mark.postgres_only
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("same_request", [True, False])
-def test_two_concurrent_submits_with_one_key_create_one_request_and_one_charge(make_user, same_request):
+def test_two_concurrent_submits_with_one_key_create_one_request_and_one_charge(allowance_at_the_floor, make_user, same_request):
     requester = make_user("r", kudos=10_000)
     chat_worker(make_user("owner"))
     key = str(uuid.uuid4())

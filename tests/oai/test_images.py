@@ -70,3 +70,43 @@ def test_an_unreadable_image_is_a_bad_request_at_its_path(client, start_worker, 
     assert caught.value.code == "SourceImageUnreadable"
     assert caught.value.param == "messages[0].content[1].image_url.url"
     assert not image_store.exists() or not any(image_store.iterdir())  # nothing stored
+
+
+def test_a_slow_image_url_is_waited_for_not_sent_again(front, client, start_worker, image_store, settings):
+    """The horde fetches a URL image before it answers the submit: the front waits for that
+    longer than its usual native timeout instead of taking the answer for lost and sending the
+    submit again (which would fetch, encode and store every image a second time)."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    picture = io.BytesIO()
+    Image.new("RGB", (12, 12), (200, 0, 0)).save(picture, format="PNG")
+    fetches: list[float] = []
+
+    class SlowHost(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            fetches.append(time.monotonic())
+            time.sleep(1.5)
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(picture.getvalue())))
+            self.end_headers()
+            self.wfile.write(picture.getvalue())
+
+        def log_message(self, *args):
+            pass
+
+    host = ThreadingHTTPServer(("127.0.0.1", 0), SlowHost)
+    threading.Thread(target=host.serve_forever, daemon=True).start()
+    try:
+        settings.HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS = ["127.0.0.0/8"]
+        front.configure(native_timeout_seconds=1.0)
+        start_worker(image_transports=["url"])
+        url = f"http://127.0.0.1:{host.server_port}/red.png"
+        completion = client.chat.completions.create(model=MODEL, messages=image_messages(url))
+    finally:
+        host.shutdown()
+        host.server_close()
+    assert completion.choices[0].message.content
+    assert len(fetches) == 1  # one submit: the image was fetched once

@@ -4,12 +4,13 @@ connection per bridge thread (`connections`), and the messages_url fetch.
 
 from __future__ import annotations
 
-import gzip
 import http.client
 import json as json_module
 import urllib.request
+import zlib
 from typing import Any
 
+from contract.chat_limits import MAX_CHAT_BODY_BYTES
 from contract.chat_progress import PROGRESS_ROUTE
 from workers.bridge import BRIDGE_AGENT
 from workers.bridge.connections import Connections, Unreachable, json_body
@@ -118,11 +119,13 @@ class HordeClient:
         object may be stored gzipped: urllib does not decode Content-Encoding, so this does."""
         try:
             with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - the horde's own URL
-                body = response.read()
+                body = response.read(MAX_CHAT_BODY_BYTES + 1)
                 if (response.headers.get("Content-Encoding") or "").strip().lower() == "gzip":
-                    body = gzip.decompress(body)
+                    body = zlib.decompressobj(wbits=31).decompress(body, MAX_CHAT_BODY_BYTES + 1)
+                if len(body) > MAX_CHAT_BODY_BYTES:  # the spec's fetch cap for the decoded body
+                    raise ValueError(f"the messages are over {MAX_CHAT_BODY_BYTES} bytes")
                 return json_module.loads(body)
-        except (OSError, EOFError, http.client.HTTPException, ValueError) as error:
+        except (OSError, EOFError, zlib.error, http.client.HTTPException, ValueError) as error:
             raise HordeUnavailable(f"messages_url: {error}") from None
 
 
