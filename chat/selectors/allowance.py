@@ -9,6 +9,7 @@ queue.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from django.conf import settings
 from django.db.models import Sum
 
 from chat.models import GenerationRequest
-from chat.selectors.queue import waiting_requests, worker_may_take
+from chat.selectors.queue import capable_chat_worker_online, waiting_requests, worker_may_take
 from chat.selectors.snapshots import QUEUE_SNAPSHOT_SECONDS, online_worker_facts
 from contract.process_cache import ProcessCache
 from workers.models import Worker
@@ -76,9 +77,10 @@ def queued_shapes() -> tuple[QueuedShape, ...]:
     return _queued_shapes.get_or_build(None, _build_queued_shapes)
 
 
-def worker_could_take(worker: Worker, shape: QueuedShape) -> bool:
+def worker_could_take(worker: Worker, shape: QueuedShape, served: frozenset[str] | None = None) -> bool:
     """Whether a queued request competes for this worker: by its models, its chat opt-in and its
-    length limits (the worker's chat limits for a chat request, its text limits otherwise)."""
+    length limits (the worker's chat limits for a chat request, its text limits otherwise).
+    `served`: the worker's served models as a set, when the caller has it."""
     if shape.is_chat:
         return bool(
             worker.accepts_chat_jobs
@@ -88,7 +90,7 @@ def worker_could_take(worker: Worker, shape: QueuedShape) -> bool:
         )
     return bool(
         worker.accepts_prompt_jobs
-        and (shape.any_model or shape.models & set(worker.served_models or ()))
+        and (shape.any_model or shape.models & (served if served is not None else set(worker.served_models or ())))
         and shape.max_length <= worker.max_length
         and shape.max_context_length <= worker.max_context_length
     )
@@ -102,7 +104,8 @@ def eligible_workers(request: GenerationRequest, listed_worker_ids: Iterable) ->
         candidates = online.chat_candidates(request.requested_models or ())
     else:
         candidates = online.text_candidates(request.requested_models or (), any_model=request.any_model)
-    return [worker for worker in candidates if worker_may_take(worker, request, listed)]
+    capable = functools.cache(lambda: capable_chat_worker_online(request, listed))  # once per pass
+    return [worker for worker in candidates if worker_may_take(worker, request, listed, capable_online=capable)]
 
 
 def estimate_queue_wait_seconds(request: GenerationRequest, listed_worker_ids: Iterable = ()) -> QueueWait | None:
@@ -114,7 +117,8 @@ def estimate_queue_wait_seconds(request: GenerationRequest, listed_worker_ids: I
     if not threads:
         return None
     tokens_per_second = sum(worker_speed(w) * max(w.threads, 1) for w in workers)
-    competing = [s for s in queued_shapes() if any(worker_could_take(w, s) for w in workers)]
+    served = [(w, frozenset(w.served_models or ())) for w in workers]
+    competing = [s for s in queued_shapes() if any(worker_could_take(w, s, models) for w, models in served)]
     competing_tokens = sum(s.tokens for s in competing)
     competing_jobs = sum(s.jobs for s in competing)
     if not competing_jobs or not tokens_per_second:
@@ -131,10 +135,12 @@ def free_output_allowance(wait: QueueWait | None) -> int:
     floor = settings.HORDE_TEXT_FREE_OUTPUT_FLOOR
     full_wait = settings.HORDE_TEXT_FREE_OUTPUT_WAIT_FULL_SECONDS
     floor_wait = settings.HORDE_TEXT_FREE_OUTPUT_WAIT_FLOOR_SECONDS
-    if wait is None or wait.seconds >= floor_wait:
+    if wait is None:
         return floor
     if wait.seconds <= full_wait:
         return ceiling
+    if wait.seconds >= floor_wait:
+        return floor
     return round(ceiling - (ceiling - floor) * (wait.seconds - full_wait) / (floor_wait - full_wait))
 
 

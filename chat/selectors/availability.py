@@ -12,6 +12,7 @@ makes every process pass again.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -20,6 +21,7 @@ from django.core.cache import cache
 
 from chat.models import Generation, GenerationRequest, RequestWorker
 from chat.selectors.queue import (
+    capable_chat_worker_online,
     chat_capacity_refusal,
     chat_declaration_gap,
     text_eligibility_shape,
@@ -109,6 +111,7 @@ def _chat_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
     if not workers:
         return _Pass(eligible_worker_threads=0, gap=None)
     listed = _listed_worker_ids(request)
+    capable = functools.cache(lambda: capable_chat_worker_online(request, listed))  # one query a pass
     threads = 0
     gaps: list[ChatServiceGap] = []
     other_refusal = False
@@ -118,7 +121,7 @@ def _chat_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
         gap = chat_declaration_gap(worker, request)
         if not gap.empty:
             gaps.append(gap)
-        elif chat_capacity_refusal(worker, request, listed) is not None:
+        elif chat_capacity_refusal(worker, request, listed, capable_online=capable) is not None:
             other_refusal = True
         else:
             threads += max(worker.threads, 1)

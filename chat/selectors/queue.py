@@ -520,19 +520,31 @@ def chat_declaration_gap(worker: Worker, request: GenerationRequest, *, with_siz
     )
 
 
-def chat_capacity_refusal(
-    worker: Worker, request: GenerationRequest, listed_worker_ids: set | frozenset = frozenset()
-) -> str | None:
-    """"lease_speed" when the worker's lease capacity is below the chat request's max_length and a
-    capable worker is online (the Python twin of chat_capacity_clause; one query, only then)."""
-    if not request.is_chat or text_worker_lease_capacity(worker.speed) >= request.max_length:
-        return None
+def capable_chat_worker_online(request: GenerationRequest, listed_worker_ids: set | frozenset = frozenset()) -> bool:
+    """Whether a worker able to finish the chat request within its lease is online (one query; the
+    same answer for every worker a pass tests)."""
     capable = (
         _with_lease_tokens(settings.HORDE_TEXT_JOB_LEASE_SECONDS)
         .filter(_capable_chat_workers(lambda name: Value(getattr(request, name)), Q(pk__in=listed_worker_ids)))
         .filter(chat_model_id__in=list(request.requested_models or ()))
     )
-    return "lease_speed" if capable.exists() else None
+    return capable.exists()
+
+
+def chat_capacity_refusal(
+    worker: Worker,
+    request: GenerationRequest,
+    listed_worker_ids: set | frozenset = frozenset(),
+    *,
+    capable_online: Callable[[], bool] | None = None,
+) -> str | None:
+    """"lease_speed" when the worker's lease capacity is below the chat request's max_length and a
+    capable worker is online (the Python twin of chat_capacity_clause; one query, only then).
+    `capable_online`: a pass's memo of capable_chat_worker_online, asked only when needed."""
+    if not request.is_chat or text_worker_lease_capacity(worker.speed) >= request.max_length:
+        return None
+    online = capable_online() if capable_online else capable_chat_worker_online(request, listed_worker_ids)
+    return "lease_speed" if online else None
 
 
 def text_eligibility_shape(request: GenerationRequest) -> tuple | None:
@@ -551,7 +563,9 @@ def text_eligibility_shape(request: GenerationRequest) -> tuple | None:
     )
 
 
-def worker_may_take(worker: Worker, request: GenerationRequest, listed_worker_ids: set) -> bool:
+def worker_may_take(
+    worker: Worker, request: GenerationRequest, listed_worker_ids: set, *, capable_online: Callable[[], bool] | None = None
+) -> bool:
     """Python twin of eligibility_filter, for availability over the online workers."""
     if not worker_passes_restrictions(worker, request, listed_worker_ids):
         return False
@@ -559,7 +573,7 @@ def worker_may_take(worker: Worker, request: GenerationRequest, listed_worker_id
         return (
             worker_serves_chat_model(worker, request)
             and chat_declaration_gap(worker, request).empty
-            and chat_capacity_refusal(worker, request, listed_worker_ids) is None
+            and chat_capacity_refusal(worker, request, listed_worker_ids, capable_online=capable_online) is None
         )
     if not worker.accepts_prompt_jobs:
         return False

@@ -43,17 +43,13 @@ class FreeOutputAllowance:
 
 
 def free_output_allowance_for(
-    *, user: HordeUser, fields: dict[str, Any], models: list[str], workers: list[UUID], record: bool = True
+    *, user: HordeUser, fields: dict[str, Any], models: list[str], workers: list[UUID]
 ) -> FreeOutputAllowance:
     """The request's allowance, from its estimated wait on the workers eligible for it at its
     requested max_length (spec: Free output allowance). `fields` are the row's; the request is not
-    written yet. `record`: horde.text.free_allowance.estimated_wait_seconds (not for a dry run)."""
+    written yet."""
     probe = GenerationRequest(user=user, requested_models=models, any_model=not models, **fields)
     wait = estimate_queue_wait_seconds(probe, workers)
-    if record and wait is not None:
-        free_allowance_estimated_wait.record(
-            wait.seconds, {"horde.chat": bool(probe.is_chat), "horde.requester": _requester_kind(user)}
-        )
     return FreeOutputAllowance(tokens=free_output_allowance(wait), wait=wait)
 
 
@@ -73,13 +69,16 @@ def needs_upfront_kudos(*, max_length: int, slow_workers: bool, has_worker_list:
     )
 
 
-def kudos_upfront_error(*, allowance: int, kudos: Decimal) -> HordeError:
-    """KudosUpfront, stating the allowance."""
-    return HordeError(
-        "KudosUpfront",
-        f"Due to heavy demand, for requests over {allowance} tokens, the client needs to already "
-        f"have the required kudos. This request requires {kudos} kudos to fulfil.",
-    )
+def kudos_upfront_error(*, allowance: int, kudos: Decimal, max_length: int, slow_workers: bool = True) -> HordeError:
+    """KudosUpfront, with why the request holds its kudos: over the allowance (the message states
+    it), excluding slow workers, or listing workers under HORDE_UPFRONT_KUDOS_ON_WORKERLIST."""
+    if max_length > allowance:
+        reason = f"Due to heavy demand, for requests over {allowance} tokens, the client needs to already have"
+    elif not slow_workers:
+        reason = "A request that excludes slow workers needs its client to already have"
+    else:
+        reason = "A request that lists workers needs its client to already have"
+    return HordeError("KudosUpfront", f"{reason} the required kudos. This request requires {kudos} kudos to fulfil.")
 
 
 def no_eligible_worker_refusal(request: GenerationRequest) -> HordeError | None:
@@ -110,16 +109,22 @@ AllowanceOutcome = Literal["free", "funded", "refused", "downgraded"]
 
 
 def record_allowance_decision(
-    *, user: HordeUser, outcome: AllowanceOutcome, requested_max_length: int, is_chat: bool, allowance: int
+    *, user: HordeUser, outcome: AllowanceOutcome, requested_max_length: int, is_chat: bool,
+    allowance: FreeOutputAllowance,
 ) -> None:
-    """horde.text.free_allowance.decisions for one creation (a dry run is not recorded)."""
+    """horde.text.free_allowance.decisions for one creation, and the wait the allowance was sized by
+    when a worker was eligible (a dry run records neither)."""
+    if allowance.wait is not None:
+        free_allowance_estimated_wait.record(
+            allowance.wait.seconds, {"horde.chat": is_chat, "horde.requester": _requester_kind(user)}
+        )
     free_allowance_decisions.add(
         1,
         {
             "horde.requester": _requester_kind(user),
             "horde.outcome": outcome,
             "horde.requested_bucket": size_bucket(requested_max_length),
-            "horde.allowance_bucket": size_bucket(allowance),
+            "horde.allowance_bucket": size_bucket(allowance.tokens),
             "horde.chat": is_chat,
         },
     )

@@ -667,11 +667,11 @@ def chat_request_create(
             if needs_hold and locked_user.kudos_available < upfront:
                 # Chat requests never downgrade. Kudos do not help a request no worker can serve.
                 refusal = admission.no_eligible_worker_refusal(request) or admission.kudos_upfront_error(
-                    allowance=allowance.tokens, kudos=upfront
+                    allowance=allowance.tokens, kudos=upfront, max_length=max_length, slow_workers=horde.slow_workers
                 )
                 admission.record_allowance_decision(
                     user=user, outcome="refused", requested_max_length=submission.max_length, is_chat=True,
-                    allowance=allowance.tokens,
+                    allowance=allowance,
                 )
                 raise refusal
     except IntegrityError:
@@ -693,7 +693,7 @@ def chat_request_create(
         outcome="funded" if needs_hold else "free",
         requested_max_length=submission.max_length,
         is_chat=True,
-        allowance=allowance.tokens,
+        allowance=allowance,
     )
     from chat.selectors.availability import chat_request_availability
 

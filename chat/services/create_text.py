@@ -250,12 +250,14 @@ def _text_request_rows(
         if outcome == "refused":
             # The row is rolled back with the refusal; it exists here so that the worker check
             # reads it as the status would.
-            refusal = no_eligible_worker_refusal(request) or kudos_upfront_error(allowance=allowance.tokens, kudos=kudos)
+            refusal = no_eligible_worker_refusal(request) or kudos_upfront_error(
+                allowance=allowance.tokens, kudos=kudos, max_length=data.max_length, slow_workers=data.slow_workers
+            )
             record_allowance_decision(
-                user=user, outcome=outcome, requested_max_length=requested, is_chat=False, allowance=allowance.tokens
+                user=user, outcome=outcome, requested_max_length=requested, is_chat=False, allowance=allowance
             )
             raise refusal
     record_allowance_decision(
-        user=user, outcome=outcome, requested_max_length=requested, is_chat=False, allowance=allowance.tokens
+        user=user, outcome=outcome, requested_max_length=requested, is_chat=False, allowance=allowance
     )
     return request, kudos, message

@@ -69,7 +69,7 @@ def test_an_idle_fleet_serves_up_to_the_ceiling_free(horde, make_user):
 
 def test_the_queue_ahead_on_the_eligible_workers_sizes_the_allowance(horde, make_user):
     """Three 1,000-token jobs ahead on one 10 tokens/s worker: 300 s, the floor. Two threads halve
-    it only when there are jobs for both: 150 s, 2,816 tokens."""
+    it only when there are jobs for both: 150 s, 2,752 tokens."""
     owner, poor = make_user("o"), make_user("poor", kudos=0)
     worker = _text_worker(owner)
     backlog = make_user("b")
@@ -148,3 +148,40 @@ def test_the_wait_the_allowance_was_sized_by_is_recorded(horde, make_user, metri
     points = _points(metric_reader, "horde.text.free_allowance.estimated_wait_seconds")
     key = tuple(sorted({"horde.chat": False, "horde.requester": "anonymous"}.items()))
     assert list(points) == [key] and points[key].count == 1 and points[key].sum == pytest.approx(108.0)
+
+
+def test_a_refusal_not_about_length_says_why(horde, make_user, settings):
+    """Excluding slow workers, or listing workers under HORDE_UPFRONT_KUDOS_ON_WORKERLIST, holds the
+    kudos of a request well under the allowance: the message names that cause, not a length."""
+    worker = _text_worker(make_user("o"))
+    poor = make_user("poor", kudos=0)
+    slow = _text(horde, poor.key, 100, slow_workers=False)
+    assert slow.status_code == 403 and slow.json()["message"].startswith(
+        "A request that excludes slow workers needs its client to already have the required kudos."
+    )
+    settings.HORDE_UPFRONT_KUDOS_ON_WORKERLIST = True
+    listed = _text(horde, poor.key, 100, workers=[str(worker.id)])
+    assert listed.status_code == 403 and listed.json()["message"].startswith(
+        "A request that lists workers needs its client to already have the required kudos."
+    )
+    chat_worker(make_user("c"))
+    chat = chat_async(horde.client, poor.key, max_tokens=100, horde={"slow_workers": False})
+    assert chat.status_code == 403 and "excludes slow workers" in chat.json()["message"]
+
+
+def test_a_creation_refused_before_its_decision_records_no_wait(horde, make_user, metric_reader):  # noqa: F811
+    """The allowance is measured before the images are loaded: an unreadable image refuses the
+    request after it, and neither the decision nor the wait is recorded."""
+    import base64
+
+    from tests.chat.test_admission import _points
+
+    chat_worker(make_user("o"), image_transports=["base64"])
+    unreadable = "data:image/png;base64," + base64.b64encode(b"not a picture").decode()
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": unreadable}}]}
+    requester = make_user("r", kudos=1000)
+    assert chat_async(horde.client, requester.key, messages=[image], max_tokens=64).status_code == 400
+    assert chat_async(horde.client, requester.key, max_tokens=64).status_code == 202
+    decisions = _points(metric_reader, "horde.text.free_allowance.decisions")
+    waits = _points(metric_reader, "horde.text.free_allowance.estimated_wait_seconds")
+    assert sum(p.value for p in decisions.values()) == 1 == sum(p.count for p in waits.values())
