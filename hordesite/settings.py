@@ -202,6 +202,9 @@ if STORAGE_BACKEND == "s3":
             "endpoint_url": env.str("AWS_S3_ENDPOINT_URL", default="") or None,
             "access_key": env.str("AWS_ACCESS_KEY_ID", default=""),
             "secret_key": env.str("AWS_SECRET_ACCESS_KEY", default=""),
+            # Presigned URLs in SigV4, which R2 (region "auto") and current S3 require.
+            "signature_version": "s3v4",
+            "region_name": env.str("AWS_S3_REGION_NAME", default="auto"),
         },
     }
     # A chat request's images (chat/object_store.py): the source image bucket, private, presigned.

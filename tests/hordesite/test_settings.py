@@ -122,3 +122,38 @@ def test_the_front_reads_numbers_and_lists_as_the_horde_does(clone):
     assert roots.native_roots == ["http://horde-a:8000/api/v2", "http://horde-b:8000/api/v2"]
     # An empty list of roots is the default root, as unset (the front has no other way to reach the horde).
     assert load_settings({"HORDE_OAI_NATIVE_ROOTS": "", "PORT": "9000"}).native_roots == ["http://127.0.0.1:9000/api/v2"]
+
+
+PRESIGN = (
+    "import json, django; django.setup(); from chat.object_store import chat_object_url as url; "
+    "print(json.dumps([url(k, seconds=s, base_url='https://horde.example') for k, s in "
+    "[('0b0cce35-3bfe-4fc9-bdcf-a6d08b6de16d_chat_0.jpg', 600), "
+    "('0b0cce35-3bfe-4fc9-bdcf-a6d08b6de16d_chat_messages.json', 120)]]))"
+)
+
+
+@pytest.mark.parametrize(("messages_bucket", "expected"), [(None, "source-images"), ("chat-messages", "chat-messages")])
+def test_a_bucket_presigns_chat_objects_in_sigv4_for_their_own_bucket(clone, messages_bucket, expected):
+    """STORAGE_BACKEND=s3: a worker's image URL is presigned (SigV4, as R2 requires) into the source
+    image bucket, the messages object's into R2_CHAT_MESSAGES_BUCKET, which defaults to it."""
+    from urllib.parse import parse_qs, urlsplit
+
+    env = {
+        "STORAGE_BACKEND": "s3",
+        "AWS_STORAGE_BUCKET_NAME": "media",
+        "R2_SOURCE_IMAGE_BUCKET": "source-images",
+        "AWS_S3_ENDPOINT_URL": "https://account.r2.example",
+        "AWS_ACCESS_KEY_ID": "test-access-key",
+        "AWS_SECRET_ACCESS_KEY": "test-secret-key",
+    }
+    if messages_bucket:
+        env["R2_CHAT_MESSAGES_BUCKET"] = messages_bucket
+    shown = run_python(clone, clean_env(DJANGO_SETTINGS_MODULE="hordesite.settings", **env), "-c", PRESIGN)
+    assert shown.returncode == 0, shown.stderr
+    image, messages = (urlsplit(u) for u in json.loads(shown.stdout.strip().splitlines()[-1]))
+    assert (image.hostname, image.path) == ("account.r2.example", "/source-images/0b0cce35-3bfe-4fc9-bdcf-a6d08b6de16d_chat_0.jpg")
+    assert messages.path == f"/{expected}/0b0cce35-3bfe-4fc9-bdcf-a6d08b6de16d_chat_messages.json"
+    for url, seconds in ((image, "600"), (messages, "120")):
+        query = parse_qs(url.query)
+        assert query["X-Amz-Algorithm"] == ["AWS4-HMAC-SHA256"] and query["X-Amz-Expires"] == [seconds]
+        assert query["X-Amz-Credential"][0].startswith("test-access-key/") and "/auto/s3/" in query["X-Amz-Credential"][0]
