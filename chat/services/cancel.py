@@ -7,7 +7,7 @@ from django.utils import timezone
 
 from accounts.services import kudos_release
 from chat.models import GenerationRequest
-from chat.selectors.status import stored_result_count
+from chat.selectors.status import request_completed, stored_result_count
 from chat.services.progress import settle_cancelled_streams
 from chat.signals import publish_chat_signal
 
@@ -19,17 +19,21 @@ def request_cancel(*, request: GenerationRequest, settle_streams: bool = True) -
     flags their leases; maintenance mode's abort (`settle_streams=False`) lets them settle by
     their submits instead (spec: "Streaming progress").
 
-    Returns whether this call claimed the cancellation (False when it was already cancelled, or
-    the request expired since the caller read it: the route then answers RequestNotFound).
+    Returns whether this call claimed the cancellation: False when it was already cancelled, done
+    or faulted (the route answers the status as it is), or expired since the caller read it (the
+    route then answers RequestNotFound).
     """
     with transaction.atomic():
         locked = (
             GenerationRequest.objects.select_for_update()
-            .only("user_id", "kudos_held", "cancelled")
+            .only("user_id", "kudos_held", "cancelled", "faulted")
             .filter(pk=request.pk)
             .first()
         )
         if locked is None or locked.cancelled:
+            return False
+        if locked.faulted or request_completed(request.pk, is_chat=request.is_chat):
+            # Already settled: nothing is left to stop, and its done or faulted message stands.
             return False
         GenerationRequest.objects.filter(pk=request.pk).update(cancelled=True, jobs_waiting=0, kudos_held=0)
         kudos_release(user_id=locked.user_id, amount=locked.kudos_held)

@@ -96,6 +96,24 @@ def test_cancel_publishes_cancelled_and_the_last_in_flight_result_done(
     assert events(published)[1:] == [("generation", 1), ("done", 1)]
 
 
+def test_a_cancel_after_done_or_faulted_publishes_nothing(
+    api, people, worker, published, django_capture_on_commit_callbacks
+):
+    """A settled request has nothing left to stop: its DELETE answers the status as it is, and its
+    subscribers never hear a cancelled after its done (or faulted)."""
+    requester, owner = people
+    done = make_chat_request(requester.user)
+    job = pop_chat_job(done, worker)[0]
+    faulted = make_chat_request(requester.user)
+    GenerationRequest.objects.filter(pk=faulted.pk).update(faulted=True, jobs_waiting=0)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert submit(api, owner.key, job.id, reply()).status_code == 200
+        answers = [api.delete(f"/api/v2/generate/chat/status/{r.pk}") for r in (done, faulted)]
+    assert [(a.status_code, a.json()["done"], a.json()["faulted"]) for a in answers] == [(200, True, False), (200, True, True)]
+    assert events(published) == [("generation", 1), ("done", 1)]
+    assert not GenerationRequest.objects.filter(pk__in=[done.pk, faulted.pk], cancelled=True).exists()
+
+
 def test_refused_reply_and_plain_fault_publish_nothing(
     api, people, worker, published, django_capture_on_commit_callbacks
 ):
