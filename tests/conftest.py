@@ -158,12 +158,11 @@ def horde(api, db) -> Horde:
 
 @pytest.fixture(autouse=True)
 def _chat_image_store(settings, tmp_path_factory):
-    """Each test's chat images in a folder of its own (made by its first save), never under var/."""
-    folder = tmp_path_factory.getbasetemp() / f"chat-images-{uuid.uuid4().hex}"
-    settings.STORAGES = {
-        **settings.STORAGES,
-        "chat_images": {"BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(folder)}},
-    }
+    """Each test's chat images and messages objects in a folder of its own (made by its first
+    save), never under var/."""
+    folder = tmp_path_factory.getbasetemp() / f"chat-objects-{uuid.uuid4().hex}"
+    local = {"BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(folder)}}
+    settings.STORAGES = {**settings.STORAGES, "chat_images": local, "chat_messages": local}
 
 
 @pytest.fixture
