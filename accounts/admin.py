@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from accounts.models import HordeUser, KudosTransaction
+from accounts.models import HordeUser, KudosTransaction, SharedKey
 
 
 class KudosTransactionInline(admin.TabularInline):
@@ -27,3 +27,11 @@ class KudosTransactionAdmin(admin.ModelAdmin):
     list_filter = ("kind",)
     list_select_related = ("user",)
     readonly_fields = ("user", "amount", "kind", "request_id", "generation_id", "created")
+
+
+@admin.register(SharedKey)
+class SharedKeyAdmin(admin.ModelAdmin):
+    list_display = ("id", "name", "user", "kudos", "utilized", "expiry", "max_text_tokens", "created")
+    list_select_related = ("user",)
+    search_fields = ("name", "user__username")
+    readonly_fields = ("utilized", "created")

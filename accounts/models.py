@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import hashlib
+import uuid
+from datetime import datetime
 from decimal import Decimal
 
 from django.db import models
@@ -66,3 +68,50 @@ class KudosTransaction(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} {self.amount} for {self.user_id}"
+
+
+# Shared keys, as upstream's: -1 is "no limit" for the kudos and each per-job limit.
+SHARED_KEY_UNLIMITED = -1
+SHARED_KEY_DEFAULT_KUDOS = 5000
+SHARED_KEY_MAX_KUDOS = 50_000_000
+# How many keys a user may hold at once.
+MAX_SHARED_KEYS = 3
+MAX_SHARED_KEYS_TRUSTED = 10
+
+
+class SharedKey(models.Model):
+    """A key a user lends: requests made with it are the owner's, within the key's limits.
+
+    The id is the key itself, sent as `apikey` (upstream's shared keys). `kudos` is what may still
+    be spent through it (SHARED_KEY_UNLIMITED: no limit; 0: spent); the horde tax and each
+    settlement draw it down, to 0 at least, and add to `utilized`.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    user = models.ForeignKey(HordeUser, on_delete=models.CASCADE, related_name="shared_keys")
+    name = models.CharField(max_length=255, null=True, blank=True)
+    kudos = models.DecimalField(max_digits=18, decimal_places=2, default=Decimal(SHARED_KEY_DEFAULT_KUDOS))
+    utilized = models.DecimalField(max_digits=18, decimal_places=2, default=Decimal("0"))
+    expiry = models.DateTimeField(null=True, blank=True)
+    # Per-job limits. The image ones are kept for upstream's wire; this horde serves text only.
+    max_image_pixels = models.IntegerField(default=SHARED_KEY_UNLIMITED)
+    max_image_steps = models.IntegerField(default=SHARED_KEY_UNLIMITED)
+    max_text_tokens = models.IntegerField(default=SHARED_KEY_UNLIMITED)
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        db_table = "horde_shared_keys"
+
+    def __str__(self) -> str:
+        return f"shared key {self.name or self.pk} of {self.user_id}"
+
+    @property
+    def is_spent(self) -> bool:
+        return self.kudos == 0
+
+    def is_expired(self, now: datetime) -> bool:
+        return self.expiry is not None and self.expiry < now
+
+    @property
+    def has_kudos_limit(self) -> bool:
+        return self.kudos != SHARED_KEY_UNLIMITED

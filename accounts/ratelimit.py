@@ -274,6 +274,7 @@ def validate_rate_limit_settings() -> None:
 
     limits = {
         "HORDE_TEXT_ASYNC_RATE_LIMITS": settings.HORDE_TEXT_ASYNC_RATE_LIMITS,
+        "HORDE_SHARED_KEY_CREATE_RATE_LIMITS": settings.HORDE_SHARED_KEY_CREATE_RATE_LIMITS,
         "HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP": [settings.HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP or "1/second"],
         "HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP": [
             settings.HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP or "1/second"

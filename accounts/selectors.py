@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import copy
+import uuid
+from email.utils import formatdate
 
 from django.conf import settings
 
-from accounts.models import HordeUser, hash_api_key
+from accounts.models import HordeUser, SharedKey, hash_api_key
 from contract.process_cache import ProcessCache
 
 # Every authenticated route would otherwise read the caller's row once per request. A process keeps
@@ -45,12 +47,13 @@ def user_get_fresh(user: HordeUser) -> HordeUser:
     return HordeUser.objects.get(pk=user.pk)
 
 
-def user_details(user: HordeUser) -> dict:
-    """The find_user body: the user's row read fresh (the balance never comes from the key cache)
-    and the ids of its workers."""
+def user_details(user: HordeUser, *, shared_key: SharedKey | None = None) -> dict:
+    """The find_user body: the user's row read fresh (the balance never comes from the key cache).
+    The owner's own key also sees its workers' and shared keys' ids; a shared key sees neither and
+    is named after its owner, as upstream's "alias#1 (Shared Key: name)"."""
     user = user_get_fresh(user)
     worker_ids = [str(w) for w in user.workers.values_list("id", flat=True)]
-    return {
+    details: dict = {
         "username": user.unique_alias,
         "id": user.pk,
         "kudos": float(user.kudos),
@@ -58,5 +61,43 @@ def user_details(user: HordeUser) -> dict:
         "moderator": user.moderator,
         "concurrency": user.concurrency,
         "worker_count": len(worker_ids),
-        "worker_ids": worker_ids,
     }
+    if shared_key is not None:
+        name = f": {shared_key.name}" if shared_key.name is not None else ""
+        details["username"] = f"{user.unique_alias} (Shared Key{name})"
+        return details
+    details["worker_ids"] = worker_ids
+    details["sharedkey_ids"] = [str(k) for k in user.shared_keys.order_by("created").values_list("id", flat=True)]
+    return details
+
+
+def shared_key_get(key: str) -> SharedKey | None:
+    """The shared key an `apikey` names (its id), with its owner; None when it names none. Never
+    cached: its balance and expiry decide each request."""
+    try:
+        key_id = uuid.UUID(key.strip())
+    except (ValueError, AttributeError):
+        return None
+    return SharedKey.objects.select_related("user").filter(pk=key_id).first()
+
+
+def _whole(value) -> int:
+    """Kudos on upstream's wire are integers (fields.Integer truncates)."""
+    return int(value)
+
+
+def shared_key_details(key: SharedKey) -> dict:
+    """Upstream's SharedKeyDetails: name and expiry left out when unset (skip_none), expiry in
+    RFC 822 as flask-restx writes it."""
+    details: dict = {
+        "id": str(key.pk),
+        "username": key.user.unique_alias,
+        "name": key.name,
+        "kudos": _whole(key.kudos),
+        "expiry": formatdate(key.expiry.timestamp()) if key.expiry else None,
+        "utilized": _whole(key.utilized),
+        "max_image_pixels": key.max_image_pixels,
+        "max_image_steps": key.max_image_steps,
+        "max_text_tokens": key.max_text_tokens,
+    }
+    return {name: value for name, value in details.items() if value is not None}

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import secrets
+from datetime import timedelta
 from decimal import Decimal
+from typing import Any
 from uuid import UUID
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F
+from django.db.models import Case, F, Value, When
+from django.db.models.functions import Greatest
+from django.utils import timezone
 
-from accounts.models import HordeUser, KudosTransaction, hash_api_key
+from accounts.models import (
+    MAX_SHARED_KEYS,
+    MAX_SHARED_KEYS_TRUSTED,
+    SHARED_KEY_UNLIMITED,
+    HordeUser,
+    KudosTransaction,
+    SharedKey,
+    hash_api_key,
+)
+from contract.errors import HordeError
 
 
 def new_api_key() -> str:
@@ -77,9 +90,11 @@ def kudos_settle(
     release_held: Decimal,
     request_id: UUID,
     generation_id: UUID,
+    shared_key_id: UUID | None = None,
 ) -> None:
-    """A settled generation: the worker's owner earns `reward`, the requester pays `charge` and has
-    `release_held` of its hold released; both ledger rows in one insert."""
+    """A settled generation: the worker's owner earns `reward`, the requester pays `charge` (drawn
+    from the shared key the request was made with, if any) and has `release_held` of its hold
+    released; both ledger rows in one insert."""
     HordeUser.objects.filter(pk=payee_id).update(kudos=F("kudos") + reward)
     payer_updates: dict = {"kudos": F("kudos") - charge}
     if release_held:
@@ -95,13 +110,14 @@ def kudos_settle(
             if amount
         ]
     )
+    shared_key_consume(shared_key_id=shared_key_id, amount=charge)
 
 
 def kudos_settle_ctes(*, source: str, now) -> list[tuple[str, str, list]]:
     """kudos_settle as PostgreSQL CTEs (name, SQL, params) for a caller's single statement.
     `source` is a FROM item of at most one row with the columns payee_id, payer_id, reward,
-    charge, release (of the hold), request_id and generation_id; nothing is written without its
-    row. One UPDATE moves both balances, so a payee who is also the payer is right."""
+    charge, release (of the hold), request_id, generation_id and shared_key_id; nothing is written
+    without its row. One UPDATE moves both balances, so a payee who is also the payer is right."""
     balances = (
         "UPDATE horde_users AS u SET"
         " kudos = u.kudos + CASE WHEN u.id = s.payee_id THEN s.reward ELSE 0 END"
@@ -123,6 +139,7 @@ def kudos_settle_ctes(*, source: str, now) -> list[tuple[str, str, list]]:
             ledger,
             [now, KudosTransaction.Kind.GENERATION_REWARD, KudosTransaction.Kind.GENERATION_CHARGE],
         ),
+        shared_key_consume_cte(source=source),
     ]
 
 
@@ -133,3 +150,82 @@ def kudos_hold(*, user_id: int, amount: Decimal) -> None:
 def kudos_release(*, user_id: int, amount: Decimal) -> None:
     if amount:
         HordeUser.objects.filter(pk=user_id).update(kudos_held=F("kudos_held") - amount)
+
+
+# --- shared keys ----------------------------------------------------------------------------------
+
+
+def _expiry_from_days(days: int) -> Any:
+    """The wire's `expiry` (days from now; SHARED_KEY_UNLIMITED: never) as the stored instant."""
+    return None if days == SHARED_KEY_UNLIMITED else timezone.now() + timedelta(days=days)
+
+
+@transaction.atomic
+def shared_key_create(
+    *,
+    user: HordeUser,
+    kudos: int,
+    expiry_days: int,
+    name: str | None,
+    max_image_pixels: int,
+    max_image_steps: int,
+    max_text_tokens: int,
+) -> SharedKey:
+    """A new key lent by `user`, within the per-user count (upstream's: 10 for a trusted user, 3
+    otherwise). The user's row is locked so that two creations cannot both take the last place."""
+    locked = HordeUser.objects.select_for_update().get(pk=user.pk)
+    allowed = MAX_SHARED_KEYS_TRUSTED if locked.trusted else MAX_SHARED_KEYS
+    if SharedKey.objects.filter(user=locked).count() >= allowed:
+        raise HordeError("Forbidden", f"You cannot have more than {allowed} shared keys.", status=403)
+    return SharedKey.objects.create(
+        user=locked,
+        kudos=Decimal(kudos),
+        expiry=_expiry_from_days(expiry_days),
+        name=name,
+        max_image_pixels=max_image_pixels,
+        max_image_steps=max_image_steps,
+        max_text_tokens=max_text_tokens,
+    )
+
+
+def shared_key_update(*, key: SharedKey, changes: dict[str, Any]) -> SharedKey:
+    """Apply the PATCH's fields that were sent (`expiry` in days, as at creation)."""
+    if "expiry" in changes:
+        key.expiry = _expiry_from_days(changes.pop("expiry"))
+    if "kudos" in changes:
+        key.kudos = Decimal(changes.pop("kudos"))
+    for name, value in changes.items():
+        setattr(key, name, value)
+    key.save()
+    return key
+
+
+def shared_key_delete(*, key: SharedKey) -> None:
+    """Requests made with it stay the owner's; their settlements no longer draw on a key."""
+    key.delete()
+
+
+def shared_key_consume(*, shared_key_id: UUID | None, amount: Decimal) -> None:
+    """Draw `amount` from a key's kudos (to 0 at least; an unlimited key keeps its -1) and add it to
+    what the key utilized. A spent key draws nothing, as upstream's."""
+    if shared_key_id is None or amount <= 0:
+        return
+    SharedKey.objects.filter(pk=shared_key_id).exclude(kudos=0).update(
+        kudos=Case(
+            When(kudos=SHARED_KEY_UNLIMITED, then=Value(Decimal(SHARED_KEY_UNLIMITED))),
+            default=Greatest(F("kudos") - amount, Value(Decimal("0"))),
+        ),
+        utilized=F("utilized") + amount,
+    )
+
+
+def shared_key_consume_cte(*, source: str) -> tuple[str, str, list]:
+    """shared_key_consume as a PostgreSQL CTE over `source` (columns shared_key_id and charge)."""
+    return (
+        "shared_key_drawn",
+        "UPDATE horde_shared_keys AS k SET"
+        " kudos = CASE WHEN k.kudos = %s THEN k.kudos ELSE GREATEST(k.kudos - s.charge, 0) END,"
+        " utilized = k.utilized + s.charge"
+        f" FROM {source} WHERE k.id = s.shared_key_id AND k.kudos <> 0 AND s.charge > 0",
+        [SHARED_KEY_UNLIMITED],
+    )

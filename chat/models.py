@@ -72,6 +72,9 @@ class GenerationRequest(models.Model):
     kudos_context = models.FloatField(null=True, blank=True)
     # The front process holding that lease (contract.front_lease.FRONT_ID_HEADER); null: unnamed.
     front_id = models.CharField(max_length=320, null=True, blank=True)
+    # The shared key the request was made with, whose kudos its tax and settlements draw down. A
+    # plain id, as the ledger's: a deleted key leaves its requests charged to the owner alone.
+    shared_key_id = models.UUIDField(null=True, blank=True)
 
     class Meta:
         db_table = "horde_requests"

@@ -346,7 +346,7 @@ def _settled_submit(won: tuple[str, list], *, owner_id: int, charged: bool, now:
     id, request_id, worker_id, created, kudos, tokens, price_max_length, price_owner_trusted,
     over_capacity_at_assignment and model, no row when it did not win), then every write of the
     settlement gated on it: the hold's share, the request's kudos, both balances and their ledger
-    rows, the worker's record. Its row: request_id, reward, created, max_length, owner trusted, over
+    rows, the shared key's draw, the worker's record. Its row: request_id, reward, created, max_length, owner trusted, over
     capacity, model; none when not won."""
     from accounts.services import kudos_settle_ctes
     from workers.services import worker_record_job_cte
@@ -359,7 +359,7 @@ def _settled_submit(won: tuple[str, list], *, owner_id: int, charged: bool, now:
             "held",
             # A chat request's one job releases the whole hold, which a multi-model request
             # takes at its dearest model while kudos_quote is its first's (spec: Pricing).
-            "SELECT r.id, r.user_id, CASE WHEN r.is_chat THEN r.kudos_held"
+            "SELECT r.id, r.user_id, r.shared_key_id, CASE WHEN r.is_chat THEN r.kudos_held"
             f" ELSE LEAST(r.kudos_held, {_half_even_cents('r.kudos_quote / r.n')}) END AS release"
             " FROM horde_requests AS r JOIN won ON r.id = won.request_id FOR UPDATE OF r",
             [],
@@ -368,7 +368,7 @@ def _settled_submit(won: tuple[str, list], *, owner_id: int, charged: bool, now:
             "settled",
             "SELECT won.id AS generation_id, won.request_id, won.worker_id, won.created, won.tokens,"
             " won.kudos AS reward, won.kudos AS kudos, CASE WHEN %s THEN won.kudos ELSE 0 END AS charge,"
-            " %s::bigint AS payee_id, held.user_id AS payer_id, held.release,"
+            " %s::bigint AS payee_id, held.user_id AS payer_id, held.release, held.shared_key_id,"
             " won.price_max_length, won.price_owner_trusted, won.over_capacity_at_assignment, won.model"
             " FROM won JOIN held ON held.id = won.request_id",
             [charged, owner_id],

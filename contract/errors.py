@@ -28,6 +28,11 @@ RC_STATUS: dict[str, int] = {
     "ValidationError": 400,
     "ProfaneWorkerName": 400,
     "NoValidWorkers": 400,
+    "Forbidden": 403,
+    "SharedKeyEmpty": 403,
+    "SharedKeyExpired": 403,
+    "SharedKeyInsufficientKudos": 403,
+    "NoSharedKeyModSelected": 400,
 }
 
 

@@ -3,7 +3,7 @@ from django.http import JsonResponse
 from django.urls import include, path
 from drf_spectacular.views import SpectacularJSONAPIView
 
-from accounts.api.views import FindUserView
+from accounts.api.views import FindUserView, SharedKeyDetailView, SharedKeysView
 from chat.api import pop_views, progress_views, submit_views
 from chat.api import views as chat_views
 from chat.api.chat_views import ChatAsyncView, ChatStatusView
@@ -21,6 +21,8 @@ api_v2 = [
     path("generate/text/progress", progress_views.TextProgressView.as_view()),
     path("chat_images/<str:key>", chat_object_download),
     path("find_user", FindUserView.as_view()),
+    path("sharedkeys", SharedKeysView.as_view()),
+    path("sharedkeys/<str:key_id>", SharedKeyDetailView.as_view()),
     path("workers", WorkerListView.as_view()),
     path("workers/<uuid:worker_id>", WorkerDetailView.as_view()),
     path("workers/name/<str:worker_name>", WorkerByNameView.as_view()),

@@ -1,12 +1,23 @@
 from __future__ import annotations
 
+from django.conf import settings
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from accounts.api.callers import requester
-from accounts.selectors import user_details
+from accounts import services
+from accounts.api.callers import registered_caller, requester, shared_key_of
+from accounts.models import (
+    SHARED_KEY_DEFAULT_KUDOS,
+    SHARED_KEY_MAX_KUDOS,
+    SHARED_KEY_UNLIMITED,
+    SharedKey,
+)
+from accounts.ratelimit import check_submit_rate_limits
+from accounts.selectors import shared_key_details, shared_key_get, user_details
+from contract.errors import HordeError
+from contract.text import TEXT_MAX_LENGTH_RANGE
 
 
 class FindUserView(APIView):
@@ -20,9 +31,112 @@ class FindUserView(APIView):
         moderator = serializers.BooleanField()
         concurrency = serializers.IntegerField()
         worker_count = serializers.IntegerField()
-        worker_ids = serializers.ListField(child=serializers.CharField())
+        # The owner's own key only: a shared key sees neither list.
+        worker_ids = serializers.ListField(child=serializers.CharField(), required=False)
+        sharedkey_ids = serializers.ListField(child=serializers.CharField(), required=False)
 
     @extend_schema(responses=OutputSerializer)
     def get(self, request):
         # The caller's identity may come from the process's key cache; user_details re-reads the row.
-        return Response(self.OutputSerializer(user_details(requester(request))).data)
+        details = user_details(requester(request), shared_key=shared_key_of(request))
+        return Response(self.OutputSerializer(details).data)
+
+
+class SharedKeyInputSerializer(serializers.Serializer):
+    """Upstream's SharedKeyInput. Every field is optional: a creation takes the defaults of those
+    left out, a change changes only those sent. `expiry` is days from now, -1 for never."""
+
+    kudos = serializers.IntegerField(min_value=SHARED_KEY_UNLIMITED, max_value=SHARED_KEY_MAX_KUDOS, required=False)
+    expiry = serializers.IntegerField(min_value=SHARED_KEY_UNLIMITED, required=False)
+    name = serializers.CharField(min_length=3, max_length=255, required=False)
+    max_image_pixels = serializers.IntegerField(min_value=SHARED_KEY_UNLIMITED, max_value=4_194_304, required=False)
+    max_image_steps = serializers.IntegerField(min_value=SHARED_KEY_UNLIMITED, max_value=500, required=False)
+    # Upstream caps this at 500; here it goes to the text max_length this horde accepts (ADR 0065).
+    max_text_tokens = serializers.IntegerField(
+        min_value=SHARED_KEY_UNLIMITED, max_value=TEXT_MAX_LENGTH_RANGE[1], required=False
+    )
+
+
+class SharedKeyDetailsSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    username = serializers.CharField()
+    name = serializers.CharField(required=False)
+    kudos = serializers.IntegerField()
+    expiry = serializers.CharField(required=False, help_text="RFC 822; absent when the key never expires.")
+    utilized = serializers.IntegerField()
+    max_image_pixels = serializers.IntegerField()
+    max_image_steps = serializers.IntegerField()
+    max_text_tokens = serializers.IntegerField()
+
+
+class SimpleResponseSerializer(serializers.Serializer):
+    message = serializers.CharField()
+
+
+def _shared_key_or_401(key_id: str) -> SharedKey:
+    key = shared_key_get(key_id)
+    if key is None:
+        # Upstream answers an unknown shared key as an invalid key.
+        raise HordeError("InvalidAPIKey", "No user matching sent Shared Key.")
+    return key
+
+
+class SharedKeysView(APIView):
+    """PUT /api/v2/sharedkeys: lend a new shared key (its id is the key)."""
+
+    @extend_schema(request=SharedKeyInputSerializer, responses=SharedKeyDetailsSerializer)
+    def put(self, request):
+        check_submit_rate_limits(
+            request, scope="sharedkeys", limits_per_ip=settings.HORDE_SHARED_KEY_CREATE_RATE_LIMITS
+        )
+        serializer = SharedKeyInputSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        body = serializer.validated_data
+        key = services.shared_key_create(
+            user=registered_caller(request),
+            kudos=body.get("kudos", SHARED_KEY_DEFAULT_KUDOS),
+            expiry_days=body.get("expiry", SHARED_KEY_UNLIMITED),
+            name=body.get("name"),
+            max_image_pixels=body.get("max_image_pixels", SHARED_KEY_UNLIMITED),
+            max_image_steps=body.get("max_image_steps", SHARED_KEY_UNLIMITED),
+            max_text_tokens=body.get("max_text_tokens", SHARED_KEY_UNLIMITED),
+        )
+        return Response(shared_key_details(key))
+
+
+class SharedKeyDetailView(APIView):
+    """GET (anyone holding the id), PATCH and DELETE (its owner) /api/v2/sharedkeys/<id>."""
+
+    def perform_authentication(self, request):
+        # Lazy (DRF's documented hook): the GET reads no key, as upstream's.
+        pass
+
+    @extend_schema(responses=SharedKeyDetailsSerializer)
+    def get(self, request, key_id):
+        return Response(shared_key_details(_shared_key_or_401(key_id)))
+
+    def _owned(self, request, key_id: str) -> SharedKey:
+        key = _shared_key_or_401(key_id)
+        owner = registered_caller(request)
+        if key.user_id != owner.pk:
+            raise HordeError(
+                "Forbidden",
+                f"Shared Key {key.pk} belongs to {key.user.unique_alias} and not to {owner.unique_alias}.",
+                status=403,
+            )
+        return key
+
+    @extend_schema(request=SharedKeyInputSerializer, responses=SharedKeyDetailsSerializer)
+    def patch(self, request, key_id):
+        serializer = SharedKeyInputSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        key = self._owned(request, key_id)
+        if not serializer.validated_data:
+            raise HordeError("NoSharedKeyModSelected", "No shared key modification selected!", status=400)
+        key = services.shared_key_update(key=key, changes=dict(serializer.validated_data))
+        return Response(shared_key_details(key))
+
+    @extend_schema(responses=SimpleResponseSerializer)
+    def delete(self, request, key_id):
+        services.shared_key_delete(key=self._owned(request, key_id))
+        return Response({"message": "OK"})

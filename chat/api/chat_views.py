@@ -14,7 +14,7 @@ from rest_framework.exceptions import ParseError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from accounts.api.callers import requester
+from accounts.api.callers import requester, shared_key_of
 from accounts.ratelimit import chat_request_limits_per_ip, check_submit_rate_limits
 from chat.api import openapi  # noqa: F401  (the contract's models in the schema)
 from chat.api import serializers as s
@@ -130,6 +130,7 @@ class ChatAsyncView(APIView):
             ip_address=address,
             front_lease_seconds=front_lease.front_lease_seconds(request.headers),
             front_id=front_lease.front_lease_front_id(request.headers),
+            shared_key=shared_key_of(request),
         )
         if created.request is None:
             return Response(s.CHAT_QUOTE_OUTPUT.to_representation(created), status=200)

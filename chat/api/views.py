@@ -10,7 +10,7 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from accounts.api.callers import registered_caller, requester
+from accounts.api.callers import registered_caller, requester, shared_key_of
 from accounts.ratelimit import check_submit_rate_limits
 from chat import selectors, services
 from chat.api import serializers as s
@@ -42,6 +42,7 @@ class TextAsyncView(APIView):
             ip_address=address,
             front_lease_seconds=front_lease.front_lease_seconds(request.headers),
             front_id=front_lease.front_lease_front_id(request.headers),
+            shared_key=shared_key_of(request),
         )
         # Queued: 202; a dry run's quote, or a repeated operation key's claim (nothing queued): 200.
         queued = created.request is not None and not created.repeated

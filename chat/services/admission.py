@@ -13,8 +13,8 @@ from uuid import UUID
 from django.db.models import Sum
 from django.utils import timezone
 
-from accounts.models import HordeUser, KudosTransaction
-from accounts.services import kudos_hold, kudos_transfer
+from accounts.models import HordeUser, KudosTransaction, SharedKey
+from accounts.services import kudos_hold, kudos_transfer, shared_key_consume
 from chat.metrics import free_allowance_decisions, free_allowance_estimated_wait, size_bucket
 from chat.models import GenerationRequest, RequestModel, RequestWorker
 from chat.pricing import context_multiplier
@@ -26,6 +26,9 @@ from contract.errors import HordeError
 from contract.text import QUEUE_PRIORITY_STEP, QUEUE_PRIORITY_STEP_SECONDS, TEXT_HORDE_TAX
 
 HORDE_TAX = Decimal(TEXT_HORDE_TAX)
+# Upstream's priority for a request admitted on a shared key without the kudos it needs
+# (allow_downgrade): the anonymous level, whatever its owner's kudos.
+SHARED_KEY_DOWNGRADED_PRIORITY = -50
 
 
 def queue_score(priority: int, created_epoch: float) -> int:
@@ -53,8 +56,49 @@ def free_output_allowance_for(
     return FreeOutputAllowance(tokens=free_output_allowance(wait), wait=wait)
 
 
-def _requester_kind(user: HordeUser) -> str:
+def _requester_kind(user: HordeUser, shared_key: SharedKey | None) -> str:
+    if shared_key is not None:
+        return "shared_key"
     return "anonymous" if user.is_anonymous else "registered"
+
+
+# --- shared keys (upstream's checks of a request made with one) -----------------------------------
+
+
+def _kudos_figure(value: Decimal) -> str:
+    return str(int(value)) if value == value.to_integral_value() else str(value)
+
+
+def shared_key_unusable(key: SharedKey) -> HordeError | None:
+    """403 SharedKeyEmpty or SharedKeyExpired for a key that cannot be spent from now."""
+    if key.is_spent:
+        return HordeError("SharedKeyEmpty", "This shared key has run out of kudos.", status=403)
+    if key.is_expired(timezone.now()):
+        return HordeError("SharedKeyExpired", "This shared key has expired", status=403)
+    return None
+
+
+def check_shared_key_limits(key: SharedKey, *, max_length: int, field: str | None = None) -> None:
+    """400 BadRequest for a job over the key's max_text_tokens (`field`: the request path a chat
+    refusal is prefixed with)."""
+    limit = key.max_text_tokens
+    if limit != -1 and max_length > limit:
+        message = f"This shared key is limited to {limit} tokens per job. You requested {max_length} tokens."
+        raise HordeError("BadRequest", f"{field}: {message}" if field else message, status=400)
+
+
+def shared_key_lacks(key: SharedKey | None, required: Decimal) -> bool:
+    """Whether a limited key holds less than the request's upfront kudos (at its dearest model)."""
+    return key is not None and key.has_kudos_limit and required > key.kudos
+
+
+def shared_key_insufficient_error(key: SharedKey, required: Decimal) -> HordeError:
+    return HordeError(
+        "SharedKeyInsufficientKudos",
+        f"This shared key does not have enough remaining kudos ({_kudos_figure(key.kudos)}) "
+        f"to fulfill this request ({_kudos_figure(required)}).",
+        status=403,
+    )
 
 
 def needs_upfront_kudos(*, max_length: int, slow_workers: bool, has_worker_list: bool, allowance: int) -> bool:
@@ -110,18 +154,18 @@ AllowanceOutcome = Literal["free", "funded", "refused", "downgraded"]
 
 def record_allowance_decision(
     *, user: HordeUser, outcome: AllowanceOutcome, requested_max_length: int, is_chat: bool,
-    allowance: FreeOutputAllowance,
+    allowance: FreeOutputAllowance, shared_key: SharedKey | None = None,
 ) -> None:
     """horde.text.free_allowance.decisions for one creation, and the wait the allowance was sized by
     when a worker was eligible (a dry run records neither)."""
     if allowance.wait is not None:
         free_allowance_estimated_wait.record(
-            allowance.wait.seconds, {"horde.chat": is_chat, "horde.requester": _requester_kind(user)}
+            allowance.wait.seconds, {"horde.chat": is_chat, "horde.requester": _requester_kind(user, shared_key)}
         )
     free_allowance_decisions.add(
         1,
         {
-            "horde.requester": _requester_kind(user),
+            "horde.requester": _requester_kind(user, shared_key),
             "horde.outcome": outcome,
             "horde.requested_bucket": size_bucket(requested_max_length),
             "horde.allowance_bucket": size_bucket(allowance.tokens),
@@ -169,18 +213,22 @@ def request_rows_create(
     prompt_tokens: int | None = None,
     tax: Decimal = HORDE_TAX,
     inactive_id: UUID | None = None,
+    shared_key: SharedKey | None = None,
+    downgraded_priority: bool = False,
 ) -> GenerationRequest:
     """Insert an active request with its model and worker rows, take its hold and the horde tax
     (`tax`: a chat request's images add theirs). `prompt_tokens`: a chat request's prompt
     estimate, which its price's context follows. `inactive_id`: activate that row, written
     inactive before its images were stored (chat.services.create_chat), instead of inserting one.
+    `shared_key`: the key it was made with, which pays its tax and settlements from its kudos;
+    `downgraded_priority`: queued at SHARED_KEY_DOWNGRADED_PRIORITY.
 
     Runs inside the caller's transaction, on the locked requester.
     """
     from django.conf import settings
 
     now = timezone.now()
-    priority = int(locked_user.kudos)
+    priority = SHARED_KEY_DOWNGRADED_PRIORITY if downgraded_priority else int(locked_user.kudos)
     values = {
         "requested_models": models,
         "any_model": not models,
@@ -191,6 +239,7 @@ def request_rows_create(
         "expires_at": now + timedelta(seconds=settings.HORDE_TEXT_REQUEST_TTL_SECONDS),
         "kudos_context": context_multiplier(fields["prompt"], fields["max_length"], prompt_tokens=prompt_tokens),
         "consumed_kudos": tax,  # the tax charged below, in this transaction
+        "shared_key_id": shared_key.pk if shared_key is not None else None,
         **fields,
     }
     if inactive_id is None:
@@ -205,5 +254,6 @@ def request_rows_create(
     if hold:
         kudos_hold(user_id=locked_user.pk, amount=hold)
     kudos_transfer(user_id=locked_user.pk, amount=-tax, kind=KudosTransaction.Kind.HORDE_TAX, request_id=request.id)
+    shared_key_consume(shared_key_id=request.shared_key_id, amount=tax)
     queue_grew(request_queue_lists(is_chat=request.is_chat, models=models))
     return request

@@ -25,7 +25,7 @@ from django.db.models import Count, Max
 from django.utils import timezone
 from rest_framework.exceptions import ValidationError
 
-from accounts.models import HordeUser
+from accounts.models import HordeUser, SharedKey
 from chat import metrics
 from chat.model_reference import is_known_text_model
 from chat.models import GenerationRequest
@@ -521,10 +521,12 @@ def chat_request_create(
     ip_address: str = "",
     front_lease_seconds: int | None = None,
     front_id: str | None = None,
+    shared_key: SharedKey | None = None,
 ) -> ChatCreated:
     """Steps 3-8 of the chat submit for a validated body: map it (map_chat_request), then
     operation key, admission flag, shared checks, known models, worker_max_length, context sizing,
-    pricing, then create and activate in one transaction."""
+    pricing, then create and activate in one transaction. `shared_key`: the key `user` (its owner)
+    was authenticated by; its checks are upstream's text ones (a chat request never downgrades)."""
     try:
         submission = map_chat_request(chat)
     except RecursionError:
@@ -540,6 +542,8 @@ def chat_request_create(
     # 4 and the start of 5.
     ensure_chat_admitting()
     # 5. The rest of the checks every generate route shares (the caller was authenticated).
+    if shared_key is not None and (unusable := admission.shared_key_unusable(shared_key)) is not None:
+        raise unusable
     admission.check_concurrency(user=user, n=1)
     # 6. Known models, and at least one online chat worker serving them.
     offers = chat_model_offers(submission.models)
@@ -575,6 +579,8 @@ def chat_request_create(
     )
     adjustments.extend(sized.adjustments)
     _validate_mapped_params(submission.params, sized.max_context_length)
+    if shared_key is not None:
+        admission.check_shared_key_limits(shared_key, max_length=max_length, field="max_tokens")
     # The price's context is the prompt estimate, image parts included (spec: Flattened prompt).
     prompt_tokens = estimate_chat_prompt_tokens(sized.prompt, sized.image_count)
     # Each kept image adds the extra source image tax to the activation tax, the quote included.
@@ -663,15 +669,22 @@ def chat_request_create(
                 prompt_tokens=prompt_tokens,
                 tax=admission.HORDE_TAX + image_tax,
                 inactive_id=inactive.id if inactive else None,
+                shared_key=shared_key,
             )
-            if needs_hold and locked_user.kudos_available < upfront:
+            key_short = admission.shared_key_lacks(shared_key, upfront)
+            if key_short or (needs_hold and locked_user.kudos_available < upfront):
                 # Chat requests never downgrade. Kudos do not help a request no worker can serve.
-                refusal = admission.no_eligible_worker_refusal(request) or admission.kudos_upfront_error(
-                    allowance=allowance.tokens, kudos=upfront, max_length=max_length, slow_workers=horde.slow_workers
+                refusal = admission.no_eligible_worker_refusal(request) or (
+                    admission.shared_key_insufficient_error(shared_key, upfront)
+                    if key_short and shared_key is not None
+                    else admission.kudos_upfront_error(
+                        allowance=allowance.tokens, kudos=upfront, max_length=max_length,
+                        slow_workers=horde.slow_workers,
+                    )
                 )
                 admission.record_allowance_decision(
                     user=user, outcome="refused", requested_max_length=submission.max_length, is_chat=True,
-                    allowance=allowance,
+                    allowance=allowance, shared_key=shared_key,
                 )
                 raise refusal
     except IntegrityError:
@@ -694,6 +707,7 @@ def chat_request_create(
         requested_max_length=submission.max_length,
         is_chat=True,
         allowance=allowance,
+        shared_key=shared_key,
     )
     from chat.selectors.availability import chat_request_availability
 

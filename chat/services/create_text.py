@@ -11,16 +11,19 @@ from datetime import timedelta
 from decimal import Decimal
 from uuid import UUID
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from accounts.models import HordeUser
+from accounts.models import HordeUser, SharedKey
+from accounts.selectors import anonymous_user_get
 from chat.models import GenerationRequest
 from chat.pricing import text_request_quote
 from chat.services.admission import (
     HORDE_TAX,
     AllowanceOutcome,
     check_concurrency,
+    check_shared_key_limits,
     ensure_not_in_maintenance,
     free_output_allowance_for,
     kudos_upfront_error,
@@ -29,6 +32,9 @@ from chat.services.admission import (
     no_eligible_worker_refusal,
     record_allowance_decision,
     request_rows_create,
+    shared_key_insufficient_error,
+    shared_key_lacks,
+    shared_key_unusable,
 )
 from contract.errors import HordeError
 
@@ -127,9 +133,11 @@ def text_request_create(
     ip_address: str = "",
     front_lease_seconds: int | None = None,
     front_id: str | None = None,
+    shared_key: SharedKey | None = None,
 ) -> CreatedRequest:
     """Price, admit and queue a text request (or only quote it, on a dry run). A repeated operation
-    key is answered first, before anything that could refuse or charge it, as on the chat route."""
+    key is answered first, before anything that could refuse or charge it, as on the chat route.
+    `shared_key`: the key `user` (its owner) was authenticated by."""
 
     operation_key = None if data.dry_run else data.operation_key
     fingerprint = text_operation_fingerprint(data) if operation_key is not None else ""
@@ -138,6 +146,16 @@ def text_request_create(
         if repeated is not None:
             return repeated
     ensure_not_in_maintenance()
+    downgraded_priority = False
+    if shared_key is not None:
+        unusable = shared_key_unusable(shared_key)
+        if unusable is not None:
+            if not (unusable.rc == "SharedKeyEmpty" and data.allow_downgrade and settings.HORDE_ALLOW_ANONYMOUS):
+                raise unusable
+            # Upstream: a spent key with allow_downgrade asks as the anonymous user, at its priority.
+            user, shared_key, downgraded_priority = anonymous_user_get(), None, True
+        else:
+            check_shared_key_limits(shared_key, max_length=data.max_length)
 
     def quote() -> Decimal:
         return text_request_quote(
@@ -154,6 +172,8 @@ def text_request_create(
             data=data,
             kudos=kudos,
             quote=quote,
+            shared_key=shared_key,
+            downgraded_priority=downgraded_priority,
             extra_fields={
                 "client_agent": client_agent[:255],
                 "ip_address": ip_address[:64],
@@ -182,13 +202,23 @@ def text_request_create(
 
 
 def _text_request_rows(
-    *, user: HordeUser, data: TextRequestInput, kudos: Decimal, quote, extra_fields: dict
+    *,
+    user: HordeUser,
+    data: TextRequestInput,
+    kudos: Decimal,
+    quote,
+    extra_fields: dict,
+    shared_key: SharedKey | None,
+    downgraded_priority: bool,
 ) -> tuple[GenerationRequest, Decimal, str | None]:
-    """The creation transaction of a text request: concurrency, the hold (or the downgrade to the
-    free output allowance), the rows."""
-    from django.conf import settings
-
+    """The creation transaction of a text request: concurrency, the shared key's kudos, the hold
+    (or the downgrade to the free output allowance), the rows."""
     requested = data.max_length
+    # The shared key's check uses the dearest listed model (spec: Pricing), as upstream's.
+    key_short = shared_key_lacks(shared_key, _dearest_quote(data)) if shared_key is not None else False
+    if key_short and data.allow_downgrade:
+        # Upstream admits it at the anonymous priority; it still draws the key down to 0.
+        downgraded_priority, key_short = True, False
     message = None
     outcome: AllowanceOutcome = "free"
 
@@ -244,20 +274,43 @@ def _text_request_rows(
                 )
             else:
                 outcome = "refused"
+        if key_short:
+            outcome = "refused"
         request = request_rows_create(
-            locked_user=locked_user, fields=row_fields(), models=data.models, workers=data.workers, kudos=kudos, hold=hold
+            locked_user=locked_user,
+            fields=row_fields(),
+            models=data.models,
+            workers=data.workers,
+            kudos=kudos,
+            hold=hold,
+            shared_key=shared_key,
+            downgraded_priority=downgraded_priority,
         )
         if outcome == "refused":
             # The row is rolled back with the refusal; it exists here so that the worker check
             # reads it as the status would.
-            refusal = no_eligible_worker_refusal(request) or kudos_upfront_error(
-                allowance=allowance.tokens, kudos=kudos, max_length=data.max_length, slow_workers=data.slow_workers
+            refusal = no_eligible_worker_refusal(request) or (
+                shared_key_insufficient_error(shared_key, _dearest_quote(data))
+                if key_short and shared_key is not None
+                else kudos_upfront_error(
+                    allowance=allowance.tokens, kudos=kudos, max_length=data.max_length, slow_workers=data.slow_workers
+                )
             )
             record_allowance_decision(
-                user=user, outcome=outcome, requested_max_length=requested, is_chat=False, allowance=allowance
+                user=user, outcome=outcome, requested_max_length=requested, is_chat=False, allowance=allowance,
+                shared_key=shared_key,
             )
             raise refusal
     record_allowance_decision(
-        user=user, outcome=outcome, requested_max_length=requested, is_chat=False, allowance=allowance
+        user=user, outcome=outcome, requested_max_length=requested, is_chat=False, allowance=allowance,
+        shared_key=shared_key,
     )
     return request, kudos, message
+
+
+def _dearest_quote(data: TextRequestInput) -> Decimal:
+    """The request's kudos at the dearest of its models (the first one's quote without a list)."""
+    models = [[m] for m in data.models] or [[]]
+    return max(
+        text_request_quote(models=m, prompt=data.prompt, max_length=data.max_length, n=data.n) for m in models
+    ) + HORDE_TAX

@@ -431,7 +431,7 @@ def settle_cancelled_streams(*, request_id: UUID, now: datetime) -> list[UUID]:
     of a streamed request on its posted content (TextProcessingGeneration.settle_cancelled) and
     return their ids, whose leases the cancel then flags."""
     request = GenerationRequest.objects.only(
-        "user_id", "prompt", "max_length", "kudos_context", "chat_extras"
+        "user_id", "prompt", "max_length", "kudos_context", "chat_extras", "shared_key_id"
     ).get(pk=request_id)
     if not streams_progress(request.chat_extras):
         return []
@@ -473,6 +473,7 @@ def settle_cancelled_streams(*, request_id: UUID, now: datetime) -> list[UUID]:
             release_held=Decimal("0"),  # the cancel released the whole hold
             request_id=request_id,
             generation_id=generation.pk,
+            shared_key_id=request.shared_key_id,
         )
         worker_record_cancelled_settlement(worker_id=generation.worker_id, kudos=reward)
         GenerationRequest.objects.filter(pk=request_id).update(consumed_kudos=F("consumed_kudos") + reward)

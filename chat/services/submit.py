@@ -147,6 +147,7 @@ def _settle(generation: Generation, *, state: str, tokens: int, reward: Decimal,
         release_held=release,
         request_id=request.pk,
         generation_id=generation.pk,
+        shared_key_id=request.shared_key_id,
     )
     GenerationRequest.objects.filter(pk=request.pk).update(
         consumed_kudos=F("consumed_kudos") + charge, kudos_held=F("kudos_held") - release
