@@ -17,7 +17,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from accounts.models import KudosTransaction, hash_api_key
+from accounts.models import KudosTransaction, SharedKey, hash_api_key
 from chat.models import Generation, GenerationRequest
 from chat.pricing import text_generation_kudos
 from chat.services import progress
@@ -515,6 +515,18 @@ def test_cancel_mid_stream_settles_on_the_posted_content(horde, streamed_job, st
     status = horde._call("get", f"generate/chat/status/{request.pk}", requester.key).json()
     assert status["generations"] == [] and status["done"] is True
     assert "settled_character_count" not in str(status)
+
+
+@redis_only
+def test_a_cancel_settlement_draws_the_shared_key_the_request_was_made_with(horde, streamed_job):
+    requester, owner, request, job_id, _ = streamed_job()
+    key = SharedKey.objects.create(user=requester.user, kudos=Decimal("50"))
+    GenerationRequest.objects.filter(pk=request.pk).update(shared_key_id=key.pk)
+    assert post(horde, owner.key, job_id, 1, "Once upon a time, " * 10).status_code == 200
+    assert _cancel(horde, requester.key, request.pk).status_code == 200
+    charged = Generation.objects.get(pk=job_id).kudos
+    key.refresh_from_db()
+    assert charged > 0 and (key.kudos, key.utilized) == (Decimal("50") - charged, charged)
 
 
 @redis_only
