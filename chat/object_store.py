@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import re
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -34,6 +35,10 @@ log = logging.getLogger(__name__)
 CHAT_IMAGE_DELETE_RETRY_KEY = "horde:chat:image_delete_retry"
 MAX_CHAT_IMAGE_DELETE_RETRY_KEYS = 100_000
 CHAT_IMAGE_DELETE_RETRY_BATCH = 1000
+# How many stored objects the orphan sweep reads per pass.
+CHAT_ORPHAN_SWEEP_BATCH = 10_000
+# A stored object's key starts with its request's id (chat_image_key, chat_messages_key).
+CHAT_OBJECT_KEY_PATTERN = re.compile(r"^(?P<request_id>[0-9a-f]{8}-(?:[0-9a-f]{4}-){3}[0-9a-f]{12})_chat_")
 # The path the horde serves images of the local store under (hordesite/urls.py).
 LOCAL_CHAT_IMAGE_PATH = "/api/v2/chat_images/"
 _SIGNATURE_SALT = "chat.object_store.signed_url"
@@ -255,6 +260,31 @@ def retry_chat_object_deletes() -> int:
         except Exception:  # deleted already: a later retry deletes nothing and removes them
             log.warning("chat image delete retry set not updated", exc_info=True)
     return len(done)
+
+
+def listed_chat_objects(*, limit: int = CHAT_ORPHAN_SWEEP_BATCH) -> dict[str, list[str]]:
+    """The chat objects the stores hold, by request id (at most `limit` keys): what the orphan
+    sweep compares with the request rows. A store lists only its own kind of object, so that
+    two aliases on one folder or bucket list each object once, from the store that deletes it."""
+    listed: dict[str, list[str]] = {}
+    seen: set[str] = set()
+    count = 0
+    for alias in ("chat_images", "chat_messages"):
+        try:
+            _folders, names = storages[alias].listdir("")
+        except FileNotFoundError:  # a local store's folder is made by its first save
+            continue
+        for name in names:
+            match = CHAT_OBJECT_KEY_PATTERN.match(name)
+            # Only the objects this store is the home of (chat_object_storage): each is deleted there.
+            if match is None or name in seen or chat_object_storage(name) is not storages[alias]:
+                continue
+            if count >= limit:
+                return listed
+            seen.add(name)
+            listed.setdefault(match["request_id"], []).append(name)
+            count += 1
+    return listed
 
 
 def delete_objects_with_request(sender: Any, instance: Any, **kwargs: Any) -> None:

@@ -31,3 +31,8 @@ def sweep_maintenance() -> int:
 @shared_task(name="chat.tasks.cancel_lapsed_front_leases")
 def cancel_lapsed_front_leases() -> int:
     return _finished("chat.tasks.cancel_lapsed_front_leases", front_lease.cancel_lapsed_front_leases())
+
+
+@shared_task(name="chat.tasks.delete_orphaned_chat_objects")
+def delete_orphaned_chat_objects() -> int:
+    return _finished("chat.tasks.delete_orphaned_chat_objects", sweeps.delete_orphaned_chat_objects())

@@ -178,6 +178,8 @@ HORDE_TEXT_JOB_LEASE_SECONDS = env.int("HORDE_TEXT_JOB_LEASE_SECONDS", default=T
 HORDE_TEXT_REQUEST_TTL_SECONDS = env.int("HORDE_TEXT_REQUEST_TTL_SECONDS", default=TEXT_REQUEST_TTL_SECONDS)
 HORDE_SWEEP_INTERVAL_SECONDS = env.float("HORDE_SWEEP_INTERVAL_SECONDS", default=STALE_GENERATION_SWEEP_SECONDS)
 HORDE_SWEEP_LATE_SECONDS = env.float("HORDE_SWEEP_LATE_SECONDS", default=3 * HORDE_SWEEP_INTERVAL_SECONDS)
+# Stored chat objects whose request row is gone are deleted this often (chat.tasks.delete_orphaned_chat_objects).
+HORDE_CHAT_ORPHAN_SWEEP_SECONDS = env.float("HORDE_CHAT_ORPHAN_SWEEP_SECONDS", default=3600.0)
 CELERY_BEAT_SCHEDULE = {
     "abort-stale-generations": {"task": "chat.tasks.abort_stale_generations", "schedule": HORDE_SWEEP_INTERVAL_SECONDS},
     "expire-requests": {"task": "chat.tasks.expire_requests", "schedule": HORDE_SWEEP_INTERVAL_SECONDS},
@@ -188,6 +190,10 @@ CELERY_BEAT_SCHEDULE = {
     "cancel-lapsed-front-leases": {
         "task": "chat.tasks.cancel_lapsed_front_leases",
         "schedule": min(10.0, HORDE_SWEEP_INTERVAL_SECONDS),
+    },
+    "delete-orphaned-chat-objects": {
+        "task": "chat.tasks.delete_orphaned_chat_objects",
+        "schedule": HORDE_CHAT_ORPHAN_SWEEP_SECONDS,
     },
 }
 

@@ -1,8 +1,9 @@
 """The health verdict behind /healthz: the database answers, and beat's sweeps keep running.
 
 Each sweep records when it finished (chat.models.SweepRun). One that has not finished for
-HORDE_SWEEP_LATE_SECONDS (never, counted from this process's start) is late, and a late sweep
-makes the answer unhealthy: a dead beat is otherwise invisible (the worker keeps reporting ready)."""
+HORDE_SWEEP_LATE_SECONDS (never, counted from this process's start) is late; a task scheduled less
+often than the sweeps has three of its own intervals when that is longer. A late sweep makes the
+answer unhealthy: a dead beat is otherwise invisible (the worker keeps reporting ready)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,14 @@ PROCESS_STARTED = timezone.now()
 _DATABASE_UNREACHABLE = {"status": "unhealthy", "database": "unreachable"}
 
 
-def scheduled_sweeps() -> list[str]:
-    return sorted({entry["task"] for entry in settings.CELERY_BEAT_SCHEDULE.values()})
+def scheduled_sweeps() -> dict[str, float]:
+    """Each scheduled task with its interval in seconds (the shortest, if scheduled twice)."""
+    intervals: dict[str, float] = {}
+    for entry in settings.CELERY_BEAT_SCHEDULE.values():
+        schedule = entry["schedule"]
+        seconds = float(schedule.total_seconds() if isinstance(schedule, timedelta) else schedule)
+        intervals[entry["task"]] = min(seconds, intervals.get(entry["task"], seconds))
+    return dict(sorted(intervals.items()))
 
 
 def sweep_health() -> tuple[bool, dict]:
@@ -38,11 +45,16 @@ def sweep_health() -> tuple[bool, dict]:
             db_guard.on_connection_failure(error)  # probes; an unreachable server starts the window
         return False, dict(_DATABASE_UNREACHABLE)
     sweeps = {}
-    for task in scheduled_sweeps():
+    for task, interval in scheduled_sweeps().items():
         last = finished.get(task)
+        # A task scheduled less often than the sweeps (the hourly orphan sweep) has three of its
+        # own intervals when that is longer.
+        late = late_after
+        if interval > settings.HORDE_SWEEP_INTERVAL_SECONDS:
+            late = max(late_after, timedelta(seconds=3 * interval))
         sweeps[task] = {
             "last_finished_at": last.isoformat() if last else None,
-            "late": now - (last or PROCESS_STARTED) > late_after,
+            "late": now - (last or PROCESS_STARTED) > late,
         }
     healthy = not any(sweep["late"] for sweep in sweeps.values())
     return healthy, {"status": "ok" if healthy else "unhealthy", "sweeps": sweeps}

@@ -14,7 +14,7 @@ from accounts.services import kudos_release
 from chat import metrics
 from chat.gate_shadow import record_aborted_outcome
 from chat.models import Generation, GenerationRequest
-from chat.object_store import retry_chat_object_deletes
+from chat.object_store import chat_objects_delete, listed_chat_objects, retry_chat_object_deletes
 from chat.selectors.status import request_completed, stored_result_count
 from chat.services.faults import requeue_faulted, worker_record_dropped_job
 from chat.services.maintenance import abort_waiting_for_maintenance, horde_in_maintenance
@@ -121,6 +121,24 @@ def expire_requests() -> int:
                     request_id, "faulted", generations, fault_reason=fault_reason, fault_rc=fault_rc
                 )
     return expired
+
+
+def delete_orphaned_chat_objects() -> int:
+    """Delete the stored chat objects whose request row is gone (the hourly beat task): those a
+    process died holding between the row's deletion and theirs, or whose delete failed without a
+    retry set (no Redis, or a full one). A row is written before its objects are stored, so an
+    object without its row is never a request's that is still being created."""
+    listed = listed_chat_objects()
+    if not listed:
+        return 0
+    live = {
+        str(request_id)
+        for request_id in GenerationRequest.objects.filter(pk__in=list(listed)).values_list("id", flat=True)
+    }
+    orphans = [key for request_id, keys in listed.items() if request_id not in live for key in keys]
+    if orphans:
+        log.info("deleting %d stored chat objects whose request is gone", len(orphans))
+    return chat_objects_delete(orphans)
 
 
 def sweep_maintenance() -> int:

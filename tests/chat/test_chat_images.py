@@ -8,6 +8,7 @@ import base64
 import io
 import threading
 import time
+import uuid
 from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -455,6 +456,30 @@ def test_deleting_the_requester_deletes_its_requests_images(
     with django_capture_on_commit_callbacks(execute=True):
         GenerationRequest.objects.get(pk=request_id).user.delete()
     assert stored_files(image_store) == [] and not GenerationRequest.objects.filter(pk=request_id).exists()
+
+
+def test_the_orphan_sweep_deletes_the_objects_whose_request_is_gone_and_nothing_else(
+    horde, make_user, vision_owner, image_store, settings
+):
+    """A process that died between a row's deletion and its objects' leaves them unreferenced:
+    the hourly sweep deletes them, and keeps a live request's objects and files not the horde's."""
+    from chat.object_store import chat_messages_key
+    from chat.services.sweeps import delete_orphaned_chat_objects
+
+    assert delete_orphaned_chat_objects() == 0  # nothing stored yet: the folder does not exist
+    live = _queued_image_request(horde, make_user, png())
+    gone = uuid.uuid4()
+    (image_store / chat_image_key(gone, 0)).write_bytes(b"jpeg")
+    (image_store / chat_image_key(gone, 1)).write_bytes(b"jpeg")
+    messages_store = Path(settings.STORAGES["chat_messages"]["OPTIONS"]["location"])
+    messages_store.mkdir(parents=True, exist_ok=True)
+    (messages_store / chat_messages_key(gone)).write_bytes(b"[]")
+    (image_store / "README.txt").write_bytes(b"not a chat object")
+    (image_store / chat_messages_key(uuid.uuid4())).write_bytes(b"[]")  # not this store's kind
+    assert delete_orphaned_chat_objects() == 3
+    assert len(stored_files(image_store)) == 3 and chat_image_key(live, 0) in stored_files(image_store)
+    assert stored_files(messages_store) == []
+    assert delete_orphaned_chat_objects() == 0
 
 
 @pytest.mark.redis_only

@@ -79,6 +79,7 @@ def test_worker_with_beat_on_postgres_sweeps_from_a_clone_without_var(tmp_path, 
         SECRET_KEY=os.environ["SECRET_KEY"],
         ALLOWED_HOSTS="localhost",
         HORDE_SWEEP_INTERVAL_SECONDS="1",
+        HORDE_CHAT_ORPHAN_SWEEP_SECONDS="1",
     )
     started = timezone.now()
     log_path = tmp_path / "celery.log"
@@ -106,7 +107,7 @@ def test_worker_with_beat_on_postgres_sweeps_from_a_clone_without_var(tmp_path, 
 def test_worker_with_beat_on_the_embedded_default_from_a_clone_without_var(tmp_path):
     """The README's by-hand path with no environment at all: migrate, then the worker with beat."""
     clone = clone_like_copy(tmp_path / "clone")
-    env = clean_env(HORDE_SWEEP_INTERVAL_SECONDS="1")
+    env = clean_env(HORDE_SWEEP_INTERVAL_SECONDS="1", HORDE_CHAT_ORPHAN_SWEEP_SECONDS="1")
     migrate = run_python(clone, env, "manage.py", "migrate", "--noinput", "-v0")
     assert migrate.returncode == 0, migrate.stderr
     database = clone / "var" / "horde.sqlite3"

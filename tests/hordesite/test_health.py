@@ -25,6 +25,7 @@ def test_the_sweeps_record_when_they_finished_and_healthz_reports_it(api, horde,
     assert tasks.abort_stale_generations.apply().get() == 0
     assert tasks.sweep_maintenance.apply().get() == 0
     assert tasks.cancel_lapsed_front_leases.apply().get() == 0
+    assert tasks.delete_orphaned_chat_objects.apply().get() == 0
 
     runs = {run.task: run for run in SweepRun.objects.all()}
     assert set(runs) == SWEEPS
@@ -55,6 +56,19 @@ def test_healthz_is_unhealthy_when_a_sweep_is_late(api, settings):
 
     SweepRun.objects.filter(task="chat.tasks.expire_requests").update(finished_at=now)
     assert api.get("/healthz").status_code == 200
+
+
+def test_an_hourly_sweep_is_late_after_three_of_its_intervals(api, settings):
+    settings.HORDE_SWEEP_LATE_SECONDS = 180
+    now = timezone.now()
+    for task in SWEEPS:
+        SweepRun.objects.create(task=task, finished_at=now)
+    orphans = "chat.tasks.delete_orphaned_chat_objects"
+    SweepRun.objects.filter(task=orphans).update(finished_at=now - timedelta(hours=2))
+    assert api.get("/healthz").json()["sweeps"][orphans]["late"] is False
+    SweepRun.objects.filter(task=orphans).update(finished_at=now - timedelta(hours=3, seconds=1))
+    answer = api.get("/healthz")
+    assert answer.status_code == 503 and answer.json()["sweeps"][orphans]["late"] is True
 
 
 def test_healthz_is_unhealthy_when_no_sweep_ever_ran_within_the_late_delay(api, settings):
