@@ -74,6 +74,8 @@ class KudosTransaction(models.Model):
 SHARED_KEY_UNLIMITED = -1
 SHARED_KEY_DEFAULT_KUDOS = 5000
 SHARED_KEY_MAX_KUDOS = 50_000_000
+# A century: any longer expiry overflows the calendar (upstream sets no bound).
+SHARED_KEY_MAX_EXPIRY_DAYS = 36_500
 # How many keys a user may hold at once.
 MAX_SHARED_KEYS = 3
 MAX_SHARED_KEYS_TRUSTED = 10

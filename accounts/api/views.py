@@ -10,6 +10,7 @@ from accounts import services
 from accounts.api.callers import registered_caller, requester, shared_key_of
 from accounts.models import (
     SHARED_KEY_DEFAULT_KUDOS,
+    SHARED_KEY_MAX_EXPIRY_DAYS,
     SHARED_KEY_MAX_KUDOS,
     SHARED_KEY_UNLIMITED,
     SharedKey,
@@ -43,18 +44,30 @@ class FindUserView(APIView):
 
 
 class SharedKeyInputSerializer(serializers.Serializer):
-    """Upstream's SharedKeyInput. Every field is optional: a creation takes the defaults of those
-    left out, a change changes only those sent. `expiry` is days from now, -1 for never."""
+    """Upstream's SharedKeyInput. Every field is optional, and null is as absent (upstream's
+    reqparse): a creation takes the defaults of those left out, a change changes only those sent.
+    `expiry` is days from now, -1 for never."""
 
-    kudos = serializers.IntegerField(min_value=SHARED_KEY_UNLIMITED, max_value=SHARED_KEY_MAX_KUDOS, required=False)
-    expiry = serializers.IntegerField(min_value=SHARED_KEY_UNLIMITED, required=False)
-    name = serializers.CharField(min_length=3, max_length=255, required=False)
-    max_image_pixels = serializers.IntegerField(min_value=SHARED_KEY_UNLIMITED, max_value=4_194_304, required=False)
-    max_image_steps = serializers.IntegerField(min_value=SHARED_KEY_UNLIMITED, max_value=500, required=False)
+    kudos = serializers.IntegerField(
+        min_value=SHARED_KEY_UNLIMITED, max_value=SHARED_KEY_MAX_KUDOS, required=False, allow_null=True
+    )
+    expiry = serializers.IntegerField(
+        min_value=SHARED_KEY_UNLIMITED, max_value=SHARED_KEY_MAX_EXPIRY_DAYS, required=False, allow_null=True
+    )
+    name = serializers.CharField(min_length=3, max_length=255, required=False, allow_null=True)
+    max_image_pixels = serializers.IntegerField(
+        min_value=SHARED_KEY_UNLIMITED, max_value=4_194_304, required=False, allow_null=True
+    )
+    max_image_steps = serializers.IntegerField(
+        min_value=SHARED_KEY_UNLIMITED, max_value=500, required=False, allow_null=True
+    )
     # Upstream caps this at 500; here it goes to the text max_length this horde accepts (ADR 0065).
     max_text_tokens = serializers.IntegerField(
-        min_value=SHARED_KEY_UNLIMITED, max_value=TEXT_MAX_LENGTH_RANGE[1], required=False
+        min_value=SHARED_KEY_UNLIMITED, max_value=TEXT_MAX_LENGTH_RANGE[1], required=False, allow_null=True
     )
+
+    def validate(self, attrs: dict) -> dict:
+        return {name: value for name, value in attrs.items() if value is not None}
 
 
 class SharedKeyDetailsSerializer(serializers.Serializer):

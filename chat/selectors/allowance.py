@@ -18,26 +18,10 @@ from django.db.models import Sum
 
 from chat.models import GenerationRequest
 from chat.selectors.queue import capable_chat_worker_online, waiting_requests, worker_may_take
-from chat.selectors.snapshots import QUEUE_SNAPSHOT_SECONDS, online_worker_facts
+from chat.selectors.snapshots import QUEUE_SNAPSHOT_SECONDS, QueuedShape, online_worker_facts
 from contract.process_cache import ProcessCache
 from workers.models import Worker
 from workers.selectors import worker_speed
-
-
-@dataclass(frozen=True)
-class QueuedShape:
-    """Queued requests alike in what decides which workers could take them, with their jobs."""
-
-    is_chat: bool
-    models: frozenset[str]
-    any_model: bool
-    max_length: int
-    max_context_length: int
-    jobs: int
-
-    @property
-    def tokens(self) -> int:
-        return self.max_length * self.jobs
 
 
 @dataclass(frozen=True)

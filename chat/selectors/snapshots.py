@@ -14,6 +14,7 @@ workers keyed by the serving version, the queue by nothing.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -44,6 +45,35 @@ _ANY_VERSION = object()
 class QueuePlace:
     position: int  # requests ahead in queue order
     tokens_ahead: int  # their outstanding tokens (max_length * jobs waiting)
+
+
+@dataclass(frozen=True)
+class QueuedShape:
+    """Queued requests alike in what decides which workers could take them, with their jobs."""
+
+    is_chat: bool
+    models: frozenset[str]
+    any_model: bool
+    max_length: int
+    max_context_length: int
+    jobs: int
+
+    @property
+    def tokens(self) -> int:
+        return self.max_length * self.jobs
+
+
+@dataclass(frozen=True)
+class CompetingAhead:
+    """The queued work ahead of a request that one of its eligible workers could take."""
+
+    requests: int
+    tokens: int
+    jobs: int
+
+
+# Competing sets one queue snapshot keeps (by eligible workers); past it, each is made per poll.
+COMPETING_SETS_PER_SNAPSHOT = 64
 
 
 @dataclass(frozen=True)
@@ -120,20 +150,56 @@ def _build_online_workers() -> OnlineWorkers:
 class QueueSnapshot:
     """The waiting requests in queue order: each one's position and the tokens ahead of it, keyed by
     the id's text as the database writes it (`_id_text`): strings, not UUID objects, so a rebuild of a
-    deep queue is a few C loops over the rows and leaves nothing for the garbage collector to walk."""
+    deep queue is a few C loops over the rows and leaves nothing for the garbage collector to walk.
 
-    __slots__ = ("_index", "_tokens_ahead")
+    Each position also names its request's shape (`shapes`, a few per queue) and waiting jobs, from
+    which competing_ahead counts the work a given set of workers could take (spec ADR 0040)."""
 
-    def __init__(self, ids: Sequence[str], tokens: Iterable[int | None]):
+    __slots__ = ("_index", "_tokens_ahead", "_shape_at", "_jobs", "shapes", "_competing")
+
+    def __init__(
+        self,
+        ids: Sequence[str],
+        tokens: Iterable[int | None],
+        *,
+        jobs: Sequence[int] = (),
+        shape_at: Sequence[int] = (),
+        shapes: Sequence[QueuedShape] = (),
+    ):
         self._index = dict(zip(ids, range(len(ids)), strict=True))
         # tokens_ahead[i]: the outstanding tokens of the requests before position i.
         self._tokens_ahead = list(accumulate((t or 0 for t in tokens), initial=0))
+        self._jobs = jobs
+        self._shape_at = shape_at
+        self.shapes = tuple(shapes)
+        self._competing: dict[Any, tuple[list[int], list[int], list[int]]] = {}
 
     def get(self, id_text: str) -> QueuePlace | None:
         position = self._index.get(id_text)
         if position is None:
             return None
         return QueuePlace(position=position, tokens_ahead=self._tokens_ahead[position])
+
+    def competing_ahead(
+        self, position: int, key: Any, competes: Callable[[QueuedShape], bool]
+    ) -> CompetingAhead:
+        """The requests, tokens and jobs before `position` whose shape `competes`; `key` names the
+        predicate (the eligible workers), whose running sums this snapshot keeps."""
+        sums = self._competing.get(key)
+        if sums is None:
+            flags = [competes(shape) for shape in self.shapes]
+            requests, tokens, jobs = [0], [0], [0]
+            r = t = j = 0
+            for shape_index, waiting in zip(self._shape_at, self._jobs, strict=True):
+                if flags[shape_index]:
+                    r, t, j = r + 1, t + self.shapes[shape_index].max_length * waiting, j + waiting
+                requests.append(r)
+                tokens.append(t)
+                jobs.append(j)
+            sums = (requests, tokens, jobs)
+            if len(self._competing) < COMPETING_SETS_PER_SNAPSHOT:
+                self._competing[key] = sums
+        return CompetingAhead(requests=sums[0][position], tokens=sums[1][position], jobs=sums[2][position])
 
     def __len__(self) -> int:
         return len(self._index)
@@ -146,21 +212,55 @@ def _id_text(request_id: UUID, alias: str) -> str:
 
 
 def _build_queue() -> QueueSnapshot:
-    """One read of the waiting requests' (id as text, tokens) in queue order, straight off the
-    cursor: on a deep queue the ORM's per-row conversions, and even one UUID object per row, cost
-    more than the query (ten thousand rows every QUEUE_SNAPSHOT_SECONDS, on a serving thread)."""
+    """One read of the waiting requests (id as text, tokens, jobs and shape) in queue order,
+    straight off the cursor: on a deep queue the ORM's per-row conversions, and even one UUID object
+    per row, cost more than the query (ten thousand rows every QUEUE_SNAPSHOT_SECONDS, on a serving
+    thread). The model list is read as its JSON text, parsed once per distinct shape."""
     queryset = (
         waiting_requests()
         .order_by("-queue_score", "created")
-        .annotate(id_text=Cast("id", TextField()), tokens=F("max_length") * F("jobs_waiting"))
-        .values_list("id_text", "tokens")
+        .annotate(
+            id_text=Cast("id", TextField()),
+            tokens=F("max_length") * F("jobs_waiting"),
+            models_text=Cast("requested_models", TextField()),
+        )
+        .values_list(
+            "id_text", "tokens", "jobs_waiting", "is_chat", "any_model", "max_length", "max_context_length",
+            "models_text",
+        )
     )
     alias = router.db_for_read(GenerationRequest)
     sql, params = queryset.query.get_compiler(using=alias).as_sql()
     with connections[alias].cursor() as cursor:
         cursor.execute(sql, params)
         rows = cursor.fetchall()
-    return QueueSnapshot([row[0] for row in rows], [row[1] for row in rows])
+    shape_index: dict[tuple, int] = {}
+    shapes: list[QueuedShape] = []
+    shape_at: list[int] = []
+    for row in rows:
+        key = row[3:]
+        index = shape_index.get(key)
+        if index is None:
+            index = shape_index[key] = len(shapes)
+            is_chat, any_model, max_length, max_context_length, models_text = key
+            shapes.append(
+                QueuedShape(
+                    is_chat=bool(is_chat),
+                    models=frozenset(json.loads(models_text) if models_text else ()),
+                    any_model=bool(any_model),
+                    max_length=max_length,
+                    max_context_length=max_context_length,
+                    jobs=0,  # per position here (`jobs`), not per shape
+                )
+            )
+        shape_at.append(index)
+    return QueueSnapshot(
+        [row[0] for row in rows],
+        [row[1] for row in rows],
+        jobs=[row[2] for row in rows],
+        shape_at=shape_at,
+        shapes=shapes,
+    )
 
 
 # One entry each: a new version's snapshot replaces the last one. Readers keep the expired
@@ -186,10 +286,13 @@ def online_worker_facts(serving_version: Any = _ANY_VERSION) -> OnlineWorkers:
     return _online_workers.get_or_build(serving_version, _build_online_workers)
 
 
+def queue_snapshot() -> QueueSnapshot:
+    return _queue.get_or_build(None, _build_queue)
+
+
 def queue_place(request_id: UUID) -> QueuePlace | None:
     """The request's place in the last queue snapshot; None when it is newer than the snapshot."""
-    snapshot = _queue.get_or_build(None, _build_queue)
-    return snapshot.get(_id_text(request_id, router.db_for_read(GenerationRequest)))
+    return queue_snapshot().get(_id_text(request_id, router.db_for_read(GenerationRequest)))
 
 
 def reset_snapshots() -> None:

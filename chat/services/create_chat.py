@@ -579,8 +579,6 @@ def chat_request_create(
     )
     adjustments.extend(sized.adjustments)
     _validate_mapped_params(submission.params, sized.max_context_length)
-    if shared_key is not None:
-        admission.check_shared_key_limits(shared_key, max_length=max_length, field="max_tokens")
     # The price's context is the prompt estimate, image parts included (spec: Flattened prompt).
     prompt_tokens = estimate_chat_prompt_tokens(sized.prompt, sized.image_count)
     # Each kept image adds the extra source image tax to the activation tax, the quote included.
@@ -609,6 +607,10 @@ def chat_request_create(
     requirements = chat_request_requirements({**submission.chat.wire(), "messages": sized.messages})
     # Multi-model: the hold and the upfront check use the highest multiplier across the list.
     upfront = max(_quote([m], sized.prompt, max_length, prompt_tokens) for m in submission.models) + image_tax
+    # The shared key's kudos, then its token limit, as upstream's (a short key is refused below).
+    key_short = admission.shared_key_lacks(shared_key, upfront)
+    if shared_key is not None and not key_short:
+        admission.check_shared_key_limits(shared_key, max_length=max_length, field="max_tokens")
     has_worker_list, blacklist, worker_ids = _worker_list(submission)
     fields = {
         "is_chat": True,
@@ -671,7 +673,6 @@ def chat_request_create(
                 inactive_id=inactive.id if inactive else None,
                 shared_key=shared_key,
             )
-            key_short = admission.shared_key_lacks(shared_key, upfront)
             if key_short or (needs_hold and locked_user.kudos_available < upfront):
                 # Chat requests never downgrade. Kudos do not help a request no worker can serve.
                 refusal = admission.no_eligible_worker_refusal(request) or (

@@ -152,10 +152,10 @@ def text_request_create(
         if unusable is not None:
             if not (unusable.rc == "SharedKeyEmpty" and data.allow_downgrade and settings.HORDE_ALLOW_ANONYMOUS):
                 raise unusable
-            # Upstream: a spent key with allow_downgrade asks as the anonymous user, at its priority.
-            user, shared_key, downgraded_priority = anonymous_user_get(), None, True
-        else:
+            # Upstream: a spent key with allow_downgrade asks as the anonymous user, at its
+            # priority, within the key's limits still.
             check_shared_key_limits(shared_key, max_length=data.max_length)
+            user, shared_key, downgraded_priority = anonymous_user_get(), None, True
 
     def quote() -> Decimal:
         return text_request_quote(
@@ -214,11 +214,16 @@ def _text_request_rows(
     """The creation transaction of a text request: concurrency, the shared key's kudos, the hold
     (or the downgrade to the free output allowance), the rows."""
     requested = data.max_length
-    # The shared key's check uses the dearest listed model (spec: Pricing), as upstream's.
+    # A listed request holds its kudos upfront under this setting and is never lowered.
+    downgrade_disabled = bool(settings.HORDE_UPFRONT_KUDOS_ON_WORKERLIST and data.workers)
+    # The shared key's kudos, then its token limit, as upstream's; its kudos at the dearest listed
+    # model (spec: Pricing).
     key_short = shared_key_lacks(shared_key, _dearest_quote(data)) if shared_key is not None else False
-    if key_short and data.allow_downgrade:
+    if key_short and data.allow_downgrade and not downgrade_disabled:
         # Upstream admits it at the anonymous priority; it still draws the key down to 0.
         downgraded_priority, key_short = True, False
+    if shared_key is not None and not key_short:
+        check_shared_key_limits(shared_key, max_length=data.max_length)
     message = None
     outcome: AllowanceOutcome = "free"
 
@@ -259,8 +264,7 @@ def _text_request_rows(
                 data.allow_downgrade
                 and data.slow_workers
                 and data.max_length > allowance.tokens
-                # A listed request holds its kudos upfront under this setting and is never lowered.
-                and not (settings.HORDE_UPFRONT_KUDOS_ON_WORKERLIST and data.workers)
+                and not downgrade_disabled
             ):
                 data.max_length = allowance.tokens
                 kudos = quote()

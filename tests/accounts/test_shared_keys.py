@@ -84,8 +84,8 @@ def test_a_key_lent_without_options_takes_upstreams_defaults(api, lender):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("kudos", -2), ("kudos", 50_000_001), ("name", "ab"), ("expiry", -2), ("max_text_tokens", 4097),
-     ("max_image_steps", 501), ("kudos", "many")],
+    [("kudos", -2), ("kudos", 50_000_001), ("name", "ab"), ("expiry", -2), ("expiry", 36_501),
+     ("expiry", 10**12), ("max_text_tokens", 4097), ("max_image_steps", 501), ("kudos", "many")],
 )
 def test_an_out_of_range_option_is_a_validation_error(api, lender, field, value):
     refused = lend(api, lender.key, **{field: value})
@@ -132,9 +132,17 @@ def test_the_owner_changes_only_what_it_sends(api, lender, shared):
 
 
 def test_a_change_with_nothing_to_change_is_refused(api, lender, shared):
-    refused = key_route(api, "patch", shared, lender.key, {})
-    assert refused.status_code == 400
-    assert refused.json() == {"message": "No shared key modification selected!", "rc": "NoSharedKeyModSelected"}
+    # null is as absent, as upstream's reqparse reads it.
+    for body in ({}, {"name": None, "kudos": None}):
+        refused = key_route(api, "patch", shared, lender.key, body)
+        assert refused.status_code == 400
+        assert refused.json() == {"message": "No shared key modification selected!", "rc": "NoSharedKeyModSelected"}
+    assert lend(api, lender.key, name=None, kudos=None).json()["kudos"] == 5000
+
+
+def test_a_change_out_of_range_is_a_validation_error(api, lender, shared):
+    refused = key_route(api, "patch", shared, lender.key, {"expiry": 10**7})
+    assert refused.status_code == 400 and "expiry" in refused.json()["errors"]
 
 
 def test_another_user_neither_changes_nor_deletes_a_key(api, lender, shared, make_user):
@@ -167,9 +175,27 @@ def test_find_user_names_the_key_and_hides_the_owners_ids(api, lender, shared):
     assert as_owner["sharedkey_ids"] == [shared] and as_owner["worker_ids"] == []
 
 
-def test_a_shared_key_does_not_work_for_its_owners_workers(horde, lender, shared):
+def test_find_user_names_an_unnamed_key_plainly(api, lender):
+    key_id = lend(api, lender.key).json()["id"]
+    assert api.get("/api/v2/find_user", HTTP_APIKEY=key_id).json()["username"] == (
+        f"{lender.user.unique_alias} (Shared Key)"
+    )
+
+
+def test_a_shared_key_acts_for_none_of_its_owners_own_routes(horde, api, lender, shared, make_user):
+    """Its worker's pop and submit, and the management of the key itself."""
     popped = horde.pop(shared)
     assert popped.status_code == 401 and popped.json()["rc"] == "InvalidAPIKey"
+    requester = make_user("r", kudos=100)
+    _worker_online(horde, lender)
+    horde.text_async(requester.key, models=[MODEL])
+    job = horde.pop(lender.key).json()
+    submitted = horde.submit(shared, job["id"])
+    assert submitted.status_code == 401 and submitted.json()["rc"] == "InvalidAPIKey"
+    for method, body in (("patch", {"kudos": 1}), ("delete", None)):
+        answer = key_route(api, method, shared, shared, body)
+        assert answer.status_code == 401 and answer.json()["rc"] == "InvalidAPIKey"
+    assert SharedKey.objects.get(pk=shared).kudos == 100
 
 
 # --- requests made with a key --------------------------------------------------------------------
@@ -247,6 +273,47 @@ def test_a_spent_key_is_refused_or_with_allow_downgrade_asks_as_anonymous(horde,
     assert request.user.is_anonymous and request.shared_key_id is None
     assert request.priority == SHARED_KEY_DOWNGRADED_PRIORITY
     assert lender.refresh().kudos == Decimal("1000")
+
+
+def test_a_spent_key_is_refused_on_the_chat_route_and_without_anonymous_requests(api, horde, lender, shared,
+                                                                                 make_user, settings):
+    chat_worker(make_user("owner"))
+    SharedKey.objects.filter(pk=shared).update(kudos=0)
+    chat = chat_async(api, shared)
+    assert chat.status_code == 403 and chat.json()["rc"] == "SharedKeyEmpty"
+    settings.HORDE_ALLOW_ANONYMOUS = False
+    text = horde.text_async(shared, models=[MODEL], allow_downgrade=True)
+    assert text.status_code == 403 and text.json()["rc"] == "SharedKeyEmpty"
+    assert not GenerationRequest.objects.exists()
+
+
+def test_a_spent_keys_anonymous_request_keeps_the_keys_token_limit(horde, lender, shared):
+    SharedKey.objects.filter(pk=shared).update(kudos=0, max_text_tokens=50)
+    refused = horde.text_async(shared, models=[MODEL], params={"max_length": 100}, allow_downgrade=True)
+    assert refused.status_code == 400 and refused.json()["rc"] == "BadRequest"
+    assert not GenerationRequest.objects.exists()
+
+
+def test_the_keys_kudos_are_checked_before_its_token_limit(horde, lender, api, make_user):
+    _worker_online(horde, make_user("owner"))
+    key_id = lend(api, lender.key, kudos=5, max_text_tokens=100).json()["id"]
+    refused = horde.text_async(key_id, models=[MODEL], params={"max_length": 200})
+    assert refused.status_code == 403 and refused.json()["rc"] == "SharedKeyInsufficientKudos"
+
+
+def test_a_listed_request_under_upfront_kudos_on_worker_lists_is_not_downgraded(horde, lender, api, make_user,
+                                                                                   settings):
+    settings.HORDE_UPFRONT_KUDOS_ON_WORKERLIST = True
+    owner = make_user("owner")
+    _worker_online(horde, owner)
+    from workers.models import Worker
+
+    worker_id = str(Worker.objects.get(owner=owner.user).pk)
+    key_id = lend(api, lender.key, kudos=5).json()["id"]
+    refused = horde.text_async(
+        key_id, models=[MODEL], params={"max_length": 200}, workers=[worker_id], allow_downgrade=True
+    )
+    assert refused.status_code == 403 and refused.json()["rc"] == "SharedKeyInsufficientKudos"
 
 
 def test_an_expired_key_is_refused_on_both_routes(api, horde, lender, shared, make_user):
