@@ -1,24 +1,37 @@
-"""The free output allowance (spec: chat_requests.md, "Free output allowance", and its ADR 0040):
-a request's estimated wait on the workers eligible for it, and the free output that wait allows.
+"""The queue wait on a request's eligible workers (spec ADR 0040), read by the free output
+allowance at creation (chat_requests.md, "Free output allowance") and by the status route.
 
 The wait divides the queued output that at least one eligible worker could take by those workers'
-throughput. The queued requests are read as their shapes (models, kind, sizes) with their waiting
-jobs, one grouped query kept for QUEUE_SNAPSHOT_SECONDS per process: a creation does not walk the
-queue.
+throughput. At creation the queued requests are read as their shapes (models, kind, sizes) with
+their waiting jobs, one grouped query kept for QUEUE_SNAPSHOT_SECONDS per process: a creation does
+not walk the queue. A status poll reads the work ahead of its request in the queue snapshot, whose
+running sums per set of eligible workers are made once per snapshot (QueueSnapshot.competing_ahead).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from django.conf import settings
 from django.db.models import Sum
 
-from chat.models import GenerationRequest
-from chat.selectors.queue import capable_chat_worker_online, waiting_requests, worker_may_take
-from chat.selectors.snapshots import QUEUE_SNAPSHOT_SECONDS, QueuedShape, online_worker_facts
+from chat.models import GenerationRequest, RequestWorker
+from chat.selectors.queue import (
+    capable_chat_worker_online,
+    text_eligibility_shape,
+    waiting_requests,
+    worker_may_take,
+)
+from chat.selectors.snapshots import (
+    QUEUE_SNAPSHOT_SECONDS,
+    QueuedShape,
+    QueueSnapshot,
+    online_worker_facts,
+)
 from contract.process_cache import ProcessCache
 from workers.models import Worker
 from workers.selectors import worker_speed
@@ -80,9 +93,12 @@ def worker_could_take(worker: Worker, shape: QueuedShape, served: frozenset[str]
     )
 
 
-def eligible_workers(request: GenerationRequest, listed_worker_ids: Iterable) -> list[Worker]:
-    """The online workers the pop would give the request to (worker_may_take over the snapshot)."""
-    online = online_worker_facts()
+def eligible_workers(
+    request: GenerationRequest, listed_worker_ids: Iterable, serving_version: Any = None
+) -> list[Worker]:
+    """The online workers the pop would give the request to (worker_may_take over the snapshot,
+    taken under `serving_version` when the caller read one)."""
+    online = online_worker_facts() if serving_version is None else online_worker_facts(serving_version)
     listed = set(listed_worker_ids)
     if request.is_chat:
         candidates = online.chat_candidates(request.requested_models or ())
@@ -100,16 +116,64 @@ def estimate_queue_wait_seconds(request: GenerationRequest, listed_worker_ids: I
     threads = sum(max(w.threads, 1) for w in workers)
     if not threads:
         return None
-    tokens_per_second = sum(worker_speed(w) * max(w.threads, 1) for w in workers)
     served = [(w, frozenset(w.served_models or ())) for w in workers]
     competing = [s for s in queued_shapes() if any(worker_could_take(w, s, models) for w, models in served)]
     competing_tokens = sum(s.tokens for s in competing)
     competing_jobs = sum(s.jobs for s in competing)
-    if not competing_jobs or not tokens_per_second:
+    throughput = _throughput(workers, competing_jobs, threads) if competing_jobs else 0.0
+    if not throughput:
         return QueueWait(seconds=0.0, eligible_threads=threads)
-    # A job runs on one thread: fewer jobs than threads use only that share of the throughput.
-    busy_share = min(competing_jobs, threads) / threads
-    return QueueWait(seconds=competing_tokens / (tokens_per_second * busy_share), eligible_threads=threads)
+    return QueueWait(seconds=competing_tokens / throughput, eligible_threads=threads)
+
+
+def _throughput(workers: Iterable[Worker], jobs: int, threads: int) -> float:
+    """The eligible workers' tokens per second, scaled to the threads `jobs` occupy (a job runs on
+    one thread)."""
+    tokens_per_second = sum(worker_speed(w) * max(w.threads, 1) for w in workers)
+    return tokens_per_second * min(jobs, threads) / threads
+
+
+# A status poll's eligible workers, kept for the queue snapshot's lifetime: by the text request's
+# shape (requests alike share them), else by the request.
+_status_eligible: ProcessCache[tuple, tuple[Worker, ...]] = ProcessCache(
+    "eligible workers of status polls", ttl=QUEUE_SNAPSHOT_SECONDS, max_entries=50_000
+)
+
+
+def _status_eligible_workers(request: GenerationRequest, serving_version: Any) -> tuple[Worker, ...]:
+    def build() -> tuple[Worker, ...]:
+        listed = (
+            set(RequestWorker.objects.filter(request_id=request.pk).values_list("worker_id", flat=True))
+            if request.has_worker_list
+            else set()
+        )
+        return tuple(eligible_workers(request, listed, serving_version))
+
+    shape = text_eligibility_shape(request)
+    key = (serving_version, "shape", shape) if shape is not None else (serving_version, "request", request.pk)
+    return _status_eligible.get_or_build(key, build)
+
+
+def status_queue_estimate(
+    request: GenerationRequest, *, position: int, snapshot: QueueSnapshot, serving_version: Any
+) -> tuple[int, int] | None:
+    """(queue_position, wait_time seconds) of a waiting request at `position` of the queue
+    snapshot, on its eligible workers (spec ADR 0040): the competing requests ahead, and the
+    competing output ahead plus the request's own over those workers' throughput. None when no
+    thread is eligible (the route falls back to the horde-wide figures)."""
+    workers = _status_eligible_workers(request, serving_version)
+    threads = sum(max(w.threads, 1) for w in workers)
+    if not threads:
+        return None
+    served = [(w, frozenset(w.served_models or ())) for w in workers]
+    ahead = snapshot.competing_ahead(
+        position,
+        (serving_version, tuple(sorted(str(w.pk) for w in workers))),
+        lambda shape: any(worker_could_take(w, shape, models) for w, models in served),
+    )
+    tokens = ahead.tokens + request.max_length * request.jobs_waiting
+    throughput = _throughput(workers, ahead.jobs + request.jobs_waiting, threads)
+    return ahead.requests, math.ceil(tokens / throughput) if throughput else 0
 
 
 def free_output_allowance(wait: QueueWait | None) -> int:

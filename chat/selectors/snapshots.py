@@ -290,9 +290,10 @@ def queue_snapshot() -> QueueSnapshot:
     return _queue.get_or_build(None, _build_queue)
 
 
-def queue_place(request_id: UUID) -> QueuePlace | None:
-    """The request's place in the last queue snapshot; None when it is newer than the snapshot."""
-    return queue_snapshot().get(_id_text(request_id, router.db_for_read(GenerationRequest)))
+def queue_place(request_id: UUID, snapshot: QueueSnapshot | None = None) -> QueuePlace | None:
+    """The request's place in the last queue snapshot (or `snapshot`); None when it is newer."""
+    snapshot = queue_snapshot() if snapshot is None else snapshot
+    return snapshot.get(_id_text(request_id, router.db_for_read(GenerationRequest)))
 
 
 def reset_snapshots() -> None:

@@ -11,10 +11,12 @@ from uuid import UUID
 from django.db.models import Count, F, Q, Sum
 
 from chat.models import Generation, GenerationRequest
+from chat.selectors.allowance import status_queue_estimate
 from chat.selectors.availability import Availability, StatusRead, chat_request_availability, status_read
 from chat.selectors.queue import waiting_requests
-from chat.selectors.snapshots import online_worker_facts, queue_place
+from chat.selectors.snapshots import online_worker_facts, queue_place, queue_snapshot
 from chat.sql import finished_generations, request_with_counts
+from workers.serving_version import current_serving_version
 
 # What a text request's status body reads of its row (request_status, the availability pass and the
 # queue place): the status poll reads only these, as converting the row's other columns costs more
@@ -111,8 +113,18 @@ def request_queue_stats(request: GenerationRequest, *, read: StatusRead | None =
     serving version the workers snapshot is taken under)."""
     if request.jobs_waiting == 0 or request.faulted or request.cancelled:
         return 0, 0
-    place = queue_place(request.pk)
+    snapshot = queue_snapshot()
+    place = queue_place(request.pk, snapshot)
     if place is not None:
+        # On the request's eligible workers (spec ADR 0040); horde-wide when none is eligible.
+        estimate = status_queue_estimate(
+            request,
+            position=place.position,
+            snapshot=snapshot,
+            serving_version=read.serving_version if read is not None else current_serving_version(),
+        )
+        if estimate is not None:
+            return estimate
         ahead = {"count": place.position, "tokens": place.tokens_ahead}
     else:  # newer than the snapshot: one live count
         ahead = waiting_requests().filter(

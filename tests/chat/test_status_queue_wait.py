@@ -1,0 +1,105 @@
+"""The status route's queue_position and wait_time on the request's eligible workers (spec ADR
+0040, "Estimate text queue wait from the request's eligible workers"): the competing requests
+ahead, and the competing output ahead plus the request's own over those workers' throughput;
+horde-wide when no thread is eligible."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.utils import timezone
+
+from chat.models import GenerationRequest
+from chat.selectors import snapshots
+from chat.services.admission import queue_score
+from tests.chat.test_free_output_allowance import MODEL, OTHER, _text_worker
+
+LATER = timedelta(seconds=1)
+
+
+def _queued(user, *, max_length: int, models=(MODEL,), is_chat: bool = False, jobs: int = 1,
+            score: int = 0) -> GenerationRequest:
+    """A waiting request; a higher `score` is further ahead."""
+    now = timezone.now()
+    return GenerationRequest.objects.create(
+        user=user, is_chat=is_chat, prompt="p", max_length=max_length, max_context_length=2048, n=jobs,
+        jobs_waiting=jobs, requested_models=list(models), any_model=False,
+        queue_score=queue_score(score, now.timestamp()), expires_at=now + timedelta(minutes=20),
+    )
+
+
+def _status(horde, request: GenerationRequest) -> tuple[int, int]:
+    snapshots.reset_snapshots()
+    body = horde.status(request.pk).json()
+    return body["queue_position"], body["wait_time"]
+
+
+def test_a_request_for_an_idle_model_waits_only_for_its_own_work(horde, make_user):
+    """Five 1,000-token requests for another model are ahead in the horde's queue, not on this
+    request's worker: position 0, and 100 tokens at 10 tokens/s."""
+    owner, backlog, requester = make_user("o"), make_user("b"), make_user("r")
+    _text_worker(owner, name="mine")
+    _text_worker(owner, name="theirs", models=(OTHER,))
+    for _ in range(5):
+        _queued(backlog.user, max_length=1000, models=(OTHER,), score=100)
+    mine = _queued(requester.user, max_length=100)
+    assert _status(horde, mine) == (0, 10)
+
+
+def test_only_work_an_eligible_worker_could_take_competes(horde, make_user):
+    """Ahead: a text request on the same model (competes), a chat request on it (the text-only
+    worker does not take chat jobs), and one over the worker's max_length (it could not take it)."""
+    owner, backlog, requester = make_user("o"), make_user("b"), make_user("r")
+    _text_worker(owner, max_length=600)
+    _queued(backlog.user, max_length=200, score=300)
+    _queued(backlog.user, max_length=500, is_chat=True, score=200)
+    _queued(backlog.user, max_length=1000, score=100)
+    mine = _queued(requester.user, max_length=100)
+    # 200 + 100 tokens at 10 tokens/s.
+    assert _status(horde, mine) == (1, 30)
+
+
+def test_a_fast_worker_shortens_the_wait(horde, make_user):
+    owner, backlog, requester = make_user("o"), make_user("b"), make_user("r")
+    worker = _text_worker(owner, speed=10.0)
+    _queued(backlog.user, max_length=400, score=100)
+    mine = _queued(requester.user, max_length=400)
+    assert _status(horde, mine) == (1, 80)
+    _text_worker(owner, name="fast", speed=40.0)
+    assert worker.pk  # both serve the model: 800 tokens at 50 tokens/s
+    assert _status(horde, mine) == (1, 16)
+
+
+def test_fewer_jobs_than_threads_use_only_the_threads_they_occupy(horde, make_user):
+    """One job on a four-thread worker runs on one thread: 100 tokens at 10 tokens/s, not 40."""
+    owner, requester = make_user("o"), make_user("r")
+    _text_worker(owner, threads=4)
+    mine = _queued(requester.user, max_length=100)
+    assert _status(horde, mine) == (0, 10)
+    two = _queued(requester.user, max_length=100, jobs=2)
+    # Three jobs of 100 tokens on three of the four threads.
+    assert _status(horde, two) == (1, 10)
+
+
+def test_with_no_eligible_worker_the_figures_are_the_hordes(horde, make_user):
+    """A trusted_workers request with only an untrusted worker online: the horde-wide queue ahead
+    (every request) at the horde's throughput."""
+    owner, backlog, requester = make_user("o"), make_user("b"), make_user("r")
+    _text_worker(owner, name="theirs", models=(OTHER,))
+    _queued(backlog.user, max_length=300, models=(OTHER,), score=100)
+    mine = _queued(requester.user, max_length=100)
+    GenerationRequest.objects.filter(pk=mine.pk).update(trusted_workers=True)
+    assert _status(horde, mine) == (1, 40)  # 400 tokens at the horde's 10 tokens/s
+
+
+def test_one_snapshot_keeps_the_sums_for_each_set_of_eligible_workers(horde, make_user):
+    owner, backlog, requester = make_user("o"), make_user("b"), make_user("r")
+    _text_worker(owner)
+    for _ in range(3):
+        _queued(backlog.user, max_length=100, score=100)
+    first, second = _queued(requester.user, max_length=100), _queued(requester.user, max_length=100)
+    snapshots.reset_snapshots()
+    assert horde.status(first.pk).json()["queue_position"] == 3
+    snapshot = snapshots.queue_snapshot()
+    assert horde.status(second.pk).json()["queue_position"] == 4
+    assert snapshots.queue_snapshot() is snapshot and len(snapshot._competing) == 1
