@@ -165,11 +165,8 @@ def status_queue_estimate(
     threads = sum(max(w.threads, 1) for w in workers)
     if not threads:
         return None
-    served = [(w, frozenset(w.served_models or ())) for w in workers]
     ahead = snapshot.competing_ahead(
-        position,
-        (serving_version, tuple(sorted(str(w.pk) for w in workers))),
-        lambda shape: any(worker_could_take(w, shape, models) for w, models in served),
+        position, [((serving_version, w.pk), w) for w in workers], worker_could_take
     )
     tokens = ahead.tokens + request.max_length * request.jobs_waiting
     throughput = _throughput(workers, ahead.jobs + request.jobs_waiting, threads)

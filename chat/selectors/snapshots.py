@@ -15,6 +15,7 @@ workers keyed by the serving version, the queue by nothing.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -72,8 +73,6 @@ class CompetingAhead:
     jobs: int
 
 
-# Competing sets one queue snapshot keeps (by eligible workers); past it, each is made per poll.
-COMPETING_SETS_PER_SNAPSHOT = 64
 
 
 @dataclass(frozen=True)
@@ -147,6 +146,59 @@ def _build_online_workers() -> OnlineWorkers:
     return online_workers_of(workers_online().filter(maintenance=False, paused=False))
 
 
+class _PositionMasks:
+    """Bitmasks over a queue snapshot's positions (bit i: position i), made on its first question:
+    each shape's positions, and bit planes of the positions' jobs and tokens (plane b: the positions
+    whose value has bit b set), so the competing work ahead of a position is a few AND and popcount
+    operations on integers, whatever the queue's depth. Shapes are also indexed by model, so a
+    worker's competing shapes are found among those that share one of its models."""
+
+    __slots__ = ("by_shape", "job_planes", "token_planes", "text_by_model", "text_any_model", "chat_by_model",
+                 "by_worker")
+
+    def __init__(self, shape_at: Sequence[int], jobs: Sequence[int], shapes: Sequence[QueuedShape]):
+        by_shape = [0] * len(shapes)
+        by_jobs: dict[int, int] = {}
+        by_tokens: dict[int, int] = {}
+        for position, (shape_index, waiting) in enumerate(zip(shape_at, jobs, strict=True)):
+            bit = 1 << position
+            by_shape[shape_index] |= bit
+            by_jobs[waiting] = by_jobs.get(waiting, 0) | bit
+            tokens = shapes[shape_index].max_length * waiting
+            by_tokens[tokens] = by_tokens.get(tokens, 0) | bit
+        self.by_shape = by_shape
+        self.job_planes = _bit_planes(by_jobs)
+        self.token_planes = _bit_planes(by_tokens)
+        text_by_model: dict[str, list[int]] = {}
+        chat_by_model: dict[str, list[int]] = {}
+        text_any_model: list[int] = []
+        for shape_index, shape in enumerate(shapes):
+            if not shape.is_chat and shape.any_model:
+                text_any_model.append(shape_index)
+                continue
+            for model in shape.models:
+                (chat_by_model if shape.is_chat else text_by_model).setdefault(model, []).append(shape_index)
+        self.text_by_model = text_by_model
+        self.text_any_model = text_any_model
+        self.chat_by_model = chat_by_model
+        # Each asked worker's positions, by the caller's key for it (worker and serving version).
+        self.by_worker: dict[Any, int] = {}
+
+
+def _bit_planes(by_value: dict[int, int]) -> tuple[int, ...]:
+    planes = [0] * max(by_value, default=0).bit_length()
+    for value, mask in by_value.items():
+        for bit in range(value.bit_length()):
+            if value >> bit & 1:
+                planes[bit] |= mask
+    return tuple(planes)
+
+
+def _weighted_count(mask: int, planes: tuple[int, ...]) -> int:
+    """The sum of the values (as bit planes) at the positions in `mask`."""
+    return sum((mask & plane).bit_count() << bit for bit, plane in enumerate(planes))
+
+
 class QueueSnapshot:
     """The waiting requests in queue order: each one's position and the tokens ahead of it, keyed by
     the id's text as the database writes it (`_id_text`): strings, not UUID objects, so a rebuild of a
@@ -155,7 +207,7 @@ class QueueSnapshot:
     Each position also names its request's shape (`shapes`, a few per queue) and waiting jobs, from
     which competing_ahead counts the work a given set of workers could take (spec ADR 0040)."""
 
-    __slots__ = ("_index", "_tokens_ahead", "_shape_at", "_jobs", "shapes", "_competing")
+    __slots__ = ("_index", "_tokens_ahead", "_shape_at", "_jobs", "shapes", "_masks", "_masks_lock")
 
     def __init__(
         self,
@@ -172,7 +224,8 @@ class QueueSnapshot:
         self._jobs = jobs
         self._shape_at = shape_at
         self.shapes = tuple(shapes)
-        self._competing: dict[Any, tuple[list[int], list[int], list[int]]] = {}
+        self._masks: _PositionMasks | None = None
+        self._masks_lock = threading.Lock()
 
     def get(self, id_text: str) -> QueuePlace | None:
         position = self._index.get(id_text)
@@ -180,26 +233,53 @@ class QueueSnapshot:
             return None
         return QueuePlace(position=position, tokens_ahead=self._tokens_ahead[position])
 
+    def _position_masks(self) -> _PositionMasks:
+        masks = self._masks
+        if masks is None:
+            with self._masks_lock:  # one thread makes them; the others wait for them
+                masks = self._masks
+                if masks is None:
+                    masks = self._masks = _PositionMasks(self._shape_at, self._jobs, self.shapes)
+        return masks
+
+    def _worker_mask(
+        self, masks: _PositionMasks, key: Any, worker: Worker, could_take: Callable[[Worker, QueuedShape], bool]
+    ) -> int:
+        """The positions whose request `worker` could take (kept under `key`)."""
+        mask = masks.by_worker.get(key)
+        if mask is None:
+            candidates: set[int] = set()
+            if worker.accepts_prompt_jobs:
+                candidates.update(masks.text_any_model)
+                for model in worker.served_models or ():
+                    candidates.update(masks.text_by_model.get(model, ()))
+            if worker.accepts_chat_jobs and worker.chat_model_id:
+                candidates.update(masks.chat_by_model.get(worker.chat_model_id, ()))
+            mask = 0
+            for shape_index in candidates:
+                if could_take(worker, self.shapes[shape_index]):
+                    mask |= masks.by_shape[shape_index]
+            masks.by_worker[key] = mask
+        return mask
+
     def competing_ahead(
-        self, position: int, key: Any, competes: Callable[[QueuedShape], bool]
+        self,
+        position: int,
+        workers: Iterable[tuple[Any, Worker]],
+        could_take: Callable[[Worker, QueuedShape], bool],
     ) -> CompetingAhead:
-        """The requests, tokens and jobs before `position` whose shape `competes`; `key` names the
-        predicate (the eligible workers), whose running sums this snapshot keeps."""
-        sums = self._competing.get(key)
-        if sums is None:
-            flags = [competes(shape) for shape in self.shapes]
-            requests, tokens, jobs = [0], [0], [0]
-            r = t = j = 0
-            for shape_index, waiting in zip(self._shape_at, self._jobs, strict=True):
-                if flags[shape_index]:
-                    r, t, j = r + 1, t + self.shapes[shape_index].max_length * waiting, j + waiting
-                requests.append(r)
-                tokens.append(t)
-                jobs.append(j)
-            sums = (requests, tokens, jobs)
-            if len(self._competing) < COMPETING_SETS_PER_SNAPSHOT:
-                self._competing[key] = sums
-        return CompetingAhead(requests=sums[0][position], tokens=sums[1][position], jobs=sums[2][position])
+        """The requests, tokens and jobs before `position` that one of `workers` (each with the key
+        its positions are kept under) `could_take`."""
+        masks = self._position_masks()
+        competing = 0
+        for key, worker in workers:
+            competing |= self._worker_mask(masks, key, worker, could_take)
+        ahead = competing & ((1 << position) - 1)
+        return CompetingAhead(
+            requests=ahead.bit_count(),
+            tokens=_weighted_count(ahead, masks.token_planes),
+            jobs=_weighted_count(ahead, masks.job_planes),
+        )
 
     def __len__(self) -> int:
         return len(self._index)

@@ -92,7 +92,7 @@ def test_with_no_eligible_worker_the_figures_are_the_hordes(horde, make_user):
     assert _status(horde, mine) == (1, 40)  # 400 tokens at the horde's 10 tokens/s
 
 
-def test_one_snapshot_keeps_the_sums_for_each_set_of_eligible_workers(horde, make_user):
+def test_one_snapshot_keeps_each_workers_positions(horde, make_user):
     owner, backlog, requester = make_user("o"), make_user("b"), make_user("r")
     _text_worker(owner)
     for _ in range(3):
@@ -102,4 +102,18 @@ def test_one_snapshot_keeps_the_sums_for_each_set_of_eligible_workers(horde, mak
     assert horde.status(first.pk).json()["queue_position"] == 3
     snapshot = snapshots.queue_snapshot()
     assert horde.status(second.pk).json()["queue_position"] == 4
-    assert snapshots.queue_snapshot() is snapshot and len(snapshot._competing) == 1
+    assert snapshots.queue_snapshot() is snapshot and len(snapshot._masks.by_worker) == 1
+
+
+def test_jobs_and_tokens_of_any_size_are_summed_exactly(horde, make_user):
+    """The sums come from bit planes of the jobs and tokens: odd sizes and several jobs a request."""
+    owner, backlog, requester = make_user("o"), make_user("b"), make_user("r")
+    _text_worker(owner, threads=64, max_length=4096)
+    sizes = [(17, 3), (4095, 1), (1000, 7), (333, 2)]
+    for max_length, jobs in sizes:
+        _queued(backlog.user, max_length=max_length, jobs=jobs, score=100)
+    mine = _queued(requester.user, max_length=50, jobs=5)
+    jobs = sum(j for _, j in sizes) + 5
+    tokens = sum(m * j for m, j in sizes) + 50 * 5
+    # 18 jobs on 18 of the 64 threads at 10 tokens/s each.
+    assert _status(horde, mine) == (4, -(-tokens // (10 * jobs)))
