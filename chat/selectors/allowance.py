@@ -120,34 +120,53 @@ def estimate_queue_wait_seconds(request: GenerationRequest, listed_worker_ids: I
     competing = [s for s in queued_shapes() if any(worker_could_take(w, s, models) for w, models in served)]
     competing_tokens = sum(s.tokens for s in competing)
     competing_jobs = sum(s.jobs for s in competing)
-    throughput = _throughput(workers, competing_jobs, threads) if competing_jobs else 0.0
+    throughput = _throughput(_tokens_per_second(workers), competing_jobs, threads) if competing_jobs else 0.0
     if not throughput:
         return QueueWait(seconds=0.0, eligible_threads=threads)
     return QueueWait(seconds=competing_tokens / throughput, eligible_threads=threads)
 
 
-def _throughput(workers: Iterable[Worker], jobs: int, threads: int) -> float:
+def _throughput(tokens_per_second: float, jobs: int, threads: int) -> float:
     """The eligible workers' tokens per second, scaled to the threads `jobs` occupy (a job runs on
     one thread)."""
-    tokens_per_second = sum(worker_speed(w) * max(w.threads, 1) for w in workers)
     return tokens_per_second * min(jobs, threads) / threads
+
+
+def _tokens_per_second(workers: Iterable[Worker]) -> float:
+    return sum(worker_speed(w) * max(w.threads, 1) for w in workers)
+
+
+@dataclass(frozen=True)
+class EligibleWorkers:
+    """A status poll's eligible workers with what the estimate reads of them, made once."""
+
+    workers: tuple[tuple[Any, Worker], ...]  # each with the key its snapshot positions are kept under
+    ids: frozenset  # the set, as the key of its combined positions
+    threads: int
+    tokens_per_second: float
 
 
 # A status poll's eligible workers, kept for the queue snapshot's lifetime: by the text request's
 # shape (requests alike share them), else by the request.
-_status_eligible: ProcessCache[tuple, tuple[Worker, ...]] = ProcessCache(
+_status_eligible: ProcessCache[tuple, EligibleWorkers] = ProcessCache(
     "eligible workers of status polls", ttl=QUEUE_SNAPSHOT_SECONDS, max_entries=50_000
 )
 
 
-def _status_eligible_workers(request: GenerationRequest, serving_version: Any) -> tuple[Worker, ...]:
-    def build() -> tuple[Worker, ...]:
+def _status_eligible_workers(request: GenerationRequest, serving_version: Any) -> EligibleWorkers:
+    def build() -> EligibleWorkers:
         listed = (
             set(RequestWorker.objects.filter(request_id=request.pk).values_list("worker_id", flat=True))
             if request.has_worker_list
             else set()
         )
-        return tuple(eligible_workers(request, listed, serving_version))
+        workers = eligible_workers(request, listed, serving_version)
+        return EligibleWorkers(
+            workers=tuple(((serving_version, w.pk), w) for w in workers),
+            ids=frozenset((serving_version, w.pk) for w in workers),
+            threads=sum(max(w.threads, 1) for w in workers),
+            tokens_per_second=_tokens_per_second(workers),
+        )
 
     shape = text_eligibility_shape(request)
     key = (serving_version, "shape", shape) if shape is not None else (serving_version, "request", request.pk)
@@ -161,15 +180,12 @@ def status_queue_estimate(
     snapshot, on its eligible workers (spec ADR 0040): the competing requests ahead, and the
     competing output ahead plus the request's own over those workers' throughput. None when no
     thread is eligible (the route falls back to the horde-wide figures)."""
-    workers = _status_eligible_workers(request, serving_version)
-    threads = sum(max(w.threads, 1) for w in workers)
-    if not threads:
+    eligible = _status_eligible_workers(request, serving_version)
+    if not eligible.threads:
         return None
-    ahead = snapshot.competing_ahead(
-        position, [((serving_version, w.pk), w) for w in workers], worker_could_take
-    )
+    ahead = snapshot.competing_ahead(position, eligible.ids, eligible.workers, worker_could_take)
     tokens = ahead.tokens + request.max_length * request.jobs_waiting
-    throughput = _throughput(workers, ahead.jobs + request.jobs_waiting, threads)
+    throughput = _throughput(eligible.tokens_per_second, ahead.jobs + request.jobs_waiting, eligible.threads)
     return ahead.requests, math.ceil(tokens / throughput) if throughput else 0
 
 

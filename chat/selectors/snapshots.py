@@ -64,6 +64,10 @@ class QueuedShape:
         return self.max_length * self.jobs
 
 
+# Sets of eligible workers whose combined positions one queue snapshot keeps (a mask each).
+SETS_PER_QUEUE_SNAPSHOT = 4096
+
+
 @dataclass(frozen=True)
 class CompetingAhead:
     """The queued work ahead of a request that one of its eligible workers could take."""
@@ -154,7 +158,7 @@ class _PositionMasks:
     worker's competing shapes are found among those that share one of its models."""
 
     __slots__ = ("by_shape", "job_planes", "token_planes", "text_by_model", "text_any_model", "chat_by_model",
-                 "by_worker")
+                 "by_worker", "by_set")
 
     def __init__(self, shape_at: Sequence[int], jobs: Sequence[int], shapes: Sequence[QueuedShape]):
         by_shape = [0] * len(shapes)
@@ -181,8 +185,10 @@ class _PositionMasks:
         self.text_by_model = text_by_model
         self.text_any_model = text_any_model
         self.chat_by_model = chat_by_model
-        # Each asked worker's positions, by the caller's key for it (worker and serving version).
+        # Each asked worker's positions, by the caller's key for it (worker and serving version),
+        # and each asked set's (the OR of its workers').
         self.by_worker: dict[Any, int] = {}
+        self.by_set: dict[Any, int] = {}
 
 
 def _bit_planes(by_value: dict[int, int]) -> tuple[int, ...]:
@@ -265,15 +271,20 @@ class QueueSnapshot:
     def competing_ahead(
         self,
         position: int,
+        set_key: Any,
         workers: Iterable[tuple[Any, Worker]],
         could_take: Callable[[Worker, QueuedShape], bool],
     ) -> CompetingAhead:
         """The requests, tokens and jobs before `position` that one of `workers` (each with the key
-        its positions are kept under) `could_take`."""
+        its positions are kept under; `set_key` names them together) `could_take`."""
         masks = self._position_masks()
-        competing = 0
-        for key, worker in workers:
-            competing |= self._worker_mask(masks, key, worker, could_take)
+        competing = masks.by_set.get(set_key)
+        if competing is None:
+            competing = 0
+            for key, worker in workers:
+                competing |= self._worker_mask(masks, key, worker, could_take)
+            if len(masks.by_set) < SETS_PER_QUEUE_SNAPSHOT:
+                masks.by_set[set_key] = competing
         ahead = competing & ((1 << position) - 1)
         return CompetingAhead(
             requests=ahead.bit_count(),

@@ -102,7 +102,8 @@ def test_one_snapshot_keeps_each_workers_positions(horde, make_user):
     assert horde.status(first.pk).json()["queue_position"] == 3
     snapshot = snapshots.queue_snapshot()
     assert horde.status(second.pk).json()["queue_position"] == 4
-    assert snapshots.queue_snapshot() is snapshot and len(snapshot._masks.by_worker) == 1
+    assert snapshots.queue_snapshot() is snapshot
+    assert (len(snapshot._masks.by_worker), len(snapshot._masks.by_set)) == (1, 1)
 
 
 def test_jobs_and_tokens_of_any_size_are_summed_exactly(horde, make_user):
