@@ -14,20 +14,15 @@ import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from django.conf import settings
 from django.db.models import Sum
 
-from chat.models import GenerationRequest, RequestWorker
-from chat.selectors.queue import (
-    capable_chat_worker_online,
-    text_eligibility_shape,
-    waiting_requests,
-    worker_may_take,
-)
+from chat.models import GenerationRequest
+from chat.selectors.queue import capable_chat_worker_online, waiting_requests, worker_may_take
 from chat.selectors.snapshots import (
     QUEUE_SNAPSHOT_SECONDS,
+    EligibleSet,
     QueuedShape,
     QueueSnapshot,
     online_worker_facts,
@@ -93,12 +88,9 @@ def worker_could_take(worker: Worker, shape: QueuedShape, served: frozenset[str]
     )
 
 
-def eligible_workers(
-    request: GenerationRequest, listed_worker_ids: Iterable, serving_version: Any = None
-) -> list[Worker]:
-    """The online workers the pop would give the request to (worker_may_take over the snapshot,
-    taken under `serving_version` when the caller read one)."""
-    online = online_worker_facts() if serving_version is None else online_worker_facts(serving_version)
+def eligible_workers(request: GenerationRequest, listed_worker_ids: Iterable) -> list[Worker]:
+    """The online workers the pop would give the request to (worker_may_take over the snapshot)."""
+    online = online_worker_facts()
     listed = set(listed_worker_ids)
     if request.is_chat:
         candidates = online.chat_candidates(request.requested_models or ())
@@ -136,57 +128,20 @@ def _tokens_per_second(workers: Iterable[Worker]) -> float:
     return sum(worker_speed(w) * max(w.threads, 1) for w in workers)
 
 
-@dataclass(frozen=True)
-class EligibleWorkers:
-    """A status poll's eligible workers with what the estimate reads of them, made once."""
-
-    workers: tuple[tuple[Any, Worker], ...]  # each with the key its snapshot positions are kept under
-    ids: frozenset  # the set, as the key of its combined positions
-    threads: int
-    tokens_per_second: float
-
-
-# A status poll's eligible workers, kept for the queue snapshot's lifetime: by the text request's
-# shape (requests alike share them), else by the request.
-_status_eligible: ProcessCache[tuple, EligibleWorkers] = ProcessCache(
-    "eligible workers of status polls", ttl=QUEUE_SNAPSHOT_SECONDS, max_entries=50_000
-)
-
-
-def _status_eligible_workers(request: GenerationRequest, serving_version: Any) -> EligibleWorkers:
-    def build() -> EligibleWorkers:
-        listed = (
-            set(RequestWorker.objects.filter(request_id=request.pk).values_list("worker_id", flat=True))
-            if request.has_worker_list
-            else set()
-        )
-        workers = eligible_workers(request, listed, serving_version)
-        return EligibleWorkers(
-            workers=tuple(((serving_version, w.pk), w) for w in workers),
-            ids=frozenset((serving_version, w.pk) for w in workers),
-            threads=sum(max(w.threads, 1) for w in workers),
-            tokens_per_second=_tokens_per_second(workers),
-        )
-
-    shape = text_eligibility_shape(request)
-    key = (serving_version, "shape", shape) if shape is not None else (serving_version, "request", request.pk)
-    return _status_eligible.get_or_build(key, build)
-
-
 def status_queue_estimate(
-    request: GenerationRequest, *, position: int, snapshot: QueueSnapshot, serving_version: Any
+    request: GenerationRequest, *, position: int, snapshot: QueueSnapshot, eligible: EligibleSet
 ) -> tuple[int, int] | None:
     """(queue_position, wait_time seconds) of a waiting request at `position` of the queue
-    snapshot, on its eligible workers (spec ADR 0040): the competing requests ahead, and the
-    competing output ahead plus the request's own over those workers' throughput. None when no
-    thread is eligible (the route falls back to the horde-wide figures)."""
-    eligible = _status_eligible_workers(request, serving_version)
-    if not eligible.threads:
+    snapshot, on its `eligible` workers (spec ADR 0040; the availability pass's): the competing
+    requests ahead, and the competing output ahead plus the request's own over those workers'
+    throughput. None when no thread is eligible or none of them has a speed (the route falls back
+    to the horde-wide figures)."""
+    if not eligible.threads or not eligible.tokens_per_second:
         return None
-    ahead = snapshot.competing_ahead(position, eligible.ids, eligible.workers, worker_could_take)
+    ahead = snapshot.competing_ahead(position, eligible, worker_could_take)
     tokens = ahead.tokens + request.max_length * request.jobs_waiting
     throughput = _throughput(eligible.tokens_per_second, ahead.jobs + request.jobs_waiting, eligible.threads)
-    return ahead.requests, math.ceil(tokens / throughput) if throughput else 0
+    return ahead.requests, math.ceil(tokens / throughput)
 
 
 def free_output_allowance(wait: QueueWait | None) -> int:

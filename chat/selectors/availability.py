@@ -4,7 +4,7 @@ worker can take, whether the workers' declarations are the cause (spec: "Impossi
 One pass serves text and chat requests alike; the status routes read it (is_possible,
 eligible_worker_threads, impossible_reason). A chat request's pass is cached 60 seconds per request
 (spec: "Impossible reason"); a text request's is made from the process's online workers snapshot,
-which keeps it for every request of the same shape (OnlineWorkers.text_threads) and costs less
+which keeps it for every request of the same shape (OnlineWorkers.text_eligible) and costs less
 than the cache's round trip would. Either holds only under the workers' serving version it was
 made at (workers.serving_version): a worker's first pop, changed declaration or return online
 makes every process pass again.
@@ -29,7 +29,7 @@ from chat.selectors.queue import (
     worker_passes_restrictions,
     worker_serves_chat_model,
 )
-from chat.selectors.snapshots import OnlineWorkers, online_worker_facts
+from chat.selectors.snapshots import NO_ELIGIBLE_WORKER, EligibleSet, OnlineWorkers, online_worker_facts
 from contract.chat_policy import ChatServiceGap, merge_service_gaps
 from contract.text import WORKER_ONLINE_SECONDS
 from workers.serving_version import current_serving_version
@@ -43,6 +43,8 @@ class Availability:
     is_possible: bool
     # {"kind": "declaration_gap", "missing_declarations": [...], "exceeded_limits": [...]} or None.
     impossible_reason: dict[str, Any] | None
+    # The eligible workers themselves, which the status's queue estimate reads (spec ADR 0040).
+    eligible: EligibleSet = NO_ELIGIBLE_WORKER
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class _Pass:
 
     eligible_worker_threads: int
     gap: ChatServiceGap | None  # the declarations gap, only when no worker is eligible
+    # The eligible workers' ids (a chat pass is cached apart from the workers snapshot).
+    eligible_ids: tuple = ()
     # The workers' serving version the pass was made under: a pass read under another is stale.
     serving_version: Any = None
     # When the first of the candidates it looked at leaves the online window unless it checks in
@@ -92,15 +96,14 @@ def _recheck_at(workers) -> float | None:
     return min(w.last_check_in for w in workers).timestamp() + WORKER_ONLINE_SECONDS
 
 
-def _text_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
+def _text_eligible(request: GenerationRequest, online: OnlineWorkers) -> EligibleSet:
     # Only the workers serving one of the request's models (all text workers for any model) can
     # pass worker_may_take: the snapshot's per-model index spares testing the others.
     workers = online.text_candidates(request.requested_models or (), any_model=request.any_model)
     if not workers:
-        return _Pass(eligible_worker_threads=0, gap=None)
+        return NO_ELIGIBLE_WORKER
     listed = _listed_worker_ids(request)
-    threads = sum(max(w.threads, 1) for w in workers if worker_may_take(w, request, listed))
-    return _Pass(eligible_worker_threads=threads, gap=None, recheck_at=_recheck_at(workers))
+    return EligibleSet.of(w for w in workers if worker_may_take(w, request, listed))
 
 
 def _chat_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
@@ -113,6 +116,7 @@ def _chat_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
     listed = _listed_worker_ids(request)
     capable = functools.cache(lambda: capable_chat_worker_online(request, listed))  # one query a pass
     threads = 0
+    eligible: list[Any] = []
     gaps: list[ChatServiceGap] = []
     other_refusal = False
     for worker in workers:
@@ -125,11 +129,12 @@ def _chat_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
             other_refusal = True
         else:
             threads += max(worker.threads, 1)
+            eligible.append(worker.pk)
     recheck_at = _recheck_at(workers)
     if threads or other_refusal or not gaps:
         # A gap is reported only when every candidate was refused for its declaration; no candidate
         # at all, or another refusal, can change while the request waits.
-        return _Pass(eligible_worker_threads=threads, gap=None, recheck_at=recheck_at)
+        return _Pass(eligible_worker_threads=threads, gap=None, recheck_at=recheck_at, eligible_ids=tuple(eligible))
     return _Pass(eligible_worker_threads=0, gap=merge_service_gaps(gaps), recheck_at=recheck_at)
 
 
@@ -161,10 +166,13 @@ def chat_request_availability(
     serving_version = current_serving_version() if read is None else read.serving_version
     if not request.is_chat:
         online = online_worker_facts(serving_version)
-        threads = online.text_threads(
-            text_eligibility_shape(request), lambda: _text_pass(request, online).eligible_worker_threads
+        eligible = online.text_eligible(text_eligibility_shape(request), lambda: _text_eligible(request, online))
+        return Availability(
+            eligible_worker_threads=eligible.threads,
+            is_possible=eligible.threads > 0,
+            impossible_reason=None,
+            eligible=eligible,
         )
-        return Availability(eligible_worker_threads=threads, is_possible=threads > 0, impossible_reason=None)
     key = availability_cache_key(request.pk)
     if read is None:
         found = None if created else cache.get(key)
@@ -190,4 +198,8 @@ def chat_request_availability(
         eligible_worker_threads=found.eligible_worker_threads,
         is_possible=found.eligible_worker_threads > 0,
         impossible_reason=reason,
+        # The pass's workers as the snapshot has them now (one gone offline drops out).
+        eligible=online_worker_facts(serving_version).eligible_of(found.eligible_ids)
+        if found.eligible_worker_threads
+        else NO_ELIGIBLE_WORKER,
     )

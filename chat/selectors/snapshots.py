@@ -15,7 +15,7 @@ workers keyed by the serving version, the queue by nothing.
 from __future__ import annotations
 
 import json
-import threading
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -35,7 +35,7 @@ from workers.serving_version import current_serving_version
 
 ONLINE_WORKERS_SNAPSHOT_SECONDS = 5
 QUEUE_SNAPSHOT_SECONDS = 2
-# Text passes one snapshot keeps (OnlineWorkers.text_threads); past it, passes are made per poll.
+# Text passes one snapshot keeps (OnlineWorkers.text_eligible); past it, passes are made per poll.
 TEXT_SHAPES_PER_SNAPSHOT = 4096
 
 # Read when the caller has no serving version of its own.
@@ -80,6 +80,31 @@ class CompetingAhead:
 
 
 @dataclass(frozen=True)
+class EligibleSet:
+    """The online workers eligible for a request, with what the status reads of them."""
+
+    workers: tuple[Worker, ...]
+    threads: int
+    # Their speed (tokens/s, unmeasured workers at the assumption) times threads.
+    tokens_per_second: float
+    # The set as a key (worker ids under the snapshot's serving version) of its queue positions.
+    key: frozenset
+
+    @classmethod
+    def of(cls, workers: Iterable[Worker]) -> EligibleSet:
+        workers = tuple(workers)
+        return cls(
+            workers=workers,
+            threads=sum(max(w.threads, 1) for w in workers),
+            tokens_per_second=sum(worker_speed(w) * max(w.threads, 1) for w in workers),
+            key=frozenset(w.pk for w in workers),
+        )
+
+
+NO_ELIGIBLE_WORKER = EligibleSet(workers=(), threads=0, tokens_per_second=0.0, key=frozenset())
+
+
+@dataclass(frozen=True)
 class OnlineWorkers:
     """The online workers and what the status derives from them, once per snapshot."""
 
@@ -91,21 +116,28 @@ class OnlineWorkers:
     text_by_model: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Positions of the workers whose chat declaration serves a model_id (chat jobs with limits).
     chat_by_model: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    # Eligible threads by text request shape (chat.selectors.queue.text_eligibility_shape), found
+    # Eligible workers by text request shape (chat.selectors.queue.text_eligibility_shape), found
     # from this snapshot and dropped with it: the polls of a queue ask about a few shapes.
-    _text_threads: dict[tuple, int] = field(default_factory=dict, compare=False, repr=False)
+    _text_eligible: dict[tuple, EligibleSet] = field(default_factory=dict, compare=False, repr=False)
+    _by_id: dict[Any, Worker] = field(default_factory=dict, compare=False, repr=False)
 
-    def text_threads(self, shape: tuple | None, count: Callable[[], int]) -> int:
-        """The eligible threads of a text request of `shape`: `count()` once per shape (every
+    def text_eligible(self, shape: tuple | None, find: Callable[[], EligibleSet]) -> EligibleSet:
+        """The eligible workers of a text request of `shape`: `find()` once per shape (every
         time for None, a request with its own worker list)."""
         if shape is None:
-            return count()
-        threads = self._text_threads.get(shape)
-        if threads is None:
-            threads = count()
-            if len(self._text_threads) < TEXT_SHAPES_PER_SNAPSHOT:
-                self._text_threads[shape] = threads
-        return threads
+            return find()
+        eligible = self._text_eligible.get(shape)
+        if eligible is None:
+            eligible = find()
+            if len(self._text_eligible) < TEXT_SHAPES_PER_SNAPSHOT:
+                self._text_eligible[shape] = eligible
+        return eligible
+
+    def eligible_of(self, worker_ids: Iterable[Any]) -> EligibleSet:
+        """The set of those of `worker_ids` still in this snapshot (a cached pass's ids)."""
+        if not self._by_id and self.workers:
+            self._by_id.update((w.pk, w) for w in self.workers)
+        return EligibleSet.of(w for w in map(self._by_id.get, worker_ids) if w is not None)
 
     def _union(self, index: dict[str, tuple[int, ...]], models: Iterable[str]) -> list[Worker]:
         positions: set[int] = set()
@@ -161,15 +193,18 @@ class _PositionMasks:
                  "by_worker", "by_set")
 
     def __init__(self, shape_at: Sequence[int], jobs: Sequence[int], shapes: Sequence[QueuedShape]):
-        by_shape = [0] * len(shapes)
-        by_jobs: dict[int, int] = {}
-        by_tokens: dict[int, int] = {}
+        # Positions grouped by shape, jobs and tokens, then each group's mask from its bytes: linear
+        # in the queue's depth, where OR-ing one bit at a time into a growing integer is quadratic.
+        by_shape_positions: list[list[int]] = [[] for _ in shapes]
+        by_jobs_positions: dict[int, list[int]] = {}
+        by_tokens_positions: dict[int, list[int]] = {}
         for position, (shape_index, waiting) in enumerate(zip(shape_at, jobs, strict=True)):
-            bit = 1 << position
-            by_shape[shape_index] |= bit
-            by_jobs[waiting] = by_jobs.get(waiting, 0) | bit
-            tokens = shapes[shape_index].max_length * waiting
-            by_tokens[tokens] = by_tokens.get(tokens, 0) | bit
+            by_shape_positions[shape_index].append(position)
+            by_jobs_positions.setdefault(waiting, []).append(position)
+            by_tokens_positions.setdefault(shapes[shape_index].max_length * waiting, []).append(position)
+        by_shape = [_mask_of(positions) for positions in by_shape_positions]
+        by_jobs = {value: _mask_of(positions) for value, positions in by_jobs_positions.items()}
+        by_tokens = {value: _mask_of(positions) for value, positions in by_tokens_positions.items()}
         self.by_shape = by_shape
         self.job_planes = _bit_planes(by_jobs)
         self.token_planes = _bit_planes(by_tokens)
@@ -185,10 +220,19 @@ class _PositionMasks:
         self.text_by_model = text_by_model
         self.text_any_model = text_any_model
         self.chat_by_model = chat_by_model
-        # Each asked worker's positions, by the caller's key for it (worker and serving version),
-        # and each asked set's (the OR of its workers').
+        # Each asked worker's positions, by its id, and each asked set's (the OR of its workers').
         self.by_worker: dict[Any, int] = {}
-        self.by_set: dict[Any, int] = {}
+        self.by_set: dict[frozenset, int] = {}
+
+
+def _mask_of(positions: list[int]) -> int:
+    """The integer with the bits of `positions` (ascending) set."""
+    if not positions:
+        return 0
+    bits = bytearray(positions[-1] // 8 + 1)
+    for position in positions:
+        bits[position >> 3] |= 1 << (position & 7)
+    return int.from_bytes(bits, "little")
 
 
 def _bit_planes(by_value: dict[int, int]) -> tuple[int, ...]:
@@ -210,16 +254,19 @@ class QueueSnapshot:
     the id's text as the database writes it (`_id_text`): strings, not UUID objects, so a rebuild of a
     deep queue is a few C loops over the rows and leaves nothing for the garbage collector to walk.
 
-    Each position also names its request's shape (`shapes`, a few per queue) and waiting jobs, from
-    which competing_ahead counts the work a given set of workers could take (spec ADR 0040)."""
+    It also keeps each position's queue score, to place a request newer than the snapshot, and the
+    position masks (_PositionMasks) from which competing_ahead counts the work a set of workers
+    could take (spec ADR 0040). Both are made with the snapshot, while the other threads still
+    answer from the last one."""
 
-    __slots__ = ("_index", "_tokens_ahead", "_shape_at", "_jobs", "shapes", "_masks", "_masks_lock")
+    __slots__ = ("_index", "_tokens_ahead", "_neg_scores", "shapes", "_masks")
 
     def __init__(
         self,
         ids: Sequence[str],
         tokens: Iterable[int | None],
         *,
+        scores: Sequence[int] = (),
         jobs: Sequence[int] = (),
         shape_at: Sequence[int] = (),
         shapes: Sequence[QueuedShape] = (),
@@ -227,11 +274,10 @@ class QueueSnapshot:
         self._index = dict(zip(ids, range(len(ids)), strict=True))
         # tokens_ahead[i]: the outstanding tokens of the requests before position i.
         self._tokens_ahead = list(accumulate((t or 0 for t in tokens), initial=0))
-        self._jobs = jobs
-        self._shape_at = shape_at
+        # Queue order is by descending score: negated, the scores ascend, for bisect.
+        self._neg_scores = [-score for score in scores]
         self.shapes = tuple(shapes)
-        self._masks: _PositionMasks | None = None
-        self._masks_lock = threading.Lock()
+        self._masks = _PositionMasks(shape_at, jobs, self.shapes)
 
     def get(self, id_text: str) -> QueuePlace | None:
         position = self._index.get(id_text)
@@ -239,20 +285,15 @@ class QueueSnapshot:
             return None
         return QueuePlace(position=position, tokens_ahead=self._tokens_ahead[position])
 
-    def _position_masks(self) -> _PositionMasks:
-        masks = self._masks
-        if masks is None:
-            with self._masks_lock:  # one thread makes them; the others wait for them
-                masks = self._masks
-                if masks is None:
-                    masks = self._masks = _PositionMasks(self._shape_at, self._jobs, self.shapes)
-        return masks
+    def position_of_newer(self, queue_score: int) -> int:
+        """The position of a request newer than the snapshot: after every request whose score is at
+        least its own (those of an equal score were created before it)."""
+        return bisect_right(self._neg_scores, -queue_score)
 
-    def _worker_mask(
-        self, masks: _PositionMasks, key: Any, worker: Worker, could_take: Callable[[Worker, QueuedShape], bool]
-    ) -> int:
-        """The positions whose request `worker` could take (kept under `key`)."""
-        mask = masks.by_worker.get(key)
+    def _worker_mask(self, worker: Worker, could_take: Callable[[Worker, QueuedShape], bool]) -> int:
+        """The positions whose request `worker` could take."""
+        masks = self._masks
+        mask = masks.by_worker.get(worker.pk)
         if mask is None:
             candidates: set[int] = set()
             if worker.accepts_prompt_jobs:
@@ -265,26 +306,24 @@ class QueueSnapshot:
             for shape_index in candidates:
                 if could_take(worker, self.shapes[shape_index]):
                     mask |= masks.by_shape[shape_index]
-            masks.by_worker[key] = mask
+            masks.by_worker[worker.pk] = mask
         return mask
 
     def competing_ahead(
-        self,
-        position: int,
-        set_key: Any,
-        workers: Iterable[tuple[Any, Worker]],
-        could_take: Callable[[Worker, QueuedShape], bool],
+        self, position: int, eligible: EligibleSet, could_take: Callable[[Worker, QueuedShape], bool]
     ) -> CompetingAhead:
-        """The requests, tokens and jobs before `position` that one of `workers` (each with the key
-        its positions are kept under; `set_key` names them together) `could_take`."""
-        masks = self._position_masks()
-        competing = masks.by_set.get(set_key)
+        """The requests, tokens and jobs before `position` that one of the `eligible` workers
+        `could_take`. Each worker's positions, and each set's, are kept with the snapshot: a
+        worker's declarations change with the serving version, and the snapshot is dropped within
+        QUEUE_SNAPSHOT_SECONDS."""
+        masks = self._masks
+        competing = masks.by_set.get(eligible.key)
         if competing is None:
             competing = 0
-            for key, worker in workers:
-                competing |= self._worker_mask(masks, key, worker, could_take)
+            for worker in eligible.workers:
+                competing |= self._worker_mask(worker, could_take)
             if len(masks.by_set) < SETS_PER_QUEUE_SNAPSHOT:
-                masks.by_set[set_key] = competing
+                masks.by_set[eligible.key] = competing
         ahead = competing & ((1 << position) - 1)
         return CompetingAhead(
             requests=ahead.bit_count(),
@@ -316,8 +355,8 @@ def _build_queue() -> QueueSnapshot:
             models_text=Cast("requested_models", TextField()),
         )
         .values_list(
-            "id_text", "tokens", "jobs_waiting", "is_chat", "any_model", "max_length", "max_context_length",
-            "models_text",
+            "id_text", "tokens", "queue_score", "jobs_waiting", "is_chat", "any_model", "max_length",
+            "max_context_length", "models_text",
         )
     )
     alias = router.db_for_read(GenerationRequest)
@@ -329,7 +368,7 @@ def _build_queue() -> QueueSnapshot:
     shapes: list[QueuedShape] = []
     shape_at: list[int] = []
     for row in rows:
-        key = row[3:]
+        key = row[4:]
         index = shape_index.get(key)
         if index is None:
             index = shape_index[key] = len(shapes)
@@ -341,14 +380,15 @@ def _build_queue() -> QueueSnapshot:
                     any_model=bool(any_model),
                     max_length=max_length,
                     max_context_length=max_context_length,
-                    jobs=0,  # per position here (`jobs`), not per shape
+                    jobs=0,  # a snapshot keeps the jobs per position, not per shape
                 )
             )
         shape_at.append(index)
     return QueueSnapshot(
         [row[0] for row in rows],
         [row[1] for row in rows],
-        jobs=[row[2] for row in rows],
+        scores=[row[2] for row in rows],
+        jobs=[row[3] for row in rows],
         shape_at=shape_at,
         shapes=shapes,
     )

@@ -14,9 +14,8 @@ from chat.models import Generation, GenerationRequest
 from chat.selectors.allowance import status_queue_estimate
 from chat.selectors.availability import Availability, StatusRead, chat_request_availability, status_read
 from chat.selectors.queue import waiting_requests
-from chat.selectors.snapshots import online_worker_facts, queue_place, queue_snapshot
+from chat.selectors.snapshots import EligibleSet, online_worker_facts, queue_place, queue_snapshot
 from chat.sql import finished_generations, request_with_counts
-from workers.serving_version import current_serving_version
 
 # What a text request's status body reads of its row (request_status, the availability pass and the
 # queue place): the status poll reads only these, as converting the row's other columns costs more
@@ -107,24 +106,25 @@ def _horde_tokens_per_second(read: StatusRead | None) -> float:
     return online_worker_facts(read.serving_version).tokens_per_second
 
 
-def request_queue_stats(request: GenerationRequest, *, read: StatusRead | None = None) -> tuple[int, int]:
-    """(queue_position, wait_time seconds): requests ahead in queue order, and the time the online
-    workers need for the tokens ahead plus this request's own (`read`: the status poll's, whose
-    serving version the workers snapshot is taken under)."""
+def request_queue_stats(
+    request: GenerationRequest, *, read: StatusRead | None = None, eligible: EligibleSet | None = None
+) -> tuple[int, int]:
+    """(queue_position, wait_time seconds): on the request's `eligible` workers (spec ADR 0040), the
+    competing requests ahead in queue order and the time those workers need for the competing
+    output ahead plus this request's own; with none eligible, every request ahead and the online
+    workers' throughput (`read`: the status poll's, whose serving version the workers snapshot is
+    taken under)."""
     if request.jobs_waiting == 0 or request.faulted or request.cancelled:
         return 0, 0
     snapshot = queue_snapshot()
     place = queue_place(request.pk, snapshot)
-    if place is not None:
-        # On the request's eligible workers (spec ADR 0040); horde-wide when none is eligible.
-        estimate = status_queue_estimate(
-            request,
-            position=place.position,
-            snapshot=snapshot,
-            serving_version=read.serving_version if read is not None else current_serving_version(),
-        )
+    if eligible is not None:
+        # A request newer than the snapshot is placed by its score among the snapshot's.
+        position = place.position if place is not None else snapshot.position_of_newer(request.queue_score)
+        estimate = status_queue_estimate(request, position=position, snapshot=snapshot, eligible=eligible)
         if estimate is not None:
             return estimate
+    if place is not None:
         ahead = {"count": place.position, "tokens": place.tokens_ahead}
     else:  # newer than the snapshot: one live count
         ahead = waiting_requests().filter(
@@ -191,8 +191,8 @@ def request_status(
     )
     if not request.is_chat:
         done = done and not request.faulted
-    queue_position, wait_time = request_queue_stats(request, read=read)
     availability = _DONE if done else chat_request_availability(request, processing=processing, read=read)
+    queue_position, wait_time = request_queue_stats(request, read=read, eligible=availability.eligible)
     generations = []
     if include_generations and finished:  # most polls find nothing finished: no second query
         generations = [_generation_entry(generation, request) for generation in finished_generations(request.pk)]

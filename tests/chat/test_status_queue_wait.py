@@ -59,15 +59,17 @@ def test_only_work_an_eligible_worker_could_take_competes(horde, make_user):
     assert _status(horde, mine) == (1, 30)
 
 
-def test_a_fast_worker_shortens_the_wait(horde, make_user):
+def test_the_eligible_workers_speed_sets_the_wait_not_the_fleets(horde, make_user):
+    """A 40 tokens/s worker serves the model, a 10 tokens/s one another: 800 tokens at 40 tokens/s
+    (the horde's 50 would say 16 s). A second, unmeasured worker on the model counts at 10."""
     owner, backlog, requester = make_user("o"), make_user("b"), make_user("r")
-    worker = _text_worker(owner, speed=10.0)
+    _text_worker(owner, name="fast", speed=40.0)
+    _text_worker(owner, name="other", speed=10.0, models=(OTHER,))
     _queued(backlog.user, max_length=400, score=100)
     mine = _queued(requester.user, max_length=400)
-    assert _status(horde, mine) == (1, 80)
-    _text_worker(owner, name="fast", speed=40.0)
-    assert worker.pk  # both serve the model: 800 tokens at 50 tokens/s
-    assert _status(horde, mine) == (1, 16)
+    assert _status(horde, mine) == (1, 20)
+    _text_worker(owner, name="new", speed=None)
+    assert _status(horde, mine) == (1, 16)  # 800 tokens at 40 + 10
 
 
 def test_fewer_jobs_than_threads_use_only_the_threads_they_occupy(horde, make_user):
@@ -82,14 +84,53 @@ def test_fewer_jobs_than_threads_use_only_the_threads_they_occupy(horde, make_us
 
 
 def test_with_no_eligible_worker_the_figures_are_the_hordes(horde, make_user):
-    """A trusted_workers request with only an untrusted worker online: the horde-wide queue ahead
-    (every request) at the horde's throughput."""
+    """A trusted_workers request with only an untrusted worker serving its model: every request
+    ahead (another model's included) at the horde's throughput."""
     owner, backlog, requester = make_user("o"), make_user("b"), make_user("r")
+    _text_worker(owner, name="mine")
     _text_worker(owner, name="theirs", models=(OTHER,))
     _queued(backlog.user, max_length=300, models=(OTHER,), score=100)
     mine = _queued(requester.user, max_length=100)
+    assert _status(horde, mine) == (0, 10)  # eligible: the untrusted worker serves the model
     GenerationRequest.objects.filter(pk=mine.pk).update(trusted_workers=True)
-    assert _status(horde, mine) == (1, 40)  # 400 tokens at the horde's 10 tokens/s
+    assert _status(horde, mine) == (1, 20)  # 400 tokens at the horde's 20 tokens/s
+
+
+def test_a_request_newer_than_the_snapshot_is_placed_by_its_score(horde, make_user):
+    """The first polls of a new request (which the front reads to fail fast) are on its eligible
+    workers too: a backlog on another model does not count, a better-scored request on its model
+    does."""
+    owner, backlog, requester = make_user("o"), make_user("b"), make_user("r")
+    _text_worker(owner, name="mine")
+    _text_worker(owner, name="theirs", models=(OTHER,))
+    for _ in range(4):
+        _queued(backlog.user, max_length=500, models=(OTHER,), score=100)
+    _queued(backlog.user, max_length=200, score=100)
+    _queued(backlog.user, max_length=900, score=-100)  # behind the new request
+    snapshots.reset_snapshots()
+    snapshot = snapshots.queue_snapshot()
+    newer = _queued(requester.user, max_length=100)
+    assert snapshots.queue_place(newer.pk) is None and snapshots.queue_snapshot() is snapshot
+    body = horde.status(newer.pk).json()
+    assert (body["queue_position"], body["wait_time"]) == (1, 30)
+
+
+def test_a_chat_request_waits_on_its_chat_workers(api, horde, make_user):
+    """A chat worker on the model and a text worker on another: the other model's text backlog is
+    not ahead of the chat request."""
+    from tests.chat.chat_route_helpers import chat_async
+
+    owner, backlog, requester = make_user("o"), make_user("b"), make_user("r", kudos=1000)
+    _text_worker(owner, name="chat", chat=True)
+    _text_worker(owner, name="text", models=(OTHER,))
+    for _ in range(3):
+        _queued(backlog.user, max_length=500, models=(OTHER,), score=10**9)
+    created = chat_async(api, requester.key, max_tokens=64)
+    assert created.status_code == 202, created.json()
+    snapshots.reset_snapshots()
+    body = api.get(f"/api/v2/generate/chat/status/{created.json()['id']}").json()
+    assert body["queue_position"] == 0 and body["eligible_worker_threads"] == 1
+    assert body["wait_time"] == 7  # 64 tokens at 10 tokens/s
 
 
 def test_one_snapshot_keeps_each_workers_positions(horde, make_user):

@@ -19,7 +19,7 @@ from chat.selectors import snapshots
 from chat.selectors import status as selectors
 from chat.selectors.availability import (
     _chat_pass,
-    _text_pass,
+    _text_eligible,
     availability_cache_key,
     chat_request_availability,
 )
@@ -220,7 +220,7 @@ def test_the_indexed_pass_finds_what_the_full_pass_finds(horde, owner, requester
     for body in bodies:
         request = GenerationRequest.objects.get(pk=horde.text_async(requester.key, **body).json()["id"])
         full = sum(max(w.threads, 1) for w in workers if worker_may_take(w, request, set()))
-        assert _text_pass(request, online).eligible_worker_threads == full, body
+        assert _text_eligible(request, online).threads == full, body
     chat_request = GenerationRequest.objects.get(
         pk=chat_async(horde.client, requester.key, models=[MODEL, OTHER], max_tokens=128).json()["id"]
     )
@@ -345,6 +345,17 @@ def test_a_chat_poll_reads_its_pass_and_writes_it_once(
     calls.clear()
     assert chat_status(horde.client, request_id).json()["eligible_worker_threads"] == 2
     assert calls == ["get"]  # the cached pass: one read
+
+
+def test_a_chat_poll_with_its_pass_cached_is_one_query(horde, owner, requester):
+    """Its queue estimate reads the workers the cached pass found: no query of its own."""
+    chat_worker(owner, threads=2)
+    request_id = chat_async(horde.client, requester.key).json()["id"]
+    chat_status(horde.client, request_id)  # the pass and the snapshots are made
+    with CaptureQueriesContext(connection) as queries:
+        body = chat_status(horde.client, request_id).json()
+    assert len(queries) == 1, [q["sql"] for q in queries]
+    assert body["eligible_worker_threads"] == 2 and body["queue_position"] == 0
 
 
 def test_an_unknown_request_is_404_and_writes_nothing(horde, requester):
