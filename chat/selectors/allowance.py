@@ -1,11 +1,10 @@
 """The queue wait on a request's eligible workers (spec ADR 0040), read by the free output
 allowance at creation (chat_requests.md, "Free output allowance") and by the status route.
 
-The wait divides the queued output that at least one eligible worker could take by those workers'
-throughput. At creation the queued requests are read as their shapes (models, kind, sizes) with
-their waiting jobs, one grouped query kept for QUEUE_SNAPSHOT_SECONDS per process: a creation does
-not walk the queue. A status poll reads the work ahead of its request in the queue snapshot, whose
-running sums per set of eligible workers are made once per snapshot (QueueSnapshot.competing_ahead).
+The wait divides the queued output ahead that at least one eligible worker could take by those
+workers' throughput. Both read the work ahead in the process's queue snapshot
+(QueueSnapshot.competing_ahead): a status poll at its request's position, a creation where its
+score places it. Neither walks the queue.
 """
 
 from __future__ import annotations
@@ -16,20 +15,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db.models import Sum
 
 from chat.models import GenerationRequest
-from chat.selectors.queue import capable_chat_worker_online, waiting_requests, worker_may_take
+from chat.selectors.queue import capable_chat_worker_online, worker_may_take
 from chat.selectors.snapshots import (
-    QUEUE_SNAPSHOT_SECONDS,
     EligibleSet,
     QueuedShape,
     QueueSnapshot,
     online_worker_facts,
+    queue_snapshot,
 )
-from contract.process_cache import ProcessCache
 from workers.models import Worker
-from workers.selectors import worker_speed
 
 
 @dataclass(frozen=True)
@@ -38,35 +34,6 @@ class QueueWait:
 
     seconds: float
     eligible_threads: int
-
-
-def _build_queued_shapes() -> tuple[QueuedShape, ...]:
-    rows = (
-        waiting_requests()
-        .values("is_chat", "requested_models", "any_model", "max_length", "max_context_length")
-        .annotate(jobs=Sum("jobs_waiting"))
-        .order_by()
-    )
-    return tuple(
-        QueuedShape(
-            is_chat=row["is_chat"],
-            models=frozenset(row["requested_models"] or ()),
-            any_model=row["any_model"],
-            max_length=row["max_length"],
-            max_context_length=row["max_context_length"],
-            jobs=row["jobs"] or 0,
-        )
-        for row in rows
-    )
-
-
-_queued_shapes: ProcessCache[None, tuple[QueuedShape, ...]] = ProcessCache(
-    "queued request shapes", ttl=QUEUE_SNAPSHOT_SECONDS, max_entries=1
-)
-
-
-def queued_shapes() -> tuple[QueuedShape, ...]:
-    return _queued_shapes.get_or_build(None, _build_queued_shapes)
 
 
 def worker_could_take(worker: Worker, shape: QueuedShape, served: frozenset[str] | None = None) -> bool:
@@ -100,32 +67,28 @@ def eligible_workers(request: GenerationRequest, listed_worker_ids: Iterable) ->
     return [worker for worker in candidates if worker_may_take(worker, request, listed, capable_online=capable)]
 
 
-def estimate_queue_wait_seconds(request: GenerationRequest, listed_worker_ids: Iterable = ()) -> QueueWait | None:
-    """The wait of the queued work ahead of a request not yet queued, on its eligible workers:
+def estimate_queue_wait_seconds(
+    request: GenerationRequest, listed_worker_ids: Iterable = (), *, queue_score: int
+) -> QueueWait | None:
+    """The wait of the queued work ahead of a request not yet queued (placed by its `queue_score`
+    in the queue snapshot, as the status places a request newer than it), on its eligible workers:
     competing tokens / (their tokens per second, scaled to the threads the competing jobs occupy).
     None when no worker is eligible."""
-    workers = eligible_workers(request, listed_worker_ids)
-    threads = sum(max(w.threads, 1) for w in workers)
-    if not threads:
+    eligible = EligibleSet.of(eligible_workers(request, listed_worker_ids))
+    if not eligible.threads:
         return None
-    served = [(w, frozenset(w.served_models or ())) for w in workers]
-    competing = [s for s in queued_shapes() if any(worker_could_take(w, s, models) for w, models in served)]
-    competing_tokens = sum(s.tokens for s in competing)
-    competing_jobs = sum(s.jobs for s in competing)
-    throughput = _throughput(_tokens_per_second(workers), competing_jobs, threads) if competing_jobs else 0.0
+    snapshot = queue_snapshot()
+    ahead = snapshot.competing_ahead(snapshot.position_of_newer(queue_score), eligible, worker_could_take)
+    throughput = _throughput(eligible.tokens_per_second, ahead.jobs, eligible.threads) if ahead.jobs else 0.0
     if not throughput:
-        return QueueWait(seconds=0.0, eligible_threads=threads)
-    return QueueWait(seconds=competing_tokens / throughput, eligible_threads=threads)
+        return QueueWait(seconds=0.0, eligible_threads=eligible.threads)
+    return QueueWait(seconds=ahead.tokens / throughput, eligible_threads=eligible.threads)
 
 
 def _throughput(tokens_per_second: float, jobs: int, threads: int) -> float:
     """The eligible workers' tokens per second, scaled to the threads `jobs` occupy (a job runs on
     one thread)."""
     return tokens_per_second * min(jobs, threads) / threads
-
-
-def _tokens_per_second(workers: Iterable[Worker]) -> float:
-    return sum(worker_speed(w) * max(w.threads, 1) for w in workers)
 
 
 def status_queue_estimate(
@@ -160,5 +123,3 @@ def free_output_allowance(wait: QueueWait | None) -> int:
     return round(ceiling - (ceiling - floor) * (wait.seconds - full_wait) / (floor_wait - full_wait))
 
 
-def reset_queued_shapes() -> None:
-    _queued_shapes.clear()

@@ -50,18 +50,13 @@ class QueuePlace:
 
 @dataclass(frozen=True)
 class QueuedShape:
-    """Queued requests alike in what decides which workers could take them, with their jobs."""
+    """Queued requests alike in what decides which workers could take them."""
 
     is_chat: bool
     models: frozenset[str]
     any_model: bool
     max_length: int
     max_context_length: int
-    jobs: int
-
-    @property
-    def tokens(self) -> int:
-        return self.max_length * self.jobs
 
 
 # Sets of eligible workers whose combined positions one queue snapshot keeps (a mask each).
@@ -380,7 +375,6 @@ def _build_queue() -> QueueSnapshot:
                     any_model=bool(any_model),
                     max_length=max_length,
                     max_context_length=max_context_length,
-                    jobs=0,  # a snapshot keeps the jobs per position, not per shape
                 )
             )
         shape_at.append(index)

@@ -52,7 +52,9 @@ def free_output_allowance_for(
     requested max_length (spec: Free output allowance). `fields` are the row's; the request is not
     written yet."""
     probe = GenerationRequest(user=user, requested_models=models, any_model=not models, **fields)
-    wait = estimate_queue_wait_seconds(probe, workers)
+    # Placed as its activation will place it: at the requester's kudos, from now.
+    score = queue_score(int(user.kudos), timezone.now().timestamp())
+    wait = estimate_queue_wait_seconds(probe, workers, queue_score=score)
     return FreeOutputAllowance(tokens=free_output_allowance(wait), wait=wait)
 
 

@@ -11,7 +11,8 @@ import pytest
 from django.utils import timezone
 
 from chat.models import GenerationRequest
-from chat.selectors.allowance import QueueWait, free_output_allowance, reset_queued_shapes
+from chat.selectors import snapshots
+from chat.selectors.allowance import QueueWait, free_output_allowance
 from chat.services.admission import queue_score
 from tests.chat.chat_route_helpers import chat_async, chat_worker
 from tests.chat.test_chat_submit import metric_reader  # noqa: F401  (fixture)
@@ -51,7 +52,7 @@ def _queued(user, *, max_length: int, jobs: int = 1, is_chat: bool = False, mode
         jobs_waiting=jobs, requested_models=list(models), any_model=False,
         queue_score=queue_score(0, now.timestamp()), expires_at=now + timedelta(minutes=20),
     )
-    reset_queued_shapes()
+    snapshots.reset_snapshots()
     return request
 
 
@@ -86,6 +87,20 @@ def test_the_queue_ahead_on_the_eligible_workers_sizes_the_allowance(horde, make
     refused = _text(horde, poor.key, 3000)
     assert "requests over 2752 tokens" in refused.json()["message"], refused.json()
     assert _text(horde, poor.key, 2752).status_code == 202
+
+
+def test_only_the_work_queued_ahead_of_the_request_counts(horde, make_user):
+    """The same backlog behind a requester whose kudos queue it first: nothing ahead, the ceiling,
+    and no hold (at the floor a request of 1,024 tokens would hold its kudos)."""
+    _text_worker(make_user("o"))
+    backlog, rich = make_user("b"), make_user("rich", kudos=1_000_000)
+    for _ in range(3):
+        _queued(backlog.user, max_length=1000)
+    admitted = _text(horde, rich.key, 1024)
+    assert admitted.status_code == 202, admitted.json()
+    assert rich.refresh().kudos_held == Decimal("0")
+    poor = make_user("poor", kudos=0)
+    assert _text(horde, poor.key, 1024).json()["rc"] == "KudosUpfront"  # behind the backlog
 
 
 def test_only_work_an_eligible_worker_could_take_competes(horde, make_user):
@@ -141,7 +156,7 @@ def test_the_wait_the_allowance_was_sized_by_is_recorded(horde, make_user, metri
     assert _text(horde, None, 80).status_code == 202  # no eligible worker: not recorded
     assert _points(metric_reader, "horde.text.free_allowance.estimated_wait_seconds") == {}
     _text_worker(owner)
-    reset_queued_shapes()
+    snapshots.reset_snapshots()
     # 1,000 + 80 tokens ahead at 10 tokens/s.
     assert _text(horde, None, 80).status_code == 202
     assert _text(horde, None, 80, dry_run=True).status_code == 200  # a dry run is not recorded
