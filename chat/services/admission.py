@@ -82,11 +82,11 @@ def shared_key_unusable(key: SharedKey) -> HordeError | None:
 
 def check_shared_key_limits(key: SharedKey, *, max_length: int, field: str | None = None) -> None:
     """400 BadRequest for a job over the key's max_text_tokens (`field`: the request path a chat
-    refusal is prefixed with)."""
+    refusal is prefixed with, quoted as every chat refusal's, which the front reads as its param)."""
     limit = key.max_text_tokens
     if limit != -1 and max_length > limit:
         message = f"This shared key is limited to {limit} tokens per job. You requested {max_length} tokens."
-        raise HordeError("BadRequest", f"{field}: {message}" if field else message, status=400)
+        raise HordeError("BadRequest", f"'{field}': {message}" if field else message, status=400)
 
 
 def shared_key_lacks(key: SharedKey | None, required: Decimal) -> bool:

@@ -336,7 +336,9 @@ def test_a_job_over_the_keys_token_limit_is_refused(api, horde, lender, shared, 
     }
     chat = chat_async(api, shared, max_tokens=200)
     assert chat.status_code == 400
-    assert chat.json()["message"] == "max_tokens: This shared key is limited to 100 tokens per job. You requested 200 tokens."
+    assert chat.json()["message"] == (
+        "'max_tokens': This shared key is limited to 100 tokens per job. You requested 200 tokens."
+    )
     assert horde.text_async(shared, models=[MODEL], params={"max_length": 100}).status_code == 202
     assert chat_async(api, shared, max_tokens=100).status_code == 202
 

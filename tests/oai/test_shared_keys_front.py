@@ -45,3 +45,13 @@ def test_a_short_shared_key_is_a_permission_error_with_the_hordes_code(front, ma
     assert caught.value.code == "SharedKeyInsufficientKudos", caught.value.body
     assert "does not have enough remaining kudos (2)" in caught.value.message
     assert not GenerationRequest.objects.exists()
+
+
+def test_a_reply_over_the_keys_token_limit_is_a_bad_request_on_max_tokens(front, make_user, start_worker):
+    lender = make_user("lender", kudos=1000)
+    key = SharedKey.objects.create(user=lender.user, kudos=Decimal("100"), max_text_tokens=64)
+    start_worker()
+    with _sdk(front, str(key.pk)) as sdk, pytest.raises(openai.BadRequestError) as caught:
+        sdk.chat.completions.create(model=MODEL, messages=USER, max_tokens=65)
+    assert caught.value.param == "max_tokens", caught.value.body
+    assert caught.value.body["message"] == "This shared key is limited to 64 tokens per job. You requested 65 tokens."
