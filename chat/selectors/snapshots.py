@@ -72,8 +72,6 @@ class CompetingAhead:
     jobs: int
 
 
-
-
 @dataclass(frozen=True)
 class EligibleSet:
     """The online workers eligible for a request, with what the status reads of them."""
@@ -82,7 +80,7 @@ class EligibleSet:
     threads: int
     # Their speed (tokens/s, unmeasured workers at the assumption) times threads.
     tokens_per_second: float
-    # The set as a key (worker ids under the snapshot's serving version) of its queue positions.
+    # The set as a key (its workers' ids) of its queue positions (QueueSnapshot.competing_ahead).
     key: frozenset
 
     @classmethod
@@ -178,8 +176,8 @@ def _build_online_workers() -> OnlineWorkers:
 
 
 class _PositionMasks:
-    """Bitmasks over a queue snapshot's positions (bit i: position i), made on its first question:
-    each shape's positions, and bit planes of the positions' jobs and tokens (plane b: the positions
+    """Bitmasks over a queue snapshot's positions (bit i: position i), made with it: each shape's
+    positions, and bit planes of the positions' jobs and tokens (plane b: the positions
     whose value has bit b set), so the competing work ahead of a position is a few AND and popcount
     operations on integers, whatever the queue's depth. Shapes are also indexed by model, so a
     worker's competing shapes are found among those that share one of its models."""
