@@ -159,3 +159,23 @@ def test_jobs_and_tokens_of_any_size_are_summed_exactly(horde, make_user):
     tokens = sum(m * j for m, j in sizes) + 50 * 5
     # 18 jobs on 18 of the 64 threads at 10 tokens/s each.
     assert _status(horde, mine) == (4, -(-tokens // (10 * jobs)))
+
+
+def test_a_chat_requests_slow_worker_counts_only_while_no_capable_one_is_online(api, make_user):
+    """The speed gate (spec ADR 0041): 2,000 tokens outrun a 10 tokens/s worker's 150 s lease, but
+    with no capable worker online it serves, and the wait is at its speed; once a 40 tokens/s worker
+    is online, the wait is at that one's alone."""
+    from tests.chat.chat_route_helpers import chat_async
+
+    owner, requester = make_user("o"), make_user("r", kudos=100_000)
+    _text_worker(owner, chat=True, speed=10.0)
+    created = chat_async(api, requester.key, max_tokens=2000)
+    assert created.status_code == 202, created.json()
+    status = f"/api/v2/generate/chat/status/{created.json()['id']}"
+    snapshots.reset_snapshots()
+    body = api.get(status).json()
+    assert (body["eligible_worker_threads"], body["queue_position"], body["wait_time"]) == (1, 0, 200)
+    _text_worker(owner, chat=True, speed=40.0)  # a new serving version: the pass is made again
+    snapshots.reset_snapshots()
+    body = api.get(status).json()
+    assert (body["eligible_worker_threads"], body["queue_position"], body["wait_time"]) == (1, 0, 50)
