@@ -107,7 +107,8 @@ def text_request_quote(
     """The kudos a request is expected to cost: n full-length generations at the first model
     (`prompt_tokens`: as context_multiplier).
 
-    The quote assumes an untrusted worker and full-length replies, so it bounds the charge.
+    The quote assumes full-length replies and a trusted worker's owner (the dearer rate for an
+    unknown model; a known model's rate ignores trust), so it bounds the charge.
     """
     model = models[0] if models else ""
     per_generation = text_generation_kudos(

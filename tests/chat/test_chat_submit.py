@@ -4,6 +4,7 @@ counters, worker fault reasons and their metric, the fault limit and pricing (ch
 from __future__ import annotations
 
 import json
+import logging
 import math
 from datetime import timedelta
 from decimal import Decimal
@@ -680,21 +681,32 @@ def _two_calls():
     return calls_reply(call("f", call_id="a"), call("g", call_id="b"))
 
 
-def test_single_call_reduction_keeps_the_first_call_under_strict(api, people, chat_job):
+def _submit_done_records(caplog) -> list:
+    return [r for r in caplog.records if r.getMessage().startswith("horde.job_submit.done ")]
+
+
+def test_single_call_reduction_keeps_the_first_call_under_strict(api, people, chat_job, caplog):
     _, owner = people
     _, job = chat_job(extras={"tools": TOOLS_FG, "parallel_tool_calls": False})
-    assert submit(api, owner.key, job.id, _two_calls()).status_code == 200
+    with caplog.at_level(logging.INFO, logger="chat.services.submit"):
+        assert submit(api, owner.key, job.id, _two_calls()).status_code == 200
     job.refresh_from_db()
     assert [c["id"] for c in job.message["tool_calls"]] == ["a"]
     assert job.finish_reason == "tool_calls"  # kept as submitted
+    # "The submit's horde.job_submit.done log record then carries dropped_tool_calls."
+    [record] = _submit_done_records(caplog)
+    assert (record.generation_id, record.dropped_tool_calls) == (str(job.id), 1)
 
 
-def test_best_effort_keeps_every_call(api, people, chat_job):
+def test_best_effort_keeps_every_call(api, people, chat_job, caplog):
     _, owner = people
     _, job = chat_job(extras={"tools": TOOLS_FG, "parallel_tool_calls": False}, conformance="best_effort")
-    assert submit(api, owner.key, job.id, _two_calls()).status_code == 200
+    with caplog.at_level(logging.INFO, logger="chat.services.submit"):
+        assert submit(api, owner.key, job.id, _two_calls()).status_code == 200
     job.refresh_from_db()
     assert [c["id"] for c in job.message["tool_calls"]] == ["a", "b"]
+    [record] = _submit_done_records(caplog)
+    assert record.dropped_tool_calls == 0
 
 
 def test_single_call_reduction_runs_before_the_checks(api, people, chat_job):

@@ -5,6 +5,7 @@ agree; pops by a worker whose capacity is below its declared chat output are cou
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
 import pytest
@@ -191,15 +192,23 @@ def _key(**extra) -> tuple:
 
 
 def test_legacy_job_over_capacity_is_marked_and_its_completion_counted(
-    horde, make_user, metric_reader  # noqa: F811
+    horde, make_user, metric_reader, caplog  # noqa: F811
 ):
     requester, slow_owner = make_user("r", kudos=1000), make_user("s")
-    _register(horde, slow_owner.key, "slow", speed=2.0, models=[MODEL])  # capacity 240
+    slow = _register(horde, slow_owner.key, "slow", speed=2.0, models=[MODEL])  # capacity 240
     queued = horde.text_async(requester.key, models=[MODEL], params={"max_length": 512})
     assert queued.status_code == 202, queued.json()
     queue_grew()
-    job = chat_pop(horde, slow_owner.key, name="slow", models=[MODEL]).json()
+    with caplog.at_level(logging.INFO, logger="chat.gate_shadow"):
+        job = chat_pop(horde, slow_owner.key, name="slow", models=[MODEL]).json()
     assert Generation.objects.get(pk=job["id"]).over_capacity_at_assignment is True
+    # "an INFO log line records the generation, request and worker ids with the max_length,
+    # capacity and speed"
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("horde.gate_shadow.assignment ")]
+    assert line == (
+        f"horde.gate_shadow.assignment generation={job['id']} request={queued.json()['id']} "
+        f"worker={slow.pk} max_length=512 capacity=240 speed=2.0"
+    )
     assert counter_points(metric_reader, "horde.text.gate_shadow.assignments") == {_key(): 1}
     assert horde.submit(slow_owner.key, job["id"], "Once upon a time.").status_code == 200
     assert counter_points(metric_reader, "horde.text.gate_shadow.outcomes") == {_key(**{"horde.outcome": "completed"}): 1}
