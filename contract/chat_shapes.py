@@ -356,11 +356,12 @@ class ChatRequest(ChatShape):
         return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
 
     def stored_messages(self) -> list[dict[str, Any]]:
-        """Messages as stored and sent to workers: developer becomes system, and an assistant
-        message's absent content is stored as null."""
+        """Messages as stored and sent to workers: developer becomes system, a key sent as null is
+        left out as one not sent (so both give one fingerprint), and an assistant message's absent
+        content is stored as null."""
         stored = []
         for message in self.messages:
-            data = message.model_dump(mode="json", by_alias=True, exclude_unset=True)
+            data = message.model_dump(mode="json", by_alias=True, exclude_unset=True, exclude_none=True)
             if data["role"] == "developer":
                 data["role"] = "system"
             if data["role"] == "assistant":

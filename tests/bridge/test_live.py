@@ -53,6 +53,19 @@ def test_declaration_comes_from_the_backend(live_horde, fake_backend):
     assert worker.bridge_agent.startswith("horde-bridge:")
 
 
+def test_a_backend_without_the_overflow_guarantee_is_told_it_serves_best_effort_chat_alone(
+    live_horde, fake_backend
+):
+    with running_bridge(live_horde, fake_backend.url) as (_, out):
+        assert "horde.conformance best_effort" not in out.text()
+    with running_bridge(live_horde, fake_backend.url, remove_features={"prompt_overflow_refused"}) as (_, out):
+        assert (
+            "note: chat requests are served only under horde.conformance best_effort: this backend is not known "
+            "to refuse an over-long prompt (prompt_overflow_refused); if it does, start with --feature "
+            "prompt_overflow_refused"
+        ) in out.text()
+
+
 def test_chat_round_trip_with_tools_and_reasoning(live_horde, fake_backend):
     def answer(body):
         if body["messages"][-1]["role"] == "tool":

@@ -47,6 +47,21 @@ def test_fingerprint_ignores_what_does_not_define_the_operation():
     assert fingerprint(messages=[{"role": "developer", "content": "x"}]) == fingerprint(
         messages=[{"role": "system", "content": "x"}]
     )
+    # A key sent as null is one not sent (ADR 0061), inside the messages too.
+    plain = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://i.example/a.png"}}]},
+        {"role": "assistant", "content": "a"},
+    ]
+    nulls = [
+        {"role": "user", "name": None, "content": [
+            {"type": "image_url", "image_url": {"url": "https://i.example/a.png", "detail": None}}
+        ]},
+        {"role": "assistant", "content": "a", "name": None, "tool_calls": None},
+    ]
+    assert fingerprint(messages=nulls) == fingerprint(messages=plain)
+    assert validate_chat_request(chat_body(messages=nulls)).stored_messages() == [
+        plain[0], {"role": "assistant", "content": "a"}
+    ]
 
 
 def test_fingerprint_covers_what_defines_the_operation():

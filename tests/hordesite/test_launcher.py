@@ -78,3 +78,14 @@ def test_the_launchers_daphne_hands_a_multipart_post_to_the_api(tmp_path):
     assert response.headers["content-type"] == "application/json"
     assert response.headers["access-control-allow-origin"] == "*"
     assert response.json()["rc"] == "BadRequest" and "multipart/form-data" in response.json()["message"]
+
+
+def test_the_demo_worker_setting_reads_booleans_as_every_setting_does():
+    code = "import runpy; print(runpy.run_path('scripts/run.py')['demo_worker_enabled']())"
+    shown = {
+        value: run_python(ROOT, clean_env(**({} if value is None else {"HORDE_DEMO_WORKER": value})), "-c", code)
+        for value in (None, "false", "0", "off", "true", "1")
+    }
+    assert {value: run.stdout.strip() for value, run in shown.items()} == {
+        None: "True", "false": "False", "0": "False", "off": "False", "true": "True", "1": "True"
+    }, {value: run.stderr for value, run in shown.items()}

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from contract.chat_declaration import ChatDeclaration, ChatFaultReason, ChatLimits
+from contract.chat_policy import ChatGuarantee as G
 from contract.chat_progress import streams_progress
 from contract.text import TEXT_JOB_LEASE_SECONDS
 from workers.bridge import BRIDGE_AGENT
@@ -283,6 +284,13 @@ class Bridge:
             f"{', '.join(sorted(d.chat_features)) or 'none'}; image transports "
             f"{', '.join(sorted(d.image_transports)) or 'none'}"
         )
+        if d.chat_jobs and G.PROMPT_OVERFLOW_REFUSED not in d.chat_features:
+            # Every strict chat request needs the guarantee: the front's default would never reach us.
+            self.log(
+                "note: chat requests are served only under horde.conformance best_effort: this backend is not "
+                f"known to refuse an over-long prompt ({G.PROMPT_OVERFLOW_REFUSED}); if it does, start with "
+                f"--feature {G.PROMPT_OVERFLOW_REFUSED}"
+            )
 
     def pop_body(self) -> dict[str, Any]:
         assert self.declaration is not None and self.declaration.chat_limits is not None
