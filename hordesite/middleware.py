@@ -7,14 +7,18 @@ sent through a thread for it."""
 
 from __future__ import annotations
 
+import logging
+
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from django.core.exceptions import DisallowedHost
 from django.http import HttpResponse, JsonResponse
 from rest_framework.exceptions import UnsupportedMediaType
 from rest_framework.utils.mediatypes import media_type_matches
 
 from contract.errors import request_too_large_body
 from hordesite.body_limits import body_limit
-from oai.asgi import CorsPolicy, cors_headers, is_preflight, preflight_headers
+from oai.asgi import FRONT_PATH_PREFIX, CorsPolicy, cors_headers, is_preflight, preflight_headers
+from oai.errors import HOST_NOT_SERVED_MESSAGE, IN_PROCESS_ENVIRON_KEY
 
 # The native API's CORS policy; the implementation is the front's (oai.asgi), one for both APIs.
 NATIVE_CORS = CorsPolicy(
@@ -100,12 +104,36 @@ class AdminOnlyMiddleware:
             return self._acall(request)
         if request.path.startswith(ADMIN_PATH_PREFIX):
             return self.admin(request)
-        return _api_headers(self.get_response(request))
+        return _api_headers(_host_refusal(request) or self.get_response(request))
 
     async def _acall(self, request):
         if request.path.startswith(ADMIN_PATH_PREFIX):
             return await self.admin(request)
-        return _api_headers(await self.get_response(request))
+        return _api_headers(_host_refusal(request) or await self.get_response(request))
+
+
+# Probes (a load balancer's, Kubernetes') often name the address they dial, not the site.
+HOST_CHECK_EXEMPT_PATHS = frozenset({"/healthz"})
+_security_log = logging.getLogger("django.security.DisallowedHost")
+
+
+def _host_refusal(request) -> JsonResponse | None:
+    """ALLOWED_HOSTS on the API routes, as CommonMiddleware holds the admin to it: a Host it does
+    not list is 400 in the native error shape (Django's own answer is an HTML page). The front's
+    views check their own in OpenAI's shape (served in process, they skip this middleware), and
+    its in-process native calls were checked there."""
+    if (
+        request.path in HOST_CHECK_EXEMPT_PATHS
+        or request.path.startswith(FRONT_PATH_PREFIX)
+        or IN_PROCESS_ENVIRON_KEY in request.META  # the mounted front's own call: no Host was sent
+    ):
+        return None
+    try:
+        request.get_host()
+    except DisallowedHost as error:
+        _security_log.warning(str(error))
+        return JsonResponse({"message": HOST_NOT_SERVED_MESSAGE, "rc": "BadRequest"}, status=400)
+    return None
 
 
 def _api_headers(response):

@@ -135,11 +135,14 @@ def front_django_handler() -> Any:
     return FrontDjangoHandler()
 
 
+FRONT_PATH_PREFIX = "/v1/"
+
+
 class FrontASGI:
     """`app` serves every path outside `prefix`; `front_app`, when given, serves the front's routes
     (else `app` serves them too)."""
 
-    def __init__(self, app: Any, *, prefix: str = "/v1/", serve_healthz: bool = False, front_app: Any = None):
+    def __init__(self, app: Any, *, prefix: str = FRONT_PATH_PREFIX, serve_healthz: bool = False, front_app: Any = None):
         self.app = app
         self.front_app = front_app or app
         self.prefix = prefix

@@ -19,6 +19,12 @@ ERROR_TYPES = {
 }
 
 
+# A Host header ALLOWED_HOSTS does not list, on either API (Django's own message is for the operator).
+HOST_NOT_SERVED_MESSAGE = "The Host header names a host this horde does not serve."
+# The WSGI environ key that marks the front's in-process native calls (oai.horde_client).
+IN_PROCESS_ENVIRON_KEY = "horde.in_process"
+
+
 class ChatFrontError(Exception):
     """One error answer: HTTP status, OpenAI type, code, param, message, headers and metadata."""
 

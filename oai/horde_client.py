@@ -39,6 +39,7 @@ import httpx
 
 from contract.chat_limits import CHAT_IMAGE_FETCH_TOTAL_SECONDS
 from contract.rate_limits import PROXIED_FOR_HEADER, PROXY_PASSKEY_HEADER
+from oai.errors import IN_PROCESS_ENVIRON_KEY
 from oai.metrics import FrontMetrics
 from oai.settings import FrontSettings
 
@@ -303,6 +304,8 @@ class HordeClient:
             "wsgi.multithread": True,
             "wsgi.multiprocess": True,
             "wsgi.run_once": False,
+            # Not from the network: no client can set a key without HTTP_ (the Host check skips it).
+            IN_PROCESS_ENVIRON_KEY: True,
         }
         if body:
             environ["CONTENT_TYPE"] = "application/json"

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from typing import Any
 
 from adrf.views import APIView
+from django.core.exceptions import DisallowedHost
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema, inline_serializer
@@ -22,7 +24,7 @@ from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.response import Response
 
 from oai import app
-from oai.errors import ChatFrontError
+from oai.errors import HOST_NOT_SERVED_MESSAGE, ChatFrontError
 from oai.state import get_front_state
 
 
@@ -87,8 +89,6 @@ def openai_exception_handler(exc, context) -> Response:
     elif isinstance(exc, exceptions.APIException):
         error = ChatFrontError(exc.status_code, "BadRequest", str(exc.detail), should_retry=False)
     else:
-        import logging
-
         logging.getLogger("oai").exception("unhandled error in the OpenAI front")
         error = ChatFrontError(
             500, "InternalError", "The AI Horde front failed to handle the request.", type="api_error"
@@ -153,6 +153,7 @@ class FrontView(APIView):
         self.request = request
         self.headers = self.default_response_headers
         try:
+            _check_host(request._request)
             self.initial(request, *args, **kwargs)
             method = request.method.lower()
             handler = getattr(self, method, None) if method in self.http_method_names else None
@@ -164,6 +165,16 @@ class FrontView(APIView):
             response = self.handle_exception(exc)
         self.response = self.finalize_response(request, response, *args, **kwargs)
         return self.response
+
+
+def _check_host(django_request) -> None:
+    """ALLOWED_HOSTS, as the native routes hold to it (hordesite.middleware): the front's routes
+    skip the horde's middleware (oai.asgi.front_django_handler)."""
+    try:
+        django_request.get_host()
+    except DisallowedHost as error:
+        logging.getLogger("django.security.DisallowedHost").warning(str(error))
+        raise ChatFrontError(400, "invalid_host", HOST_NOT_SERVED_MESSAGE, should_retry=False) from None
 
 
 def _response(answer: app.JsonAnswer) -> HttpResponse:
