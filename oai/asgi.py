@@ -63,7 +63,14 @@ def cors_headers() -> list[tuple[str, str]]:
 def preflight_headers(policy: CorsPolicy, requested: str | None) -> list[tuple[str, str]]:
     """A preflight's answer headers (besides cors_headers()); `requested`: its
     Access-Control-Request-Headers, allowed too."""
-    allowed = f"{policy.allowed_headers}, {requested}" if requested else policy.allowed_headers
+    names = [policy.allowed_headers]
+    if requested:  # the ones the policy does not list already, each named once
+        seen = {name.strip().lower() for name in policy.allowed_headers.split(",")}
+        for name in (part.strip() for part in requested.split(",")):
+            if name and name.lower() not in seen:
+                seen.add(name.lower())
+                names.append(name)
+    allowed = ", ".join(names)
     return [
         ("Access-Control-Allow-Methods", policy.allowed_methods),
         ("Access-Control-Allow-Headers", allowed),

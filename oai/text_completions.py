@@ -22,6 +22,7 @@ from contract.chat_limits import CHAT_MAX_TOKENS_DEFAULT
 from contract.text import (
     TEXT_BOOLEAN_PARAMS,
     TEXT_MAX_CONTEXT_LENGTH_RANGE,
+    TEXT_MAX_LENGTH_RANGE,
     TEXT_MAX_STOP_SEQUENCES,  # the native list's length; OpenAI's 4 would refuse SillyTavern's instruct stops
     TEXT_PARAM_RANGES,
     TEXT_SAMPLER_ORDER_RANGE,
@@ -437,6 +438,9 @@ def screen_text_request(raw_body: Any) -> TextCompletionRequest:
         _check_models(body)
     # OpenAI's bounds, but the stop count: the native text route takes up to 32 stop sequences.
     _check_ranges({key: value for key, value in body.items() if key != "stop"})
+    max_tokens_ceiling = TEXT_MAX_LENGTH_RANGE[1]  # the native text route's bound, said at the client's key
+    if _is_number(body.get("max_tokens")) and body["max_tokens"] > max_tokens_ceiling:
+        raise _range_error("max_tokens", "integer", max_tokens_ceiling, True, body["max_tokens"])
     _check_stop_count(body.get("stop"))
     samplers = native_samplers(body)
     horde = _check_horde(body.get("horde", {}))

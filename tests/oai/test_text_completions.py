@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from chat.models import GenerationRequest
 from tests.oai.conftest import MODEL
 
 pytestmark = pytest.mark.slow
@@ -199,6 +200,8 @@ REFUSALS = [
     ({"suffix": "The end."}, openai.BadRequestError, "suffix", "UnsupportedChatParameter"),
     ({"logit_bias": {"50256": -100}}, openai.BadRequestError, "logit_bias", "UnsupportedChatParameter"),
     ({"max_tokens": 8}, openai.BadRequestError, "max_tokens", "UnsupportedChatParameter"),
+    # The native text route's bound, said in OpenAI's words before the request is sent on.
+    ({"max_tokens": 5000}, openai.BadRequestError, "max_tokens", "UnsupportedChatParameter"),
     ({"temperature": 2.5}, openai.BadRequestError, "temperature", "UnsupportedChatParameter"),
     ({"stop": ["a"] * 33}, openai.BadRequestError, "stop", "UnsupportedChatParameter"),
     ({"models": [MODEL]}, openai.BadRequestError, "models", "ChatRequestConflict"),
@@ -213,7 +216,6 @@ REFUSALS = [
     # Refused by the native text route, its field named as the client sent it.
     ({"stop": ["\nYou:", ""]}, openai.BadRequestError, "stop[1]", "BadRequest"),
     ({"stop": ""}, openai.BadRequestError, "stop", "BadRequest"),
-    ({"max_tokens": 5000}, openai.BadRequestError, "max_tokens", "BadRequest"),
     ({"top_p": 0}, openai.BadRequestError, "top_p", "BadRequest"),
     ({"horde": {"only": ["scribe-1"]}}, openai.BadRequestError, "horde.only[0]", "BadRequest"),
     ({"horde": {"max_context_length": 10}}, openai.BadRequestError, "horde.max_context_length", "BadRequest"),
@@ -553,3 +555,20 @@ def test_standalone_front_serves_completions_and_404s_unknown_paths(
         sdk.embeddings.create(model=MODEL, input="Hello")
     assert caught.value.body["code"] == "unknown_url"
     assert httpx.get(f"{standalone_front}/v1/openapi.json", timeout=10).status_code == 200
+
+
+def test_max_tokens_above_the_text_bound_is_refused_in_openai_words(front, requester):
+    response = httpx.post(
+        f"{front.live.v1}/completions",
+        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 100_000},
+        headers={"Authorization": f"Bearer {requester.key}"},
+        timeout=20,
+    )
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": "Invalid 'max_tokens': integer above maximum value. Expected a value <= 4096, but got 100000 instead.",
+        "type": "invalid_request_error",
+        "param": "max_tokens",
+        "code": "UnsupportedChatParameter",
+    }
+    assert not GenerationRequest.objects.exists()  # refused before anything was queued
