@@ -20,7 +20,7 @@ from oai.errors import ChatFrontError
 from oai.horde_client import NativeUnreachable
 from oai.mapping import build_completion, build_model_card
 from oai.run import ANONYMOUS_API_KEY, ChatRun
-from oai.schema import parse_body, screen_request
+from oai.schema import model_not_found, parse_body, screen_request
 from oai.state import get_front_state
 from oai.streaming import stream_completion
 from oai.text_completions import TextCompletionRequest, screen_text_request
@@ -176,3 +176,15 @@ async def list_models() -> JsonAnswer:
         build_model_card(entry) for entry in answer.body if isinstance(entry, dict) and entry.get("chat")
     ]
     return JsonAnswer(200, {"object": "list", "data": cards}, {})
+
+
+async def retrieve_model(model_id: str) -> JsonAnswer:
+    """GET /v1/models/{model} (the SDKs' models.retrieve): the list's card with that id, else OpenAI's
+    404 model_not_found."""
+    listed = await list_models()
+    if listed.status != 200:
+        return listed
+    for card in listed.body["data"]:
+        if card["id"] == model_id:
+            return JsonAnswer(200, card, {})
+    return _json_error(model_not_found(model_id, "model"))

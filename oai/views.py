@@ -302,6 +302,21 @@ class ModelsView(FrontView):
         return _response(await app.list_models())
 
 
+class ModelView(FrontView):
+    """GET /v1/models/{model}: one model card of the list (a model id may hold slashes)."""
+
+    @extend_schema(
+        operation_id="oai_model",
+        tags=["openai"],
+        responses={
+            200: OpenApiResponse(description="the model card"),
+            404: OpenApiResponse(description="model_not_found: no online chat worker serves it"),
+        },
+    )
+    async def get(self, request, model_id: str, *args: Any, **kwargs: Any):
+        return _response(await app.retrieve_model(model_id))
+
+
 async def unknown_path(request, *args: Any, **kwargs: Any) -> JsonResponse:
     """Any other /v1/ path, whatever the method: 404 in OpenAI's error shape (OpenAI's own message)."""
     error = ChatFrontError(

@@ -360,6 +360,17 @@ def test_models_match_the_workers_online(front, client, start_worker):
     other = cards[OTHER_MODEL].model_dump()
     assert other["supported_parameters"] == ["max_tokens", "temperature", "top_p", "stop"]
     assert other["architecture"]["input_modalities"] == ["text"]
+    # models.retrieve reads the same card, its id's slashes and all.
+    assert "/" in MODEL and client.models.retrieve(MODEL).model_dump() == card
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("nobody/serves-this")
+    assert caught.value.body == {
+        "message": "The model `nobody/serves-this` does not exist or you do not have access to it.",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+    assert caught.value.response.headers["x-should-retry"] == "false"
 
 
 # --- metrics and the finished line ------------------------------------------------------------------

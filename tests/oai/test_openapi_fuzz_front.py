@@ -41,7 +41,7 @@ def fuzz_front(front, requester, start_worker, start_text_worker):
 
 
 def test_the_front_schema_lists_the_front_routes():
-    assert set(_front_schema()["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models"}
+    assert set(_front_schema()["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}"}
 
 
 @schema.parametrize()

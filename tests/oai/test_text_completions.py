@@ -306,7 +306,7 @@ def test_unknown_v1_paths_are_404_in_openai_shape(front, client):
         client.embeddings.create(model=MODEL, input="Hello")
     assert caught.value.body["code"] == "unknown_url"
     assert caught.value.body["type"] == "invalid_request_error"
-    for method, path in (("GET", "/v1/"), ("POST", "/v1/engines/x/completions"), ("DELETE", "/v1/models/x")):
+    for method, path in (("GET", "/v1/"), ("POST", "/v1/engines/x/completions"), ("GET", "/v1/files")):
         response = httpx.request(method, f"{front.live.url}{path}", timeout=10)
         assert response.status_code == 404
         assert response.json()["error"]["message"] == (
@@ -315,8 +315,9 @@ def test_unknown_v1_paths_are_404_in_openai_shape(front, client):
         )
         assert response.headers["access-control-allow-origin"] == "*"
     # A known path with another method keeps its 405, in the same shape.
-    response = httpx.get(f"{front.live.v1}/completions", timeout=10)
-    assert response.status_code == 405 and response.json()["error"]["code"] == "method_not_allowed"
+    for method, path in (("GET", "/v1/completions"), ("DELETE", "/v1/models/x")):
+        response = httpx.request(method, f"{front.live.url}{path}", timeout=10)
+        assert response.status_code == 405 and response.json()["error"]["code"] == "method_not_allowed"
 
 
 def test_unknown_v1_paths_on_the_standalone_front(settings):
