@@ -33,6 +33,11 @@ RC_STATUS: dict[str, int] = {
     "SharedKeyExpired": 403,
     "SharedKeyInsufficientKudos": 403,
     "NoSharedKeyModSelected": 400,
+    "NotOwner": 403,
+    "NoWorkerModSelected": 400,
+    "TooLongWorkerName": 400,
+    "WorkerNameAlreadyExists": 400,
+    "Locked": 423,
 }
 
 

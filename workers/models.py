@@ -7,12 +7,17 @@ from django.db import models
 
 from accounts.models import HordeUser
 
+# Upstream's bounds on what an owner writes on a worker (its columns' lengths).
+WORKER_NAME_MAX_LENGTH = 100
+WORKER_INFO_MAX_LENGTH = 1000
+WORKER_MAINTENANCE_MESSAGE_MAX_LENGTH = 300
+
 
 class Worker(models.Model):
     """A text worker, registered on its first pop and updated by each later pop (its check-in)."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    name = models.CharField(max_length=100, unique=True)
+    name = models.CharField(max_length=WORKER_NAME_MAX_LENGTH, unique=True)
     owner = models.ForeignKey(HordeUser, on_delete=models.CASCADE, related_name="workers")
     served_models = models.JSONField(default=list)
     max_length = models.PositiveIntegerField(default=80)
@@ -48,6 +53,10 @@ class Worker(models.Model):
     image_transports = models.JSONField(default=list, blank=True)
     chat_tools_max_temperature = models.FloatField(null=True, blank=True)
     nonconformant_replies = models.PositiveIntegerField(default=0)
+    # The owner's note shown in the worker's details, and the message its pops get in maintenance
+    # (PUT /api/v2/workers/{id}, as upstream's); null: none set.
+    info = models.CharField(max_length=WORKER_INFO_MAX_LENGTH, null=True, blank=True)
+    maintenance_msg = models.CharField(max_length=WORKER_MAINTENANCE_MESSAGE_MAX_LENGTH, null=True, blank=True)
     created = models.DateTimeField(auto_now_add=True)
     # When a check-in or a switch last changed what the worker serves (for operators; the readers'
     # signal of such a change is ServingVersion).

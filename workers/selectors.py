@@ -136,6 +136,8 @@ def worker_details(worker: Worker) -> dict:
         "accepts_chat_jobs": worker.accepts_chat_jobs,
         "accepts_prompt_jobs": worker.accepts_prompt_jobs,
     }
+    if worker.info is not None:  # the owner's note, when one was set (upstream skips a null)
+        details["info"] = worker.info
     chat = worker_chat_declaration(worker).details()
     if chat is not None:
         details["chat"] = chat

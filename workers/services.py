@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal
@@ -20,9 +21,11 @@ from contract.errors import HordeError
 from contract.process_cache import ProcessCache
 from contract.text import WORKER_SPEED_SAMPLES, is_validated_bridge
 from workers.declarations import declaration_mask
-from workers.models import Worker
+from workers.models import WORKER_INFO_MAX_LENGTH, WORKER_NAME_MAX_LENGTH, Worker
 from workers.selectors import online_cutoff, worker_details_cache_key, worker_details_name_cache_key
 from workers.serving_version import serving_changed
+
+log = logging.getLogger(__name__)
 
 # A worker pops about once a second; an unchanged declaration rewrites its row (the check-in
 # time) at most this often. Online means checked in within WORKER_ONLINE_SECONDS (300).
@@ -192,20 +195,103 @@ def worker_record_nonconformant(*, worker_id) -> None:
     Worker.objects.filter(pk=worker_id).update(nonconformant_replies=F("nonconformant_replies") + 1)
 
 
-def worker_update(*, worker: Worker, actor: HordeUser, maintenance: bool | None = None, paused: bool | None = None) -> Worker:
-    if actor.pk != worker.owner_id and not actor.moderator:
-        raise HordeError("WrongCredentials", "Only the worker's owner or a moderator can change it.", status=403)
-    if paused is not None and not actor.moderator:
-        raise HordeError("NotModerator", "Only a moderator can pause a worker.")
+WORKER_DELETE_LOCKED_MESSAGE = (
+    "Could not delete the worker at this point as it's referenced by a job it completed. "
+    "Please try again once the requests it served have expired."
+)
+
+
+def worker_update(
+    *,
+    worker: Worker,
+    actor: HordeUser,
+    maintenance: bool | None = None,
+    maintenance_msg: str | None = None,
+    paused: bool | None = None,
+    info: str | None = None,
+    name: str | None = None,
+) -> dict[str, Any]:
+    """The owner's (or a moderator's) changes to a worker, with upstream's rules per field; returns
+    what changed, as PUT /api/v2/workers/{id} answers it."""
+    owner_or_moderator = actor.pk == worker.owner_id or actor.moderator
+    changed: dict[str, Any] = {}
+    old_name = worker.name
     if maintenance is not None:
+        if not owner_or_moderator:
+            raise HordeError("NotOwner", "Only the worker's owner or a moderator can change it.")
         worker.maintenance = maintenance
+        # A message stands only with the maintenance it explains.
+        worker.maintenance_msg = maintenance_msg or None if maintenance else None
+        changed["maintenance"] = maintenance
+    if info is not None:
+        if not owner_or_moderator:
+            raise HordeError("NotOwner", "Only the worker's owner or a moderator can change it.")
+        if len(info) > WORKER_INFO_MAX_LENGTH:
+            raise HordeError(
+                "TooLongWorkerName",  # upstream's rc for a long info too
+                f"The specified worker info is too long. Please stay below {WORKER_INFO_MAX_LENGTH}",
+            )
+        worker.info = info
+        changed["info"] = info
     if paused is not None:
+        if not actor.moderator:
+            raise HordeError("NotModerator", "Only a moderator can pause a worker.")
         worker.paused = paused
+        changed["paused"] = paused
+    if name is not None and name != worker.name:
+        if not owner_or_moderator:
+            raise HordeError("NotModerator", "Only the worker's owner or a moderator can rename it.")
+        if not name.strip():
+            raise HordeError("BadRequest", "A worker's name cannot be empty.")
+        if len(name) > WORKER_NAME_MAX_LENGTH:
+            raise HordeError(
+                "TooLongWorkerName",
+                f"The specified worker name is too long. Please stay below {WORKER_NAME_MAX_LENGTH}",
+            )
+        worker.name = name
+    if name is not None:
+        changed["name"] = worker.name
+    if not changed:
+        raise HordeError("NoWorkerModSelected", "No worker modification selected!")
     worker.serving_changed_at = timezone.now()
-    worker.save(update_fields=["maintenance", "paused", "serving_changed_at"])
-    worker_rows.forget(worker.name)
-    serving_changed()  # a worker in maintenance or paused serves nothing
-    # The owner sees their own switch at once, whatever the details cache holds.
-    cache.delete_many([worker_details_cache_key(worker.pk), worker_details_name_cache_key(worker.name)])
-    return worker
+    try:
+        with transaction.atomic():
+            worker.save(
+                update_fields=["maintenance", "maintenance_msg", "paused", "info", "name", "serving_changed_at"]
+            )
+    except IntegrityError:  # the unique name, taken since (or before) the check above could see
+        raise HordeError(
+            "WorkerNameAlreadyExists", f"The specified worker name '{name}' is already taken!"
+        ) from None
+    _worker_changed(worker.pk, old_name, worker.name)
+    return changed
+
+
+def worker_delete(*, worker_id, actor: HordeUser) -> dict[str, str]:
+    """Delete a worker that served no job still stored (its generations would go with it)."""
+    with transaction.atomic():
+        # Locked against a pop's insert of a generation (which takes a key-share lock on the row).
+        worker = Worker.objects.select_for_update().filter(pk=worker_id).first()
+        if worker is None:
+            raise HordeError("WorkerNotFound", f"Worker with ID '{worker_id}' not found.")
+        if actor.pk != worker.owner_id and not actor.moderator:
+            raise HordeError("NotModerator", "Only the worker's owner or a moderator can delete it.")
+        if worker.generations.exists():
+            raise HordeError("Locked", WORKER_DELETE_LOCKED_MESSAGE)
+        deleted = {"deleted_id": str(worker.pk), "deleted_name": worker.name}
+        worker.delete()
+    log.warning("%s deleted worker: %s", actor.unique_alias, deleted["deleted_name"])
+    _worker_changed(worker_id, deleted["deleted_name"], deleted["deleted_name"])
+    return deleted
+
+
+def _worker_changed(worker_id: Any, old_name: str, name: str) -> None:
+    """What every reader of the worker holds is dropped: the pop's row, the readers' snapshots (a
+    worker in maintenance, paused or gone serves nothing) and its details, by id and by name(s)."""
+    for each in {old_name, name}:
+        worker_rows.forget(each)
+    serving_changed()
+    cache.delete_many(
+        [worker_details_cache_key(worker_id), worker_details_name_cache_key(old_name), worker_details_name_cache_key(name)]
+    )
 

@@ -177,7 +177,8 @@ def worker_pop(
     if worker.maintenance:
         raise HordeError(
             "WorkerMaintenance",
-            f"Worker {worker.name} is in maintenance mode; it receives no jobs until its owner lifts it.",
+            worker.maintenance_msg
+            or f"Worker {worker.name} is in maintenance mode; it receives no jobs until its owner lifts it.",
         )
     if worker.paused:
         return PoppedJob(request=None, generations=[], model=None, skipped={})

@@ -1,4 +1,4 @@
-"""Worker registry routes: list, details (by id and by name), and the owner's maintenance switch."""
+"""Worker registry routes: list, details (by id and by name), and the owner's changes and delete."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from rest_framework.views import APIView
 
 from accounts.api.callers import registered_caller
 from contract.errors import HordeError
-from workers.models import Worker
+from workers.models import WORKER_MAINTENANCE_MESSAGE_MAX_LENGTH, Worker
 from workers.selectors import (
     worker_details,
     worker_get,
@@ -17,7 +17,7 @@ from workers.selectors import (
     worker_get_cached_by_name,
     workers_online_details,
 )
-from workers.services import worker_update
+from workers.services import worker_delete, worker_update
 
 
 def _worker_or_404(worker_id, *, cached: bool = False) -> Worker:
@@ -49,16 +49,37 @@ class WorkerByNameView(APIView):
 class WorkerDetailView(APIView):
     class UpdateSerializer(serializers.Serializer):
         maintenance = serializers.BooleanField(required=False)
+        maintenance_msg = serializers.CharField(
+            required=False, allow_blank=True, max_length=WORKER_MAINTENANCE_MESSAGE_MAX_LENGTH
+        )
         paused = serializers.BooleanField(required=False)
+        # Length bounds are the service's, with upstream's rc (TooLongWorkerName).
+        info = serializers.CharField(required=False, allow_blank=True, trim_whitespace=False)
+        name = serializers.CharField(required=False, allow_blank=True, trim_whitespace=False)
+
+    class UpdateOutputSerializer(serializers.Serializer):
+        maintenance = serializers.BooleanField(required=False)
+        paused = serializers.BooleanField(required=False)
+        info = serializers.CharField(required=False)
+        name = serializers.CharField(required=False)
+
+    class DeleteOutputSerializer(serializers.Serializer):
+        deleted_id = serializers.CharField()
+        deleted_name = serializers.CharField()
 
     @extend_schema(responses={200: dict})
     def get(self, request, worker_id):
         return Response(worker_details(_worker_or_404(worker_id, cached=True)))
 
-    @extend_schema(request=UpdateSerializer, responses={200: dict})
+    @extend_schema(request=UpdateSerializer, responses={200: UpdateOutputSerializer})
     def put(self, request, worker_id):
         actor = registered_caller(request)
         body = self.UpdateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        worker = worker_update(worker=_worker_or_404(worker_id), actor=actor, **body.validated_data)
-        return Response({"maintenance": worker.maintenance, "paused": worker.paused})
+        changed = worker_update(worker=_worker_or_404(worker_id), actor=actor, **body.validated_data)
+        return Response(self.UpdateOutputSerializer(changed).data)
+
+    @extend_schema(responses={200: DeleteOutputSerializer})
+    def delete(self, request, worker_id):
+        deleted = worker_delete(worker_id=worker_id, actor=registered_caller(request))
+        return Response(self.DeleteOutputSerializer(deleted).data)
