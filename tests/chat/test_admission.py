@@ -379,3 +379,27 @@ def test_each_assignment_records_its_wait_from_the_request_creation(horde, make_
     )
     assert list(points) == [key]
     assert points[key].count == 2 and 60 <= points[key].sum < 70
+
+
+def test_performance_counts_the_tokens_generated_in_the_last_minute(horde, make_user):
+    """KoboldAI Lite shows "A total of N tokens were generated in the last minute" from it."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from chat.models import Generation
+    from chat.services.pop_cache import queue_grew
+
+    requester, owner = make_user("r", kudos=1000), make_user("o")
+    for _ in range(2):
+        assert horde.text_async(requester.key, models=[MODEL]).status_code == 202
+    queue_grew()
+    first, second = (horde.pop(owner.key).json()["id"] for _ in range(2))
+    assert horde.submit(owner.key, first, "x" * 400).status_code == 200  # 100 tokens by the estimate
+    assert horde.submit(owner.key, second, "y" * 81).status_code == 200  # 21
+    assert horde.client.get("/api/v2/status/performance").json()["past_minute_tokens"] == 121
+    # A worker's own count (a chat reply's usage) is taken as it is; a minute later none counts.
+    Generation.objects.filter(pk=second).update(completion_tokens=7)
+    assert horde.client.get("/api/v2/status/performance").json()["past_minute_tokens"] == 107
+    Generation.objects.filter(pk=first).update(finished_at=timezone.now() - timedelta(seconds=61))
+    assert horde.client.get("/api/v2/status/performance").json()["past_minute_tokens"] == 7
