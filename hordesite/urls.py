@@ -28,6 +28,7 @@ api_v2 = [
     path("workers/name/<str:worker_name>", WorkerByNameView.as_view()),
     path("status/heartbeat", chat_views.HeartbeatView.as_view()),
     path("status/models", chat_views.ModelsStatusView.as_view()),
+    path("status/models/<path:model_name>", chat_views.ModelStatusView.as_view()),
     path("status/performance", chat_views.PerformanceView.as_view()),
     path("status/modes", chat_views.ModesView.as_view()),
 ]

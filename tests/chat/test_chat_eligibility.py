@@ -371,6 +371,9 @@ def test_chat_model_list(horde, owner, requester):
     assert plain[MODEL]["count"] == 4 + 2 + 1  # chat workers that take text jobs count
     assert plain["solo/model"]["count"] == 0  # prompt_jobs: false threads are left out
     assert plain[MODEL]["jobs"] == 1 and plain[MODEL]["queued"] == 100  # chat requests share the queue
+    # One model's entry, its slash and all, as a list (upstream's status/models/{model_name}).
+    assert horde.client.get(f"/api/v2/status/models/{MODEL}").json() == [plain[MODEL]]
+    assert horde.client.get("/api/v2/status/models/nobody/serves-this").json() == []
 
     listed = {m["name"]: m for m in horde.client.get("/api/v2/status/models?type=text&chat=true").json()}
     assert set(listed) == {MODEL, "solo/model"}
