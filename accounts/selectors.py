@@ -42,15 +42,20 @@ def anonymous_user_get() -> HordeUser:
     return user
 
 
+def user_get_by_id(user_id: int) -> HordeUser | None:
+    return HordeUser.objects.filter(pk=user_id).first()
+
+
 def user_get_fresh(user: HordeUser) -> HordeUser:
     """The user's row as stored now (balances included)."""
     return HordeUser.objects.get(pk=user.pk)
 
 
-def user_details(user: HordeUser, *, shared_key: SharedKey | None = None) -> dict:
+def user_details(user: HordeUser, *, shared_key: SharedKey | None = None, private: bool = True) -> dict:
     """The find_user body: the user's row read fresh (the balance never comes from the key cache).
-    The owner's own key also sees its workers' and shared keys' ids; a shared key sees neither and
-    is named after its owner, as upstream's "alias#1 (Shared Key: name)"."""
+    The owner's own key (`private`: the user or a moderator asking) also sees its workers' and
+    shared keys' ids; a shared key sees neither and is named after its owner, as upstream's
+    "alias#1 (Shared Key: name)"."""
     user = user_get_fresh(user)
     worker_ids = [str(w) for w in user.workers.values_list("id", flat=True)]
     details: dict = {
@@ -65,6 +70,8 @@ def user_details(user: HordeUser, *, shared_key: SharedKey | None = None) -> dic
     if shared_key is not None:
         name = f": {shared_key.name}" if shared_key.name is not None else ""
         details["username"] = f"{user.unique_alias} (Shared Key{name})"
+        return details
+    if not private:
         return details
     details["worker_ids"] = worker_ids
     details["sharedkey_ids"] = [str(k) for k in user.shared_keys.order_by("created").values_list("id", flat=True)]

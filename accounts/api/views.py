@@ -16,7 +16,7 @@ from accounts.models import (
     SharedKey,
 )
 from accounts.ratelimit import check_submit_rate_limits
-from accounts.selectors import shared_key_details, shared_key_get, user_details
+from accounts.selectors import shared_key_details, shared_key_get, user_details, user_get_by_id
 from contract.errors import HordeError
 from contract.text import TEXT_MAX_LENGTH_RANGE
 
@@ -41,6 +41,24 @@ class FindUserView(APIView):
         # The caller's identity may come from the process's key cache; user_details re-reads the row.
         details = user_details(requester(request), shared_key=shared_key_of(request))
         return Response(self.OutputSerializer(details).data)
+
+
+class UserDetailView(APIView):
+    """GET /api/v2/users/{user_id}: a user's details by the numeric part of their alias; their
+    workers' and shared keys' ids only to themselves and to moderators, as upstream's."""
+
+    @extend_schema(responses=FindUserView.OutputSerializer)
+    def get(self, request, user_id: str):
+        if not user_id.isdigit():
+            raise HordeError(
+                "UserNotFound", "Please use only the numerical part of the userID. E.g. the '1' in 'db0#1'"
+            )
+        user = user_get_by_id(int(user_id)) if len(user_id) < 19 else None  # beyond a bigint: no one
+        if user is None:
+            raise HordeError("UserNotFound", f"User with ID '{user_id}' not found.")
+        caller = requester(request)
+        private = shared_key_of(request) is None and not caller.is_anonymous and (caller.pk == user.pk or caller.moderator)
+        return Response(FindUserView.OutputSerializer(user_details(user, private=private)).data)
 
 
 class SharedKeyInputSerializer(serializers.Serializer):

@@ -403,3 +403,25 @@ def test_performance_counts_the_tokens_generated_in_the_last_minute(horde, make_
     assert horde.client.get("/api/v2/status/performance").json()["past_minute_tokens"] == 107
     Generation.objects.filter(pk=first).update(finished_at=timezone.now() - timedelta(seconds=61))
     assert horde.client.get("/api/v2/status/performance").json()["past_minute_tokens"] == 7
+
+
+def test_user_details_by_id_show_private_ids_to_the_user_and_moderators(horde, make_user):
+    alice, bob, moderator = make_user("alice", kudos=42), make_user("bob"), make_user("mod", moderator=True)
+    assert horde.pop(alice.key, name="alice-worker").status_code == 200
+    path = f"/api/v2/users/{alice.user.pk}"
+    public = horde.client.get(path).json()
+    assert public["username"] == f"alice#{alice.user.pk}" and public["kudos"] == 42.0
+    assert public["worker_count"] == 1 and "worker_ids" not in public and "sharedkey_ids" not in public
+    assert "worker_ids" not in horde.client.get(path, HTTP_APIKEY=bob.key).json()
+    for key in (alice.key, moderator.key):
+        private = horde.client.get(path, HTTP_APIKEY=key).json()
+        assert private == horde.client.get("/api/v2/find_user", HTTP_APIKEY=alice.key).json()
+        assert len(private["worker_ids"]) == 1
+    for missing, message in (
+        ("99999999", "User with ID '99999999' not found."),
+        ("alice#1", "Please use only the numerical part of the userID. E.g. the '1' in 'db0#1'"),
+        ("9" * 30, f"User with ID '{'9' * 30}' not found."),
+    ):
+        answer = horde.client.get(f"/api/v2/users/{missing}")
+        assert (answer.status_code, answer.json()) == (404, {"message": message, "rc": "UserNotFound"})
+    assert horde.client.get(path, HTTP_APIKEY="not-a-key").status_code == 401
