@@ -435,7 +435,7 @@ def test_known_model_without_chat_worker_is_no_eligible_worker(horde, make_user,
 # --- step 7: worker_max_length -------------------------------------------------------------------
 
 
-def test_max_tokens_above_every_worker_is_lowered(horde, make_user, owner):
+def test_max_tokens_above_every_worker_is_lowered(horde, make_user, owner, metric_reader):  # noqa: F811
     chat_worker(owner, max_length=1024)
     chat_worker(owner, max_length=700)
     requester = make_user("r", kudos=1000)
@@ -447,6 +447,14 @@ def test_max_tokens_above_every_worker_is_lowered(horde, make_user, owner):
     dry = chat_async(horde.client, requester.key, max_completion_tokens=4096, horde={"dry_run": True})
     assert dry.json()["resolved"]["max_length"] == 1024
     assert dry.json()["context_adjustments"][0]["reason"] == "worker_max_length"
+    # Each lowered request is counted once, by both lengths' buckets, the dry run apart; one within
+    # the workers' length is not counted.
+    assert chat_async(horde.client, requester.key, max_tokens=1024).status_code == 202
+    lowered = {"horde.requested_bucket": "2049-4096", "horde.declared_bucket": "513-1024"}
+    assert counter_points(metric_reader, "horde.chat.max_length_lowered") == {
+        tuple(sorted({**lowered, "horde.dry_run": False}.items())): 1,
+        tuple(sorted({**lowered, "horde.dry_run": True}.items())): 1,
+    }
 
 
 # --- step 8: context sizing ----------------------------------------------------------------------
@@ -489,7 +497,9 @@ def test_reject_and_grow_past_the_bound_are_prompt_exceeds_context(horde, make_u
     assert not GenerationRequest.objects.exists()
 
 
-def test_truncate_oldest_drops_whole_turns_and_keeps_system_and_the_latest_user(horde, make_user, owner):
+def test_truncate_oldest_drops_whole_turns_and_keeps_system_and_the_latest_user(
+    horde, make_user, owner, metric_reader  # noqa: F811
+):
     chat_worker(owner, max_context_length=4096)
     requester = make_user("r")
     turn = _long(4000)  # about 1000 tokens per message
@@ -522,6 +532,11 @@ def test_truncate_oldest_drops_whole_turns_and_keeps_system_and_the_latest_user(
     assert dry.status_code == 200
     assert dry.json()["estimated_prompt_tokens"] == kept_tokens
     assert dry.json()["resolved"]["context_fit"] == "grow"
+    # Each trimmed request is counted as truncated under its mode, the dry run too; nothing was
+    # counted as grown, though the context grew on the way.
+    assert counter_points(metric_reader, "horde.text.context_fit") == {
+        (("horde.mode", "truncate_oldest"), ("horde.outcome", "truncated")): 2
+    }
 
 
 def test_truncate_oldest_that_still_does_not_fit_is_refused(horde, make_user, owner):

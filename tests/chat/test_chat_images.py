@@ -21,6 +21,7 @@ from PIL import Image
 from accounts.models import KudosTransaction
 from chat.models import Generation, GenerationRequest
 from chat.object_store import CHAT_IMAGE_DELETE_RETRY_KEY, chat_image_key
+from chat.services.chat_images import normalise_chat_image
 from chat.services.create_chat import inactive_request_create
 from chat.services.sweeps import expire_requests
 from contract.chat_limits import MAX_CHAT_IMAGE_TOTAL_BYTES_UNTRUSTED, MIN_CHAT_IMAGE_URL_SECONDS
@@ -83,9 +84,12 @@ class ImageHost:
 
     def __init__(self, routes: dict[str, tuple[int, bytes]]):
         routes_ = routes
+        self.requested: list[str] = []  # the paths asked for, in order
+        requested = self.requested
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
+                requested.append(self.path)
                 status, body = routes_.get(self.path, (404, b"missing"))
                 self.send_response(status)
                 self.send_header("Content-Type", "image/png")
@@ -263,6 +267,64 @@ def test_a_url_image_is_fetched_and_stored(horde, make_user, vision_owner, image
     (name,) = stored_files(image_store)
     with Image.open(image_store / name) as stored:
         assert stored.format == "JPEG" and stored.size == (16, 8)
+
+
+def test_url_images_stop_being_fetched_once_the_running_total_passes_the_cap(
+    horde, make_user, vision_owner, image_store, image_host, settings
+):
+    """Each fetched image counts at once: the fetch that passes the total is the last one made."""
+    settings.HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS = ["127.0.0.0/8"]
+    noisy = png(1024, 1024, noise=True)  # about 3 MiB: the second one passes the untrusted total
+    assert 2 * len(noisy) > MAX_CHAT_IMAGE_TOTAL_BYTES_UNTRUSTED > len(noisy)
+    host = image_host({"/a.png": (200, noisy), "/b.png": (200, noisy), "/c.png": (200, noisy)})
+    requester = make_user("r", kudos=1000)
+    urls = [host.url(p) for p in ("/a.png", "/b.png", "/c.png")]
+    response = chat_async(horde.client, requester.key, messages=[image_message(*urls)], max_tokens=64)
+    message = _refused(response, "SourceImageSizeExceeded")
+    assert message == (
+        f"'messages': The request's images total {2 * len(noisy)} bytes, over the "
+        f"{MAX_CHAT_IMAGE_TOTAL_BYTES_UNTRUSTED} byte cap for this request."
+    )
+    assert host.requested == ["/a.png", "/b.png"]
+    assert not GenerationRequest.objects.exists() and stored_files(image_store) == []
+    assert requester.refresh().kudos == Decimal("1000")
+
+
+def _tiled_noise_png(side: int = 2048, tile: int = 8) -> bytes:
+    """A tile of noise repeated: a small PNG that re-encodes to a large JPEG."""
+    import random
+
+    piece = Image.frombytes("RGB", (tile, tile), random.Random(tile).randbytes(tile * tile * 3))
+    image = Image.new("RGB", (side, side))
+    for x in range(0, side, tile):
+        for y in range(0, side, tile):
+            image.paste(piece, (x, y))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_the_images_as_stored_are_held_to_the_total_too(horde, make_user, vision_owner, image_store):
+    """Two PNGs far under the total whose JPEGs together pass it: refused for the encoded size."""
+    tiled = _tiled_noise_png()
+    jpeg = normalise_chat_image(tiled)
+    assert 2 * len(tiled) < MAX_CHAT_IMAGE_TOTAL_BYTES_UNTRUSTED < 2 * len(jpeg)
+    messages = [image_message(data_url(tiled), data_url(tiled))]
+    untrusted, trusted = make_user("u", kudos=1000), make_user("t", kudos=1000, trusted=True)
+    response = chat_async(horde.client, untrusted.key, messages=messages, max_tokens=64)
+    message = _refused(response, "SourceImageSizeExceeded")
+    assert message == (
+        f"'messages': The request's images as stored (JPEG) total {2 * len(jpeg)} bytes, over the "
+        f"{MAX_CHAT_IMAGE_TOTAL_BYTES_UNTRUSTED} byte cap for this request."
+    )
+    assert not GenerationRequest.objects.exists() and stored_files(image_store) == []
+    assert untrusted.refresh().kudos == Decimal("1000")
+    # A dry run counts the data URLs only; a trusted requester's 25 MiB holds both JPEGs.
+    dry = chat_async(horde.client, untrusted.key, messages=messages, max_tokens=64, horde={"dry_run": True})
+    assert dry.status_code == 200, dry.json()
+    accepted = chat_async(horde.client, trusted.key, messages=messages, max_tokens=64)
+    assert accepted.status_code == 202, accepted.json()
+    assert [(image_store / name).stat().st_size for name in stored_files(image_store)] == [len(jpeg), len(jpeg)]
 
 
 def test_a_url_into_a_private_network_is_refused_and_a_missing_image_is_invalid(

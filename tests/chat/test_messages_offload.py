@@ -11,7 +11,9 @@ import json
 import time
 from urllib.parse import parse_qs, urlsplit
 
+import botocore.session
 import pytest
+from django.core.files.storage import Storage
 from django.utils import timezone
 from PIL import Image
 
@@ -59,6 +61,10 @@ def _submit(horde, make_user, messages) -> str:
     return response.json()["id"]
 
 
+def _directives(cache_control: str) -> set[str]:
+    return {d.strip().lower() for d in cache_control.split(",")}
+
+
 def test_a_messages_url_worker_fetches_the_whole_body_with_the_images_inlined(horde, make_user, store):
     owner = make_user("o", trusted=True)
     _register(horde, owner.key, ["messages_url", "url"])
@@ -78,6 +84,7 @@ def test_a_messages_url_worker_fetches_the_whole_body_with_the_images_inlined(ho
     assert Generation.objects.get(pk=popped["id"]).image_transport == "messages_url"
     fetched = horde.client.get(f"{parts.path}?{parts.query}")
     assert fetched.status_code == 200 and fetched["Content-Type"] == "application/json"
+    assert "no-transform" in _directives(fetched["Cache-Control"])
     assert "Content-Encoding" not in fetched and fetched.json() == expected
     # The rest of the payload is as without the offload.
     assert popped["payload"]["max_length"] == 64 and popped["payload"]["n"] == 1
@@ -94,11 +101,81 @@ def test_gzip_is_kept_only_when_smaller_and_served_as_stored(horde, make_user, s
     parts = urlsplit(popped["payload"]["messages_url"])
     fetched = horde.client.get(f"{parts.path}?{parts.query}", HTTP_ACCEPT_ENCODING="identity")
     assert fetched["Content-Encoding"] == "gzip" and json.loads(gzip.decompress(fetched.content)) == LONG_TEXT
+    assert fetched["Content-Type"] == "application/json"
+    assert "no-transform" in _directives(fetched["Cache-Control"])
 
     settings.HORDE_CHAT_MESSAGES_OFFLOAD_BYTES = 10
     short = [{"role": "user", "content": "Hi, how are you?"}]  # gzip would make it larger
     plain_id = _submit(horde, make_user, short)
     assert json.loads((store / chat_messages_key(plain_id)).read_bytes()) == short
+
+
+# PutObject's parameters in S3's own API model, which boto3 checks before anything is sent.
+PUT_OBJECT_PARAMS = set(
+    botocore.session.get_session().get_service_model("s3").operation_model("PutObject").input_shape.members
+)
+
+
+class FakeBucket:
+    """Stands in for the S3-style bucket (boto3's Bucket resource): it keeps each put_object call,
+    refusing a parameter S3's PutObject does not have as boto3 would."""
+
+    def __init__(self):
+        self.puts: list[dict] = []
+
+    def put_object(self, **params):
+        unknown = set(params) - PUT_OBJECT_PARAMS
+        if unknown:
+            raise TypeError(f"PutObject has no parameter {sorted(unknown)}")
+        self.puts.append(params)
+
+
+class BucketStorage(Storage):
+    """A bucket storage (STORAGE_BACKEND=s3's, not the local folder) over a FakeBucket."""
+
+    def __init__(self, bucket: FakeBucket):
+        self.bucket = bucket
+
+
+@pytest.fixture
+def bucket(settings, store):
+    """The messages objects go to a bucket; the images stay in the local folder."""
+    fake = FakeBucket()
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "chat_messages": {"BACKEND": f"{__name__}.BucketStorage", "OPTIONS": {"bucket": fake}},
+    }
+    return fake
+
+
+@pytest.mark.parametrize("gzip_on", [False, True], ids=["plain", "gzip"])
+def test_a_bucket_stores_the_object_as_json_never_transformed_and_gzip_encoded_when_gzipped(
+    horde, make_user, bucket, settings, gzip_on
+):
+    settings.HORDE_CHAT_MESSAGES_OFFLOAD_GZIP = gzip_on
+    _register(horde, make_user("o", trusted=True).key, ["messages_url"])
+    request_id = _submit(horde, make_user, LONG_TEXT)  # repetitive text: gzip is smaller
+    (put,) = bucket.puts
+    body = put.pop("Body")
+    assert put == {
+        "Key": chat_messages_key(request_id),
+        "ContentType": "application/json",
+        "CacheControl": "no-transform",
+        **({"ContentEncoding": "gzip"} if gzip_on else {}),
+    }
+    assert json.loads(gzip.decompress(body) if gzip_on else body) == LONG_TEXT
+    assert (body[:2] == b"\x1f\x8b") is gzip_on
+    if gzip_on:  # a body gzip would make larger is stored plain, without the encoding
+        settings.HORDE_CHAT_MESSAGES_OFFLOAD_BYTES = 10
+        short = [{"role": "user", "content": "Hi, how are you?"}]
+        plain_id = _submit(horde, make_user, short)
+        plain = bucket.puts[1]
+        assert json.loads(plain.pop("Body")) == short
+        assert plain == {
+            "Key": chat_messages_key(plain_id),
+            "ContentType": "application/json",
+            "CacheControl": "no-transform",
+        }
 
 
 def test_a_worker_without_messages_url_receives_an_offloaded_request_inline(horde, make_user, store):

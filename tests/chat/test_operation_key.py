@@ -13,6 +13,7 @@ from accounts.models import KudosTransaction
 from chat.models import GenerationRequest
 from chat.services.create_chat import OPERATION_FINGERPRINT_EXCLUDED_HORDE_KEYS, map_chat_request
 from contract.chat_shapes import validate_chat_request
+from tests.accounts.test_shared_keys import lend
 from tests.chat.chat_route_helpers import MODEL, SMALL_MODEL, chat_async, chat_body, chat_worker
 from tests.races import race
 
@@ -142,6 +143,41 @@ def test_same_key_from_another_user_is_a_separate_claim(horde, make_user, served
     second = chat_async(horde.client, make_user("b").key, horde={"operation_key": key})
     assert (first.status_code, second.status_code) == (202, 202)
     assert first.json()["id"] != second.json()["id"]
+
+
+def test_a_key_sent_through_a_shared_key_is_claimed_for_its_owner(horde, make_user, served, settings):
+    """The claim is the shared key's owner's: the owner's own key repeating the operation is
+    answered with the request the shared key made, and another request with the key conflicts,
+    both before anything that could refuse (the admission flag here)."""
+    lender = make_user("lender", kudos=1000)
+    lent = lend(horde.client, lender.key, name="Mutual Aid", kudos=100)
+    assert lent.status_code == 200, lent.json()
+    shared = lent.json()["id"]
+    key = str(uuid.uuid4())
+    first = chat_async(horde.client, shared, horde={"operation_key": key})
+    assert first.status_code == 202, first.json()
+    kudos_after_first = lender.refresh().kudos
+    settings.HORDE_CHAT_ADMISSION_ENABLED = False
+    again = chat_async(horde.client, lender.key, horde={"operation_key": key})
+    assert again.status_code == 200, again.json()
+    assert again.json() == {"id": first.json()["id"], "kudos": first.json()["kudos"]}
+    request = GenerationRequest.objects.get()
+    assert request.user_id == lender.user.pk and str(request.shared_key_id) == shared
+    assert str(request.operation_key) == key
+    # The shared key repeating it is answered the same way.
+    through_key = chat_async(horde.client, shared, horde={"operation_key": key})
+    assert through_key.status_code == 200 and through_key.json() == again.json()
+    assert lender.refresh().kudos == kudos_after_first
+    conflict = chat_async(
+        horde.client, lender.key, messages=[{"role": "user", "content": "Other"}], horde={"operation_key": key}
+    )
+    assert conflict.status_code == 400
+    assert conflict.json() == {
+        "message": "The operation_key was already used for a different request: a repeated submission has to "
+        "send the same request.",
+        "rc": "OperationKeyConflict",
+    }
+    assert GenerationRequest.objects.count() == 1
 
 
 def test_dry_run_neither_looks_up_nor_claims(horde, make_user, served):
