@@ -4,6 +4,7 @@ CORS, model cards, metrics, the finished-request log line and the standalone pro
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -202,6 +203,40 @@ def test_stream_error_after_headers_is_an_sse_error_event(front, client, live_ho
         list(stream)
     assert "ChatRequestTimeout" in str(caught.value.body) or caught.value.code == "ChatRequestTimeout"
     assert ({"horde.code": "ChatRequestTimeout"}, 1) in front.metrics()["horde.oai.stream.failures"]
+
+
+def test_no_eligible_worker_after_the_grace_is_an_sse_error_event_with_retry_after(
+    front, requester, live_horde, worker_owner
+):
+    """trusted_workers with only an untrusted worker online: the first read passes (the grace
+    starts), the headers go out, and after the grace the stream ends in the error event, whose
+    metadata.retry_after is the Retry-After a non-streamed answer carries."""
+    _idle_worker(live_horde, worker_owner)
+    body = {"model": MODEL, "messages": USER, "stream": True, "horde": {"trusted_workers": True}}
+    with httpx.stream(
+        "POST",
+        f"{front.live.v1}/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {requester.key}"},
+        timeout=10,
+    ) as response:
+        assert response.status_code == 200
+        assert "retry-after" not in response.headers
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) == 2
+    (request,) = _requests()
+    assert json.loads(events[0].removeprefix("data: ")) == {
+        "error": {
+            "message": "No online worker could take this request within the grace period; workers come and "
+            "go, try again later.",
+            "type": "api_error",
+            "param": None,
+            "code": "no_eligible_worker",
+            "metadata": {"request_id": str(request.id), "retry_after": 30},
+        }
+    }
+    assert front.metrics()["horde.oai.stream.failures"] == [({"horde.code": "no_eligible_worker"}, 1)]
+    assert _wait_for(lambda: all(r.cancelled for r in _requests()), 3)
 
 
 # --- admission ------------------------------------------------------------------------------------
