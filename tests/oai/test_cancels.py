@@ -203,7 +203,7 @@ def test_a_cancel_without_a_free_slot_is_not_started_then_sent_again(front, netw
         native_roots=front.state().settings.native_roots,
         cancel_timeout_seconds=0.3,
         cancel_max_connections=1,
-        cancel_retry_seconds=0.5,
+        cancel_retry_seconds=1.0,  # the first retry after the slot is free, unless the host is slow
     )
     network.mode, network.delay = "dribble", 1.0
     first, second = str(uuid.uuid4()), str(uuid.uuid4())
@@ -212,7 +212,9 @@ def test_a_cancel_without_a_free_slot_is_not_started_then_sent_again(front, netw
     network.mode = "forward"
     assert _wait_for(lambda: _outcomes(front).get("already_gone") == 2, 5), _outcomes(front)
     assert _deletes(network) == [first, second]
-    assert _outcomes(front) == {"already_gone": 2, "not_started": 1}
+    outcomes = _outcomes(front)
+    assert outcomes.pop("not_started") >= 1  # each attempt is counted
+    assert outcomes == {"already_gone": 2}
 
 
 # --- retries --------------------------------------------------------------------------------------
@@ -227,7 +229,7 @@ def test_a_failed_cancel_of_a_client_gone_is_sent_again_until_the_horde_answers(
     from tests.oai.test_front import _post_and_drop
 
     front.configure(
-        native_roots=front.state().settings.native_roots, cancel_timeout_seconds=0.3, cancel_retry_seconds=0.4
+        native_roots=front.state().settings.native_roots, cancel_timeout_seconds=2.0, cancel_retry_seconds=0.4
     )
     HordeTestWorker(live=live_horde, key=worker_owner.key).check_in()
     thread = threading.Thread(
