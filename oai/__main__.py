@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import sys
+import uuid
 from typing import Any
 
 from oai.settings import FrontSettings, load_settings
@@ -16,34 +17,30 @@ log = logging.getLogger("oai")
 
 
 def configure_telemetry(settings: FrontSettings) -> bool:
-    """OpenTelemetry (traces and metrics, with the front's histogram views) when
-    HORDE_OAI_TELEMETRY_ENABLED is true and OTEL_SDK_DISABLED is not; Pyroscope when
-    PYROSCOPE_ENABLED is true (also with the SDK disabled). Returns whether OpenTelemetry is on."""
-    if settings.pyroscope_enabled:
-        try:
-            import pyroscope  # type: ignore[import-not-found]
-
-            pyroscope.configure(
-                application_name=settings.service_name or FRONT_SERVICE_NAME,
-                server_address=settings.pyroscope_server_address,
-            )
-        except ImportError:
-            log.warning(
-                "PYROSCOPE_ENABLED is set but the pyroscope package is not installed: profiling is off"
-            )
-    if not settings.telemetry_enabled or settings.otel_sdk_disabled:
+    """OpenTelemetry (traces and metrics, with the front's histogram views) when telemetry is
+    enabled (HORDE_OAI_TELEMETRY_ENABLED, or an OTLP endpoint configured) and OTEL_SDK_DISABLED is
+    not; Pyroscope when PYROSCOPE_ENABLED is true, also with the SDK disabled. The variables,
+    resource attributes and sampling are the Flask application's (upstream horde/telemetry.py), with
+    the service name horde-oai unless OTEL_SERVICE_NAME sets another. Returns whether OpenTelemetry
+    is on."""
+    sdk_on = settings.telemetry_enabled and not settings.otel_sdk_disabled
+    span_processors = start_pyroscope(settings, span_profiles=sdk_on)
+    if not sdk_on:
         return False
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
 
     from oai import asgi
     from oai import metrics as front_metrics
 
-    resource = Resource.create({"service.name": settings.service_name or FRONT_SERVICE_NAME})
+    resource = telemetry_resource(settings)
     readers: list[Any] = []
-    tracer_provider = TracerProvider(resource=resource)
+    # A root span is kept with the ratio's probability; a child follows its parent's decision.
+    tracer_provider = TracerProvider(resource=resource, sampler=ParentBasedTraceIdRatio(settings.traces_sample_ratio))
+    for processor in span_processors:
+        tracer_provider.add_span_processor(processor)
     try:  # the OTLP exporters are optional: without them the SDK records and exports nothing
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter  # type: ignore
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore
@@ -61,6 +58,57 @@ def configure_telemetry(settings: FrontSettings) -> bool:
     asgi.set_tracer(trace.get_tracer("horde.oai"))
     bridge_request_log(_logger_provider(resource))
     return True
+
+
+def telemetry_resource(settings: FrontSettings) -> Any:
+    """The resource the Flask application's Logfire set-up gives its telemetry: the service name,
+    the deployment environment (DEPLOYMENT_ENVIRONMENT) and an id of this process; the SDK adds
+    OTEL_RESOURCE_ATTRIBUTES."""
+    from opentelemetry.sdk.resources import Resource
+
+    return Resource.create(
+        {
+            "service.name": settings.service_name or FRONT_SERVICE_NAME,
+            "deployment.environment.name": settings.deployment_environment,
+            "service.instance.id": uuid.uuid4().hex,
+        }
+    )
+
+
+def start_pyroscope(settings: FrontSettings, *, span_profiles: bool) -> list[Any]:
+    """Pyroscope, as the Flask application starts it, when PYROSCOPE_ENABLED is true: the front's
+    service name as the application name, PYROSCOPE_SERVER_ADDRESS, PYROSCOPE_TENANT_ID and the
+    environment tag. Returns the span processor that links spans to profiles when `span_profiles`
+    (the SDK is on) and pyroscope.otel is installed. A failure is logged, never raised: profiling is
+    not worth the front."""
+    if not settings.pyroscope_enabled:
+        return []
+    try:
+        import pyroscope  # type: ignore[import-not-found]
+
+        pyroscope.configure(
+            application_name=settings.service_name or FRONT_SERVICE_NAME,
+            server_address=settings.pyroscope_server_address,
+            tags={"environment": settings.deployment_environment},
+            tenant_id=settings.pyroscope_tenant_id,
+        )
+    except ImportError:
+        log.warning("PYROSCOPE_ENABLED is set but the pyroscope package is not installed: profiling is off")
+        return []
+    except Exception:
+        log.exception("Pyroscope could not be started: profiling is off")
+        return []
+    if not span_profiles:
+        return []
+    try:
+        from pyroscope.otel import PyroscopeSpanProcessor  # type: ignore[import-not-found]
+
+        return [PyroscopeSpanProcessor()]
+    except ImportError:
+        log.warning("pyroscope-otel is not installed: spans are not linked to profiles")
+    except Exception:
+        log.exception("Pyroscope's span processor could not be made: spans are not linked to profiles")
+    return []
 
 
 def _logger_provider(resource: Any) -> Any:

@@ -12,6 +12,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     408: "timeout_error",
     409: "invalid_request_error",
     413: "invalid_request_error",

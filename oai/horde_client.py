@@ -85,7 +85,17 @@ class NativeUnreachable(Exception):
 
 
 class SubmitAnswerLost(Exception):
-    """The call was sent but its answer did not arrive: its outcome is unknown."""
+    """The call was sent but its answer did not arrive: its outcome is unknown. `timed_out`: the
+    answer did not come within the call's timeout (rather than the connection failing)."""
+
+    def __init__(self, message: str, *, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+def _is_timeout(error: BaseException) -> bool:
+    """Whether a failed call ran out of time, by the exception's type (never its text)."""
+    return isinstance(error, httpx.TimeoutException | asyncio.TimeoutError | TimeoutError)
 
 
 @dataclass(frozen=True)
@@ -217,7 +227,7 @@ class HordeClient:
             ) as error:
                 self._current = (index + 1) % count  # try elsewhere next time
                 self.metrics.native(call_type, "unreachable", time.perf_counter() - started)
-                raise SubmitAnswerLost(str(error) or type(error).__name__) from None
+                raise SubmitAnswerLost(str(error) or type(error).__name__, timed_out=_is_timeout(error)) from None
             self._current = index
             try:
                 body = response.json()
@@ -262,9 +272,9 @@ class HordeClient:
                 status, response_headers, content = await asyncio.wait_for(
                     loop.run_in_executor(self._executor(), _call_wsgi, self.app, environ), timeout=budget
                 )
-            except TimeoutError:
+            except TimeoutError as error:
                 self.metrics.native(call_type, "unreachable", time.perf_counter() - started)
-                raise SubmitAnswerLost("in-process native call: timeout") from None
+                raise SubmitAnswerLost("in-process native call: timeout", timed_out=_is_timeout(error)) from None
         finally:
             if holds_slot:
                 slots.release()
@@ -382,7 +392,9 @@ class HordeClient:
 
     async def cancel(self, request_id: str, *, text: bool = False) -> str:
         """DELETE the request within the cancel timeout; returns the outcome (acknowledged, failed,
-        timed_out, not_started, already_gone)."""
+        timed_out, not_started, already_gone). timed_out is a call whose answer did not come within
+        the timeout (told by the exception's type); failed, any other call without an answer or
+        with an error status."""
         budget = self.settings.cancel_timeout_seconds
         try:
             await asyncio.wait_for(self._cancel_slots.acquire(), timeout=budget)
@@ -397,7 +409,7 @@ class HordeClient:
                 client=self.cancel_http,
             )
         except SubmitAnswerLost as error:
-            return "timed_out" if "timeout" in str(error).lower() or "Timeout" in str(error) else "failed"
+            return "timed_out" if error.timed_out else "failed"
         except NativeUnreachable:
             return "failed"
         finally:

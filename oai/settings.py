@@ -4,6 +4,7 @@ is listed in docs/configuration.md ("The OpenAI front")."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -71,13 +72,38 @@ class FrontSettings:
     # Standalone process.
     host: str = "127.0.0.1"
     port: int = 8001
-    # Telemetry (off by default).
+    # Telemetry (off by default), with the Flask application's variables (upstream horde/telemetry.py).
     telemetry_enabled: bool = False
     otel_sdk_disabled: bool = False
     service_name: str = "horde-oai"
+    deployment_environment: str = "development"
+    # The head sampling ratio of root spans, 0 to 1 (OTEL_TRACES_SAMPLER_ARG).
+    traces_sample_ratio: float = 1.0
     pyroscope_enabled: bool = False
     pyroscope_server_address: str = "http://localhost:4040"
+    pyroscope_tenant_id: str | None = None
     log_level: str = "INFO"
+
+
+# Any of these set turns telemetry on unless HORDE_OAI_TELEMETRY_ENABLED says otherwise, as the Flask
+# application's telemetry_enabled does.
+OTLP_ENDPOINT_VARIABLES = (
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+)
+
+
+def _sample_ratio(value: str) -> float:
+    """OTEL_TRACES_SAMPLER_ARG as the Flask application reads it: a number clamped to 0..1, and 1
+    (everything) when it is not a number."""
+    try:
+        ratio = float(value)
+    except ValueError:
+        return 1.0
+    if math.isnan(ratio):
+        return 1.0
+    return max(0.0, min(1.0, ratio))
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> FrontSettings:
@@ -125,10 +151,15 @@ def load_settings(env: Mapping[str, str] | None = None) -> FrontSettings:
         rate_limit_wait_seconds=read.float("HORDE_OAI_RATE_LIMIT_WAIT_SECONDS", default=5.0),
         host=read.str("HORDE_OAI_HOST", default="") or "127.0.0.1",
         port=read.int("HORDE_OAI_PORT", default=8001),
-        telemetry_enabled=read.bool("HORDE_OAI_TELEMETRY_ENABLED", default=False),
+        telemetry_enabled=read.bool(
+            "HORDE_OAI_TELEMETRY_ENABLED", default=any(env.get(name) for name in OTLP_ENDPOINT_VARIABLES)
+        ),
         otel_sdk_disabled=read.bool("OTEL_SDK_DISABLED", default=False),
         service_name=read.str("OTEL_SERVICE_NAME", default="") or "horde-oai",
+        deployment_environment=read.str("DEPLOYMENT_ENVIRONMENT", default="") or "development",
+        traces_sample_ratio=_sample_ratio(read.str("OTEL_TRACES_SAMPLER_ARG", default="1.0")),
         pyroscope_enabled=read.bool("PYROSCOPE_ENABLED", default=False),
         pyroscope_server_address=read.str("PYROSCOPE_SERVER_ADDRESS", default="http://localhost:4040"),
+        pyroscope_tenant_id=read.str("PYROSCOPE_TENANT_ID", default="") or None,
         log_level=read.str("LOG_LEVEL", default="INFO"),
     )

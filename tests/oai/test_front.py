@@ -4,6 +4,7 @@ CORS, model cards, metrics, the finished-request log line and the standalone pro
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -67,9 +68,12 @@ def _post_and_drop(url: str, key: str, body: dict, after: float) -> None:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_disconnect_cancels_the_horde_request_within_2s(
-    front, requester, live_horde, worker_owner, stream
+    front, requester, live_horde, worker_owner, stream, caplog
 ):
+    """Also what the front records of it: the disconnect wake, and the request's end as
+    client_closed, 499 for a non-streamed request and 200 for a stream whose headers went out."""
     _idle_worker(live_horde, worker_owner)
+    caplog.set_level("INFO", logger="oai.requests")
     body = {"model": MODEL, "messages": USER, "stream": stream}
     thread = threading.Thread(
         target=_post_and_drop, args=(f"{front.live.v1}/chat/completions", requester.key, body, 1.0)
@@ -85,7 +89,20 @@ def test_client_disconnect_cancels_the_horde_request_within_2s(
     acknowledged = ({"horde.outcome": "acknowledged"}, 1)
     assert _wait_for(lambda: acknowledged in front.metrics().get("horde.oai.cancels", []), 2)
     wakes = front.metrics()["horde.oai.wakes"]
-    assert any(a["horde.wake_source"] == "disconnect" for a, _ in wakes)
+    disconnect = {
+        "horde.wake_source": "disconnect",
+        "horde.found_finished": False,
+        "horde.found_done_without_generation": False,
+    }
+    assert (disconnect, 1) in wakes
+    status_code = 200 if stream else 499
+    ended = {"horde.streamed": stream, "horde.status_code": status_code, "horde.code": "client_closed"}
+    # The finished line is logged last, once the request's duration is recorded.
+    (record,) = _wait_for(lambda: [r for r in caplog.records if r.name == "oai.requests"], 2)
+    durations = front.metrics()["horde.oai.request.duration"]
+    assert [a for a, _ in durations] == [ended] and durations[0][1][0] == 1
+    assert f" status={status_code} code=client_closed " in record.getMessage()
+    assert (record.code, record.status_code, record.woke_by) == ("client_closed", status_code, "disconnect")
 
 
 def test_stream_disconnect_while_streaming_through_the_sdk(front, requester, live_horde, worker_owner):
@@ -164,8 +181,9 @@ def test_unreachable_horde_is_503(front, client):
 # --- the wait's other ends --------------------------------------------------------------------------
 
 
-def test_cancelled_elsewhere_is_chat_request_no_generation(front, client, live_horde, worker_owner):
+def test_cancelled_elsewhere_is_chat_request_no_generation(front, client, live_horde, worker_owner, caplog):
     _idle_worker(live_horde, worker_owner)
+    caplog.set_level("INFO", logger="oai.requests")
     result: dict = {}
 
     def call():
@@ -182,6 +200,14 @@ def test_cancelled_elsewhere_is_chat_request_no_generation(front, client, live_h
     error = result["error"]
     assert (error.status_code, error.code) == (502, "ChatRequestNoGeneration")
     assert error.response.headers["x-should-retry"] == "false"
+    # The read that found the request done without a generation is marked so.
+    done_without = [
+        (a, v) for a, v in front.metrics()["horde.oai.wakes"] if a["horde.found_done_without_generation"]
+    ]
+    assert done_without and all(not a["horde.found_finished"] for a, _ in done_without)
+    (record,) = [r for r in caplog.records if r.name == "oai.requests"]
+    assert record.done_without_generation_reads == sum(v for _, v in done_without) >= 1
+    assert " status=502 code=ChatRequestNoGeneration " in record.getMessage()
 
 
 def test_budget_end_is_408_and_cancels(front, client, live_horde, worker_owner):
@@ -202,6 +228,40 @@ def test_stream_error_after_headers_is_an_sse_error_event(front, client, live_ho
         list(stream)
     assert "ChatRequestTimeout" in str(caught.value.body) or caught.value.code == "ChatRequestTimeout"
     assert ({"horde.code": "ChatRequestTimeout"}, 1) in front.metrics()["horde.oai.stream.failures"]
+
+
+def test_no_eligible_worker_after_the_grace_is_an_sse_error_event_with_retry_after(
+    front, requester, live_horde, worker_owner
+):
+    """trusted_workers with only an untrusted worker online: the first read passes (the grace
+    starts), the headers go out, and after the grace the stream ends in the error event, whose
+    metadata.retry_after is the Retry-After a non-streamed answer carries."""
+    _idle_worker(live_horde, worker_owner)
+    body = {"model": MODEL, "messages": USER, "stream": True, "horde": {"trusted_workers": True}}
+    with httpx.stream(
+        "POST",
+        f"{front.live.v1}/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {requester.key}"},
+        timeout=10,
+    ) as response:
+        assert response.status_code == 200
+        assert "retry-after" not in response.headers
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) == 2
+    (request,) = _requests()
+    assert json.loads(events[0].removeprefix("data: ")) == {
+        "error": {
+            "message": "No online worker could take this request within the grace period; workers come and "
+            "go, try again later.",
+            "type": "api_error",
+            "param": None,
+            "code": "no_eligible_worker",
+            "metadata": {"request_id": str(request.id), "retry_after": 30},
+        }
+    }
+    assert front.metrics()["horde.oai.stream.failures"] == [({"horde.code": "no_eligible_worker"}, 1)]
+    assert _wait_for(lambda: all(r.cancelled for r in _requests()), 3)
 
 
 # --- admission ------------------------------------------------------------------------------------
@@ -252,24 +312,44 @@ def test_slow_body_is_408(front, live_horde):
     assert b"RequestBodyTimeout" in sent[1]["body"]
 
 
-def test_inflight_cap_per_source_is_503_front_at_capacity(front, client, requester, live_horde, worker_owner):
-    front.configure(max_inflight_per_source=1)
+def test_inflight_cap_per_source_is_503_front_at_capacity(front, requester, live_horde, worker_owner):
+    """Two slots per client address (the address the one trusted proxy forwarded): two requests from
+    one address and one from another are in flight, which the gauges show, and a third from the
+    first address is refused."""
+    front.configure(max_inflight_per_source=2, trusted_proxy_count=1)
     worker = _idle_worker(live_horde, worker_owner)
-    thread = threading.Thread(target=lambda: client.chat.completions.create(model=MODEL, messages=USER))
-    thread.start()
-    assert _wait_for(_requests, 5)
+    url = f"{front.live.v1}/chat/completions"
+    body = {"model": MODEL, "messages": USER}
+
+    def post(address: str) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {requester.key}", "X-Forwarded-For": address}
+        return httpx.post(url, json=body, headers=headers, timeout=30)
+
+    answers: list[httpx.Response] = []
+    threads = [
+        threading.Thread(target=lambda a=address: answers.append(post(a)))
+        for address in ("203.0.113.1", "203.0.113.1", "203.0.113.2")
+    ]
+    for thread in threads:
+        thread.start()
+    assert _wait_for(lambda: len(_requests()) == 3, 5)
     gauges = front.metrics()
-    assert gauges["horde.oai.inflight"][0][1] == 1 and gauges["horde.oai.inflight.source_max"][0][1] == 1
-    with pytest.raises(openai.InternalServerError) as caught:
-        client.chat.completions.create(model=MODEL, messages=USER)
-    assert (caught.value.status_code, caught.value.code) == (503, "FrontAtCapacity")
-    assert caught.value.response.headers["retry-after"]
+    assert gauges["horde.oai.inflight"] == [({}, 3)]
+    assert gauges["horde.oai.inflight.sources"] == [({}, 2)]
+    assert gauges["horde.oai.inflight.source_max"] == [({}, 2)]
+    refused = post("203.0.113.1")
+    assert (refused.status_code, refused.json()["error"]["code"]) == (503, "FrontAtCapacity")
+    assert refused.headers["retry-after"]
     worker.start()
-    thread.join(20)
+    for thread in threads:
+        thread.join(20)
     worker.stop()
+    assert [a.status_code for a in answers] == [200, 200, 200]
     assert ({"horde.status_code": 503, "horde.code": "FrontAtCapacity"}, 1) in front.metrics()[
         "horde.oai.requests.refused"
     ]
+    gauges = front.metrics()
+    assert [gauges[name] for name in ("horde.oai.inflight", "horde.oai.inflight.sources")] == [[({}, 0)], [({}, 0)]]
 
 
 # --- CORS -----------------------------------------------------------------------------------------

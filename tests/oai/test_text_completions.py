@@ -314,10 +314,16 @@ def test_unknown_v1_paths_are_404_in_openai_shape(front, client):
             "/v1/models."
         )
         assert response.headers["access-control-allow-origin"] == "*"
-    # A known path with another method keeps its 405, in the same shape.
-    for method, path in (("GET", "/v1/completions"), ("DELETE", "/v1/models/x")):
-        response = httpx.request(method, f"{front.live.url}{path}", timeout=10)
-        assert response.status_code == 405 and response.json()["error"]["code"] == "method_not_allowed"
+    # A known path with another method keeps its 405, in the same shape, typed as OpenAI types a
+    # client error.
+    for method, path in (
+        ("GET", "/completions"), ("GET", "/chat/completions"), ("POST", "/models"), ("DELETE", "/models/x")
+    ):
+        response = httpx.request(method, f"{front.live.v1}{path}", timeout=10)
+        assert response.status_code == 405, (method, path)
+        error = response.json()["error"]
+        assert (error["code"], error["type"]) == ("method_not_allowed", "invalid_request_error"), (method, path)
+        assert response.headers["x-should-retry"] == "false"
 
 
 def test_unknown_v1_paths_on_the_standalone_front(settings):
