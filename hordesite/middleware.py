@@ -123,9 +123,9 @@ def _host_refusal(request) -> JsonResponse | None:
     views check their own in OpenAI's shape (served in process, they skip this middleware), and
     its in-process native calls were checked there."""
     if (
-        request.path in HOST_CHECK_EXEMPT_PATHS
-        or request.path.startswith(FRONT_PATH_PREFIX)
-        or IN_PROCESS_ENVIRON_KEY in request.META  # the mounted front's own call: no Host was sent
+        request.path_info in HOST_CHECK_EXEMPT_PATHS
+        or request.path_info.startswith(FRONT_PATH_PREFIX)
+        or IN_PROCESS_ENVIRON_KEY in request.META  # the mounted front's own call, checked at the front
     ):
         return None
     try:

@@ -13,6 +13,7 @@ from typing import Any
 from oai.settings import FrontSettings, load_settings
 
 FRONT_SERVICE_NAME = "horde-oai"
+DEFAULT_DEPLOYMENT_ENVIRONMENT = "development"  # the Flask application's
 log = logging.getLogger("oai")
 
 
@@ -38,7 +39,9 @@ def configure_telemetry(settings: FrontSettings) -> bool:
     resource = telemetry_resource(settings)
     readers: list[Any] = []
     # A root span is kept with the ratio's probability; a child follows its parent's decision.
-    tracer_provider = TracerProvider(resource=resource, sampler=ParentBasedTraceIdRatio(settings.traces_sample_ratio))
+    # OTEL_TRACES_SAMPLER, when set, is the SDK's to build (sampler None); else the ratio's sampler.
+    sampler = None if settings.traces_sampler else ParentBasedTraceIdRatio(settings.traces_sample_ratio)
+    tracer_provider = TracerProvider(resource=resource, sampler=sampler)
     for processor in span_processors:
         tracer_provider.add_span_processor(processor)
     try:  # the OTLP exporters are optional: without them the SDK records and exports nothing
@@ -66,13 +69,12 @@ def telemetry_resource(settings: FrontSettings) -> Any:
     OTEL_RESOURCE_ATTRIBUTES."""
     from opentelemetry.sdk.resources import Resource
 
-    return Resource.create(
-        {
-            "service.name": settings.service_name or FRONT_SERVICE_NAME,
-            "deployment.environment.name": settings.deployment_environment,
-            "service.instance.id": uuid.uuid4().hex,
-        }
-    )
+    attributes = {"service.name": settings.service_name or FRONT_SERVICE_NAME, "service.instance.id": uuid.uuid4().hex}
+    if settings.deployment_environment:
+        attributes["deployment.environment.name"] = settings.deployment_environment
+    # The default environment only where neither DEPLOYMENT_ENVIRONMENT nor OTEL_RESOURCE_ATTRIBUTES
+    # names one: a merged resource's attributes win over the one it is merged into.
+    return Resource({"deployment.environment.name": DEFAULT_DEPLOYMENT_ENVIRONMENT}).merge(Resource.create(attributes))
 
 
 def start_pyroscope(settings: FrontSettings, *, span_profiles: bool) -> list[Any]:
@@ -89,7 +91,7 @@ def start_pyroscope(settings: FrontSettings, *, span_profiles: bool) -> list[Any
         pyroscope.configure(
             application_name=settings.service_name or FRONT_SERVICE_NAME,
             server_address=settings.pyroscope_server_address,
-            tags={"environment": settings.deployment_environment},
+            tags={"environment": settings.deployment_environment or DEFAULT_DEPLOYMENT_ENVIRONMENT},
             tenant_id=settings.pyroscope_tenant_id,
         )
     except ImportError:

@@ -76,9 +76,13 @@ class FrontSettings:
     telemetry_enabled: bool = False
     otel_sdk_disabled: bool = False
     service_name: str = "horde-oai"
-    deployment_environment: str = "development"
-    # The head sampling ratio of root spans, 0 to 1 (OTEL_TRACES_SAMPLER_ARG).
+    # DEPLOYMENT_ENVIRONMENT; empty: unset (telemetry says "development" unless
+    # OTEL_RESOURCE_ATTRIBUTES names one).
+    deployment_environment: str = ""
+    # The head sampling ratio of root spans, 0 to 1 (OTEL_TRACES_SAMPLER_ARG), unless
+    # OTEL_TRACES_SAMPLER names a sampler for the SDK to build.
     traces_sample_ratio: float = 1.0
+    traces_sampler: str = ""
     pyroscope_enabled: bool = False
     pyroscope_server_address: str = "http://localhost:4040"
     pyroscope_tenant_id: str | None = None
@@ -156,8 +160,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> FrontSettings:
         ),
         otel_sdk_disabled=read.bool("OTEL_SDK_DISABLED", default=False),
         service_name=read.str("OTEL_SERVICE_NAME", default="") or "horde-oai",
-        deployment_environment=read.str("DEPLOYMENT_ENVIRONMENT", default="") or "development",
+        deployment_environment=read.str("DEPLOYMENT_ENVIRONMENT", default=""),
         traces_sample_ratio=_sample_ratio(read.str("OTEL_TRACES_SAMPLER_ARG", default="1.0")),
+        traces_sampler=read.str("OTEL_TRACES_SAMPLER", default=""),
         pyroscope_enabled=read.bool("PYROSCOPE_ENABLED", default=False),
         pyroscope_server_address=read.str("PYROSCOPE_SERVER_ADDRESS", default="http://localhost:4040"),
         pyroscope_tenant_id=read.str("PYROSCOPE_TENANT_ID", default="") or None,

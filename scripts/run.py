@@ -35,8 +35,6 @@ import sys
 import time
 from pathlib import Path
 
-import environ
-
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 STOP_TIMEOUT = 20.0
@@ -73,8 +71,12 @@ def _tool(name: str) -> str:
 
 
 def demo_worker_enabled() -> bool:
-    # django-environ's booleans, as every other setting reads them (false, 0, no, off...).
-    return environ.Env().bool("HORDE_DEMO_WORKER", default=True) and bool(DEMO_WORKER_COMMAND)
+    # django-environ's booleans, as every other setting reads them (false, 0, no, off...); unset or
+    # empty keeps the default.
+    import environ
+
+    raw = os.environ.get("HORDE_DEMO_WORKER", "").strip()
+    return (not raw or raw.lower() in environ.Env.BOOLEAN_TRUE_STRINGS) and bool(DEMO_WORKER_COMMAND)
 
 
 # The web process's thread switch interval, in ms (Python's default is 5): its threads mostly wait

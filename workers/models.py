@@ -6,9 +6,9 @@ from decimal import Decimal
 from django.db import models
 
 from accounts.models import HordeUser
+from contract.text import MAX_WORKER_NAME_LENGTH
 
 # Upstream's bounds on what an owner writes on a worker (its columns' lengths).
-WORKER_NAME_MAX_LENGTH = 100
 WORKER_INFO_MAX_LENGTH = 1000
 WORKER_MAINTENANCE_MESSAGE_MAX_LENGTH = 300
 
@@ -17,7 +17,7 @@ class Worker(models.Model):
     """A text worker, registered on its first pop and updated by each later pop (its check-in)."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    name = models.CharField(max_length=WORKER_NAME_MAX_LENGTH, unique=True)
+    name = models.CharField(max_length=MAX_WORKER_NAME_LENGTH, unique=True)
     owner = models.ForeignKey(HordeUser, on_delete=models.CASCADE, related_name="workers")
     served_models = models.JSONField(default=list)
     max_length = models.PositiveIntegerField(default=80)

@@ -19,9 +19,9 @@ from accounts.models import HordeUser
 from contract.chat_declaration import ChatDeclaration
 from contract.errors import HordeError
 from contract.process_cache import ProcessCache
-from contract.text import WORKER_SPEED_SAMPLES, is_validated_bridge
+from contract.text import MAX_WORKER_NAME_LENGTH, WORKER_SPEED_SAMPLES, is_validated_bridge
 from workers.declarations import declaration_mask
-from workers.models import WORKER_INFO_MAX_LENGTH, WORKER_NAME_MAX_LENGTH, Worker
+from workers.models import WORKER_INFO_MAX_LENGTH, Worker
 from workers.selectors import online_cutoff, worker_details_cache_key, worker_details_name_cache_key
 from workers.serving_version import serving_changed
 
@@ -203,7 +203,7 @@ WORKER_DELETE_LOCKED_MESSAGE = (
 
 def worker_update(
     *,
-    worker: Worker,
+    worker_id: Any,
     actor: HordeUser,
     maintenance: bool | None = None,
     maintenance_msg: str | None = None,
@@ -211,60 +211,65 @@ def worker_update(
     info: str | None = None,
     name: str | None = None,
 ) -> dict[str, Any]:
-    """The owner's (or a moderator's) changes to a worker, with upstream's rules per field; returns
-    what changed, as PUT /api/v2/workers/{id} answers it."""
-    owner_or_moderator = actor.pk == worker.owner_id or actor.moderator
-    changed: dict[str, Any] = {}
-    old_name = worker.name
-    if maintenance is not None:
-        if not owner_or_moderator:
+    """The owner's (or a moderator's) changes to a worker, with upstream's rules per field, checked
+    before anything is written; returns the fields sent with their values now, as PUT
+    /api/v2/workers/{id} answers. The row is locked, so two changes at once both land."""
+    if maintenance is None and info is None and paused is None and name is None:
+        raise HordeError("NoWorkerModSelected", "No worker modification selected!")
+    with transaction.atomic():
+        worker = Worker.objects.select_for_update().filter(pk=worker_id).first()
+        if worker is None:
+            raise HordeError("WorkerNotFound", f"Worker with ID '{worker_id}' not found.")
+        owner_or_moderator = actor.pk == worker.owner_id or actor.moderator
+        if (maintenance is not None or info is not None) and not owner_or_moderator:
             raise HordeError("NotOwner", "Only the worker's owner or a moderator can change it.")
-        worker.maintenance = maintenance
-        # A message stands only with the maintenance it explains.
-        worker.maintenance_msg = maintenance_msg or None if maintenance else None
-        changed["maintenance"] = maintenance
-    if info is not None:
-        if not owner_or_moderator:
-            raise HordeError("NotOwner", "Only the worker's owner or a moderator can change it.")
-        if len(info) > WORKER_INFO_MAX_LENGTH:
+        if name is not None and not owner_or_moderator:
+            raise HordeError("NotModerator", "Only the worker's owner or a moderator can rename it.")
+        if paused is not None and not actor.moderator:
+            raise HordeError("NotModerator", "Only a moderator can pause a worker.")
+        if info is not None and len(info) > WORKER_INFO_MAX_LENGTH:
             raise HordeError(
                 "TooLongWorkerName",  # upstream's rc for a long info too
                 f"The specified worker info is too long. Please stay below {WORKER_INFO_MAX_LENGTH}",
             )
-        worker.info = info
-        changed["info"] = info
-    if paused is not None:
-        if not actor.moderator:
-            raise HordeError("NotModerator", "Only a moderator can pause a worker.")
-        worker.paused = paused
-        changed["paused"] = paused
-    if name is not None and name != worker.name:
-        if not owner_or_moderator:
-            raise HordeError("NotModerator", "Only the worker's owner or a moderator can rename it.")
-        if not name.strip():
+        if name is not None and not name:
             raise HordeError("BadRequest", "A worker's name cannot be empty.")
-        if len(name) > WORKER_NAME_MAX_LENGTH:
+        if name is not None and len(name) > MAX_WORKER_NAME_LENGTH:
             raise HordeError(
                 "TooLongWorkerName",
-                f"The specified worker name is too long. Please stay below {WORKER_NAME_MAX_LENGTH}",
+                f"The specified worker name is too long. Please stay below {MAX_WORKER_NAME_LENGTH}",
             )
-        worker.name = name
-    if name is not None:
-        changed["name"] = worker.name
-    if not changed:
-        raise HordeError("NoWorkerModSelected", "No worker modification selected!")
-    worker.serving_changed_at = timezone.now()
-    try:
-        with transaction.atomic():
-            worker.save(
-                update_fields=["maintenance", "maintenance_msg", "paused", "info", "name", "serving_changed_at"]
-            )
-    except IntegrityError:  # the unique name, taken since (or before) the check above could see
-        raise HordeError(
-            "WorkerNameAlreadyExists", f"The specified worker name '{name}' is already taken!"
-        ) from None
-    _worker_changed(worker.pk, old_name, worker.name)
-    return changed
+        old_name, serving_before = worker.name, (worker.maintenance, worker.paused)
+        updates: dict[str, Any] = {}
+        if maintenance is not None:
+            updates["maintenance"] = maintenance
+            # A message stands only with the maintenance it explains.
+            updates["maintenance_msg"] = (maintenance_msg or None) if maintenance else None
+        for field_name, value in (("paused", paused), ("info", info), ("name", name)):
+            if value is not None:
+                updates[field_name] = value
+        fields = [field_name for field_name, value in updates.items() if getattr(worker, field_name) != value]
+        for field_name in fields:
+            setattr(worker, field_name, updates[field_name])
+        serving = (worker.maintenance, worker.paused) != serving_before
+        if serving:
+            worker.serving_changed_at = timezone.now()
+            fields.append("serving_changed_at")
+        if fields:
+            try:
+                with transaction.atomic():
+                    worker.save(update_fields=fields)
+            except IntegrityError:  # the unique name: another worker has it
+                raise HordeError(
+                    "WorkerNameAlreadyExists", f"The specified worker name '{name}' is already taken!"
+                ) from None
+    if fields:
+        _worker_changed(worker.pk, old_name, worker.name, serving=serving)
+    return {
+        key: getattr(worker, key)
+        for key, value in (("maintenance", maintenance), ("info", info), ("paused", paused), ("name", name))
+        if value is not None
+    }
 
 
 def worker_delete(*, worker_id, actor: HordeUser) -> dict[str, str]:
@@ -281,16 +286,18 @@ def worker_delete(*, worker_id, actor: HordeUser) -> dict[str, str]:
         deleted = {"deleted_id": str(worker.pk), "deleted_name": worker.name}
         worker.delete()
     log.warning("%s deleted worker: %s", actor.unique_alias, deleted["deleted_name"])
-    _worker_changed(worker_id, deleted["deleted_name"], deleted["deleted_name"])
+    _worker_changed(worker_id, deleted["deleted_name"], deleted["deleted_name"], serving=True)
     return deleted
 
 
-def _worker_changed(worker_id: Any, old_name: str, name: str) -> None:
-    """What every reader of the worker holds is dropped: the pop's row, the readers' snapshots (a
-    worker in maintenance, paused or gone serves nothing) and its details, by id and by name(s)."""
+def _worker_changed(worker_id: Any, old_name: str, name: str, *, serving: bool) -> None:
+    """What readers hold of the worker is dropped: the pop's row and its details, by id and by
+    name(s); with `serving` (maintenance or paused switched, or the worker gone: what it serves
+    changed) every process's snapshots too."""
     for each in {old_name, name}:
         worker_rows.forget(each)
-    serving_changed()
+    if serving:
+        serving_changed()
     cache.delete_many(
         [worker_details_cache_key(worker_id), worker_details_name_cache_key(old_name), worker_details_name_cache_key(name)]
     )

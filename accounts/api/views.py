@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 from django.conf import settings
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
@@ -13,6 +15,7 @@ from accounts.models import (
     SHARED_KEY_MAX_EXPIRY_DAYS,
     SHARED_KEY_MAX_KUDOS,
     SHARED_KEY_UNLIMITED,
+    HordeUser,
     SharedKey,
 )
 from accounts.ratelimit import check_submit_rate_limits
@@ -43,21 +46,32 @@ class FindUserView(APIView):
         return Response(self.OutputSerializer(details).data)
 
 
+# ASCII digits only: str.isdigit() also takes "²" and "١", which int() refuses or reads as another id.
+USER_ID_PATTERN = re.compile(r"[0-9]+")
+USER_ID_MAX_DIGITS = 18  # a bigint's ids
+
+
 class UserDetailView(APIView):
     """GET /api/v2/users/{user_id}: a user's details by the numeric part of their alias; their
     workers' and shared keys' ids only to themselves and to moderators, as upstream's."""
 
     @extend_schema(responses=FindUserView.OutputSerializer)
     def get(self, request, user_id: str):
-        if not user_id.isdigit():
+        if not USER_ID_PATTERN.fullmatch(user_id):
             raise HordeError(
                 "UserNotFound", "Please use only the numerical part of the userID. E.g. the '1' in 'db0#1'"
             )
-        user = user_get_by_id(int(user_id)) if len(user_id) < 19 else None  # beyond a bigint: no one
+        user = user_get_by_id(int(user_id)) if len(user_id) <= USER_ID_MAX_DIGITS else None  # past a bigint: no one
         if user is None:
             raise HordeError("UserNotFound", f"User with ID '{user_id}' not found.")
-        caller = requester(request)
-        private = shared_key_of(request) is None and not caller.is_anonymous and (caller.pk == user.pk or caller.moderator)
+        # A public route, as upstream's: a key only widens what the caller sees.
+        caller = request.user if isinstance(request.user, HordeUser) else None
+        private = (
+            caller is not None
+            and shared_key_of(request) is None
+            and not caller.is_anonymous
+            and (caller.pk == user.pk or caller.moderator)
+        )
         return Response(FindUserView.OutputSerializer(user_details(user, private=private)).data)
 
 

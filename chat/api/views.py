@@ -114,7 +114,7 @@ class ModelStatusView(APIView):
     """GET /api/v2/status/models/{model_name}: the one text model's entry of the list, as a list (empty
     while no online worker serves it), as upstream's answers."""
 
-    @extend_schema(responses={200: dict})
+    @extend_schema(operation_id="api_v2_status_model_single_retrieve", responses={200: dict})
     def get(self, request, model_name):
         return Response([entry for entry in selectors.models_status(kind="text", chat=False) if entry["name"] == model_name])
 

@@ -18,6 +18,8 @@ from workers.selectors import chat_workers_online, worker_speed
 
 # GET /status/models answers from a cache keyed by its query string (spec: "Chat model list").
 MODELS_STATUS_CACHE_SECONDS = 2
+PAST_MINUTE_TOKENS_CACHE_KEY = "horde:past-minute-tokens"
+PAST_MINUTE_TOKENS_CACHE_SECONDS = 5
 
 
 def text_models_status() -> list[dict]:
@@ -128,11 +130,14 @@ def horde_performance() -> dict:
 
 
 def past_minute_tokens() -> int:
-    """The tokens the generations finished in the last minute hold: the worker's own count where it
-    reported one (a chat reply's usage), else the horde's estimate of a quarter of the characters."""
-    since = timezone.now() - timedelta(seconds=60)
-    tokens = Coalesce(
-        F("completion_tokens"), Cast(Ceil(Length("text") / Value(4.0)), IntegerField()), Value(0)
-    )
-    done = Generation.objects.filter(state__in=Generation.FINISHED_STATES, finished_at__gte=since)
-    return done.aggregate(tokens=Sum(tokens))["tokens"] or 0
+    """The tokens of the generations finished in the last minute, by the horde's own estimate (a
+    quarter of the characters; a worker's reported count is not taken on trust), read at most once
+    every PAST_MINUTE_TOKENS_CACHE_SECONDS: the route is public and the table has no index on it."""
+    tokens = cache.get(PAST_MINUTE_TOKENS_CACHE_KEY)
+    if tokens is None:
+        since = timezone.now() - timedelta(seconds=60)
+        estimate = Coalesce(Cast(Ceil(Length("text") / Value(4.0)), IntegerField()), Value(0))
+        done = Generation.objects.filter(state__in=Generation.FINISHED_STATES, finished_at__gte=since)
+        tokens = done.aggregate(tokens=Sum(estimate))["tokens"] or 0
+        cache.set(PAST_MINUTE_TOKENS_CACHE_KEY, tokens, PAST_MINUTE_TOKENS_CACHE_SECONDS)
+    return tokens

@@ -385,9 +385,11 @@ def test_performance_counts_the_tokens_generated_in_the_last_minute(horde, make_
     """KoboldAI Lite shows "A total of N tokens were generated in the last minute" from it."""
     from datetime import timedelta
 
+    from django.core.cache import cache
     from django.utils import timezone
 
     from chat.models import Generation
+    from chat.selectors.models import PAST_MINUTE_TOKENS_CACHE_KEY
     from chat.services.pop_cache import queue_grew
 
     requester, owner = make_user("r", kudos=1000), make_user("o")
@@ -398,11 +400,12 @@ def test_performance_counts_the_tokens_generated_in_the_last_minute(horde, make_
     assert horde.submit(owner.key, first, "x" * 400).status_code == 200  # 100 tokens by the estimate
     assert horde.submit(owner.key, second, "y" * 81).status_code == 200  # 21
     assert horde.client.get("/api/v2/status/performance").json()["past_minute_tokens"] == 121
-    # A worker's own count (a chat reply's usage) is taken as it is; a minute later none counts.
-    Generation.objects.filter(pk=second).update(completion_tokens=7)
-    assert horde.client.get("/api/v2/status/performance").json()["past_minute_tokens"] == 107
+    # Read at most every few seconds; a worker's own count is not taken; a minute later none counts.
+    Generation.objects.filter(pk=second).update(completion_tokens=100_000)
     Generation.objects.filter(pk=first).update(finished_at=timezone.now() - timedelta(seconds=61))
-    assert horde.client.get("/api/v2/status/performance").json()["past_minute_tokens"] == 7
+    assert horde.client.get("/api/v2/status/performance").json()["past_minute_tokens"] == 121
+    cache.delete(PAST_MINUTE_TOKENS_CACHE_KEY)
+    assert horde.client.get("/api/v2/status/performance").json()["past_minute_tokens"] == 21
 
 
 def test_user_details_by_id_show_private_ids_to_the_user_and_moderators(horde, make_user):
@@ -421,7 +424,18 @@ def test_user_details_by_id_show_private_ids_to_the_user_and_moderators(horde, m
         ("99999999", "User with ID '99999999' not found."),
         ("alice#1", "Please use only the numerical part of the userID. E.g. the '1' in 'db0#1'"),
         ("9" * 30, f"User with ID '{'9' * 30}' not found."),
+        ("%C2%B2", "Please use only the numerical part of the userID. E.g. the '1' in 'db0#1'"),  # "²"
+        ("%D9%A1", "Please use only the numerical part of the userID. E.g. the '1' in 'db0#1'"),  # Arabic "1"
     ):
         answer = horde.client.get(f"/api/v2/users/{missing}")
         assert (answer.status_code, answer.json()) == (404, {"message": message, "rc": "UserNotFound"})
     assert horde.client.get(path, HTTP_APIKEY="not-a-key").status_code == 401
+
+
+def test_user_details_by_id_stay_public_where_anonymous_requests_are_refused(horde, make_user, settings):
+    settings.HORDE_ALLOW_ANONYMOUS = False
+    alice = make_user("alice")
+    assert horde.client.get("/api/v2/find_user").status_code == 403
+    public = horde.client.get(f"/api/v2/users/{alice.user.pk}")
+    assert public.status_code == 200 and "worker_ids" not in public.json()
+    assert horde.client.get("/api/v2/users/99999999").json()["rc"] == "UserNotFound"

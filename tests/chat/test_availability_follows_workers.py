@@ -227,7 +227,7 @@ def test_an_unchanged_pop_leaves_the_serving_version_alone(horde, people):
     horde.pop(owner.key, **_declaration(threads=3))  # a changed declaration
     assert current_serving_version() == first + 1
     worker = Worker.objects.get()
-    worker_update(worker=worker, actor=owner.user, maintenance=True)  # the owner's switch
+    worker_update(worker_id=worker.pk, actor=owner.user, maintenance=True)  # the owner's switch
     assert current_serving_version() == first + 2
 
 

@@ -17,7 +17,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
-from oai.__main__ import configure_telemetry
+from oai.__main__ import configure_telemetry, telemetry_resource
 from oai.settings import load_settings
 
 ON = {"HORDE_OAI_TELEMETRY_ENABLED": "true"}
@@ -131,6 +131,22 @@ def test_otel_service_name_and_deployment_environment_are_read(pyroscope):
     attributes = _provider().resource.attributes
     assert (attributes["service.name"], attributes["deployment.environment.name"]) == ("front-eu", "production")
     assert pyroscope.calls[0]["application_name"] == "front-eu"
+
+
+def test_otel_resource_attributes_name_the_environment_unless_deployment_environment_does(monkeypatch):
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment.name=staging,team=horde")
+    assert configure_telemetry(load_settings(ON)) is True
+    attributes = _provider().resource.attributes
+    assert (attributes["deployment.environment.name"], attributes["team"]) == ("staging", "horde")
+    named = telemetry_resource(load_settings({**ON, "DEPLOYMENT_ENVIRONMENT": "production"}))
+    assert named.attributes["deployment.environment.name"] == "production"
+
+
+def test_otel_traces_sampler_is_the_sdks_to_build(monkeypatch):
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    settings = load_settings({**ON, "OTEL_TRACES_SAMPLER": "always_off", "OTEL_TRACES_SAMPLER_ARG": "1"})
+    assert configure_telemetry(settings) is True
+    assert _kept(AT_20_PERCENT) is False and _kept(2**64 - 1) is False
 
 
 def test_pyroscope_starts_with_the_sdk_disabled_and_its_variables(pyroscope):

@@ -4,8 +4,13 @@ answering what changed; DELETE /api/v2/workers/{id} while no stored job referenc
 
 from __future__ import annotations
 
+import pytest
+from rest_framework.test import APIClient
+
 from chat.models import Generation
 from tests.chat.pop_helpers import MODEL
+from tests.conftest import Horde
+from tests.races import race
 from workers.models import Worker
 
 
@@ -123,3 +128,32 @@ def test_a_worker_whose_job_is_stored_is_locked_against_delete(horde, make_user)
     assert locked.status_code == 423 and locked.json()["rc"] == "Locked"
     assert Worker.objects.filter(pk=worker.id).exists()
     assert Generation.objects.get(pk=job["id"]).text == "Done."  # the requester's result is kept
+
+
+def test_a_stranger_cannot_rename_a_worker_even_to_its_own_name(horde, make_user):
+    owner, stranger = make_user("owner"), make_user("stranger")
+    worker = _registered(horde, owner)
+    from workers.serving_version import current_serving_version
+
+    before = current_serving_version()
+    refused = _put(horde, worker.id, stranger.key, {"name": worker.name})
+    assert (refused.status_code, refused.json()["rc"]) == (403, "NotModerator")
+    # The owner's "rename" to the same name, or a note, changes nothing any reader serves from.
+    assert _put(horde, worker.id, owner.key, {"name": worker.name}).json() == {"name": worker.name}
+    assert _put(horde, worker.id, owner.key, {"info": "note"}).json() == {"info": "note"}
+    assert current_serving_version() == before
+    assert _put(horde, worker.id, owner.key, {"name": "  spaced  "}).json() == {"name": "spaced"}  # trimmed as the pop trims
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_changes_at_once_both_land(make_user):
+    owner, moderator = make_user("owner"), make_user("mod", moderator=True)
+    horde = Horde(APIClient())
+    worker = _registered(horde, owner)
+    answers = race([
+        lambda: _put(Horde(APIClient()), worker.id, moderator.key, {"paused": True}).status_code,
+        lambda: _put(Horde(APIClient()), worker.id, owner.key, {"info": "racing", "maintenance": True}).status_code,
+    ])
+    assert answers == [200, 200]
+    worker.refresh_from_db()
+    assert (worker.paused, worker.info, worker.maintenance) == (True, "racing", True)

@@ -53,9 +53,10 @@ class WorkerDetailView(APIView):
             required=False, allow_blank=True, max_length=WORKER_MAINTENANCE_MESSAGE_MAX_LENGTH
         )
         paused = serializers.BooleanField(required=False)
-        # Length bounds are the service's, with upstream's rc (TooLongWorkerName).
+        # Length bounds are the service's, with upstream's rc (TooLongWorkerName). A name is
+        # trimmed, as the pop trims the name it registers.
         info = serializers.CharField(required=False, allow_blank=True, trim_whitespace=False)
-        name = serializers.CharField(required=False, allow_blank=True, trim_whitespace=False)
+        name = serializers.CharField(required=False, allow_blank=True)
 
     class UpdateOutputSerializer(serializers.Serializer):
         maintenance = serializers.BooleanField(required=False)
@@ -76,7 +77,7 @@ class WorkerDetailView(APIView):
         actor = registered_caller(request)
         body = self.UpdateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        changed = worker_update(worker=_worker_or_404(worker_id), actor=actor, **body.validated_data)
+        changed = worker_update(worker_id=worker_id, actor=actor, **body.validated_data)
         return Response(self.UpdateOutputSerializer(changed).data)
 
     @extend_schema(responses={200: DeleteOutputSerializer})
