@@ -13,6 +13,11 @@ def hash_api_key(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
 
 
+KUDOS_TRANSFER_IDEMPOTENCY_KEY_MAX_LENGTH = 255
+# A transfer straight back to its sender waits this long (upstream's "very recently").
+KUDOS_TRANSFER_REVERSE_COOLDOWN_SECONDS = 60
+
+
 class HordeUser(models.Model):
     """A horde account: requester and worker owner. Identified on the wire by its API key."""
 
@@ -53,6 +58,7 @@ class KudosTransaction(models.Model):
         GENERATION_CHARGE = "generation_charge"
         GENERATION_REWARD = "generation_reward"
         GRANT = "grant"
+        TRANSFER = "transfer"
 
     user = models.ForeignKey(HordeUser, on_delete=models.CASCADE, related_name="kudos_transactions")
     amount = models.DecimalField(max_digits=18, decimal_places=2)
@@ -68,6 +74,30 @@ class KudosTransaction(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} {self.amount} for {self.user_id}"
+
+
+class KudosTransfer(models.Model):
+    """One transfer of kudos between users (POST /api/v2/kudos/transfer): its log, what stops one
+    sent straight back, and the claim of its client's Idempotency-Key."""
+
+    source = models.ForeignKey(HordeUser, on_delete=models.CASCADE, related_name="kudos_sent")
+    dest = models.ForeignKey(HordeUser, on_delete=models.CASCADE, related_name="kudos_received")
+    # Set when the transfer named a shared key: its owner was paid and the key's kudos grew.
+    shared_key_id = models.UUIDField(null=True, blank=True)
+    amount = models.DecimalField(max_digits=18, decimal_places=2)
+    idempotency_key = models.CharField(max_length=KUDOS_TRANSFER_IDEMPOTENCY_KEY_MAX_LENGTH, null=True, blank=True)
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        db_table = "horde_kudos_transfers"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["source", "idempotency_key"],
+                condition=models.Q(idempotency_key__isnull=False),
+                name="kudos_transfer_idempotency_key",
+            )
+        ]
+        indexes = [models.Index(fields=["source", "dest", "created"], name="kudos_transfer_pair_created")]
 
 
 # Shared keys, as upstream's: -1 is "no limit" for the kudos and each per-job limit.

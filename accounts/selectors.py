@@ -1,12 +1,15 @@
 from __future__ import annotations
 
 import copy
+import re
 import uuid
 from email.utils import formatdate
 
 from django.conf import settings
+from django.utils import timezone
 
 from accounts.models import HordeUser, SharedKey, hash_api_key
+from contract.errors import HordeError
 from contract.process_cache import ProcessCache
 
 # Every authenticated route would otherwise read the caller's row once per request. A process keeps
@@ -42,8 +45,29 @@ def anonymous_user_get() -> HordeUser:
     return user
 
 
+# A user id on the wire: ASCII digits that fit a bigint (str.isdigit() also takes "²" and "١").
+USER_ID_DIGITS = re.compile(r"[0-9]{1,18}")
+
+
 def user_get_by_id(user_id: int) -> HordeUser | None:
     return HordeUser.objects.filter(pk=user_id).first()
+
+
+def kudos_transfer_target(username: str) -> tuple[HordeUser, SharedKey | None]:
+    """Who a kudos transfer names: a user by the id after the alias's last '#' (a name may hold
+    '#'), else a shared key by its id (its owner, and the key); refused as upstream refuses."""
+    user_id = username.rsplit("#", 1)[-1].strip()
+    if USER_ID_DIGITS.fullmatch(user_id):
+        user = user_get_by_id(int(user_id))
+        if user is not None:
+            return user, None
+    key = shared_key_get(username)
+    if key is None:
+        raise HordeError("InvalidTargetUsername", "Invalid target username.")
+    if key.is_expired(timezone.now()):
+        # 400 as every refusal of a transfer upstream (its KudosValidationError), not the 403 of a use.
+        raise HordeError("SharedKeyExpired", "This shared key has expired", status=400)
+    return key.user, key
 
 
 def user_get_fresh(user: HordeUser) -> HordeUser:

@@ -15,11 +15,13 @@ from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from accounts.models import (
+    KUDOS_TRANSFER_REVERSE_COOLDOWN_SECONDS,
     MAX_SHARED_KEYS,
     MAX_SHARED_KEYS_TRUSTED,
     SHARED_KEY_UNLIMITED,
     HordeUser,
     KudosTransaction,
+    KudosTransfer,
     SharedKey,
     hash_api_key,
 )
@@ -79,6 +81,70 @@ def kudos_transfer(
         KudosTransaction.objects.create(
             user_id=user_id, amount=amount, kind=kind, request_id=request_id, generation_id=generation_id
         )
+
+
+def kudos_transfer_to(
+    *, source: HordeUser, dest: HordeUser, shared_key: SharedKey | None, amount: int, idempotency_key: str | None
+) -> Decimal:
+    """Move `amount` kudos from `source` to `dest` (a shared key's owner, whose key then holds that
+    much more), with upstream's refusals (rc and status), both ledger rows and the transfer's log,
+    in one transaction. Both balances are locked first, so concurrent transfers cannot spend one
+    balance twice; a repeated Idempotency-Key with the same transfer moves nothing again and answers
+    as the first did. Returns the kudos transferred."""
+    if dest.is_anonymous:
+        raise HordeError(
+            "KudosTransferToAnon", "Kudos sent to Anonymous would be lost: the transfer was not made."
+        )
+    if dest.pk == source.pk:
+        raise HordeError("KudosTransferToSelf", "You cannot send kudos to yourself.")
+    if amount < 0:
+        raise HordeError("NegativeKudosTransfer", "A transfer's amount cannot be negative.")
+    if amount == 0:
+        raise HordeError("InvalidKudosTransferAmount", "Transfer amount must be positive.")
+    value = Decimal(amount)
+    with transaction.atomic():
+        locked = {u.pk: u for u in HordeUser.objects.select_for_update().filter(pk__in=[source.pk, dest.pk]).order_by("pk")}
+        payer = locked[source.pk]
+        # Under the payer's lock: a retry racing its first attempt sees the first's log row.
+        if idempotency_key is not None:
+            prior = KudosTransfer.objects.filter(source_id=source.pk, idempotency_key=idempotency_key).first()
+            if prior is not None:
+                if (prior.dest_id, prior.amount, prior.shared_key_id) != (
+                    dest.pk, value, shared_key.pk if shared_key else None
+                ):
+                    raise HordeError(
+                        "IdempotencyKeyConflict",
+                        "Idempotency key was already used with different transfer parameters.",
+                    )
+                return prior.amount
+        cooldown = timezone.now() - timedelta(seconds=KUDOS_TRANSFER_REVERSE_COOLDOWN_SECONDS)
+        if KudosTransfer.objects.filter(source_id=dest.pk, dest_id=source.pk, created__gte=cooldown).exists():
+            raise HordeError(
+                "TooFastKudosTransfers",
+                "This user transferred kudos to you very recently. Please wait at least 1 minute.",
+            )
+        if payer.kudos_available < value:
+            raise HordeError("KudosTransferNotEnough", "Not enough kudos.")
+        HordeUser.objects.filter(pk=source.pk).update(kudos=F("kudos") - value)
+        HordeUser.objects.filter(pk=dest.pk).update(kudos=F("kudos") + value)
+        KudosTransaction.objects.bulk_create(
+            [
+                KudosTransaction(user_id=source.pk, amount=-value, kind=KudosTransaction.Kind.TRANSFER),
+                KudosTransaction(user_id=dest.pk, amount=value, kind=KudosTransaction.Kind.TRANSFER),
+            ]
+        )
+        KudosTransfer.objects.create(
+            source_id=source.pk,
+            dest_id=dest.pk,
+            shared_key_id=shared_key.pk if shared_key else None,
+            amount=value,
+            idempotency_key=idempotency_key,
+        )
+        if shared_key is not None:
+            SharedKey.objects.filter(pk=shared_key.pk).exclude(kudos=SHARED_KEY_UNLIMITED).update(
+                kudos=F("kudos") + value
+            )
+    return value
 
 
 def kudos_settle(

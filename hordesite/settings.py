@@ -300,6 +300,7 @@ HORDE_MAINTENANCE = env.bool("HORDE_MAINTENANCE", default=False)
 HORDE_TEXT_ASYNC_RATE_LIMITS = env.list("HORDE_TEXT_ASYNC_RATE_LIMITS", default=["2/second", "90/minute"])
 # Creating shared keys (PUT /api/v2/sharedkeys), per client address; upstream's 5 a minute.
 HORDE_SHARED_KEY_CREATE_RATE_LIMITS = env.list("HORDE_SHARED_KEY_CREATE_RATE_LIMITS", default=["5/minute"])
+HORDE_KUDOS_TRANSFER_RATE_LIMITS = env.list("HORDE_KUDOS_TRANSFER_RATE_LIMITS", default=["1/second"])
 HORDE_DEFAULT_CONCURRENCY = env.int("HORDE_DEFAULT_CONCURRENCY", default=30)
 HORDE_TEXT_FREE_OUTPUT_FLOOR = env.int("HORDE_TEXT_FREE_OUTPUT_FLOOR", default=512)
 # The free output allowance (chat_requests.md): the ceiling while the queue ahead of a request on

@@ -3,7 +3,13 @@ from django.http import JsonResponse
 from django.urls import include, path
 from drf_spectacular.views import SpectacularJSONAPIView
 
-from accounts.api.views import FindUserView, SharedKeyDetailView, SharedKeysView, UserDetailView
+from accounts.api.views import (
+    FindUserView,
+    KudosTransferView,
+    SharedKeyDetailView,
+    SharedKeysView,
+    UserDetailView,
+)
 from chat.api import pop_views, progress_views, submit_views
 from chat.api import views as chat_views
 from chat.api.chat_views import ChatAsyncView, ChatStatusView
@@ -22,6 +28,7 @@ api_v2 = [
     path("chat_images/<str:key>", chat_object_download),
     path("find_user", FindUserView.as_view()),
     path("users/<str:user_id>", UserDetailView.as_view()),
+    path("kudos/transfer", KudosTransferView.as_view()),
     path("sharedkeys", SharedKeysView.as_view()),
     path("sharedkeys/<str:key_id>", SharedKeyDetailView.as_view()),
     path("workers", WorkerListView.as_view()),

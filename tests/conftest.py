@@ -179,6 +179,7 @@ def _generous_rate_limits(settings):
 
     settings.HORDE_TEXT_ASYNC_RATE_LIMITS = ["10000/second"]
     settings.HORDE_SHARED_KEY_CREATE_RATE_LIMITS = ["10000/second"]
+    settings.HORDE_KUDOS_TRANSFER_RATE_LIMITS = ["10000/second"]
     settings.HORDE_CHAT_REQUEST_2SEC_LIMIT_PER_IP = "10000/second"
     settings.HORDE_CHAT_REQUEST_90MIN_LIMIT_PER_IP = "100000/minute"
     settings.HORDE_API_KEY_RATE_LIMITS = ["10000/second"]

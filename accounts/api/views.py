@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import re
-
 from django.conf import settings
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
@@ -11,6 +9,7 @@ from rest_framework.views import APIView
 from accounts import services
 from accounts.api.callers import registered_caller, requester, shared_key_of
 from accounts.models import (
+    KUDOS_TRANSFER_IDEMPOTENCY_KEY_MAX_LENGTH,
     SHARED_KEY_DEFAULT_KUDOS,
     SHARED_KEY_MAX_EXPIRY_DAYS,
     SHARED_KEY_MAX_KUDOS,
@@ -19,7 +18,14 @@ from accounts.models import (
     SharedKey,
 )
 from accounts.ratelimit import check_submit_rate_limits
-from accounts.selectors import shared_key_details, shared_key_get, user_details, user_get_by_id
+from accounts.selectors import (
+    USER_ID_DIGITS,
+    kudos_transfer_target,
+    shared_key_details,
+    shared_key_get,
+    user_details,
+    user_get_by_id,
+)
 from contract.errors import HordeError
 from contract.text import TEXT_MAX_LENGTH_RANGE
 
@@ -46,22 +52,17 @@ class FindUserView(APIView):
         return Response(self.OutputSerializer(details).data)
 
 
-# ASCII digits only: str.isdigit() also takes "²" and "١", which int() refuses or reads as another id.
-USER_ID_PATTERN = re.compile(r"[0-9]+")
-USER_ID_MAX_DIGITS = 18  # a bigint's ids
-
-
 class UserDetailView(APIView):
     """GET /api/v2/users/{user_id}: a user's details by the numeric part of their alias; their
     workers' and shared keys' ids only to themselves and to moderators, as upstream's."""
 
     @extend_schema(responses=FindUserView.OutputSerializer)
     def get(self, request, user_id: str):
-        if not USER_ID_PATTERN.fullmatch(user_id):
+        if not (user_id.isascii() and user_id.isdigit()):
             raise HordeError(
                 "UserNotFound", "Please use only the numerical part of the userID. E.g. the '1' in 'db0#1'"
             )
-        user = user_get_by_id(int(user_id)) if len(user_id) <= USER_ID_MAX_DIGITS else None  # past a bigint: no one
+        user = user_get_by_id(int(user_id)) if USER_ID_DIGITS.fullmatch(user_id) else None  # past a bigint: no one
         if user is None:
             raise HordeError("UserNotFound", f"User with ID '{user_id}' not found.")
         # A public route, as upstream's: a key only widens what the caller sees.
@@ -73,6 +74,41 @@ class UserDetailView(APIView):
             and (caller.pk == user.pk or caller.moderator)
         )
         return Response(FindUserView.OutputSerializer(user_details(user, private=private)).data)
+
+
+class KudosTransferView(APIView):
+    """POST /api/v2/kudos/transfer: the caller gives kudos to a user named by alias ("name#id", the
+    id decides) or to a shared key by its id (its owner is paid, the key holds more), as upstream's."""
+
+    class InputSerializer(serializers.Serializer):
+        username = serializers.CharField()
+        amount = serializers.IntegerField()
+
+    class OutputSerializer(serializers.Serializer):
+        transferred = serializers.FloatField()
+
+    @extend_schema(request=InputSerializer, responses=OutputSerializer)
+    def post(self, request):
+        check_submit_rate_limits(
+            request, scope="kudos_transfer", limits_per_ip=settings.HORDE_KUDOS_TRANSFER_RATE_LIMITS
+        )
+        body = self.InputSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        idempotency_key = request.headers.get("Idempotency-Key") or None
+        if idempotency_key is not None and len(idempotency_key) > KUDOS_TRANSFER_IDEMPOTENCY_KEY_MAX_LENGTH:
+            raise HordeError(
+                "BadRequest", f"Idempotency-Key is longer than {KUDOS_TRANSFER_IDEMPOTENCY_KEY_MAX_LENGTH} characters."
+            )
+        source = registered_caller(request, rc="KudosTransferFromAnon")
+        dest, shared_key = kudos_transfer_target(body.validated_data["username"])
+        transferred = services.kudos_transfer_to(
+            source=source,
+            dest=dest,
+            shared_key=shared_key,
+            amount=body.validated_data["amount"],
+            idempotency_key=idempotency_key,
+        )
+        return Response(self.OutputSerializer({"transferred": transferred}).data)
 
 
 class SharedKeyInputSerializer(serializers.Serializer):
