@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from accounts.models import HordeUser, KudosTransaction, SharedKey
+from accounts.models import HordeUser, KudosTransaction, KudosTransfer, SharedKey
 
 
 class KudosTransactionInline(admin.TabularInline):
@@ -35,3 +35,11 @@ class SharedKeyAdmin(admin.ModelAdmin):
     list_select_related = ("user",)
     search_fields = ("name", "user__username")
     readonly_fields = ("utilized", "created")
+
+
+@admin.register(KudosTransfer)
+class KudosTransferAdmin(admin.ModelAdmin):
+    list_display = ("created", "source", "dest", "amount", "shared_key_id")
+    list_select_related = ("source", "dest")
+    search_fields = ("source__username", "dest__username")
+    readonly_fields = ("source", "dest", "shared_key_id", "amount", "idempotency_key", "created")
