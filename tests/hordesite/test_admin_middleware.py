@@ -23,7 +23,7 @@ def test_an_operator_logs_in_and_reads_the_admin_pages(operator):
     )
     assert logged_in.status_code == 302 and logged_in["Location"] == "/admin/"
     assert "sessionid" in browser.cookies
-    for page in ("/admin/", "/admin/chat/generationrequest/", "/admin/workers/worker/", "/admin/accounts/hordeuser/"):
+    for page in ("/admin/", "/admin/chat/generationrequest/", "/admin/workers/worker/", "/admin/accounts/hordeuser/", "/admin/accounts/kudostransfer/"):
         answer = browser.get(page)
         assert answer.status_code == 200, page
         assert answer["X-Frame-Options"] == "DENY"
