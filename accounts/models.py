@@ -14,6 +14,7 @@ def hash_api_key(api_key: str) -> str:
 
 
 KUDOS_TRANSFER_IDEMPOTENCY_KEY_MAX_LENGTH = 255
+KUDOS_TRANSFER_DEFAULT_AMOUNT = 100  # upstream's, when a transfer names no amount
 # A transfer straight back to its sender waits this long (upstream's "very recently").
 KUDOS_TRANSFER_REVERSE_COOLDOWN_SECONDS = 60
 
@@ -82,6 +83,8 @@ class KudosTransfer(models.Model):
 
     source = models.ForeignKey(HordeUser, on_delete=models.CASCADE, related_name="kudos_sent")
     dest = models.ForeignKey(HordeUser, on_delete=models.CASCADE, related_name="kudos_received")
+    # The target as the sender named it (an alias or a shared key's id), for a retry's comparison.
+    target = models.CharField(max_length=255)
     # Set when the transfer named a shared key: its owner was paid and the key's kudos grew.
     shared_key_id = models.UUIDField(null=True, blank=True)
     amount = models.DecimalField(max_digits=18, decimal_places=2)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import secrets
+import time
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 from uuid import UUID
 
 from django.conf import settings
-from django.db import transaction
+from django.db import OperationalError, transaction
 from django.db.models import Case, F, Value, When
 from django.db.models.functions import Greatest
 from django.utils import timezone
@@ -25,6 +26,7 @@ from accounts.models import (
     SharedKey,
     hash_api_key,
 )
+from accounts.selectors import kudos_transfer_target
 from contract.errors import HordeError
 
 
@@ -83,50 +85,52 @@ def kudos_transfer(
         )
 
 
-def kudos_transfer_to(
-    *, source: HordeUser, dest: HordeUser, shared_key: SharedKey | None, amount: int, idempotency_key: str | None
-) -> Decimal:
-    """Move `amount` kudos from `source` to `dest` (a shared key's owner, whose key then holds that
-    much more), with upstream's refusals (rc and status), both ledger rows and the transfer's log,
-    in one transaction. Both balances are locked first, so concurrent transfers cannot spend one
-    balance twice; a repeated Idempotency-Key with the same transfer moves nothing again and answers
-    as the first did. Returns the kudos transferred."""
+# Tries at the transfer's locks, each after a longer pause (about 1.4 s in all): settlements hold
+# a balance for one statement's time.
+KUDOS_TRANSFER_LOCK_ATTEMPTS = 10
+KUDOS_TRANSFER_LOCK_RETRY_SECONDS = 0.025
+
+
+def kudos_transfer_to(*, source: HordeUser, username: str, amount: int, idempotency_key: str | None) -> Decimal:
+    """Move `amount` kudos from `source` to the user or shared key `username` names (a key's owner
+    is paid and the key holds that much more), with upstream's refusals (rc and status), both
+    ledger rows and the transfer's log, in one transaction. Both balances are locked, in id order
+    as every settlement locks them, so concurrent transfers cannot spend one balance twice. A
+    repeated Idempotency-Key of the same transfer moves nothing again and answers as the first did,
+    whatever became of its target since. Returns the kudos transferred."""
+    if amount < 0:
+        raise HordeError("NegativeKudosTransfer", "A transfer's amount cannot be negative.")
+    if amount == 0:
+        raise HordeError("InvalidKudosTransferAmount", "Transfer amount must be positive.")
+    value = Decimal(amount)
+    if idempotency_key is not None and (replayed := _transfer_replayed(source, idempotency_key, username, value)):
+        return replayed
+    dest, shared_key = kudos_transfer_target(username)
     if dest.is_anonymous:
         raise HordeError(
             "KudosTransferToAnon", "Kudos sent to Anonymous would be lost: the transfer was not made."
         )
     if dest.pk == source.pk:
         raise HordeError("KudosTransferToSelf", "You cannot send kudos to yourself.")
-    if amount < 0:
-        raise HordeError("NegativeKudosTransfer", "A transfer's amount cannot be negative.")
-    if amount == 0:
-        raise HordeError("InvalidKudosTransferAmount", "Transfer amount must be positive.")
-    value = Decimal(amount)
     with transaction.atomic():
-        locked = {u.pk: u for u in HordeUser.objects.select_for_update().filter(pk__in=[source.pk, dest.pk]).order_by("pk")}
-        payer = locked[source.pk]
-        # Under the payer's lock: a retry racing its first attempt sees the first's log row.
-        if idempotency_key is not None:
-            prior = KudosTransfer.objects.filter(source_id=source.pk, idempotency_key=idempotency_key).first()
-            if prior is not None:
-                if (prior.dest_id, prior.amount, prior.shared_key_id) != (
-                    dest.pk, value, shared_key.pk if shared_key else None
-                ):
-                    raise HordeError(
-                        "IdempotencyKeyConflict",
-                        "Idempotency key was already used with different transfer parameters.",
-                    )
-                return prior.amount
+        locked = _transfer_locks(user_ids=[source.pk, dest.pk], shared_key_id=shared_key.pk if shared_key else None)
+        if len(locked) < 2:  # one of them was deleted since it was read
+            raise HordeError("InvalidTargetUsername", "Invalid target username.")
+        # Again under the payer's lock: a retry racing its first attempt sees the first's log row.
+        if idempotency_key is not None and (replayed := _transfer_replayed(source, idempotency_key, username, value)):
+            return replayed
         cooldown = timezone.now() - timedelta(seconds=KUDOS_TRANSFER_REVERSE_COOLDOWN_SECONDS)
         if KudosTransfer.objects.filter(source_id=dest.pk, dest_id=source.pk, created__gte=cooldown).exists():
             raise HordeError(
                 "TooFastKudosTransfers",
                 "This user transferred kudos to you very recently. Please wait at least 1 minute.",
             )
-        if payer.kudos_available < value:
+        if locked[source.pk].kudos_available < value:
             raise HordeError("KudosTransferNotEnough", "Not enough kudos.")
-        HordeUser.objects.filter(pk=source.pk).update(kudos=F("kudos") - value)
-        HordeUser.objects.filter(pk=dest.pk).update(kudos=F("kudos") + value)
+        for user_id in sorted(locked):  # id order, as the lock above
+            HordeUser.objects.filter(pk=user_id).update(
+                kudos=F("kudos") + (value if user_id == dest.pk else -value)
+            )
         KudosTransaction.objects.bulk_create(
             [
                 KudosTransaction(user_id=source.pk, amount=-value, kind=KudosTransaction.Kind.TRANSFER),
@@ -136,6 +140,7 @@ def kudos_transfer_to(
         KudosTransfer.objects.create(
             source_id=source.pk,
             dest_id=dest.pk,
+            target=username,
             shared_key_id=shared_key.pk if shared_key else None,
             amount=value,
             idempotency_key=idempotency_key,
@@ -145,6 +150,39 @@ def kudos_transfer_to(
                 kudos=F("kudos") + value
             )
     return value
+
+
+def _transfer_locks(*, user_ids: list[int], shared_key_id: UUID | None) -> dict[int, HordeUser]:
+    """Both users' rows (and the shared key's) locked for a transfer, by id. The locks are taken
+    without waiting, and tried again while a settlement holds one: a settlement locks its two
+    balances in whatever order its plan visits them, so a transfer that waited holding one lock
+    could deadlock with it, and the one PostgreSQL aborts could be a worker's submit."""
+    for attempt in range(KUDOS_TRANSFER_LOCK_ATTEMPTS):
+        try:
+            with transaction.atomic():  # a savepoint: a refused lock leaves the transaction usable
+                users = HordeUser.objects.select_for_update(nowait=True).filter(pk__in=user_ids).order_by("pk")
+                locked = {user.pk: user for user in users}
+                if shared_key_id is not None:
+                    list(SharedKey.objects.select_for_update(nowait=True).filter(pk=shared_key_id))
+                return locked
+        except OperationalError:  # a lock held elsewhere (LockNotAvailable)
+            time.sleep(KUDOS_TRANSFER_LOCK_RETRY_SECONDS * (attempt + 1))
+    raise HordeError(
+        "KudosTransferBusy", "The accounts are busy settling jobs: send the transfer again.", status=503
+    )
+
+
+def _transfer_replayed(source: HordeUser, idempotency_key: str, username: str, value: Decimal) -> Decimal | None:
+    """The amount of the sender's transfer that claimed this key, when it was this same transfer
+    (the same target as sent and amount); IdempotencyKeyConflict when it was another."""
+    prior = KudosTransfer.objects.filter(source_id=source.pk, idempotency_key=idempotency_key).first()
+    if prior is None:
+        return None
+    if (prior.target, prior.amount) != (username, value):
+        raise HordeError(
+            "IdempotencyKeyConflict", "Idempotency key was already used with different transfer parameters."
+        )
+    return prior.amount
 
 
 def kudos_settle(
@@ -161,11 +199,13 @@ def kudos_settle(
     """A settled generation: the worker's owner earns `reward`, the requester pays `charge` (drawn
     from the shared key the request was made with, if any) and has `release_held` of its hold
     released; both ledger rows in one insert."""
-    HordeUser.objects.filter(pk=payee_id).update(kudos=F("kudos") + reward)
-    payer_updates: dict = {"kudos": F("kudos") - charge}
-    if release_held:
-        payer_updates["kudos_held"] = F("kudos_held") - release_held
-    HordeUser.objects.filter(pk=payer_id).update(**payer_updates)
+    # One UPDATE per user, in id order, so two of these settling at once cannot deadlock.
+    for user_id in sorted({payee_id, payer_id}):
+        change = (reward if user_id == payee_id else 0) - (charge if user_id == payer_id else 0)
+        updates: dict = {"kudos": F("kudos") + change}
+        if user_id == payer_id and release_held:
+            updates["kudos_held"] = F("kudos_held") - release_held
+        HordeUser.objects.filter(pk=user_id).update(**updates)
     rows = [(payee_id, reward, KudosTransaction.Kind.GENERATION_REWARD)]
     if charge:
         rows.append((payer_id, -charge, KudosTransaction.Kind.GENERATION_CHARGE))
@@ -255,14 +295,18 @@ def shared_key_create(
 
 
 def shared_key_update(*, key: SharedKey, changes: dict[str, Any]) -> SharedKey:
-    """Apply the PATCH's fields that were sent (`expiry` in days, as at creation)."""
+    """Apply the PATCH's fields that were sent (`expiry` in days, as at creation). Only those are
+    written: a settlement or a transfer changing the key's kudos meanwhile is kept."""
+    sent = list(changes)
     if "expiry" in changes:
         key.expiry = _expiry_from_days(changes.pop("expiry"))
     if "kudos" in changes:
         key.kudos = Decimal(changes.pop("kudos"))
     for name, value in changes.items():
         setattr(key, name, value)
-    key.save()
+    if sent:
+        key.save(update_fields=sent)
+    key.refresh_from_db()  # the answer shows the key as it is now
     return key
 
 

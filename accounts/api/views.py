@@ -9,6 +9,7 @@ from rest_framework.views import APIView
 from accounts import services
 from accounts.api.callers import registered_caller, requester, shared_key_of
 from accounts.models import (
+    KUDOS_TRANSFER_DEFAULT_AMOUNT,
     KUDOS_TRANSFER_IDEMPOTENCY_KEY_MAX_LENGTH,
     SHARED_KEY_DEFAULT_KUDOS,
     SHARED_KEY_MAX_EXPIRY_DAYS,
@@ -20,7 +21,6 @@ from accounts.models import (
 from accounts.ratelimit import check_submit_rate_limits
 from accounts.selectors import (
     USER_ID_DIGITS,
-    kudos_transfer_target,
     shared_key_details,
     shared_key_get,
     user_details,
@@ -81,8 +81,9 @@ class KudosTransferView(APIView):
     id decides) or to a shared key by its id (its owner is paid, the key holds more), as upstream's."""
 
     class InputSerializer(serializers.Serializer):
-        username = serializers.CharField()
-        amount = serializers.IntegerField()
+        # A blank or unknown name is the service's InvalidTargetUsername, as upstream answers it.
+        username = serializers.CharField(allow_blank=True, max_length=255)
+        amount = serializers.IntegerField(default=KUDOS_TRANSFER_DEFAULT_AMOUNT)
 
     class OutputSerializer(serializers.Serializer):
         transferred = serializers.FloatField()
@@ -99,12 +100,9 @@ class KudosTransferView(APIView):
             raise HordeError(
                 "BadRequest", f"Idempotency-Key is longer than {KUDOS_TRANSFER_IDEMPOTENCY_KEY_MAX_LENGTH} characters."
             )
-        source = registered_caller(request, rc="KudosTransferFromAnon")
-        dest, shared_key = kudos_transfer_target(body.validated_data["username"])
         transferred = services.kudos_transfer_to(
-            source=source,
-            dest=dest,
-            shared_key=shared_key,
+            source=registered_caller(request, rc="KudosTransferFromAnon"),
+            username=body.validated_data["username"],
             amount=body.validated_data["amount"],
             idempotency_key=idempotency_key,
         )

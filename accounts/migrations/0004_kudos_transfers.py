@@ -22,6 +22,7 @@ class Migration(migrations.Migration):
             name='KudosTransfer',
             fields=[
                 ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('target', models.CharField(max_length=255)),
                 ('shared_key_id', models.UUIDField(blank=True, null=True)),
                 ('amount', models.DecimalField(decimal_places=2, max_digits=18)),
                 ('idempotency_key', models.CharField(blank=True, max_length=255, null=True)),

@@ -29,6 +29,21 @@ def refused(answer, rc: str, status: int = 400) -> None:
     assert (answer.status_code, answer.json()["rc"]) == (status, rc), answer.json()
 
 
+def test_the_whole_available_balance_can_be_given_and_no_more(api, make_user):
+    alice, bob = make_user("alice", kudos=100), make_user("bob")
+    HordeUser.objects.filter(pk=alice.user.pk).update(kudos_held=Decimal("40"))
+    refused(transfer(api, alice.key, f"bob#{bob.user.pk}", 61), "KudosTransferNotEnough")
+    assert transfer(api, alice.key, f"bob#{bob.user.pk}", 60).json() == {"transferred": 60.0}
+    assert (kudos(alice), kudos(bob)) == (Decimal("40"), Decimal("60"))
+
+
+def test_upstreams_default_amount_and_a_blank_name(api, make_user):
+    alice, bob = make_user("alice", kudos=500), make_user("bob")
+    sent = api.post("/api/v2/kudos/transfer", {"username": f"bob#{bob.user.pk}"}, format="json", HTTP_APIKEY=alice.key)
+    assert sent.json() == {"transferred": 100.0}
+    refused(transfer(api, alice.key, "", 5), "InvalidTargetUsername")
+
+
 def test_kudos_move_with_their_ledger_rows_and_log(api, make_user):
     alice, bob = make_user("alice", kudos=500), make_user("bob", kudos=10)
     answer = transfer(api, alice.key, f"bob#{bob.user.pk}", 120)
@@ -87,6 +102,7 @@ def test_a_transfer_to_a_shared_key_pays_its_owner_and_fills_the_key(api, make_u
     assert kudos(owner) == Decimal("1050") and kudos(giver) == Decimal("50")
     assert SharedKey.objects.get(pk=limited).kudos == Decimal("80")
     assert SharedKey.objects.get(pk=unlimited).kudos == Decimal("-1")  # still no limit
+    refused(transfer(api, owner.key, limited, 5), "KudosTransferToSelf")  # your own key is you
     # A shared key spends; it does not give.
     refused(transfer(api, limited, f"giver#{giver.user.pk}", 5), "InvalidAPIKey", 401)
     expired = lend(api, owner.key, kudos=50, expiry=1).json()["id"]
@@ -104,6 +120,18 @@ def test_an_idempotency_key_makes_a_retry_safe(api, make_user):
     assert (kudos(alice), kudos(bob)) == (Decimal("60"), Decimal("40"))
     refused(transfer(api, alice.key, f"carol#{carol.user.pk}", 40, **{"Idempotency-Key": "tip-1"}), "IdempotencyKeyConflict")
     refused(transfer(api, alice.key, f"bob#{bob.user.pk}", 41, **{"Idempotency-Key": "tip-1"}), "IdempotencyKeyConflict")
+    # A retry answers as the first attempt did, whatever changed since: the balance spent, the
+    # target key gone.
+    HordeUser.objects.filter(pk=alice.user.pk).update(kudos=Decimal("0"))
+    assert transfer(api, alice.key, f"bob#{bob.user.pk}", 40, **{"Idempotency-Key": "tip-1"}).json() == {
+        "transferred": 40.0
+    }
+    assert (kudos(alice), kudos(bob)) == (Decimal("0"), Decimal("40"))
+    # A refused attempt claims nothing: once there is enough, the same key moves the kudos.
+    refused(transfer(api, alice.key, f"carol#{carol.user.pk}", 10, **{"Idempotency-Key": "tip-2"}), "KudosTransferNotEnough")
+    HordeUser.objects.filter(pk=alice.user.pk).update(kudos=Decimal("10"))
+    assert transfer(api, alice.key, f"carol#{carol.user.pk}", 10, **{"Idempotency-Key": "tip-2"}).status_code == 200
+    assert kudos(carol) == Decimal("10")
     # Another sender's key of the same text is its own.
     assert transfer(api, bob.key, f"carol#{carol.user.pk}", 5, **{"Idempotency-Key": "tip-1"}).status_code == 200
     refused(transfer(api, alice.key, f"bob#{bob.user.pk}", 1, **{"Idempotency-Key": "k" * 256}), "BadRequest")
@@ -111,16 +139,56 @@ def test_an_idempotency_key_makes_a_retry_safe(api, make_user):
 
 @pytest.mark.django_db(transaction=True)
 def test_racing_transfers_never_spend_a_balance_twice(make_user):
-    alice, bob, carol = make_user("alice", kudos=100), make_user("bob"), make_user("carol")
+    alice = make_user("alice", kudos=100)
+    friends = [make_user(f"friend{i}") for i in range(5)]
     answers = race(
         [
-            lambda: transfer(APIClient(), alice.key, f"bob#{bob.user.pk}", 60).status_code,
-            lambda: transfer(APIClient(), alice.key, f"carol#{carol.user.pk}", 60).status_code,
+            lambda friend=friend: transfer(APIClient(), alice.key, f"f#{friend.user.pk}", 30).status_code
+            for friend in friends
         ]
     )
-    assert sorted(answers) == [200, 400]
-    assert kudos(alice) == Decimal("40") and kudos(bob) + kudos(carol) == Decimal("60")
-    assert KudosTransfer.objects.count() == 1
+    assert sorted(answers) == [200, 200, 200, 400, 400]
+    assert kudos(alice) == Decimal("10") and sum(kudos(f) for f in friends) == Decimal("90")
+    assert KudosTransfer.objects.count() == 3
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_a_transfer_never_waits_on_a_held_balance_it_could_deadlock_on(make_user):
+    """A settlement holding a balance: the transfer tries again without waiting (so it can never be
+    one end of a deadlock), goes through once the balance is free, and answers 503 while it is not."""
+    import threading
+
+    from django.db import connection, transaction
+
+    alice, bob = make_user("alice", kudos=100), make_user("bob")
+    held, release = threading.Event(), threading.Event()
+
+    def hold_bob(seconds: float) -> None:
+        try:
+            with transaction.atomic():
+                HordeUser.objects.select_for_update().get(pk=bob.user.pk)
+                held.set()
+                release.wait(seconds)
+        finally:
+            connection.close()
+
+    def transfer_while_held(seconds: float):
+        held.clear()
+        release.clear()
+        holder = threading.Thread(target=hold_bob, args=(seconds,))
+        holder.start()
+        assert held.wait(5)
+        try:
+            return transfer(APIClient(), alice.key, f"bob#{bob.user.pk}", 10)
+        finally:
+            release.set()
+            holder.join()
+
+    assert transfer_while_held(0.2).json() == {"transferred": 10.0}  # freed within the retries
+    busy = transfer_while_held(5.0)
+    assert (busy.status_code, busy.json()["rc"]) == (503, "KudosTransferBusy")
+    assert (kudos(alice), kudos(bob)) == (Decimal("90"), Decimal("10"))
 
 
 @pytest.mark.django_db(transaction=True)
@@ -135,3 +203,15 @@ def test_a_retry_racing_its_first_attempt_moves_the_kudos_once(make_user):
     assert answers == [{"transferred": 30.0}] * 3
     assert (kudos(alice), kudos(bob)) == (Decimal("70"), Decimal("30"))
     assert KudosTransaction.objects.filter(kind="transfer").count() == 2
+
+
+def test_renaming_a_shared_key_keeps_what_a_transfer_added_meanwhile(api, make_user):
+    from accounts.services import shared_key_update
+
+    owner, giver = make_user("owner", kudos=10), make_user("giver", kudos=100)
+    key_id = lend(api, owner.key, kudos=50).json()["id"]
+    read_before = SharedKey.objects.get(pk=key_id)  # as the PATCH's view read it
+    assert transfer(api, giver.key, key_id, 25).status_code == 200
+    renamed = shared_key_update(key=read_before, changes={"name": "Mutual Aid"})
+    assert (renamed.name, renamed.kudos) == ("Mutual Aid", Decimal("75"))
+    assert SharedKey.objects.get(pk=key_id).kudos == Decimal("75")

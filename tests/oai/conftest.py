@@ -53,6 +53,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_for(predicate, timeout: float = 5.0):
+    """The predicate's first truthy value within `timeout` seconds (polled), else its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    return predicate()
+
+
 @dataclass
 class LiveHorde:
     port: int

@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from tests.oai.conftest import MODEL, HordeTestWorker, _free_port
+from tests.oai.conftest import MODEL, HordeTestWorker, _free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -118,15 +118,6 @@ def _deletes(network) -> list[str]:
     return [path.rsplit("/", 1)[1] for method, path in network.seen if method == "DELETE"]
 
 
-def _wait_for(predicate, timeout: float = 5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    return predicate()
-
 
 def _requests():
     from chat.models import GenerationRequest
@@ -177,7 +168,7 @@ def test_an_in_process_cancel_held_past_its_timeout_is_timed_out(front, live_hor
         started = time.monotonic()
         assert _cancel(front, request_id) == ["timed_out"]
         assert time.monotonic() - started < 1.5
-    assert _wait_for(lambda: _outcomes(front).get("acknowledged") == 1, 5), _outcomes(front)
+    assert wait_for(lambda: _outcomes(front).get("acknowledged") == 1, 5), _outcomes(front)
     assert GenerationRequest.objects.get(pk=request_id).cancelled is True
 
 
@@ -210,7 +201,7 @@ def test_a_cancel_without_a_free_slot_is_not_started_then_sent_again(front, netw
     assert _cancel(front, first, second) == ["already_gone", "not_started"]
     assert _deletes(network) == [first]
     network.mode = "forward"
-    assert _wait_for(lambda: _outcomes(front).get("already_gone") == 2, 5), _outcomes(front)
+    assert wait_for(lambda: _outcomes(front).get("already_gone") == 2, 5), _outcomes(front)
     assert _deletes(network) == [first, second]
     outcomes = _outcomes(front)
     assert outcomes.pop("not_started") >= 1  # each attempt is counted
@@ -237,14 +228,14 @@ def test_a_failed_cancel_of_a_client_gone_is_sent_again_until_the_horde_answers(
         args=(f"{front.live.v1}/chat/completions", requester.key, {"model": MODEL, "messages": USER}, 1.0),
     )
     thread.start()
-    (request,) = _wait_for(_requests, 5)
+    (request,) = wait_for(_requests, 5)
     network.mode = "bad_gateway"
     thread.join()
-    assert _wait_for(lambda: _outcomes(front).get("failed", 0) >= 3, 5), _outcomes(front)
+    assert wait_for(lambda: _outcomes(front).get("failed", 0) >= 3, 5), _outcomes(front)
     assert _requests()[0].cancelled is False
     network.mode = "forward"
-    assert _wait_for(lambda: _requests()[0].cancelled, 5)
-    assert _wait_for(lambda: _outcomes(front).get("acknowledged") == 1, 2), _outcomes(front)
+    assert wait_for(lambda: _requests()[0].cancelled, 5)
+    assert wait_for(lambda: _outcomes(front).get("acknowledged") == 1, 2), _outcomes(front)
     sent = len(_deletes(network))
     time.sleep(1.0)  # over two retry periods
     assert len(_deletes(network)) == sent
@@ -283,7 +274,7 @@ def test_the_oldest_failed_cancels_are_dropped_over_the_cap(front, network, monk
     for request_id in ids:  # one after another: the oldest is the first
         assert _cancel(front, request_id) == ["failed"]
     network.seen.clear()
-    assert _wait_for(lambda: len(_deletes(network)) >= 3, 3)
+    assert wait_for(lambda: len(_deletes(network)) >= 3, 3)
     time.sleep(0.2)
     assert _deletes(network)[:3] == ids[1:]
     assert ids[0] not in _deletes(network)

@@ -14,22 +14,13 @@ import openai
 import pytest
 
 from oai.waiter import POSITIONED_READ_WAIT_SECONDS, QUEUE_UNAVAILABLE_RETRY_AFTER_CAP_SECONDS
-from tests.oai.conftest import MODEL, HordeTestWorker
+from tests.oai.conftest import MODEL, HordeTestWorker, wait_for
 
 pytestmark = pytest.mark.slow
 
 USER = [{"role": "user", "content": "Hello?"}]
 FAIL_FAST = {"horde": {"availability_mode": "fail_fast"}}
 
-
-def _wait_for(predicate, timeout: float = 5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    return predicate()
 
 
 def _idle_worker(live_horde, worker_owner, *, speed: float) -> HordeTestWorker:
@@ -104,7 +95,7 @@ def test_a_wait_over_the_cap_is_refused_with_retry_after_600(
     assert " queue_reason=wait_exceeds_budget wait_time=2000 eligible_worker_threads=1 " in line
     assert line.endswith(" first_read_wait_time=2000 first_read_eligible_worker_threads=1")
     # The front cancels what it refuses.
-    assert _wait_for(lambda: [r.cancelled for r in _requests()] == [True], 3)
+    assert wait_for(lambda: [r.cancelled for r in _requests()] == [True], 3)
 
 
 def test_a_wait_under_the_cap_is_its_own_retry_after(front, client, live_horde, worker_owner):
@@ -154,7 +145,7 @@ def test_a_request_served_within_its_budget_keeps_waiting(front, client, live_ho
     thread = threading.Thread(target=call)
     thread.start()
     try:
-        assert _wait_for(_requests, 5)
+        assert wait_for(_requests, 5)
         time.sleep(POSITIONED_READ_WAIT_SECONDS + 0.5)  # past any first-read decision
         assert thread.is_alive() and "error" not in result
         worker.start()
@@ -223,7 +214,7 @@ def test_the_first_positioned_status_decides(front, client, live_horde, worker_o
 
     thread = threading.Thread(target=call)
     thread.start()
-    immediate = _wait_for(
+    immediate = wait_for(
         lambda: any(a["horde.wake_source"] == "immediate" for a, _ in front.metrics().get("horde.oai.wakes", [])),
         5,
     )

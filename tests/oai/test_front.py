@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.oai.conftest import MODEL, OTHER_MODEL, HordeTestWorker, _free_port
+from tests.oai.conftest import MODEL, OTHER_MODEL, HordeTestWorker, _free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -32,15 +32,6 @@ def _requests():
 
     return list(GenerationRequest.objects.filter(is_chat=True))
 
-
-def _wait_for(predicate, timeout: float = 5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    return predicate()
 
 
 def _idle_worker(live_horde, worker_owner) -> HordeTestWorker:
@@ -79,15 +70,15 @@ def test_client_disconnect_cancels_the_horde_request_within_2s(
         target=_post_and_drop, args=(f"{front.live.v1}/chat/completions", requester.key, body, 1.0)
     )
     thread.start()
-    assert _wait_for(_requests, 5), "the request was not submitted"
+    assert wait_for(_requests, 5), "the request was not submitted"
     thread.join()
     dropped_at = time.monotonic()
-    cancelled = _wait_for(lambda: all(r.cancelled for r in _requests()) and _requests(), 3)
+    cancelled = wait_for(lambda: all(r.cancelled for r in _requests()) and _requests(), 3)
     assert cancelled, "the horde request was not cancelled"
     assert time.monotonic() - dropped_at < 2.0
     # The horde marks the row before its answer reaches the front, which counts the cancel then.
     acknowledged = ({"horde.outcome": "acknowledged"}, 1)
-    assert _wait_for(lambda: acknowledged in front.metrics().get("horde.oai.cancels", []), 2)
+    assert wait_for(lambda: acknowledged in front.metrics().get("horde.oai.cancels", []), 2)
     wakes = front.metrics()["horde.oai.wakes"]
     disconnect = {
         "horde.wake_source": "disconnect",
@@ -98,7 +89,7 @@ def test_client_disconnect_cancels_the_horde_request_within_2s(
     status_code = 200 if stream else 499
     ended = {"horde.streamed": stream, "horde.status_code": status_code, "horde.code": "client_closed"}
     # The finished line is logged last, once the request's duration is recorded.
-    (record,) = _wait_for(lambda: [r for r in caplog.records if r.name == "oai.requests"], 2)
+    (record,) = wait_for(lambda: [r for r in caplog.records if r.name == "oai.requests"], 2)
     durations = front.metrics()["horde.oai.request.duration"]
     assert [a for a, _ in durations] == [ended] and durations[0][1][0] == 1
     assert f" status={status_code} code=client_closed " in record.getMessage()
@@ -109,10 +100,10 @@ def test_stream_disconnect_while_streaming_through_the_sdk(front, requester, liv
     _idle_worker(live_horde, worker_owner)
     sdk = openai.OpenAI(base_url=front.live.v1, api_key=requester.key, max_retries=0)
     stream = sdk.chat.completions.create(model=MODEL, messages=USER, stream=True)
-    assert _wait_for(_requests, 5)
+    assert wait_for(_requests, 5)
     stream.close()  # the SDK closes the response while the front waits
     started = time.monotonic()
-    assert _wait_for(lambda: all(r.cancelled for r in _requests()), 3)
+    assert wait_for(lambda: all(r.cancelled for r in _requests()), 3)
     assert time.monotonic() - started < 2.0
     sdk.close()
 
@@ -194,7 +185,7 @@ def test_cancelled_elsewhere_is_chat_request_no_generation(front, client, live_h
 
     thread = threading.Thread(target=call)
     thread.start()
-    request = _wait_for(_requests, 5)[0]
+    request = wait_for(_requests, 5)[0]
     assert httpx.delete(f"{live_horde.url}/api/v2/generate/chat/status/{request.id}").status_code == 200
     thread.join(10)
     error = result["error"]
@@ -217,7 +208,7 @@ def test_budget_end_is_408_and_cancels(front, client, live_horde, worker_owner):
         client.chat.completions.create(model=MODEL, messages=USER)
     assert (caught.value.status_code, caught.value.code) == (408, "ChatRequestTimeout")
     assert caught.value.response.headers["x-should-retry"] == "false"
-    assert _wait_for(lambda: all(r.cancelled for r in _requests()), 3)
+    assert wait_for(lambda: all(r.cancelled for r in _requests()), 3)
 
 
 def test_stream_error_after_headers_is_an_sse_error_event(front, client, live_horde, worker_owner):
@@ -261,7 +252,7 @@ def test_no_eligible_worker_after_the_grace_is_an_sse_error_event_with_retry_aft
         }
     }
     assert front.metrics()["horde.oai.stream.failures"] == [({"horde.code": "no_eligible_worker"}, 1)]
-    assert _wait_for(lambda: all(r.cancelled for r in _requests()), 3)
+    assert wait_for(lambda: all(r.cancelled for r in _requests()), 3)
 
 
 # --- admission ------------------------------------------------------------------------------------
@@ -332,7 +323,7 @@ def test_inflight_cap_per_source_is_503_front_at_capacity(front, requester, live
     ]
     for thread in threads:
         thread.start()
-    assert _wait_for(lambda: len(_requests()) == 3, 5)
+    assert wait_for(lambda: len(_requests()) == 3, 5)
     gauges = front.metrics()
     assert gauges["horde.oai.inflight"] == [({}, 3)]
     assert gauges["horde.oai.inflight.sources"] == [({}, 2)]
@@ -635,7 +626,7 @@ def test_python_m_oai_serves_the_front_alone(front, client, start_worker, live_h
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        assert _wait_for(lambda: _healthy(base), 20), (
+        assert wait_for(lambda: _healthy(base), 20), (
             process.stderr.read1().decode() if process.poll() else "no answer"
         )
         sdk = openai.OpenAI(base_url=f"{base}/v1", api_key=requester.key, max_retries=0)

@@ -12,7 +12,7 @@ from decimal import Decimal
 import openai
 import pytest
 
-from tests.oai.conftest import MODEL, HordeTestWorker, ScribeTextWorker
+from tests.oai.conftest import MODEL, HordeTestWorker, ScribeTextWorker, wait_for
 from tests.oai.test_text_completions import PROMPT, delaying_proxy  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.slow
@@ -34,15 +34,6 @@ def _idle_worker(live_horde, worker_owner, route: str) -> HordeTestWorker | Scri
     worker.check_in()
     return worker
 
-
-def _wait_for(predicate, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    return predicate()
 
 
 def _charges() -> int:
@@ -122,7 +113,7 @@ def test_a_given_up_submit_the_front_never_learns_of_is_cancelled_by_the_sweep(
     assert caught.value.body["metadata"] == {"submit_outcome": "unknown"}
     request = GenerationRequest.objects.get()
     assert not request.cancelled and request.front_lease_expires_at is not None
-    _wait_for(lambda: GenerationRequest.objects.get().front_lease_expires_at < _now(), 5)
+    wait_for(lambda: GenerationRequest.objects.get().front_lease_expires_at < _now(), 5)
     time.sleep(0.1)
     assert cancel_lapsed_front_leases() == 1
     _assert_settled_as_a_cancel(requester, kudos)
@@ -162,7 +153,7 @@ def test_a_live_front_keeps_its_requests_past_many_lease_lengths(
     answers: list = []
     thread = threading.Thread(target=lambda: answers.append(_create(client, route)))
     thread.start()
-    assert _wait_for(lambda: GenerationRequest.objects.exists(), 5)
+    assert wait_for(lambda: GenerationRequest.objects.exists(), 5)
     cancelled = 0
     deadline = time.monotonic() + 3.0
     while time.monotonic() < deadline:
