@@ -157,3 +157,40 @@ def test_two_changes_at_once_both_land(make_user):
     assert answers == [200, 200]
     worker.refresh_from_db()
     assert (worker.paused, worker.info, worker.maintenance) == (True, "racing", True)
+
+
+def test_kobold_lite_my_workers_panel_replayed(horde, make_user):
+    """Lite from file:// (origin null): find_user's worker_ids, GET each worker, PUT the changed
+    ones with {"maintenance", "info"}, DELETE one, each preflighted with apikey and content-type."""
+    owner = make_user("owner")
+    _registered(horde, owner, name="attic")
+    _registered(horde, owner, name="basement")
+    ids = horde.client.get("/api/v2/find_user", HTTP_APIKEY=owner.key, HTTP_ORIGIN="null").json()["worker_ids"]
+    workers = [horde.client.get(f"/api/v2/workers/{worker_id}", HTTP_ORIGIN="null").json() for worker_id in ids]
+    assert sorted(w["name"] for w in workers) == ["attic", "basement"]
+    for method in ("PUT", "DELETE"):
+        preflight = horde.client.options(
+            f"/api/v2/workers/{ids[0]}",
+            HTTP_ORIGIN="null",
+            HTTP_ACCESS_CONTROL_REQUEST_METHOD=method,
+            HTTP_ACCESS_CONTROL_REQUEST_HEADERS="apikey,content-type",
+        )
+        assert preflight.status_code == 200 and method in preflight["Access-Control-Allow-Methods"]
+    attic = next(w for w in workers if w["name"] == "attic")
+    updated = horde.client.put(
+        f"/api/v2/workers/{attic['id']}",
+        '{"maintenance":true,"info":"Back tonight"}',
+        content_type="application/json",
+        HTTP_APIKEY=owner.key,
+        HTTP_ORIGIN="null",
+    )
+    assert updated.json() == {"maintenance": True, "info": "Back tonight"}
+    assert updated["Access-Control-Allow-Origin"] == "*"
+    basement = next(w for w in workers if w["name"] == "basement")
+    deleted = horde.client.delete(
+        f"/api/v2/workers/{basement['id']}", content_type="application/json", HTTP_APIKEY=owner.key, HTTP_ORIGIN="null"
+    )
+    assert deleted.json() == {"deleted_id": basement["id"], "deleted_name": "basement"}
+    assert horde.client.get("/api/v2/find_user", HTTP_APIKEY=owner.key).json()["worker_ids"] == [attic["id"]]
+    shown = horde.client.get(f"/api/v2/workers/{attic['id']}").json()
+    assert (shown["maintenance_mode"], shown["info"]) == (True, "Back tonight")
