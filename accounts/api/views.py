@@ -80,20 +80,20 @@ class KudosTransferView(APIView):
     """POST /api/v2/kudos/transfer: the caller gives kudos to a user named by alias ("name#id", the
     id decides) or to a shared key by its id (its owner is paid, the key holds more), as upstream's."""
 
-    class InputSerializer(serializers.Serializer):
+    class KudosTransferInputSerializer(serializers.Serializer):
         # A blank or unknown name is the service's InvalidTargetUsername, as upstream answers it.
         username = serializers.CharField(allow_blank=True, max_length=255)
         amount = serializers.IntegerField(default=KUDOS_TRANSFER_DEFAULT_AMOUNT)
 
-    class OutputSerializer(serializers.Serializer):
+    class KudosTransferOutputSerializer(serializers.Serializer):
         transferred = serializers.FloatField()
 
-    @extend_schema(request=InputSerializer, responses=OutputSerializer)
+    @extend_schema(request=KudosTransferInputSerializer, responses=KudosTransferOutputSerializer)
     def post(self, request):
         check_submit_rate_limits(
             request, scope="kudos_transfer", limits_per_ip=settings.HORDE_KUDOS_TRANSFER_RATE_LIMITS
         )
-        body = self.InputSerializer(data=request.data)
+        body = self.KudosTransferInputSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         idempotency_key = request.headers.get("Idempotency-Key") or None
         if idempotency_key is not None and len(idempotency_key) > KUDOS_TRANSFER_IDEMPOTENCY_KEY_MAX_LENGTH:
@@ -106,7 +106,7 @@ class KudosTransferView(APIView):
             amount=body.validated_data["amount"],
             idempotency_key=idempotency_key,
         )
-        return Response(self.OutputSerializer({"transferred": transferred}).data)
+        return Response(self.KudosTransferOutputSerializer({"transferred": transferred}).data)
 
 
 class SharedKeyInputSerializer(serializers.Serializer):

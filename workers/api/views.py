@@ -58,13 +58,13 @@ class WorkerDetailView(APIView):
         info = serializers.CharField(required=False, allow_blank=True, trim_whitespace=False)
         name = serializers.CharField(required=False, allow_blank=True)
 
-    class UpdateOutputSerializer(serializers.Serializer):
+    class WorkerModifiedSerializer(serializers.Serializer):
         maintenance = serializers.BooleanField(required=False)
         paused = serializers.BooleanField(required=False)
         info = serializers.CharField(required=False)
         name = serializers.CharField(required=False)
 
-    class DeleteOutputSerializer(serializers.Serializer):
+    class WorkerDeletedSerializer(serializers.Serializer):
         deleted_id = serializers.CharField()
         deleted_name = serializers.CharField()
 
@@ -72,15 +72,15 @@ class WorkerDetailView(APIView):
     def get(self, request, worker_id):
         return Response(worker_details(_worker_or_404(worker_id, cached=True)))
 
-    @extend_schema(request=UpdateSerializer, responses={200: UpdateOutputSerializer})
+    @extend_schema(request=UpdateSerializer, responses={200: WorkerModifiedSerializer})
     def put(self, request, worker_id):
         actor = registered_caller(request)
         body = self.UpdateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         changed = worker_update(worker_id=worker_id, actor=actor, **body.validated_data)
-        return Response(self.UpdateOutputSerializer(changed).data)
+        return Response(self.WorkerModifiedSerializer(changed).data)
 
-    @extend_schema(responses={200: DeleteOutputSerializer})
+    @extend_schema(responses={200: WorkerDeletedSerializer})
     def delete(self, request, worker_id):
         deleted = worker_delete(worker_id=worker_id, actor=registered_caller(request))
-        return Response(self.DeleteOutputSerializer(deleted).data)
+        return Response(self.WorkerDeletedSerializer(deleted).data)
