@@ -6,6 +6,8 @@ import uuid
 from email.utils import formatdate
 
 from django.conf import settings
+from django.core.cache import cache
+from django.db.models import Count
 from django.utils import timezone
 
 from accounts.models import HordeUser, SharedKey, hash_api_key
@@ -70,6 +72,39 @@ def kudos_transfer_target(username: str) -> tuple[HordeUser, SharedKey | None]:
     return key.user, key
 
 
+USERS_PAGE_SIZE = 25
+USERS_LAST_PAGE = 10_000  # upstream's: a later page is empty without a query
+USERS_PAGE_CACHE_SECONDS = 10
+
+
+def users_page(*, sort: str, page: int) -> list[dict]:
+    """GET /api/v2/users: a page of every user's public details, the richest first (`kudos`) or the
+    oldest (`age`), as upstream's; one query, cached USERS_PAGE_CACHE_SECONDS."""
+    if page > USERS_LAST_PAGE:
+        return []
+    key = f"horde:users-page:{sort}:{page}"
+    body = cache.get(key)
+    if body is None:
+        order = ("created", "pk") if sort == "age" else ("-kudos", "pk")
+        users = HordeUser.objects.annotate(worker_count=Count("workers")).order_by(*order)
+        offset = (page - 1) * USERS_PAGE_SIZE
+        body = [_public_details(user, worker_count=user.worker_count) for user in users[offset : offset + USERS_PAGE_SIZE]]
+        cache.set(key, body, USERS_PAGE_CACHE_SECONDS)
+    return body
+
+
+def _public_details(user: HordeUser, *, worker_count: int) -> dict:
+    return {
+        "username": user.unique_alias,
+        "id": user.pk,
+        "kudos": float(user.kudos),
+        "trusted": user.trusted,
+        "moderator": user.moderator,
+        "concurrency": user.concurrency,
+        "worker_count": worker_count,
+    }
+
+
 def user_get_fresh(user: HordeUser) -> HordeUser:
     """The user's row as stored now (balances included)."""
     return HordeUser.objects.get(pk=user.pk)
@@ -82,15 +117,7 @@ def user_details(user: HordeUser, *, shared_key: SharedKey | None = None, privat
     "alias#1 (Shared Key: name)"."""
     user = user_get_fresh(user)
     worker_ids = [str(w) for w in user.workers.values_list("id", flat=True)]
-    details: dict = {
-        "username": user.unique_alias,
-        "id": user.pk,
-        "kudos": float(user.kudos),
-        "trusted": user.trusted,
-        "moderator": user.moderator,
-        "concurrency": user.concurrency,
-        "worker_count": len(worker_ids),
-    }
+    details = _public_details(user, worker_count=len(worker_ids))
     if shared_key is not None:
         name = f": {shared_key.name}" if shared_key.name is not None else ""
         details["username"] = f"{user.unique_alias} (Shared Key{name})"

@@ -9,6 +9,7 @@ from accounts.api.views import (
     SharedKeyDetailView,
     SharedKeysView,
     UserDetailView,
+    UsersView,
 )
 from chat.api import pop_views, progress_views, submit_views
 from chat.api import views as chat_views
@@ -27,6 +28,7 @@ api_v2 = [
     path("generate/text/progress", progress_views.TextProgressView.as_view()),
     path("chat_images/<str:key>", chat_object_download),
     path("find_user", FindUserView.as_view()),
+    path("users", UsersView.as_view()),
     path("users/<str:user_id>", UserDetailView.as_view()),
     path("kudos/transfer", KudosTransferView.as_view()),
     path("sharedkeys", SharedKeysView.as_view()),

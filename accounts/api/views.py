@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from django.conf import settings
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -25,6 +25,7 @@ from accounts.selectors import (
     shared_key_get,
     user_details,
     user_get_by_id,
+    users_page,
 )
 from contract.errors import HordeError
 from contract.text import TEXT_MAX_LENGTH_RANGE
@@ -50,6 +51,26 @@ class FindUserView(APIView):
         # The caller's identity may come from the process's key cache; user_details re-reads the row.
         details = user_details(requester(request), shared_key=shared_key_of(request))
         return Response(self.OutputSerializer(details).data)
+
+
+class UsersView(APIView):
+    """GET /api/v2/users?page=&sort=kudos|age: every user's public details, 25 a page, as upstream's
+    (KoboldAI Lite's kudos ranking reads it)."""
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("page", int, description="From 1; 25 users a page"),
+            OpenApiParameter("sort", str, enum=["kudos", "age"]),
+        ],
+        responses=FindUserView.OutputSerializer(many=True),
+    )
+    def get(self, request):
+        page = request.query_params.get("page", "1")
+        if not (page.isascii() and page.lstrip("-").isdigit()) or len(page) > 9:
+            raise HordeError("BadRequest", "page must be a whole number.")
+        sort = request.query_params.get("sort", "kudos")
+        # Upstream's reading: an unknown sort is kudos, a page below 1 is the first.
+        return Response(users_page(sort="age" if sort == "age" else "kudos", page=max(int(page), 1)))
 
 
 class UserDetailView(APIView):

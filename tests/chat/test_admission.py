@@ -439,3 +439,30 @@ def test_user_details_by_id_stay_public_where_anonymous_requests_are_refused(hor
     public = horde.client.get(f"/api/v2/users/{alice.user.pk}")
     assert public.status_code == 200 and "worker_ids" not in public.json()
     assert horde.client.get("/api/v2/users/99999999").json()["rc"] == "UserNotFound"
+
+
+def test_the_users_list_pages_through_everyone_richest_or_oldest_first(horde, make_user):
+    from django.core.cache import cache
+
+    from accounts.models import HordeUser
+
+    made = [make_user(f"u{i}", kudos=i * 10) for i in range(30)]
+    assert horde.pop(made[29].key, name="richest-worker").status_code == 200
+    everyone = HordeUser.objects.count()
+    first = horde.client.get("/api/v2/users").json()
+    assert len(first) == 25 and first[0]["username"] == f"u29#{made[29].user.pk}"
+    assert first[0]["kudos"] == 290.0 and first[0]["worker_count"] == 1
+    assert [u["kudos"] for u in first] == sorted((u["kudos"] for u in first), reverse=True)
+    assert set(first[0]) == {"username", "id", "kudos", "trusted", "moderator", "concurrency", "worker_count"}
+    second = horde.client.get("/api/v2/users?page=2").json()
+    assert len(second) == everyone - 25 and not {u["id"] for u in first} & {u["id"] for u in second}
+    by_age = horde.client.get("/api/v2/users?sort=age").json()
+    assert [u["id"] for u in by_age] == sorted(u["id"] for u in by_age)  # made in id order
+    assert horde.client.get("/api/v2/users?page=0&sort=nonsense").json() == first  # upstream's reading
+    assert horde.client.get("/api/v2/users?page=10001").json() == []
+    assert horde.client.get("/api/v2/users?page=two").json()["rc"] == "BadRequest"
+    # A page is read at most every 10 s, as upstream caches it.
+    HordeUser.objects.filter(pk=made[0].user.pk).update(kudos=10_000)
+    assert horde.client.get("/api/v2/users").json() == first
+    cache.clear()
+    assert horde.client.get("/api/v2/users").json()[0]["id"] == made[0].user.pk
