@@ -7,7 +7,8 @@ from accounts.selectors import shared_key_get, user_get_by_api_key
 from contract.errors import HordeError
 
 INVALID_API_KEY_MESSAGE = (
-    "No user matching sent API Key. Have you remembered to register at https://aihorde.net/register ?"
+    # Upstream's first sentence; its second sent users to its own site, which a self-hosted horde is not.
+    "No user matching sent API Key. Have you remembered to register with this horde?"
 )
 
 
