@@ -94,8 +94,8 @@ KUDOS_TRANSFER_LOCK_RETRY_SECONDS = 0.025
 def kudos_transfer_to(*, source: HordeUser, username: str, amount: int, idempotency_key: str | None) -> Decimal:
     """Move `amount` kudos from `source` to the user or shared key `username` names (a key's owner
     is paid and the key holds that much more), with upstream's refusals (rc and status), both
-    ledger rows and the transfer's log, in one transaction. Both balances are locked, in id order
-    as every settlement locks them, so concurrent transfers cannot spend one balance twice. A
+    ledger rows and the transfer's log, in one transaction. Both balances are locked first (never
+    waited on: _transfer_locks), so concurrent transfers cannot spend one balance twice. A
     repeated Idempotency-Key of the same transfer moves nothing again and answers as the first did,
     whatever became of its target since. Returns the kudos transferred."""
     if amount < 0:
