@@ -215,3 +215,23 @@ def test_renaming_a_shared_key_keeps_what_a_transfer_added_meanwhile(api, make_u
     renamed = shared_key_update(key=read_before, changes={"name": "Mutual Aid"})
     assert (renamed.name, renamed.kudos) == ("Mutual Aid", Decimal("75"))
     assert SharedKey.objects.get(pk=key_id).kudos == Decimal("75")
+
+
+def test_a_settlement_moves_both_balances_in_one_statement_and_nets_a_self_served_request(make_user):
+    """kudos_settle writes the two rows as the submit's statement does (one UPDATE), so the two
+    lock alike; a requester served by their own worker pays and earns on one row."""
+    import uuid
+
+    from accounts.services import kudos_settle
+
+    owner, requester = make_user("owner", kudos=10), make_user("requester", kudos=100)
+    HordeUser.objects.filter(pk=requester.user.pk).update(kudos_held=Decimal("30"))
+    settle = dict(request_id=uuid.uuid4(), generation_id=uuid.uuid4())
+    kudos_settle(payee_id=owner.user.pk, payer_id=requester.user.pk, reward=Decimal("4.5"),
+                 charge=Decimal("5.25"), release_held=Decimal("30"), **settle)
+    assert (kudos(owner), kudos(requester)) == (Decimal("14.50"), Decimal("94.75"))
+    assert HordeUser.objects.get(pk=requester.user.pk).kudos_held == 0
+    assert HordeUser.objects.get(pk=owner.user.pk).kudos_held == 0
+    kudos_settle(payee_id=owner.user.pk, payer_id=owner.user.pk, reward=Decimal("2"),
+                 charge=Decimal("3"), release_held=Decimal("0"), **settle)
+    assert kudos(owner) == Decimal("13.50")
