@@ -199,16 +199,13 @@ def kudos_settle(
     """A settled generation: the worker's owner earns `reward`, the requester pays `charge` (drawn
     from the shared key the request was made with, if any) and has `release_held` of its hold
     released; both ledger rows in one insert."""
-    # One UPDATE of both rows, the statement kudos_settle_ctes writes: the two take their locks in
-    # the same order (the plan's), so a settlement here and one in a submit's statement cannot
-    # deadlock over the same two users.
-    zero = Value(Decimal("0"))
-    HordeUser.objects.filter(pk__in=[payee_id, payer_id]).update(
-        kudos=F("kudos")
-        + Case(When(pk=payee_id, then=Value(reward)), default=zero)
-        - Case(When(pk=payer_id, then=Value(charge)), default=zero),
-        kudos_held=F("kudos_held") - Case(When(pk=payer_id, then=Value(release_held)), default=zero),
-    )
+    # One UPDATE per user, in id order, so two of these settling at once cannot deadlock.
+    for user_id in sorted({payee_id, payer_id}):
+        change = (reward if user_id == payee_id else 0) - (charge if user_id == payer_id else 0)
+        updates: dict = {"kudos": F("kudos") + change}
+        if user_id == payer_id and release_held:
+            updates["kudos_held"] = F("kudos_held") - release_held
+        HordeUser.objects.filter(pk=user_id).update(**updates)
     rows = [(payee_id, reward, KudosTransaction.Kind.GENERATION_REWARD)]
     if charge:
         rows.append((payer_id, -charge, KudosTransaction.Kind.GENERATION_CHARGE))

@@ -217,9 +217,9 @@ def test_renaming_a_shared_key_keeps_what_a_transfer_added_meanwhile(api, make_u
     assert SharedKey.objects.get(pk=key_id).kudos == Decimal("75")
 
 
-def test_a_settlement_moves_both_balances_in_one_statement_and_nets_a_self_served_request(make_user):
-    """kudos_settle writes the two rows as the submit's statement does (one UPDATE), so the two
-    lock alike; a requester served by their own worker pays and earns on one row."""
+def test_a_settlement_moves_both_balances_and_nets_a_self_served_request(make_user):
+    """kudos_settle moves both balances and releases the hold; a requester served by their own
+    worker pays and earns on one row."""
     import uuid
 
     from accounts.services import kudos_settle
