@@ -153,10 +153,10 @@ def kudos_transfer_to(*, source: HordeUser, username: str, amount: int, idempote
 
 
 def _transfer_locks(*, user_ids: list[int], shared_key_id: UUID | None) -> dict[int, HordeUser]:
-    """Both users' rows (and the shared key's) locked for a transfer, by id. The locks are taken
-    without waiting, and tried again while a settlement holds one: a settlement locks its two
-    balances in whatever order its plan visits them, so a transfer that waited holding one lock
-    could deadlock with it, and the one PostgreSQL aborts could be a worker's submit."""
+    """Both users' rows (and the shared key's) locked for a transfer, by id, in the order every
+    settlement takes them (docs/adr/0068-one-lock-order.md). The locks are taken without waiting,
+    and tried again while a settlement holds one: a transfer queued for a balance would queue the
+    submits' foreign key checks on that balance behind it."""
     for attempt in range(KUDOS_TRANSFER_LOCK_ATTEMPTS):
         try:
             with transaction.atomic():  # a savepoint: a refused lock leaves the transaction usable

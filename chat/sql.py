@@ -379,6 +379,23 @@ def _settled_submit(won: tuple[str, list], *, owner_id: int, charged: bool, now:
             " kudos_held = r.kudos_held - s.release FROM settled AS s WHERE r.id = s.request_id",
             [],
         ),
+        # The settlement's rows locked in the horde's one order (docs/adr/0068-one-lock-order.md):
+        # after the job and its request, the worker, then both balances by id. Each lock waits on
+        # the one before it, and the main query reads the last, so they are taken here and not in
+        # whatever order PostgreSQL runs the data-modifying CTEs at the statement's end. NO KEY, as
+        # the UPDATEs' own locks: the foreign key checks of other inserts (a request, a ledger row)
+        # go on.
+        (
+            "worker_locked",
+            "SELECT w.id FROM horde_workers AS w JOIN settled AS s ON w.id = s.worker_id FOR NO KEY UPDATE OF w",
+            [],
+        ),
+        (
+            "balances_locked",
+            "SELECT u.id FROM horde_users AS u JOIN settled AS s ON u.id IN (s.payee_id, s.payer_id)"
+            " WHERE (SELECT count(*) FROM worker_locked) >= 0 ORDER BY u.id FOR NO KEY UPDATE OF u",
+            [],
+        ),
         *kudos_settle_ctes(source="settled AS s", now=now),
         worker_record_job_cte(source="settled AS s", now=now),
     ]
@@ -387,6 +404,7 @@ def _settled_submit(won: tuple[str, list], *, owner_id: int, charged: bool, now:
         + ", ".join(f"{name} AS ({body})" for name, body, _ in ctes)
         + " SELECT s.request_id, s.reward, s.created, s.price_max_length, s.price_owner_trusted,"
         " s.over_capacity_at_assignment, s.model FROM settled AS s"
+        " WHERE (SELECT count(*) FROM balances_locked) >= 0"
     )
     return sql, [param for _, _, params in ctes for param in params]
 

@@ -78,5 +78,12 @@ def horde_exception_handler(exc, context):
         # nothing was written (hordesite/db_guard.py).
         retry = db_guard.on_connection_failure(exc)
         return Response(db_guard.unavailable_body(), status=503, headers=db_guard.unavailable_headers(retry=retry))
+    if db_guard.is_transaction_conflict(exc):
+        log.warning("%s rolled back at the database: %s", context.get("view"), exc)
+        return Response(
+            {"message": db_guard.DATABASE_CONFLICT_MESSAGE, "rc": db_guard.DATABASE_CONFLICT_RC},
+            status=503,
+            headers={"Retry-After": str(db_guard.DATABASE_CONFLICT_RETRY_AFTER_SECONDS)},
+        )
     log.exception("unhandled error in %s", context.get("view"))
     return Response({"message": "Internal server error", "rc": "InternalError"}, status=500)

@@ -36,10 +36,13 @@ def request_cancel(*, request: GenerationRequest, settle_streams: bool = True) -
             # Already settled: nothing is left to stop, and its done or faulted message stands.
             return False
         GenerationRequest.objects.filter(pk=request.pk).update(cancelled=True, jobs_waiting=0, kudos_held=0)
+        if request.is_chat and settle_streams:
+            # A streamed request's jobs in flight, on what their workers posted. Before the hold's
+            # release: it locks their workers, which come before any balance in the horde's one
+            # lock order (docs/adr/0068-one-lock-order.md).
+            settle_cancelled_streams(request_id=request.pk, now=timezone.now())
         kudos_release(user_id=locked.user_id, amount=locked.kudos_held)
         if request.is_chat:
-            if settle_streams:  # a streamed request's jobs in flight: on what their workers posted
-                settle_cancelled_streams(request_id=request.pk, now=timezone.now())
             publish_chat_signal(request.pk, "cancelled", stored_result_count(request.pk))
     return True
 

@@ -73,6 +73,18 @@ def requeue_faulted(generation_ids: list[UUID], request_id: UUID) -> None:
     fault_request_if_over_limit(request_id)
 
 
+def requeue_dropped_job(*, generation_id: UUID, request_id: UUID, worker_id: UUID) -> None:
+    """A job its worker dropped (a fault submit or a lapsed lease), claimed as faulted in the
+    caller's transaction: counted against the worker and put back in the queue. The rows are locked
+    in the horde's one order (docs/adr/0068-one-lock-order.md): the request, the worker, then the
+    requester's balance, which a request crossing the fault limit releases its hold to."""
+    list(GenerationRequest.objects.select_for_update(no_key=True).filter(pk=request_id).values_list("pk", flat=True))
+    # Read after the claim: a refusal is only recorded on a pending generation.
+    refusal_rc = Generation.objects.filter(pk=generation_id).values_list("chat_refusal_rc", flat=True).get()
+    worker_record_dropped_job(worker_id=worker_id, refusal_rc=refusal_rc)
+    requeue_faulted([generation_id], request_id)
+
+
 def worker_record_dropped_job(*, worker_id: UUID, refusal_rc: str | None) -> None:
     """Count a job the worker dropped (its fault submit, or a lapsed lease).
 

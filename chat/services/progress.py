@@ -444,7 +444,7 @@ def settle_cancelled_streams(*, request_id: UUID, now: datetime) -> list[UUID]:
         .only("id", "model", "assigned_model", "worker__owner__id", "worker__owner__trusted")
         .select_for_update(skip_locked=True, of=("self",))
     )
-    settled = []
+    claimed: list[tuple[Generation, PostedProgress, Decimal]] = []
     for generation in in_flight:
         posted = read_posted_progress(request_id, generation.pk)
         tokens = chat_output_tokens(posted.characters, request.max_length)
@@ -463,8 +463,16 @@ def settle_cancelled_streams(*, request_id: UUID, now: datetime) -> list[UUID]:
             kudos=reward,
             settled_character_count=posted.characters,
         )
-        if not won:
-            continue  # submitted meanwhile: paid as usual
+        if won:  # else submitted meanwhile: paid as usual
+            claimed.append((generation, posted, reward))
+    # The horde's one lock order (docs/adr/0068-one-lock-order.md): after the request and its jobs,
+    # every worker, then every balance, each set by id.
+    for generation, _, reward in sorted(claimed, key=lambda settled: settled[0].worker_id):
+        worker_record_cancelled_settlement(worker_id=generation.worker_id, kudos=reward)
+    balances = {request.user_id, *(generation.worker.owner.pk for generation, _, _ in claimed)}
+    locking = HordeUser.objects.select_for_update(no_key=True).filter(pk__in=balances).order_by("pk")
+    list(locking.values_list("pk", flat=True))
+    for generation, posted, reward in claimed:
         kudos_settle(
             payee_id=generation.worker.owner.pk,
             payer_id=request.user_id,
@@ -475,13 +483,14 @@ def settle_cancelled_streams(*, request_id: UUID, now: datetime) -> list[UUID]:
             generation_id=generation.pk,
             shared_key_id=request.shared_key_id,
         )
-        worker_record_cancelled_settlement(worker_id=generation.worker_id, kudos=reward)
-        GenerationRequest.objects.filter(pk=request_id).update(consumed_kudos=F("consumed_kudos") + reward)
         log.info(
             "horde.cancel.settled generation=%s request=%s characters=%d source=%s kudos=%s",
             generation.pk, request_id, posted.characters, posted.source, reward,
         )
-        settled.append(generation.pk)
+    if claimed:
+        consumed = sum((reward for _, _, reward in claimed), Decimal("0"))
+        GenerationRequest.objects.filter(pk=request_id).update(consumed_kudos=F("consumed_kudos") + consumed)
+    settled = [generation.pk for generation, _, _ in claimed]
     if settled:
         transaction.on_commit(lambda: flag_cancelled_leases(request_id, settled), robust=True)
     return settled

@@ -32,7 +32,7 @@ from chat.pricing import (
 )
 from chat.selectors.status import stored_results_and_done
 from chat.services import front_lease
-from chat.services.faults import requeue_faulted, worker_record_dropped_job
+from chat.services.faults import requeue_dropped_job
 from chat.services.progress import end_progress_after_fault, end_progress_after_submit
 from chat.signals import publish_chat_signal
 from chat.sql import chat_reply_submit, generation_with_relations, priced_text_submit, run_prepared
@@ -107,11 +107,9 @@ def _apply_fault(generation: Generation, *, now, seed: int = 0, gen_metadata: li
         )
         if not won:
             raise _not_pending_error(generation.pk, _current_state(generation.pk))
-        refusal_rc = (
-            Generation.objects.filter(pk=generation.pk).values_list("chat_refusal_rc", flat=True).get()
+        requeue_dropped_job(
+            generation_id=generation.pk, request_id=generation.request_id, worker_id=generation.worker_id
         )
-        worker_record_dropped_job(worker_id=generation.worker_id, refusal_rc=refusal_rc)
-        requeue_faulted([generation.pk], generation.request_id)
         if generation.request.is_chat and streams_progress(generation.request.chat_extras):
             transaction.on_commit(
                 lambda: end_progress_after_fault(generation.pk, generation.request_id), robust=True
@@ -127,18 +125,17 @@ def _settle(generation: Generation, *, state: str, tokens: int, reward: Decimal,
     request = generation.request
     worker = generation.worker
     charge = Decimal("0") if state in ("censored", "csam") else reward
+    # The horde's one lock order (docs/adr/0068-one-lock-order.md): the request, the worker, then
+    # both balances. Locking the request also serialises the submits of one chat request, so the
+    # completion check after it sees every result, and each generation releases its share of the
+    # hold as it is charged.
+    locked = GenerationRequest.objects.select_for_update().only("kudos_held").get(pk=request.pk)
+    # A chat request's one job releases the whole hold (taken at its dearest model).
+    share = (request.kudos_quote / request.n).quantize(Decimal("0.01"))
+    release = locked.kudos_held if request.is_chat else min(locked.kudos_held, share)
     worker_record_job(
         worker=worker, tokens=tokens, seconds=(now - generation.created).total_seconds(), kudos=reward
     )
-    release = Decimal("0")
-    if request.is_chat or request.kudos_held:
-        # Each generation releases its share of the request's hold as it is charged. Locking the
-        # request also serialises the submits of one chat request, so the completion check after it
-        # sees every result. A text request without a hold needs neither.
-        locked = GenerationRequest.objects.select_for_update().only("kudos_held").get(pk=request.pk)
-        # A chat request's one job releases the whole hold (taken at its dearest model).
-        share = (request.kudos_quote / request.n).quantize(Decimal("0.01"))
-        release = locked.kudos_held if request.is_chat else min(locked.kudos_held, share)
     kudos_settle(
         payee_id=worker.owner_id,
         payer_id=request.user_id,

@@ -16,7 +16,7 @@ from chat.gate_shadow import record_aborted_outcome
 from chat.models import Generation, GenerationRequest
 from chat.object_store import chat_objects_delete, listed_chat_objects, retry_chat_object_deletes
 from chat.selectors.status import request_completed, stored_result_count
-from chat.services.faults import requeue_faulted, worker_record_dropped_job
+from chat.services.faults import requeue_dropped_job
 from chat.services.maintenance import abort_waiting_for_maintenance, horde_in_maintenance
 from chat.services.progress import (
     JOB_LEASE_WRITE_STEP_SECONDS,
@@ -68,10 +68,7 @@ def abort_stale_generations() -> int:
                 pk=generation_id, state=Generation.State.PROCESSING, lease_expires_at__lt=cutoff
             ).update(state=Generation.State.FAULTED, finished_at=now):
                 continue  # submitted meanwhile, or its lease renewed by a progress post
-            # Read after the claim: a refusal is only recorded on a pending generation.
-            refusal_rc = Generation.objects.filter(pk=generation_id).values_list("chat_refusal_rc", flat=True).get()
-            worker_record_dropped_job(worker_id=worker_id, refusal_rc=refusal_rc)
-            requeue_faulted([generation_id], request_id)
+            requeue_dropped_job(generation_id=generation_id, request_id=request_id, worker_id=worker_id)
             if over_capacity:
                 record_aborted_outcome(max_length=max_length, trusted=owner_trusted, is_chat=is_chat)
             if is_chat:
