@@ -379,8 +379,8 @@ UNKNOWN_TOOL_CALL_ID_MESSAGE = (
 REPEATED_TOOL_CALL_ID_MESSAGE = "Invalid parameter: the tool call id '{id}' is repeated in 'tool_calls'."
 
 
-def _unanswered(issued: list[str], answered: set[str]) -> str:
-    return ", ".join(call_id for call_id in issued if call_id not in answered)
+def _unanswered(issued: list[str | None], answered: set[str | None]) -> str:
+    return ", ".join(str(call_id) for call_id in issued if call_id not in answered)
 
 
 def check_tool_history(messages: Sequence[Mapping[str, Any]]) -> None:
@@ -388,8 +388,8 @@ def check_tool_history(messages: Sequence[Mapping[str, Any]]) -> None:
     at once by tool messages answering each of its ids exactly once, in any order, and the ids
     within one assistant message are unique. An id may recur in a later round.
     """
-    issued: list[str] = []  # ids of the latest assistant message with tool_calls
-    answered: set[str] = set()
+    issued: list[str | None] = []  # ids of the latest assistant message with tool_calls (None: not a string)
+    answered: set[str | None] = set()
     for i, message in enumerate(messages):
         if message.get("role") == "tool":
             call_id = message.get("tool_call_id")

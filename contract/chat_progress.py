@@ -158,6 +158,7 @@ def parse_progress_post(body: Any) -> ProgressPost:
         reasoning = _text(delta.get("reasoning_content"), "delta.reasoning_content", errors)
     if errors:
         raise ProgressBodyInvalid(errors)
+    assert job_id is not None and seq is not None  # each names an error above otherwise
     if not content and not reasoning:
         raise ProgressDeltaEmpty
     return ProgressPost(id=job_id, seq=seq, content=content or "", reasoning_content=reasoning or None)

@@ -13,7 +13,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, overload
 from uuid import UUID
 
 from pydantic import (
@@ -410,6 +410,10 @@ def _object(value: Any, path: str) -> Mapping[str, Any]:
     return value
 
 
+@overload
+def _string(obj: Mapping[str, Any], key: str, path: str, *, required: Literal[True] = True) -> str: ...
+@overload
+def _string(obj: Mapping[str, Any], key: str, path: str, *, required: bool) -> str | None: ...
 def _string(obj: Mapping[str, Any], key: str, path: str, *, required: bool = True) -> str | None:
     value = obj.get(key)
     if value is None and not required:

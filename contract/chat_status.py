@@ -11,15 +11,20 @@ from typing import Any, Literal
 from uuid import UUID
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr
+from pydantic.json_schema import JsonDict
 
 from contract.chat_declaration import ChatFinishReason
 from contract.chat_shapes import ChatContextAdjustmentReason, ChatShape
 from contract.chat_verify import ChatReplyMessage
 
 
+def _drop_default(schema: JsonDict) -> None:
+    schema.pop("default", None)
+
+
 def not_sent() -> Any:
     """A key absent from the body when it does not apply (never null): not required, not nullable."""
-    return Field(default=None, json_schema_extra=lambda schema: schema.pop("default", None))
+    return Field(default=None, json_schema_extra=_drop_default)
 
 
 class ChatContextAdjustment(ChatShape):

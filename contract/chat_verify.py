@@ -10,7 +10,7 @@ import json
 import math
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Annotated, Any, Literal
@@ -88,6 +88,7 @@ def _unencodable_path(value: Any, path: str) -> str | None:
     """The path of the first string in `value` that UTF-8 cannot encode, else None."""
     if isinstance(value, str):
         return path if _SURROGATE.search(value) else None
+    items: Iterable[tuple[Any, Any]]
     if isinstance(value, Mapping):
         items = value.items()
     elif isinstance(value, list):
@@ -150,6 +151,7 @@ def parse_chat_submit(body: Mapping[str, Any]) -> ChatSubmit:
         raise _invalid(
             "A chat submit needs finish_reason: stop, length, content_filter or tool_calls.", "finish_reason"
         )
+    assert finish_reason is not None  # one of the members, all strings
     if finish_reason == ChatFinishReason.TOOL_CALLS and not message.get("tool_calls"):
         raise _invalid("finish_reason tool_calls needs a non-empty message.tool_calls.", "finish_reason")
     native = body.get("native_finish_reason")
@@ -371,6 +373,7 @@ def _verify_response_format(reply: Mapping[str, Any], calls: list[Any], extras: 
         if not isinstance(document, dict):
             raise _nonconformant("The reply's content is not a JSON object, as the response format requires.")
         return
+    assert isinstance(json_schema, Mapping)  # strict_schema holds only for one
     try:
         mismatch = schema_mismatch(json_schema.get("schema"), document)
     except ValueError:

@@ -91,7 +91,8 @@ class ProcessCache(Generic[K, V]):
         if entry is not None and monotonic() < entry[0]:
             return entry[1]
         if not self._build_lock.acquire(blocking=entry is None):
-            return entry[1]  # type: ignore[index]  (not blocking only when an entry was held)
+            assert entry is not None  # not blocking only when an entry was held
+            return entry[1]
         try:
             entry = self._entries.get(key)
             if entry is not None and monotonic() < entry[0]:

@@ -136,7 +136,8 @@ def worker_record_job(*, worker: Worker, tokens: int, seconds: float, kudos: Dec
     worker's row locked, so two submits of one worker in the same instant both keep theirs.
     """
     stored = Worker.objects.select_for_update(no_key=True).filter(pk=worker.pk).values_list("speed_samples", flat=True)
-    samples = _speed_samples_after(next(iter(stored), None) or [], tokens=tokens, seconds=seconds)
+    stored_samples = next(iter(stored), None)
+    samples = _speed_samples_after(stored_samples or [], tokens=tokens, seconds=seconds)
     speed = sum(samples) / len(samples) if samples else None
     Worker.objects.filter(pk=worker.pk).update(
         speed_samples=samples,

@@ -531,8 +531,8 @@ class OpenAIBackend:
                     "POST", f"{self.base}/chat/completions",
                     {**body, "model": model, "max_tokens": 1, "stream": False}, 120.0,
                 )
-        except Unreachable as error:
-            return False, error.reason
+        except Unreachable as exc:
+            return False, exc.reason
         if status == 200:
             return True, "200"
         try:
@@ -636,7 +636,7 @@ class ChatStreamReader:
             raise BackendError("backend streamed a chunk that is not an object")
         if chunk.get("error"):
             error = chunk["error"]
-            status = error.get("code") if isinstance(error, dict) and isinstance(error.get("code"), int) else 500
+            status = error["code"] if isinstance(error, dict) and isinstance(error.get("code"), int) else 500
             raise classify_backend_error(status, json.dumps(error) if not isinstance(error, str) else error)
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
@@ -647,7 +647,7 @@ class ChatStreamReader:
         choice = choices[0]
         if choice.get("finish_reason"):
             self.finish_reason = str(choice["finish_reason"])
-        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+        delta = choice["delta"] if isinstance(choice.get("delta"), dict) else {}
         content, reasoning = "", ""
         piece = delta.get("content")
         if isinstance(piece, str) and piece:
@@ -665,11 +665,11 @@ class ChatStreamReader:
         return content, reasoning
 
     def _call_delta(self, call: dict[str, Any]) -> None:
-        index = call.get("index") if isinstance(call.get("index"), int) else len(self.calls)
+        index = call["index"] if isinstance(call.get("index"), int) else len(self.calls)
         slot = self.calls.setdefault(index, {"id": None, "type": "function", "name": "", "arguments": []})
         if isinstance(call.get("id"), str) and call["id"] and not slot["id"]:
             slot["id"] = call["id"]
-        function = call.get("function") if isinstance(call.get("function"), dict) else {}
+        function = call["function"] if isinstance(call.get("function"), dict) else {}
         if isinstance(function.get("name"), str) and function["name"] and not slot["name"]:
             slot["name"] = function["name"]
         arguments = function.get("arguments")

@@ -7,13 +7,13 @@ from collections.abc import Sequence
 
 from workers.bridge.backends import Backend, OpenAIBackend
 from workers.bridge.config import BridgeConfig, ConfigError, load_config
-from workers.bridge.scripted import ScriptedBackend
+from workers.bridge.scripted import SCRIPTED_CONTEXT, ScriptedBackend
 from workers.bridge.worker import Bridge
 
 
 def make_backend(config: BridgeConfig) -> Backend:
     if config.is_scripted:
-        return ScriptedBackend(**({"context": config.max_context_length} if config.max_context_length else {}))
+        return ScriptedBackend(context=config.max_context_length or SCRIPTED_CONTEXT)
     return OpenAIBackend(
         config.backend,
         api_key=config.backend_key,

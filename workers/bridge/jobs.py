@@ -204,7 +204,7 @@ def _tool_calls(raw: Any) -> list[dict[str, Any]] | None:
     for call in raw[:MAX_CHAT_TOOL_CALL_COUNT]:
         if not isinstance(call, dict):
             raise BackendError("backend answered a tool call that is not an object")
-        function = call.get("function") if isinstance(call.get("function"), dict) else {}
+        function = call["function"] if isinstance(call.get("function"), dict) else {}
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise BackendError("backend answered a tool call without a function name", ChatFaultReason.TOOL_VIOLATION)
@@ -241,15 +241,15 @@ class ChatReply:
 
 def parse_chat_response(response: dict[str, Any]) -> ChatReply:
     choice = response["choices"][0] if isinstance(response["choices"][0], dict) else {}
-    message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    message = choice["message"] if isinstance(choice.get("message"), dict) else {}
     reasoning = message.get("reasoning_content") or message.get("reasoning")
     content, reasoning = split_reasoning(
         _text_content(message.get("content")), reasoning if isinstance(reasoning, str) else None
     )
     calls = _tool_calls(message.get("tool_calls"))
     native = choice.get("finish_reason")
-    usage = response.get("usage") if isinstance(response.get("usage"), dict) else {}
-    details = usage.get("completion_tokens_details") if isinstance(usage.get("completion_tokens_details"), dict) else {}
+    usage = response["usage"] if isinstance(response.get("usage"), dict) else {}
+    details = usage["completion_tokens_details"] if isinstance(usage.get("completion_tokens_details"), dict) else {}
     if content is None and not calls:
         content = ""  # an empty reply is a completed reply
     if calls and not content:
@@ -337,7 +337,7 @@ def parse_text_response(response: dict[str, Any]) -> TextReply:
     text = choice.get("text")
     if not isinstance(text, str):
         raise BackendError("backend answered a completion without text")
-    usage = response.get("usage") if isinstance(response.get("usage"), dict) else {}
+    usage = response["usage"] if isinstance(response.get("usage"), dict) else {}
     return TextReply(text=text, completion_tokens=_count(usage.get("completion_tokens")))
 
 

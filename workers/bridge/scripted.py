@@ -109,7 +109,7 @@ def minimal_instance(schema: Any, root: Any = None, depth: int = 0) -> Any:
         else:
             return {}
     if kind == "object":
-        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        properties = schema["properties"] if isinstance(schema.get("properties"), dict) else {}
         required = [r for r in schema.get("required") or [] if isinstance(r, str)]
         value = {name: minimal_instance(properties.get(name, {}), root, depth + 1) for name in required}
         for _ in range(max(0, int(schema.get("minProperties", 0)) - len(value))):
@@ -119,8 +119,8 @@ def minimal_instance(schema: Any, root: Any = None, depth: int = 0) -> Any:
             value[name] = minimal_instance(properties[name], root, depth + 1)
         return value
     if kind == "array":
-        prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
-        items = schema.get("items") if isinstance(schema.get("items"), dict) else {}
+        prefix = schema["prefixItems"] if isinstance(schema.get("prefixItems"), list) else []
+        items = schema["items"] if isinstance(schema.get("items"), dict) else {}
         count = max(int(schema.get("minItems", 0)), len(prefix))
         out = [minimal_instance(prefix[i], root, depth + 1) if i < len(prefix) else None for i in range(count)]
         for i in range(len(prefix), count):
@@ -152,14 +152,16 @@ def _minimal_number(schema: dict[str, Any], *, integer: bool) -> int | float:
 
     step = 1 if integer else 0.5
     value: float = 0
-    if num("minimum") is not None and value < num("minimum"):
-        value = num("minimum")
-    if num("exclusiveMinimum") is not None and value <= num("exclusiveMinimum"):
-        value = num("exclusiveMinimum") + step
-    if num("maximum") is not None and value > num("maximum"):
-        value = num("maximum")
-    if num("exclusiveMaximum") is not None and value >= num("exclusiveMaximum"):
-        value = num("exclusiveMaximum") - step
+    minimum, exclusive_minimum = num("minimum"), num("exclusiveMinimum")
+    maximum, exclusive_maximum = num("maximum"), num("exclusiveMaximum")
+    if minimum is not None and value < minimum:
+        value = minimum
+    if exclusive_minimum is not None and value <= exclusive_minimum:
+        value = exclusive_minimum + step
+    if maximum is not None and value > maximum:
+        value = maximum
+    if exclusive_maximum is not None and value >= exclusive_maximum:
+        value = exclusive_maximum - step
     multiple = num("multipleOf")
     if multiple and value % multiple:
         value = (value // multiple + 1) * multiple

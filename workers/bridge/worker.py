@@ -264,6 +264,7 @@ class Bridge:
         self._backend_ok.set()
         d = self.declaration
         limits = d.chat_limits
+        assert limits is not None  # build_declaration always sets them
         self.log(
             f"worker '{self.config.worker_name}' of {self.username or '?'} on {self.config.horde_url}; "
             f"backend {self.backend.name} ({'; '.join(caps.notes)})"
