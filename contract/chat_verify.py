@@ -9,14 +9,17 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Annotated, Any, Literal
 
-from jsonschema import Draft202012Validator
-from jsonschema.validators import validator_for
+import regex
+from jsonschema import Draft202012Validator, ValidationError
+from jsonschema.validators import extend, validator_for
 from pydantic import Field, StrictStr
 from referencing import Registry
 from referencing.jsonschema import DRAFT202012, specification_with
@@ -241,6 +244,97 @@ def _cached_validator(key: str) -> Any:
     return _compile_validator(json.loads(key))
 
 
+# --- the schema's regular expressions ----------------------------------------------------------
+# A strict schema's pattern and patternProperties are the requester's, matched against the worker's
+# reply. Python's re backtracks without bound and holds the interpreter lock while it does, so a
+# pattern such as ^(a|aa)+$ against a few dozen characters would stop the whole web process. The
+# schema's patterns are matched with the regex module instead, under one time budget for a reply
+# (docs/adr/0069-bounded-work-for-what-clients-choose.md).
+CHAT_SCHEMA_PATTERN_SECONDS = 0.5
+SCHEMA_PATTERN_TIMEOUT_MESSAGE = (
+    f"The reply could not be matched against the response format schema's patterns within "
+    f"{CHAT_SCHEMA_PATTERN_SECONDS} seconds."
+)
+# jsonschema matches the patternProperties of every subschema with re while it collects the keys
+# unevaluatedProperties has to check; a schema holding both is not checked (SCHEMA_CANNOT_COMPILE).
+_UNBOUNDED_COMBINATION = ("patternProperties", "unevaluatedProperties")
+
+_pattern_deadline: ContextVar[float | None] = ContextVar("schema_pattern_deadline", default=None)
+
+
+class SchemaPatternTimeout(Exception):
+    """The schema's patterns took more than CHAT_SCHEMA_PATTERN_SECONDS against one reply."""
+
+
+def _pattern_search(pattern: str, text: str) -> bool:
+    deadline = _pattern_deadline.get()
+    remaining = CHAT_SCHEMA_PATTERN_SECONDS if deadline is None else deadline - time.monotonic()
+    if remaining <= 0:
+        raise SchemaPatternTimeout
+    try:
+        return regex.search(pattern, text, timeout=remaining) is not None
+    except TimeoutError:
+        raise SchemaPatternTimeout from None
+
+
+def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[ValidationError]:
+    if validator.is_type(instance, "string") and not _pattern_search(pattern, instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties(validator: Any, patterns: Any, instance: Any, schema: Any) -> Iterator[ValidationError]:
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for key, value in instance.items():
+            if _pattern_search(pattern, key):
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+def _additional_properties(keyword: Callable[..., Iterator[ValidationError]]) -> Callable[..., Iterator[ValidationError]]:
+    """The draft's own additionalProperties, but with patternProperties matched under the budget."""
+
+    def check(validator: Any, additional: Any, instance: Any, schema: Any) -> Iterator[ValidationError]:
+        patterns = schema.get("patternProperties") if isinstance(schema, Mapping) else None
+        if not patterns or not validator.is_type(instance, "object"):
+            yield from keyword(validator, additional, instance, schema)
+            return
+        properties = schema.get("properties", {})
+        extras = sorted(
+            (key for key in instance if key not in properties and not any(_pattern_search(p, key) for p in patterns)),
+            key=str,
+        )
+        if validator.is_type(additional, "object"):
+            for key in extras:
+                yield from validator.descend(instance[key], additional, path=key)
+        elif additional is False and extras:
+            verb = "does" if len(extras) == 1 else "do"
+            listed = ", ".join(repr(key) for key in extras)
+            yield ValidationError(f"{listed} {verb} not match any of the regexes: {', '.join(map(repr, sorted(patterns)))}")
+
+    return check
+
+
+@cache
+def _bounded(cls: Any) -> Any:
+    """The draft's validator class with its regular expressions matched under the budget."""
+    keywords = cls.VALIDATORS
+    bounded: dict[str, Any] = {"pattern": _pattern, "patternProperties": _pattern_properties}
+    if "additionalProperties" in keywords:
+        bounded["additionalProperties"] = _additional_properties(keywords["additionalProperties"])
+    return extend(cls, validators={name: check for name, check in bounded.items() if name in keywords})
+
+
+def _keys_anywhere(node: Any) -> Iterator[str]:
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            yield str(key)
+            yield from _keys_anywhere(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _keys_anywhere(item)
+
+
 def _compile_validator(schema: Any) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an unknown $schema falls back to 2020-12
@@ -249,22 +343,30 @@ def _compile_validator(schema: Any) -> Any:
         cls.check_schema(schema)
     except Exception as exc:
         raise ValueError(str(exc)) from None
+    if set(_UNBOUNDED_COMBINATION) <= set(_keys_anywhere(schema)):
+        raise ValueError("patternProperties with unevaluatedProperties cannot be checked in bounded time")
     try:
         _check_references(schema, cls)
     except Exception as exc:  # Unresolvable: outside the schema or pointing nowhere
         raise ValueError(f"unresolvable reference: {exc!r}") from None
     # An empty registry: nothing is retrieved, so references resolve inside the schema only.
-    return cls(schema, registry=Registry())
+    return _bounded(cls)(schema, registry=Registry())
 
 
 def schema_mismatch(schema: Any, instance: Any) -> str | None:
     """The first way `instance` fails `schema`, or None; raises ValueError when the schema
-    cannot be compiled or its references do not resolve."""
+    cannot be compiled or its references do not resolve, and SchemaPatternTimeout when its
+    patterns take more than CHAT_SCHEMA_PATTERN_SECONDS in all."""
     validator = schema_validator(schema)
+    token = _pattern_deadline.set(time.monotonic() + CHAT_SCHEMA_PATTERN_SECONDS)
     try:
         error = next(iter(validator.iter_errors(instance)), None)
+    except SchemaPatternTimeout:
+        raise
     except Exception as exc:  # unresolvable reference, bad pattern, recursion...
         raise ValueError(str(exc)) from None
+    finally:
+        _pattern_deadline.reset(token)
     if error is None:
         return None
     where = "/".join(str(p) for p in error.absolute_path) or "(root)"
@@ -376,6 +478,8 @@ def _verify_response_format(reply: Mapping[str, Any], calls: list[Any], extras: 
     assert isinstance(json_schema, Mapping)  # strict_schema holds only for one
     try:
         mismatch = schema_mismatch(json_schema.get("schema"), document)
+    except SchemaPatternTimeout:
+        raise _nonconformant(SCHEMA_PATTERN_TIMEOUT_MESSAGE) from None
     except ValueError:
         raise _nonconformant(SCHEMA_CANNOT_COMPILE_MESSAGE) from None
     if mismatch:

@@ -17,7 +17,7 @@ from chat.models import Generation, GenerationRequest
 from chat.pricing import text_generation_kudos
 from contract.chat_declaration import CHAT_WORKER_FAULT_MESSAGES
 from contract.chat_limits import MAX_CHAT_FAULT_REASON_LENGTH, MAX_CHAT_TEXT_BYTES
-from contract.chat_verify import SCHEMA_CANNOT_COMPILE_MESSAGE
+from contract.chat_verify import SCHEMA_CANNOT_COMPILE_MESSAGE, SCHEMA_PATTERN_TIMEOUT_MESSAGE
 from tests.chat.chat_jobs import (
     CHAT_MODEL,
     CHEAP_MODEL,
@@ -484,6 +484,21 @@ LOCAL_REF = {
     "additionalProperties": False,
 }
 
+PATTERNED = {
+    "type": "object",
+    "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]+$"}},
+    "required": ["code"],
+    "additionalProperties": False,
+}
+# Exponential for a backtracking engine: 60 characters would keep Python's re busy for days.
+BACKTRACKING = {
+    "type": "object",
+    "properties": {"x": {"type": "string", "pattern": "^(a|aa)+$"}},
+    "required": ["x"],
+    "additionalProperties": False,
+}
+PATTERN_KEYS = {"type": "object", "patternProperties": {"^x_[0-9]+$": {"type": "integer"}}, "additionalProperties": False}
+
 
 def schema_format(schema, strict=True):
     return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, "strict": strict}}
@@ -645,6 +660,57 @@ VERIFICATION = [
     (
         "strict schema: unresolvable local ref",
         {"response_format": schema_format({"$ref": "#/$defs/missing"})},
+        reply("{}"),
+        (NC, f"'message': {SCHEMA_CANNOT_COMPILE_MESSAGE}"),
+        PASS,
+    ),
+    (
+        "strict schema: a pattern matched",
+        {"response_format": schema_format(PATTERNED)},
+        reply('{"code": "AB-12"}'),
+        PASS,
+        PASS,
+    ),
+    (
+        "strict schema: a pattern not matched",
+        {"response_format": schema_format(PATTERNED)},
+        reply('{"code": "ab-12"}'),
+        (
+            NC,
+            "'message': The reply does not match the response format schema at code: 'ab-12' does not match "
+            "'^[A-Z]{2}-[0-9]+$'",
+        ),
+        PASS,
+    ),
+    (
+        "strict schema: a requester's backtracking pattern is given up on, not run for hours",
+        {"response_format": schema_format(BACKTRACKING)},
+        reply(json.dumps({"x": "a" * 60 + "!"})),
+        (NC, f"'message': {SCHEMA_PATTERN_TIMEOUT_MESSAGE}"),
+        PASS,
+    ),
+    (
+        "strict schema: patternProperties keys and the additional ones",
+        {"response_format": schema_format(PATTERN_KEYS)},
+        reply('{"x_1": 1, "y": 2}'),
+        (
+            NC,
+            "'message': The reply does not match the response format schema at (root): 'y' does not match any "
+            "of the regexes: '^x_[0-9]+$'",
+        ),
+        PASS,
+    ),
+    ("strict schema: patternProperties matched", {"response_format": schema_format(PATTERN_KEYS)}, reply('{"x_1": 1}'), PASS, PASS),
+    (
+        "strict schema: a backtracking patternProperties key",
+        {"response_format": schema_format({**PATTERN_KEYS, "patternProperties": {"^(a|aa)+$": {}}})},
+        reply(json.dumps({"a" * 60 + "!": 1})),
+        (NC, f"'message': {SCHEMA_PATTERN_TIMEOUT_MESSAGE}"),
+        PASS,
+    ),
+    (
+        "strict schema: patternProperties with unevaluatedProperties cannot be checked in bounded time",
+        {"response_format": schema_format({"patternProperties": {"^x": {}}, "unevaluatedProperties": False})},
         reply("{}"),
         (NC, f"'message': {SCHEMA_CANNOT_COMPILE_MESSAGE}"),
         PASS,
