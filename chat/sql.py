@@ -423,12 +423,14 @@ def priced_text_submit(
     now: Any,
 ) -> tuple[str, list]:
     """The priced text submit as one statement (_settled_submit): the pending text job of the
-    caller's worker (`owner_id`), its reward from the rate its pop stored (`tokens` uncapped; capped
+    caller's worker (`owner_id`), its reward (none when not `charged`) from the rate its pop stored (`tokens` uncapped; capped
     here at the stored max_length), rounded as chat.pricing.kudos_amount."""
     won = (
         "UPDATE horde_generations AS g SET state = %s, text = %s, seed = %s, gen_metadata = %s::jsonb,"
         " finished_at = %s,"
-        " kudos = round((LEAST(%s, g.price_max_length) * g.price_rate + g.price_flat)::numeric, 2)"
+        # A withheld result (not charged) is not paid either: nothing is made.
+        " kudos = CASE WHEN %s THEN round((LEAST(%s, g.price_max_length) * g.price_rate + g.price_flat)::numeric, 2)"
+        " ELSE 0 END"
         " FROM horde_workers AS w, horde_requests AS r"
         " WHERE g.id = %s AND g.state = %s AND g.price_rate IS NOT NULL"
         " AND w.id = g.worker_id AND w.owner_id = %s AND r.id = g.request_id AND NOT r.is_chat"
@@ -438,7 +440,7 @@ def priced_text_submit(
         " RETURNING g.id, g.request_id, g.worker_id, g.created, g.kudos,"
         " LEAST(%s, g.price_max_length) AS tokens,"
         " g.price_max_length, g.price_owner_trusted, g.over_capacity_at_assignment, g.model",
-        [state, text, seed, gen_metadata, now, tokens, generation_id, processing, owner_id, tokens],
+        [state, text, seed, gen_metadata, now, charged, tokens, generation_id, processing, owner_id, tokens],
     )
     return _settled_submit(won, owner_id=owner_id, charged=charged, now=now)
 

@@ -118,13 +118,13 @@ def _apply_fault(generation: Generation, *, now, seed: int = 0, gen_metadata: li
 
 
 def _settle(generation: Generation, *, state: str, tokens: int, reward: Decimal, now) -> None:
-    """Reward the owner, charge the requester (not for censored results) and release the hold's share.
+    """Reward the owner, charge the requester the same and release the hold's share.
 
     Runs inside the transaction whose compare-and-set stored the result (and its kudos).
     """
     request = generation.request
     worker = generation.worker
-    charge = Decimal("0") if state in ("censored", "csam") else reward
+    charge = reward  # 0 for a result the worker withheld (UNPAID_STATES)
     # The horde's one lock order (docs/adr/0068-one-lock-order.md): the request, the worker, then
     # both balances. Locking the request also serialises the submits of one chat request, so the
     # completion check after it sees every result, and each generation releases its share of the
@@ -189,6 +189,11 @@ def job_submit(
     return _text_submit(generation, text)
 
 
+# Results the worker reports it withheld (its own filter): nobody is charged for them, so nobody is
+# paid either; kudos are only ever moved, never made (docs/adr/0070-withheld-results-are-not-paid.md).
+UNPAID_STATES = ("censored", "csam")
+
+
 def _text_state(data: TextSubmit) -> str:
     return data.state if data.state in ("ok", "censored", "csam", "faulted") else "ok"
 
@@ -213,7 +218,7 @@ def _priced_text_submit(*, user: HordeUser, generation_id: UUID, data: TextSubmi
             seed=data.seed,
             gen_metadata=json.dumps(data.gen_metadata),
             tokens=_uncapped_tokens(data.text),
-            charged=state not in ("censored", "csam"),
+            charged=state not in UNPAID_STATES,
             processing=Generation.State.PROCESSING,
             now=now,
         )
@@ -255,6 +260,8 @@ def _text_submit(generation: Generation, data: TextSubmit) -> Decimal:
         _apply_fault(generation, now=now, seed=data.seed, gen_metadata=data.gen_metadata)
         return Decimal("0")
     tokens, reward = _text_reward(generation, data.text)
+    if state in UNPAID_STATES:
+        reward = Decimal("0")
     with transaction.atomic():
         won = Generation.objects.filter(pk=generation.pk, state=Generation.State.PROCESSING).update(
             state=state,
@@ -471,6 +478,8 @@ def _store_chat_reply(
     state = submit.state
     now = timezone.now()
     tokens, reward = _chat_reward(generation, stored)
+    if state in UNPAID_STATES:
+        reward = Decimal("0")
     columns = {  # in a fixed order: the statement's text is prepared once
         "state": state,
         "text": stored.get("content") or "",
@@ -492,7 +501,7 @@ def _store_chat_reply(
                 columns={**columns, "message": json.dumps(stored)},
                 tokens=tokens,
                 reward=reward,
-                charged=state not in ("censored", "csam"),
+                charged=state not in UNPAID_STATES,
                 processing=Generation.State.PROCESSING,
                 now=now,
             )

@@ -246,12 +246,14 @@ def test_generation_is_charged_at_the_model_that_served_it(api, people):
     assert Decimal(str(response.json()["reward"])) < expensive
 
 
-def test_censored_reply_rewards_the_worker_without_charging(api, people, chat_job):
+def test_a_censored_reply_is_neither_charged_nor_paid(api, people, chat_job):
     requester, owner = people
     _, job = chat_job()
     response = submit(api, owner.key, job.id, reply("[censored]", state="censored"))
-    assert response.status_code == 200 and response.json()["reward"] > 0
+    assert response.status_code == 200 and response.json()["reward"] == 0
     assert requester.refresh().kudos == Decimal("1000")
+    assert owner.refresh().kudos == 0
+    assert Generation.objects.get(pk=job.pk).state == "censored"
 
 
 # --- refusals of the submit ---------------------------------------------------------------------

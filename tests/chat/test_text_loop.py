@@ -96,13 +96,28 @@ def test_unknown_model_pays_the_context_multiplier_to_untrusted_owners(horde, pe
     assert horde.submit(owner.key, job["id"], "b" * 400).json() == {"reward": 1.36}
 
 
-def test_censored_reply_rewards_the_worker_and_charges_nothing(horde, people):
+@pytest.mark.parametrize("state", ["censored", "csam"])
+def test_a_withheld_reply_is_neither_charged_nor_paid(horde, people, state):
     requester, owner = people
     horde.text_async(requester.key, prompt="a" * 4000, models=[MODEL], params={"max_length": 200})
     job = horde.pop(owner.key).json()
-    assert horde.submit(owner.key, job["id"], "b" * 400, state="censored").json() == {"reward": 17.63}
+    assert horde.submit(owner.key, job["id"], "b" * 400, state=state).json() == {"reward": 0}
     assert requester.refresh().kudos == Decimal("999")  # only the horde tax
-    assert owner.refresh().kudos == Decimal("17.63")
+    assert requester.user.kudos_held == 0
+    assert owner.refresh().kudos == 0
+    assert not KudosTransaction.objects.filter(generation_id=job["id"]).exists()
+    assert Generation.objects.get(pk=job["id"]).state == state
+
+
+def test_censored_replies_to_ones_own_requests_make_no_kudos(horde, make_user):
+    """A worker's owner serving their own requests and calling each reply censored: when the
+    worker was paid and the requester not charged, each round made kudos from nothing."""
+    account = make_user("self-dealer", kudos=100)
+    for _ in range(3):
+        horde.text_async(account.key, prompt="a" * 4000, models=[MODEL], params={"max_length": 200})
+        job = horde.pop(account.key).json()
+        assert horde.submit(account.key, job["id"], "word " * 600, state="censored").status_code == 200
+    assert account.refresh().kudos == Decimal("97")  # three horde taxes, nothing made
 
 
 def test_dry_run_quotes_without_creating(horde, people):
