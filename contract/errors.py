@@ -67,3 +67,18 @@ def request_too_large_body(limit: int) -> dict:
 def request_too_large_message(limit: int) -> str:
     """The 413 message, native and front alike."""
     return f"The request body is over {limit} bytes."
+
+
+# SQLSTATEs of a statement PostgreSQL rolled back for a concurrent transaction's sake:
+# deadlock_detected, serialization_failure and lock_not_available. The horde takes its locks in one
+# order (docs/adr/0068-one-lock-order.md); one met anyway costs a retry, never a 500 or a sweep.
+TRANSACTION_CONFLICT_SQLSTATES = frozenset({"40P01", "40001", "55P03"})
+
+
+def is_transaction_conflict(exc: BaseException) -> bool:
+    """A database error (the driver's, or Django's around it) of TRANSACTION_CONFLICT_SQLSTATES."""
+    for error in (exc, exc.__cause__):
+        if getattr(error, "sqlstate", None) in TRANSACTION_CONFLICT_SQLSTATES:
+            return True
+    return False
+

@@ -36,6 +36,8 @@ from typing import Any
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections
 
+from contract.errors import is_transaction_conflict as transaction_conflict
+
 log = logging.getLogger(__name__)
 
 DATABASE_UNAVAILABLE_RC = "DatabaseUnavailable"
@@ -222,10 +224,6 @@ def _lost_by_its_error(exc: BaseException) -> bool:
     return sqlstate is None or sqlstate.startswith("08") or sqlstate in _SESSION_ENDED_SQLSTATES
 
 
-# SQLSTATEs of a transaction the server rolled back for another's sake: deadlock_detected,
-# serialization_failure and lock_not_available. The horde takes its locks in one order
-# (docs/adr/0068-one-lock-order.md); one met anyway costs the client a retry, never a 500.
-_CONFLICT_SQLSTATES = frozenset({"40P01", "40001", "55P03"})
 DATABASE_CONFLICT_RC = "DatabaseConflict"
 DATABASE_CONFLICT_MESSAGE = "The request met another at the database and was rolled back; please try again."
 DATABASE_CONFLICT_RETRY_AFTER_SECONDS = 1
@@ -233,7 +231,7 @@ DATABASE_CONFLICT_RETRY_AFTER_SECONDS = 1
 
 def is_transaction_conflict(exc: BaseException) -> bool:
     """A statement PostgreSQL refused for a concurrent transaction's sake (the connection lives)."""
-    return isinstance(exc, OperationalError) and getattr(exc.__cause__, "sqlstate", None) in _CONFLICT_SQLSTATES
+    return isinstance(exc, OperationalError) and transaction_conflict(exc)
 
 
 def _connection_gone(alias: str = DEFAULT_DB_ALIAS) -> bool:

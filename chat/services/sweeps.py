@@ -4,10 +4,11 @@ maintenance mode's waiting requests."""
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 from functools import partial
+from uuid import UUID
 
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.utils import timezone
 
 from accounts.services import kudos_release
@@ -27,6 +28,7 @@ from chat.services.progress import (
 )
 from chat.signals import publish_chat_signal
 from contract.chat_progress import streams_progress
+from contract.errors import is_transaction_conflict
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +65,23 @@ def abort_stale_generations() -> int:
                 cutoff = now - timedelta(seconds=JOB_LEASE_WRITE_STEP_SECONDS)
                 if row_deadline >= cutoff:
                     continue
-        with transaction.atomic():
-            if not Generation.objects.filter(
-                pk=generation_id, state=Generation.State.PROCESSING, lease_expires_at__lt=cutoff
-            ).update(state=Generation.State.FAULTED, finished_at=now):
-                continue  # submitted meanwhile, or its lease renewed by a progress post
-            requeue_dropped_job(generation_id=generation_id, request_id=request_id, worker_id=worker_id)
-            if over_capacity:
-                record_aborted_outcome(max_length=max_length, trusted=owner_trusted, is_chat=is_chat)
-            if is_chat:
-                transaction.on_commit(partial(end_progress_after_fault, generation_id, request_id), robust=True)
-            aborted += 1
+        try:
+            with transaction.atomic():
+                if not Generation.objects.filter(
+                    pk=generation_id, state=Generation.State.PROCESSING, lease_expires_at__lt=cutoff
+                ).update(state=Generation.State.FAULTED, finished_at=now):
+                    continue  # submitted meanwhile, or its lease renewed by a progress post
+                requeue_dropped_job(generation_id=generation_id, request_id=request_id, worker_id=worker_id)
+                if over_capacity:
+                    record_aborted_outcome(max_length=max_length, trusted=owner_trusted, is_chat=is_chat)
+                if is_chat:
+                    transaction.on_commit(partial(end_progress_after_fault, generation_id, request_id), robust=True)
+        except DatabaseError as error:
+            if not is_transaction_conflict(error):
+                raise
+            log.warning("stale generation %s left to the next sweep: %s", generation_id, error)
+            continue
+        aborted += 1
         # Counted once the abort committed: a submit that won the race is not an abort.
         metrics.text_stale_aborts.add(
             1, {"horde.worker_trusted": bool(owner_trusted), "horde.chat": bool(is_chat)}
@@ -95,29 +103,40 @@ def expire_requests() -> int:
     expired = 0
     retry_chat_object_deletes()
     for request_id in GenerationRequest.objects.filter(expires_at__lt=now).values_list("id", flat=True)[:1000]:
-        with transaction.atomic():
-            request = (
-                GenerationRequest.objects.select_for_update()
-                .filter(pk=request_id, expires_at__lt=now)
-                .only("user_id", "kudos_held", "is_chat", "faulted", "chat_fault_reason", "chat_fault_rc", "chat_has_images",
-                      "chat_messages_offloaded")
-                .first()
-            )
-            if request is None:
-                continue
-            # A done request already had its done (or faulted) message; only an open one is faulted here.
-            signal = None
-            if request.is_chat and not request_completed(request_id, is_chat=True):
-                signal = (stored_result_count(request_id), request.chat_fault_reason, request.chat_fault_rc)
-            kudos_release(user_id=request.user_id, amount=request.kudos_held)
-            request.delete()  # its stored objects go after the commit (chat.object_store, pre_delete)
-            expired += 1
-            if signal is not None:
-                generations, fault_reason, fault_rc = signal
-                publish_chat_signal(
-                    request_id, "faulted", generations, fault_reason=fault_reason, fault_rc=fault_rc
-                )
+        try:
+            expired += _expire_request(request_id, now)
+        except DatabaseError as error:
+            if not is_transaction_conflict(error):
+                raise
+            log.warning("expired request %s left to the next sweep: %s", request_id, error)
     return expired
+
+
+def _expire_request(request_id: UUID, now: datetime) -> int:
+    """expire_requests for one request: 1 when it was deleted."""
+    with transaction.atomic():
+        # The horde's one lock order (docs/adr/0068-one-lock-order.md): the request's jobs, by id,
+        # before the request, as a submit holds its job when it locks the request.
+        list(Generation.objects.select_for_update().filter(request_id=request_id).order_by("pk").values_list("pk", flat=True))
+        request = (
+            GenerationRequest.objects.select_for_update()
+            .filter(pk=request_id, expires_at__lt=now)
+            .only("user_id", "kudos_held", "is_chat", "faulted", "chat_fault_reason", "chat_fault_rc", "chat_has_images",
+                  "chat_messages_offloaded")
+            .first()
+        )
+        if request is None:
+            return 0
+        # A done request already had its done (or faulted) message; only an open one is faulted here.
+        signal = None
+        if request.is_chat and not request_completed(request_id, is_chat=True):
+            signal = (stored_result_count(request_id), request.chat_fault_reason, request.chat_fault_rc)
+        kudos_release(user_id=request.user_id, amount=request.kudos_held)
+        request.delete()  # its stored objects go after the commit (chat.object_store, pre_delete)
+        if signal is not None:
+            generations, fault_reason, fault_rc = signal
+            publish_chat_signal(request_id, "faulted", generations, fault_reason=fault_reason, fault_rc=fault_rc)
+    return 1
 
 
 def delete_orphaned_chat_objects() -> int:

@@ -7,6 +7,7 @@ met anyway answers 503 DatabaseConflict with Retry-After, and the retry is paid 
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -269,3 +270,41 @@ def test_a_submit_a_deadlock_rolls_back_answers_503_and_its_retry_is_paid_once(m
     assert HordeUser.objects.get(pk=owner.user.pk).kudos == before[owner.user.pk] + reward
     assert HordeUser.objects.get(pk=requester.user.pk).kudos == before[requester.user.pk] - reward
     assert GenerationRequest.objects.get(pk=rows["request"][1]).jobs_waiting == 1
+
+
+def test_the_expiry_sweep_takes_a_requests_jobs_before_the_request(make_user):
+    from chat.services.sweeps import expire_requests
+
+    requester, owner, job_id = _text_job(make_user)
+    rows = _rows(requester, owner, job_id)
+    GenerationRequest.objects.filter(pk=rows["request"][1]).update(expires_at=timezone.now() - timedelta(seconds=1))
+    # A submit holding its job: the sweep waits for it before it holds the request.
+    held, expired = held_while_it_waits(rows.pop("job"), rows, expire_requests)
+    assert held == set()
+    assert expired == 1 and not GenerationRequest.objects.filter(pk=rows["request"][1]).exists()
+
+
+def test_a_sweep_rolled_back_by_a_deadlock_leaves_that_job_to_its_next_run(make_user):
+    """The stale sweep meets a lock taken against the order (here by hand): PostgreSQL rolls its
+    abort of that job back, and the sweep goes on with the other jobs instead of failing the run."""
+    first_requester, owner, first_job = _text_job(make_user)
+    second_requester = make_user("second requester", kudos=1000)
+    horde = Horde(APIClient())
+    assert horde.pop(owner.key).json()["id"]  # the first request's other job, left in flight
+    second_request = horde.text_async(second_requester.key, models=[MODEL]).json()["id"]
+    second_job = horde.pop(owner.key).json()["id"]
+    assert Generation.objects.get(pk=second_job).request_id == uuid.UUID(second_request)
+    for job_id in (first_job, second_job):
+        _lapsed(job_id)
+    rows = _rows(first_requester, owner, first_job)
+    with holding(*rows["request"]) as holder:
+        holder.execute("SET deadlock_timeout = '30s'")  # the sweep is the one rolled back
+        sweep = Write(abort_stale_generations)
+        eventually(lambda: _waiting_on_a_lock(holder))
+        holder.execute("SELECT 1 FROM horde_generations WHERE id = %s FOR NO KEY UPDATE", (first_job,))
+        aborted = sweep.result()
+    assert aborted == 1
+    assert Generation.objects.get(pk=second_job).state == Generation.State.FAULTED
+    assert Generation.objects.get(pk=first_job).state == Generation.State.PROCESSING
+    assert abort_stale_generations() == 1  # the next run
+    assert Generation.objects.get(pk=first_job).state == Generation.State.FAULTED
