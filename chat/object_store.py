@@ -16,7 +16,7 @@ import logging
 import re
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol, cast
 from urllib.parse import urlencode
 from uuid import UUID
 
@@ -42,6 +42,15 @@ CHAT_OBJECT_KEY_PATTERN = re.compile(r"^(?P<request_id>[0-9a-f]{8}-(?:[0-9a-f]{4
 # The path the horde serves images of the local store under (hordesite/urls.py).
 LOCAL_CHAT_IMAGE_PATH = "/api/v2/chat_images/"
 _SIGNATURE_SALT = "chat.object_store.signed_url"
+
+
+class BucketStorage(Protocol):
+    """What a store that is not the local folder is used through: django-storages' S3Storage
+    (STORAGE_BACKEND=s3), which Django's Storage type does not describe."""
+
+    bucket: Any  # boto3's Bucket resource
+
+    def url(self, name: str, *, expire: int) -> str: ...
 
 
 class ChatObjectStoreUnavailable(Exception):
@@ -150,7 +159,7 @@ def chat_messages_save(key: str, body: bytes, *, gzipped: bool) -> None:
         headers = {"ContentType": "application/json", "CacheControl": "no-transform"}
         if gzipped:
             headers["ContentEncoding"] = "gzip"
-        storage.bucket.put_object(Key=key, Body=body, **headers)
+        cast(BucketStorage, storage).bucket.put_object(Key=key, Body=body, **headers)
     except ChatObjectStoreUnavailable:
         raise
     except Exception as error:
@@ -187,7 +196,7 @@ def chat_object_url(key: str, *, seconds: int, base_url: str) -> str:
         query = urlencode({"expires": expires, "signature": _signature(key, expires)})
         return f"{base_url.rstrip('/')}{LOCAL_CHAT_IMAGE_PATH}{key}?{query}"
     try:
-        return storage.url(key, expire=seconds)
+        return cast(BucketStorage, storage).url(key, expire=seconds)
     except Exception as error:
         raise ChatObjectStoreUnavailable(f"the image store did not sign {key}: {error}") from error
 
@@ -241,9 +250,9 @@ def retry_chat_object_deletes() -> int:
     if client is None:
         return 0
     try:
-        keys = [k.decode() if isinstance(k, bytes) else k for k in client.srandmember(
-            CHAT_IMAGE_DELETE_RETRY_KEY, CHAT_IMAGE_DELETE_RETRY_BATCH
-        )]
+        # With a count SRANDMEMBER answers a list (empty for no set); the stubs allow any reply.
+        members = cast(list[bytes | str], client.srandmember(CHAT_IMAGE_DELETE_RETRY_KEY, CHAT_IMAGE_DELETE_RETRY_BATCH))
+        keys = [k.decode() if isinstance(k, bytes) else k for k in members]
     except Exception:
         log.warning("chat image delete retry set unreadable", exc_info=True)
         return 0

@@ -28,12 +28,15 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache, partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from django.db import DEFAULT_DB_ALIAS, connection, connections
-from django.db.models import Model
+from django.db.models import Field, Model
 
 from contract.process_cache import ProcessCache
+
+if TYPE_CHECKING:
+    from django.db.backends.postgresql.operations import DatabaseOperations as PostgresOperations
 
 log = logging.getLogger("django.db.backends")
 
@@ -57,6 +60,26 @@ def native_placeholders(sql: str) -> str:
     return _PLACEHOLDER.sub(rewrite, sql)
 
 
+def compose_sql(sql: str, params: Sequence[Any]) -> str:
+    """The statement with its values inlined as literals, by PostgreSQL's backend (the only one
+    that composes; the default connection's type does not say which backend it is)."""
+    return cast("PostgresOperations", connection.ops).compose_sql(sql, params)
+
+
+def stored_field(model: type[Model], name: str) -> Field:
+    """The model's field by name or attname: these statements read only fields, never the reverse
+    relations get_field also answers."""
+    field = model._meta.get_field(name)
+    assert isinstance(field, Field), f"{model.__name__}.{name} is a reverse relation"
+    return field
+
+
+def column_name(field: Field) -> str:
+    """A concrete field's column (only a field without one, such as a ForeignObject, has None)."""
+    assert field.column is not None, f"{field} has no column"
+    return field.column
+
+
 def _execute(sql: str, params: Sequence[Any], many: bool, context: dict[str, Any]) -> Any:
     context["connection"].validate_no_broken_transaction()
     return context["cursor"].execute(native_placeholders(sql), params, prepare=True)
@@ -70,7 +93,7 @@ def _logged(executor, sql: str, params: Sequence[Any], context: dict[str, Any]) 
     finally:
         duration = time.monotonic() - start
         try:
-            text = connection.ops.compose_sql(sql, params)
+            text = compose_sql(sql, params)
         except Exception:  # noqa: BLE001  (only the log's text)
             text = sql
         connection.queries_log.append({"sql": text, "time": f"{duration:.3f}"})
@@ -203,11 +226,12 @@ class RowLoader:
         cls, alias: str, models: Sequence[tuple[type[Model], Sequence[str]]], extra: Sequence[Any] = ()
     ) -> RowLoader:
         """A row of the given models' columns (by attname) and then `extra` expressions."""
-        columns = [model._meta.get_field(name).get_col(model._meta.db_table) for model, names in models for name in names]
+        columns = [stored_field(model, name).get_col(model._meta.db_table) for model, names in models for name in names]
         return cls.of(alias, [*columns, *extra], models)
 
-    def load(self, row: Sequence[Any]) -> tuple[list[Model], list[Any]]:
-        """The models of the row (in the order given) and the values after them, converted."""
+    def load(self, row: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """The models of the row (in the order given) and the values after them, converted. Each
+        instance is of its own model, which one list's type cannot say: Any, not Model."""
         db = connections[self.alias]
         values = list(row)
         for position, convs, expression in self.converters:
@@ -255,7 +279,7 @@ def _generation_joins() -> tuple[str, RowLoader]:
         (HordeUser, "u", "JOIN horde_users AS u ON u.id = w.owner_id"),
     )
     quote = connection.ops.quote_name
-    columns = [f"{alias}.{quote(f.column)}" for model, alias, _ in joins for f in model._meta.concrete_fields]
+    columns = [f"{alias}.{quote(column_name(f))}" for model, alias, _ in joins for f in model._meta.concrete_fields]
     sql = (
         f"SELECT {', '.join(columns)} FROM horde_generations AS g "
         + " ".join(join for _, _, join in joins if join)
@@ -301,7 +325,7 @@ def _finished_generations_read() -> tuple[str, RowLoader]:
     quote = connection.ops.quote_name
 
     def columns(model: type[Model], alias: str, names: Sequence[str]) -> list[str]:
-        return [f"{alias}.{quote(model._meta.get_field(name).column)}" for name in names]
+        return [f"{alias}.{quote(column_name(stored_field(model, name)))}" for name in names]
 
     worker_fields = ("id", "name")
     states = ", ".join(f"'{state}'" for state in Generation.FINISHED_STATES)

@@ -251,16 +251,21 @@ def required_chat_features(body: Mapping[str, Any]) -> list[str]:
 # --- declarations against requirements ----------------------------------------------------------
 
 
+# Read-only members, so frozen dataclasses (contract.chat_declaration's) satisfy them.
 class ChatLimitsLike(Protocol):
-    max_context_length: int
-    max_length: int
-    tools_max_temperature: float | None
+    @property
+    def max_context_length(self) -> int: ...
+    @property
+    def max_length(self) -> int: ...
+    @property
+    def tools_max_temperature(self) -> float | None: ...
 
 
 class ChatDeclarationLike(Protocol):
-    chat_features: frozenset[str]
-    chat_limits: ChatLimitsLike | None
-
+    @property
+    def chat_features(self) -> frozenset[str]: ...
+    @property
+    def chat_limits(self) -> ChatLimitsLike | None: ...
     @property
     def receives_images(self) -> bool: ...
 

@@ -202,20 +202,22 @@ def _check_for(field: serializers.Field) -> Check | None:
     if isinstance(field, serializers.ListField):
         child = _check_for(field.child)
         return _list(field, child) if child is not None else None
+    # Decided by the exact class; each isinstance, true of every class in its tuple, only tells
+    # the type checker which field it is.
     kind = type(field)
-    if kind in _STRINGS:
+    if kind in _STRINGS and isinstance(field, serializers.CharField):
         return _string(field)
-    if kind in _INTEGERS:
+    if kind in _INTEGERS and isinstance(field, serializers.IntegerField):
         return _integer(field)
-    if kind in _NUMBERS:
+    if kind in _NUMBERS and isinstance(field, serializers.FloatField):
         return _number(field)
     if kind in _BOOLEANS:
         return _boolean
-    if kind is serializers.ChoiceField and not field.allow_blank:
+    if type(field) is serializers.ChoiceField and not field.allow_blank:
         return _choice(field)
-    if kind in _UUIDS and field.uuid_format == "hex_verbose":
+    if kind in _UUIDS and isinstance(field, serializers.UUIDField) and field.uuid_format == "hex_verbose":
         return _uuid
-    if kind is serializers.JSONField and not field.binary and field.encoder is None:
+    if type(field) is serializers.JSONField and not field.binary and field.encoder is None:
         return _json
     return None
 

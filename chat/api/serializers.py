@@ -42,8 +42,10 @@ from contract.text import (
 def _ranged(name: str, **kwargs):
     """The field of a numeric text param, its JSON type and range as contract.text defines them."""
     kind, low, high = TEXT_PARAM_RANGES[name]
-    field = StrictIntegerField if kind == "integer" else StrictFloatField
-    return field(min_value=low, max_value=high, **kwargs)
+    if kind == "integer":
+        assert isinstance(low, int) and isinstance(high, int)  # an integer param's bounds are integers
+        return StrictIntegerField(min_value=low, max_value=high, **kwargs)
+    return StrictFloatField(min_value=low, max_value=high, **kwargs)
 
 
 class TextParamsSerializer(serializers.Serializer):
@@ -113,7 +115,10 @@ class TextAsyncInputSerializer(serializers.Serializer):
     disable_batching = StrictBooleanField(default=False)
     extra_slow_workers = StrictBooleanField(required=False, help_text="accepted, not applied")
     webhook = StrictCharField(required=False, allow_blank=True, help_text="accepted, not applied")
-    style = StrictCharField(required=False, min_length=3, max_length=1024, help_text="accepted, not applied")
+    # The metaclass takes declared fields out of the class: Field.style, each instance's own, is untouched.
+    style = StrictCharField(  # type: ignore[assignment]
+        required=False, min_length=3, max_length=1024, help_text="accepted, not applied"
+    )
     proxied_account = StrictCharField(required=False, allow_blank=True, help_text="accepted, not applied")
     extra_source_images = serializers.ListField(
         child=serializers.DictField(), required=False, help_text="accepted, not applied"

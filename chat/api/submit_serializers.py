@@ -39,7 +39,10 @@ class ChatSubmitToolCallSerializer(serializers.Serializer):
 class ChatSubmitReplyMessageSerializer(serializers.Serializer):
     role = serializers.ChoiceField(choices=["assistant"])
     content = serializers.CharField(allow_null=True, allow_blank=True, help_text="null only with tool_calls")
-    tool_calls = ChatSubmitToolCallSerializer(many=True, required=False, max_length=MAX_CHAT_TOOL_CALL_COUNT)
+    # many=True hands max_length to its ListSerializer (DRF 3.14); the stubs' __init__ lacks it.
+    tool_calls = ChatSubmitToolCallSerializer(  # type: ignore[call-arg]
+        many=True, required=False, max_length=MAX_CHAT_TOOL_CALL_COUNT
+    )
     reasoning_content = serializers.CharField(required=False, allow_blank=True)
 
 

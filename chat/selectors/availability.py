@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core.cache import cache
 
@@ -33,6 +33,17 @@ from chat.selectors.snapshots import NO_ELIGIBLE_WORKER, EligibleSet, OnlineWork
 from contract.chat_policy import ChatServiceGap, merge_service_gaps
 from contract.text import WORKER_ONLINE_SECONDS
 from workers.serving_version import current_serving_version
+
+if TYPE_CHECKING:
+    from typing import TypedDict
+
+    from django_stubs_ext import WithAnnotations
+
+    class _ServingVersionAnnotation(TypedDict):
+        """What chat.sql.request_with_counts annotates a request with."""
+
+        serving_version: Any
+
 
 AVAILABILITY_CACHE_SECONDS = 60
 
@@ -72,7 +83,7 @@ class StatusRead:
     prefetched: dict[str, Any] = field(default_factory=dict)
 
 
-def status_read(request: GenerationRequest) -> StatusRead:
+def status_read(request: WithAnnotations[GenerationRequest, _ServingVersionAnnotation]) -> StatusRead:
     """What a status poll needs beside its request row (chat.sql.request_with_counts, which read the
     serving version with it): nothing more for a text request, one cache read of its pass for a
     chat request."""

@@ -70,6 +70,7 @@ def chat_model_offers() -> dict[str, dict]:
         "chat_model_id", "chat_max_context_length", "chat_max_length", "chat_features", "created"
     )
     for model_id, max_context_length, max_length, features, created in rows:
+        assert model_id is not None  # chat_workers_online excludes workers without a chat model
         offer = offers.setdefault(
             model_id,
             {"workers": 0, "max_context_length": None, "max_length": None, "features": set(), "created": None},

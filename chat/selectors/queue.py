@@ -74,7 +74,7 @@ _GUARANTEES = {g.value: g for g in ChatGuarantee}
 class WorkerView:
     """The facts about a worker that eligibility reads, taken once per pop."""
 
-    id: object
+    id: UUID | None  # None in a declaration shape (declaration_shape)
     models: tuple[str, ...]
     max_length: int
     max_context_length: int
@@ -273,7 +273,8 @@ def _chat_refusals(worker: WorkerView) -> dict[str, Q]:
 
 def _common_refusals(worker: WorkerView) -> dict[str, Q]:
     """Rule 4: the restrictions text and chat requests share."""
-    listed = Exists(RequestWorker.objects.filter(request=OuterRef("pk"), worker_id=worker.id))
+    # A shape's id is None (worker_id IS NULL to Django): its reasons are only named, never run.
+    listed = Exists(RequestWorker.objects.filter(request=OuterRef("pk"), worker_id=worker.id))  # type: ignore[misc]
     # The worker's own facts are parameters, not the query's shape: the pop's statement text (one
     # prepared statement per text, chat/sql.py) stays the same for trusted and untrusted, validated
     # or not, slow or not. A reason that does not apply counts nothing, and skipped leaves it out.
@@ -363,7 +364,7 @@ def chat_capacity_clause(worker: WorkerView) -> Q:
         )
         .filter(Exists(RequestModel.objects.filter(request=OuterRef(OuterRef("pk")), name=OuterRef("chat_model_id"))))
     )
-    return Q(max_length__lte=worker.chat_capacity) | ~Exists(capable)
+    return Q(max_length__lte=worker.chat_capacity) | Q(~Exists(capable))
 
 
 def _with_lease_tokens(lease_seconds: int):
@@ -439,6 +440,7 @@ def empty_pop_counts(worker: WorkerView) -> EmptyPopCounts:
     if connection.vendor == "postgresql":
         reasons, statement = _counts_statement(declaration_shape(worker))
         row = run_prepared(statement.texts[0], statement.bind(worker))
+        assert row is not None  # an aggregate without GROUP BY answers one row
         counts = dict(zip((*reasons, _TAKEABLE), row, strict=True))
     else:
         counts = _counts_through_the_orm(worker)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal
-from typing import Any
+from typing import Any, cast
 from uuid import UUID, uuid4
 
 from django.conf import settings
@@ -461,7 +461,8 @@ def chat_model_offers(models: list[str]) -> ChatModelOffers:
     contexts = [r["context"] for r in rows if r["context"] is not None]
     lengths = [r["length"] for r in rows if r["length"] is not None]
     return ChatModelOffers(
-        served_models=frozenset(r["chat_model_id"] for r in rows),
+        # Not None (chat_model_id__in matches names only), which the rows' type does not know.
+        served_models=cast(frozenset[str], frozenset(r["chat_model_id"] for r in rows)),
         workers=sum(r["workers"] for r in rows),
         max_context_length=max(contexts) if contexts else None,
         max_length=max(lengths) if lengths else None,

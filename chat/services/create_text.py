@@ -192,6 +192,7 @@ def text_request_create(
             repeated = text_operation_claim(user=user, operation_key=operation_key, fingerprint=fingerprint)
         if repeated is None:
             raise
+        assert repeated.request is not None  # a claim answers with its stored request
         log.info("operation key %s: a concurrent text submit won; answering with %s", operation_key, repeated.request.id)
         return repeated
     from chat.selectors.availability import chat_request_availability

@@ -7,7 +7,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import Any
 
@@ -39,7 +39,7 @@ from chat.services.chat_images import job_image_messages, job_messages_url, sele
 from chat.services.faults import requeue_faulted, requeue_jobs
 from chat.services.pop_cache import empty_pop_forget, empty_pop_lookup, empty_pop_remember, view_list_tokens
 from chat.services.progress import delete_stream_leases, write_stream_leases
-from chat.sql import RowLoader, run_prepared
+from chat.sql import RowLoader, column_name, compose_sql, run_prepared
 from contract.chat_declaration import parse_chat_declaration
 from contract.chat_errors import ChatDeclarationInvalid
 from contract.chat_limits import CHAT_SAMPLING_DEFAULTS
@@ -183,7 +183,9 @@ def worker_pop(
     if worker.paused:
         return PoppedJob(request=None, generations=[], model=None, skipped={})
     view = WorkerView.of(worker)
-    if not repeated and view.chat_capacity is not None and view.chat_capacity < view.chat.chat_limits.max_length:
+    # chat_capacity is set only for a worker that declares chat limits (WorkerView.of).
+    limits = view.chat.chat_limits
+    if not repeated and view.chat_capacity is not None and limits is not None and view.chat_capacity < limits.max_length:
         # From values the pop holds: the worker's speed caps the chat output it is offered.
         lease_capacity_limited.add(1, {"horde.gentype": "text"})
     check = empty_pop_lookup(view)
@@ -211,13 +213,15 @@ def worker_pop(
             wake_on=view_list_tokens(view), remembered_for=remembered_for,
         )
     empty_pop_forget(view)
-    if popped.request.is_chat and (popped.request.chat_has_images or popped.request.chat_messages_offloaded):
-        popped = _send_job_objects(popped, worker, image_url_base)
-    _record_queue_wait(popped, now)
-    record_over_capacity_assignment(request=popped.request, generations=popped.generations, worker=worker)
-    if popped.request.is_chat and streams_progress(popped.request.chat_extras):
+    request = popped.request
+    assert request is not None  # a pop that took jobs carries their request
+    if request.is_chat and (request.chat_has_images or request.chat_messages_offloaded):
+        popped = _send_job_objects(popped, request, worker, image_url_base)
+    _record_queue_wait(request, popped.generations, now)
+    record_over_capacity_assignment(request=request, generations=popped.generations, worker=worker)
+    if request.is_chat and streams_progress(request.chat_extras):
         write_stream_leases(
-            request=popped.request,
+            request=request,
             generations=popped.generations,
             worker=worker,
             owner=worker.owner,
@@ -227,12 +231,14 @@ def worker_pop(
     return popped
 
 
-def _send_job_objects(popped: PoppedJob, worker: Worker, image_url_base: Callable[[], str] | None) -> PoppedJob:
-    """Send the job's stored objects as the worker declared (after the commit that assigned the
-    job, so the store is not read under the queue's lock): the messages object's URL in place of
-    the messages, or each image reference replaced; the transport is recorded on its generations.
-    A store that fails gives the jobs back and refuses with 503."""
-    request = popped.request
+def _send_job_objects(
+    popped: PoppedJob, request: GenerationRequest, worker: Worker, image_url_base: Callable[[], str] | None
+) -> PoppedJob:
+    """Send the job's stored objects (of `request`, the popped one) as the worker declared (after
+    the commit that assigned the job, so the store is not read under the queue's lock): the
+    messages object's URL in place of the messages, or each image reference replaced; the
+    transport is recorded on its generations. A store that fails gives the jobs back and refuses
+    with 503."""
     transport = select_chat_transport(
         worker.image_transports, offloaded=request.chat_messages_offloaded, has_images=request.chat_has_images
     )
@@ -273,9 +279,8 @@ def _send_job_objects(popped: PoppedJob, worker: Worker, image_url_base: Callabl
     return replace(popped, messages_url=messages_url)
 
 
-def _record_queue_wait(popped: PoppedJob, now) -> None:
+def _record_queue_wait(request: GenerationRequest, generations: list[Generation], now: datetime) -> None:
     """horde.text.queue_wait_seconds: each job's time from its request's creation to this pop."""
-    request = popped.request
     try:
         anonymous = request.user_id == anonymous_user_get().pk
     except HordeUser.DoesNotExist:  # a database without the anonymous user's row
@@ -286,7 +291,7 @@ def _record_queue_wait(popped: PoppedJob, now) -> None:
         "horde.requested_bucket": size_bucket(request.max_length),
     }
     wait = max((now - request.created).total_seconds(), 0.0)
-    for _ in popped.generations:
+    for _ in generations:
         queue_wait_seconds.record(wait, attributes)
 
 
@@ -436,13 +441,13 @@ def _generation_insert_columns() -> tuple[list[str], list[str], list[Field]]:
     for f in Generation._meta.concrete_fields:
         if f.column in _POP_COMPUTED_COLUMNS:
             continue
-        columns.append(connection.ops.quote_name(f.column))
+        columns.append(connection.ops.quote_name(column_name(f)))
         typed = f"%s::{f.db_type(connection)}"
         if f.column in _POP_VARYING_COLUMNS or _takes_fresh_default(f):
             values.append(typed)
             per_call.append(f)
         else:
-            literal = connection.ops.compose_sql(typed, [f.get_db_prep_save(getattr(template, f.attname), connection)])
+            literal = compose_sql(typed, [f.get_db_prep_save(getattr(template, f.attname), connection)])
             values.append(literal.replace("%", "%%"))
     return columns, values, per_call
 

@@ -75,7 +75,7 @@ def queue_signal_channel() -> str:
     every database of a server, and a horde (or test run) on another database must not wake ours."""
     db = 0
     client = getattr(cache, "client", None)
-    if hasattr(client, "get_client"):
+    if client is not None and hasattr(client, "get_client"):
         with contextlib.suppress(Exception):
             db = client.get_client(write=True).connection_pool.connection_kwargs.get("db", 0)
     return f"{cache.make_key(QUEUE_SIGNAL_CHANNEL)}:{db}"
@@ -161,7 +161,7 @@ class QueueSignalListener:
         self._task: asyncio.Task | None = None
         self._subscribed = asyncio.Event()
         if redis_url:
-            self._task = self.loop.create_task(self._run(), name="horde-queue-signal")
+            self._task = self.loop.create_task(self._run(redis_url), name="horde-queue-signal")
 
     def register(self, tokens: frozenset[str] | None = None) -> PopWaiter:
         waiter = PopWaiter(tokens)
@@ -205,14 +205,14 @@ class QueueSignalListener:
             with contextlib.suppress(BaseException):
                 await self._task
 
-    async def _run(self) -> None:
+    async def _run(self, redis_url: str) -> None:
         import redis.asyncio as aioredis
 
         channel = queue_signal_channel()
         backoff = 0.5
         while True:
             client = aioredis.Redis.from_url(
-                self.redis_url, socket_connect_timeout=2, socket_timeout=None, health_check_interval=0
+                redis_url, socket_connect_timeout=2, socket_timeout=None, health_check_interval=0
             )
             pubsub = client.pubsub()
             try:

@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from functools import lru_cache
 from string import Template
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 from uuid import UUID
 
 import redis
@@ -57,6 +57,9 @@ from contract.chat_progress import (
 from contract.chat_verify import chat_output_tokens
 from contract.errors import HordeError
 from workers.services import worker_record_cancelled_settlement
+
+if TYPE_CHECKING:
+    from redis.typing import EncodableT, FieldT
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +210,7 @@ def write_stream_leases(
         return
     started = int(now.timestamp())
     job_ttl = settings.HORDE_TEXT_JOB_LEASE_SECONDS  # the row's lease at pop (chat/services/pop.py)
-    fields = {
+    fields: dict[FieldT, EncodableT] = {
         "request": str(request.pk),
         "worker": str(worker.pk),
         "model": model or "",
@@ -248,7 +251,7 @@ def job_progress(*, api_key: str, post: ProgressPost) -> dict[str, Any]:
     reasoning = post.reasoning_content
     generation_id = str(post.id)  # once: a UUID's str is not cheap on a route posted every second
     keys = [chat_stream_lease_key(generation_id)]
-    args = [
+    args: list[EncodableT] = [
         digest,
         post.seq,
         post.content.encode("utf-8"),
@@ -409,7 +412,9 @@ def read_posted_progress(request_id: UUID, generation_id: UUID) -> PostedProgres
         return PostedProgress(0, "none")
     gen = str(generation_id).encode()
     try:
-        entries = client.xrange(chat_progress_stream_key(request_id))
+        # The client does not decode (bytes), and XRANGE answers a list (empty without the
+        # stream) of entries, each with its fields: the stubs allow None for both.
+        entries = cast(list[tuple[bytes, dict[bytes, bytes]]], client.xrange(chat_progress_stream_key(request_id)))
         parts: dict[int, bytes] = {}
         for _, fields in entries:
             if fields.get(b"gen") == gen and b"seq" in fields:

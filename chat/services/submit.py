@@ -238,6 +238,8 @@ def _text_reward(generation: Generation, text: str | None) -> tuple[int, Decimal
     """(tokens, reward) of a text reply: from the price its pop stored, or (a job popped before
     prices were stored) from the request as the pop would have priced it."""
     if generation.price_rate is not None:
+        # The pop stores the price's columns together: a rate comes with its flat part and cap.
+        assert generation.price_flat is not None and generation.price_max_length is not None
         tokens = things_count(text, generation.price_max_length)
         return tokens, kudos_amount(tokens * generation.price_rate + generation.price_flat)
     request = generation.request
@@ -314,6 +316,7 @@ def _chat_submit(generation: Generation, body: Mapping[str, Any]) -> Decimal:
         raise _not_pending_error(generation.pk, current)
     try:
         submit = parse_chat_submit(body)
+        assert submit.finish_reason is not None  # a reply (a fault went to _chat_fault) has one
         _check_model(generation, submit.model_id)
         request = generation.request
         verified = verify_chat_reply(
@@ -455,6 +458,8 @@ def _chat_reward(generation: Generation, stored: Mapping[str, Any]) -> tuple[int
     a job popped before prices were stored, at the model that served it). Reported token counts
     never change the charge."""
     if generation.price_rate is not None:
+        # The pop stores the price's columns together: a rate comes with its flat part and cap.
+        assert generation.price_flat is not None and generation.price_max_length is not None
         tokens = chat_things_count(stored, generation.price_max_length)
         return tokens, kudos_amount(tokens * generation.price_rate + generation.price_flat)
     request = generation.request
