@@ -175,8 +175,11 @@ def _checked_form(address: IPAddress) -> IPAddress:
 
 
 def _is_internal(address: IPAddress) -> bool:
+    # Beyond the spec's list: any address not globally reachable, such as carrier-grade NAT's
+    # 100.64.0.0/10 (a cloud's metadata service, a mesh VPN), which Python counts as not private.
     return (
-        address.is_private
+        not address.is_global
+        or address.is_private
         or address.is_loopback
         or address.is_link_local
         or address.is_multicast

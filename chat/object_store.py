@@ -205,9 +205,13 @@ def _signature(key: str, expires: int) -> str:
     return salted_hmac(_SIGNATURE_SALT, f"{key}:{expires}", algorithm="sha256").hexdigest()
 
 
+_EXPIRES = re.compile(r"[0-9]{1,12}")
+
+
 def local_image_url_valid(key: str, expires: str | None, signature: str | None) -> bool:
     """Whether a local download URL's signature is ours and it has not expired."""
-    if not expires or not signature or not expires.isdigit():
+    # ASCII digits of a plausible time: str.isdigit() also takes "²", which int() refuses (a 500).
+    if not expires or not signature or not _EXPIRES.fullmatch(expires):
         return False
     return int(expires) >= time.time() and constant_time_compare(signature, _signature(key, int(expires)))
 

@@ -43,8 +43,10 @@ CHAT_IMAGE_MAX_SIDE = 2048
 CHAT_IMAGE_JPEG_QUALITY = 90
 # An image part's url in a stored request: this scheme and the key it is stored under.
 CHAT_IMAGE_REFERENCE_PREFIX = "horde-r2://"
-# The horde's bound on fetching one image URL (every hop, headers and body): a submit with URL
-# images may take this long per image, which the front's wait for the submit allows for.
+# The horde's bound on fetching a request's image URLs, all of them (every hop, headers and body):
+# a submit with URL images may take this long more, which the front's wait for the submit allows
+# for. One bound for the request, not one per image, so 20 slow hosts cannot hold a web thread for
+# 20 times as long (docs/adr/0069).
 CHAT_IMAGE_FETCH_TOTAL_SECONDS = 15.0
 # A presigned image URL in a job lives the job's TTL, and at least this long.
 MIN_CHAT_IMAGE_URL_SECONDS = 600

@@ -360,8 +360,8 @@ class HordeClient:
             await asyncio.sleep(pause)
 
     def submit_timeout(self, body: dict[str, Any]) -> float | None:
-        """A chat submit with images waits longer: the horde fetches each URL image (up to
-        CHAT_IMAGE_FETCH_TOTAL_SECONDS) and re-encodes every image before it answers. None: the
+        """A chat submit with images waits longer: the horde fetches the URL images (up to
+        CHAT_IMAGE_FETCH_TOTAL_SECONDS for them all) and re-encodes every image before it answers. None: the
         usual native timeout."""
         urls = images = 0
         for message in body.get("messages") or ():
@@ -373,7 +373,8 @@ class HordeClient:
                     urls += isinstance(url, str) and not url.startswith("data:")
         if not images:
             return None
-        return self.settings.native_timeout_seconds + urls * CHAT_IMAGE_FETCH_TOTAL_SECONDS + images * IMAGE_ENCODE_SECONDS
+        fetching = CHAT_IMAGE_FETCH_TOTAL_SECONDS if urls else 0.0  # one bound for all of them
+        return self.settings.native_timeout_seconds + fetching + images * IMAGE_ENCODE_SECONDS
 
     async def status(
         self, request_id: str, *, text: bool = False, headers: dict[str, str] | None = None

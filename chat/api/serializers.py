@@ -201,8 +201,11 @@ class TextPopInputSerializer(serializers.Serializer):
         max_length=MAX_BRIDGE_AGENT_LENGTH, default="unknown:0:unknown", allow_blank=True
     )
     nsfw = serializers.BooleanField(default=False)
-    softprompts = serializers.ListField(child=serializers.CharField(max_length=255), default=list)
-    priority_usernames = serializers.ListField(child=serializers.CharField(max_length=200), default=list)
+    # Bounded as models is: each pop matches every priority user's queue (docs/adr/0069).
+    softprompts = serializers.ListField(child=serializers.CharField(max_length=255), max_length=100, default=list)
+    priority_usernames = serializers.ListField(
+        child=serializers.CharField(max_length=200), max_length=100, default=list
+    )
     # The chat declaration (spec: "Chat declaration on pop"). Typed loosely here on purpose: the
     # contract's parse_chat_declaration checks them and refuses with ChatDeclarationInvalid.
     chat_jobs = serializers.JSONField(required=False, help_text="boolean, default false")

@@ -16,6 +16,7 @@ import io
 import ipaddress
 import json
 import logging
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ from chat.object_store import (
 )
 from contract.chat_errors import ChatRefusal
 from contract.chat_limits import (
+    CHAT_IMAGE_FETCH_TOTAL_SECONDS,
     CHAT_IMAGE_JPEG_QUALITY,
     CHAT_IMAGE_MAX_SIDE,
     CHAT_IMAGE_REFERENCE_PREFIX,
@@ -103,17 +105,21 @@ def check_data_url_total(parts: list[ImagePart], cap: int) -> int:
     return total
 
 
-def load_chat_images(*, parts: list[ImagePart], user: HordeUser) -> list[bytes]:
+def load_chat_images(
+    *, parts: list[ImagePart], user: HordeUser, fetch_seconds: float = CHAT_IMAGE_FETCH_TOTAL_SECONDS
+) -> list[bytes]:
     """The images of a request as the JPEGs to store, in order, after the requester's total, the
-    fetches, the header checks and the normalisation; each refusal is the spec's."""
+    fetches, the header checks and the normalisation; each refusal is the spec's. Fetching every URL
+    image of the request takes at most `fetch_seconds` in all (docs/adr/0069)."""
     cap = user_image_total_cap(user)
     total = check_data_url_total(parts, cap)
+    deadline = time.monotonic() + fetch_seconds
     raw: list[bytes] = []
     for part in parts:
         if part.is_data_url:
             raw.append(_decoded(part))
             continue
-        data = _fetched(part)
+        data = _fetched(part, deadline=deadline, budget=fetch_seconds)
         # A URL image's size is known once fetched: the total is checked before the next fetch.
         total += len(data)
         if total > cap:
@@ -145,16 +151,26 @@ def _allowed_networks() -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
     return [ipaddress.ip_network(n, strict=False) for n in settings.HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS]
 
 
-def _fetched(part: ImagePart) -> bytes:
+def _fetched(part: ImagePart, *, deadline: float, budget: float) -> bytes:
+    """One URL image, within what is left of the request's fetch bound (`budget` seconds in all)."""
     try:
-        return fetch_public_image(part.url, max_bytes=MAX_CHAT_IMAGE_BYTES, allowed_networks=_allowed_networks())
+        if deadline - time.monotonic() <= 0:
+            raise ImageUrlInvalid("no time left")
+        return fetch_public_image(
+            part.url,
+            max_bytes=MAX_CHAT_IMAGE_BYTES,
+            allowed_networks=_allowed_networks(),
+            total_timeout=deadline - time.monotonic(),
+        )
     except ImageTooLarge as error:
         raise image_too_large(part.path, error.size) from None
     except ImageUrlRefused as error:
         raise ChatRefusal("SourceImageUrlRefused", f"The image URL is refused: {error}.", param=part.path) from None
     except ImageUrlInvalid as error:
+        late = time.monotonic() >= deadline
+        reason = f"the request's image URLs took longer than {budget:g} seconds in all" if late else str(error)
         raise ChatRefusal(
-            "SourceImageUrlInvalid", f"The image URL could not be fetched: {error}.", param=part.path
+            "SourceImageUrlInvalid", f"The image URL could not be fetched: {reason}.", param=part.path
         ) from None
 
 

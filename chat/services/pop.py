@@ -17,7 +17,7 @@ from django.db.models import Case, F, Field, Value, When
 from django.utils import timezone
 
 from accounts.models import HordeUser
-from accounts.selectors import anonymous_user_get
+from accounts.selectors import USER_ID_DIGITS, anonymous_user_get
 from chat.gate_shadow import record_over_capacity_assignment
 from chat.metrics import lease_capacity_limited, queue_wait_seconds, size_bucket
 from chat.models import Generation, GenerationRequest
@@ -72,7 +72,8 @@ def _priority_user_ids(worker: Worker) -> list[int]:
     ids = [worker.owner_id]
     for alias in worker.priority_usernames or []:
         _, _, tail = str(alias).rpartition("#")
-        if tail.isdigit():
+        # ASCII digits within a bigint: "x#²" or a 30-digit id names no one (it was a 500).
+        if USER_ID_DIGITS.fullmatch(tail) and int(tail) not in ids:
             ids.append(int(tail))
     return ids
 

@@ -82,7 +82,7 @@ def vision_owner(make_user):
 class ImageHost:
     """A local image host: paths to (status, body)."""
 
-    def __init__(self, routes: dict[str, tuple[int, bytes]]):
+    def __init__(self, routes: dict[str, tuple[int, bytes]], *, delay: float = 0.0):
         routes_ = routes
         self.requested: list[str] = []  # the paths asked for, in order
         requested = self.requested
@@ -95,6 +95,7 @@ class ImageHost:
                 self.send_header("Content-Type", "image/png")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
+                time.sleep(delay)  # a slow host: the body comes within the read timeout, late
                 self.wfile.write(body)
 
             def log_message(self, *args):
@@ -116,8 +117,8 @@ class ImageHost:
 def image_host():
     hosts = []
 
-    def start(routes):
-        hosts.append(ImageHost(routes))
+    def start(routes, **options):
+        hosts.append(ImageHost(routes, **options))
         return hosts[-1]
 
     yield start
@@ -290,6 +291,30 @@ def test_url_images_stop_being_fetched_once_the_running_total_passes_the_cap(
     assert requester.refresh().kudos == Decimal("1000")
 
 
+def test_the_image_urls_of_a_request_share_one_fetch_bound(make_user, image_host, settings):
+    """Each image of a slow host comes in time on its own; together they pass the request's bound,
+    and the fetch that would pass it is cut off: 20 slow hosts cannot hold a web thread 20 times as
+    long as one."""
+    from chat.services.chat_images import ImagePart, load_chat_images
+    from contract.chat_errors import ChatRefusal
+
+    settings.HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS = ["127.0.0.0/8"]
+    host = image_host({f"/{name}.png": (200, png()) for name in "abc"}, delay=0.6)
+    parts = [
+        ImagePart(path=f"messages[0].content[{index}]", url=host.url(f"/{name}.png"))
+        for index, name in enumerate("abc", start=1)
+    ]
+    started = time.monotonic()
+    with pytest.raises(ChatRefusal) as refused:
+        load_chat_images(parts=parts, user=make_user("r").user, fetch_seconds=1.0)
+    assert time.monotonic() - started < 1.5
+    assert (refused.value.rc, refused.value.param) == ("SourceImageUrlInvalid", "messages[0].content[2]")
+    assert refused.value.message.endswith(
+        "The image URL could not be fetched: the request's image URLs took longer than 1 seconds in all."
+    )
+    assert host.requested == ["/a.png", "/b.png"]
+
+
 def _tiled_noise_png(side: int = 2048, tile: int = 8) -> bytes:
     """A tile of noise repeated: a small PNG that re-encodes to a large JPEG."""
     import random
@@ -426,6 +451,9 @@ def test_a_signed_url_serves_nothing_once_it_expired(horde, make_user, image_sto
     stale = f"expires={past}&signature={_signature(chat_image_key(request_id, 0), past)}"
     assert horde.client.get(f"{parts.path}?{stale}").status_code == 403
     assert horde.client.get(f"{parts.path}?expires={query['expires'][0]}&signature={query['signature'][0]}").status_code == 200
+    # An expiry that is not ASCII digits, or too long to be a time, is refused, not a 500.
+    for expires in ("%C2%B2", "9" * 5000, "-1", "1e9"):
+        assert horde.client.get(f"{parts.path}?expires={expires}&signature={query['signature'][0]}").status_code == 403
 
 
 def test_a_base64_worker_receives_the_stored_jpeg_inline(horde, make_user, image_store):

@@ -151,3 +151,15 @@ def test_status_models_reports_threads_queue_and_eta(horde, make_user, owner):
     assert models[MODEL]["queued"] == 200 and models[MODEL]["jobs"] == 2
     assert models[MODEL]["eta"] > 0 and models[MODEL]["performance"] == 10.0
     assert models[MODEL]["type"] == "text"
+
+
+def test_a_pop_names_at_most_a_hundred_priority_users_and_odd_aliases_name_no_one(horde, make_user):
+    """Each pop matches every priority user's queue, so the list is bounded as `models` is; an
+    alias whose id is not ASCII digits within a bigint names no one (it was a 500)."""
+    owner = make_user("owner")
+    too_many = horde.pop(owner.key, priority_usernames=[f"user#{n}" for n in range(101)])
+    assert too_many.status_code == 400 and "priority_usernames" in too_many.json()["errors"]
+    odd = horde.pop(owner.key, priority_usernames=["x#²", "y#" + "9" * 30, "z#abc", "w#12", "w#12"])
+    assert odd.status_code == 200 and odd.json()["id"] is None
+    softprompts = horde.pop(owner.key, softprompts=["s"] * 101)
+    assert softprompts.status_code == 400 and "softprompts" in softprompts.json()["errors"]
