@@ -7,6 +7,7 @@ With no environment at all the horde runs on the embedded default: SQLite under 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import environ
 from django.core.exceptions import ImproperlyConfigured
@@ -132,7 +133,7 @@ IS_POSTGRES = DATABASES["default"]["ENGINE"].startswith("django.db.backends.post
 REDIS_URL: str | None = env.str("REDIS_URL", default="") or None
 
 if REDIS_URL:
-    CACHES = {
+    CACHES: dict[str, dict[str, Any]] = {
         "default": {
             "BACKEND": "django_redis.cache.RedisCache",
             "LOCATION": REDIS_URL,
@@ -144,7 +145,7 @@ if REDIS_URL:
             },
         }
     }
-    CHANNEL_LAYERS = {
+    CHANNEL_LAYERS: dict[str, dict[str, Any]] = {
         "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
     }
 else:
@@ -201,7 +202,7 @@ CELERY_BEAT_SCHEDULE = {
 STORAGE_BACKEND = env.str("STORAGE_BACKEND", default="local")
 MEDIA_ROOT = env.str("MEDIA_ROOT", default=str(VAR_DIR / "media"))
 if STORAGE_BACKEND == "s3":
-    _default_storage = {
+    _default_storage: dict[str, Any] = {
         "BACKEND": "storages.backends.s3.S3Storage",
         "OPTIONS": {
             "bucket_name": env.str("AWS_STORAGE_BUCKET_NAME", default=""),
@@ -214,7 +215,7 @@ if STORAGE_BACKEND == "s3":
         },
     }
     # A chat request's images (chat/object_store.py): the source image bucket, private, presigned.
-    _chat_image_storage = {
+    _chat_image_storage: dict[str, Any] = {
         "BACKEND": "storages.backends.s3.S3Storage",
         "OPTIONS": {
             **_default_storage["OPTIONS"],
@@ -224,7 +225,7 @@ if STORAGE_BACKEND == "s3":
         },
     }
     # An offloaded request's messages object: its own bucket, or beside the images.
-    _chat_messages_storage = {
+    _chat_messages_storage: dict[str, Any] = {
         "BACKEND": "storages.backends.s3.S3Storage",
         "OPTIONS": {
             **_chat_image_storage["OPTIONS"],

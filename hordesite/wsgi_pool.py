@@ -161,6 +161,7 @@ class WebThreads:
     def _work(self) -> None:
         while (call := self._calls.get()) is not None:
             loop, future, fn, args = call
+            outcome: tuple[Any, BaseException | None]
             try:
                 outcome = (fn(*args), None)
             except BaseException as error:  # handed to the awaiting request, as run_in_executor does
@@ -236,6 +237,7 @@ class PooledWSGI:
             # empty pop be answered from memory without a Redis round trip (docs/adr/0057).
             queue_listener()
         gone = asyncio.ensure_future(receive())  # the body was read whole: the next message is the end
+        answer: Answer | None  # None: the worker left while its pop was held (_hold)
         try:
             answer = await self._pop(scope, body, gone)
             held = answer.header(POP_WAIT_HEADER)
@@ -245,9 +247,11 @@ class PooledWSGI:
                 if answer.status == 200:
                     tokens = None if lists is None else frozenset(filter(None, lists.split(",")))
                     answer = await self._hold(scope, body, gone, arrived + float(held), tokens)
+            if answer is None:
+                return  # nothing to send or give back
             if not gone.done():
                 await _send_answer(send, answer)
-            elif answer is not None:
+            else:
                 await self._give_back(answer)
         finally:
             gone.cancel()

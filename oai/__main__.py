@@ -45,8 +45,8 @@ def configure_telemetry(settings: FrontSettings) -> bool:
     for processor in span_processors:
         tracer_provider.add_span_processor(processor)
     try:  # the OTLP exporters are optional: without them the SDK records and exports nothing
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter  # type: ignore
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
@@ -86,7 +86,7 @@ def start_pyroscope(settings: FrontSettings, *, span_profiles: bool) -> list[Any
     if not settings.pyroscope_enabled:
         return []
     try:
-        import pyroscope  # type: ignore[import-not-found]
+        import pyroscope
 
         pyroscope.configure(
             application_name=settings.service_name or FRONT_SERVICE_NAME,
@@ -103,7 +103,7 @@ def start_pyroscope(settings: FrontSettings, *, span_profiles: bool) -> list[Any
     if not span_profiles:
         return []
     try:
-        from pyroscope.otel import PyroscopeSpanProcessor  # type: ignore[import-not-found]
+        from pyroscope.otel import PyroscopeSpanProcessor
 
         return [PyroscopeSpanProcessor()]
     except ImportError:
@@ -120,7 +120,7 @@ def _logger_provider(resource: Any) -> Any:
     provider = LoggerProvider(resource=resource)
     # Without the OTLP exporters nothing is exported; configure_telemetry already warned.
     with contextlib.suppress(ImportError):
-        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter  # type: ignore
+        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
         from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
 
         provider.add_log_record_processor(BatchLogRecordProcessor(OTLPLogExporter()))
@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return defer.Deferred.fromFuture(asyncio.ensure_future(shutdown_all()))
 
-    reactor.addSystemEventTrigger("before", "shutdown", drain)
+    # Twisted declares its interfaces' methods without self (zope.interface): mypy reads "before" as self.
+    reactor.addSystemEventTrigger("before", "shutdown", drain)  # type: ignore[arg-type]
     log.info(
         "OpenAI front on http://%s:%s/v1/ over %s",
         settings.host,

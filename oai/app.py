@@ -24,7 +24,7 @@ from oai.schema import model_not_found, parse_body, screen_request
 from oai.state import get_front_state
 from oai.streaming import stream_completion
 from oai.text_completions import TextCompletionRequest, screen_text_request
-from oai.text_reply import build_text_completion
+from oai.text_reply import TextCompletion, build_text_completion
 from oai.trace import RequestTrace
 
 
@@ -135,7 +135,11 @@ async def _completions(
         if completion is None:
             completion = await run.wait(run.not_after)
         run.delivered(completion)
-        body = build_text_completion(completion) if run.is_text else build_completion(completion)
+        body = (
+            build_text_completion(completion)
+            if isinstance(completion, TextCompletion)
+            else build_completion(completion)
+        )
         return JsonAnswer(200, body, {})
     except ChatFrontError as error:
         trace.fail(error)

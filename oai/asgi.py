@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from contract.errors import request_too_large_message
 from oai.errors import ChatFrontError
+
+if TYPE_CHECKING:
+    from django.http import HttpRequest, HttpResponseBase
 
 ALLOWED_HEADERS = (
     "authorization, content-type, apikey, client-agent, x-stainless-retry-count, x-stainless-lang, "
@@ -121,6 +125,13 @@ def front_django_handler() -> Any:
     from django.core.handlers.exception import convert_exception_to_response
 
     class FrontDjangoHandler(ASGIHandler):
+        # Django's private handler methods and lists, which django-stubs leaves out.
+        _get_response: Callable[[HttpRequest], HttpResponseBase]
+        _get_response_async: Callable[[HttpRequest], Awaitable[HttpResponseBase]]
+        _view_middleware: list[Any]
+        _template_response_middleware: list[Any]
+        _exception_middleware: list[Any]
+
         def load_middleware(self, is_async: bool = False) -> None:
             self._view_middleware = []
             self._template_response_middleware = []

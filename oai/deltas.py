@@ -182,6 +182,7 @@ class RespConnection:
             await self.read_reply()
 
     async def command(self, packed: bytes) -> Any:
+        assert self._writer is not None, "sent after connect, before close"
         self._writer.write(packed)
         return await self.read_reply()
 
@@ -197,6 +198,7 @@ class RespConnection:
                     if isinstance(reply, RespError):
                         raise reply
                     return reply
+            assert self._reader is not None, "read after connect"
             data = await self._reader.read(65536)
             if not data:
                 raise ConnectionError("the Redis server closed the connection")

@@ -173,7 +173,9 @@ def _limit_sentence(limit: str, value: int | None, listed: bool) -> str:
 
 
 def gap_error(
-    reason: dict[str, Any], request: ChatCompletionRequest, offers: dict[str, Any] | None
+    reason: dict[str, Any],
+    request: ChatCompletionRequest | TextCompletionRequest,
+    offers: dict[str, Any] | None,
 ) -> ChatFrontError:
     missing = list(reason.get("missing_declarations") or [])
     exceeded = list(reason.get("exceeded_limits") or [])
@@ -184,8 +186,9 @@ def gap_error(
             if limit not in exceeded:
                 continue
             values = [((offers or {}).get(m) or {}).get(limit) for m in models]
-            values = [v for v in values if isinstance(v, int)]
-            sentences.append(_limit_sentence(limit, max(values) if values else None, request.lists_models))
+            declared = [v for v in values if isinstance(v, int)]
+            largest = max(declared) if declared else None
+            sentences.append(_limit_sentence(limit, largest, request.lists_models))
         param = "max_tokens" if "max_length" in exceeded else "horde.max_context_length"
         return ChatFrontError(
             400,
@@ -218,7 +221,7 @@ def gap_error(
 
 
 async def declaration_gap_error(
-    client: HordeClient, reason: dict[str, Any], request: ChatCompletionRequest
+    client: HordeClient, reason: dict[str, Any], request: ChatCompletionRequest | TextCompletionRequest
 ) -> ChatFrontError:
     """The answer to a declaration gap; a size-limit gap reads the model list for the declared values."""
     exceeded = set(reason.get("exceeded_limits") or [])
@@ -231,6 +234,11 @@ async def declaration_gap_error(
         with contextlib.suppress(NativeUnreachable):
             answer = await client.models()
             if answer.ok and isinstance(answer.body, list):
-                offers = {e.get("name"): e.get("chat") or {} for e in answer.body if isinstance(e, dict)}
+                # An entry without a name matches no requested model.
+                offers = {
+                    e["name"]: e.get("chat") or {}
+                    for e in answer.body
+                    if isinstance(e, dict) and isinstance(e.get("name"), str)
+                }
     return gap_error(reason, request, offers)
 

@@ -38,6 +38,7 @@ from oai.waiter import (
     QUEUE_UNAVAILABLE_RETRY_AFTER_CAP_SECONDS,
     ChatRequestWatcher,
     WaitBudget,
+    Wake,
     WakeSource,
 )
 
@@ -85,7 +86,7 @@ class ChatRun:
         self.disconnected = disconnected
         self.request_id: str | None = None
         self.created = int(time.time())
-        self.wake = None
+        self.wake: Wake | None = None
         self.watcher: ChatRequestWatcher | None = None
         budget = (
             self.settings.stream_timeout_seconds
@@ -106,7 +107,11 @@ class ChatRun:
         # When this request's front lease was last renewed through the database (monotonic).
         self.lease_renewed_at: float | None = None
         # Relayed deltas (chat only): the stream hint is forwarded, and the stream subscribed after the submit.
-        self.relays = not self.is_text and state.delta_reader is not None and relays_deltas(request)
+        self.relays = (
+            isinstance(request, ChatCompletionRequest)
+            and state.delta_reader is not None
+            and relays_deltas(request)
+        )
         self.relayed: RelayedStream | None = None
         # horde.oai.first_content.duration is recorded once (first_content_sent).
         self.first_content_recorded = False
@@ -244,11 +249,19 @@ class ChatRun:
             self.state.metrics.native(call_type, "abandoned", time.perf_counter() - started)
             raise
 
+    def _submitted_id(self) -> str:
+        """The request's id, for what follows its submit."""
+        assert self.request_id is not None, "used before the submit"
+        return self.request_id
+
     async def start_wait(self) -> None:
+        request_id = self._submitted_id()
         if self.relays:
+            # What __init__ decided relays on: a chat request, and the front's delta reader.
+            assert isinstance(self.request, ChatCompletionRequest) and self.state.delta_reader is not None
             self.relayed = RelayedStream(
                 self.state.delta_reader,
-                request_id=self.request_id,
+                request_id=request_id,
                 created=self.created,
                 include_reasoning=self.request.include_reasoning,
                 fallback_model=self.request.requested_models[0],
@@ -256,7 +269,7 @@ class ChatRun:
             )
         listener = await self.state.ensure_listener()
         if listener is not None and listener.healthy:
-            self.wake = await listener.register(self.request_id)
+            self.wake = await listener.register(request_id)
         self.watcher = ChatRequestWatcher(
             wake=self.wake,
             budget=self.budget,
@@ -278,31 +291,37 @@ class ChatRun:
             return Pending(due)
         return Pending(outcome)
 
-    def _renews_in_database(self) -> bool:
+    def _database_renewed_at(self) -> float | None:
+        """When the lease was last renewed, while it is renewed through the database (else None)."""
         leases = self.state.leases
-        return self.lease_renewed_at is not None and (leases is None or not leases.healthy)
+        if leases is not None and leases.healthy:
+            return None
+        return self.lease_renewed_at
 
     def _lease_renewal(self) -> dict[str, str] | None:
         """The lease header for this read, when the lease is due for a renewal through the database."""
-        if not self._renews_in_database():
+        renewed_at = self._database_renewed_at()
+        if renewed_at is None:
             return None
-        if time.monotonic() - self.lease_renewed_at < self.settings.front_lease_renew_seconds:
+        if time.monotonic() - renewed_at < self.settings.front_lease_renew_seconds:
             return None
         return lease_header(self.settings.front_lease_seconds)
 
     def _lease_due(self) -> float | None:
-        if not self._renews_in_database():
+        renewed_at = self._database_renewed_at()
+        if renewed_at is None:
             return None
-        due = self.lease_renewed_at + self.settings.front_lease_renew_seconds
+        due = renewed_at + self.settings.front_lease_renew_seconds
         return max(due, time.monotonic() + self.settings.poll_seconds)  # a failed renewal is not a busy loop
 
     async def _read(
         self, source: WakeSource, lease_headers: dict[str, str] | None
     ) -> Delivered | float | None:
+        request_id = self._submitted_id()
         try:
             answer = await self._native(
                 "status",
-                self.state.client.status(self.request_id, text=self.is_text, headers=lease_headers),
+                self.state.client.status(request_id, text=self.is_text, headers=lease_headers),
                 bounded=source != WakeSource.DEADLINE,
             )
         except _BudgetEnded:
@@ -334,8 +353,9 @@ class ChatRun:
         if generations:
             self.trace.woke_at = time.time()
             self.trace.woke_by = str(source)
-            completion_class = TextCompletion if self.is_text else Completion
-            return Delivered(completion_class(self.request, self.request_id, self.created, status))
+            if isinstance(self.request, TextCompletionRequest):
+                return Delivered(TextCompletion(self.request, request_id, self.created, status))
+            return Delivered(Completion(self.request, request_id, self.created, status))
         if status.get("faulted"):
             raise self._faulted(status)
         if source == WakeSource.DEADLINE:
@@ -481,7 +501,7 @@ class ChatRun:
         self.closed = True
         if self.request_id is not None:
             self.state.cancels.open_requests.pop(self.request_id, None)
-        if self.wake is not None and self.state.listener is not None:
+        if self.wake is not None and self.request_id is not None and self.state.listener is not None:
             with contextlib.suppress(Exception):
                 await self.state.listener.unregister(self.request_id, self.wake)
         if self.relayed is not None:
@@ -492,8 +512,9 @@ class ChatRun:
 
     # the first read decision, then the wait -------------------------------------------------------
 
-    async def first_decision(self) -> Completion | None:
+    async def first_decision(self) -> Completion | TextCompletion | None:
         """Read once after submit (and under fail_fast until the positioned-read rule decides)."""
+        assert self.watcher is not None, "start_wait first"
         source = WakeSource.IMMEDIATE
         while True:
             outcome = await self.read(source)
@@ -506,7 +527,8 @@ class ChatRun:
             if source == WakeSource.DISCONNECT:
                 raise asyncio.CancelledError
 
-    async def wait(self, not_after: float | None = None) -> Completion:
+    async def wait(self, not_after: float | None = None) -> Completion | TextCompletion:
+        assert self.watcher is not None, "start_wait first"
         while True:
             source = await self.watcher.next_wake(not_after=not_after)
             if source == WakeSource.DISCONNECT:
@@ -516,7 +538,7 @@ class ChatRun:
                 return outcome.completion
             not_after = outcome.not_after
 
-    def delivered(self, completion: Completion) -> None:
+    def delivered(self, completion: Completion | TextCompletion) -> None:
         metrics = self.state.metrics
         self.trace.estimated_usage = completion.estimated_usage
         self.trace.served_model = completion.model

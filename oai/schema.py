@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from pydantic import BaseModel, ConfigDict
 
@@ -204,7 +204,7 @@ def drop_unknown_nested_keys(body: dict[str, Any]) -> dict[str, Any]:
 # --- the front's bounds -----------------------------------------------------------------------------
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[int | float]:
     # An int is always finite: math.isfinite would overflow on one too large for a float.
     if isinstance(value, bool):
         return False

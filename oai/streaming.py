@@ -10,26 +10,31 @@ import time
 from collections.abc import AsyncIterator
 
 from oai import sse
+from oai.deltas import RelayedStream
 from oai.errors import ChatFrontError
 from oai.mapping import Completion
 from oai.run import ChatRun, Delivered
-from oai.text_reply import build_text_completion_events
+from oai.text_reply import TextCompletion, build_text_completion_events
 from oai.waiter import WakeSource
 
 
-async def stream_completion(run: ChatRun, completion: Completion | None) -> AsyncIterator[bytes]:
+async def stream_completion(
+    run: ChatRun, completion: Completion | TextCompletion | None
+) -> AsyncIterator[bytes]:
     """The SSE body: a first comment (the headers go out with it), keepalives while waiting, then the
     reply whole (events 1-7) or an SSE error event."""
     metrics = run.state.metrics
     keepalive = run.settings.keepalive_seconds
     relayed = run.relayed
     try:
+        watcher = run.watcher
+        assert watcher is not None, "start_wait first"
         yield sse.build_keepalive_event()
         not_after = run.not_after
         next_keepalive = time.monotonic() + keepalive  # keepalive seconds after the last bytes sent
         while completion is None:
             while True:
-                source = await run.watcher.next_wake(
+                source = await watcher.next_wake(
                     not_after=not_after,
                     keepalive_at=next_keepalive,
                     deltas=relayed.event if relayed is not None else None,
@@ -39,10 +44,11 @@ async def stream_completion(run: ChatRun, completion: Completion | None) -> Asyn
                     next_keepalive = time.monotonic() + keepalive
                     continue
                 if source == WakeSource.DELTA:
-                    for event in pending_events(run):
+                    assert relayed is not None  # a DELTA wake needs its deltas to wait on
+                    for event in pending_events(run, relayed):
                         yield event
                         next_keepalive = time.monotonic() + keepalive
-                    check_relay(run)
+                    check_relay(run, relayed)
                     continue
                 break
             if source == WakeSource.DISCONNECT:
@@ -57,13 +63,14 @@ async def stream_completion(run: ChatRun, completion: Completion | None) -> Asyn
         if relayed is not None:
             # Entries read before the reply (in the same wake, or before the first read found it
             # done) are sent before it: they may expose the stream, and are then its first content.
-            for event in pending_events(run):
+            for event in pending_events(run, relayed):
                 yield event
-            check_relay(run)
-        if relayed is not None and relayed.exposed:
-            events = relayed.final_events(completion, include_usage=run.request.include_usage)
-        elif run.is_text:
+            check_relay(run, relayed)
+        # A text request's stream is never relayed (ChatRun.relays).
+        if isinstance(completion, TextCompletion):
             events = build_text_completion_events(completion, include_usage=run.request.include_usage)
+        elif relayed is not None and relayed.exposed:
+            events = relayed.final_events(completion, include_usage=run.request.include_usage)
         else:
             events = sse.build_completion_events(completion, include_usage=run.request.include_usage)
         run.first_content_sent()  # the reply's chunks, unless a relayed delta came first
@@ -81,19 +88,19 @@ async def stream_completion(run: ChatRun, completion: Completion | None) -> Asyn
         await run.finish()
 
 
-def pending_events(run: ChatRun) -> list[bytes]:
+def pending_events(run: ChatRun, relayed: RelayedStream) -> list[bytes]:
     """The relayed chunks of the entries read so far; the ones that expose the stream are the
     request's first content (relayed true)."""
-    events = run.relayed.pending_events()
-    if run.relayed.exposed:
+    events = relayed.pending_events()
+    if relayed.exposed:
         run.first_content_sent(relayed=True)
     return events
 
 
-def check_relay(run: ChatRun) -> None:
+def check_relay(run: ChatRun, relayed: RelayedStream) -> None:
     """A relayed stream that an entry broke (another attempt, its ended marker, a gap) ends in
     ChatStreamDiverged, and the request is cancelled."""
-    error = run.relayed.diverged
+    error = relayed.diverged
     if error is not None:
         run.cancel_in_background()
         raise error

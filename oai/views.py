@@ -84,7 +84,8 @@ def openai_exception_handler(exc, context) -> Response:
             "rate_limit_exceeded",
             str(exc.detail),
             type="rate_limit_error",
-            retry_after=int(exc.wait or 1),
+            # DRF sets wait (seconds, or None); its stubs leave it out.
+            retry_after=int(exc.wait or 1),  # type: ignore[attr-defined]
         )
     elif isinstance(exc, exceptions.APIException):
         error = ChatFrontError(exc.status_code, "BadRequest", str(exc.detail), should_retry=False)
@@ -223,7 +224,7 @@ class ChatCompletionsView(FrontView):
         return await _completions_answer(app.chat_completions, request)
 
 
-async def _completions_answer(serve: Any, request) -> HttpResponse:
+async def _completions_answer(serve: Any, request) -> HttpResponse | StreamingHttpResponse:
     """One completions request handed to `serve` (app.chat_completions or app.text_completions):
     the JSON answer, or the event stream."""
     django_request = request._request

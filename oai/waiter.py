@@ -28,7 +28,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, overload
 
 from contract.chat_signal import CHAT_SIGNAL_CHANNEL_PREFIX
 
@@ -253,7 +253,7 @@ class CompletionSignalListener:
         channel = message.get("channel")
         if isinstance(channel, bytes):
             channel = channel.decode()
-        wakes = self._wakes.get(channel)
+        wakes = self._wakes.get(channel) if isinstance(channel, str) else None
         if not wakes:
             return
         try:
@@ -305,7 +305,10 @@ class InProcessSignalListener:
             loop.call_soon_threadsafe(self._dispatch, message)
 
     def _dispatch(self, message: dict[str, Any]) -> None:
-        for wake in list(self._wakes.get(message.get("id"), ())):
+        request_id = message.get("id")
+        if not isinstance(request_id, str):  # deliver let through only ids it has wakes for
+            return
+        for wake in list(self._wakes.get(request_id, ())):
             wake.set(dict(message))
 
 
@@ -372,6 +375,25 @@ class ChatRequestWatcher:
         self._signal_waiter: asyncio.Future | None = None
         self._disconnect_waiter: asyncio.Future | None = None
 
+    # Without `keepalive_at` a wake always has a source.
+    @overload
+    async def next_wake(
+        self,
+        *,
+        not_after: float | None = None,
+        keepalive_at: None = None,
+        deltas: asyncio.Event | None = None,
+    ) -> WakeSource: ...
+
+    @overload
+    async def next_wake(
+        self,
+        *,
+        not_after: float | None = None,
+        keepalive_at: float | None,
+        deltas: asyncio.Event | None = None,
+    ) -> WakeSource | None: ...
+
     async def next_wake(
         self,
         *,
@@ -390,7 +412,7 @@ class ChatRequestWatcher:
         source = periodic if due < self.budget.deadline else WakeSource.DEADLINE
         if not_after is not None and not_after < due:
             due, source = not_after, WakeSource.RECHECK
-        timer_source = source
+        timer_source: WakeSource | None = source
         if keepalive_at is not None and keepalive_at < due:
             due, timer_source = keepalive_at, None
         waiters: list[asyncio.Future] = []
@@ -399,7 +421,7 @@ class ChatRequestWatcher:
             return WakeSource.DELTA
         if self.wake is not None:
             if self.wake.event.is_set():
-                return self._take_signal()
+                return self._take_signal(self.wake)
             if self._signal_waiter is None or self._signal_waiter.done():
                 self._signal_waiter = asyncio.ensure_future(self.wake.event.wait())
             waiters.append(self._signal_waiter)
@@ -427,7 +449,7 @@ class ChatRequestWatcher:
         if deltas is not None and deltas.is_set():
             return WakeSource.DELTA
         if self.wake is not None and self.wake.event.is_set():
-            return self._take_signal()
+            return self._take_signal(self.wake)
         return timer_source
 
     def close(self) -> None:
@@ -437,10 +459,10 @@ class ChatRequestWatcher:
                 waiter.cancel()
         self._signal_waiter = self._disconnect_waiter = None
 
-    def _take_signal(self) -> WakeSource:
+    def _take_signal(self, wake: Wake) -> WakeSource:
         """A message woke the request (signal), or the listener lost its connection (recheck)."""
-        self.wake.event.clear()
-        if self.wake.signal_lost:
-            self.wake.signal_lost = False
+        wake.event.clear()
+        if wake.signal_lost:
+            wake.signal_lost = False
             return WakeSource.RECHECK
         return WakeSource.SIGNAL
