@@ -18,7 +18,7 @@ run: venv var
 	$(PY) manage.py migrate --noinput
 	PORT=$(PORT) $(PY) scripts/run.py
 
-# ruff, import-linter, then pytest on PostgreSQL + Redis and on the embedded default (scripts/test.sh).
+# ruff, import-linter, mypy, then pytest on PostgreSQL + Redis and on the embedded default (scripts/test.sh).
 # Extra pytest arguments: make test ARGS="-k status -x"
 test: venv-dev
 	VENV=$(VENV) bash scripts/test.sh $(ARGS)
@@ -45,6 +45,7 @@ var:
 lint: venv-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 # The queue benchmark (docs/benchmarks.md): needs PostgreSQL and Redis; its database is recreated.
 # Options: make bench ARGS="--requests 10000 --models 50 --workers 100 --duration 90"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole check, as `make test` runs it (the venv must exist with requirements-dev.txt: make creates it):
 #   1. ruff check .
-#   2. lint-imports (import direction, pyproject.toml [tool.importlinter])
+#   2. lint-imports (import direction, pyproject.toml [tool.importlinter]) and mypy (pyproject.toml
+#      [tool.mypy]: the project's packages, with the django-stubs and DRF stubs plugins)
 #   3. pytest over the whole suite on PostgreSQL and Redis
 #        DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test; pytest-django creates and
 #        drops test_<name>[_gwN]) and REDIS_URL (default redis://127.0.0.1:6379), always on the
@@ -41,6 +42,9 @@ ruff check .
 
 step "lint-imports"
 lint-imports
+
+step "mypy"
+mypy
 
 pg_url=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
 redis_base=${REDIS_URL:-redis://127.0.0.1:6379}
