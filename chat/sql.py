@@ -385,7 +385,7 @@ def _settled_submit(won: tuple[str, list], *, owner_id: int, charged: bool, now:
             # takes at its dearest model while kudos_quote is its first's (spec: Pricing).
             "SELECT r.id, r.user_id, r.shared_key_id, CASE WHEN r.is_chat THEN r.kudos_held"
             f" ELSE LEAST(r.kudos_held, {_half_even_cents('r.kudos_quote / r.n')}) END AS release"
-            " FROM horde_requests AS r JOIN won ON r.id = won.request_id FOR UPDATE OF r",
+            " FROM horde_requests AS r JOIN won ON r.id = won.request_id FOR NO KEY UPDATE OF r",
             [],
         ),
         (

@@ -287,7 +287,12 @@ class PooledWSGI:
 
     async def _serve_spooled(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """Outside the native API's body rule (GET, the admin, the schema, /healthz): a body past
-        Django's in-memory bound is spooled to disk, as Django's ASGI handler does."""
+        Django's in-memory bound is spooled to disk, as Django's ASGI handler does, up to
+        Django's DATA_UPLOAD_MAX_MEMORY_SIZE (the admin takes no uploads); past that the answer is 413, before the disk fills (docs/adr/0069)."""
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            return await _send_answer(send, _too_large(limit))
         message = await receive()
         if message["type"] != "http.request":
             return  # the client went away
@@ -303,8 +308,10 @@ class PooledWSGI:
                 if message["type"] != "http.request":
                     return  # the client went away
                 chunk = message.get("body", b"")
-                spooled.write(chunk)
                 length += len(chunk)
+                if length > limit:
+                    return await _send_answer(send, _too_large(limit))
+                spooled.write(chunk)
             spooled.seek(0)
             answer = await self._serve(wsgi_environ(scope, spooled, length))
         await _send_answer(send, answer)

@@ -218,7 +218,9 @@ def worker_update(
     if maintenance is None and info is None and paused is None and name is None:
         raise HordeError("NoWorkerModSelected", "No worker modification selected!")
     with transaction.atomic():
-        worker = Worker.objects.select_for_update().filter(pk=worker_id).first()
+        # NO KEY, as its UPDATE's own lock: a pop's new jobs for this worker (a foreign key check)
+        # are not held up behind an owner's note.
+        worker = Worker.objects.select_for_update(no_key=True).filter(pk=worker_id).first()
         if worker is None:
             raise HordeError("WorkerNotFound", f"Worker with ID '{worker_id}' not found.")
         owner_or_moderator = actor.pk == worker.owner_id or actor.moderator

@@ -200,8 +200,10 @@ def check_concurrency(*, user: HordeUser, n: int) -> None:
 
 
 def lock_requester(user: HordeUser) -> HordeUser:
-    """The requester's row, locked: concurrency and the hold are checked and taken together."""
-    return HordeUser.objects.select_for_update().get(pk=user.pk)
+    """The requester's row, locked: concurrency and the hold are checked and taken together. NO
+    KEY, as the hold's UPDATE: a settlement's ledger rows for this user (a foreign key check) are
+    not held up behind it."""
+    return HordeUser.objects.select_for_update(no_key=True).get(pk=user.pk)
 
 
 def request_rows_create(

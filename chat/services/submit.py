@@ -129,7 +129,7 @@ def _settle(generation: Generation, *, state: str, tokens: int, reward: Decimal,
     # both balances. Locking the request also serialises the submits of one chat request, so the
     # completion check after it sees every result, and each generation releases its share of the
     # hold as it is charged.
-    locked = GenerationRequest.objects.select_for_update().only("kudos_held").get(pk=request.pk)
+    locked = GenerationRequest.objects.select_for_update(no_key=True).only("kudos_held").get(pk=request.pk)
     # A chat request's one job releases the whole hold (taken at its dearest model).
     share = (request.kudos_quote / request.n).quantize(Decimal("0.01"))
     release = locked.kudos_held if request.is_chat else min(locked.kudos_held, share)

@@ -74,3 +74,15 @@ def test_routes_outside_the_native_body_rule_are_spooled_whole(settings):
     settings.FILE_UPLOAD_MAX_MEMORY_SIZE = 10
     inner, sent, _ = _run([], [b"x" * 600, b"y" * 600], path="/admin/login/")
     assert sent[0]["status"] == 202 and inner.body == b"x" * 600 + b"y" * 600
+
+
+def test_a_body_outside_the_native_rule_is_bounded_too_before_the_disk_fills(settings):
+    """A GET or the admin with a body past Django's bound: 413 at the declared length, or once the
+    chunks pass it, and nothing more is read (it was spooled to disk whole)."""
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
+    settings.FILE_UPLOAD_MAX_MEMORY_SIZE = 10
+    inner, sent, pulled = _run([(b"content-length", b"1001")], [b"x"], path="/api/v2/status/heartbeat", method="GET")
+    assert sent[0]["status"] == 413 and inner.body is None and pulled == 0
+    inner, sent, pulled = _run([], [b"x" * 600, b"y" * 600, b"never read"], path="/admin/login/")
+    assert sent[0]["status"] == 413 and inner.body is None and pulled == 2
+    assert json.loads(sent[1]["body"]) == {"message": "The request body is over 1000 bytes.", "rc": "RequestTooLarge"}
