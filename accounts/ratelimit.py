@@ -242,6 +242,25 @@ def chat_request_limits_per_ip() -> list[str]:
     return list(dict.fromkeys(text for text in chosen if text))
 
 
+# The prefix an IPv6 client is counted by: a home or a cloud host is given a /64 of its own, so
+# counting single addresses would give it 2**64 fresh allowances.
+RATE_LIMIT_IPV6_PREFIX = 64
+
+
+def rate_limit_subject(address: str) -> str:
+    """What a client address is counted as: an IPv4 address itself (also written IPv4-mapped), an
+    IPv6 address its /64 network, anything else as given."""
+    try:
+        parsed = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
+        return parsed.ipv4_mapped.compressed
+    if isinstance(parsed, ipaddress.IPv6Address):
+        return ipaddress.ip_network(f"{parsed}/{RATE_LIMIT_IPV6_PREFIX}", strict=False).compressed
+    return parsed.compressed
+
+
 def check_submit_rate_limits(request, *, scope: str, limits_per_ip: list[str]) -> str:
     """Count one submit of a generate route (its own scope): per client address (a whitelisted
     service address gets HORDE_WHITELISTED_SERVICE_RATE_LIMITS instead) and per API key (the
@@ -260,7 +279,7 @@ def check_submit_rate_limits(request, *, scope: str, limits_per_ip: list[str]) -
     # The address's windows, then the key's, in one round trip: a refusal by the address's limits
     # counts nothing against the key's, as when they were counted one call at a time.
     exceeded = _first_exceeded(
-        _windows(scope=scope, client=address, limits=limits_per_ip, per="client address")
+        _windows(scope=scope, client=rate_limit_subject(address), limits=limits_per_ip, per="client address")
         + _windows(scope=f"{scope}:key", client=digest, limits=key_limits, per="API key")
     )
     if exceeded is not None:

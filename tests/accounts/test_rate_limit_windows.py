@@ -45,3 +45,19 @@ def test_the_first_window_over_its_allowance_refuses(horde, make_user, settings)
     assert refused.status_code == 429
     assert refused.json()["message"] == "Rate limit exceeded: 2/day per client address."
     assert GenerationRequest.objects.count() == 2
+
+
+def test_an_ipv6_client_is_counted_by_its_64_network(horde, make_user, settings):
+    """A host holds a whole /64: its addresses share one allowance, another /64 has its own, and an
+    IPv4 address written IPv4-mapped is that address."""
+    settings.HORDE_TEXT_ASYNC_RATE_LIMITS = ["1/hour"]
+    key = make_user(f"rl-{uuid.uuid4().hex[:6]}", kudos=1000).key
+    assert _submit(horde, key, "2001:db8:1:2::1").status_code == 202
+    assert _submit(horde, key, "2001:db8:1:2:ffff::9").status_code == 429
+    assert _submit(horde, key, "2001:db8:1:3::1").status_code == 202
+    assert _submit(horde, key, "10.0.2.1").status_code == 202
+    assert _submit(horde, key, "::ffff:10.0.2.1").status_code == 429
+    # The request row keeps the address itself.
+    assert set(GenerationRequest.objects.values_list("ip_address", flat=True)) == {
+        "2001:db8:1:2::1", "2001:db8:1:3::1", "10.0.2.1"
+    }
