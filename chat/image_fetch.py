@@ -176,7 +176,11 @@ def _checked_form(address: IPAddress) -> IPAddress:
 
 def _is_internal(address: IPAddress) -> bool:
     # Beyond the spec's list: any address not globally reachable, such as carrier-grade NAT's
-    # 100.64.0.0/10 (a cloud's metadata service, a mesh VPN), which Python counts as not private.
+    # 100.64.0.0/10 (a cloud's metadata service, a mesh VPN), which Python counts as not private,
+    # and a 6to4 address (2002::/16) whose embedded IPv4 address is internal.
+    embedded = address.sixtofour if isinstance(address, ipaddress.IPv6Address) else None
+    if embedded is not None and _is_internal(embedded):
+        return True
     return (
         not address.is_global
         or address.is_private

@@ -325,14 +325,64 @@ def _bounded(cls: Any) -> Any:
     return extend(cls, validators={name: check for name, check in bounded.items() if name in keywords})
 
 
-def _keys_anywhere(node: Any) -> Iterator[str]:
-    if isinstance(node, Mapping):
-        for key, value in node.items():
-            yield str(key)
-            yield from _keys_anywhere(value)
-    elif isinstance(node, list):
-        for item in node:
-            yield from _keys_anywhere(item)
+def _schema_objects(schema: Any, cls: Any) -> Iterator[tuple[Mapping[str, Any], bool]]:
+    """Each schema object of `schema` as the draft reads it (not property names, defaults or
+    enums), with whether it is the root."""
+    meta = cls.META_SCHEMA
+    specification = specification_with(meta.get("$id") or meta.get("id") or "", default=DRAFT202012)
+    stack = [(specification.create_resource(schema), True)]
+    while stack:
+        resource, root = stack.pop()
+        if isinstance(resource.contents, Mapping):
+            yield resource.contents, root
+        stack.extend((sub, False) for sub in resource.subresources())
+
+
+def _read_alike(pattern: str) -> bool:
+    """Whether the regex module reads `pattern` as re and ECMA-262 do: it also reads a POSIX class
+    inside a set ([[:alpha:]]) and a fuzzy constraint ({e<=1}), which re reads as literals."""
+    escaped = in_set = False
+    index = 0
+    while index < len(pattern):
+        char = pattern[index]
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif in_set:
+            if char == "[" and pattern[index + 1 : index + 2] == ":":
+                return False
+            in_set = char != "]"
+        elif char == "[":
+            in_set = True
+            if pattern[index + 1 : index + 2] == "]":  # a leading ] is a member
+                index += 1
+        elif char == "{":
+            end = pattern.find("}", index)
+            body = pattern[index + 1 : end] if end != -1 else ""
+            if not re.fullmatch(r"[0-9]*,?[0-9]*", body) and re.search(r"[eisd]", body):
+                return False
+        index += 1
+    return True
+
+
+def _check_bounded(schema: Any, cls: Any) -> None:
+    """Refuse (ValueError) a schema whose patterns could escape the budget or be read otherwise:
+    a $schema below the root (jsonschema would check that subschema with the draft's own class,
+    matching with re), patternProperties with unevaluatedProperties, or a pattern the regex module
+    reads differently from re."""
+    keywords: set[str] = set()
+    for node, root in _schema_objects(schema, cls):
+        if "$schema" in node and not root:
+            raise ValueError("a $schema below the root cannot be checked in bounded time")
+        keywords.update(node)
+        patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), Mapping):
+            patterns.extend(str(key) for key in node["patternProperties"])
+        if not all(_read_alike(pattern) for pattern in patterns):
+            raise ValueError("a pattern uses a POSIX class or a fuzzy constraint, which re reads as literals")
+    if set(_UNBOUNDED_COMBINATION) <= keywords:
+        raise ValueError("patternProperties with unevaluatedProperties cannot be checked in bounded time")
 
 
 def _compile_validator(schema: Any) -> Any:
@@ -343,12 +393,16 @@ def _compile_validator(schema: Any) -> Any:
         cls.check_schema(schema)
     except Exception as exc:
         raise ValueError(str(exc)) from None
-    if set(_UNBOUNDED_COMBINATION) <= set(_keys_anywhere(schema)):
-        raise ValueError("patternProperties with unevaluatedProperties cannot be checked in bounded time")
     try:
         _check_references(schema, cls)
     except Exception as exc:  # Unresolvable: outside the schema or pointing nowhere
         raise ValueError(f"unresolvable reference: {exc!r}") from None
+    try:
+        _check_bounded(schema, cls)
+    except ValueError:
+        raise
+    except Exception as exc:  # a subschema the draft's specification cannot read
+        raise ValueError(str(exc)) from None
     # An empty registry: nothing is retrieved, so references resolve inside the schema only.
     return _bounded(cls)(schema, registry=Registry())
 

@@ -288,7 +288,8 @@ class PooledWSGI:
     async def _serve_spooled(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """Outside the native API's body rule (GET, the admin, the schema, /healthz): a body past
         Django's in-memory bound is spooled to disk, as Django's ASGI handler does, up to
-        Django's DATA_UPLOAD_MAX_MEMORY_SIZE (the admin takes no uploads); past that the answer is 413, before the disk fills (docs/adr/0069)."""
+        Django's DATA_UPLOAD_MAX_MEMORY_SIZE (the admin takes no uploads); past that the answer is 413 and
+        no more is read (docs/adr/0069: Twisted has stored what came before it)."""
         limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:

@@ -32,7 +32,7 @@ def fault_request_if_over_limit(request_id: UUID) -> bool:
     if faults <= FAULTED_GENERATIONS_LIMIT:
         return False
     request = (
-        GenerationRequest.objects.select_for_update()
+        GenerationRequest.objects.select_for_update(no_key=True)
         .only("user_id", "kudos_held", "faulted", "is_chat", "chat_fault_reason", "chat_fault_rc")
         .get(pk=request_id)
     )

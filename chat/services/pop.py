@@ -305,6 +305,7 @@ def popped_jobs_give_back(*, generation_ids: list[uuid.UUID]) -> int:
         taken = list(
             Generation.objects.select_for_update()
             .filter(pk__in=generation_ids, state=Generation.State.PROCESSING)
+            .order_by("pk")  # jobs by id, as every write that locks several (docs/adr/0068)
             .values_list("id", "request_id")
         )
         if not taken:

@@ -206,6 +206,7 @@ def test_loopback_is_refused_without_the_allowance(server: LocalServer) -> None:
         "100.100.100.200",  # carrier-grade NAT (a cloud metadata service), not counted private by Python
         "::ffff:100.64.0.1",
         "2001:db8::1",
+        "2002:a00:1::1",  # 6to4 around 10.0.0.1
     ],
 )
 def test_a_name_resolving_to_a_private_address_is_refused(address: str) -> None:
