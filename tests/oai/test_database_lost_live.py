@@ -339,7 +339,7 @@ def test_a_chat_submit_losing_its_connection_inside_its_settlement_answers_503(l
         "finish_reason": "stop",
     }
 
-    fired = terminate_at("FOR UPDATE")
+    fired = terminate_at("FOR NO KEY UPDATE")  # the settlement statement's lock of its request
     response = httpx.post(f"{api}/generate/text/submit", json=submit, headers={"apikey": owner.key}, timeout=60)
     assert fired.is_set()
     _assert_unavailable(response)
