@@ -365,7 +365,7 @@ def _half_even_cents(value: str) -> str:
     )
 
 
-def _settled_submit(won: tuple[str, list], *, owner_id: int, charged: bool, now: Any) -> tuple[str, list]:
+def _settled_submit(won: tuple[str, list], *, owner_id: int, now: Any) -> tuple[str, list]:
     """A submit as one statement (SQL, params): the `won` CTE claims the job (an UPDATE returning
     id, request_id, worker_id, created, kudos, tokens, price_max_length, price_owner_trusted,
     over_capacity_at_assignment and model, no row when it did not win), then every write of the
@@ -391,11 +391,12 @@ def _settled_submit(won: tuple[str, list], *, owner_id: int, charged: bool, now:
         (
             "settled",
             "SELECT won.id AS generation_id, won.request_id, won.worker_id, won.created, won.tokens,"
-            " won.kudos AS reward, won.kudos AS kudos, CASE WHEN %s THEN won.kudos ELSE 0 END AS charge,"
+            # The charge is the reward: a withheld result's is 0 (docs/adr/0070).
+            " won.kudos AS reward, won.kudos AS kudos, won.kudos AS charge,"
             " %s::bigint AS payee_id, held.user_id AS payer_id, held.release, held.shared_key_id,"
             " won.price_max_length, won.price_owner_trusted, won.over_capacity_at_assignment, won.model"
             " FROM won JOIN held ON held.id = won.request_id",
-            [charged, owner_id],
+            [owner_id],
         ),
         (
             "request_settled",
@@ -466,7 +467,7 @@ def priced_text_submit(
         " g.price_max_length, g.price_owner_trusted, g.over_capacity_at_assignment, g.model",
         [state, text, seed, gen_metadata, now, charged, tokens, generation_id, processing, owner_id, tokens],
     )
-    return _settled_submit(won, owner_id=owner_id, charged=charged, now=now)
+    return _settled_submit(won, owner_id=owner_id, now=now)
 
 
 def chat_reply_submit(
@@ -476,13 +477,13 @@ def chat_reply_submit(
     columns: dict[str, Any],
     tokens: int,
     reward: Any,
-    charged: bool,
     processing: str,
     now: Any,
 ) -> tuple[str, list]:
     """A verified chat reply stored and settled in one statement (_settled_submit): the job still
     pending claims `columns` (the reply's; `message` as JSON text), its reward (priced by the
-    caller) and `finished_at`; its worker's owner `payee_id` earns it."""
+    caller, 0 for a withheld result) and `finished_at`; its worker's owner `payee_id` earns it and the
+    requester pays it."""
     names = [*columns, "finished_at", "kudos"]
     assignments = ", ".join(f"{name} = %s::jsonb" if name == "message" else f"{name} = %s" for name in names)
     won = (
@@ -491,7 +492,7 @@ def chat_reply_submit(
         " g.price_max_length, g.price_owner_trusted, g.over_capacity_at_assignment, g.model",
         [*columns.values(), now, reward, generation_id, processing, tokens],
     )
-    return _settled_submit(won, owner_id=payee_id, charged=charged, now=now)
+    return _settled_submit(won, owner_id=payee_id, now=now)
 
 
 # --- a request with its generation counts by state (the status polls) ----------------------------

@@ -506,7 +506,6 @@ def _store_chat_reply(
                 columns={**columns, "message": json.dumps(stored)},
                 tokens=tokens,
                 reward=reward,
-                charged=state not in UNPAID_STATES,
                 processing=Generation.State.PROCESSING,
                 now=now,
             )

@@ -107,7 +107,6 @@ def _text_job(make_user, *, physically_reversed: bool = False):
     """(requester, owner, job id) of a popped text job. With `physically_reversed` the owner has the
     lower id and the row stored after the requester's, so a scan of both balances in physical
     order meets them against id order."""
-    owner = requester = None
     if physically_reversed:
         owner, requester = make_user("owner"), make_user("requester", kudos=1000)
     else:
