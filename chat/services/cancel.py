@@ -6,10 +6,25 @@ from django.db import transaction
 from django.utils import timezone
 
 from accounts.services import kudos_release
-from chat.models import GenerationRequest
+from chat.models import Generation, GenerationRequest
 from chat.selectors.status import request_completed, stored_result_count
 from chat.services.progress import settle_cancelled_streams
 from chat.signals import publish_chat_signal
+
+
+def lock_jobs_in_flight(request_id) -> None:
+    """The request's jobs still processing, locked by id before the request, in the horde's one lock
+    order (docs/adr/0068-one-lock-order.md). Taken before the request, the cancel waits out a write
+    that holds a job without settling it (a progress post renewing the job lease, a refused reply
+    being recorded) and then settles that job; a submit or fault holding one settles it first, and
+    the lock's recheck of the state drops it. Skipping such a job instead left it processing under
+    a cancelled request, its lease unflagged, and its worker's later submit was paid in full."""
+    list(
+        Generation.objects.select_for_update()
+        .filter(request_id=request_id, state=Generation.State.PROCESSING)
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
 
 
 def request_cancel(*, request: GenerationRequest, settle_streams: bool = True) -> bool:
@@ -24,6 +39,8 @@ def request_cancel(*, request: GenerationRequest, settle_streams: bool = True) -
     route then answers RequestNotFound).
     """
     with transaction.atomic():
+        if request.is_chat and settle_streams:
+            lock_jobs_in_flight(request.pk)
         locked = (
             GenerationRequest.objects.select_for_update()
             .only("user_id", "kudos_held", "cancelled", "faulted")
