@@ -27,19 +27,21 @@ def lock_jobs_in_flight(request_id) -> None:
     )
 
 
-def request_cancel(*, request: GenerationRequest, settle_streams: bool = True) -> bool:
+def request_cancel(*, request: GenerationRequest, settle_streams: bool = True, jobs_locked: bool = False) -> bool:
     """Stop handing out jobs and release the hold. Jobs in flight still submit and are paid.
 
     The cancel route settles a streamed request's jobs in flight on what their workers posted and
     flags their leases; maintenance mode's abort (`settle_streams=False`) lets them settle by
-    their submits instead (spec: "Streaming progress").
+    their submits instead (spec: "Streaming progress"). `jobs_locked`: the caller's transaction
+    locked the jobs in flight (lock_jobs_in_flight) before it locked the request, as a caller that
+    holds the request must: waiting on a job then could deadlock with its submit.
 
     Returns whether this call claimed the cancellation: False when it was already cancelled, done
     or faulted (the route answers the status as it is), or expired since the caller read it (the
     route then answers RequestNotFound).
     """
     with transaction.atomic():
-        if request.is_chat and settle_streams:
+        if request.is_chat and settle_streams and not jobs_locked:
             lock_jobs_in_flight(request.pk)
         locked = (
             GenerationRequest.objects.select_for_update()

@@ -206,6 +206,7 @@ def _cancel_lapsed(*, now: datetime) -> int:
             )
             continue
         with transaction.atomic():
+            lock_jobs_in_flight(request_id)  # before the request: see there
             request = (
                 GenerationRequest.objects.select_for_update()
                 .filter(pk=request_id, front_lease_expires_at__lt=now)
@@ -217,7 +218,7 @@ def _cancel_lapsed(*, now: datetime) -> int:
             GenerationRequest.objects.filter(pk=request_id).update(front_lease_expires_at=None)
             if request.cancelled or request.faulted or request_completed(request_id, is_chat=request.is_chat):
                 continue  # nothing left to stop
-            if request_cancel(request=request):
+            if request_cancel(request=request, jobs_locked=True):
                 cancelled += 1
                 log.info("request %s cancelled: its front lease lapsed", request_id)
     return cancelled
