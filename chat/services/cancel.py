@@ -6,24 +6,43 @@ from django.db import transaction
 from django.utils import timezone
 
 from accounts.services import kudos_release
-from chat.models import GenerationRequest
+from chat.models import Generation, GenerationRequest
 from chat.selectors.status import request_completed, stored_result_count
 from chat.services.progress import settle_cancelled_streams
 from chat.signals import publish_chat_signal
 
 
-def request_cancel(*, request: GenerationRequest, settle_streams: bool = True) -> bool:
+def lock_jobs_in_flight(request_id) -> None:
+    """The request's jobs still processing, locked by id before the request, in the horde's one lock
+    order (docs/adr/0068-one-lock-order.md). Taken before the request, the cancel waits out a write
+    that holds a job without settling it (a progress post renewing the job lease, a refused reply
+    being recorded) and then settles that job; a submit or fault holding one settles it first, and
+    the lock's recheck of the state drops it. Skipping such a job instead left it processing under
+    a cancelled request, its lease unflagged, and its worker's later submit was paid in full."""
+    list(
+        Generation.objects.select_for_update()
+        .filter(request_id=request_id, state=Generation.State.PROCESSING)
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
+
+
+def request_cancel(*, request: GenerationRequest, settle_streams: bool = True, jobs_locked: bool = False) -> bool:
     """Stop handing out jobs and release the hold. Jobs in flight still submit and are paid.
 
     The cancel route settles a streamed request's jobs in flight on what their workers posted and
     flags their leases; maintenance mode's abort (`settle_streams=False`) lets them settle by
-    their submits instead (spec: "Streaming progress").
+    their submits instead (spec: "Streaming progress"). `jobs_locked`: the caller's transaction
+    locked the jobs in flight (lock_jobs_in_flight) before it locked the request, as a caller that
+    holds the request must: waiting on a job then could deadlock with its submit.
 
     Returns whether this call claimed the cancellation: False when it was already cancelled, done
     or faulted (the route answers the status as it is), or expired since the caller read it (the
     route then answers RequestNotFound).
     """
     with transaction.atomic():
+        if request.is_chat and settle_streams and not jobs_locked:
+            lock_jobs_in_flight(request.pk)
         locked = (
             GenerationRequest.objects.select_for_update()
             .only("user_id", "kudos_held", "cancelled", "faulted")

@@ -33,7 +33,7 @@ from django.utils import timezone
 
 from chat.models import Generation, GenerationRequest
 from chat.selectors.status import request_completed
-from chat.services.cancel import request_cancel
+from chat.services.cancel import lock_jobs_in_flight, request_cancel
 from chat.services.progress import flag_cancelled_leases
 from chat.signals import signal_url
 from contract.front_lease import (
@@ -137,6 +137,7 @@ def cancel_for_dead_front(request_id: UUID) -> bool:
     and its jobs in flight ended unpaid (their submits answer AbortedGen). A job whose submit holds
     its row meanwhile is left to that submit. Returns whether this call cancelled it."""
     with transaction.atomic():
+        lock_jobs_in_flight(request_id)  # before the request: see there
         request = (
             GenerationRequest.objects.select_for_update()
             .filter(pk=request_id, front_lease_expires_at__isnull=False)
@@ -205,6 +206,7 @@ def _cancel_lapsed(*, now: datetime) -> int:
             )
             continue
         with transaction.atomic():
+            lock_jobs_in_flight(request_id)  # before the request: see there
             request = (
                 GenerationRequest.objects.select_for_update()
                 .filter(pk=request_id, front_lease_expires_at__lt=now)
@@ -216,7 +218,7 @@ def _cancel_lapsed(*, now: datetime) -> int:
             GenerationRequest.objects.filter(pk=request_id).update(front_lease_expires_at=None)
             if request.cancelled or request.faulted or request_completed(request_id, is_chat=request.is_chat):
                 continue  # nothing left to stop
-            if request_cancel(request=request):
+            if request_cancel(request=request, jobs_locked=True):
                 cancelled += 1
                 log.info("request %s cancelled: its front lease lapsed", request_id)
     return cancelled

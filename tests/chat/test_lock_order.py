@@ -307,3 +307,29 @@ def test_a_sweep_rolled_back_by_a_deadlock_leaves_that_job_to_its_next_run(make_
     assert Generation.objects.get(pk=first_job).state == Generation.State.PROCESSING
     assert abort_stale_generations() == 1  # the next run
     assert Generation.objects.get(pk=first_job).state == Generation.State.FAULTED
+
+
+def _lapse_front_lease(request_id) -> Callable[[], Any]:
+    from chat.services.front_lease import cancel_lapsed_front_leases
+
+    GenerationRequest.objects.filter(pk=request_id).update(front_lease_expires_at=timezone.now() - timedelta(seconds=1))
+    return cancel_lapsed_front_leases
+
+
+@pytest.mark.redis_only
+@pytest.mark.parametrize("path", ["route", "lapsed front lease"])
+def test_a_cancel_settling_a_stream_takes_its_jobs_before_the_request(horde, streamed_job, path):  # noqa: F811
+    """A cancel waits on a job some other write holds (a progress post renewing its lease, or a
+    submit that next waits on the request) holding nothing, and settles the job once it may."""
+    requester, owner, request, job_id, _ = streamed_job()
+    assert post(horde, owner.key, job_id, 1, "Once upon a time, " * 10).status_code == 200
+    rows = _rows(requester, owner, job_id)
+    if path == "route":
+        cancel = lambda: Horde(APIClient())._call("delete", f"generate/chat/status/{request.pk}", requester.key)  # noqa: E731
+    else:
+        cancel = _lapse_front_lease(request.pk)
+    held, _ = held_while_it_waits(rows.pop("job"), rows, cancel)
+    assert held == set()
+    generation = Generation.objects.get(pk=job_id)
+    assert generation.state == Generation.State.CANCELLED and generation.kudos > 0
+    assert HordeUser.objects.get(pk=owner.user.pk).kudos == generation.kudos

@@ -664,3 +664,38 @@ def test_maintenance_abort_leaves_streamed_jobs_in_flight_to_settle_by_their_sub
                                   finish_reason="stop", model_id=MODEL)
     assert submitted.status_code == 200 and submitted.json()["reward"] > 0
     assert Generation.objects.get(pk=job_id).settled_character_count is None
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db(transaction=True)
+@redis_only
+def test_a_cancel_meeting_a_lease_renewal_still_settles_the_job(horde, streamed_job, stream_redis):
+    """Real connections: a progress post that renews the job lease holds the job's row for its
+    UPDATE (chat.services.progress._RENEW_SQL). A cancel arriving in that instant still settles the
+    job on its posted content and flags its lease, so the worker's later submit of the whole reply
+    is AbortedGen and the requester is charged for the posted content only."""
+    import threading
+
+    import psycopg
+
+    from chat.services.progress import _RENEW_SQL
+
+    requester, owner, request, job_id, _ = streamed_job()
+    assert post(horde, owner.key, job_id, 1, "Once upon a time " * 4).status_code == 200
+    params = connection.get_connection_params()
+    with psycopg.connect(host=params.get("host"), port=params.get("port"), user=params.get("user"),
+                         dbname=params["dbname"]) as renewal:
+        # The renewal's UPDATE, its commit 0.5 s later (a loaded database, or the post's thread
+        # descheduled between its statement and its commit).
+        deadline = timezone.now() + timedelta(seconds=300)
+        renewal.execute(_RENEW_SQL, [deadline, job_id, Generation.State.PROCESSING, deadline])
+        threading.Timer(0.5, renewal.commit).start()
+        assert _cancel(horde, requester.key, request.pk).status_code == 200
+    generation = Generation.objects.get(pk=job_id)
+    assert generation.state == Generation.State.CANCELLED, generation.state
+    assert lease(stream_redis, job_id).get("cancelled") == "1"
+    late = horde.chat_submit(owner.key, job_id, message={"role": "assistant", "content": "The end. " * 200},
+                             finish_reason="stop", model_id=MODEL)
+    refused(late, 400, "AbortedGen")
+    charges = KudosTransaction.objects.filter(generation_id=job_id, kind="generation_charge")
+    assert [row.amount for row in charges] == [-generation.kudos]
