@@ -20,7 +20,7 @@ def lock_jobs_in_flight(request_id) -> None:
     the lock's recheck of the state drops it. Skipping such a job instead left it processing under
     a cancelled request, its lease unflagged, and its worker's later submit was paid in full."""
     list(
-        Generation.objects.select_for_update()
+        Generation.objects.select_for_update(no_key=True)
         .filter(request_id=request_id, state=Generation.State.PROCESSING)
         .order_by("pk")
         .values_list("pk", flat=True)
