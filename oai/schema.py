@@ -39,12 +39,14 @@ from oai.errors import ChatFrontError
 # Keys the front validates and forwards, or applies itself (stream, stream_options, user, metadata):
 # the native route's keys, one list in the contract.
 REQUEST_FIELDS = CHAT_REQUEST_KEYS
-# Keys accepted only at their default, then dropped: key -> the default values.
+# Keys accepted only at their default, then dropped: key -> the default values. logit_bias {} is
+# what SillyTavern's custom chat source always sends (as on /v1/completions, ADR 0014).
 DEFAULT_NO_OP_PARAMETERS: dict[str, tuple[Any, ...]] = {
     "logprobs": (False,),
     "top_logprobs": (0,),
     "store": (False,),
     "service_tier": ("auto", "default"),
+    "logit_bias": ({},),
 }
 # Applied or accepted by the front, never forwarded.
 FRONT_ONLY_KEYS = ("stream", "stream_options", "user", "metadata")

@@ -77,6 +77,40 @@ def test_models_list_serves_any_listed_model(front, requester, start_worker):
     assert response.json()["model"] == OTHER_MODEL
 
 
+def test_sillytavern_custom_source_body_is_served(front, requester, start_worker):
+    """SillyTavern's Chat Completion source "Custom (OpenAI-compatible)" posts this body from its
+    server (src/endpoints/backends/chat-completions.js): its client always sets `logit_bias`, `{}`
+    unless a bias preset has entries. OpenAI serves `logit_bias` at its default, so the front does too
+    (as /v1/completions does), and does not forward it; a bias with entries is still refused."""
+    worker = start_worker()
+    body = {
+        "messages": [{"role": "system", "content": "You are Seraphina."}, *USER],
+        "model": MODEL,
+        "temperature": 1,
+        "max_tokens": 300,
+        "stream": False,
+        "presence_penalty": 0,
+        "frequency_penalty": 0,
+        "top_p": 1,
+        "logit_bias": {},
+    }
+    url = f"{front.live.v1}/chat/completions"
+    headers = {"Authorization": f"Bearer {requester.key}"}
+    response = httpx.post(url, json=body, headers=headers, timeout=20)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "Hello from the horde."
+    assert "logit_bias" not in worker.jobs[0]["payload"]
+    for value in (None, {}):
+        served = httpx.post(url, json={**body, "logit_bias": value}, headers=headers, timeout=20)
+        assert served.status_code == 200, served.text
+    refused = httpx.post(url, json={**body, "logit_bias": {"50256": -100}}, headers=headers, timeout=20)
+    assert refused.status_code == 400
+    assert (refused.json()["error"]["param"], refused.json()["error"]["code"]) == (
+        "logit_bias",
+        "UnsupportedChatParameter",
+    )
+
+
 def test_sdk_replayed_stream_fields_are_dropped(client, start_worker):
     """What the openai SDK sends back when an app appends a streamed assistant reply to `messages`
     (its accumulated message: tool_calls[].index, function.parsed_arguments, refusal, audio,
