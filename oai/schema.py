@@ -60,7 +60,9 @@ TOOL_KEYS = frozenset({"type", "function"})
 TOOL_FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
 TOOL_CHOICE_KEYS = frozenset({"type", "function"})
 TOOL_CHOICE_FUNCTION_KEYS = frozenset({"name"})
-STREAM_OPTIONS_KEYS = frozenset({"include_usage"})
+# OpenAI's stream_options. include_obfuscation asks for OpenAI's random padding field on each chunk
+# (on by default there); the front never pads, so it is typed and otherwise not applied.
+STREAM_OPTIONS_KEYS = frozenset({"include_usage", "include_obfuscation"})
 
 
 def _unsupported(param: str, message: str) -> ChatFrontError:
@@ -321,11 +323,9 @@ def _check_ranges(body: Mapping[str, Any]) -> None:
         for key in options:
             if key not in STREAM_OPTIONS_KEYS:
                 raise _unsupported(f"stream_options.{key}", f"Unknown parameter: 'stream_options.{key}'.")
-        if options.get("include_usage") is not None and not isinstance(options["include_usage"], bool):
-            raise _bad(
-                "stream_options.include_usage",
-                "Invalid type for 'stream_options.include_usage': expected a boolean.",
-            )
+        for key in ("include_usage", "include_obfuscation"):
+            if options.get(key) is not None and not isinstance(options[key], bool):
+                raise _bad(f"stream_options.{key}", f"Invalid type for 'stream_options.{key}': expected a boolean.")
 
 
 def refusal_error(refusal: ChatRefusal) -> ChatFrontError:
@@ -340,6 +340,7 @@ def refusal_error(refusal: ChatRefusal) -> ChatFrontError:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None
 
 
 class ChatCompletionRequest(BaseModel):

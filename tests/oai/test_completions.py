@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 
 from tests.oai.conftest import MODEL, OTHER_MODEL
@@ -208,6 +209,29 @@ def test_streamed_reply_chunks_in_order_with_usage(client, start_worker):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 9
     assert len({c.id for c in chunks}) == 1 and len({c.system_fingerprint for c in chunks}) == 1
     assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_stream_options_include_obfuscation_is_accepted(client, start_worker):
+    """stream_options.include_obfuscation is OpenAI's (the SDK types it beside include_usage); clients
+    set it to false to save bandwidth. The front never pads its chunks, so either value is served as
+    it is, and stream_options keeps refusing keys OpenAI does not know."""
+    start_worker()
+    for obfuscation in (False, True):
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=USER,
+                stream=True,
+                stream_options={"include_usage": True, "include_obfuscation": obfuscation},
+            )
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello from the horde."
+        assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens > 0
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=USER, stream=True, stream_options={"include_obfuscation": "no"}
+        )
+    assert (caught.value.param, caught.value.code) == ("stream_options.include_obfuscation", "BadRequest")
 
 
 def test_stream_sends_keepalives_then_done(front, requester, start_worker):
