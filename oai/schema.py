@@ -39,12 +39,14 @@ from oai.errors import ChatFrontError
 # Keys the front validates and forwards, or applies itself (stream, stream_options, user, metadata):
 # the native route's keys, one list in the contract.
 REQUEST_FIELDS = CHAT_REQUEST_KEYS
-# Keys accepted only at their default, then dropped: key -> the default values.
+# Keys accepted only at their default, then dropped: key -> the default values. logit_bias {} is
+# what SillyTavern's custom chat source always sends (as on /v1/completions, ADR 0014).
 DEFAULT_NO_OP_PARAMETERS: dict[str, tuple[Any, ...]] = {
     "logprobs": (False,),
     "top_logprobs": (0,),
     "store": (False,),
     "service_tier": ("auto", "default"),
+    "logit_bias": ({},),
 }
 # Applied or accepted by the front, never forwarded.
 FRONT_ONLY_KEYS = ("stream", "stream_options", "user", "metadata")
@@ -58,7 +60,9 @@ TOOL_KEYS = frozenset({"type", "function"})
 TOOL_FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
 TOOL_CHOICE_KEYS = frozenset({"type", "function"})
 TOOL_CHOICE_FUNCTION_KEYS = frozenset({"name"})
-STREAM_OPTIONS_KEYS = frozenset({"include_usage"})
+# OpenAI's stream_options. include_obfuscation asks for OpenAI's random padding field on each chunk
+# (on by default there); the front never pads, so it is typed and otherwise not applied.
+STREAM_OPTIONS_KEYS = frozenset({"include_usage", "include_obfuscation"})
 
 
 def _unsupported(param: str, message: str) -> ChatFrontError:
@@ -319,11 +323,9 @@ def _check_ranges(body: Mapping[str, Any]) -> None:
         for key in options:
             if key not in STREAM_OPTIONS_KEYS:
                 raise _unsupported(f"stream_options.{key}", f"Unknown parameter: 'stream_options.{key}'.")
-        if options.get("include_usage") is not None and not isinstance(options["include_usage"], bool):
-            raise _bad(
-                "stream_options.include_usage",
-                "Invalid type for 'stream_options.include_usage': expected a boolean.",
-            )
+        for key in ("include_usage", "include_obfuscation"):
+            if options.get(key) is not None and not isinstance(options[key], bool):
+                raise _bad(f"stream_options.{key}", f"Invalid type for 'stream_options.{key}': expected a boolean.")
 
 
 def refusal_error(refusal: ChatRefusal) -> ChatFrontError:
@@ -338,6 +340,7 @@ def refusal_error(refusal: ChatRefusal) -> ChatFrontError:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None
 
 
 class ChatCompletionRequest(BaseModel):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 
 from tests.oai.conftest import MODEL, OTHER_MODEL
@@ -75,6 +76,40 @@ def test_models_list_serves_any_listed_model(front, requester, start_worker):
     )
     assert response.status_code == 200, response.text
     assert response.json()["model"] == OTHER_MODEL
+
+
+def test_sillytavern_custom_source_body_is_served(front, requester, start_worker):
+    """SillyTavern's Chat Completion source "Custom (OpenAI-compatible)" posts this body from its
+    server (src/endpoints/backends/chat-completions.js): its client always sets `logit_bias`, `{}`
+    unless a bias preset has entries. OpenAI serves `logit_bias` at its default, so the front does too
+    (as /v1/completions does), and does not forward it; a bias with entries is still refused."""
+    worker = start_worker()
+    body = {
+        "messages": [{"role": "system", "content": "You are Seraphina."}, *USER],
+        "model": MODEL,
+        "temperature": 1,
+        "max_tokens": 300,
+        "stream": False,
+        "presence_penalty": 0,
+        "frequency_penalty": 0,
+        "top_p": 1,
+        "logit_bias": {},
+    }
+    url = f"{front.live.v1}/chat/completions"
+    headers = {"Authorization": f"Bearer {requester.key}"}
+    response = httpx.post(url, json=body, headers=headers, timeout=20)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "Hello from the horde."
+    assert "logit_bias" not in worker.jobs[0]["payload"]
+    for value in (None, {}):
+        served = httpx.post(url, json={**body, "logit_bias": value}, headers=headers, timeout=20)
+        assert served.status_code == 200, served.text
+    refused = httpx.post(url, json={**body, "logit_bias": {"50256": -100}}, headers=headers, timeout=20)
+    assert refused.status_code == 400
+    assert (refused.json()["error"]["param"], refused.json()["error"]["code"]) == (
+        "logit_bias",
+        "UnsupportedChatParameter",
+    )
 
 
 def test_sdk_replayed_stream_fields_are_dropped(client, start_worker):
@@ -174,6 +209,29 @@ def test_streamed_reply_chunks_in_order_with_usage(client, start_worker):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 9
     assert len({c.id for c in chunks}) == 1 and len({c.system_fingerprint for c in chunks}) == 1
     assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_stream_options_include_obfuscation_is_accepted(client, start_worker):
+    """stream_options.include_obfuscation is OpenAI's (the SDK types it beside include_usage); clients
+    set it to false to save bandwidth. The front never pads its chunks, so either value is served as
+    it is, and stream_options keeps refusing keys OpenAI does not know."""
+    start_worker()
+    for obfuscation in (False, True):
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=USER,
+                stream=True,
+                stream_options={"include_usage": True, "include_obfuscation": obfuscation},
+            )
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello from the horde."
+        assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens > 0
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=USER, stream=True, stream_options={"include_obfuscation": "no"}
+        )
+    assert (caught.value.param, caught.value.code) == ("stream_options.include_obfuscation", "BadRequest")
 
 
 def test_stream_sends_keepalives_then_done(front, requester, start_worker):

@@ -70,6 +70,16 @@ def test_streamed_completion_with_usage(client, start_text_worker):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 9
 
 
+def test_stream_options_include_obfuscation_is_accepted(client, start_text_worker):
+    start_text_worker()
+    options = {"include_usage": True, "include_obfuscation": False}
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=64, stream=True, stream_options=options)
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == " there was a horde."
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 9
+
+
 def test_stream_wire_ends_with_done_and_no_usage_unasked(front, requester, start_text_worker):
     start_text_worker()
     with httpx.stream(
