@@ -160,9 +160,24 @@ def _json_error(error: ChatFrontError, request_id: str | None = None) -> JsonAns
 # --- /v1/models ------------------------------------------------------------------------------------
 
 
-async def list_models() -> JsonAnswer:
+async def list_models(api_key: str | None = None) -> JsonAnswer:
+    """GET /v1/models. A key the caller sent is checked first: an app that tests its connection by
+    listing the models learns of a wrong key there, as from OpenAI, not at its first completion."""
     state = await get_front_state()
     try:
+        if api_key is not None:
+            checked = await state.client.key_check(api_key)
+            if checked.status == 401:
+                body = checked.body if isinstance(checked.body, dict) else {}
+                return _json_error(
+                    ChatFrontError(
+                        401,
+                        "invalid_api_key",
+                        body.get("message") or "The API key is not valid.",
+                        type="authentication_error",
+                        should_retry=False,
+                    )
+                )
         answer = await state.client.models()
     except NativeUnreachable as error:
         return _json_error(
@@ -182,10 +197,10 @@ async def list_models() -> JsonAnswer:
     return JsonAnswer(200, {"object": "list", "data": cards}, {})
 
 
-async def retrieve_model(model_id: str) -> JsonAnswer:
+async def retrieve_model(model_id: str, api_key: str | None = None) -> JsonAnswer:
     """GET /v1/models/{model} (the SDKs' models.retrieve): the list's card with that id, else OpenAI's
     404 model_not_found."""
-    listed = await list_models()
+    listed = await list_models(api_key)
     if listed.status != 200:
         return listed
     for card in listed.body["data"]:

@@ -46,6 +46,8 @@ from oai.settings import FrontSettings
 SUBMIT_PATH = "/generate/chat/async"
 STATUS_PATH = "/generate/chat/status/{id}"
 MODELS_PATH = "/status/models?type=text&chat=true"
+# The caller's account: the models routes check a key they are given (OpenAI answers a wrong key 401).
+FIND_USER_PATH = "/find_user"
 # POST /v1/completions is served over native text requests (docs/adr/0014-legacy-completions.md).
 TEXT_SUBMIT_PATH = "/generate/text/async"
 TEXT_STATUS_PATH = "/generate/text/status/{id}"
@@ -388,6 +390,14 @@ class HordeClient:
     async def models(self) -> NativeAnswer:
         try:
             return await self._send("GET", MODELS_PATH, call_type="models")
+        except SubmitAnswerLost as error:
+            raise NativeUnreachable(str(error)) from None
+
+    async def key_check(self, api_key: str) -> NativeAnswer:
+        """The account of `api_key` (401 InvalidAPIKey for a key the horde does not know); a call of
+        the models routes, so counted as one."""
+        try:
+            return await self._send("GET", FIND_USER_PATH, call_type="models", headers={"apikey": api_key})
         except SubmitAnswerLost as error:
             raise NativeUnreachable(str(error)) from None
 

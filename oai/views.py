@@ -297,10 +297,13 @@ class ModelsView(FrontView):
     @extend_schema(
         operation_id="oai_models",
         tags=["openai"],
-        responses={200: OpenApiResponse(description="list of model cards")},
+        responses={
+            200: OpenApiResponse(description="list of model cards"),
+            401: OpenApiResponse(description="invalid_api_key: a key was sent that the horde does not know"),
+        },
     )
     async def get(self, request, *args: Any, **kwargs: Any):
-        return _response(await app.list_models())
+        return _response(await app.list_models(request.auth))
 
 
 class ModelView(FrontView):
@@ -311,11 +314,12 @@ class ModelView(FrontView):
         tags=["openai"],
         responses={
             200: OpenApiResponse(description="the model card"),
+            401: OpenApiResponse(description="invalid_api_key: a key was sent that the horde does not know"),
             404: OpenApiResponse(description="model_not_found: no online chat worker serves it"),
         },
     )
     async def get(self, request, model_id: str, *args: Any, **kwargs: Any):
-        return _response(await app.retrieve_model(model_id))
+        return _response(await app.retrieve_model(model_id, request.auth))
 
 
 async def unknown_path(request, *args: Any, **kwargs: Any) -> JsonResponse:

@@ -444,6 +444,23 @@ def test_models_match_the_workers_online(front, client, start_worker):
     assert caught.value.response.headers["x-should-retry"] == "false"
 
 
+def test_models_answer_a_wrong_key_401_as_openai_does(front, client, start_worker):
+    """An app that tests its connection by listing the models (Open WebUI, SillyTavern) learns of a
+    wrong key there, not at its first completion; no key is still the anonymous caller's list."""
+    start_worker()
+    wrong = openai.OpenAI(base_url=front.live.v1, api_key="not-a-horde-key", max_retries=0, timeout=30)
+    for call in (wrong.models.list, lambda: wrong.models.retrieve(MODEL)):
+        with pytest.raises(openai.AuthenticationError) as caught:
+            call()
+        assert caught.value.body["code"] == "invalid_api_key"
+        assert caught.value.body["type"] == "authentication_error"
+        assert caught.value.response.headers["x-should-retry"] == "false"
+    wrong.close()
+    assert [model.id for model in client.models.list()] == [MODEL]
+    anonymous = httpx.get(f"{front.live.v1}/models", timeout=10)
+    assert anonymous.status_code == 200 and [card["id"] for card in anonymous.json()["data"]] == [MODEL]
+
+
 # --- metrics and the finished line ------------------------------------------------------------------
 
 
