@@ -16,6 +16,9 @@ TEXT_MAX_LENGTH_RANGE = (16, 4096)
 TEXT_MAX_LENGTH_DEFAULT = 80
 TEXT_MAX_CONTEXT_LENGTH_RANGE = (80, 1048576)
 TEXT_MAX_CONTEXT_LENGTH_DEFAULT = 2048
+# What a worker's pop that leaves its limits out declares (upstream's pop defaults).
+TEXT_POP_MAX_LENGTH_DEFAULT = 512
+TEXT_POP_MAX_CONTEXT_LENGTH_DEFAULT = 2048
 
 # Each numeric native text param: its JSON type ("integer" or "number") and inclusive range. The one
 # definition read by the native params serializer, the chat route's mapped params and the front.

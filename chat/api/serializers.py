@@ -34,6 +34,8 @@ from contract.text import (
     TEXT_MAX_STOP_SEQUENCES,
     TEXT_PARAM_RANGES,
     TEXT_POP_AMOUNT_RANGE,
+    TEXT_POP_MAX_CONTEXT_LENGTH_DEFAULT,
+    TEXT_POP_MAX_LENGTH_DEFAULT,
     TEXT_POP_WAIT_MAX_SECONDS,
     TEXT_SAMPLER_ORDER_RANGE,
 )
@@ -191,8 +193,11 @@ class TextStatusOutputSerializer(serializers.Serializer):
 class TextPopInputSerializer(serializers.Serializer):
     name = serializers.CharField(max_length=MAX_WORKER_NAME_LENGTH, allow_blank=False)
     models = serializers.ListField(child=serializers.CharField(max_length=255), max_length=100, default=list)
-    max_length = serializers.IntegerField(min_value=1, max_value=1_048_576, default=80)
-    max_context_length = serializers.IntegerField(min_value=1, max_value=1_048_576, default=1024)
+    # Upstream's defaults for a pop that leaves them out (its parser and PopInputKobold).
+    max_length = serializers.IntegerField(min_value=1, max_value=1_048_576, default=TEXT_POP_MAX_LENGTH_DEFAULT)
+    max_context_length = serializers.IntegerField(
+        min_value=1, max_value=1_048_576, default=TEXT_POP_MAX_CONTEXT_LENGTH_DEFAULT
+    )
     threads = serializers.IntegerField(min_value=1, max_value=100, default=1)
     amount = serializers.IntegerField(
         min_value=TEXT_POP_AMOUNT_RANGE[0], max_value=TEXT_POP_AMOUNT_RANGE[1], default=1

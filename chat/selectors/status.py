@@ -207,7 +207,10 @@ def request_status(
         "wait_time": wait_time,
         "queue_position": queue_position,
         "kudos": float(request.consumed_kudos),
-        "is_possible": availability.is_possible,
+        # A generation in flight is being served whatever its worker does meanwhile (maintenance,
+        # a changed declaration, offline): upstream's status reads it as possible, and KoboldAI
+        # Lite and SillyTavern give up on a request at the first is_possible false.
+        "is_possible": availability.is_possible or processing > 0,
     }
     if request.is_chat:
         body.update(

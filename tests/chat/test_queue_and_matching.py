@@ -75,6 +75,19 @@ def test_models_and_limits_decide_and_skipped_says_why(horde, make_user, owner):
     assert job["model"] == OTHER
 
 
+def test_a_pop_without_its_limits_declares_upstreams_defaults(horde, make_user, owner):
+    """Upstream's pop reads an absent max_length as 512 and max_context_length as 2048 (its parser
+    and its PopInputKobold model), so a worker that leaves them out serves a request of KoboldAI
+    Lite's size (120 tokens of a 2048 context) there, and must here too."""
+    requester = make_user("r", kudos=100)
+    horde.text_async(requester.key, models=[MODEL], params={"max_length": 120, "max_context_length": 2048})
+    job = horde._call("post", "generate/text/pop", owner.key, {"name": "minimal", "models": [MODEL]}).json()
+    assert job["id"] is not None, job
+    assert (job["payload"]["max_length"], job["payload"]["max_context_length"]) == (120, 2048)
+    worker = horde.client.get("/api/v2/workers?type=text").json()[0]
+    assert (worker["name"], worker["max_length"], worker["max_context_length"]) == ("minimal", 512, 2048)
+
+
 def test_request_without_models_takes_the_workers_first_model(horde, make_user, owner):
     requester = make_user("r")
     horde.text_async(requester.key)

@@ -154,3 +154,54 @@ def test_a_validated_only_request_goes_to_the_validated_engines(live, make_user,
     scribe_pop(live, owner.key, "scribe", engine)
     lite_request(live, requester.key, "Only vetted backends.", validated_backends=True)
     assert_scribe_job(scribe_pop(live, owner.key, "scribe", engine), "Only vetted backends.")
+
+
+def test_a_job_in_flight_keeps_the_request_possible_for_lite(live, make_user):
+    """Lite gives up on the first poll with is_possible false. Upstream's status reads a request
+    with a generation in flight as possible whatever its worker does meanwhile: here the scribe's
+    owner puts it in maintenance from Lite's "my workers" panel (PUT {maintenance: true}) while it
+    generates. The scribe still submits, the requester is charged, and Lite must still be polling."""
+    owner, requester = make_user("scribe-owner"), make_user("lite-user", kudos=50)
+    scribe_pop(live, owner.key, "scribe", "~aphrodite~kai")
+    request_id = lite_request(live, requester.key, "You: Hello\nBot:")
+    job = scribe_pop(live, owner.key, "scribe", "~aphrodite~kai")
+    assert_scribe_job(job, "You: Hello\nBot:")
+    worker_id = str(Worker.objects.get(name="scribe").pk)
+    put = live.request(
+        "PUT", f"/api/v2/workers/{worker_id}", headers={"apikey": owner.key, "Origin": "null"}, body={"maintenance": True}
+    )
+    assert put.status_code == 200, put.text
+    polled = lite_status(live, request_id)
+    assert (polled["processing"], polled["waiting"]) == (1, 0)
+    assert polled["is_possible"] is True and polled["faulted"] is False and "message" not in polled
+    submitted = live.request(
+        "POST",
+        "/api/v2/generate/text/submit",
+        headers={**REQUESTS_HEADERS, "apikey": owner.key},
+        body={"id": job["id"], "generation": " Hi there!", "seed": 0},
+    )
+    assert submitted.status_code == 200 and submitted.json()["reward"] > 0
+    status = lite_status(live, request_id)
+    assert status["done"] is True and status["generations"][0]["text"] == " Hi there!"
+
+
+def test_the_scribes_faulted_submit_is_paid_nothing_and_the_job_restarts(live, make_user):
+    """When its backend fails, the scribe submits {id, state: faulted, generation: "faulted",
+    seed: -1} and reads `reward` from a 200 (worker/jobs/framework.py); a 400 or 404 would make it
+    abandon the job, an error without `message` would kill its submit thread. Lite keeps polling."""
+    owner, requester = make_user("scribe-owner"), make_user("lite-user", kudos=50)
+    scribe_pop(live, owner.key, "scribe", "~unknown~kai")
+    request_id = lite_request(live, requester.key, "You: Hello\nBot:")
+    job = scribe_pop(live, owner.key, "scribe", "~unknown~kai")
+    assert_scribe_job(job, "You: Hello\nBot:")
+    submitted = live.request(
+        "POST",
+        "/api/v2/generate/text/submit",
+        headers={**REQUESTS_HEADERS, "apikey": owner.key},
+        body={"id": job["id"], "state": "faulted", "generation": "faulted", "seed": -1},
+    )
+    assert submitted.status_code == 200 and submitted.json() == {"reward": 0.0}
+    polled = lite_status(live, request_id)
+    assert (polled["restarted"], polled["waiting"], polled["processing"]) == (1, 1, 0)
+    assert polled["is_possible"] is True and polled["faulted"] is False and "message" not in polled
+    assert_scribe_job(scribe_pop(live, owner.key, "scribe", "~unknown~kai"), "You: Hello\nBot:")
