@@ -51,16 +51,37 @@ TEXT_BOOLEAN_PARAMS = (
 )
 # sampler_order: a list of integers in this range.
 TEXT_SAMPLER_ORDER_RANGE = (0, 10)
-# stop_sequence: at most this many non-empty strings of at most this many characters.
-TEXT_MAX_STOP_SEQUENCES = 32
-TEXT_MAX_STOP_SEQUENCE_CHARS = 1000
+# stop_sequence on the native text route, upstream's rule (its validate_text_params): at most this
+# many distinct sequences of at most this many characters in all. An empty one stops nothing and is
+# dropped: KoboldAI Lite sends its instruct tags as stops, and a tag may be empty.
+TEXT_MAX_STOP_SEQUENCES = 128
+TEXT_MAX_STOP_SEQUENCES_TOTAL_CHARS = 2000
+TEXT_TOO_MANY_STOP_SEQUENCES_MESSAGE = f"Too many stop sequences specified (max allowed is {TEXT_MAX_STOP_SEQUENCES})."
+TEXT_STOP_SEQUENCES_TOO_LONG_MESSAGE = (
+    f"Your total stop sequence length exceeds the allowed limit ({TEXT_MAX_STOP_SEQUENCES_TOTAL_CHARS} chars)."
+)
+# The chat route's mapped stop (OpenAI's `stop`): at most this many non-empty strings of at most this
+# many characters.
+CHAT_MAPPED_MAX_STOP_SEQUENCES = 32
+CHAT_MAPPED_MAX_STOP_SEQUENCE_CHARS = 1000
+
+
+def text_stop_sequence_error(stops: list[str]) -> str | None:
+    """Upstream's refusal of a text request's stop_sequence (distinct sequences counted), else None."""
+    distinct = set(stops)
+    if len(distinct) > TEXT_MAX_STOP_SEQUENCES:
+        return TEXT_TOO_MANY_STOP_SEQUENCES_MESSAGE
+    if sum(map(len, distinct)) > TEXT_MAX_STOP_SEQUENCES_TOTAL_CHARS:
+        return TEXT_STOP_SEQUENCES_TOO_LONG_MESSAGE
+    return None
 
 
 def text_param_range_errors(params: Mapping[str, Any]) -> dict[str, str]:
     """Where `params` leave the ranges above, in the words and paths of the native text route's
     refusal ({"temperature": "Ensure this value is less than or equal to 5."}); for values a
     schema already held to their JSON type (the chat route's mapped params). Checks the numeric
-    params and stop_sequence; {} when every one is in range."""
+    params, and stop_sequence under the chat route's mapped-stop rule (CHAT_MAPPED_*, in the text
+    route's words for a list field); {} when every one is in range."""
     errors: dict[str, str] = {}
     for name, (kind, low, high) in TEXT_PARAM_RANGES.items():
         value = params.get(name)
@@ -87,8 +108,8 @@ def text_param_range_errors(params: Mapping[str, Any]) -> dict[str, str]:
                 item_errors[f"stop_sequence[{index}]"] = "This field may not be blank."
                 continue
             found = []
-            if len(stop) > TEXT_MAX_STOP_SEQUENCE_CHARS:
-                found.append(f"Ensure this field has no more than {TEXT_MAX_STOP_SEQUENCE_CHARS} characters.")
+            if len(stop) > CHAT_MAPPED_MAX_STOP_SEQUENCE_CHARS:
+                found.append(f"Ensure this field has no more than {CHAT_MAPPED_MAX_STOP_SEQUENCE_CHARS} characters.")
             if "\x00" in stop:
                 found.append("Null characters are not allowed.")
             surrogate = next((c for c in stop if 0xD800 <= ord(c) <= 0xDFFF), None)
@@ -98,8 +119,8 @@ def text_param_range_errors(params: Mapping[str, Any]) -> dict[str, str]:
                 item_errors[f"stop_sequence[{index}]"] = " ".join(found)
         if item_errors:
             errors.update(item_errors)
-        elif len(stops) > TEXT_MAX_STOP_SEQUENCES:
-            errors["stop_sequence"] = f"Ensure this field has no more than {TEXT_MAX_STOP_SEQUENCES} elements."
+        elif len(stops) > CHAT_MAPPED_MAX_STOP_SEQUENCES:
+            errors["stop_sequence"] = f"Ensure this field has no more than {CHAT_MAPPED_MAX_STOP_SEQUENCES} elements."
     return errors
 
 

@@ -30,14 +30,13 @@ from contract.text import (
     MAX_WORKER_NAME_LENGTH,
     TEXT_MAX_CONTEXT_LENGTH_DEFAULT,
     TEXT_MAX_LENGTH_DEFAULT,
-    TEXT_MAX_STOP_SEQUENCE_CHARS,
-    TEXT_MAX_STOP_SEQUENCES,
     TEXT_PARAM_RANGES,
     TEXT_POP_AMOUNT_RANGE,
     TEXT_POP_MAX_CONTEXT_LENGTH_DEFAULT,
     TEXT_POP_MAX_LENGTH_DEFAULT,
     TEXT_POP_WAIT_MAX_SECONDS,
     TEXT_SAMPLER_ORDER_RANGE,
+    text_stop_sequence_error,
 )
 
 
@@ -81,10 +80,19 @@ class TextParamsSerializer(serializers.Serializer):
     )
     use_default_badwordsids = StrictBooleanField(required=False)
     stop_sequence = serializers.ListField(
-        child=StrictCharField(allow_blank=False, trim_whitespace=False, max_length=TEXT_MAX_STOP_SEQUENCE_CHARS),
-        max_length=TEXT_MAX_STOP_SEQUENCES,
-        required=False,
+        child=StrictCharField(allow_blank=True, trim_whitespace=False), required=False
     )
+
+    def validate(self, attrs):
+        """stop_sequence under upstream's rule (contract.text.text_stop_sequence_error), the empty
+        ones dropped. Here, not in a validate_stop_sequence, so the canonical path runs it too."""
+        stops = attrs.get("stop_sequence")
+        if stops is not None:
+            error = text_stop_sequence_error(stops)
+            if error is not None:
+                raise serializers.ValidationError({"stop_sequence": error})
+            attrs["stop_sequence"] = [stop for stop in stops if stop]
+        return attrs
 
 
 # The params of a body without them: each param's default (n and the two lengths).

@@ -277,9 +277,6 @@ def test_mapped_params_are_validated_as_text_params(horde, make_user, served):
     [
         ({"temperature": 6}, {"temperature": 6}),
         ({"temperature": 5.5, "top_p": 0.0001}, {"temperature": 5.5, "top_p": 0.0001}),
-        ({"stop": ["", "x" * 1001, "ok"]}, {"stop_sequence": ["", "x" * 1001, "ok"]}),
-        ({"stop": [str(i) for i in range(33)]}, {"stop_sequence": [str(i) for i in range(33)]}),
-        ({"stop": "", "top_p": 2}, {"stop_sequence": [""], "top_p": 2}),
     ],
 )
 def test_mapped_params_are_refused_as_the_text_route_refuses_them(horde, make_user, served, chat, native):
@@ -293,6 +290,37 @@ def test_mapped_params_are_refused_as_the_text_route_refuses_them(horde, make_us
     assert response.status_code == 400
     assert response.json() == {"errors": expected, "message": "Input payload validation failed"}
     assert not GenerationRequest.objects.exists()
+
+
+def test_stop_sequences_follow_upstreams_rule_on_the_text_route_and_openais_on_the_chat_route(
+    horde, make_user, served
+):
+    """The text route takes what KoboldAI Lite and SillyTavern send, as upstream does: an empty
+    instruct tag (dropped: it stops nothing) and a large group's names (up to 128 distinct, 2000
+    characters in all). The chat route's `stop` keeps its OpenAI-shaped bound."""
+    requester = make_user("r")
+    group = [f"\nMember {i}:" for i in range(40)]
+    accepted = horde.text_async(requester.key, params={"stop_sequence": ["", "### Response:", *group]})
+    assert accepted.status_code == 202, accepted.json()
+    stored = GenerationRequest.objects.get(pk=accepted.json()["id"]).params["stop_sequence"]
+    assert stored == ["### Response:", *group]
+    refusals = (
+        ([f"s{i}" for i in range(129)], "Too many stop sequences specified (max allowed is 128)."),
+        (["x" * 1500, "y" * 501], "Your total stop sequence length exceeds the allowed limit (2000 chars)."),
+    )
+    for stops, message in refusals:
+        refused = horde.text_async(requester.key, params={"stop_sequence": stops})
+        assert refused.status_code == 400
+        assert refused.json()["errors"] == {"params.stop_sequence": message}
+    # The same 128 under a repeat: upstream counts distinct sequences.
+    assert horde.text_async(requester.key, params={"stop_sequence": ["a"] * 200}).status_code == 202
+    for stop, errors in (
+        (["", "ok"], {"stop_sequence[0]": "This field may not be blank."}),
+        ([str(i) for i in range(33)], {"stop_sequence": "Ensure this field has no more than 32 elements."}),
+    ):
+        response = chat_async(horde.client, requester.key, stop=stop)
+        assert response.status_code == 400
+        assert response.json() == {"errors": errors, "message": "Input payload validation failed"}
 
 
 def test_nul_in_text_is_replaced_not_a_500(horde, make_user, served):

@@ -213,7 +213,7 @@ REFUSALS = [
     # The native text route's bound, said in OpenAI's words before the request is sent on.
     ({"max_tokens": 5000}, openai.BadRequestError, "max_tokens", "UnsupportedChatParameter"),
     ({"temperature": 2.5}, openai.BadRequestError, "temperature", "UnsupportedChatParameter"),
-    ({"stop": ["a"] * 33}, openai.BadRequestError, "stop", "UnsupportedChatParameter"),
+    ({"stop": ["a"] * 129}, openai.BadRequestError, "stop", "UnsupportedChatParameter"),
     ({"models": [MODEL]}, openai.BadRequestError, "models", "ChatRequestConflict"),
     ({"model": "a:b"}, openai.NotFoundError, "model", "model_not_found"),
     ({"horde": {"include_reasoning": False}}, openai.BadRequestError, "horde.include_reasoning", None),
@@ -224,8 +224,8 @@ REFUSALS = [
         "BadRequest",
     ),
     # Refused by the native text route, its field named as the client sent it.
-    ({"stop": ["\nYou:", ""]}, openai.BadRequestError, "stop[1]", "BadRequest"),
-    ({"stop": ""}, openai.BadRequestError, "stop", "BadRequest"),
+    ({"stop": ["\nYou:", "a\x00b"]}, openai.BadRequestError, "stop[1]", "BadRequest"),
+    ({"stop": "x" * 2001}, openai.BadRequestError, "stop", "BadRequest"),
     ({"top_p": 0}, openai.BadRequestError, "top_p", "BadRequest"),
     ({"horde": {"only": ["scribe-1"]}}, openai.BadRequestError, "horde.only[0]", "BadRequest"),
     ({"horde": {"max_context_length": 10}}, openai.BadRequestError, "horde.max_context_length", "BadRequest"),

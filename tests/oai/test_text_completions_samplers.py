@@ -425,7 +425,7 @@ SAMPLER_REFUSALS = [
     # keys nobody sends
     ({"top_kk": 40}, "top_kk", "UnsupportedChatParameter"),
     ({"messages": [{"role": "user", "content": "Hi"}]}, "messages", "UnsupportedChatParameter"),
-    ({"stop": [f"s{i}" for i in range(33)]}, "stop", "UnsupportedChatParameter"),
+    ({"stop": [f"s{i}" for i in range(129)]}, "stop", "UnsupportedChatParameter"),
 ]
 
 
