@@ -32,6 +32,7 @@ from contract.chat_shapes import (
     CONTENT_PART_TYPES,
     SUPPORTED_MESSAGE_KEYS,
     ChatRequest,
+    lone_surrogate_path,
     validate_chat_request,
 )
 from oai.errors import ChatFrontError
@@ -78,11 +79,24 @@ def _refuse_constant(name: str) -> Any:
 
 
 def parse_body(raw: bytes) -> Any:
-    """JSON, with NaN, Infinity and -Infinity refused (Python's parser accepts them)."""
+    """JSON, with NaN, Infinity and -Infinity refused (Python's parser accepts them), and a lone
+    surrogate (JSON's "\\ud800" escape) refused wherever it is: no UTF-8 text, this front's own
+    answers included, can carry one."""
     try:
-        return json.loads(raw, parse_constant=_refuse_constant)
+        body = json.loads(raw, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as error:
         raise _bad(None, f"We could not parse the JSON body of your request: {error}") from None
+    # An escape makes one, or a UTF-16/32 body (json.loads decodes it with surrogatepass; it is
+    # told by a BOM or a NUL in the first bytes); the UTF-8 decoder refuses an encoded one, so most
+    # bodies skip the walk.
+    if b"\\u" in raw or b"\x00" in raw[:4] or raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        surrogate_at = lone_surrogate_path(body)
+        if surrogate_at is not None:
+            raise _bad(
+                surrogate_at or None,
+                f"Invalid value for '{surrogate_at or 'body'}': the text holds a lone surrogate, which is not valid Unicode.",
+            )
+    return body
 
 
 # --- step 1: refused parameters -------------------------------------------------------------------

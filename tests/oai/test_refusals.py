@@ -200,6 +200,33 @@ def test_not_json_or_nan_is_bad_request(front, requester, body):
     assert response.json()["error"]["code"] == "BadRequest"
 
 
+@pytest.mark.parametrize("route", ["/chat/completions", "/completions"])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        # A value the screening echoes in its refusal (a role), and a key it names: the answer was a
+        # 500, the echoed text holding what UTF-8 cannot encode.
+        (b'{"model": "m", "prompt": "p", "messages": [{"role": "\\ud800", "content": "x"}]}', "messages[0].role"),
+        (b'{"model": "m", "prompt": "p", "messages": [{"role": "user", "content": "x"}], "\\udfff": 1}', "\\udfff"),
+        ("\ufeff".encode() + b'{"model": "m", "prompt": "\\udc00"}', "prompt"),
+        ('{"model": "m", "prompt": "p"}'.encode("utf-16"), None),
+    ],
+    ids=["echoed-role", "key", "bom-prompt", "utf-16"],
+)
+def test_a_lone_surrogate_anywhere_is_bad_request(front, requester, route, body, param):
+    if param is None:  # a UTF-16 body, which Python's parser reads with surrogatepass: a lone one encoded
+        body = body.replace('"p"'.encode("utf-16-le"), '"\ud800"'.encode("utf-16-le", "surrogatepass"))
+    response = httpx.post(
+        f"{front.live.v1}{route}",
+        content=body,
+        headers={"Authorization": f"Bearer {requester.key}", "Content-Type": "application/json"},
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "BadRequest" and "lone surrogate" in error["message"]
+    assert error["param"] == (param or "prompt")
+
+
 def test_bad_key_is_authentication_error(front, start_worker):
     start_worker()
     sdk = openai.OpenAI(base_url=front.live.v1, api_key="not-a-horde-key", max_retries=0)
