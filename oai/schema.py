@@ -78,12 +78,21 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    """A number too large for a float (1e999) parses to infinity, which the native call's JSON
+    (allow_nan=False) cannot carry: refused as Infinity is."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:32]}{'...' if len(text) > 32 else ''} is out of range")
+    return value
+
+
 def parse_body(raw: bytes) -> Any:
-    """JSON, with NaN, Infinity and -Infinity refused (Python's parser accepts them), and a lone
-    surrogate (JSON's "\\ud800" escape) refused wherever it is: no UTF-8 text, this front's own
-    answers included, can carry one."""
+    """JSON, with NaN, Infinity and -Infinity refused (Python's parser accepts them, and reads a
+    number past a float's range as infinity), and a lone surrogate (JSON's "\\ud800" escape)
+    refused wherever it is: no UTF-8 text, this front's own answers included, can carry one."""
     try:
-        body = json.loads(raw, parse_constant=_refuse_constant)
+        body = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as error:
         raise _bad(None, f"We could not parse the JSON body of your request: {error}") from None
     # An escape makes one, or a UTF-16/32 body (json.loads decodes it with surrogatepass; it is

@@ -188,6 +188,12 @@ def test_unknown_model_from_the_horde(client, start_worker):
         b'{"model": "m", "temperature": NaN, "messages": []}',
         b"{not json",
         b'{"model": "m", "messages": [], "top_p": Infinity}',
+        # Past a float's range: Python reads it as infinity, which the native call's JSON cannot
+        # carry (inside a tool's parameters, which nothing else reads, this was a 500).
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",'
+        b' "function": {"name": "f", "parameters": {"type": "object", "x": 1e999}}}]}',
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema",'
+        b' "json_schema": {"name": "n", "schema": {"type": "number", "maximum": -' + b"9" * 400 + b'.5}}}}',
     ],
 )
 def test_not_json_or_nan_is_bad_request(front, requester, body):
