@@ -141,6 +141,11 @@ def _recognised(pop: Mapping[str, Any], key: str, known: frozenset[str]) -> froz
     return frozenset(v for v in values if isinstance(v, str) and v in known)
 
 
+# The largest chat limit a worker may declare: the columns that store them (workers.chat_max_*)
+# are PostgreSQL integers, so a larger value failed the pop's write (a 500).
+MAX_CHAT_LIMIT = 2**31 - 1
+
+
 def _positive_int(limits: Mapping[str, Any], key: str) -> int:
     value = limits.get(key)
     if value is None:
@@ -148,6 +153,10 @@ def _positive_int(limits: Mapping[str, Any], key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ChatDeclarationInvalid(
             f"chat_limits.{key} has to be a positive integer.", param=f"chat_limits.{key}"
+        )
+    if value > MAX_CHAT_LIMIT:
+        raise ChatDeclarationInvalid(
+            f"chat_limits.{key} has to be at most {MAX_CHAT_LIMIT}.", param=f"chat_limits.{key}"
         )
     return value
 

@@ -122,7 +122,10 @@ def _text(value: Any, path: str, errors: dict[str, str]) -> str | None:
     except UnicodeEncodeError:
         errors[path] = "Surrogate characters are not allowed."
         return None
-    return value
+    # NUL replaced as in the stored reply (chat.services.submit.NUL_REPLACEMENT): relayed as sent,
+    # the final reply would not start with the text relayed, and the front would end a faithful
+    # stream with ChatStreamDiverged.
+    return value.replace("\x00", "\ufffd") if "\x00" in value else value
 
 
 def parse_progress_post(body: Any) -> ProgressPost:

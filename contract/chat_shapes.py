@@ -907,23 +907,30 @@ def _check_images(body: Mapping[str, Any], count: int) -> None:
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _lone_surrogate_path(value: Any, path: str) -> str | None:
+def _shown_key(key: str) -> str:
+    """A key as a path shows it: its lone surrogates escaped, so the message stays valid UTF-8."""
+    return key.encode("utf-8", "backslashreplace").decode("utf-8") if _LONE_SURROGATE.search(key) else key
+
+
+def lone_surrogate_path(value: Any, path: str = "") -> str | None:
     """The path of the first string (key or value) holding a lone surrogate: JSON's "\\ud800"
-    escape parses to one, and no UTF-8 text (the database, the worker, the reply) can carry it."""
+    escape parses to one, and no UTF-8 text (the database, the worker, the reply) can carry it.
+    A key in the path shows its surrogates escaped; "" is the body itself."""
     if isinstance(value, str):
         return path if _LONE_SURROGATE.search(value) else None
     if isinstance(value, Mapping):
         for key, item in value.items():
-            child = f"{path}.{key}" if path else str(key)
+            shown = _shown_key(key) if isinstance(key, str) else str(key)
+            child = f"{path}.{shown}" if path else shown
             if isinstance(key, str) and _LONE_SURROGATE.search(key):
                 return child
-            found = _lone_surrogate_path(item, child)
-            if found:
+            found = lone_surrogate_path(item, child)
+            if found is not None:
                 return found
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            found = _lone_surrogate_path(item, f"{path}[{index}]")
-            if found:
+            found = lone_surrogate_path(item, f"{path}[{index}]")
+            if found is not None:
                 return found
     return None
 
@@ -936,7 +943,7 @@ def validate_chat_request(body: Any) -> ChatRequest:
     """
     if not isinstance(body, Mapping):
         raise _bad(None, "The request body has to be a JSON object.")
-    surrogate_at = _lone_surrogate_path(body, "")
+    surrogate_at = lone_surrogate_path(body)
     if surrogate_at is not None:
         raise _bad(surrogate_at, f"Invalid value for '{surrogate_at}': the text holds a lone surrogate, which is not valid Unicode.")
     body = {key: value for key, value in body.items() if value is not None}

@@ -265,7 +265,8 @@ REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["accounts.api.authentication.ApiKeyAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": [],
     "UNAUTHENTICATED_USER": None,
-    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    # DRF's, escaping a lone surrogate an answer echoes (hordesite/renderers.py).
+    "DEFAULT_RENDERER_CLASSES": ["hordesite.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
     "DEFAULT_CONTENT_NEGOTIATION_CLASS": "hordesite.negotiation.CommonAcceptNegotiation",
     "EXCEPTION_HANDLER": "hordesite.errors.horde_exception_handler",

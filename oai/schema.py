@@ -32,6 +32,7 @@ from contract.chat_shapes import (
     CONTENT_PART_TYPES,
     SUPPORTED_MESSAGE_KEYS,
     ChatRequest,
+    lone_surrogate_path,
     validate_chat_request,
 )
 from oai.errors import ChatFrontError
@@ -77,12 +78,34 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    """A number too large for a float (1e999) parses to infinity, which the native call's JSON
+    (allow_nan=False) cannot carry: refused as Infinity is."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:32]}{'...' if len(text) > 32 else ''} is out of range")
+    return value
+
+
 def parse_body(raw: bytes) -> Any:
-    """JSON, with NaN, Infinity and -Infinity refused (Python's parser accepts them)."""
+    """JSON, with NaN, Infinity and -Infinity refused (Python's parser accepts them, and reads a
+    number past a float's range as infinity), and a lone surrogate (JSON's "\\ud800" escape)
+    refused wherever it is: no UTF-8 text, this front's own answers included, can carry one."""
     try:
-        return json.loads(raw, parse_constant=_refuse_constant)
+        body = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as error:
         raise _bad(None, f"We could not parse the JSON body of your request: {error}") from None
+    # An escape makes one, or a UTF-16/32 body (json.loads decodes it with surrogatepass; it is
+    # told by a BOM or a NUL in the first bytes); the UTF-8 decoder refuses an encoded one, so most
+    # bodies skip the walk.
+    if b"\\u" in raw or b"\x00" in raw[:4] or raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        surrogate_at = lone_surrogate_path(body)
+        if surrogate_at is not None:
+            raise _bad(
+                surrogate_at or None,
+                f"Invalid value for '{surrogate_at or 'body'}': the text holds a lone surrogate, which is not valid Unicode.",
+            )
+    return body
 
 
 # --- step 1: refused parameters -------------------------------------------------------------------

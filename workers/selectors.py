@@ -88,6 +88,10 @@ def worker_get(worker_id) -> Worker | None:
 
 def worker_get_cached_by_name(name: str) -> Worker | None:
     """One worker by its name for its details, cached as by id (WORKER_DETAILS_CACHE_SECONDS)."""
+    if "\x00" in name:
+        # No worker has one (a pop's and a rename's name refuse NUL), and PostgreSQL text cannot
+        # hold it: the query would fail (a 500) rather than find none.
+        return None
     key = worker_details_name_cache_key(name)
     worker = cache.get(key)
     if worker is None:

@@ -168,6 +168,18 @@ def test_unparseable_body_is_a_validation_failure(horde):
     assert response.status_code == 400 and response.json()["message"] == "Input payload validation failed"
 
 
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999", "-" + "9" * 400 + ".5"])
+def test_a_non_finite_number_is_a_validation_failure_and_queues_nothing(horde, make_user, number):
+    """Where nothing else reads a number (a tool's parameters), it reached the worker as null."""
+    requester = make_user("non-finite", kudos=100)
+    tool = '{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "x": ' + number + "}}}"
+    raw = '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "tools": [' + tool + "]}"
+    response = horde.client.post(CHAT_ASYNC, raw, content_type="application/json", HTTP_APIKEY=requester.key)
+    assert response.status_code == 400 and response.json()["message"] == "Input payload validation failed"
+    assert response.json()["errors"]["payload"].startswith("The body is not valid JSON: ")
+    assert not GenerationRequest.objects.filter(user=requester.user).exists()
+
+
 # --- step 2: the contract's refusals, as {message, rc} ------------------------------------------
 
 

@@ -78,6 +78,10 @@ def test_pop_without_chat_jobs_withdraws_the_whole_declaration(horde, owner, req
         ({"chat_jobs": True, "chat_limits": LIMITS}, "model_id"),
         ({"chat_jobs": True, "chat_limits": {"max_length": 512}, "model_id": MODEL}, "chat_limits.max_context_length"),
         ({"chat_jobs": True, "chat_limits": {"max_context_length": 4096}, "model_id": MODEL}, "chat_limits.max_length"),
+        # Past the integer columns that store them: the pop's write failed with a 500.
+        ({"chat_jobs": True, "chat_limits": {**LIMITS, "max_context_length": 2**31}, "model_id": MODEL},
+         "chat_limits.max_context_length"),
+        ({"chat_jobs": True, "chat_limits": {**LIMITS, "max_length": 10**30}, "model_id": MODEL}, "chat_limits.max_length"),
         (
             {"chat_jobs": True, "chat_limits": {**LIMITS, "tools_max_temperature": -0.1}, "model_id": MODEL},
             "chat_limits.tools_max_temperature",
@@ -98,6 +102,14 @@ def test_invalid_declarations_are_refused(horde, owner, extra, param):
     assert body["message"].startswith(f"'{param}'")
     # A refused pop does not check the worker in.
     assert not Worker.objects.filter(name="bad").exists()
+
+
+def test_the_largest_chat_limits_are_stored(horde, owner):
+    largest = {"max_context_length": 2**31 - 1, "max_length": 2**31 - 1}
+    response = horde.pop(owner.key, name="wide", models=[MODEL], chat_jobs=True, chat_limits=largest, model_id=MODEL)
+    assert response.status_code == 200
+    worker = Worker.objects.get(name="wide")
+    assert worker.chat_max_context_length == worker.chat_max_length == 2**31 - 1
 
 
 def test_model_id_is_opaque(horde, owner):

@@ -52,3 +52,30 @@ def test_a_body_less_request_is_left_to_the_route(make_user):
     response = Client().generic("POST", "/api/v2/generate/text/async", HTTP_APIKEY=key)
     # No body and no type: the route's own validation answers, not the media type rule.
     assert response.status_code == 400 and response.json()["message"] == "Input payload validation failed"
+
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "echo"),
+    [
+        (
+            "/api/v2/generate/text/submit",
+            {"id": "8a7b2a3c-1f47-4a8e-9a53-3bd0a8f2e0c1", "generation": "x", "state": "\ud800"},
+            {"errors": {"state": '"\ud800" is not a valid choice.'}, "message": "Input payload validation failed"},
+        ),
+        (
+            "/api/v2/generate/text/pop",
+            {"name": "w", "models": ["m"], "chat_jobs": True, "model_id": "\ud800",
+             "chat_limits": {"max_context_length": 4096, "max_length": 512}},
+            {"message": "'model_id': model_id '\ud800' is not one of the worker's models.", "rc": "ChatDeclarationInvalid"},
+        ),
+    ],
+)
+def test_a_refusal_echoing_a_lone_surrogate_is_still_400(path, body, echo, make_user):
+    """JSON's \\ud800 escape parses to text UTF-8 cannot encode: a refusal that echoes it failed to
+    render (a 500). It is answered with the echo escaped, as the client sent it."""
+    key = make_user("surrogate-worker", kudos=100).key
+    raw = json.dumps(body)  # ensure_ascii: the surrogate travels as its escape
+    response = Client().post(path, data=raw, content_type="application/json", HTTP_APIKEY=key)
+    assert response.status_code == 400
+    assert response.content.isascii() and json.loads(response.content) == echo

@@ -188,6 +188,12 @@ def test_unknown_model_from_the_horde(client, start_worker):
         b'{"model": "m", "temperature": NaN, "messages": []}',
         b"{not json",
         b'{"model": "m", "messages": [], "top_p": Infinity}',
+        # Past a float's range: Python reads it as infinity, which the native call's JSON cannot
+        # carry (inside a tool's parameters, which nothing else reads, this was a 500).
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",'
+        b' "function": {"name": "f", "parameters": {"type": "object", "x": 1e999}}}]}',
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema",'
+        b' "json_schema": {"name": "n", "schema": {"type": "number", "maximum": -' + b"9" * 400 + b'.5}}}}',
     ],
 )
 def test_not_json_or_nan_is_bad_request(front, requester, body):
@@ -198,6 +204,33 @@ def test_not_json_or_nan_is_bad_request(front, requester, body):
     )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "BadRequest"
+
+
+@pytest.mark.parametrize("route", ["/chat/completions", "/completions"])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        # A value the screening echoes in its refusal (a role), and a key it names: the answer was a
+        # 500, the echoed text holding what UTF-8 cannot encode.
+        (b'{"model": "m", "prompt": "p", "messages": [{"role": "\\ud800", "content": "x"}]}', "messages[0].role"),
+        (b'{"model": "m", "prompt": "p", "messages": [{"role": "user", "content": "x"}], "\\udfff": 1}', "\\udfff"),
+        ("\ufeff".encode() + b'{"model": "m", "prompt": "\\udc00"}', "prompt"),
+        ('{"model": "m", "prompt": "p"}'.encode("utf-16"), None),
+    ],
+    ids=["echoed-role", "key", "bom-prompt", "utf-16"],
+)
+def test_a_lone_surrogate_anywhere_is_bad_request(front, requester, route, body, param):
+    if param is None:  # a UTF-16 body, which Python's parser reads with surrogatepass: a lone one encoded
+        body = body.replace('"p"'.encode("utf-16-le"), '"\ud800"'.encode("utf-16-le", "surrogatepass"))
+    response = httpx.post(
+        f"{front.live.v1}{route}",
+        content=body,
+        headers={"Authorization": f"Bearer {requester.key}", "Content-Type": "application/json"},
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "BadRequest" and "lone surrogate" in error["message"]
+    assert error["param"] == (param or "prompt")
 
 
 def test_bad_key_is_authentication_error(front, start_worker):

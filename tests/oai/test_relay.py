@@ -224,6 +224,19 @@ def test_a_final_reply_longer_than_the_relayed_text_sends_the_rest(front, reques
     assert events[-1] == "[DONE]" and _outcomes(front) == {"prefix": 1}
 
 
+def test_a_nul_in_the_posted_and_the_submitted_text_is_not_a_divergence(front, requester, streaming_worker):
+    """The stored reply has NUL replaced; the relayed text has it replaced too, so a worker that
+    posts and submits the same text is not ended with ChatStreamDiverged."""
+    client = _stream(front, requester)
+    job = streaming_worker.pop()
+    streaming_worker.post(job, 1, "He\x00l")
+    client.wait_contents(1)
+    streaming_worker.submit(job, "He\x00llo.")
+    events = client.finish()
+    assert client.contents() == ["He\ufffdl", "lo."]
+    assert events[-1] == "[DONE]" and _outcomes(front) == {"prefix": 1}
+
+
 def test_a_final_reply_not_starting_with_the_relayed_text_is_diverged(front, requester, streaming_worker):
     client = _stream(front, requester)
     job = streaming_worker.pop()

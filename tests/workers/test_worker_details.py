@@ -101,6 +101,14 @@ def test_an_unknown_name_is_worker_not_found(horde, make_user):
     assert horde.client.get("/api/v2/workers/name/Known").status_code == 404  # names are exact
 
 
+def test_a_name_with_a_nul_is_worker_not_found(horde, make_user):
+    # No worker can have it, and PostgreSQL text cannot hold it: the lookup answered 500.
+    horde.pop(make_user("owner").key, name="known")
+    response = horde.client.get("/api/v2/workers/name/kn%00own")
+    assert response.status_code == 404
+    assert response.json() == {"message": "Worker with name 'kn\x00own' not found.", "rc": "WorkerNotFound"}
+
+
 def test_details_by_name_are_cached_but_the_owner_switch_shows_at_once(horde, make_user):
     owner = make_user("owner")
     chat_pop(horde, owner.key, name="chat")
