@@ -35,6 +35,7 @@ from contract.chat_shapes import (
     lone_surrogate_path,
     validate_chat_request,
 )
+from contract.strict_json import loads_strict
 from oai.errors import ChatFrontError
 
 # Keys the front validates and forwards, or applies itself (stream, stream_options, user, metadata):
@@ -74,25 +75,12 @@ def _bad(param: str | None, message: str) -> ChatFrontError:
     return ChatFrontError(400, "BadRequest", message, param=param, should_retry=False)
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _finite_float(text: str) -> float:
-    """A number too large for a float (1e999) parses to infinity, which the native call's JSON
-    (allow_nan=False) cannot carry: refused as Infinity is."""
-    value = float(text)
-    if math.isinf(value):
-        raise ValueError(f"the number {text[:32]}{'...' if len(text) > 32 else ''} is out of range")
-    return value
-
-
 def parse_body(raw: bytes) -> Any:
     """JSON, with NaN, Infinity and -Infinity refused (Python's parser accepts them, and reads a
     number past a float's range as infinity), and a lone surrogate (JSON's "\\ud800" escape)
     refused wherever it is: no UTF-8 text, this front's own answers included, can carry one."""
     try:
-        body = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+        body = loads_strict(raw)
     except (ValueError, RecursionError) as error:
         raise _bad(None, f"We could not parse the JSON body of your request: {error}") from None
     # An escape makes one, or a UTF-16/32 body (json.loads decodes it with surrogatepass; it is

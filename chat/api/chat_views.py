@@ -7,9 +7,6 @@ answer the body the status selector builds (and caches) as it is.
 
 from __future__ import annotations
 
-import json
-import math
-
 from drf_spectacular.utils import OpenApiResponse, PolymorphicProxySerializer, extend_schema
 from rest_framework.exceptions import ParseError
 from rest_framework.response import Response
@@ -27,6 +24,7 @@ from contract.chat_limits import MAX_CHAT_BODY_BYTES
 from contract.chat_shapes import ChatRequest, validate_chat_request
 from contract.chat_status import ChatStatus
 from contract.errors import HordeError, request_too_large_message
+from contract.strict_json import loads_strict
 
 # Read a body without a declared length in pieces, to stop one byte past the limit.
 BODY_READ_CHUNK_BYTES = 1024 * 1024
@@ -73,24 +71,11 @@ def _clean_strings(value):
     return value
 
 
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _finite_float(text: str) -> float:
-    """A number past a float's range (1e999) reads as infinity: refused as Infinity is, where it
-    would otherwise reach a tool's parameters or a schema as null."""
-    value = float(text)
-    if math.isinf(value):
-        raise ValueError(f"the number {text[:32]}{'...' if len(text) > 32 else ''} is out of range")
-    return value
-
-
 def parse_chat_body(raw: bytes):
     """NaN and Infinity refused, as DRF's strict parser refuses them on the other native routes,
     and a number past a float's range, which reads as infinity."""
     try:
-        return _clean_strings(json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float))
+        return _clean_strings(loads_strict(raw))
     except (ValueError, RecursionError) as error:
         raise ParseError(f"The body is not valid JSON: {error}") from None
 
