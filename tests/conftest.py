@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
+from contract.chat_signal import CHAT_SIGNAL_DB
+
 
 def pytest_configure(config) -> None:
     """On SQLite, a file test database instead of the shared in-memory one: the live servers'
@@ -50,6 +52,13 @@ def _flush_test_redis() -> None:
         db = client.connection_pool.connection_kwargs.get("db", 0)
         if int(db) == 0:
             pytest.exit(f"REDIS_URL {url!r} is database 0: run the suite on a test database (e.g. /15)", 2)
+        if int(db) == CHAT_SIGNAL_DB:
+            pytest.exit(
+                f"REDIS_URL {url!r} is database {CHAT_SIGNAL_DB}, where every process keeps the completion "
+                "signal and the progress streams (contract.chat_signal.CHAT_SIGNAL_DB): flushing it per test "
+                "would wipe another worker's; run the suite on another (e.g. /15)",
+                2,
+            )
         client.flushdb()
     finally:
         client.close()
