@@ -30,6 +30,7 @@ from workers.bridge.jobs import (
     enforce_tool_controls,
     finish_reason,
     parse_chat_response,
+    parse_text_response,
     split_reasoning,
 )
 from workers.bridge.scripted import ScriptedBackend, minimal_instance
@@ -185,6 +186,20 @@ def test_finish_reasons():
     assert finish_reason("length", False) == ChatFinishReason.LENGTH
     assert finish_reason("eos", False) == ChatFinishReason.STOP
     assert finish_reason(None, False) == ChatFinishReason.STOP
+
+
+def test_a_reply_vllm_aborted_or_failed_is_a_fault_not_a_stop():
+    # vLLM answers finish_reason "abort" (request aborted by its engine) or "error": the text is
+    # cut off, so it must fault the job rather than be submitted as a finished "stop" reply.
+    for native in ("abort", "error"):
+        chat = {"choices": [{"message": {"role": "assistant", "content": "Half a rep"}, "finish_reason": native}]}
+        with pytest.raises(BackendError):
+            parse_chat_response(chat)
+        with pytest.raises(BackendError):
+            parse_text_response({"choices": [{"text": "Half a rep", "finish_reason": native}]})
+    assert parse_chat_response(
+        {"choices": [{"message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}
+    ).content == "ok"
 
 
 def test_submit_body_keeps_minted_ids_and_omits_unreported_counts():

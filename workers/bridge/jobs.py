@@ -187,6 +187,15 @@ _FINISH = {
 }
 
 
+# vLLM ends a request its engine aborted (or failed) with these: the reply is cut off, not done.
+_FAILED_FINISH = ("abort", "error")
+
+
+def _refuse_failed_finish(native: Any) -> None:
+    if isinstance(native, str) and native.lower() in _FAILED_FINISH:
+        raise BackendError(f"backend ended the reply with finish_reason {native!r}")
+
+
 def finish_reason(native: Any, has_calls: bool) -> ChatFinishReason:
     finish = _FINISH.get(str(native).lower(), ChatFinishReason.STOP) if native else ChatFinishReason.STOP
     if has_calls and finish == ChatFinishReason.STOP:
@@ -248,6 +257,7 @@ def parse_chat_response(response: dict[str, Any]) -> ChatReply:
     )
     calls = _tool_calls(message.get("tool_calls"))
     native = choice.get("finish_reason")
+    _refuse_failed_finish(native)
     usage = response["usage"] if isinstance(response.get("usage"), dict) else {}
     details = usage["completion_tokens_details"] if isinstance(usage.get("completion_tokens_details"), dict) else {}
     if content is None and not calls:
@@ -337,6 +347,7 @@ def parse_text_response(response: dict[str, Any]) -> TextReply:
     text = choice.get("text")
     if not isinstance(text, str):
         raise BackendError("backend answered a completion without text")
+    _refuse_failed_finish(choice.get("finish_reason"))
     usage = response["usage"] if isinstance(response.get("usage"), dict) else {}
     return TextReply(text=text, completion_tokens=_count(usage.get("completion_tokens")))
 
