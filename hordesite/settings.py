@@ -278,6 +278,8 @@ SPECTACULAR_SETTINGS = {
     "SERVE_INCLUDE_SCHEMA": False,
     # Two choice sets of fields named "type" (a tool's, a response format's): name the tool's.
     "ENUM_NAME_OVERRIDES": {"FunctionTypeEnum": ["function"]},
+    # The ids in paths are UUIDs in either case (hordesite/converters.py).
+    "PATH_CONVERTER_OVERRIDES": {"anycase_uuid": {"type": "string", "format": "uuid"}},
 }
 
 LANGUAGE_CODE = "en-us"

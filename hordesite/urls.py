@@ -1,6 +1,6 @@
 from django.contrib import admin
 from django.http import JsonResponse
-from django.urls import include, path
+from django.urls import include, path, register_converter
 from drf_spectacular.views import SpectacularJSONAPIView
 
 from accounts.api.views import (
@@ -15,14 +15,17 @@ from chat.api import pop_views, progress_views, submit_views
 from chat.api import views as chat_views
 from chat.api.chat_views import ChatAsyncView, ChatStatusView
 from chat.api.image_views import chat_object_download
+from hordesite.converters import AnyCaseUUIDConverter
 from hordesite.health import healthz
 from workers.api.views import WorkerByNameView, WorkerDetailView, WorkerListView
 
+register_converter(AnyCaseUUIDConverter, "anycase_uuid")
+
 api_v2 = [
     path("generate/text/async", chat_views.TextAsyncView.as_view()),
-    path("generate/text/status/<uuid:request_id>", chat_views.TextStatusView.as_view()),
+    path("generate/text/status/<anycase_uuid:request_id>", chat_views.TextStatusView.as_view()),
     path("generate/chat/async", ChatAsyncView.as_view()),
-    path("generate/chat/status/<uuid:request_id>", ChatStatusView.as_view()),
+    path("generate/chat/status/<anycase_uuid:request_id>", ChatStatusView.as_view()),
     path("generate/text/pop", pop_views.TextPopView.as_view()),
     path("generate/text/submit", submit_views.TextSubmitView.as_view()),
     path("generate/text/progress", progress_views.TextProgressView.as_view()),
@@ -34,7 +37,7 @@ api_v2 = [
     path("sharedkeys", SharedKeysView.as_view()),
     path("sharedkeys/<str:key_id>", SharedKeyDetailView.as_view()),
     path("workers", WorkerListView.as_view()),
-    path("workers/<uuid:worker_id>", WorkerDetailView.as_view()),
+    path("workers/<anycase_uuid:worker_id>", WorkerDetailView.as_view()),
     path("workers/name/<str:worker_name>", WorkerByNameView.as_view()),
     path("status/heartbeat", chat_views.HeartbeatView.as_view()),
     path("status/models", chat_views.ModelsStatusView.as_view()),

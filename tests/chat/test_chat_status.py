@@ -180,3 +180,18 @@ def test_redis_down_submit_and_cancel_still_succeed(
     assert cancelled.status_code == 200 and cancelled.json()["done"] is True
     assert GenerationRequest.objects.get(pk=request_id).cancelled
     assert "completion signal cancelled" in caplog.text
+
+
+def test_ids_in_paths_are_read_in_either_case(horde, make_user, queued):
+    """A UUID's text is case-insensitive (RFC 9562), as upstream's lookup is: a client that keeps an
+    id in upper case polls, cancels and reads a worker with it."""
+    request, worker = queued
+    lower = chat_status(horde.client, request.id).json()
+    assert chat_status(horde.client, str(request.id).upper()).json() == lower
+    text_id = horde.text_async(make_user("t").key).json()["id"]
+    assert horde.status(text_id.upper()).json() == horde.status(text_id).json()
+    cancelled = horde.cancel(text_id.upper())
+    assert cancelled.status_code == 200 and cancelled.json()["is_possible"] is not None
+    assert GenerationRequest.objects.get(pk=text_id).cancelled
+    details = horde.client.get(f"/api/v2/workers/{str(worker.id).upper()}")
+    assert details.status_code == 200 and details.json()["id"] == str(worker.id)
