@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oai.admission import front_at_capacity
-from oai.errors import ChatFrontError
+from oai.errors import ChatFrontError, invalid_api_key
 from oai.horde_client import NativeUnreachable
 from oai.mapping import build_completion, build_model_card
 from oai.run import ANONYMOUS_API_KEY, ChatRun
@@ -98,13 +98,7 @@ async def _completions(
         metrics.client_retry_hints.add(1)
     if api_key is None:
         if not state.settings.allow_anonymous:
-            error = ChatFrontError(
-                401,
-                "invalid_api_key",
-                "This AI Horde front needs an API key: send it as a Bearer token.",
-                type="authentication_error",
-                should_retry=False,
-            )
+            error = invalid_api_key("This AI Horde front needs an API key: send it as a Bearer token.")
             metrics.refused(401, error.code)
             return _json_error(error)
         api_key = ANONYMOUS_API_KEY
@@ -169,15 +163,7 @@ async def list_models(api_key: str | None = None) -> JsonAnswer:
             checked = await state.client.key_check(api_key)
             if checked.status == 401:
                 body = checked.body if isinstance(checked.body, dict) else {}
-                return _json_error(
-                    ChatFrontError(
-                        401,
-                        "invalid_api_key",
-                        body.get("message") or "The API key is not valid.",
-                        type="authentication_error",
-                        should_retry=False,
-                    )
-                )
+                return _json_error(invalid_api_key(body.get("message") or "The API key is not valid."))
         answer = await state.client.models()
     except NativeUnreachable as error:
         return _json_error(

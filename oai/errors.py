@@ -85,5 +85,10 @@ class ChatFrontError(Exception):
         return f"ChatFrontError({self.status}, {self.code!r}, {self.message!r}, param={self.param!r})"
 
 
+def invalid_api_key(message: str) -> ChatFrontError:
+    """OpenAI's answer to a missing or unknown key: 401 authentication_error, not to be retried."""
+    return ChatFrontError(401, "invalid_api_key", message, type="authentication_error", should_retry=False)
+
+
 def sse_error_event(error: ChatFrontError, request_id: str | None = None) -> bytes:
     return b"data: " + json.dumps(error.body(request_id), separators=(",", ":")).encode() + b"\n\n"

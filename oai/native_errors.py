@@ -10,7 +10,7 @@ from typing import Any
 
 from contract.chat_errors import param_from_native_message
 from contract.chat_policy import parse_kudos_cap_message
-from oai.errors import ChatFrontError
+from oai.errors import ChatFrontError, invalid_api_key
 from oai.horde_client import HordeClient, NativeAnswer, NativeUnreachable
 from oai.schema import ChatCompletionRequest
 from oai.text_completions import TextCompletionRequest
@@ -116,9 +116,7 @@ def native_submit_error(
     if rc == "ChatKudosCapExceeded":
         return _kudos_cap_error(message)
     if status == 401 or rc in ("InvalidAPIKey", "AnonForbidden"):
-        return ChatFrontError(
-            401, "invalid_api_key", message, type="authentication_error", should_retry=False
-        )
+        return invalid_api_key(message)
     if status == 429:
         retry_after = _int_header(answer, "Retry-After")
         return ChatFrontError(

@@ -24,7 +24,7 @@ from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.response import Response
 
 from oai import app
-from oai.errors import HOST_NOT_SERVED_MESSAGE, ChatFrontError
+from oai.errors import HOST_NOT_SERVED_MESSAGE, ChatFrontError, invalid_api_key
 from oai.state import get_front_state
 
 
@@ -73,9 +73,7 @@ def openai_exception_handler(exc, context) -> Response:
     if isinstance(exc, ChatFrontError):
         error = exc
     elif isinstance(exc, exceptions.NotAuthenticated | exceptions.AuthenticationFailed):
-        error = ChatFrontError(
-            401, "invalid_api_key", str(exc.detail), type="authentication_error", should_retry=False
-        )
+        error = invalid_api_key(str(exc.detail))
     elif isinstance(exc, exceptions.MethodNotAllowed):
         error = ChatFrontError(405, "method_not_allowed", str(exc.detail), should_retry=False)
     elif isinstance(exc, exceptions.Throttled):
