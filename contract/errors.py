@@ -38,6 +38,10 @@ RC_STATUS: dict[str, int] = {
     "TooLongWorkerName": 400,
     "WorkerNameAlreadyExists": 400,
     "Locked": 423,
+    "TokenOverflow": 400,
+    "MissingFullSamplerOrder": 400,
+    "TooManyStopSequences": 400,
+    "ExcessiveStopSequence": 400,
 }
 
 

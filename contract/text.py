@@ -66,13 +66,32 @@ CHAT_MAPPED_MAX_STOP_SEQUENCES = 32
 CHAT_MAPPED_MAX_STOP_SEQUENCE_CHARS = 1000
 
 
-def text_stop_sequence_error(stops: list[str]) -> str | None:
-    """Upstream's refusal of a text request's stop_sequence (distinct sequences counted), else None."""
-    distinct = set(stops)
-    if len(distinct) > TEXT_MAX_STOP_SEQUENCES:
-        return TEXT_TOO_MANY_STOP_SEQUENCES_MESSAGE
-    if sum(map(len, distinct)) > TEXT_MAX_STOP_SEQUENCES_TOTAL_CHARS:
-        return TEXT_STOP_SEQUENCES_TOO_LONG_MESSAGE
+# Upstream's other refusals of a text request's params (its validate_text_params), each a 400 with
+# its own rc: a completion longer than the context, and a custom sampler order that leaves samplers out.
+TEXT_TOKEN_OVERFLOW_MESSAGE = "You cannot request more tokens than your context length."
+TEXT_SAMPLER_ORDER_MIN_SAMPLERS = 7
+TEXT_PARTIAL_SAMPLER_ORDER_MESSAGE = (
+    "When sending a custom sampler order, you need to specify all possible samplers in the order"
+)
+
+
+def text_params_refusal(
+    params: Mapping[str, Any], *, max_length: int, max_context_length: int
+) -> tuple[str, str] | None:
+    """Upstream's refusal of a text request's validated params, as (rc, message), else None: the
+    checks of its validate_text_params, in its order (distinct stop sequences counted)."""
+    if max_context_length < max_length:
+        return "TokenOverflow", TEXT_TOKEN_OVERFLOW_MESSAGE
+    order = params.get("sampler_order")
+    if order is not None and len(set(order)) < TEXT_SAMPLER_ORDER_MIN_SAMPLERS:
+        return "MissingFullSamplerOrder", TEXT_PARTIAL_SAMPLER_ORDER_MESSAGE
+    stops = params.get("stop_sequence")
+    if stops is not None:
+        distinct = set(stops)
+        if len(distinct) > TEXT_MAX_STOP_SEQUENCES:
+            return "TooManyStopSequences", TEXT_TOO_MANY_STOP_SEQUENCES_MESSAGE
+        if sum(map(len, distinct)) > TEXT_MAX_STOP_SEQUENCES_TOTAL_CHARS:
+            return "ExcessiveStopSequence", TEXT_STOP_SEQUENCES_TOO_LONG_MESSAGE
     return None
 
 

@@ -27,6 +27,13 @@ NATIVE_FIELD_PARAMETERS = {
     "validated_backends": "horde.validated_backends",
     "slow_workers": "horde.slow_workers",
 }
+# The native text route's refusals of its params (upstream's rcs), by the OpenAI param they come from.
+NATIVE_RC_PARAMETERS = {
+    "TokenOverflow": "max_tokens",
+    "MissingFullSamplerOrder": "sampler_order",
+    "TooManyStopSequences": "stop",
+    "ExcessiveStopSequence": "stop",
+}
 # A native field path: its name, then any index suffix ("stop_sequence[0]").
 NATIVE_FIELD_PATTERN = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P<rest>.*)$")
 GAP_GUARANTEES = frozenset(
@@ -137,6 +144,7 @@ def native_submit_error(
             status, rc or "HordeUnavailable", text, param=param, type="api_error",
             retry_after=_int_header(answer, "Retry-After"),
         )
+    param = param or NATIVE_RC_PARAMETERS.get(rc or "")
     return ChatFrontError(status, rc or "BadRequest", text, param=param, should_retry=False)
 
 

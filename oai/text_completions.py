@@ -436,7 +436,7 @@ def screen_text_request(raw_body: Any) -> TextCompletionRequest:
     any_model = "model" not in body and "models" not in body
     if not any_model:
         _check_models(body)
-    # OpenAI's bounds, but the stop count: the native text route takes up to 32 stop sequences.
+    # OpenAI's bounds, but the stop count: the native text route takes up to 128 stop sequences.
     _check_ranges({key: value for key, value in body.items() if key != "stop"})
     max_tokens_ceiling = TEXT_MAX_LENGTH_RANGE[1]  # the native text route's bound, said at the client's key
     if _is_number(body.get("max_tokens")) and body["max_tokens"] > max_tokens_ceiling:

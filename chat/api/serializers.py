@@ -36,7 +36,6 @@ from contract.text import (
     TEXT_POP_MAX_LENGTH_DEFAULT,
     TEXT_POP_WAIT_MAX_SECONDS,
     TEXT_SAMPLER_ORDER_RANGE,
-    text_stop_sequence_error,
 )
 
 
@@ -84,13 +83,11 @@ class TextParamsSerializer(serializers.Serializer):
     )
 
     def validate(self, attrs):
-        """stop_sequence under upstream's rule (contract.text.text_stop_sequence_error), the empty
-        ones dropped. Here, not in a validate_stop_sequence, so the canonical path runs it too."""
+        """The empty stop sequences dropped: one stops nothing, and KoboldAI Lite sends an empty
+        instruct tag as one. Here, not in a validate_stop_sequence, so the canonical path runs it
+        too. Upstream's bounds are the service's (contract.text.text_params_refusal)."""
         stops = attrs.get("stop_sequence")
         if stops is not None:
-            error = text_stop_sequence_error(stops)
-            if error is not None:
-                raise serializers.ValidationError({"stop_sequence": error})
             attrs["stop_sequence"] = [stop for stop in stops if stop]
         return attrs
 

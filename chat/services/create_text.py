@@ -37,6 +37,7 @@ from chat.services.admission import (
     shared_key_unusable,
 )
 from contract.errors import HordeError
+from contract.text import text_params_refusal
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,9 @@ def text_request_create(
         if repeated is not None:
             return repeated
     ensure_not_in_maintenance()
+    refusal = text_params_refusal(data.params, max_length=data.max_length, max_context_length=data.max_context_length)
+    if refusal is not None:
+        raise HordeError(*refusal)
     downgraded_priority = False
     if shared_key is not None:
         unusable = shared_key_unusable(shared_key)

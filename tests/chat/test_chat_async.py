@@ -317,13 +317,17 @@ def test_stop_sequences_follow_upstreams_rule_on_the_text_route_and_openais_on_t
     stored = GenerationRequest.objects.get(pk=accepted.json()["id"]).params["stop_sequence"]
     assert stored == ["### Response:", *group]
     refusals = (
-        ([f"s{i}" for i in range(129)], "Too many stop sequences specified (max allowed is 128)."),
-        (["x" * 1500, "y" * 501], "Your total stop sequence length exceeds the allowed limit (2000 chars)."),
+        ([f"s{i}" for i in range(129)], "TooManyStopSequences", "Too many stop sequences specified (max allowed is 128)."),
+        (
+            ["x" * 1500, "y" * 501],
+            "ExcessiveStopSequence",
+            "Your total stop sequence length exceeds the allowed limit (2000 chars).",
+        ),
     )
-    for stops, message in refusals:
+    for stops, rc, message in refusals:
         refused = horde.text_async(requester.key, params={"stop_sequence": stops})
         assert refused.status_code == 400
-        assert refused.json()["errors"] == {"params.stop_sequence": message}
+        assert refused.json() == {"message": message, "rc": rc}
     # The same 128 under a repeat: upstream counts distinct sequences.
     assert horde.text_async(requester.key, params={"stop_sequence": ["a"] * 200}).status_code == 202
     for stop, errors in (
@@ -333,6 +337,40 @@ def test_stop_sequences_follow_upstreams_rule_on_the_text_route_and_openais_on_t
         response = chat_async(horde.client, requester.key, stop=stop)
         assert response.status_code == 400
         assert response.json() == {"errors": errors, "message": "Input payload validation failed"}
+
+
+def test_text_params_upstream_refuses_are_refused_with_its_rc(horde, make_user, served):
+    """Upstream's validate_text_params: more tokens than the context, or a custom sampler order
+    that leaves samplers out, is a 400 with its rc and message, dry run or not, and nothing is
+    queued or charged."""
+    requester = make_user("r", kudos=100)
+    refusals = (
+        (
+            {"max_length": 4096},  # over the default context of 2048
+            {"message": "You cannot request more tokens than your context length.", "rc": "TokenOverflow"},
+        ),
+        (
+            {"max_length": 512, "max_context_length": 256},
+            {"message": "You cannot request more tokens than your context length.", "rc": "TokenOverflow"},
+        ),
+        (
+            {"sampler_order": [6, 0, 1, 3, 4, 2, 2]},  # six distinct of seven
+            {
+                "message": "When sending a custom sampler order, you need to specify all possible samplers in the order",
+                "rc": "MissingFullSamplerOrder",
+            },
+        ),
+    )
+    for params, body in refusals:
+        for dry_run in (False, True):
+            refused = horde.text_async(requester.key, params=params, dry_run=dry_run)
+            assert (refused.status_code, refused.json()) == (400, body)
+    assert not GenerationRequest.objects.exists()
+    requester.user.refresh_from_db()
+    assert requester.user.kudos == 100
+    # At the bound, and KoboldAI Lite's full order, are taken.
+    for params in ({"max_length": 2048, "max_context_length": 2048}, {"sampler_order": [6, 0, 1, 3, 4, 2, 5]}):
+        assert horde.text_async(requester.key, params=params).status_code == 202
 
 
 def test_nul_in_text_is_replaced_not_a_500(horde, make_user, served):

@@ -57,7 +57,8 @@ def _queued(user, *, max_length: int, jobs: int = 1, is_chat: bool = False, mode
 
 
 def _text(horde, key, max_length: int, **body):
-    return horde.text_async(key, models=[MODEL], params={"max_length": max_length}, **body)
+    params = {"max_length": max_length, "max_context_length": max(2048, max_length)}
+    return horde.text_async(key, models=[MODEL], params=params, **body)
 
 
 def test_an_idle_fleet_serves_up_to_the_ceiling_free(horde, make_user):

@@ -161,7 +161,10 @@ def test_a_live_front_keeps_its_requests_past_many_lease_lengths(
         time.sleep(0.2)
     assert cancelled == 0
     request = GenerationRequest.objects.get()
-    assert not request.cancelled and request.front_lease_expires_at > _now()
+    assert not request.cancelled
+    if not front_redis:  # renewed on the row by the status reads; with Redis, the row takes the
+        # key's expiry only when a sweep finds it lapsed, so between sweeps it may read lapsed
+        assert request.front_lease_expires_at > _now()
     worker.start()
     try:
         thread.join(15)

@@ -225,7 +225,10 @@ REFUSALS = [
     ),
     # Refused by the native text route, its field named as the client sent it.
     ({"stop": ["\nYou:", "a\x00b"]}, openai.BadRequestError, "stop[1]", "BadRequest"),
-    ({"stop": "x" * 2001}, openai.BadRequestError, "stop", "BadRequest"),
+    # Upstream's refusals of the text params, their rc as the code (ADR 0073).
+    ({"stop": "x" * 2001}, openai.BadRequestError, "stop", "ExcessiveStopSequence"),
+    ({"max_tokens": 200, "horde": {"max_context_length": 100}}, openai.BadRequestError, "max_tokens", "TokenOverflow"),
+    ({"sampler_order": [6, 0, 1]}, openai.BadRequestError, "sampler_order", "MissingFullSamplerOrder"),
     ({"top_p": 0}, openai.BadRequestError, "top_p", "BadRequest"),
     ({"horde": {"only": ["scribe-1"]}}, openai.BadRequestError, "horde.only[0]", "BadRequest"),
     ({"horde": {"max_context_length": 10}}, openai.BadRequestError, "horde.max_context_length", "BadRequest"),
