@@ -120,7 +120,9 @@ def test_probe_ollama_truncates_so_no_overflow_guarantee(route_backend):
         {"/v1/models": {"data": [{"id": "qwen3:8b", "owned_by": "library"}]}, "/api/version": {"version": "0.12.0"}}
     )
     caps = backend.probe(None)
-    assert caps.kind == "ollama" and caps.context is None
+    # No /api/show nor /api/ps: Ollama's smallest default context, and the log says so.
+    assert caps.kind == "ollama" and caps.context == 4096
+    assert any("--max-context-length" in note for note in caps.notes)
     assert "prompt_overflow_refused" not in caps.features and "reasoning_effort" in caps.features
 
 

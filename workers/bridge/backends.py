@@ -205,6 +205,27 @@ def _positive_int(value: Any) -> int | None:
     return None
 
 
+# Ollama: /api/ps reports a loaded model's context_length from 0.10.0; its default context was
+# 2048 before 0.6.7; /api/show's parameters list the Modelfile's PARAMETER lines ("%-30s %v").
+OLLAMA_PS_CONTEXT_VERSION = (0, 10, 0)
+OLLAMA_4096_DEFAULT_VERSION = (0, 6, 7)
+OLLAMA_OLD_DEFAULT_CONTEXT = 2048
+OLLAMA_NUM_CTX = re.compile(r"^num_ctx\s+(\d+)\s*$", re.MULTILINE)
+
+
+def ollama_version(text: Any) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of /api/version's "0.12.3"; None for none, or a source build's 0.0.0."""
+    match = re.match(r"^v?(\d+)\.(\d+)\.(\d+)", text) if isinstance(text, str) else None
+    version = (int(match.group(1)), int(match.group(2)), int(match.group(3))) if match else None
+    return version if version and any(version) else None
+
+
+def ollama_model_name(name: Any) -> str:
+    """A model name with its tag, as Ollama reads it ("qwen3" is "qwen3:latest")."""
+    name = str(name or "")
+    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+
+
 # A model id that is a file path as typed (llama-server's -m, `vllm serve /models/x`).
 _PATH_LIKE = re.compile(r"^(/|\./|\.\./|~|[A-Za-z]:[\\/])|\\|\.gguf$", re.IGNORECASE)
 
@@ -437,6 +458,8 @@ class OpenAIBackend:
         caps.public_model = public_model_name(model, model_path if isinstance(model_path, str) else None)
         if kind == "llamacpp" and isinstance(props, dict):
             self._llamacpp_abilities(props, caps)
+        if kind == "ollama":
+            self._ollama_abilities(caps)
         if kind in ("vllm", "koboldcpp"):
             caps.tokenizer = "/tokenize" if kind == "vllm" else "/api/extra/tokencount"
         if kind == "vllm":
@@ -519,6 +542,71 @@ class OpenAIBackend:
             caps.image_transports.add(ChatImageTransport.BASE64)  # llama.cpp reads data URLs, not http
             caps.notes.append("vision: /props modalities.vision (base64 transport)")
 
+
+    def _ollama_abilities(self, caps: Capabilities) -> None:
+        """What Ollama runs the model with for its /v1 routes: its capabilities (/api/show) and
+        the context it loads the model with (/api/ps), which no route reports beforehand."""
+        answer = self._get_json(f"{self.root}/api/version")
+        version = ollama_version(answer.get("version") if isinstance(answer, dict) else None)
+        show = self._post_json(f"{self.root}/api/show", {"model": caps.model})
+        show = show if isinstance(show, dict) else {}
+        capabilities = show.get("capabilities")
+        if isinstance(capabilities, list):
+            names = {str(name) for name in capabilities}
+            if "vision" in names:
+                caps.features.add(ChatFeature.VISION)
+                caps.image_transports.add(ChatImageTransport.BASE64)  # its /v1 refuses image URLs
+                caps.notes.append("vision: /api/show capabilities (base64 transport)")
+            if "tools" not in names:
+                caps.features.discard(ChatFeature.TOOLS)  # it answers 400 "does not support tools"
+                caps.notes.append("tools: not declared, /api/show capabilities has no tools")
+            if "thinking" not in names:
+                caps.features.discard(ChatFeature.REASONING_EFFORT)  # 400 "does not support thinking"
+                caps.notes.append("reasoning_effort: not declared, /api/show capabilities has no thinking")
+        else:
+            caps.notes.append("/api/show reports no capabilities (Ollama before 0.6.4): vision not declared")
+        caps.context = self._ollama_context(caps, version, show)
+
+    def _ollama_context(self, caps: Capabilities, version: tuple[int, int, int] | None, show: dict[str, Any]) -> int:
+        """The context Ollama gives a /v1 request: a /v1 request carries no num_ctx, so the model
+        is loaded with its Modelfile's num_ctx, else OLLAMA_CONTEXT_LENGTH, else Ollama's default
+        (2048 before 0.6.7, then 4096, from 0.15.5 4096/32768/262144 by VRAM), at most its trained
+        context. Only /api/ps tells it, once the model is loaded; the bridge loads it as a /v1
+        request would (a model another client loaded with its own num_ctx is loaded again)."""
+        info = show["model_info"] if isinstance(show.get("model_info"), dict) else {}
+        trained = _positive_int(info.get(f"{info.get('general.architecture')}.context_length"))
+        parameters = show.get("parameters")
+        match = OLLAMA_NUM_CTX.search(parameters) if isinstance(parameters, str) else None
+
+        def held(value: int) -> int:
+            return min(value, trained) if trained else value
+
+        loaded = None
+        if version is None or version >= OLLAMA_PS_CONTEXT_VERSION:
+            loaded = self._ollama_loaded_context(caps.model)
+        if loaded:
+            caps.notes.append(f"context {held(loaded)} from /api/ps (the model loaded as the /v1 routes load it)")
+            return held(loaded)
+        if match:
+            caps.notes.append(f"context {held(int(match.group(1)))} from /api/show parameters num_ctx")
+            return held(int(match.group(1)))
+        default = held(OLLAMA_OLD_DEFAULT_CONTEXT if version and version < OLLAMA_4096_DEFAULT_VERSION else DEFAULT_CONTEXT)
+        caps.notes.append(
+            f"context {default}: Ollama's smallest default, as its API does not report the one it runs with "
+            "(OLLAMA_CONTEXT_LENGTH or its VRAM tier); pass --max-context-length when it is larger"
+        )
+        return default
+
+    def _ollama_loaded_context(self, model: str) -> int | None:
+        """/api/ps's context_length for the model, after a load request with no options (as
+        `ollama run` preloads; answered at once when the model is loaded as a /v1 request needs it)."""
+        self._post_json(f"{self.root}/api/generate", {"model": model}, timeout=self.timeout)
+        listing = self._get_json(f"{self.root}/api/ps")
+        wanted = ollama_model_name(model)
+        for entry in (listing.get("models") if isinstance(listing, dict) else None) or []:
+            if isinstance(entry, dict) and wanted in (ollama_model_name(entry.get("model")), ollama_model_name(entry.get("name"))):
+                return _positive_int(entry.get("context_length"))
+        return None
 
     def _llamacpp_takes_tools(self, model: str) -> tuple[bool, str]:
         """Whether the server takes a request with tools: /apply-template parses it as a chat

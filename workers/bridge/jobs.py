@@ -26,6 +26,10 @@ from workers.bridge.backends import KIND_EXTRA_SAMPLING, BackendError
 
 CHARS_PER_TOKEN = 4
 TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
+# Ollama's /v1 reads reasoning_effort from 0.11.5 as none, low, medium or high (max from 0.22) and
+# answered 400 "invalid reasoning value" to minimal and xhigh until 0.32.11, which clamps them
+# itself (to low and max): sent as the nearest value every version reads.
+OLLAMA_REASONING_EFFORT = {"minimal": "low", "xhigh": "high"}
 
 
 # --- requests --------------------------------------------------------------------------------------
@@ -62,7 +66,8 @@ def chat_backend_request(payload: dict[str, Any], *, model: str, kind: str) -> d
     if payload.get("seed") is not None:
         body["seed"] = payload["seed"]
     if payload.get("reasoning_effort") is not None:
-        body["reasoning_effort"] = payload["reasoning_effort"]
+        effort = payload["reasoning_effort"]
+        body["reasoning_effort"] = OLLAMA_REASONING_EFFORT.get(effort, effort) if kind == "ollama" else effort
     if payload.get("stop_sequence"):
         body["stop"] = list(payload["stop_sequence"])
     for key in TOOL_KEYS:
