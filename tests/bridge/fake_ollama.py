@@ -16,6 +16,11 @@ api/types.go), not a model:
   (needsReload), reloaded for another. The /v1 routes never send num_ctx.
 - GET /api/ps: the loaded models with their `context_length` (from 0.10.0).
 - POST /api/generate {"model"} without a prompt loads the model: {"done": true, "done_reason": "load"}.
+- POST /api/generate with a prompt: `raw: true` continues the prompt as written; without it the
+  prompt is the user message of the model's chat template and a thinking model thinks first
+  (unless `think: false`), its thinking left out of `response` but counted in `num_predict`.
+  /v1/completions is that templated generate (FromCompleteRequest sets no raw), answered as a
+  text_completion.
 - POST /v1/chat/completions as Ollama's OpenAI layer answers it: `reasoning` beside `content`,
   tool calls complete in one chunk with an `index` and an id Ollama mints, streamed as SSE chunks
   (role on the first, content "" kept, a reasoning chunk apart from a content chunk, a finish chunk
@@ -38,6 +43,8 @@ from typing import Any
 from tests.bridge.fake_backend import QuietServer
 
 DEFAULT_REPLY = "Hello from the fake Ollama."
+CONTINUATION = " there lived a dragon."
+THINKING_TOKENS = 120  # what the fake thinking model thinks before it answers a templated prompt
 REASONING = "The user greets me."
 
 
@@ -146,6 +153,8 @@ class FakeOllama:
                         self._send(200, fake.show(body))
                     elif self.path == "/api/generate":
                         self._send(200, fake.generate(body))
+                    elif self.path == "/v1/completions":
+                        self._send(200, fake.completion(body))
                     elif self.path == "/v1/chat/completions":
                         try:
                             answer = fake.chat(body)
@@ -262,10 +271,38 @@ class FakeOllama:
         if not body.get("prompt"):
             return {"model": body.get("model"), "created_at": "2026-12-06T14:00:00Z", "response": "", "done": True,
                     "done_reason": "load"}
-        return {"model": name, "created_at": "2026-12-06T14:00:00Z", "response": DEFAULT_REPLY, "done": True,
-                "done_reason": "stop"}
+        think = body.get("think")
+        if think is None and "thinking" in self.capabilities:
+            think = True  # GenerateHandler: a thinking model thinks unless told not to
+        options = body.get("options") or {}
+        budget = int(options.get("num_predict") or 10**6)
+        if body.get("raw"):
+            text, used = CONTINUATION, len(CONTINUATION) // 4
+        else:  # the prompt as the user message of the chat template: an answer, not a continuation
+            text, used = DEFAULT_REPLY, len(DEFAULT_REPLY) // 4
+            if think:
+                used += THINKING_TOKENS
+        done_reason = "stop"
+        if used > budget:
+            kept = max(0, budget - (used - len(text) // 4))
+            text, done_reason, used = text[: kept * 4], "length", budget
+        return {"model": name, "created_at": "2026-12-06T14:00:00Z", "response": text, "done": True,
+                "done_reason": done_reason, "context": [151644, 872, 198], "total_duration": 912000000,
+                "prompt_eval_count": 12, "eval_count": used}
 
     # -- the OpenAI layer
+
+    def completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        """/v1/completions: FromCompleteRequest's GenerateRequest (no raw, no think), as a text_completion."""
+        options: dict[str, Any] = {"temperature": body.get("temperature", 1.0), "top_p": body.get("top_p") or 1.0}
+        if body.get("max_tokens") is not None:
+            options["num_predict"] = body["max_tokens"]
+        answer = self.generate({"model": body.get("model"), "prompt": body.get("prompt"), "options": options})
+        return {"id": "cmpl-871", "object": "text_completion", "created": 1765029600, "model": body.get("model"),
+                "system_fingerprint": "fp_ollama",
+                "choices": [{"text": answer["response"], "index": 0, "finish_reason": answer["done_reason"]}],
+                "usage": {"prompt_tokens": answer["prompt_eval_count"], "completion_tokens": answer["eval_count"],
+                          "total_tokens": answer["prompt_eval_count"] + answer["eval_count"]}}
 
     def _think(self, body: dict[str, Any]) -> Any:
         """The think value FromChatRequest makes of reasoning_effort, for this version."""

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from tests.bridge.conftest import running_bridge
-from tests.bridge.fake_ollama import DEFAULT_REPLY, REASONING, FakeOllama
+from tests.bridge.fake_ollama import CONTINUATION, DEFAULT_REPLY, REASONING, FakeOllama
 from workers.bridge.backends import OpenAIBackend
 from workers.bridge.config import BridgeConfig
 from workers.bridge.jobs import chat_backend_request
@@ -211,3 +211,25 @@ def test_an_ollama_stream_is_read_whole(live_horde):
     message = streamed["generations"][0]["message"]
     assert message["content"] == DEFAULT_REPLY and message["reasoning_content"] == REASONING
     assert any(body.get("stream") for method, path, body in fake.requests if path == "/v1/chat/completions")
+
+
+def test_the_fakes_v1_completions_is_the_chat_template_and_thinks_first():
+    with ollama() as fake:
+        answer = httpx.post(f"{fake.url}/completions", json={"model": "qwen3:8b", "prompt": "Once upon a time",
+                                                              "max_tokens": 80}).json()
+    # qwen3 thinks past the 80 tokens; its thinking is not in the text: nothing is left.
+    assert answer["choices"][0] == {"text": "", "index": 0, "finish_reason": "length"}
+
+
+def test_a_text_job_continues_the_prompt_as_written(live_horde):
+    # A text job is a continuation (KoboldAI's API); Ollama's /v1/completions would wrap the prompt
+    # in the chat template as a user message, and a thinking model would spend max_length thinking.
+    with ollama() as fake, running_bridge(live_horde, fake.url) as (_, out):
+        status = live_horde.wait(live_horde.text(prompt="Once upon a time", params={
+            "max_length": 80, "temperature": 0.7, "top_k": 40, "rep_pen": 1.1, "stop_sequence": ["\n\n"]}), chat=False)
+    assert status["done"] and not status["faulted"], out.text()
+    assert status["generations"][0]["text"] == CONTINUATION
+    sent = next(body for _, path, body in fake.requests if path == "/api/generate" and body.get("prompt"))
+    assert sent["raw"] is True and sent["think"] is False and sent["stream"] is False
+    assert sent["options"]["num_predict"] == 80 and sent["options"]["stop"] == ["\n\n"]
+    assert sent["options"]["top_k"] == 40 and sent["options"]["repeat_penalty"] == 1.1

@@ -390,7 +390,37 @@ class OpenAIBackend:
         return reader.response()
 
     def complete(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+        if self.detected_kind == "ollama":
+            return self._ollama_generate(body, timeout)
         return self._post("completions", {**body, "stream": False}, timeout)
+
+    def _ollama_generate(self, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """A text job on Ollama's native /api/generate, raw: its /v1/completions makes the prompt the
+        user message of the chat template (an answer, not a continuation), and a thinking model
+        thinks first, within max_tokens, its thinking left out of the text. Answered as a
+        text_completion."""
+        options = {"num_predict" if key == "max_tokens" else key: value
+                   for key, value in body.items() if key not in ("model", "prompt")}
+        request = {"model": body.get("model"), "prompt": body.get("prompt") or "", "raw": True, "think": False,
+                   "stream": False, "options": options}
+        try:
+            status, data = self._exchange("POST", f"{self.root}/api/generate", request, timeout)
+        except Unreachable as error:
+            raise _down(error) from None
+        if status != 200:
+            raise classify_backend_error(status, data.decode("utf-8", "replace"))
+        try:
+            answer = json.loads(data)
+        except ValueError:
+            raise BackendError("backend answered 200 with a body that is not JSON") from None
+        if not isinstance(answer, dict) or not isinstance(answer.get("response"), str):
+            raise BackendError("Ollama answered /api/generate without a response")
+        return {
+            "object": "text_completion",
+            "model": answer.get("model"),
+            "choices": [{"index": 0, "text": answer["response"], "finish_reason": answer.get("done_reason") or None}],
+            "usage": {"prompt_tokens": answer.get("prompt_eval_count"), "completion_tokens": answer.get("eval_count")},
+        }
 
     # -- token counts
 
