@@ -488,6 +488,10 @@ class OpenAIBackend:
         caps.public_model = public_model_name(model, model_path if isinstance(model_path, str) else None)
         if kind == "llamacpp" and isinstance(props, dict):
             self._llamacpp_abilities(props, caps)
+        elif kind == "llamacpp":
+            # No /props: the slots are not known, and they may share the reported cache.
+            caps.context_shared = True
+            caps.notes.append("no /props: slots unknown, the context is divided among --threads (--no-context-split if not shared)")
         if kind == "ollama":
             self._ollama_abilities(caps)
         if kind in ("vllm", "koboldcpp"):
@@ -503,6 +507,8 @@ class OpenAIBackend:
     def _detect_kind(self, entry: dict[str, Any], props: Any) -> str:
         owned_by = str(entry.get("owned_by") or "").lower()
         if isinstance(props, dict) and ("default_generation_settings" in props or "n_ctx" in props):
+            return "llamacpp"
+        if owned_by == "llamacpp":  # llama-server's /v1/models, its /props out of reach (a proxy of /v1)
             return "llamacpp"
         if owned_by == "vllm" or "max_model_len" in entry:
             return "vllm"
@@ -525,6 +531,8 @@ class OpenAIBackend:
                 return settings.get("n_ctx") or props.get("n_ctx")
 
             candidates.append(("/props n_ctx", llama_props))
+            # Newer builds list the slot's context (n_ctx) in the model's meta too.
+            candidates.append(("/v1/models meta.n_ctx", lambda: (entry.get("meta") or {}).get("n_ctx")))
             candidates.append(("/v1/models meta.n_ctx_train", lambda: (entry.get("meta") or {}).get("n_ctx_train")))
         candidates.append(("/v1/models max_model_len", lambda: entry.get("max_model_len")))
         if kind == "koboldcpp":
