@@ -15,7 +15,7 @@ from PIL import Image
 
 from tests.bridge.conftest import running_bridge
 from tests.bridge.fake_ollama import CONTINUATION, DEFAULT_REPLY, REASONING, FakeOllama
-from workers.bridge.backends import OpenAIBackend
+from workers.bridge.backends import OpenAIBackend, ollama_model_name, ollama_version
 from workers.bridge.config import BridgeConfig
 from workers.bridge.jobs import chat_backend_request
 from workers.bridge.worker import job_context, jobs_at_once
@@ -86,6 +86,25 @@ def test_the_fake_refuses_what_ollama_refuses():
         image = chat(messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}])
         assert image.status_code == 400 and "image URLs are not currently supported" in image.text
+
+
+@pytest.mark.parametrize(("text", "version"), [("0.12.3", (0, 12, 3)), ("0.6.8-rc1", (0, 6, 8)), ("0.0.0", None),
+                                               (None, None), ("dev", None)])
+def test_ollama_version(text, version):
+    assert ollama_version(text) == version  # a source build says 0.0.0: unknown, not ancient
+
+
+def test_a_model_without_a_tag_is_its_latest():
+    assert ollama_model_name("qwen3") == "qwen3:latest" == ollama_model_name("qwen3:latest")
+    assert ollama_model_name("hf.co/bartowski/Qwen3-8B-GGUF:Q4_K_M") == "hf.co/bartowski/Qwen3-8B-GGUF:Q4_K_M"
+    assert ollama_model_name("localhost:5000/me/model") == "localhost:5000/me/model:latest"
+
+
+def test_the_context_of_a_model_named_without_its_tag_is_found():
+    with ollama(model="qwen3:latest", vram_default=32768) as fake:
+        backend = OpenAIBackend(fake.url, timeout=10)
+        caps = backend.probe("qwen3")
+    assert caps.context == 32768
 
 
 # --- context ------------------------------------------------------------------------------------------
