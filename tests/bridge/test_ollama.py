@@ -107,6 +107,15 @@ def test_the_context_of_a_model_named_without_its_tag_is_found():
     assert caps.context == 32768
 
 
+def test_without_model_the_newest_model_that_generates_text_is_served():
+    # /v1/models lists the newest first: an embedding model pulled for a RAG front would be served,
+    # and every job answered 400 "does not support chat".
+    with ollama(pulled_later={"nomic-embed-text:latest": ("embedding",)}) as fake:
+        assert [m["id"] for m in httpx.get(f"{fake.url}/models").json()["data"]] == ["nomic-embed-text:latest", "qwen3:8b"]
+        caps, _ = _probe(fake)
+    assert caps.model == "qwen3:8b"
+
+
 # --- context ------------------------------------------------------------------------------------------
 
 

@@ -473,6 +473,7 @@ class OpenAIBackend:
             raise BackendDown(f"no model list at {self.base}/models")
         entries = [e for e in listing.get("data") or [] if isinstance(e, dict) and isinstance(e.get("id"), str)]
         ids = [e["id"] for e in entries]
+        given = model
         if model is None:
             if not ids:
                 raise BackendDown(f"{self.base}/models lists no model: pass --model")
@@ -480,9 +481,14 @@ class OpenAIBackend:
         entry = next((e for e in entries if e["id"] == model), {})
         props = self._get_json(f"{self.root}/props")
         kind = self.kind if self.kind != "auto" else self._detect_kind(entry, props)
+        if kind == "ollama" and given is None:
+            model = self._ollama_text_model(ids)
+            entry = next((e for e in entries if e["id"] == model), {})
         self.detected_kind, self.model = kind, model
         caps = Capabilities(kind=kind, model=model, context=None, features=set(KIND_FEATURES.get(kind, set())))
         caps.notes.append(f"kind {kind}" + (" (detected)" if self.kind == "auto" else ""))
+        if model != ids[0] and given is None:
+            caps.notes.append(f"model {model}: the newest listed that generates text (/api/show capabilities)")
         caps.context = self._context(kind, entry, props, caps.notes)
         model_path = props.get("model_path") if isinstance(props, dict) else None
         caps.public_model = public_model_name(model, model_path if isinstance(model_path, str) else None)
@@ -581,6 +587,16 @@ class OpenAIBackend:
             caps.notes.append("vision: /props modalities.vision (base64 transport)")
 
 
+    def _ollama_text_model(self, ids: list[str]) -> str:
+        """The first model Ollama lists (the newest pulled) that generates text: an embedding model
+        (pulled for a RAG front, say) answers every chat and text job 400 "does not support chat"."""
+        for model in ids:
+            show = self._post_json(f"{self.root}/api/show", {"model": model})
+            capabilities = show.get("capabilities") if isinstance(show, dict) else None
+            if not isinstance(capabilities, list) or "completion" in capabilities:
+                return model
+        return ids[0]
+
     def _ollama_abilities(self, caps: Capabilities) -> None:
         """What Ollama runs the model with for its /v1 routes: its capabilities (/api/show) and
         the context it loads the model with (/api/ps), which no route reports beforehand."""
@@ -591,6 +607,8 @@ class OpenAIBackend:
         capabilities = show.get("capabilities")
         if isinstance(capabilities, list):
             names = {str(name) for name in capabilities}
+            if "completion" not in names:
+                caps.notes.append("warning: /api/show capabilities has no completion, Ollama will refuse every job")
             if "vision" in names:
                 caps.features.add(ChatFeature.VISION)
                 caps.image_transports.add(ChatImageTransport.BASE64)  # its /v1 refuses image URLs
