@@ -120,7 +120,9 @@ def test_probe_ollama_truncates_so_no_overflow_guarantee(route_backend):
         {"/v1/models": {"data": [{"id": "qwen3:8b", "owned_by": "library"}]}, "/api/version": {"version": "0.12.0"}}
     )
     caps = backend.probe(None)
-    assert caps.kind == "ollama" and caps.context is None
+    # No /api/show nor /api/ps: Ollama's smallest default context, and the log says so.
+    assert caps.kind == "ollama" and caps.context == 4096
+    assert any("--max-context-length" in note for note in caps.notes)
     assert "prompt_overflow_refused" not in caps.features and "reasoning_effort" in caps.features
 
 
@@ -416,3 +418,17 @@ def test_a_job_still_served_when_run_closes_the_clients_is_left_to_its_lease():
 
     assert bridge.held == {}
     assert "left to its lease: the bridge stopped while serving it" in out.getvalue()
+
+
+def test_probe_llamacpp_behind_a_proxy_without_props_reads_the_models_meta(route_backend):
+    # A proxy that forwards only /v1: llama-server's /v1/models still says who it is (owned_by
+    # "llamacpp") and, in its meta, the slot's context (n_ctx) beside the trained one.
+    backend = route_backend(
+        {"/v1/models": {"object": "list", "data": [{
+            "id": "qwen3-8b", "object": "model", "created": 1765029600, "owned_by": "llamacpp",
+            "meta": {"vocab_type": 2, "n_vocab": 151936, "n_ctx": 8192, "n_ctx_train": 40960, "n_embd": 4096}}]}}
+    )
+    caps = backend.probe(None)
+    assert (caps.kind, caps.context) == ("llamacpp", 8192)
+    assert "prompt_overflow_refused" in caps.features
+    assert caps.context_shared  # the slots are not known: a cache they may share is divided

@@ -205,6 +205,27 @@ def _positive_int(value: Any) -> int | None:
     return None
 
 
+# Ollama: /api/ps reports a loaded model's context_length from 0.10.0; its default context was
+# 2048 before 0.6.7; /api/show's parameters list the Modelfile's PARAMETER lines ("%-30s %v").
+OLLAMA_PS_CONTEXT_VERSION = (0, 10, 0)
+OLLAMA_4096_DEFAULT_VERSION = (0, 6, 7)
+OLLAMA_OLD_DEFAULT_CONTEXT = 2048
+OLLAMA_NUM_CTX = re.compile(r"^num_ctx\s+(\d+)\s*$", re.MULTILINE)
+
+
+def ollama_version(text: Any) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of /api/version's "0.12.3"; None for none, or a source build's 0.0.0."""
+    match = re.match(r"^v?(\d+)\.(\d+)\.(\d+)", text) if isinstance(text, str) else None
+    version = (int(match.group(1)), int(match.group(2)), int(match.group(3))) if match else None
+    return version if version and any(version) else None
+
+
+def ollama_model_name(name: Any) -> str:
+    """A model name with its tag, as Ollama reads it ("qwen3" is "qwen3:latest")."""
+    name = str(name or "")
+    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+
+
 # A model id that is a file path as typed (llama-server's -m, `vllm serve /models/x`).
 _PATH_LIKE = re.compile(r"^(/|\./|\.\./|~|[A-Za-z]:[\\/])|\\|\.gguf$", re.IGNORECASE)
 
@@ -369,7 +390,37 @@ class OpenAIBackend:
         return reader.response()
 
     def complete(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+        if self.detected_kind == "ollama":
+            return self._ollama_generate(body, timeout)
         return self._post("completions", {**body, "stream": False}, timeout)
+
+    def _ollama_generate(self, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """A text job on Ollama's native /api/generate, raw: its /v1/completions makes the prompt the
+        user message of the chat template (an answer, not a continuation), and a thinking model
+        thinks first, within max_tokens, its thinking left out of the text. Answered as a
+        text_completion."""
+        options = {"num_predict" if key == "max_tokens" else key: value
+                   for key, value in body.items() if key not in ("model", "prompt")}
+        request = {"model": body.get("model"), "prompt": body.get("prompt") or "", "raw": True, "think": False,
+                   "stream": False, "options": options}
+        try:
+            status, data = self._exchange("POST", f"{self.root}/api/generate", request, timeout)
+        except Unreachable as error:
+            raise _down(error) from None
+        if status != 200:
+            raise classify_backend_error(status, data.decode("utf-8", "replace"))
+        try:
+            answer = json.loads(data)
+        except ValueError:
+            raise BackendError("backend answered 200 with a body that is not JSON") from None
+        if not isinstance(answer, dict) or not isinstance(answer.get("response"), str):
+            raise BackendError("Ollama answered /api/generate without a response")
+        return {
+            "object": "text_completion",
+            "model": answer.get("model"),
+            "choices": [{"index": 0, "text": answer["response"], "finish_reason": answer.get("done_reason") or None}],
+            "usage": {"prompt_tokens": answer.get("prompt_eval_count"), "completion_tokens": answer.get("eval_count")},
+        }
 
     # -- token counts
 
@@ -422,6 +473,7 @@ class OpenAIBackend:
             raise BackendDown(f"no model list at {self.base}/models")
         entries = [e for e in listing.get("data") or [] if isinstance(e, dict) and isinstance(e.get("id"), str)]
         ids = [e["id"] for e in entries]
+        given = model
         if model is None:
             if not ids:
                 raise BackendDown(f"{self.base}/models lists no model: pass --model")
@@ -429,14 +481,25 @@ class OpenAIBackend:
         entry = next((e for e in entries if e["id"] == model), {})
         props = self._get_json(f"{self.root}/props")
         kind = self.kind if self.kind != "auto" else self._detect_kind(entry, props)
+        if kind == "ollama" and given is None:
+            model = self._ollama_text_model(ids)
+            entry = next((e for e in entries if e["id"] == model), {})
         self.detected_kind, self.model = kind, model
         caps = Capabilities(kind=kind, model=model, context=None, features=set(KIND_FEATURES.get(kind, set())))
         caps.notes.append(f"kind {kind}" + (" (detected)" if self.kind == "auto" else ""))
+        if model != ids[0] and given is None:
+            caps.notes.append(f"model {model}: the newest listed that generates text (/api/show capabilities)")
         caps.context = self._context(kind, entry, props, caps.notes)
         model_path = props.get("model_path") if isinstance(props, dict) else None
         caps.public_model = public_model_name(model, model_path if isinstance(model_path, str) else None)
         if kind == "llamacpp" and isinstance(props, dict):
             self._llamacpp_abilities(props, caps)
+        elif kind == "llamacpp":
+            # No /props: the slots are not known, and they may share the reported cache.
+            caps.context_shared = True
+            caps.notes.append("no /props: slots unknown, the context is divided among --threads (--no-context-split if not shared)")
+        if kind == "ollama":
+            self._ollama_abilities(caps)
         if kind in ("vllm", "koboldcpp"):
             caps.tokenizer = "/tokenize" if kind == "vllm" else "/api/extra/tokencount"
         if kind == "vllm":
@@ -450,6 +513,8 @@ class OpenAIBackend:
     def _detect_kind(self, entry: dict[str, Any], props: Any) -> str:
         owned_by = str(entry.get("owned_by") or "").lower()
         if isinstance(props, dict) and ("default_generation_settings" in props or "n_ctx" in props):
+            return "llamacpp"
+        if owned_by == "llamacpp":  # llama-server's /v1/models, its /props out of reach (a proxy of /v1)
             return "llamacpp"
         if owned_by == "vllm" or "max_model_len" in entry:
             return "vllm"
@@ -472,6 +537,8 @@ class OpenAIBackend:
                 return settings.get("n_ctx") or props.get("n_ctx")
 
             candidates.append(("/props n_ctx", llama_props))
+            # Newer builds list the slot's context (n_ctx) in the model's meta too.
+            candidates.append(("/v1/models meta.n_ctx", lambda: (entry.get("meta") or {}).get("n_ctx")))
             candidates.append(("/v1/models meta.n_ctx_train", lambda: (entry.get("meta") or {}).get("n_ctx_train")))
         candidates.append(("/v1/models max_model_len", lambda: entry.get("max_model_len")))
         if kind == "koboldcpp":
@@ -519,6 +586,83 @@ class OpenAIBackend:
             caps.image_transports.add(ChatImageTransport.BASE64)  # llama.cpp reads data URLs, not http
             caps.notes.append("vision: /props modalities.vision (base64 transport)")
 
+
+    def _ollama_text_model(self, ids: list[str]) -> str:
+        """The first model Ollama lists (the newest pulled) that generates text: an embedding model
+        (pulled for a RAG front, say) answers every chat and text job 400 "does not support chat"."""
+        for model in ids:
+            show = self._post_json(f"{self.root}/api/show", {"model": model})
+            capabilities = show.get("capabilities") if isinstance(show, dict) else None
+            if not isinstance(capabilities, list) or "completion" in capabilities:
+                return model
+        return ids[0]
+
+    def _ollama_abilities(self, caps: Capabilities) -> None:
+        """What Ollama runs the model with for its /v1 routes: its capabilities (/api/show) and
+        the context it loads the model with (/api/ps), which no route reports beforehand."""
+        answer = self._get_json(f"{self.root}/api/version")
+        version = ollama_version(answer.get("version") if isinstance(answer, dict) else None)
+        show = self._post_json(f"{self.root}/api/show", {"model": caps.model})
+        show = show if isinstance(show, dict) else {}
+        capabilities = show.get("capabilities")
+        if isinstance(capabilities, list):
+            names = {str(name) for name in capabilities}
+            if "completion" not in names:
+                caps.notes.append("warning: /api/show capabilities has no completion, Ollama will refuse every job")
+            if "vision" in names:
+                caps.features.add(ChatFeature.VISION)
+                caps.image_transports.add(ChatImageTransport.BASE64)  # its /v1 refuses image URLs
+                caps.notes.append("vision: /api/show capabilities (base64 transport)")
+            if "tools" not in names:
+                caps.features.discard(ChatFeature.TOOLS)  # it answers 400 "does not support tools"
+                caps.notes.append("tools: not declared, /api/show capabilities has no tools")
+            if "thinking" not in names:
+                caps.features.discard(ChatFeature.REASONING_EFFORT)  # 400 "does not support thinking"
+                caps.notes.append("reasoning_effort: not declared, /api/show capabilities has no thinking")
+        else:
+            caps.notes.append("/api/show reports no capabilities (Ollama before 0.6.4): vision not declared")
+        caps.context = self._ollama_context(caps, version, show)
+
+    def _ollama_context(self, caps: Capabilities, version: tuple[int, int, int] | None, show: dict[str, Any]) -> int:
+        """The context Ollama gives a /v1 request: a /v1 request carries no num_ctx, so the model
+        is loaded with its Modelfile's num_ctx, else OLLAMA_CONTEXT_LENGTH, else Ollama's default
+        (2048 before 0.6.7, then 4096, from 0.15.5 4096/32768/262144 by VRAM), at most its trained
+        context. Only /api/ps tells it, once the model is loaded; the bridge loads it as a /v1
+        request would (a model another client loaded with its own num_ctx is loaded again)."""
+        info = show["model_info"] if isinstance(show.get("model_info"), dict) else {}
+        trained = _positive_int(info.get(f"{info.get('general.architecture')}.context_length"))
+        parameters = show.get("parameters")
+        match = OLLAMA_NUM_CTX.search(parameters) if isinstance(parameters, str) else None
+
+        def held(value: int) -> int:
+            return min(value, trained) if trained else value
+
+        loaded = None
+        if version is None or version >= OLLAMA_PS_CONTEXT_VERSION:
+            loaded = self._ollama_loaded_context(caps.model)
+        if loaded:
+            caps.notes.append(f"context {held(loaded)} from /api/ps (the model loaded as the /v1 routes load it)")
+            return held(loaded)
+        if match:
+            caps.notes.append(f"context {held(int(match.group(1)))} from /api/show parameters num_ctx")
+            return held(int(match.group(1)))
+        default = held(OLLAMA_OLD_DEFAULT_CONTEXT if version and version < OLLAMA_4096_DEFAULT_VERSION else DEFAULT_CONTEXT)
+        caps.notes.append(
+            f"context {default}: Ollama's smallest default, as its API does not report the one it runs with "
+            "(OLLAMA_CONTEXT_LENGTH or its VRAM tier); pass --max-context-length when it is larger"
+        )
+        return default
+
+    def _ollama_loaded_context(self, model: str) -> int | None:
+        """/api/ps's context_length for the model, after a load request with no options (as
+        `ollama run` preloads; answered at once when the model is loaded as a /v1 request needs it)."""
+        self._post_json(f"{self.root}/api/generate", {"model": model}, timeout=self.timeout)
+        listing = self._get_json(f"{self.root}/api/ps")
+        wanted = ollama_model_name(model)
+        for entry in (listing.get("models") if isinstance(listing, dict) else None) or []:
+            if isinstance(entry, dict) and wanted in (ollama_model_name(entry.get("model")), ollama_model_name(entry.get("name"))):
+                return _positive_int(entry.get("context_length"))
+        return None
 
     def _llamacpp_takes_tools(self, model: str) -> tuple[bool, str]:
         """Whether the server takes a request with tools: /apply-template parses it as a chat

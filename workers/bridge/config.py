@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="context in tokens of each job (BRIDGE_MAX_CONTEXT_LENGTH); default: what the backend reports "
-        "(divided among --threads where the slots may share it), else 4096",
+        "(divided among --threads where the slots may share it; Ollama: the context it loaded the model with, "
+        "else its smallest default), else 4096",
     )
     add(
         "--no-context-split",

@@ -26,13 +26,18 @@ from workers.bridge.backends import KIND_EXTRA_SAMPLING, BackendError
 
 CHARS_PER_TOKEN = 4
 TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
+# Ollama's /v1 reads reasoning_effort from 0.11.5 as none, low, medium or high (max from 0.22) and
+# answered 400 "invalid reasoning value" to minimal and xhigh until 0.32.11, which clamps them
+# itself (to low and max): sent as the nearest value every version reads.
+OLLAMA_REASONING_EFFORT = {"minimal": "low", "xhigh": "high"}
 
 
 # --- requests --------------------------------------------------------------------------------------
 
 
-def _sampling(payload: dict[str, Any], kind: str) -> dict[str, Any]:
-    """OpenAI sampling keys, plus the kind's own names for rep_pen/top_k/min_p when not neutral."""
+def _sampling(payload: dict[str, Any], kind: str, extra: dict[str, str] | None = None) -> dict[str, Any]:
+    """OpenAI sampling keys, plus the kind's own names for rep_pen/top_k/min_p when not neutral
+    (`extra`: the names of the route the job goes to, where they are not the kind's /v1 ones)."""
     body: dict[str, Any] = {}
     for key in ("temperature", "top_p"):
         if payload.get(key) is not None:
@@ -41,7 +46,7 @@ def _sampling(payload: dict[str, Any], kind: str) -> dict[str, Any]:
         if payload.get(key):  # 0 is the default every server applies
             body[key] = payload[key]
     neutral = {"rep_pen": 1.0, "top_k": 0, "min_p": 0.0}
-    for key, name in KIND_EXTRA_SAMPLING.get(kind, {}).items():
+    for key, name in (KIND_EXTRA_SAMPLING.get(kind, {}) if extra is None else extra).items():
         value = payload.get(key)
         if value is not None and value != neutral[key]:
             body[name] = value
@@ -62,7 +67,8 @@ def chat_backend_request(payload: dict[str, Any], *, model: str, kind: str) -> d
     if payload.get("seed") is not None:
         body["seed"] = payload["seed"]
     if payload.get("reasoning_effort") is not None:
-        body["reasoning_effort"] = payload["reasoning_effort"]
+        effort = payload["reasoning_effort"]
+        body["reasoning_effort"] = OLLAMA_REASONING_EFFORT.get(effort, effort) if kind == "ollama" else effort
     if payload.get("stop_sequence"):
         body["stop"] = list(payload["stop_sequence"])
     for key in TOOL_KEYS:
@@ -117,13 +123,17 @@ def trim_prompt_start(prompt: str, budget: int, count: Callable[[str], int]) -> 
     return prompt, tokens
 
 
+# Ollama's text jobs go to its native /api/generate (OpenAIBackend.complete), whose options take these.
+OLLAMA_TEXT_SAMPLING = {"rep_pen": "repeat_penalty", "top_k": "top_k", "min_p": "min_p"}
+
+
 def text_backend_request(payload: dict[str, Any], *, model: str, kind: str) -> dict[str, Any]:
     """The /v1/completions body for a text job."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": payload.get("prompt") or "",
         "max_tokens": int(payload.get("max_length") or 80),
-        **_sampling(payload, kind),
+        **_sampling(payload, kind, OLLAMA_TEXT_SAMPLING if kind == "ollama" else None),
     }
     if payload.get("stop_sequence"):
         body["stop"] = list(payload["stop_sequence"])
