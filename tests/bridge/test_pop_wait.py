@@ -110,8 +110,9 @@ def strict():
 def test_a_horde_that_ignores_the_wait_is_polled_once_a_pop_interval(ignoring):
     run_for(ignoring, 2.2)
     times = [at for at, _ in ignoring.pops]
-    # The check-in, at once the first pop asking to wait, then 0.5 s apart: not a tight loop.
-    assert 5 <= len(times) <= 7, times
+    # The check-in, at once the first pop asking to wait, then 0.5 s apart: not a tight loop, and
+    # still polling (a loaded box may start the bridge late, so the floor is loose).
+    assert 3 <= len(times) <= 7, times
     assert all(b - a >= 0.45 for a, b in zip(times[1:], times[2:], strict=False))
     bodies = [body for _, body in ignoring.pops]
     assert "wait" not in bodies[0]  # the first pop checks in
