@@ -14,6 +14,7 @@ from tests.bridge.conftest import LogBuffer, bridge_config, running_bridge
 from tests.bridge.fake_backend import chat_completion
 from tests.bridge.test_live import WEATHER_TOOL
 from workers.bridge.backends import OpenAIBackend
+from workers.bridge.horde import HordeUnavailable
 from workers.bridge.progress import ProgressPoster
 from workers.bridge.worker import Bridge
 
@@ -216,6 +217,28 @@ def test_out_of_sequence_post_is_sent_again_with_the_expected_seq(streamed_job):
     assert poster.delta("lo") is True  # seq 1 with other content: 409, expected_seq 2
     assert poster.accepted_seq == 2 and poster.posts == 2 and poster.posting
     assert contents(request_id) == [("1", "Hel"), ("2", "lo")]
+
+
+def test_flush_posts_the_rest_after_a_post_whose_answer_was_lost(streamed_job):
+    """A post the horde appended but whose answer was lost is sent again at the flush (answered as
+    a retry), and what was read since is posted after it, not left to the submit."""
+    bridge, request_id, job_id = streamed_job
+    progress = bridge.horde.progress
+    lost = [True]
+
+    def answer_lost_once(body):
+        answer = progress(body)
+        if lost.pop() if lost else False:
+            raise HordeUnavailable("read timed out")
+        return answer
+
+    bridge.horde.progress = answer_lost_once
+    poster = ProgressPoster(bridge.horde, job_id, max_length=16, interval=60)
+    assert poster.delta("Hel") is True  # the first delta at once: appended, its answer lost
+    assert poster.delta("lo") is True  # inside the interval: buffered
+    assert poster.flush() is True
+    assert contents(request_id) == [("1", "Hel"), ("2", "lo")]
+    assert poster.accepted_seq == 2 and poster.posting
 
 
 def test_job_aborted_stops_generating(streamed_job):

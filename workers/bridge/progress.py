@@ -136,6 +136,10 @@ class ProgressPoster:
                 self._post_due()
                 if self._pending is not None and self.posting and not self.stopped:
                     self._post_due()  # one more try for a post the horde did not answer
+                if self._pending is None and self.posting and not self.stopped:
+                    # The post just answered may have been a resent one: the text read since it
+                    # went first is still buffered (_post_due sends nothing when there is none).
+                    self._post_due()
             return self.stopped is None
 
     def lease_extension(self) -> float:
