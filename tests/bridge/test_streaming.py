@@ -15,7 +15,7 @@ from tests.bridge.fake_backend import chat_completion
 from tests.bridge.test_live import WEATHER_TOOL
 from workers.bridge.backends import OpenAIBackend
 from workers.bridge.horde import HordeUnavailable
-from workers.bridge.progress import ProgressPoster
+from workers.bridge.progress import PROGRESS_UNAVAILABLE_SECONDS, ProgressPoster
 from workers.bridge.worker import Bridge
 
 pytestmark = pytest.mark.redis_only
@@ -175,17 +175,28 @@ def test_job_without_the_stream_hint_is_generated_whole_with_no_posts(live_horde
     assert fake_backend.streams == [] and stream_entries(request_id) == []
 
 
-def test_progress_unavailable_stops_posting_and_the_reply_is_still_submitted(live_horde, fake_backend, settings):
+def test_progress_unavailable_is_retried_and_the_reply_is_still_submitted(live_horde, fake_backend, settings):
     settings.HORDE_CHAT_SIGNAL_REDIS_URL = CLOSED_PORT  # the horde's progress store is down
     fake_backend.chat_handler = reply()
     fake_backend.chunk_chars, fake_backend.chunk_delay = 4, 0.01
-    with running_bridge(live_horde, fake_backend.url, progress_interval=0.05) as (_, out):
+    with running_bridge(live_horde, fake_backend.url, progress_interval=0.05) as (bridge, out):
+        posts: list[dict] = []
+        post_progress = bridge.horde.progress
+
+        def counted_progress(body):
+            posts.append(body)
+            return post_progress(body)
+
+        bridge.horde.progress = counted_progress
         request_id = live_horde.chat(stream=True)
         status = live_horde.wait(request_id)
     assert status["done"] and status["generations"][0]["message"]["content"] == CONTENT
     assert fake_backend.streams[0].finished  # generation went on to the end
+    # The first post at once, then a retry a second at most (the reply streams for about 0.3 s),
+    # and the flush's two tries: the same post each time.
+    assert 2 <= len(posts) <= 4 and {p["seq"] for p in posts} == {1}, posts
     log = out.text()
-    assert log.count("progress posts stopped (503 ChatProgressUnavailable)") == 1, log
+    assert "progress posts stopped" not in log, log
     assert "summary: 1 jobs (1 ok, 0 faulted, 0 dropped)" in log
 
 
@@ -239,6 +250,34 @@ def test_flush_posts_the_rest_after_a_post_whose_answer_was_lost(streamed_job):
     assert poster.flush() is True
     assert contents(request_id) == [("1", "Hel"), ("2", "lo")]
     assert poster.accepted_seq == 2 and poster.posting
+
+
+def test_posts_resume_after_the_horde_s_redis_comes_back(streamed_job, settings):
+    """503 ChatProgressUnavailable is an outage, usually short (the horde refuses Redis calls for
+    5 s after a failure): the post is kept and sent again, at least a second apart, so the reader's
+    text flows again, and a cancel meanwhile still reaches the worker. It stops only after
+    PROGRESS_UNAVAILABLE_SECONDS without an answer."""
+    bridge, request_id, job_id = streamed_job
+    now = [0.0]
+    poster = ProgressPoster(bridge.horde, job_id, max_length=16, interval=0.25, clock=lambda: now[0])
+    assert poster.delta("Hel") is True and poster.accepted_seq == 1
+    redis_url = settings.HORDE_CHAT_SIGNAL_REDIS_URL
+    settings.HORDE_CHAT_SIGNAL_REDIS_URL = CLOSED_PORT  # the horde's Redis is down
+    now[0] = 0.5
+    assert poster.delta("lo") is True and poster.posting and poster.accepted_seq == 1
+    now[0] = 0.9
+    assert poster.delta(",") is True and poster.posts == 2  # within the second: not sent again
+    settings.HORDE_CHAT_SIGNAL_REDIS_URL = redis_url  # back
+    now[0] = 1.6
+    assert poster.delta(" you") is True and poster.posts == 3
+    assert poster.flush() is True
+    assert contents(request_id) == [("1", "Hel"), ("2", "lo"), ("3", ", you")]
+    # A longer outage stops the posts, not the generation.
+    settings.HORDE_CHAT_SIGNAL_REDIS_URL = CLOSED_PORT
+    now[0] = 2.0
+    assert poster.delta("!") is True and poster.posting
+    now[0] = 2.0 + PROGRESS_UNAVAILABLE_SECONDS + 1
+    assert poster.delta("!") is True and not poster.posting
 
 
 def test_job_aborted_stops_generating(streamed_job):
