@@ -13,7 +13,7 @@ appended post renews the lease. Each answer decides what follows:
   generating, submit the whole reply.
 - 503 ChatProgressUnavailable (the horde's Redis): the post is sent again, at least a second
   apart, with what was read since following it; after PROGRESS_UNAVAILABLE_SECONDS without an
-  answer the posts stop as above (ADR 0074).
+  answer the posts stop as above (ADR 0078).
 - 409 ChatProgressOutOfSequence: the delta was not taken (a repeat of an accepted post is answered
   200), so it is sent once more with `expected_seq`; a second 409 stops the posts.
 - no answer (unreachable, other 5xx, 429): the same post is sent again, unchanged, at the next
@@ -42,7 +42,7 @@ DEFAULT_PROGRESS_INTERVAL = 0.25
 # A post the horde did not answer is sent again this many times before the poster gives up.
 MAX_UNANSWERED_POSTS = 3
 # 503 ChatProgressUnavailable (the horde's Redis): the post is kept and sent again, at least this
-# many seconds apart, for up to PROGRESS_UNAVAILABLE_SECONDS; then the posts stop (ADR 0074).
+# many seconds apart, for up to PROGRESS_UNAVAILABLE_SECONDS; then the posts stop (ADR 0078).
 PROGRESS_UNAVAILABLE_RETRY_SECONDS = 1.0
 PROGRESS_UNAVAILABLE_SECONDS = 15.0
 # Posts keep the configured interval for this share of MAX_CHAT_PROGRESS_ENTRIES: a reply's start
