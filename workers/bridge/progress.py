@@ -9,8 +9,11 @@ appended post renews the lease. Each answer decides what follows:
 
 - 200: accepted; `cancelled: true` means stop generating and do not submit.
 - 404 ChatJobAborted: stop generating, do not submit.
-- 404 ChatProgressNotStreaming, 413 ChatProgressCapReached, 403, 400, 503 ChatProgressUnavailable:
-  stop posting, keep generating, submit the whole reply.
+- 404 ChatProgressNotStreaming, 413 ChatProgressCapReached, 403, 400: stop posting, keep
+  generating, submit the whole reply.
+- 503 ChatProgressUnavailable (the horde's Redis): the post is sent again, at least a second
+  apart, with what was read since following it; after PROGRESS_UNAVAILABLE_SECONDS without an
+  answer the posts stop as above (ADR 0078).
 - 409 ChatProgressOutOfSequence: the delta was not taken (a repeat of an accepted post is answered
   200), so it is sent once more with `expected_seq`; a second 409 stops the posts.
 - no answer (unreachable, other 5xx, 429): the same post is sent again, unchanged, at the next
@@ -38,6 +41,10 @@ from workers.bridge.horde import HordeClient, HordeUnavailable
 DEFAULT_PROGRESS_INTERVAL = 0.25
 # A post the horde did not answer is sent again this many times before the poster gives up.
 MAX_UNANSWERED_POSTS = 3
+# 503 ChatProgressUnavailable (the horde's Redis): the post is kept and sent again, at least this
+# many seconds apart, for up to PROGRESS_UNAVAILABLE_SECONDS; then the posts stop (ADR 0078).
+PROGRESS_UNAVAILABLE_RETRY_SECONDS = 1.0
+PROGRESS_UNAVAILABLE_SECONDS = 15.0
 # Posts keep the configured interval for this share of MAX_CHAT_PROGRESS_ENTRIES: a reply's start
 # flows at full rate (500 entries: 125 s of posts at 0.25 s).
 FULL_RATE_ENTRY_SHARE = 0.5
@@ -105,6 +112,7 @@ class ProgressPoster:
         self._reasoning: list[str] = []
         self._pending: _Post | None = None  # sent, not answered yet
         self._unanswered = 0
+        self._unavailable_since: float | None = None  # the first 503 of the outage under way
         self._last_post: float | None = None
         self._lease_extension = 0.0
         self._started = clock()  # just after the pop: the cap's seconds counted from here last past it
@@ -136,6 +144,10 @@ class ProgressPoster:
                 self._post_due()
                 if self._pending is not None and self.posting and not self.stopped:
                     self._post_due()  # one more try for a post the horde did not answer
+                if self._pending is None and self.posting and not self.stopped:
+                    # The post just answered may have been a resent one: the text read since it
+                    # went first is still buffered (_post_due sends nothing when there is none).
+                    self._post_due()
             return self.stopped is None
 
     def lease_extension(self) -> float:
@@ -148,7 +160,10 @@ class ProgressPoster:
     def current_interval(self) -> float:
         """The seconds the next post waits after the last one (`paced_interval`)."""
         last = self.clock() if self._last_post is None else self._last_post
-        return paced_interval(self.interval, last - self._started, self.accepted_seq)
+        interval = paced_interval(self.interval, last - self._started, self.accepted_seq)
+        if self._unavailable_since is not None:  # the horde's Redis is out: a retry a second at most
+            return max(interval, PROGRESS_UNAVAILABLE_RETRY_SECONDS)
+        return interval
 
     # -- posting
 
@@ -178,6 +193,16 @@ class ProgressPoster:
             return  # the same post goes again at the next interval
         self._unanswered = 0
         rc = str(body.get("rc") or "")
+        if status == 503 and rc == "ChatProgressUnavailable":
+            # Usually a blip (the horde refuses Redis calls for a few seconds after one failed):
+            # stopping for good would freeze the reader's text and hide a cancel for the whole job.
+            now = self.clock()
+            if self._unavailable_since is None:
+                self._unavailable_since = now
+            if now - self._unavailable_since >= PROGRESS_UNAVAILABLE_SECONDS:
+                self._stop_posting(f"{status} {rc} for {PROGRESS_UNAVAILABLE_SECONDS:.0f} s")
+            return  # the same post goes again when the retry is due
+        self._unavailable_since = None
         if status == 200:
             self._accepted(post)
             if body.get("cancelled") is True:
@@ -196,7 +221,7 @@ class ProgressPoster:
             return
         if status >= 500 or status == 429:
             self._unanswered += 1
-            if rc == "ChatProgressUnavailable" or self._unanswered >= MAX_UNANSWERED_POSTS:
+            if self._unanswered >= MAX_UNANSWERED_POSTS:
                 self._stop_posting(f"{status} {rc or body.get('message') or ''}".strip())
             return
         self._stop_posting(f"{status} {rc}: {body.get('message') or ''}")
