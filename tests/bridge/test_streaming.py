@@ -101,23 +101,22 @@ def test_think_block_is_posted_as_reasoning_never_as_content(live_horde, fake_ba
     assert not any("think" in p["content"] for p in posts)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ADR 0022: a lone </think> is known only when it arrives, so the text before it was posted "
-    "as content, while the submit splits it off as reasoning: the front ends the stream ChatStreamDiverged",
-)
-def test_reasoning_before_a_lone_think_close_is_not_posted_as_content(live_horde, fake_backend):
+def test_a_streamed_reply_is_stored_as_it_was_posted_around_a_lone_think_close(live_horde, fake_backend):
     # DeepSeek-R1 and QwQ templates open the block in the prompt: the output is reasoning, </think>,
-    # then the answer (vLLM without --reasoning-parser, koboldcpp, TabbyAPI). The front relays the
-    # posted content and needs the stored reply to start with it (chat_front.md, "Relayed deltas").
+    # then the answer (vLLM without --reasoning-parser, koboldcpp, TabbyAPI). The text before a lone
+    # </think> was posted as content before the tag arrived; the front relays the posted content and
+    # needs the stored reply to start with it (chat_front.md, "Relayed deltas"), so the submit keeps
+    # the split the posts made (ADR 0022). Whole, the same reply is split (test_units).
     fake_backend.chat_handler = reply("Paris, so weather.\n</think>\n\nSunny.", reasoning=None)
     fake_backend.chunk_chars = 3
     with running_bridge(live_horde, fake_backend.url, progress_interval=0) as (_, _out):
         request_id = live_horde.chat(stream=True)
-        message = live_horde.wait(request_id)["generations"][0]["message"]
-    assert message["content"] == "Sunny." and message["reasoning_content"] == "Paris, so weather."
+        status = live_horde.wait(request_id)
+    message = status["generations"][0]["message"]
     posts = [fields for _, fields in stream_entries(request_id)]
-    assert message["content"].startswith("".join(p["content"] for p in posts))
+    posted = "".join(p["content"] for p in posts)
+    assert posted == message["content"] == "Paris, so weather.\n</think>\n\nSunny."
+    assert message.get("reasoning_content") is None and not status["faulted"]
 
 
 def test_tool_call_deltas_are_accumulated_into_the_submitted_call(live_horde, fake_backend):

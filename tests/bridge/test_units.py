@@ -339,7 +339,7 @@ def _delta(delta: dict, finish: str | None = None) -> dict:
 def test_streamed_think_split_matches_the_whole_reply_split(whole, size):
     reader = ChatStreamReader()
     posted_content, posted_reasoning = "", ""
-    for line in _sse(*[_delta({"content": whole[i : i + size]}) for i in range(0, len(whole), size)]):
+    for line in _sse(*[_delta({"content": whole[i : i + size]}) for i in range(0, len(whole), size)], "[DONE]"):
         content, reasoning = reader.feed_line(line)
         posted_content, posted_reasoning = posted_content + content, posted_reasoning + reasoning
     content, reasoning = reader.finish()
@@ -347,6 +347,24 @@ def test_streamed_think_split_matches_the_whole_reply_split(whole, size):
     expected_content, expected_reasoning = split_reasoning(whole)
     assert posted_content == expected_content
     assert posted_reasoning.strip() == (expected_reasoning or "")
+    reply = parse_chat_response(reader.response(), split_think=False)
+    assert (reply.content, reply.reasoning) == (expected_content, expected_reasoning or None)
+
+
+@pytest.mark.parametrize("size", [1, 3, 100])
+def test_a_streamed_reply_keeps_the_split_it_was_posted_with(size):
+    """A lone </think> is known only after the text before it was posted as content: the reply
+    submitted keeps that content, so it starts with what the front relayed."""
+    whole = "hidden start\n</think>\n\nAnswer"
+    reader = ChatStreamReader()
+    posted = ""
+    for line in _sse(*[_delta({"content": whole[i : i + size]}) for i in range(0, len(whole), size)], "[DONE]"):
+        posted += reader.feed_line(line)[0]
+    posted += reader.finish()[0]
+    reply = parse_chat_response(reader.response(), split_think=False)
+    assert reply.content == posted == whole and reply.reasoning is None
+    # The same reply read whole is split.
+    assert split_reasoning(whole) == ("Answer", "hidden start")
 
 
 def test_stream_reader_assembles_reasoning_calls_finish_and_usage():

@@ -763,6 +763,10 @@ class ChatStreamReader:
         self.chunks = 0
         self.done = False
         self.splitter = ThinkSplitter()
+        # The reply as the splitter posted it: the submit keeps this split, so the stored reply
+        # starts with the content relayed (a lone </think> is known only after it was posted).
+        self.posted_content: list[str] = []
+        self.posted_think: list[str] = []
 
     def feed_line(self, line: str) -> tuple[str, str]:
         """One line of the stream; the (content, reasoning) it adds to the reply as posted."""
@@ -797,6 +801,8 @@ class ChatStreamReader:
         if isinstance(piece, str) and piece:
             self.content.append(piece)
             content, reasoning = self.splitter.feed(piece)
+            self.posted_content.append(content)
+            self.posted_think.append(reasoning)
         for key in ("reasoning_content", "reasoning"):
             piece = delta.get(key)
             if isinstance(piece, str) and piece:
@@ -824,16 +830,22 @@ class ChatStreamReader:
 
     def finish(self) -> tuple[str, str]:
         """What the splitter still held when the stream ended."""
-        return self.splitter.finish()
+        content, think = self.splitter.finish()
+        self.posted_content.append(content)
+        self.posted_think.append(think)
+        return content, think
 
     def response(self) -> dict[str, Any]:
+        """The chat.completion body, its content and reasoning split as they were posted (read
+        with `parse_chat_response(..., split_think=False)`)."""
         if not self.chunks:
             raise BackendError("backend streamed no choices")
         if not self.done and self.finish_reason is None:
             raise BackendError("backend's stream ended before the reply finished")
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or None}
-        if self.reasoning:
-            message["reasoning_content"] = "".join(self.reasoning)
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.posted_content) or None}
+        reasoning = [part for part in ("".join(self.reasoning), "".join(self.posted_think).strip()) if part]
+        if reasoning:
+            message["reasoning_content"] = "\n".join(reasoning)
         if self.calls:
             message["tool_calls"] = [
                 {

@@ -258,13 +258,17 @@ class ChatReply:
         return -(-chars // CHARS_PER_TOKEN)
 
 
-def parse_chat_response(response: dict[str, Any]) -> ChatReply:
+def parse_chat_response(response: dict[str, Any], *, split_think: bool = True) -> ChatReply:
+    """The reply to submit. `split_think` false for a streamed reply, already split as it was
+    posted (backends.ChatStreamReader.response): split again, a lone </think> would take off the
+    content the front relayed, and the front would end the stream ChatStreamDiverged."""
     choice = response["choices"][0] if isinstance(response["choices"][0], dict) else {}
     message = choice["message"] if isinstance(choice.get("message"), dict) else {}
     reasoning = message.get("reasoning_content") or message.get("reasoning")
-    content, reasoning = split_reasoning(
-        _text_content(message.get("content")), reasoning if isinstance(reasoning, str) else None
-    )
+    content = _text_content(message.get("content"))
+    reasoning = reasoning if isinstance(reasoning, str) else None
+    if split_think:
+        content, reasoning = split_reasoning(content, reasoning)
     calls = _tool_calls(message.get("tool_calls"))
     native = choice.get("finish_reason")
     _refuse_failed_finish(native)

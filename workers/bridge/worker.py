@@ -550,7 +550,7 @@ class Bridge:
         if response is None:
             return
         try:
-            reply = parse_chat_response(response)
+            reply = parse_chat_response(response, split_think=progress is None)
         except BackendError as error:
             self._fault(held, error.fault_reason, str(error))
             return
