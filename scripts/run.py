@@ -18,7 +18,9 @@ STOP_TIMEOUT seconds (a second Ctrl-C: none), then kills what is left. If any ch
 too and the exit status is that child's. Migrations are not run here: `make run` runs them first.
 
 Each child runs in its own process group, so a Ctrl-C at the terminal reaches only this launcher,
-which then stops each child once (Celery would take a second SIGINT as a cold shutdown).
+which then stops each child once (Celery would take a second SIGINT as a cold shutdown). A launcher
+killed without its cleanup (SIGKILL, the OOM killer) still stops them: each gets SIGTERM when the
+launcher dies (Linux's parent-death signal), so no orphan keeps the port for the next `make run`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import gc
 import os
 import signal
@@ -153,11 +156,27 @@ def _reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _die_with_parent() -> None:
-    """In a web process before it runs: SIGKILL when the supervisor dies, so that a supervisor
-    killed without its cleanup leaves no process holding the port (Linux's PR_SET_PDEATHSIG)."""
+def _signal_on_parent_death(signum: int, parent: int) -> None:
+    """In a child before it runs: `signum` when its parent dies (Linux's PR_SET_PDEATHSIG), or at
+    once when the parent already died between the fork and this call."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signum)
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a web process before it runs: SIGKILL when the supervisor dies, so that a supervisor
+    killed without its cleanup leaves no process holding the port."""
+    _signal_on_parent_death(signal.SIGKILL, parent)
+
+
+def _stop_with_parent(parent: int) -> None:
+    """In a child of main() before it runs: SIGTERM, its graceful shutdown, when the launcher dies
+    without stopping it (SIGKILL, the OOM killer). Orphaned, the web process would keep the port
+    (the next `make run` fails with "Address already in use") and Celery with beat and the demo
+    worker would keep serving beside the next run's."""
+    _signal_on_parent_death(signal.SIGTERM, parent)
 
 
 def supervise_web(processes: int, host: str, port: int, daphne_args: list[str]) -> int:
@@ -200,7 +219,7 @@ def supervise_web(processes: int, host: str, port: int, daphne_args: list[str]) 
         fd = sock.fileno()
         return subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "web", "--fd", str(fd), *daphne_args],
-            cwd=ROOT, pass_fds=(fd,), process_group=0, preexec_fn=_die_with_parent,
+            cwd=ROOT, pass_fds=(fd,), process_group=0, preexec_fn=functools.partial(_die_with_parent, os.getpid()),
         )
 
     running = {index: (start(sock), time.monotonic()) for index, sock in enumerate(sockets)}
@@ -339,7 +358,9 @@ def main() -> int:
     children: dict[str, subprocess.Popen[bytes]] = {}
     for name, cmd in cmds.items():
         print(f"[run] {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-        children[name] = subprocess.Popen(cmd, cwd=ROOT, process_group=0, env=envs.get(name))
+        children[name] = subprocess.Popen(
+            cmd, cwd=ROOT, process_group=0, env=envs.get(name), preexec_fn=functools.partial(_stop_with_parent, os.getpid()),
+        )
     print(f"[run] serving on http://127.0.0.1:{port}/ (Ctrl-C stops)", file=sys.stderr, flush=True)
     if "demo" in children:
         print(
