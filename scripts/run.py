@@ -13,8 +13,10 @@ Runs, from the project root and with the interpreter that runs this script (the 
           var/demo-worker.key (when the database no longer knows that key, the owner of the worker
           "demo-worker" gets a new one with `manage.py worker_owner_key`, or a user is made again)
 
-Ctrl-C (SIGINT) or SIGTERM stops every child with SIGTERM (their graceful shutdown), waits up to
-STOP_TIMEOUT seconds (a second Ctrl-C: none), then kills what is left. If any child exits on its own, the others are stopped
+Ctrl-C (SIGINT) or SIGTERM stops the children with SIGTERM (their graceful shutdown), the demo
+worker first, so that the jobs it holds are submitted while the web process still runs (up to
+DEMO_STOP_TIMEOUT seconds), then the web process and Celery (up to STOP_TIMEOUT seconds); a second
+Ctrl-C waits for none; what is left is killed. If any child exits on its own, the others are stopped
 too and the exit status is that child's. Migrations are not run here: `make run` runs them first.
 
 Each child runs in its own process group, so a Ctrl-C at the terminal reaches only this launcher,
@@ -36,11 +38,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 STOP_TIMEOUT = 20.0
+# The demo worker's share of a stop (stop_children): its scripted jobs take well under a second
+# unless a request asked it to sleep.
+DEMO_STOP_TIMEOUT = 10.0
 
 # The demo worker: the reference worker on the scripted backend (no LLM). commands() adds
 # --horde-url for the port; the API key goes in its environment (BRIDGE_API_KEY), not argv.
@@ -381,12 +387,30 @@ def main() -> int:
         else:
             time.sleep(0.2)
 
+    for names, timeout in STOP_STAGES:
+        stop_children({name: proc for name, proc in children.items() if name in names}, timeout, lambda: force)
+    print("[run] stopped", file=sys.stderr, flush=True)
+    return status
+
+
+# The demo worker stops first, while the web process still takes its submits: the jobs it holds
+# are submitted and reach the clients waiting for them, instead of failing against a stopped web
+# process until the demo worker is killed. Then the web process and Celery, together.
+STOP_STAGES: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("demo",), DEMO_STOP_TIMEOUT),
+    (("web", "celery"), STOP_TIMEOUT),
+)
+
+
+def stop_children(children: dict[str, subprocess.Popen[bytes]], timeout: float, force: Callable[[], bool]) -> None:
+    """SIGTERM to each child still running, then wait up to `timeout` seconds (none once `force`
+    says so: a second Ctrl-C) and kill what is left."""
     for proc in children.values():
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT
+    deadline = time.monotonic() + timeout
     while any(proc.poll() is None for proc in children.values()):
-        if force or time.monotonic() > deadline:
+        if force() or time.monotonic() > deadline:
             for name, proc in children.items():
                 if proc.poll() is None:
                     print(f"[run] {name} still running: killing", file=sys.stderr, flush=True)
@@ -395,8 +419,6 @@ def main() -> int:
                     proc.wait()
             break
         time.sleep(0.1)
-    print("[run] stopped", file=sys.stderr, flush=True)
-    return status
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -162,3 +163,57 @@ def test_the_launchers_processes_stop_when_the_launcher_is_killed(tmp_path):
         for pid in children:  # each is the leader of its own process group
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_lets_the_demo_worker_submit_the_job_it_holds(tmp_path):
+    """The demo worker stops before the web process: the job it holds at a Ctrl-C is submitted and
+    its request answered, instead of its submits failing against a stopped web process until the
+    launcher kills it (a Ctrl-C that took STOP_TIMEOUT seconds and lost the job)."""
+    clone = clone_like_copy(tmp_path / "clone")
+    port = _free_port()
+    env = clean_env(PORT=str(port))
+    migrated = run_python(clone, env, "manage.py", "migrate", "--noinput", "-v0")
+    assert migrated.returncode == 0, migrated.stderr
+    made = run_python(clone, env, "manage.py", "horde_user", "create", "asker", "--kudos", "100")
+    assert made.returncode == 0, made.stderr
+    key = made.stdout.strip().splitlines()[-1]
+    url = f"http://127.0.0.1:{port}/api/v2"
+    log = tmp_path / "run.log"
+    with log.open("w") as output:
+        launcher = subprocess.Popen(
+            [sys.executable, "scripts/run.py"], cwd=clone, env=env, stdout=output, stderr=subprocess.STDOUT,
+            process_group=0,
+        )
+    database = sqlite3.connect(clone / "var" / "horde.sqlite3")
+    try:
+        deadline = time.monotonic() + 90
+        while True:  # up once the demo worker has declared its model
+            assert launcher.poll() is None, log.read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                models = httpx.get(f"{url}/status/models?type=text", timeout=2)
+                if any(model.get("name") == "scripted" for model in models.json()):
+                    break
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.3)
+        queued = httpx.post(
+            f"{url}/generate/chat/async",
+            json={"model": "scripted", "messages": [{"role": "user", "content": "Hi [scripted:sleep=3]"}], "horde": {}},
+            headers={"apikey": key},
+            timeout=10,
+        )
+        assert queued.status_code == 202, queued.text
+        deadline = time.monotonic() + 30
+        while database.execute("SELECT count(*) FROM horde_generations WHERE state = 'processing'").fetchone()[0] == 0:
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGINT)
+        launcher.wait(60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    shown = log.read_text()
+    assert launcher.returncode == 0, shown[-3000:]
+    assert "still running: killing" not in shown, shown[-3000:]
+    assert database.execute("SELECT state FROM horde_generations").fetchall() == [("ok",)], shown[-3000:]
