@@ -13,12 +13,16 @@ Runs, from the project root and with the interpreter that runs this script (the 
           var/demo-worker.key (when the database no longer knows that key, the owner of the worker
           "demo-worker" gets a new one with `manage.py worker_owner_key`, or a user is made again)
 
-Ctrl-C (SIGINT) or SIGTERM stops every child with SIGTERM (their graceful shutdown), waits up to
-STOP_TIMEOUT seconds (a second Ctrl-C: none), then kills what is left. If any child exits on its own, the others are stopped
+Ctrl-C (SIGINT) or SIGTERM stops the children with SIGTERM (their graceful shutdown), the demo
+worker first, so that the jobs it holds are submitted while the web process still runs (up to
+DEMO_STOP_TIMEOUT seconds), then the web process and Celery (up to STOP_TIMEOUT seconds); a second
+Ctrl-C waits for none; what is left is killed. If any child exits on its own, the others are stopped
 too and the exit status is that child's. Migrations are not run here: `make run` runs them first.
 
 Each child runs in its own process group, so a Ctrl-C at the terminal reaches only this launcher,
-which then stops each child once (Celery would take a second SIGINT as a cold shutdown).
+which then stops each child once (Celery would take a second SIGINT as a cold shutdown). A launcher
+killed without its cleanup (SIGKILL, the OOM killer) still stops them: each gets SIGTERM when the
+launcher dies (Linux's parent-death signal), so no orphan keeps the port for the next `make run`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import gc
 import os
 import signal
@@ -33,11 +38,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 STOP_TIMEOUT = 20.0
+# The demo worker's share of a stop (stop_children): its scripted jobs take well under a second
+# unless a request asked it to sleep.
+DEMO_STOP_TIMEOUT = 10.0
 
 # The demo worker: the reference worker on the scripted backend (no LLM). commands() adds
 # --horde-url for the port; the API key goes in its environment (BRIDGE_API_KEY), not argv.
@@ -153,11 +162,27 @@ def _reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _die_with_parent() -> None:
-    """In a web process before it runs: SIGKILL when the supervisor dies, so that a supervisor
-    killed without its cleanup leaves no process holding the port (Linux's PR_SET_PDEATHSIG)."""
+def _signal_on_parent_death(signum: int, parent: int) -> None:
+    """In a child before it runs: `signum` when its parent dies (Linux's PR_SET_PDEATHSIG), or at
+    once when the parent already died between the fork and this call."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signum)
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a web process before it runs: SIGKILL when the supervisor dies, so that a supervisor
+    killed without its cleanup leaves no process holding the port."""
+    _signal_on_parent_death(signal.SIGKILL, parent)
+
+
+def _stop_with_parent(parent: int) -> None:
+    """In a child of main() before it runs: SIGTERM, its graceful shutdown, when the launcher dies
+    without stopping it (SIGKILL, the OOM killer). Orphaned, the web process would keep the port
+    (the next `make run` fails with "Address already in use") and Celery with beat and the demo
+    worker would keep serving beside the next run's."""
+    _signal_on_parent_death(signal.SIGTERM, parent)
 
 
 def supervise_web(processes: int, host: str, port: int, daphne_args: list[str]) -> int:
@@ -200,7 +225,7 @@ def supervise_web(processes: int, host: str, port: int, daphne_args: list[str]) 
         fd = sock.fileno()
         return subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "web", "--fd", str(fd), *daphne_args],
-            cwd=ROOT, pass_fds=(fd,), process_group=0, preexec_fn=_die_with_parent,
+            cwd=ROOT, pass_fds=(fd,), process_group=0, preexec_fn=functools.partial(_die_with_parent, os.getpid()),
         )
 
     running = {index: (start(sock), time.monotonic()) for index, sock in enumerate(sockets)}
@@ -339,7 +364,9 @@ def main() -> int:
     children: dict[str, subprocess.Popen[bytes]] = {}
     for name, cmd in cmds.items():
         print(f"[run] {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-        children[name] = subprocess.Popen(cmd, cwd=ROOT, process_group=0, env=envs.get(name))
+        children[name] = subprocess.Popen(
+            cmd, cwd=ROOT, process_group=0, env=envs.get(name), preexec_fn=functools.partial(_stop_with_parent, os.getpid()),
+        )
     print(f"[run] serving on http://127.0.0.1:{port}/ (Ctrl-C stops)", file=sys.stderr, flush=True)
     if "demo" in children:
         print(
@@ -360,12 +387,30 @@ def main() -> int:
         else:
             time.sleep(0.2)
 
+    for names, timeout in STOP_STAGES:
+        stop_children({name: proc for name, proc in children.items() if name in names}, timeout, lambda: force)
+    print("[run] stopped", file=sys.stderr, flush=True)
+    return status
+
+
+# The demo worker stops first, while the web process still takes its submits: the jobs it holds
+# are submitted and reach the clients waiting for them, instead of failing against a stopped web
+# process until the demo worker is killed. Then the web process and Celery, together.
+STOP_STAGES: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("demo",), DEMO_STOP_TIMEOUT),
+    (("web", "celery"), STOP_TIMEOUT),
+)
+
+
+def stop_children(children: dict[str, subprocess.Popen[bytes]], timeout: float, force: Callable[[], bool]) -> None:
+    """SIGTERM to each child still running, then wait up to `timeout` seconds (none once `force`
+    says so: a second Ctrl-C) and kill what is left."""
     for proc in children.values():
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT
+    deadline = time.monotonic() + timeout
     while any(proc.poll() is None for proc in children.values()):
-        if force or time.monotonic() > deadline:
+        if force() or time.monotonic() > deadline:
             for name, proc in children.items():
                 if proc.poll() is None:
                     print(f"[run] {name} still running: killing", file=sys.stderr, flush=True)
@@ -374,8 +419,6 @@ def main() -> int:
                     proc.wait()
             break
         time.sleep(0.1)
-    print("[run] stopped", file=sys.stderr, flush=True)
-    return status
 
 
 if __name__ == "__main__":
