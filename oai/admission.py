@@ -51,11 +51,20 @@ class InflightLimiter:
 
 
 
-def front_at_capacity() -> ChatFrontError:
+def front_at_capacity(limiter: InflightLimiter, source: str) -> ChatFrontError:
+    """The refusal, naming the cap that was reached: a client over its own address's cap learns
+    that its own requests hold the slots, not that the front is full."""
+    if limiter.by_source[source] >= limiter.max_per_source:
+        message = (
+            f"This AI Horde front holds {limiter.max_per_source} requests from your address, its limit "
+            "per address; try again when one of them ends."
+        )
+    else:
+        message = "This AI Horde front is at its in-flight request limit; try again shortly."
     return ChatFrontError(
         503,
         "FrontAtCapacity",
-        "This AI Horde front is at its in-flight request limit; try again shortly.",
+        message,
         type="api_error",
         retry_after=FRONT_AT_CAPACITY_RETRY_AFTER_SECONDS,
         should_retry=True,

@@ -110,7 +110,7 @@ async def _completions(
     slot = state.limiter.acquire(source)
     if slot is None:
         metrics.refused(503, "FrontAtCapacity")
-        return _json_error(front_at_capacity())
+        return _json_error(front_at_capacity(state.limiter, source))
     metrics.requests_admitted.add(1, {"horde.streamed": request.stream})
     trace = RequestTrace(
         streamed=request.stream,

@@ -330,6 +330,11 @@ def test_inflight_cap_per_source_is_503_front_at_capacity(front, requester, live
     assert gauges["horde.oai.inflight.source_max"] == [({}, 2)]
     refused = post("203.0.113.1")
     assert (refused.status_code, refused.json()["error"]["code"]) == (503, "FrontAtCapacity")
+    # The cap reached is the address's, and the message says so.
+    assert refused.json()["error"]["message"] == (
+        "This AI Horde front holds 2 requests from your address, its limit per address; "
+        "try again when one of them ends."
+    )
     assert refused.headers["retry-after"]
     worker.start()
     for thread in threads:
@@ -663,3 +668,15 @@ def _healthy(base: str) -> bool:
         return httpx.get(f"{base}/healthz", timeout=1).json() == {"status": "ok"}
     except (httpx.HTTPError, ValueError):
         return False
+
+
+def test_front_at_capacity_names_the_cap_reached():
+    from oai.admission import InflightLimiter, front_at_capacity
+
+    limiter = InflightLimiter(max_total=3, max_per_source=2)
+    assert limiter.acquire("a") and limiter.acquire("a") and limiter.acquire("b")
+    assert limiter.acquire("a") is None and limiter.acquire("c") is None
+    assert "from your address" in front_at_capacity(limiter, "a").message
+    assert front_at_capacity(limiter, "c").message == (
+        "This AI Horde front is at its in-flight request limit; try again shortly."
+    )
