@@ -162,7 +162,10 @@ return 1
 
 # KEYS: stream, then each lease. ARGV: stream TTL, stream max entries, then each generation id.
 # Flags every lease that still exists as cancelled and appends its ended marker (not for a fake one).
-CANCEL_PROGRESS_SCRIPT = """
+# A job without its lease gets a flag alone, which a pop that committed the job but has not yet
+# written its lease merges into (the write is a plain HSET); without that write it is no lease to
+# the progress route (no key) and expires (docs/adr/0074).
+CANCEL_PROGRESS_SCRIPT = Template("""
 local flagged = 0
 for i = 2, #KEYS do
   local fake = redis.call('HGET', KEYS[i], 'fake')
@@ -173,10 +176,13 @@ for i = 2, #KEYS do
       redis.call('EXPIRE', KEYS[1], ARGV[1])
     end
     flagged = flagged + 1
+  else
+    redis.call('HSET', KEYS[i], 'cancelled', '1')
+    redis.call('EXPIRE', KEYS[i], $lease_grace)
   end
 end
 return flagged
-"""
+""").substitute(lease_grace=CHAT_PROGRESS_LEASE_GRACE_SECONDS)
 
 
 # The leases and progress streams share the completion signal's client and database.

@@ -754,3 +754,26 @@ def test_a_post_accepted_while_a_cancel_settles_is_in_the_settlement(horde, stre
         assert generation.settled_character_count == len(first)
     assert generation.kudos == _settled_kudos(request, generation, generation.settled_character_count)
     assert KudosTransaction.objects.get(generation_id=job_id, kind="generation_reward").amount == generation.kudos
+
+
+@redis_only
+def test_a_cancel_before_the_pop_wrote_the_lease_still_stops_the_worker(horde, streamed_job, stream_redis):
+    """A soak found it: the pop commits its job in one statement and writes the stream lease after.
+    A cancel in between (a front whose client left as a faulted attempt was restarted) settles the
+    job on nothing posted and flags no lease, since none exists yet; the pop then writes its lease
+    unflagged, so the worker's posts were answered cancelled: false while its submit would be
+    AbortedGen. Here the pop's write is replayed after the cancel, as it happened. The cancel now
+    leaves a flag the pop's write merges into."""
+    from chat.services.progress import write_stream_leases
+
+    requester, owner, request, job_id, _ = streamed_job()
+    stream_redis.delete(chat_stream_lease_key(job_id))  # the pop has committed, not yet written it
+    assert _cancel(horde, requester.key, request.pk).status_code == 200
+    generation = Generation.objects.select_related("worker__owner").get(pk=job_id)
+    assert generation.state == Generation.State.CANCELLED
+    # The flag alone is no lease (as after a lapsed lease): the generation tells it was aborted.
+    refused(post(horde, owner.key, job_id, 1, "Once upon a time"), 404, "ChatJobAborted")
+    write_stream_leases(request=GenerationRequest.objects.get(pk=request.pk), generations=[generation],
+                        worker=generation.worker, owner=generation.worker.owner, model=MODEL, now=timezone.now())
+    answer = post(horde, owner.key, job_id, 1, "Once upon a time")
+    assert answer.json() == {"accepted_seq": 1, "cancelled": True}, answer.json()
