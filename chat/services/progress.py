@@ -164,7 +164,7 @@ return 1
 # Flags every lease that still exists as cancelled and appends its ended marker (not for a fake one).
 # A job without its lease gets a flag alone, which a pop that committed the job but has not yet
 # written its lease merges into (the write is a plain HSET); without that write it is no lease to
-# the progress route (no key) and expires (docs/adr/0074).
+# the progress route (no key) and expires (docs/adr/0079).
 CANCEL_PROGRESS_SCRIPT = Template("""
 local flagged = 0
 for i = 2, #KEYS do
@@ -462,7 +462,7 @@ def settle_cancelled_streams(*, request_id: UUID, now: datetime) -> list[UUID]:
     # Flagged before the stream is read: the flag and each job's ended marker are one script, so
     # the entries before the marker are exactly the posts answered cancelled: false, the content
     # the worker was told to go on with. Read first, a post accepted while the settlement waited
-    # on a balance was answered cancelled: false and left unpaid (docs/adr/0074).
+    # on a balance was answered cancelled: false and left unpaid (docs/adr/0079).
     flag_cancelled_leases(request_id, [generation.pk for generation in in_flight])
     claimed: list[tuple[Generation, PostedProgress, Decimal]] = []
     for generation in in_flight:
