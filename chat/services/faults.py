@@ -23,7 +23,8 @@ CHAT_SUBMIT_NONCONFORMANT = "ChatSubmitNonconformant"
 
 
 def fault_request_if_over_limit(request_id: UUID) -> bool:
-    """Fault a request whose faulted jobs exceed FAULTED_GENERATIONS_LIMIT; releases its hold.
+    """Fault a request whose faulted jobs exceed FAULTED_GENERATIONS_LIMIT, unless it was cancelled;
+    releases its hold.
 
     Runs in the transaction that stored the fault crossing the limit, so a chat request's faulted
     signal goes out when that commits, not at the next sweep.
@@ -33,11 +34,15 @@ def fault_request_if_over_limit(request_id: UUID) -> bool:
         return False
     request = (
         GenerationRequest.objects.select_for_update(no_key=True)
-        .only("user_id", "kudos_held", "faulted", "is_chat", "chat_fault_reason", "chat_fault_rc")
+        .only("user_id", "kudos_held", "faulted", "cancelled", "is_chat", "chat_fault_reason", "chat_fault_rc")
         .get(pk=request_id)
     )
     if request.faulted:
         return True
+    if request.cancelled:
+        # Already final: nothing is handed out after a cancel, so the limit has nothing to stop,
+        # and its `cancelled` message stands (ADR 0064's rule, from the other side).
+        return False
     GenerationRequest.objects.filter(pk=request_id).update(faulted=True, jobs_waiting=0, kudos_held=0)
     kudos_release(user_id=request.user_id, amount=request.kudos_held)
     log.warning("request %s faulted after %d faulted jobs", request_id, faults)

@@ -27,7 +27,7 @@ from uuid import UUID
 
 import redis
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import connection
 from django.db.models import F
 from redis.exceptions import NoScriptError
 
@@ -162,7 +162,10 @@ return 1
 
 # KEYS: stream, then each lease. ARGV: stream TTL, stream max entries, then each generation id.
 # Flags every lease that still exists as cancelled and appends its ended marker (not for a fake one).
-CANCEL_PROGRESS_SCRIPT = """
+# A job without its lease gets a flag alone, which a pop that committed the job but has not yet
+# written its lease merges into (the write is a plain HSET); without that write it is no lease to
+# the progress route (no key) and expires (docs/adr/0079).
+CANCEL_PROGRESS_SCRIPT = Template("""
 local flagged = 0
 for i = 2, #KEYS do
   local fake = redis.call('HGET', KEYS[i], 'fake')
@@ -173,10 +176,13 @@ for i = 2, #KEYS do
       redis.call('EXPIRE', KEYS[1], ARGV[1])
     end
     flagged = flagged + 1
+  else
+    redis.call('HSET', KEYS[i], 'cancelled', '1')
+    redis.call('EXPIRE', KEYS[i], $lease_grace)
   end
 end
 return flagged
-"""
+""").substitute(lease_grace=CHAT_PROGRESS_LEASE_GRACE_SECONDS)
 
 
 # The leases and progress streams share the completion signal's client and database.
@@ -417,7 +423,11 @@ def read_posted_progress(request_id: UUID, generation_id: UUID) -> PostedProgres
         entries = cast(list[tuple[bytes, dict[bytes, bytes]]], client.xrange(chat_progress_stream_key(request_id)))
         parts: dict[int, bytes] = {}
         for _, fields in entries:
-            if fields.get(b"gen") == gen and b"seq" in fields:
+            if fields.get(b"gen") != gen:
+                continue
+            if b"ended" in fields:  # posts after the cancel's marker were answered cancelled: true
+                break
+            if b"seq" in fields:
                 parts[int(fields[b"seq"])] = fields.get(b"content", b"")
         if parts:
             text = b"".join(parts[seq] for seq in sorted(parts)).decode("utf-8", "replace")
@@ -433,8 +443,8 @@ def read_posted_progress(request_id: UUID, generation_id: UUID) -> PostedProgres
 
 def settle_cancelled_streams(*, request_id: UUID, now: datetime) -> list[UUID]:
     """Inside the cancel's transaction (the request row locked): settle each in-flight generation
-    of a streamed request on its posted content (TextProcessingGeneration.settle_cancelled) and
-    return their ids, whose leases the cancel then flags."""
+    of a streamed request on its posted content (TextProcessingGeneration.settle_cancelled), its
+    lease flagged first; returns their ids."""
     request = GenerationRequest.objects.only(
         "user_id", "prompt", "max_length", "kudos_context", "chat_extras", "shared_key_id"
     ).get(pk=request_id)
@@ -449,6 +459,11 @@ def settle_cancelled_streams(*, request_id: UUID, now: datetime) -> list[UUID]:
         .only("id", "model", "assigned_model", "worker__owner__id", "worker__owner__trusted")
         .select_for_update(skip_locked=True, of=("self",))
     )
+    # Flagged before the stream is read: the flag and each job's ended marker are one script, so
+    # the entries before the marker are exactly the posts answered cancelled: false, the content
+    # the worker was told to go on with. Read first, a post accepted while the settlement waited
+    # on a balance was answered cancelled: false and left unpaid (docs/adr/0079).
+    flag_cancelled_leases(request_id, [generation.pk for generation in in_flight])
     claimed: list[tuple[Generation, PostedProgress, Decimal]] = []
     for generation in in_flight:
         posted = read_posted_progress(request_id, generation.pk)
@@ -495,10 +510,7 @@ def settle_cancelled_streams(*, request_id: UUID, now: datetime) -> list[UUID]:
     if claimed:
         consumed = sum((reward for _, _, reward in claimed), Decimal("0"))
         GenerationRequest.objects.filter(pk=request_id).update(consumed_kudos=F("consumed_kudos") + consumed)
-    settled = [generation.pk for generation, _, _ in claimed]
-    if settled:
-        transaction.on_commit(lambda: flag_cancelled_leases(request_id, settled), robust=True)
-    return settled
+    return [generation.pk for generation, _, _ in claimed]
 
 
 __all__ = [

@@ -64,6 +64,28 @@ def test_stale_sweep_applies_the_same_fault_limit(horde, people):
     assert horde.status(request_id).json()["faulted"] is True
 
 
+@pytest.mark.parametrize("drop", ["fault submit", "lapsed lease"])
+def test_a_cancelled_request_is_not_faulted_by_a_later_fault(horde, people, drop):
+    """A soak found it: a job still in flight when its request was cancelled (a front's client
+    disconnected) became the third to fault, and the fault limit faulted the cancelled request,
+    which then read done and faulted, its chat subscribers hearing `faulted` after `cancelled`.
+    Nothing is handed out after a cancel, so the limit has nothing left to stop (ADR 0064)."""
+    requester, owner = people
+    request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
+    for _ in range(2):
+        assert horde.submit(owner.key, horde.pop(owner.key).json()["id"], "", state="faulted").status_code == 200
+    job = horde.pop(owner.key).json()
+    assert horde.cancel(request_id, requester.key).json()["processing"] == 1
+    if drop == "fault submit":
+        assert horde.submit(owner.key, job["id"], "", state="faulted").json() == {"reward": 0}
+    else:
+        _lapse(job["id"])
+        assert tasks.abort_stale_generations.apply().get() == 1
+    status = horde.status(request_id).json()
+    assert (status["done"], status["faulted"], status["processing"]) == (True, False, 0)
+    assert GenerationRequest.objects.values_list("cancelled", "faulted").get(pk=request_id) == (True, False)
+
+
 def test_expired_request_is_deleted_and_its_hold_released(horde, make_user):
     requester = make_user("r", kudos=1000)
     request_id = horde.text_async(requester.key, models=[MODEL], params={"max_length": 1024}).json()["id"]

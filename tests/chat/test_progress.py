@@ -699,3 +699,81 @@ def test_a_cancel_meeting_a_lease_renewal_still_settles_the_job(horde, streamed_
     refused(late, 400, "AbortedGen")
     charges = KudosTransaction.objects.filter(generation_id=job_id, kind="generation_charge")
     assert [row.amount for row in charges] == [-generation.kudos]
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db(transaction=True)
+@redis_only
+def test_a_post_accepted_while_a_cancel_settles_is_in_the_settlement(horde, streamed_job, stream_redis):
+    """Real connections (a soak found it): a cancel that settles a stream waits on the worker
+    owner's balance while another settlement holds it. A progress post in that wait was answered
+    cancelled: false, so the worker went on, yet the settlement had read the stream before it and
+    paid the first post only; the worker's later submit was AbortedGen. Every post answered
+    cancelled: false is the worker's posted content, and is priced."""
+    import threading
+
+    import psycopg
+    from rest_framework.test import APIClient
+
+    from tests.conftest import Horde
+
+    requester, owner, request, job_id, _ = streamed_job()
+    first, second = "a" * 400, "b" * 1200
+    assert post(horde, owner.key, job_id, 1, first).json() == {"accepted_seq": 1, "cancelled": False}
+    params = connection.get_connection_params()
+    answers = {}
+    with psycopg.connect(host=params.get("host"), port=params.get("port"), user=params.get("user"),
+                         dbname=params["dbname"]) as other:
+        # Another settlement holding the owner's balance (a submit of the owner's other job).
+        other.execute("SELECT 1 FROM horde_users WHERE id = %s FOR NO KEY UPDATE", [owner.user.pk])
+
+        def cancel():
+            try:
+                answers["cancel"] = _cancel(Horde(APIClient()), requester.key, request.pk)
+            finally:
+                connection.close()
+
+        thread = threading.Thread(target=cancel)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not other.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                                " AND wait_event_type = 'Lock'").fetchone()[0]:
+            assert time.monotonic() < deadline, "the cancel never waited on the balance"
+            time.sleep(0.02)
+        answers["post"] = post(horde, owner.key, job_id, 2, second).json()
+        other.rollback()
+        thread.join(30)
+    assert answers["cancel"].status_code == 200
+    generation = Generation.objects.get(pk=job_id)
+    assert generation.state == Generation.State.CANCELLED
+    if answers["post"] == {"accepted_seq": 2, "cancelled": False}:
+        # Told to go on: the post is part of what the worker is paid for.
+        assert generation.settled_character_count == len(first) + len(second)
+    else:  # told to stop: the settlement stands on the first post
+        assert answers["post"] == {"accepted_seq": 2, "cancelled": True}
+        assert generation.settled_character_count == len(first)
+    assert generation.kudos == _settled_kudos(request, generation, generation.settled_character_count)
+    assert KudosTransaction.objects.get(generation_id=job_id, kind="generation_reward").amount == generation.kudos
+
+
+@redis_only
+def test_a_cancel_before_the_pop_wrote_the_lease_still_stops_the_worker(horde, streamed_job, stream_redis):
+    """A soak found it: the pop commits its job in one statement and writes the stream lease after.
+    A cancel in between (a front whose client left as a faulted attempt was restarted) settles the
+    job on nothing posted and flags no lease, since none exists yet; the pop then writes its lease
+    unflagged, so the worker's posts were answered cancelled: false while its submit would be
+    AbortedGen. Here the pop's write is replayed after the cancel, as it happened. The cancel now
+    leaves a flag the pop's write merges into."""
+    from chat.services.progress import write_stream_leases
+
+    requester, owner, request, job_id, _ = streamed_job()
+    stream_redis.delete(chat_stream_lease_key(job_id))  # the pop has committed, not yet written it
+    assert _cancel(horde, requester.key, request.pk).status_code == 200
+    generation = Generation.objects.select_related("worker__owner").get(pk=job_id)
+    assert generation.state == Generation.State.CANCELLED
+    # The flag alone is no lease (as after a lapsed lease): the generation tells it was aborted.
+    refused(post(horde, owner.key, job_id, 1, "Once upon a time"), 404, "ChatJobAborted")
+    write_stream_leases(request=GenerationRequest.objects.get(pk=request.pk), generations=[generation],
+                        worker=generation.worker, owner=generation.worker.owner, model=MODEL, now=timezone.now())
+    answer = post(horde, owner.key, job_id, 1, "Once upon a time")
+    assert answer.json() == {"accepted_seq": 1, "cancelled": True}, answer.json()
