@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 from django.conf import settings
@@ -201,6 +202,11 @@ class PooledWSGI:
         self.subscribe_queue_signal = subscribe_queue_signal
         self.pool = WebThreads(self.threads)
         self._giving_back: set[asyncio.Task] = set()
+        # The requests being served (their ASGI tasks) and the held pops' waiters, for the drain.
+        self._requests: set[asyncio.Task] = set()
+        self._held: set[Any] = set()
+        self._draining = False
+        _LAYERS.add(self)
 
     def close(self) -> None:
         self.pool.close()
@@ -208,6 +214,26 @@ class PooledWSGI:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             raise ValueError(f"PooledWSGI serves HTTP, not {scope['type']!r}")
+        task = asyncio.current_task()
+        if task is None:
+            return await self._call(scope, receive, send)
+        self._requests.add(task)
+        try:
+            return await self._call(scope, receive, send)
+        finally:
+            self._requests.discard(task)
+
+    async def drain(self, deadline: float) -> None:
+        """Until `deadline` (monotonic), let the requests being served end with their answers sent;
+        a held pop ends its wait at once with its last (empty) answer, and a pop that arrives now is
+        not held. What is still running at the deadline is left to the server's cancel."""
+        self._draining = True
+        for waiter in list(self._held):
+            waiter.event.set()
+        while self._requests and (left := deadline - time.monotonic()) > 0:
+            await asyncio.wait(set(self._requests), timeout=left)
+
+    async def _call(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         method, path = scope["method"], scope["path"]
         limit = body_limit(method, path)
         if limit is None:
@@ -345,6 +371,7 @@ class PooledWSGI:
         pop; None when the worker left (`gone`) while it waited."""
         listener = queue_listener()
         waiter = listener.register(tokens)
+        self._held.add(waiter)
         try:
             await listener.subscribed(timeout=0.5)
             while True:
@@ -356,18 +383,30 @@ class PooledWSGI:
                 recheck = _seconds(answer.header(POP_RECHECK_HEADER)) if listener.listening else None
                 answer.headers = answer.without(*_HOLD_HEADERS)
                 left = until - time.monotonic()
-                if answer.status != 200 or not still_held or left <= 0 or gone.done():
+                if answer.status != 200 or not still_held or left <= 0 or gone.done() or self._draining:
                     return answer
                 woken = asyncio.ensure_future(waiter.wait(min(recheck or settings.HORDE_POP_WAIT_RECHECK_SECONDS, left)))
                 await asyncio.wait((woken, gone), return_when=asyncio.FIRST_COMPLETED)
                 woken.cancel()
                 if gone.done():
                     return None
+                if self._draining:  # the process is stopping: the empty answer now, not a dropped connection
+                    return answer
         finally:
+            self._held.discard(waiter)
             listener.unregister(waiter)
 
 
 _HOLD_HEADERS = (POP_WAIT_HEADER, POP_LISTS_HEADER, POP_RECHECK_HEADER)
+
+# Every serving layer of the process, for the drain at a stop.
+_LAYERS: weakref.WeakSet[PooledWSGI] = weakref.WeakSet()
+
+
+async def drain_layers(seconds: float) -> None:
+    """Drain every serving layer of the process for at most `seconds` (PooledWSGI.drain)."""
+    deadline = time.monotonic() + seconds
+    await asyncio.gather(*(layer.drain(deadline) for layer in list(_LAYERS)))
 
 
 def _popped_ids(answer: Answer) -> list[uuid.UUID]:

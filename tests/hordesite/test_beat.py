@@ -135,3 +135,39 @@ def test_worker_with_beat_on_the_embedded_default_from_a_clone_without_var(tmp_p
     assert answer["code"] == 200 and answer["body"]["status"] == "ok", answer
     assert set(answer["body"]["sweeps"]) == SWEEPS
     assert all(sweep["last_finished_at"] and not sweep["late"] for sweep in answer["body"]["sweeps"].values())
+
+
+def test_sweeps_beat_sent_while_no_worker_ran_are_not_all_run_when_one_starts(tmp_path):
+    """Beat keeps sending while the worker is down (a restart, a crash): each sweep message expires
+    after its own interval, so a worker that comes back discards the stale ones instead of running
+    the backlog (one message per interval per sweep: thousands after a night); beat's next ones run."""
+    clone = clone_like_copy(tmp_path / "clone")
+    env = clean_env(HORDE_SWEEP_INTERVAL_SECONDS="1")
+    migrate = run_python(clone, env, "manage.py", "migrate", "--noinput", "-v0")
+    assert migrate.returncode == 0, migrate.stderr
+
+    beat_log = tmp_path / "beat.log"
+    beat = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "hordesite", "beat", "--loglevel=INFO"],
+        cwd=clone, env=env, stdout=beat_log.open("w"), stderr=subprocess.STDOUT, process_group=0,
+    )
+    try:
+        _wait_for(lambda: beat_log.read_text().count("Sending due task abort-stale-generations") >= 6, beat, beat_log)
+    finally:
+        _stop(beat)
+
+    worker_log = tmp_path / "worker.log"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "hordesite", "worker", "--concurrency=1", "--loglevel=INFO"],
+        cwd=clone, env=env, stdout=worker_log.open("w"), stderr=subprocess.STDOUT, process_group=0,
+    )
+    try:
+        # The worker has read the backlog: each message run, or discarded as expired.
+        _wait_for(lambda: "chat.tasks.abort_stale_generations[" in worker_log.read_text(), worker, worker_log)
+        time.sleep(3)  # the rest of the backlog, were it run
+    finally:
+        _stop(worker)
+    log = worker_log.read_text()
+    ran = [line for line in log.splitlines() if "chat.tasks.abort_stale_generations[" in line and "succeeded" in line]
+    assert len(ran) <= 1, log  # at most one, sent within an interval of the start: not the six
+    assert "Discarding revoked task: chat.tasks.abort_stale_generations[" in log, log
