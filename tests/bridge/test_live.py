@@ -227,7 +227,7 @@ def test_lapsed_lease_submit_is_dropped(live_horde, fake_backend):
             assert time.monotonic() < deadline, out.text()
             time.sleep(0.1)
         fake_backend.delay = 0
-    assert "dropped: the lease lapsed before the submit (AbortedGen)" in out.text()
+    assert "dropped: the horde aborted the job before the submit: its lease lapsed or its request was cancelled (AbortedGen)" in out.text()
 
 
 def test_text_job_through_completions(live_horde, fake_backend):

@@ -654,7 +654,7 @@ class Bridge:
                 time.sleep(delay)
             except HordeRefused as error:
                 if error.rc == "AbortedGen":
-                    self._record_dropped(held, "the lease lapsed before the submit (AbortedGen)")
+                    self._record_dropped(held, "the horde aborted the job before the submit: its lease lapsed or its request was cancelled (AbortedGen)")
                     return None
                 if error.rc in ("DuplicateGen", "InvalidJobID"):
                     self._record_dropped(held, f"{error.rc}: {error.message}")
