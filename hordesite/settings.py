@@ -182,38 +182,26 @@ HORDE_SWEEP_LATE_SECONDS = env.float("HORDE_SWEEP_LATE_SECONDS", default=3 * HOR
 # Stored chat objects whose request row is gone are deleted this often (chat.tasks.delete_orphaned_chat_objects).
 HORDE_CHAT_ORPHAN_SWEEP_SECONDS = env.float("HORDE_CHAT_ORPHAN_SWEEP_SECONDS", default=3600.0)
 _FRONT_LEASE_SWEEP_SECONDS = min(10.0, HORDE_SWEEP_INTERVAL_SECONDS)
-# Each message expires after its own interval: the next one supersedes it. Beat keeps sending while
-# no worker runs (a restart, a crash), and a worker that comes back would otherwise run the whole
-# backlog, one message per interval per sweep (expired ones are discarded as revoked).
+
+
+def _every(task: str, seconds: float) -> dict:
+    """A sweep sent every `seconds`, each message expiring after its own interval: the next one
+    supersedes it. Beat keeps sending while no worker runs (a restart, a crash), and a worker that
+    comes back would otherwise run the whole backlog (expired ones are discarded as revoked)."""
+    return {"task": task, "schedule": seconds, "options": {"expires": seconds}}
+
+
 CELERY_BEAT_SCHEDULE = {
-    "abort-stale-generations": {
-        "task": "chat.tasks.abort_stale_generations",
-        "schedule": HORDE_SWEEP_INTERVAL_SECONDS,
-        "options": {"expires": HORDE_SWEEP_INTERVAL_SECONDS},
-    },
-    "expire-requests": {
-        "task": "chat.tasks.expire_requests",
-        "schedule": HORDE_SWEEP_INTERVAL_SECONDS,
-        "options": {"expires": HORDE_SWEEP_INTERVAL_SECONDS},
-    },
+    "abort-stale-generations": _every("chat.tasks.abort_stale_generations", HORDE_SWEEP_INTERVAL_SECONDS),
+    "expire-requests": _every("chat.tasks.expire_requests", HORDE_SWEEP_INTERVAL_SECONDS),
     # In maintenance mode, cancels the requests that raced the switch (chat_requests.md, Completion signal).
-    "sweep-maintenance": {
-        "task": "chat.tasks.sweep_maintenance",
-        "schedule": HORDE_SWEEP_INTERVAL_SECONDS,
-        "options": {"expires": HORDE_SWEEP_INTERVAL_SECONDS},
-    },
+    "sweep-maintenance": _every("chat.tasks.sweep_maintenance", HORDE_SWEEP_INTERVAL_SECONDS),
     # A third of the front lease (contract.front_lease, 30 s): a dead front's requests are cancelled
     # within about 40 s of its last renewal (docs/adr/0020-front-lease.md).
-    "cancel-lapsed-front-leases": {
-        "task": "chat.tasks.cancel_lapsed_front_leases",
-        "schedule": _FRONT_LEASE_SWEEP_SECONDS,
-        "options": {"expires": _FRONT_LEASE_SWEEP_SECONDS},
-    },
-    "delete-orphaned-chat-objects": {
-        "task": "chat.tasks.delete_orphaned_chat_objects",
-        "schedule": HORDE_CHAT_ORPHAN_SWEEP_SECONDS,
-        "options": {"expires": HORDE_CHAT_ORPHAN_SWEEP_SECONDS},
-    },
+    "cancel-lapsed-front-leases": _every("chat.tasks.cancel_lapsed_front_leases", _FRONT_LEASE_SWEEP_SECONDS),
+    "delete-orphaned-chat-objects": _every(
+        "chat.tasks.delete_orphaned_chat_objects", HORDE_CHAT_ORPHAN_SWEEP_SECONDS
+    ),
 }
 
 # --- Storage --------------------------------------------------------------------------------

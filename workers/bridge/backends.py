@@ -326,20 +326,24 @@ class OpenAIBackend:
     def _post_json(self, url: str, body: dict[str, Any], timeout: float = 30.0) -> Any:
         return self._json_or_none("POST", url, body, timeout)
 
-    def _post(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def _post_answer(self, url: str, body: dict[str, Any], timeout: float) -> Any:
+        """A generation's 200 answer, read as JSON; any other answer is the backend's error."""
         try:
-            status, data = self._exchange("POST", f"{self.base}/{path}", body, timeout)
+            status, data = self._exchange("POST", url, body, timeout)
         except Unreachable as error:
             raise _down(error) from None
         if status != 200:
             raise classify_backend_error(status, data.decode("utf-8", "replace"))
         try:
-            answer = json.loads(data)
+            return json.loads(data)
         except ValueError:
             raise BackendError("backend answered 200 with a body that is not JSON") from None
+
+    def _post(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        answer = self._post_answer(f"{self.base}/{path}", body, timeout)
         if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list) or not answer["choices"]:
             if isinstance(answer, dict) and answer.get("error"):
-                raise classify_backend_error(status, str(answer["error"]))
+                raise classify_backend_error(200, str(answer["error"]))
             raise BackendError("backend answered without choices")
         return answer
 
@@ -403,16 +407,7 @@ class OpenAIBackend:
                    for key, value in body.items() if key not in ("model", "prompt")}
         request = {"model": body.get("model"), "prompt": body.get("prompt") or "", "raw": True, "think": False,
                    "stream": False, "options": options}
-        try:
-            status, data = self._exchange("POST", f"{self.root}/api/generate", request, timeout)
-        except Unreachable as error:
-            raise _down(error) from None
-        if status != 200:
-            raise classify_backend_error(status, data.decode("utf-8", "replace"))
-        try:
-            answer = json.loads(data)
-        except ValueError:
-            raise BackendError("backend answered 200 with a body that is not JSON") from None
+        answer = self._post_answer(f"{self.root}/api/generate", request, timeout)
         if not isinstance(answer, dict) or not isinstance(answer.get("response"), str):
             raise BackendError("Ollama answered /api/generate without a response")
         return {
