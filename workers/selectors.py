@@ -129,9 +129,12 @@ def worker_details(worker: Worker) -> dict:
         "maintenance_mode": worker.maintenance,
         "paused": worker.paused,
         "trusted": worker.owner.trusted,
+        "flagged": False,  # upstream's owner flag; this horde flags no users
         "owner": worker.owner.unique_alias,
         "performance": f"{worker_speed(worker):.1f} tokens per second",
         "kudos_rewards": float(worker.kudos_earned),
+        # Upstream's breakdown by action: this horde rewards generations only (no uptime kudos).
+        "kudos_details": {"generated": float(worker.kudos_earned)},
         "requests_fulfilled": worker.fulfilments,
         "uncompleted_jobs": worker.aborted_jobs,
         "uptime": int((worker.last_check_in - worker.created).total_seconds()),

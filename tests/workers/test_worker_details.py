@@ -133,3 +133,14 @@ def test_the_text_worker_list_kobold_lite_asks_for(horde, make_user):
     assert listed["text"]["type"] == "text" and listed["text"]["models"] == [MODEL]
     assert listed["text"]["accepts_prompt_jobs"] is True and listed["chat"]["accepts_chat_jobs"] is True
     assert horde.client.get("/api/v2/workers?type=image").json() == []
+
+
+def test_details_carry_upstreams_kudos_breakdown_and_flag(horde, make_user):
+    """Fields upstream's worker details always send, which clients built against it read."""
+    owner = make_user("owner")
+    horde.pop(owner.key, name="text")
+    Worker.objects.filter(name="text").update(kudos_earned=12.5)
+    cache.clear()
+    details = _details(horde, "text")
+    assert details["kudos_details"] == {"generated": 12.5} and details["kudos_rewards"] == 12.5
+    assert details["flagged"] is False
