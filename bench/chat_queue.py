@@ -34,7 +34,6 @@ import random
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from common import ROOT, Server, prepare, serving
@@ -43,11 +42,13 @@ from text_queue import (  # the shared bench machinery
     WorkerSpec,
     analyze,
     bench_env,
+    fill_in_threads,
     model_names,
     pct,
     phase_gets,
     phase_heartbeat,
     pop_body,
+    text_request_input,
     timed,
 )
 
@@ -398,7 +399,7 @@ def fill(
     from accounts.models import HordeUser
     from accounts.services import user_create
     from chat.services.create_chat import chat_request_create
-    from chat.services.create_text import TextRequestInput, text_request_create
+    from chat.services.create_text import text_request_create
     from contract.chat_shapes import validate_chat_request
     from contract.errors import HordeError
 
@@ -424,68 +425,25 @@ def fill(
             profiles[profile] = profiles.get(profile, 0) + 1
             specs.append((user, "chat", validate_chat_request(body)))
         else:
-            first = min(int(rng.paretovariate(1.2)) - 1, args.models - 1)
-            wanted = [models[first]]
-            if rng.random() < 0.3:
-                wanted.append(rng.choice(models))
-            specs.append(
-                (
-                    user,
-                    "text",
-                    TextRequestInput(
-                        prompt=f"Bench prompt {i}. " + "Once upon a time " * rng.randint(5, 60),
-                        params={"temperature": 0.7, "top_p": 0.9, "rep_pen": 1.1},
-                        n=1,
-                        max_length=rng.choice([64, 80, 120, 160, 256, 512]),
-                        max_context_length=rng.choice([1024, 2048, 4096, 8192]),
-                        models=list(dict.fromkeys(wanted)),
-                    ),
-                )
-            )
+            specs.append((user, "text", text_request_input(rng, i, models)))
 
-    done = 0
     refused: dict[str, int] = {}
     lock = threading.Lock()
-    started = time.perf_counter()
 
-    def fill_share(share: list) -> None:
-        nonlocal done
-        from django.db import connection
-
+    def create(spec: tuple) -> None:
+        user, kind, data = spec
         try:
-            for user, kind, data in share:
-                try:
-                    if kind == "chat":
-                        chat_request_create(
-                            user=user, chat=data, client_agent=CLIENT_AGENT, ip_address="127.0.0.1"
-                        )
-                    else:
-                        text_request_create(
-                            user=user, data=data, client_agent=CLIENT_AGENT, ip_address="127.0.0.1"
-                        )
-                except (HordeError, ValidationError) as exc:
-                    with lock:
-                        key = f"{kind} {getattr(exc, 'rc', type(exc).__name__)}"
-                        refused[key] = refused.get(key, 0) + 1
-                    continue
-                with lock:
-                    done += 1
-                    if done % 2000 == 0:
-                        print(
-                            f"  filled {done}/{args.requests} ({time.perf_counter() - started:.1f}s)",
-                            flush=True,
-                        )
-        finally:
-            connection.close()
+            if kind == "chat":
+                chat_request_create(user=user, chat=data, client_agent=CLIENT_AGENT, ip_address="127.0.0.1")
+            else:
+                text_request_create(user=user, data=data, client_agent=CLIENT_AGENT, ip_address="127.0.0.1")
+        except (HordeError, ValidationError) as exc:
+            with lock:
+                key = f"{kind} {getattr(exc, 'rc', type(exc).__name__)}"
+                refused[key] = refused.get(key, 0) + 1
 
-    threads = max(1, min(args.fill_threads, len(requesters)))
-    shares = [
-        [spec for k, spec in enumerate(specs) if (k % len(requesters)) % threads == t] for t in range(threads)
-    ]
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        for future in [pool.submit(fill_share, share) for share in shares]:
-            future.result()
-    return time.perf_counter() - started, profiles, refused
+    seconds = fill_in_threads(specs, create, requesters=len(requesters), threads=args.fill_threads)
+    return seconds, profiles, refused
 
 
 class KeepOnline:

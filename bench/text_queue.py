@@ -45,8 +45,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from common import ROOT, Server, prepare, server_env, serving
+
+if TYPE_CHECKING:
+    from chat.services.create_text import TextRequestInput
 
 PHASES = ("heartbeat", "pop", "pop-alone", "status")
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/horde_bench"
@@ -169,13 +173,61 @@ def model_names(count: int) -> list[str]:
     return [f"koboldcpp/bench-model-{i:02d}" for i in range(count)]
 
 
+def text_request_input(rng: random.Random, i: int, models: list[str]) -> TextRequestInput:
+    """The i-th queued text request: 1-2 models, a skewed spread so some models have deep queues."""
+    from chat.services.create_text import TextRequestInput
+
+    first = min(int(rng.paretovariate(1.2)) - 1, len(models) - 1)
+    wanted = [models[first]]
+    if rng.random() < 0.3:
+        wanted.append(rng.choice(models))
+    return TextRequestInput(
+        prompt=f"Bench prompt {i}. " + "Once upon a time " * rng.randint(5, 60),
+        params={"temperature": 0.7, "top_p": 0.9, "rep_pen": 1.1},
+        n=1,
+        max_length=rng.choice([64, 80, 120, 160, 256, 512]),
+        max_context_length=rng.choice([1024, 2048, 4096, 8192]),
+        models=list(dict.fromkeys(wanted)),
+    )
+
+
+def fill_in_threads(specs: list[tuple], create: Callable[[tuple], None], *, requesters: int, threads: int) -> float:
+    """create(spec) for every spec (whose first item is its requester, the i-th spec the i-th
+    requester round robin) on up to `threads` threads, one share of the requesters each, so no two
+    threads lock the same requester row; returns the seconds it took."""
+    done = 0
+    lock = threading.Lock()
+    started = time.perf_counter()
+
+    def fill_share(share: list[tuple]) -> None:
+        nonlocal done
+        from django.db import connection
+
+        try:
+            for spec in share:
+                create(spec)
+                with lock:
+                    done += 1
+                    if done % 2000 == 0:
+                        print(f"  filled {done}/{len(specs)} ({time.perf_counter() - started:.1f}s)", flush=True)
+        finally:
+            connection.close()
+
+    threads = max(1, min(threads, requesters))
+    shares = [[spec for k, spec in enumerate(specs) if (k % requesters) % threads == t] for t in range(threads)]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for future in [pool.submit(fill_share, share) for share in shares]:
+            future.result()
+    return time.perf_counter() - started
+
+
 def fill(args: argparse.Namespace, rng: random.Random) -> tuple[list[WorkerSpec], float]:
     """Requesters and queued requests through chat.services.create_text.text_request_create (the same rows a
     POST /generate/text/async makes, without the HTTP round trip); worker owners.
     Returns the worker specs and the fill's seconds."""
     from accounts.models import HordeUser
     from accounts.services import user_create
-    from chat.services.create_text import TextRequestInput, text_request_create
+    from chat.services.create_text import text_request_create
 
     models = model_names(args.models)
     requesters = []
@@ -186,59 +238,13 @@ def fill(args: argparse.Namespace, rng: random.Random) -> tuple[list[WorkerSpec]
     for user in requesters:
         user.refresh_from_db()
 
-    specs = []
-    for i in range(args.requests):
-        # 1-2 models per request, a skewed spread so some models have deep queues.
-        first = min(int(rng.paretovariate(1.2)) - 1, args.models - 1)
-        wanted = [models[first]]
-        if rng.random() < 0.3:
-            wanted.append(rng.choice(models))
-        specs.append(
-            (
-                requesters[i % len(requesters)],
-                TextRequestInput(
-                    prompt=f"Bench prompt {i}. " + "Once upon a time " * rng.randint(5, 60),
-                    params={"temperature": 0.7, "top_p": 0.9, "rep_pen": 1.1},
-                    n=1,
-                    max_length=rng.choice([64, 80, 120, 160, 256, 512]),
-                    max_context_length=rng.choice([1024, 2048, 4096, 8192]),
-                    models=list(dict.fromkeys(wanted)),
-                ),
-            )
-        )
+    specs = [(requesters[i % len(requesters)], text_request_input(rng, i, models)) for i in range(args.requests)]
 
-    done = 0
-    lock = threading.Lock()
-    started = time.perf_counter()
+    def create(spec: tuple) -> None:
+        user, data = spec
+        text_request_create(user=user, data=data, client_agent="bench:1:text_queue", ip_address="127.0.0.1")
 
-    def fill_share(share: list) -> None:
-        # One thread per share of the requesters: no two threads lock the same requester row.
-        nonlocal done
-        from django.db import connection
-
-        try:
-            for user, data in share:
-                text_request_create(
-                    user=user, data=data, client_agent="bench:1:text_queue", ip_address="127.0.0.1"
-                )
-                with lock:
-                    done += 1
-                    if done % 2000 == 0:
-                        print(
-                            f"  filled {done}/{args.requests} ({time.perf_counter() - started:.1f}s)",
-                            flush=True,
-                        )
-        finally:
-            connection.close()
-
-    threads = max(1, min(args.fill_threads, len(requesters)))
-    shares = [
-        [spec for k, spec in enumerate(specs) if (k % len(requesters)) % threads == t] for t in range(threads)
-    ]
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        for future in [pool.submit(fill_share, share) for share in shares]:
-            future.result()
-    fill_seconds = time.perf_counter() - started
+    fill_seconds = fill_in_threads(specs, create, requesters=len(requesters), threads=args.fill_threads)
 
     workers = []
     for i in range(args.workers):
