@@ -102,6 +102,8 @@ def _public_details(user: HordeUser, *, worker_count: int) -> dict:
         "moderator": user.moderator,
         "concurrency": user.concurrency,
         "worker_count": worker_count,
+        # Whole seconds since the account was made, as upstream's (KoboldAI Lite's KudoRank shows it).
+        "account_age": int((timezone.now() - user.created).total_seconds()),
     }
 
 

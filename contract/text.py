@@ -95,6 +95,32 @@ def text_params_refusal(
     return None
 
 
+# A priority user on a pop is upstream's "alias#id": the id (ASCII digits within a bigint) after the
+# last "#" of an alias, which may itself hold "#".
+PRIORITY_USERNAME = re.compile(r".*#([0-9]{1,18})", re.DOTALL)
+PRIORITY_USERNAME_MESSAGE = (
+    "Priority usernames need to be provided in the form of 'alias#number'. Example: 'db0#1'"
+)
+NO_MODELS_MESSAGE = "Unfortunately we cannot accept workers serving unrecognised models at this time"
+
+
+def text_pop_refusal(
+    *, models: list[str], priority_usernames: list[str], owner_alias: str
+) -> tuple[str, str] | None:
+    """Upstream's refusal of what a text pop declares, as (rc, message), else None: a priority user
+    not given as "alias#id", no model, or a branded model ("name::alias", one "::") of another
+    user's. In upstream's order (the priority users are read before the worker's models)."""
+    if any(PRIORITY_USERNAME.fullmatch(alias) is None for alias in priority_usernames):
+        return "InvalidPriorityUsername", PRIORITY_USERNAME_MESSAGE
+    for model in models:
+        parts = model.split("::")
+        if len(parts) == 2 and parts[1] != owner_alias:
+            return "BadRequest", f"This model can only be hosted by {parts[1]}"
+    if not models:
+        return "BadRequest", NO_MODELS_MESSAGE
+    return None
+
+
 def text_param_range_errors(params: Mapping[str, Any]) -> dict[str, str]:
     """Where `params` leave the ranges above, in the words and paths of the native text route's
     refusal ({"temperature": "Ensure this value is less than or equal to 5."}); for values a
@@ -164,6 +190,7 @@ TEXT_KUDOS_MIN_TOKENS = 20
 MAX_BRIDGE_AGENT_LENGTH = 1000
 MAX_WORKER_NAME_LENGTH = 100
 TEXT_POP_AMOUNT_RANGE = (1, 20)
+TEXT_POP_MAX_THREADS = 50  # upstream's PopInput bound
 # A pop's optional `wait` (whole seconds, this project's extension): longer asks are held this long.
 TEXT_POP_WAIT_MAX_SECONDS = 20
 

@@ -42,6 +42,7 @@ class FindUserView(APIView):
         moderator = serializers.BooleanField()
         concurrency = serializers.IntegerField()
         worker_count = serializers.IntegerField()
+        account_age = serializers.IntegerField(help_text="seconds since the account was made")
         # The owner's own key only: a shared key sees neither list.
         worker_ids = serializers.ListField(child=serializers.CharField(), required=False)
         sharedkey_ids = serializers.ListField(child=serializers.CharField(), required=False)

@@ -34,6 +34,7 @@ from contract.text import (
     TEXT_POP_AMOUNT_RANGE,
     TEXT_POP_MAX_CONTEXT_LENGTH_DEFAULT,
     TEXT_POP_MAX_LENGTH_DEFAULT,
+    TEXT_POP_MAX_THREADS,
     TEXT_POP_WAIT_MAX_SECONDS,
     TEXT_SAMPLER_ORDER_RANGE,
 )
@@ -203,7 +204,7 @@ class TextPopInputSerializer(serializers.Serializer):
     max_context_length = serializers.IntegerField(
         min_value=1, max_value=1_048_576, default=TEXT_POP_MAX_CONTEXT_LENGTH_DEFAULT
     )
-    threads = serializers.IntegerField(min_value=1, max_value=100, default=1)
+    threads = serializers.IntegerField(min_value=1, max_value=TEXT_POP_MAX_THREADS, default=1)
     amount = serializers.IntegerField(
         min_value=TEXT_POP_AMOUNT_RANGE[0], max_value=TEXT_POP_AMOUNT_RANGE[1], default=1
     )
@@ -214,7 +215,8 @@ class TextPopInputSerializer(serializers.Serializer):
     # Bounded as models is: each pop matches every priority user's queue (docs/adr/0069).
     softprompts = serializers.ListField(child=serializers.CharField(max_length=255), max_length=100, default=list)
     priority_usernames = serializers.ListField(
-        child=serializers.CharField(max_length=200), max_length=100, default=list
+        # Blank is let through to the pop's own check, which refuses it with upstream's rc.
+        child=serializers.CharField(max_length=200, allow_blank=True), max_length=100, default=list
     )
     # The chat declaration (spec: "Chat declaration on pop"). Typed loosely here on purpose: the
     # contract's parse_chat_declaration checks them and refuses with ChatDeclarationInvalid.

@@ -10,7 +10,7 @@ from decimal import Decimal
 from typing import Any, Literal
 from uuid import UUID
 
-from django.db.models import Sum
+from django.db.models import Exists, OuterRef, Sum
 from django.utils import timezone
 
 from accounts.models import HordeUser, KudosTransaction, SharedKey
@@ -181,18 +181,30 @@ def ensure_not_in_maintenance() -> None:
         raise HordeError("MaintenanceMode", "Horde is in maintenance mode. Please try again later.")
 
 
-def check_concurrency(*, user: HordeUser, n: int) -> None:
+def check_concurrency(*, user: HordeUser, n: int, models: list[str] | None = None) -> None:
     """TooManyPrompts when the user's waiting jobs plus n exceed its concurrency.
+
+    The anonymous account is everyone without a key: as upstream's, its jobs are counted among
+    the requests that ask for any of `models` (all of them for a request naming none), so one
+    model's crowd does not refuse anonymous requests for every other model.
 
     Run unlocked as an early refusal, and again on the locked user row inside the creation.
     """
-    waiting = (
-        GenerationRequest.objects.filter(
-            user=user, faulted=False, cancelled=False, expires_at__gt=timezone.now()
-        ).aggregate(total=Sum("jobs_waiting"))["total"]
-        or 0
+    waiting_requests = GenerationRequest.objects.filter(
+        user=user, faulted=False, cancelled=False, expires_at__gt=timezone.now()
     )
+    if user.is_anonymous and models:
+        waiting_requests = waiting_requests.filter(
+            Exists(RequestModel.objects.filter(request=OuterRef("pk"), name__in=models))
+        )
+    waiting = waiting_requests.aggregate(total=Sum("jobs_waiting"))["total"] or 0
     if waiting + n > user.concurrency:
+        if user.is_anonymous:
+            raise HordeError(
+                "TooManyPrompts",
+                f"Too many anonymous requests on using the horde currently ({waiting + n}/{user.concurrency}). "
+                "Please consider getting a personal API key, which will also provide higher priority.",
+            )
         raise HordeError(
             "TooManyPrompts",
             f"Parallel requests ({waiting + n}) exceeded user limit ({user.concurrency}).",

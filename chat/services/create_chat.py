@@ -545,7 +545,7 @@ def chat_request_create(
     # 5. The rest of the checks every generate route shares (the caller was authenticated).
     if shared_key is not None and (unusable := admission.shared_key_unusable(shared_key)) is not None:
         raise unusable
-    admission.check_concurrency(user=user, n=1)
+    admission.check_concurrency(user=user, n=1, models=submission.models)
     # 6. Known models, and at least one online chat worker serving them.
     offers = chat_model_offers(submission.models)
     ensure_models_served(submission, offers)
@@ -653,7 +653,7 @@ def chat_request_create(
     try:
         with transaction.atomic():
             locked_user = admission.lock_requester(user)
-            admission.check_concurrency(user=locked_user, n=1)
+            admission.check_concurrency(user=locked_user, n=1, models=submission.models)
             needs_hold = admission.needs_upfront_kudos(
                 max_length=max_length,
                 slow_workers=horde.slow_workers,

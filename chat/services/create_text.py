@@ -255,7 +255,7 @@ def _text_request_rows(
     allowance = free_output_allowance_for(user=user, fields=row_fields(), models=data.models, workers=data.workers)
     with transaction.atomic():
         locked_user = lock_requester(user)
-        check_concurrency(user=locked_user, n=data.n)
+        check_concurrency(user=locked_user, n=data.n, models=data.models)
         hold = Decimal("0")
         if needs_upfront_kudos(
             max_length=data.max_length,

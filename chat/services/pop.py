@@ -45,6 +45,7 @@ from contract.chat_errors import ChatDeclarationInvalid
 from contract.chat_limits import CHAT_SAMPLING_DEFAULTS
 from contract.chat_progress import CHAT_STREAM_PROGRESS_KEY, streams_progress
 from contract.errors import HordeError
+from contract.text import text_pop_refusal
 from workers.models import Worker
 from workers.services import TextWorkerDeclaration, worker_check_in, worker_rows
 
@@ -72,7 +73,8 @@ def _priority_user_ids(worker: Worker) -> list[int]:
     ids = [worker.owner_id]
     for alias in worker.priority_usernames or []:
         _, _, tail = str(alias).rpartition("#")
-        # ASCII digits within a bigint: "x#²" or a 30-digit id names no one (it was a 500).
+        # ASCII digits within a bigint (the pop refuses any other alias: text_pop_refusal); a row
+        # stored before that refusal may hold "x#²" or a 30-digit id, which names no one.
         if USER_ID_DIGITS.fullmatch(tail) and int(tail) not in ids:
             ids.append(int(tail))
     return ids
@@ -144,6 +146,11 @@ def worker_check_in_and_pop(
         chat = parse_chat_declaration({k: v for k, v in sent.items() if v is not None}, models=models)
     except ChatDeclarationInvalid as refusal:
         raise HordeError(refusal.rc, refusal.message, status=refusal.status) from refusal
+    declared_refusal = text_pop_refusal(
+        models=models, priority_usernames=priority_usernames, owner_alias=owner.unique_alias
+    )
+    if declared_refusal is not None:
+        raise HordeError(*declared_refusal)
     declaration = TextWorkerDeclaration(
         name=name.strip(),
         models=models,

@@ -78,6 +78,8 @@ def test_config_from_environment_and_flags():
         (["--api-key", "k", "--feature", "telepathy"], "unknown feature"),
         (["--api-key", "k", "--no-chat", "--no-text"], "nothing to serve"),
         (["--api-key", "k", "--threads", "0"], "--threads"),
+        # The horde refuses a pop declaring more (upstream's bound): refused before the first pop.
+        (["--api-key", "k", "--threads", "51"], "--threads is 1 to 50"),
     ],
 )
 def test_config_refusals(argv, message):

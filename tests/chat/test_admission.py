@@ -200,6 +200,27 @@ def test_concurrency_limit_counts_waiting_jobs(horde, make_user):
     assert refused.json()["message"] == "Parallel requests (31) exceeded user limit (30)."
 
 
+def test_anonymous_concurrency_counts_the_requests_for_the_models_asked(horde, settings):
+    """The anonymous account is everyone without a key (KoboldAI Lite's default): as upstream, its
+    limit counts its waiting jobs that ask for the same models, so one model's crowd does not lock
+    anonymous users out of every model. The refusal says so."""
+    settings.HORDE_TEXT_ASYNC_RATE_LIMITS = ["1000/second"]
+    anonymous = "0000000000"
+    assert horde.text_async(anonymous, models=[MODEL], params={"n": 20}).status_code == 202
+    assert horde.text_async(anonymous, models=[MODEL, "other/model"], params={"n": 10}).status_code == 202
+    refused = horde.text_async(anonymous, models=[MODEL], params={"n": 1})
+    assert refused.status_code == 429, refused.content
+    assert refused.json() == {
+        "message": "Too many anonymous requests on using the horde currently (31/30). "
+        "Please consider getting a personal API key, which will also provide higher priority.",
+        "rc": "TooManyPrompts",
+    }
+    assert horde.text_async(anonymous, models=["other/model"], params={"n": 20}).status_code == 202
+    assert horde.text_async(anonymous, models=["third/model"], params={"n": 20}).status_code == 202
+    # A request naming no model counts every waiting anonymous job.
+    assert horde.text_async(anonymous, params={"n": 1}).json()["rc"] == "TooManyPrompts"
+
+
 def test_rate_limit_per_address(horde, make_user, settings):
     settings.HORDE_TEXT_ASYNC_RATE_LIMITS = ["2/second", "90/minute"]
     requester = make_user("r")
@@ -418,7 +439,8 @@ def test_user_details_by_id_show_private_ids_to_the_user_and_moderators(horde, m
     assert "worker_ids" not in horde.client.get(path, HTTP_APIKEY=bob.key).json()
     for key in (alice.key, moderator.key):
         private = horde.client.get(path, HTTP_APIKEY=key).json()
-        assert private == horde.client.get("/api/v2/find_user", HTTP_APIKEY=alice.key).json()
+        own = horde.client.get("/api/v2/find_user", HTTP_APIKEY=alice.key).json()
+        assert abs(private.pop("account_age") - own.pop("account_age")) <= 1 and private == own
         assert len(private["worker_ids"]) == 1
     for missing, message in (
         ("99999999", "User with ID '99999999' not found."),
@@ -453,7 +475,9 @@ def test_the_users_list_pages_through_everyone_richest_or_oldest_first(horde, ma
     assert len(first) == 25 and first[0]["username"] == f"u29#{made[29].user.pk}"
     assert first[0]["kudos"] == 290.0 and first[0]["worker_count"] == 1
     assert [u["kudos"] for u in first] == sorted((u["kudos"] for u in first), reverse=True)
-    assert set(first[0]) == {"username", "id", "kudos", "trusted", "moderator", "concurrency", "worker_count"}
+    assert set(first[0]) == {
+        "username", "id", "kudos", "trusted", "moderator", "concurrency", "worker_count", "account_age"
+    }
     second = horde.client.get("/api/v2/users?page=2").json()
     assert len(second) == everyone - 25 and not {u["id"] for u in first} & {u["id"] for u in second}
     by_age = horde.client.get("/api/v2/users?sort=age").json()

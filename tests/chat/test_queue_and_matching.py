@@ -166,13 +166,17 @@ def test_status_models_reports_threads_queue_and_eta(horde, make_user, owner):
     assert models[MODEL]["type"] == "text"
 
 
-def test_a_pop_names_at_most_a_hundred_priority_users_and_odd_aliases_name_no_one(horde, make_user):
+def test_a_pop_names_at_most_a_hundred_priority_users_and_odd_aliases_are_refused(horde, make_user):
     """Each pop matches every priority user's queue, so the list is bounded as `models` is; an
-    alias whose id is not ASCII digits within a bigint names no one (it was a 500)."""
+    alias whose id is not ASCII digits within a bigint was a 500, and is now refused as upstream
+    refuses an alias without an id (tests/chat/test_pop_refusals.py)."""
     owner = make_user("owner")
     too_many = horde.pop(owner.key, priority_usernames=[f"user#{n}" for n in range(101)])
     assert too_many.status_code == 400 and "priority_usernames" in too_many.json()["errors"]
-    odd = horde.pop(owner.key, priority_usernames=["x#²", "y#" + "9" * 30, "z#abc", "w#12", "w#12"])
-    assert odd.status_code == 200 and odd.json()["id"] is None
+    for odd in ("x#²", "y#" + "9" * 30, "z#abc"):
+        refused = horde.pop(owner.key, priority_usernames=[odd, "w#12", "w#12"])
+        assert refused.status_code == 400 and refused.json()["rc"] == "InvalidPriorityUsername"
+    twice = horde.pop(owner.key, priority_usernames=["w#12", "w#12"])
+    assert twice.status_code == 200 and twice.json()["id"] is None
     softprompts = horde.pop(owner.key, softprompts=["s"] * 101)
     assert softprompts.status_code == 400 and "softprompts" in softprompts.json()["errors"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from contract.chat_declaration import KNOWN_IMAGE_TRANSPORTS
 from contract.chat_policy import KNOWN_CHAT_DECLARATIONS
-from contract.text import MAX_WORKER_NAME_LENGTH, TEXT_POP_WAIT_MAX_SECONDS
+from contract.text import MAX_WORKER_NAME_LENGTH, TEXT_POP_MAX_THREADS, TEXT_POP_WAIT_MAX_SECONDS
 from workers.bridge.progress import DEFAULT_PROGRESS_INTERVAL
 
 SCRIPTED = "scripted"
@@ -240,8 +240,8 @@ def validate(config: BridgeConfig) -> None:
         raise ConfigError("a worker needs its owner's API key: --api-key or BRIDGE_API_KEY")
     if config.backend_kind not in BACKEND_KINDS:
         raise ConfigError(f"--backend-kind is one of {', '.join(BACKEND_KINDS)}")
-    if not 1 <= config.threads <= 100:
-        raise ConfigError("--threads is 1 to 100")
+    if not 1 <= config.threads <= TEXT_POP_MAX_THREADS:
+        raise ConfigError(f"--threads is 1 to {TEXT_POP_MAX_THREADS}")
     if not 0 <= config.pop_wait <= TEXT_POP_WAIT_MAX_SECONDS:
         raise ConfigError(f"--pop-wait is 0 to {TEXT_POP_WAIT_MAX_SECONDS}")
     if config.max_length < 16:
