@@ -7,7 +7,8 @@ end of that interval, so such a horde is polled about once a `pop_interval` as b
 a job is given up (faulted) `lease_margin` seconds before its pop's ttl ends, so the request is
 handed out again at once instead of after the horde's stale sweep. Stop: the first SIGINT/SIGTERM
 stops popping (a pop the horde holds ends within a second) and lets held jobs finish for `stop_grace`
-seconds, then faults what is left; a second signal faults at once.
+seconds, then faults what is left; a second signal faults at once. The declaration goes with every
+pop: a context Ollama changed is read again between pops and declared on the next (ADR 0081).
 """
 
 from __future__ import annotations
