@@ -14,6 +14,9 @@ INSTALLED_APPS = ["rest_framework", "drf_spectacular"]
 MIDDLEWARE: list[str] = []
 ROOT_URLCONF = "oai.standalone_urls"
 DATABASES: dict = {}
+# Django sets the process's TZ from TIME_ZONE (its default is America/Chicago): the log lines' times
+# are UTC, as the horde's (hordesite/settings.py).
+TIME_ZONE = "UTC"
 USE_TZ = True
 REST_FRAMEWORK = {
     # The front's views set their own authentication and exception handler (oai.views).

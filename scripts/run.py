@@ -80,12 +80,12 @@ def _tool(name: str) -> str:
 
 
 def demo_worker_enabled() -> bool:
-    # django-environ's booleans, as every other setting reads them (false, 0, no, off...); unset or
+    # django-environ's booleans, as every other setting reads them (a non-zero integer, true, yes, on...); unset or
     # empty keeps the default.
     import environ
 
     raw = os.environ.get("HORDE_DEMO_WORKER", "").strip()
-    return (not raw or raw.lower() in environ.Env.BOOLEAN_TRUE_STRINGS) and bool(DEMO_WORKER_COMMAND)
+    return (not raw or bool(environ.Env.parse_value(raw, bool))) and bool(DEMO_WORKER_COMMAND)
 
 
 # The web process's thread switch interval, in ms (Python's default is 5): its threads mostly wait

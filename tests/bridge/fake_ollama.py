@@ -14,7 +14,13 @@ api/types.go), not a model:
   0.6.7, 4096 until 0.15.5, then 4096/32768/262144 by VRAM), at most the trained context, at least
   2048 for a vision model. A loaded model is kept for a request whose context is automatic too
   (needsReload), reloaded for another. The /v1 routes never send num_ctx.
-- GET /api/ps: the loaded models with their `context_length` (from 0.10.0).
+- GET /api/ps: the loaded models with their `context_length` (from 0.10.0); an unloaded model
+  (keep_alive ran out, `ollama stop`, a crashed runner) is not listed.
+- At runtime, as a long-running Ollama does: `fits` holds an automatic context to what fits in
+  memory (another model took VRAM); `unload()` drops the model, so the next request loads it
+  again with the settings of then (a restart with another OLLAMA_CONTEXT_LENGTH or VRAM tier);
+  `crash_next()` answers the next generation 500 "model runner has unexpectedly stopped" (the
+  runner ran out of memory) and unloads the model.
 - POST /api/generate {"model"} without a prompt loads the model: {"done": true, "done_reason": "load"}.
 - POST /api/generate with a prompt: `raw: true` continues the prompt as written; without it the
   prompt is the user message of the model's chat template and a thinking model thinks first
@@ -72,6 +78,7 @@ class FakeOllama:
         context_length_env: int | None = None,  # OLLAMA_CONTEXT_LENGTH
         vram_default: int = 4096,  # the VRAM tier's default (0.15.5 on)
         pulled_later: dict[str, tuple[str, ...]] | None = None,  # other models and their capabilities
+        fits: int | None = None,  # the largest automatic context that fits in memory
     ):
         self.version = version
         self.model = model
@@ -82,10 +89,13 @@ class FakeOllama:
         self.context_length_env = context_length_env
         self.vram_default = vram_default
         self.pulled_later = pulled_later or {}
+        self.fits = fits
+        self.crashing = False
         self.loaded: dict[str, Any] | None = None  # {"context": n, "auto": bool}
         self.loads = 0
         self.requests: list[tuple[str, str, Any]] = []
         self.chunk_chars = 4
+        self.reply = DEFAULT_REPLY  # what a chat request is answered
         self._server: QuietServer | None = None
 
     @property
@@ -269,6 +279,8 @@ class FakeOllama:
             requested, auto = self.context_length_env, False
         else:
             requested, auto = self.default_num_ctx(), True
+            if self.fits:
+                requested = min(requested, self.fits)
         if "vision" in self.capabilities:
             requested = max(requested, 2048)
         context = min(requested, self.n_ctx_train) if self.n_ctx_train else requested
@@ -276,6 +288,19 @@ class FakeOllama:
             return
         self.loaded = {"context": context, "auto": auto}
         self.loads += 1
+
+    def unload(self) -> None:
+        self.loaded = None
+
+    def crash_next(self) -> None:
+        self.crashing = True
+
+    def _crash(self) -> None:
+        """A runner that ran out of memory: the request fails, the model is unloaded."""
+        if self.crashing:
+            self.crashing, self.loaded = False, None
+            raise OllamaError(500, "model runner has unexpectedly stopped, this may be due to resource limitations "
+                                   "or an internal error, check ollama server logs for details")
 
     def generate(self, body: dict[str, Any]) -> dict[str, Any]:
         name = self._served(body.get("model"), "generate")
@@ -285,6 +310,7 @@ class FakeOllama:
         if not body.get("prompt"):
             return {"model": body.get("model"), "created_at": "2026-12-06T14:00:00Z", "response": "", "done": True,
                     "done_reason": "load"}
+        self._crash()
         think = body.get("think")
         if think is None and "thinking" in self.capabilities:
             think = True  # GenerateHandler: a thinking model thinks unless told not to
@@ -357,7 +383,8 @@ class FakeOllama:
         if body.get("tools") and "tools" not in self.capabilities:
             raise OllamaError(400, f"registry.ollama.ai/library/{name} does not support tools")
         self.schedule(None)  # the OpenAI layer's options hold no runner option
-        message: dict[str, Any] = {"role": "assistant", "content": DEFAULT_REPLY}
+        self._crash()
+        message: dict[str, Any] = {"role": "assistant", "content": self.reply}
         finish = "stop"
         tools = body.get("tools") or []
         if tools and messages[-1].get("role") != "tool":

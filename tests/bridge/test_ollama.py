@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -16,7 +17,7 @@ from PIL import Image
 from tests.bridge.conftest import running_bridge
 from tests.bridge.fake_ollama import CONTINUATION, DEFAULT_REPLY, REASONING, FakeOllama
 from workers.bridge.backends import OpenAIBackend, ollama_model_name, ollama_version
-from workers.bridge.config import BridgeConfig
+from workers.bridge.config import BridgeConfig, ConfigError, load_config
 from workers.bridge.jobs import chat_backend_request
 from workers.bridge.worker import job_context, jobs_at_once
 from workers.models import Worker
@@ -165,6 +166,87 @@ def test_max_context_length_still_overrides_what_ollama_reports():
     assert (context, source) == (12000, "--max-context-length")
 
 
+def _declared(bridge) -> int | None:
+    return Worker.objects.get(name=bridge.config.worker_name).chat_max_context_length
+
+
+def _until_declared(bridge, context: int, out, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _declared(bridge) != context:
+        assert time.monotonic() < deadline, f"declared {_declared(bridge)}, not {context}:\n{out.text()}"
+        time.sleep(0.1)
+
+
+def _ps_reads(fake: FakeOllama) -> int:
+    return sum(1 for method, path, _ in fake.requests if path == "/api/ps")
+
+
+def test_a_smaller_context_ollama_reloads_the_model_with_is_declared_on_the_next_pops(live_horde):
+    # Another model took VRAM: Ollama's next automatic load of ours fits 8192 tokens, not 32768.
+    with ollama(vram_default=32768) as fake, \
+            running_bridge(live_horde, fake.url, pop_wait=1, context_check_interval=0.3) as (bridge, out):
+        assert _declared(bridge) == 32768, out.text()
+        fake.fits = 8192
+        fake.unload()
+        httpx.post(f"{fake.url}/chat/completions", json={"model": "qwen3:8b", "messages": [{"role": "user", "content": "hi"}]})
+        _until_declared(bridge, 8192, out)
+    assert "context 8192 from /api/ps (was 32768)" in out.text()
+    assert fake.loads == 2  # the bridge read /api/ps; it loaded nothing itself
+
+
+def test_a_larger_context_is_declared_once_the_workers_own_job_ran_with_it(live_horde):
+    with ollama(vram_default=4096) as fake, \
+            running_bridge(live_horde, fake.url, pop_wait=1, context_check_interval=0.3) as (bridge, out):
+        # Another client's own num_ctx: the /v1 routes would load the model again with 4096.
+        httpx.post(fake.url.replace("/v1", "/api/generate"), json={"model": "qwen3:8b", "options": {"num_ctx": 16384}})
+        reads = _ps_reads(fake)
+        deadline = time.monotonic() + 10
+        while _ps_reads(fake) < reads + 3:
+            assert time.monotonic() < deadline, out.text()
+            time.sleep(0.1)
+        assert _declared(bridge) == 4096, out.text()
+        # Ollama restarted on a larger GPU: the next load (a job's) gets 16384.
+        fake.vram_default = 16384
+        fake.unload()
+        status = live_horde.wait(live_horde.chat(horde={"conformance": "best_effort"}))
+        assert status["done"] and not status["faulted"], out.text()
+        _until_declared(bridge, 16384, out)
+
+
+def test_a_faulted_job_reads_the_context_again_at_once(live_horde):
+    # The runner ran out of memory: the job faults, and Ollama's next load fits only 8192 tokens.
+    with ollama(vram_default=32768) as fake, \
+            running_bridge(live_horde, fake.url, pop_wait=1, context_check_interval=3600) as (bridge, out):
+        fake.fits = 8192
+        fake.crash_next()
+        live_horde.wait(live_horde.chat(horde={"conformance": "best_effort"}))  # the horde hands it out again
+        assert "chat faulted (generation_error)" in out.text()
+        _until_declared(bridge, 8192, out)
+
+
+def test_a_reply_cut_at_its_length_reads_the_context_again_at_once(live_horde):
+    with ollama(vram_default=32768) as fake, \
+            running_bridge(live_horde, fake.url, pop_wait=1, context_check_interval=3600) as (bridge, out):
+        fake.fits = 8192
+        fake.unload()
+        fake.reply = "A long answer. " * 20
+        status = live_horde.wait(live_horde.chat(max_tokens=16, horde={"conformance": "best_effort"}))
+        assert status["done"] and status["generations"][0]["finish_reason"] == "length", out.text()
+        _until_declared(bridge, 8192, out)
+
+
+def test_max_context_length_overrides_a_reloaded_context(live_horde):
+    with ollama(vram_default=32768) as fake, running_bridge(
+            live_horde, fake.url, pop_wait=1, context_check_interval=0.3, max_context_length=12000) as (bridge, out):
+        fake.fits = 8192
+        fake.crash_next()
+        live_horde.wait(live_horde.chat(horde={"conformance": "best_effort"}))
+        assert "chat faulted (generation_error)" in out.text()
+        time.sleep(1)
+        assert _declared(bridge) == 12000
+    assert _ps_reads(fake) == 1  # the start's read only
+
+
 # --- capabilities ---------------------------------------------------------------------------------------
 
 
@@ -261,3 +343,11 @@ def test_a_text_job_continues_the_prompt_as_written(live_horde):
     assert sent["raw"] is True and sent["think"] is False and sent["stream"] is False
     assert sent["options"]["num_predict"] == 80 and sent["options"]["stop"] == ["\n\n"]
     assert sent["options"]["top_k"] == 40 and sent["options"]["repeat_penalty"] == 1.1
+
+
+def test_the_context_check_interval_is_a_flag_and_a_variable():
+    assert load_config(["--api-key", "k"], {}).context_check_interval == 60.0
+    assert load_config(["--api-key", "k"], {"BRIDGE_CONTEXT_CHECK_INTERVAL": "5"}).context_check_interval == 5.0
+    assert load_config(["--api-key", "k", "--context-check-interval", "0"], {}).context_check_interval == 0.0
+    with pytest.raises(ConfigError):
+        load_config(["--api-key", "k", "--context-check-interval", "-1"], {})

@@ -90,10 +90,11 @@ def test_the_demo_worker_setting_reads_booleans_as_every_setting_does():
     code = "import runpy; print(runpy.run_path('scripts/run.py')['demo_worker_enabled']())"
     shown = {
         value: run_python(ROOT, clean_env(**({} if value is None else {"HORDE_DEMO_WORKER": value})), "-c", code)
-        for value in (None, "", "false", "0", "off", "true", "1")
+        for value in (None, "", "false", "0", "off", "true", "1", "2", "Ok")
     }
     assert {value: run.stdout.strip() for value, run in shown.items()} == {
-        None: "True", "": "True", "false": "False", "0": "False", "off": "False", "true": "True", "1": "True"
+        None: "True", "": "True", "false": "False", "0": "False", "off": "False", "true": "True", "1": "True",
+        "2": "True", "Ok": "True",  # a non-zero integer is true, as env.bool reads it
     }, {value: run.stderr for value, run in shown.items()}
 
 

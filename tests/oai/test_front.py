@@ -4,6 +4,7 @@ CORS, model cards, metrics, the finished-request log line and the standalone pro
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import re
@@ -661,6 +662,26 @@ def test_python_m_oai_serves_the_front_alone(front, client, start_worker, live_h
     finally:
         process.terminate()
         process.wait(10)
+
+
+def test_python_m_oai_logs_in_utc_as_the_horde_does():
+    # Django sets the process's TZ from TIME_ZONE, whose default is America/Chicago: the standalone
+    # front's log lines were six hours off the horde's (UTC) in the same log collector.
+    env = {**os.environ, "HORDE_OAI_NATIVE_ROOTS": f"http://127.0.0.1:{_free_port()}/api/v2",
+           "HORDE_OAI_PORT": str(_free_port())}
+    for name in ("DJANGO_SETTINGS_MODULE", "TZ"):
+        env.pop(name, None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "oai"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        assert process.stderr is not None
+        line = process.stderr.readline().decode()
+        logged = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").replace(tzinfo=datetime.UTC)
+    finally:
+        process.terminate()
+        process.wait(10)
+    assert abs((datetime.datetime.now(datetime.UTC) - logged).total_seconds()) < 60, line
 
 
 def _healthy(base: str) -> bool:

@@ -99,6 +99,12 @@ class Backend(Protocol):
         """The rendered chat prompt's tokens (template, tools, images); None when it cannot say."""
         ...
 
+    def runtime_context(self, *, load: bool) -> int | None:
+        """The context the backend holds the model with now, where it can change while the bridge
+        runs (Ollama reloads a model); None when it does not say or cannot change. `load`: load
+        the model first, as a job would (after a fault the model may be unloaded)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -289,6 +295,9 @@ class OpenAIBackend:
         self.detected_kind: str | None = None  # what probe found (or was told)
         self.model: str | None = None
         self.timeout = timeout
+        # Ollama: its version and the model's trained context, read at probe for runtime_context.
+        self._ollama_version: tuple[int, int, int] | None = None
+        self._trained_context: int | None = None
         headers = {"Accept": "application/json", "Content-Type": "application/json", "User-Agent": BRIDGE_AGENT}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
@@ -626,6 +635,7 @@ class OpenAIBackend:
         request would (a model another client loaded with its own num_ctx is loaded again)."""
         info = show["model_info"] if isinstance(show.get("model_info"), dict) else {}
         trained = _positive_int(info.get(f"{info.get('general.architecture')}.context_length"))
+        self._ollama_version, self._trained_context = version, trained
         parameters = show.get("parameters")
         match = OLLAMA_NUM_CTX.search(parameters) if isinstance(parameters, str) else None
 
@@ -652,6 +662,22 @@ class OpenAIBackend:
         """/api/ps's context_length for the model, after a load request with no options (as
         `ollama run` preloads; answered at once when the model is loaded as a /v1 request needs it)."""
         self._post_json(f"{self.root}/api/generate", {"model": model}, timeout=self.timeout)
+        return self._ollama_ps_context(model)
+
+    def runtime_context(self, *, load: bool) -> int | None:
+        """Ollama's /api/ps context_length for the model, held to its trained context (one GET; a
+        load request first when `load`); None for another kind, an Ollama before 0.10.0, or a
+        model not loaded now."""
+        if self.detected_kind != "ollama" or self.model is None:
+            return None
+        if self._ollama_version is not None and self._ollama_version < OLLAMA_PS_CONTEXT_VERSION:
+            return None
+        loaded = self._ollama_loaded_context(self.model) if load else self._ollama_ps_context(self.model)
+        if loaded and self._trained_context:
+            return min(loaded, self._trained_context)
+        return loaded
+
+    def _ollama_ps_context(self, model: str) -> int | None:
         listing = self._get_json(f"{self.root}/api/ps")
         wanted = ollama_model_name(model)
         for entry in (listing.get("models") if isinstance(listing, dict) else None) or []:

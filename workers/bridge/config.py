@@ -30,6 +30,8 @@ class BridgeConfig:
     threads: int = 1
     max_length: int = 512  # chat and text jobs
     max_context_length: int | None = None  # default: what the backend reports, else 4096
+    # Ollama: seconds between reads of the context it holds the model with (/api/ps); 0: at start only.
+    context_check_interval: float = 60.0
     # Divide a context the backend's slots may share among the jobs run at once (llama.cpp).
     context_split: bool = True
     chat_jobs: bool = True
@@ -106,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
         "else its smallest default), else 4096",
     )
     add(
+        "--context-check-interval",
+        type=float,
+        default=d.context_check_interval,
+        help="Ollama: seconds between reads of the context it holds the model with (/api/ps), declared on the "
+        "next pop; also read after a job that faulted or was cut at its length; 0: at start only "
+        "(BRIDGE_CONTEXT_CHECK_INTERVAL)",
+    )
+    add(
         "--no-context-split",
         dest="context_split",
         action="store_false",
@@ -166,6 +176,7 @@ _ENV: dict[str, tuple[str, object]] = {
     "threads": ("BRIDGE_THREADS", int),
     "max_length": ("BRIDGE_MAX_LENGTH", int),
     "max_context_length": ("BRIDGE_MAX_CONTEXT_LENGTH", int),
+    "context_check_interval": ("BRIDGE_CONTEXT_CHECK_INTERVAL", float),
     "context_split": ("BRIDGE_CONTEXT_SPLIT", _env_bool),
     "chat_jobs": ("BRIDGE_CHAT_JOBS", _env_bool),
     "text_jobs": ("BRIDGE_TEXT_JOBS", _env_bool),
@@ -214,6 +225,7 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
         threads=values["threads"],
         max_length=values["max_length"],
         max_context_length=values["max_context_length"],
+        context_check_interval=values["context_check_interval"],
         context_split=values["context_split"] is not False,
         chat_jobs=values["chat_jobs"] is not False,
         text_jobs=values["text_jobs"] is not False,
@@ -248,6 +260,8 @@ def validate(config: BridgeConfig) -> None:
         raise ConfigError("--max-length is at least 16")
     if config.max_context_length is not None and config.max_context_length < 80:
         raise ConfigError("--max-context-length is at least 80")
+    if config.context_check_interval < 0:
+        raise ConfigError("--context-check-interval is 0 or more seconds")
     if not 0 <= config.progress_interval <= 60:
         raise ConfigError("--progress-interval is 0 to 60 seconds")
     if not config.chat_jobs and not config.text_jobs:

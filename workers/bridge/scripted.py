@@ -209,6 +209,9 @@ class ScriptedBackend:
     def count_chat_tokens(self, body: dict[str, Any]) -> int | None:
         return None
 
+    def runtime_context(self, *, load: bool) -> int | None:
+        return None  # its context never changes
+
     def probe(self, model: str | None) -> Capabilities:
         """Everything: it follows each part of the contract exactly, by construction."""
         caps = Capabilities(

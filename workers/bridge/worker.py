@@ -7,11 +7,13 @@ end of that interval, so such a horde is polled about once a `pop_interval` as b
 a job is given up (faulted) `lease_margin` seconds before its pop's ttl ends, so the request is
 handed out again at once instead of after the horde's stale sweep. Stop: the first SIGINT/SIGTERM
 stops popping (a pop the horde holds ends within a second) and lets held jobs finish for `stop_grace`
-seconds, then faults what is left; a second signal faults at once.
+seconds, then faults what is left; a second signal faults at once. The declaration goes with every
+pop: a context Ollama changed is read again between pops and declared on the next (ADR 0081).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import signal
 import sys
@@ -56,6 +58,12 @@ from workers.bridge.progress import ProgressPoster
 # The horde's stale sweep runs every 60 s: a submit up to then after the lease may still land.
 SUBMIT_GRACE_AFTER_LEASE = 60.0
 REPLY_REFUSAL_RCS = frozenset({"ChatSubmitInvalid", "ChatSubmitNonconformant", "ChatModelMismatch"})
+
+
+def _cut_at_length(response: dict[str, Any]) -> bool:
+    choices = response.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    return choice.get("finish_reason") == "length"
 
 
 class Backoff:
@@ -203,6 +211,13 @@ class Bridge:
         # Set by run() as it closes the clients; a thread still serving a job then leaves it to its lease.
         self.closed = threading.Event()
         self.pop_wait = config.pop_wait  # 0 once the horde refused the key
+        # The backend's context read again while serving (Ollama reloads models, ADR 0081): when it
+        # was last read, why it should be read before the next pop ("fault" loads the model first,
+        # "length" reads only), and the jobs served since the last read.
+        self._context_read_at = time.monotonic()
+        self._context_reread: str | None = None
+        self._jobs_since_context_read = 0
+        self._context_lock = threading.Lock()
 
     def _progress_poster(self, held: HeldJob, payload: dict[str, Any]) -> ProgressSink:
         return ProgressPoster(
@@ -261,6 +276,7 @@ class Bridge:
         self.threads = jobs_at_once(self.config, caps)
         self.context, context_source = job_context(self.config, caps, self.threads)
         self.declaration = build_declaration(self.config, caps, self.horde_model, self.threads)
+        self._context_read_at = time.monotonic()
         self._backend_ok.set()
         d = self.declaration
         limits = d.chat_limits
@@ -400,6 +416,7 @@ class Bridge:
         while not self.stop_event.is_set():
             if not self._wait_for_backend():
                 continue
+            self._read_context_again()
             popped_at, asked_to_wait = time.monotonic(), bool(self.pop_wait) and self.ready.is_set()
             try:
                 job = self._pop()
@@ -453,6 +470,42 @@ class Bridge:
             body.pop("wait")
             return self.horde.pop(body)
 
+    def _read_context_again(self) -> None:
+        """Ollama may load the model again with another context (an automatic context that fits
+        less memory, a restart with other settings): read the one it holds now every
+        --context-check-interval, and at once after a job that faulted or was cut at its length,
+        and declare it on the next pop. A smaller context is declared at once (it promises less);
+        a larger one once a job of ours ran since the last read, or after our own load request
+        (a model another client loaded with its own num_ctx is loaded again for our requests)."""
+        caps, interval = self.caps, self.config.context_check_interval
+        if caps is None or self.config.max_context_length:
+            return  # --max-context-length wins over whatever the backend reports
+        due = bool(interval) and time.monotonic() - self._context_read_at >= interval
+        if not (due or self._context_reread) or not self._context_lock.acquire(blocking=False):
+            return
+        try:
+            with self._lock:
+                reason, self._context_reread = self._context_reread, None
+                ran, self._jobs_since_context_read = self._jobs_since_context_read, 0
+            self._context_read_at = time.monotonic()
+            loaded = self.backend.runtime_context(load=reason == "fault")
+            if not loaded or loaded == caps.context:
+                return
+            if caps.context and loaded > caps.context and not ran and reason != "fault":
+                return
+            self.caps = dataclasses.replace(caps, context=loaded)
+            self.context, source = job_context(self.config, self.caps, self.threads)
+            self.declaration = build_declaration(self.config, self.caps, self.horde_model, self.threads)
+            self.log(f"context {loaded} from /api/ps (was {caps.context}): each job's is {self.context} "
+                     f"({source}) from the next pop")
+        finally:
+            self._context_lock.release()
+
+    def _read_context_soon(self, reason: str) -> None:
+        with self._lock:
+            if self._context_reread != "fault":
+                self._context_reread = reason
+
     def _wait_for_backend(self) -> bool:
         """True when the backend is up; else probe it (one thread at a time) with backoff."""
         if self._backend_ok.is_set():
@@ -504,6 +557,7 @@ class Bridge:
         finally:
             with self._lock:
                 self.held.pop(held.id, None)
+                self._jobs_since_context_read += 1
 
     def _generate(self, held: HeldJob, call: Callable[[float], dict[str, Any]]) -> tuple[dict[str, Any] | None, float]:
         """Run the backend call within the job's deadline; (response, seconds) or (None, s) after a fault."""
@@ -513,12 +567,16 @@ class Bridge:
             self._fault(held, ChatFaultReason.GENERATION_ERROR, "no time left in the lease")
             return None, 0.0
         try:
-            return call(remaining), time.monotonic() - started
+            response = call(remaining)
+            if _cut_at_length(response):
+                self._read_context_soon("length")  # maybe cut by a context smaller than declared
+            return response, time.monotonic() - started
         except GenerationStopped as stop:  # the horde said stop: no submit
             self._record_dropped(held, f"stopped generating: {stop}")
             return None, time.monotonic() - started
         except BackendError as error:
             elapsed = time.monotonic() - started
+            self._read_context_soon("fault")  # the model may have been unloaded, or loaded with less
             if time.monotonic() >= held.deadline - 0.5:
                 self._fault(
                     held,
