@@ -7,30 +7,28 @@ with the email package, to fill `request.args` from a form body; daphne never re
 interpreter a POST (a tenth of a progress post's), and a malformed multipart body got Twisted's
 bare 400 page instead of the API's JSON answer (docs/adr/0043-daphne-without-form-parsing.md).
 
-And a stop (SIGTERM) drains before daphne cancels what is left: the process stops listening (under
-the launcher's several processes the kernel keeps queueing on the launcher's socket for the process
-started in its place), lets the native requests being served end with their answers sent, for at
-most SHUTDOWN_DRAIN_SECONDS, and answers a held pop its empty pop (hordesite.wsgi_pool.drain_layers).
-Stock daphne cancelled them at once: a submit whose view was running committed on its serving
-thread and its client got a closed connection, so a text request was queued, and charged, under an
-id its client never learnt.
+And a stop (SIGTERM) drains before daphne cancels what is left (oai.server.FrontServer): the
+process stops listening (under the launcher's several processes the kernel keeps queueing on the
+launcher's socket for the process started in its place), lets the native requests being served end
+with their answers sent, for at most STOP_DRAIN_SECONDS, and answers a held pop its empty pop
+(hordesite.wsgi_pool.drain_layers); the mounted front's requests end answered by the same deadline
+(oai.asgi.drain_fronts, docs/adr/0076). Stock daphne cancelled them at once: a submit whose view was
+running committed on its serving thread and its client got a closed connection, so a text request
+was queued, and charged, under an id its client never learnt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from daphne.cli import CommandLineInterface
 from daphne.http_protocol import HTTPFactory, WebRequest
-from daphne.server import Server
-from twisted.internet import defer
 
 from hordesite.wsgi_pool import drain_layers
-
-# The longest a stop waits for the requests in flight: a native view's own bounds (the database
-# pool's 10 s wait) fit, and the launcher's 20 s stop (scripts/run.py) and systemd's 30 s are longer.
-SHUTDOWN_DRAIN_SECONDS = 10.0
+from oai.asgi import drain_fronts
+from oai.server import FrontServer
 
 
 class JsonWebRequest(WebRequest):
@@ -50,10 +48,11 @@ class JsonHTTPFactory(HTTPFactory):
         return protocol
 
 
-class HordeServer(Server):
+class HordeServer(FrontServer):
     """daphne's Server with JsonHTTPFactory (daphne's CommandLineInterface takes it as
-    `server_class`). `Server.run` assigns `self.http_factory` before it listens; this class keeps a
-    JsonHTTPFactory in its place, since daphne offers no other way to choose the factory."""
+    `server_class`), draining the native API and the front at a stop. `Server.run` assigns
+    `self.http_factory` before it listens; this class keeps a JsonHTTPFactory in its place, since
+    daphne offers no other way to choose the factory."""
 
     @property
     def http_factory(self) -> HTTPFactory:
@@ -63,18 +62,9 @@ class HordeServer(Server):
     def http_factory(self, factory: HTTPFactory) -> None:
         self._json_http_factory = factory if isinstance(factory, JsonHTTPFactory) else JsonHTTPFactory(self)
 
-    def listen_success(self, port: Any) -> None:
-        self._listening_ports = [*getattr(self, "_listening_ports", []), port]
-        super().listen_success(port)
-
-    def kill_all_applications(self) -> Any:
-        """daphne's stop (a "before shutdown" trigger), after the drain: no new connection is taken,
-        and the requests being served end with their answers for at most SHUTDOWN_DRAIN_SECONDS."""
-        for port in getattr(self, "_listening_ports", []):
-            port.stopListening()
-        drained = defer.Deferred.fromFuture(asyncio.ensure_future(drain_layers(SHUTDOWN_DRAIN_SECONDS)))
-        drained.addBoth(lambda _: super(HordeServer, self).kill_all_applications())
-        return drained
+    async def drain(self, deadline: float) -> None:
+        """The native requests and the front's, both by `deadline`."""
+        await asyncio.gather(drain_layers(max(0.0, deadline - time.monotonic())), drain_fronts(deadline))
 
 
 class HordeCommandLine(CommandLineInterface):

@@ -157,27 +157,17 @@ def main(argv: list[str] | None = None) -> int:
 
     front_state.configure_front(propagate=telemetry)
     application = build_application()
-    from daphne.server import Server
-    from twisted.internet import defer, reactor
+    # At a stop the requests waiting end answered, then the open and failed cancels are sent
+    # (oai.server.FrontServer, docs/adr/0076).
+    from oai.server import FrontServer
 
-    def drain() -> Any:
-        import asyncio
-
-        async def shutdown_all() -> None:
-            for state in front_state.current_states():
-                await state.shutdown()
-
-        return defer.Deferred.fromFuture(asyncio.ensure_future(shutdown_all()))
-
-    # Twisted declares its interfaces' methods without self (zope.interface): mypy reads "before" as self.
-    reactor.addSystemEventTrigger("before", "shutdown", drain)  # type: ignore[arg-type]
     log.info(
         "OpenAI front on http://%s:%s/v1/ over %s",
         settings.host,
         settings.port,
         ", ".join(settings.native_roots),
     )
-    Server(application=application, endpoints=[f"tcp:port={settings.port}:interface={settings.host}"]).run()
+    FrontServer(application=application, endpoints=[f"tcp:port={settings.port}:interface={settings.host}"]).run()
     return 0
 
 

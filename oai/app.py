@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oai.admission import front_at_capacity
-from oai.errors import ChatFrontError, invalid_api_key
+from oai.errors import ChatFrontError, front_stopping, invalid_api_key
 from oai.horde_client import NativeUnreachable
 from oai.mapping import build_completion, build_model_card
 from oai.run import ANONYMOUS_API_KEY, ChatRun
@@ -107,6 +107,9 @@ async def _completions(
     except ChatFrontError as error:
         metrics.refused(error.status, error.code)
         return _json_error(error)
+    if state.stopping.is_set():  # a kept-alive connection's request during a stop: nothing submitted
+        metrics.refused(503, "FrontStopping")
+        return _json_error(front_stopping())
     slot = state.limiter.acquire(source)
     if slot is None:
         metrics.refused(503, "FrontAtCapacity")

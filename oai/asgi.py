@@ -12,13 +12,16 @@ waiting view:
 - disconnect: an `asyncio.Event` in scope["oai.disconnected"] is set the moment the server reports
   http.disconnect, so the view's wait (streamed or not) notices it and cancels the horde request,
   whichever thread or task Django runs the view on;
-- /healthz for the standalone process, and the server span of each request when telemetry is on.
+- /healthz for the standalone process, and the server span of each request when telemetry is on;
+- the stop (`drain_fronts`, docs/adr/0076): the requests it serves end, answered, by the stop's deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -165,6 +168,9 @@ class FrontASGI:
         self.front_app = front_app or app
         self.prefix = prefix
         self.serve_healthz = serve_healthz
+        # The front's requests being served (their ASGI tasks), for the drain at a stop.
+        self.requests: set[asyncio.Task] = set()
+        _FRONTS.add(self)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -174,6 +180,17 @@ class FrontASGI:
             return await _send_json(send, 200, {"status": "ok"})
         if not path.startswith(self.prefix):
             return await self.app(scope, receive, send)
+        task = asyncio.current_task()
+        if task is None:
+            return await self._serve_front(scope, receive, send)
+        self.requests.add(task)
+        try:
+            return await self._serve_front(scope, receive, send)
+        finally:
+            self.requests.discard(task)
+
+    async def _serve_front(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
         if _tracer is None:
             return await self._handle(scope, receive, send)
         with _tracer.start_as_current_span(server_span_name(scope.get("method", "GET"), path), kind=_server_kind()):
@@ -253,6 +270,25 @@ class FrontASGI:
         raw.append((b"content-length", b"0"))
         await send({"type": "http.response.start", "status": FRONT_CORS.preflight_status, "headers": raw})
         await send({"type": "http.response.body", "body": b""})
+
+
+# Every front layer of the process, for the drain at a stop.
+_FRONTS: weakref.WeakSet[FrontASGI] = weakref.WeakSet()
+
+
+async def drain_fronts(deadline: float) -> None:
+    """The process stops at `deadline` (monotonic): each waiting request reads its status once and
+    is delivered, or waits on while a worker generates it, or is cancelled and answered FrontStopping
+    (oai.run), all before the deadline; a request arriving now is refused. Returns when the front's
+    requests have ended, or at the deadline (what is left is the server's to cancel)."""
+    from oai.state import stop_fronts
+
+    stop_fronts(deadline)
+    while (left := deadline - time.monotonic()) > 0:
+        serving = {task for front in list(_FRONTS) for task in front.requests if not task.done()}
+        if not serving:
+            return
+        await asyncio.wait(serving, timeout=left)
 
 
 def _too_large(limit: int) -> ChatFrontError:

@@ -92,3 +92,23 @@ def invalid_api_key(message: str) -> ChatFrontError:
 
 def sse_error_event(error: ChatFrontError, request_id: str | None = None) -> bytes:
     return b"data: " + json.dumps(error.body(request_id), separators=(",", ":")).encode() + b"\n\n"
+
+
+# How long a client waits before sending again a request a stopping front cancelled: a restart's
+# drain (up to 10 s, oai.server) and the next process's start. The SDKs wait Retry-After (up to
+# 60 s) before their own retry, and x-should-retry: true makes them retry (docs/adr/0076).
+FRONT_STOPPING_RETRY_AFTER_SECONDS = 5
+
+
+def front_stopping() -> ChatFrontError:
+    """The answer of a request its front process could not finish before it stops (SIGTERM): the
+    horde request is cancelled first, so the client's retry is the only one that runs."""
+    return ChatFrontError(
+        503,
+        "FrontStopping",
+        "This AI Horde front is restarting and cancelled this request, which it could not finish before "
+        "stopping; send it again.",
+        type="api_error",
+        retry_after=FRONT_STOPPING_RETRY_AFTER_SECONDS,
+        should_retry=True,
+    )

@@ -17,7 +17,7 @@ from oai.admission import InflightSlot
 from oai.attribution import build_client_agent
 from oai.cancels import LostSubmit
 from oai.deltas import RelayedStream
-from oai.errors import ChatFrontError
+from oai.errors import ChatFrontError, front_stopping
 from oai.front_lease import lease_header
 from oai.horde_client import NativeAnswer, NativeUnreachable, SubmitAnswerLost, rate_limit_pause
 from oai.mapping import Completion
@@ -117,6 +117,10 @@ class ChatRun:
         self.first_content_recorded = False
         # The next read's latest time after a first decision that delivered nothing.
         self.not_after: float | None = None
+        # Whether the last status read showed a worker generating the request.
+        self.generating = False
+        # The process is stopping: the wait ends by the stop's deadline (read_at_stop).
+        self.stopping = False
 
     # submit ---------------------------------------------------------------------------------------
 
@@ -278,11 +282,14 @@ class ChatRun:
             disconnected=self.disconnected,
             # A text request's submit is signalled, not its fault, cancel or expiry (docs/adr/0055).
             polls=self.is_text,
+            stopping=self.state.stopping,
         )
 
     async def read(self, source: WakeSource) -> ReadOutcome:
         """One status read: the reply, or when the next read is due at the latest, no later than the
         front lease's next renewal through the database; an error answer raises ChatFrontError."""
+        if source == WakeSource.STOPPING:
+            return await self._read_at_stop()
         outcome = await self._read(source, self._lease_renewal())
         if isinstance(outcome, Delivered):
             return outcome
@@ -290,6 +297,22 @@ class ChatRun:
         if due is not None and (outcome is None or due < outcome):
             return Pending(due)
         return Pending(outcome)
+
+    async def _read_at_stop(self) -> ReadOutcome:
+        """The process is stopping (docs/adr/0076): one read. A request a worker is generating may
+        still be delivered before the stop's deadline, where its wait ends (its budget is cut);
+        any other is cancelled now, before a worker takes it, and answered FrontStopping, so its
+        client's retry, on another process, is the request that runs."""
+        self.stopping = True
+        outcome = await self._read(WakeSource.STOPPING, None)
+        if isinstance(outcome, Delivered):
+            return outcome
+        stop_deadline = self.state.stop_deadline
+        if self.generating and stop_deadline is not None and stop_deadline > time.monotonic():
+            self.budget.end_by(stop_deadline)
+            return Pending(outcome)
+        await self.cancel()
+        raise front_stopping()
 
     def _database_renewed_at(self) -> float | None:
         """When the lease was last renewed, while it is renewed through the database (else None)."""
@@ -338,6 +361,7 @@ class ChatRun:
         if lease_headers and answer.ok:
             self.lease_renewed_at = time.monotonic()
         status = answer.body if isinstance(answer.body, dict) else {}
+        self.generating = answer.ok and int(status.get("processing") or 0) > 0
         if answer.status == 404:
             self.state.metrics.wake(source, False, False)
             raise self._faulted(status, gone=True)
@@ -471,6 +495,8 @@ class ChatRun:
 
     async def _timeout(self) -> ChatFrontError:
         await self.cancel()
+        if self.stopping:  # the budget the stop cut ended, not the request's own
+            return front_stopping()
         return ChatFrontError(
             408,
             "ChatRequestTimeout",

@@ -1,6 +1,7 @@
 """One `FrontState` per process (per event loop): settings, metrics, the native client, the
-completion signal listener, the in-flight limiter, the cancels and the front leases; and the
-shutdown drain."""
+completion signal listener, the in-flight limiter, the cancels and the front leases; the process's
+stop (`stop_fronts`: the requests waiting end by its deadline, docs/adr/0076) and the shutdown
+drain."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from oai.settings import FrontSettings, load_settings
 from oai.waiter import CompletionSignalListener, InProcessSignalListener, in_process_signals
 
 log = logging.getLogger("oai.requests")
+
+# At a stop, a request's wait ends this long before the stop's deadline, plus the cancel's own
+# bound (cancel_timeout_seconds): time to send its answer before the server cancels what is left.
+STOP_ANSWER_SECONDS = 0.5
 
 
 class FrontState:
@@ -47,6 +52,10 @@ class FrontState:
         self.delta_reader = build_delta_reader(settings.redis_url, settings.stream_redis_db)
         self._tasks: set[asyncio.Task] = set()
         self.started = False
+        # Set when the process stops (stop_fronts): each waiting request wakes, and those not
+        # delivered by stop_deadline (monotonic) are cancelled and answered FrontStopping.
+        self.stopping = asyncio.Event()
+        self.stop_deadline: float | None = None
 
     async def start(self) -> None:
         """The background tasks start when first needed: the listener with the first wait, the cancel
@@ -63,6 +72,12 @@ class FrontState:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def stop(self, deadline: float) -> None:
+        """The process stops at `deadline` (monotonic): new requests are refused, and a waiting one
+        ends its wait in time to cancel its horde request and send its answer before it."""
+        self.stop_deadline = deadline - self.settings.cancel_timeout_seconds - STOP_ANSWER_SECONDS
+        self.stopping.set()
 
     async def shutdown(self) -> None:
         """Drain: cancel the requests still open, send the failed cancels once more, close.
@@ -100,6 +115,8 @@ class FrontConfig:
     meter: Any = None
     settings: FrontSettings | None = None
     propagate: bool = False
+    # The process's stop (monotonic), once stop_fronts ran: a state made after it starts stopped.
+    stop_deadline: float | None = None
 
 
 _config = FrontConfig()
@@ -114,6 +131,7 @@ def configure_front(
     _config.settings = settings
     if propagate is not None:
         _config.propagate = propagate
+    _config.stop_deadline = None
     _states.clear()
 
 
@@ -122,6 +140,8 @@ async def get_front_state() -> FrontState:
     state = _states.get(loop)
     if state is None:
         state = FrontState(_config.settings or load_settings(), meter=_config.meter, propagate=_config.propagate)
+        if _config.stop_deadline is not None:
+            state.stop(_config.stop_deadline)
         _states[loop] = state
     if not state.started:
         await state.start()
@@ -130,3 +150,18 @@ async def get_front_state() -> FrontState:
 
 def current_states() -> list[FrontState]:
     return list(_states.values())
+
+
+def stop_fronts(deadline: float) -> None:
+    """The process stops at `deadline` (monotonic): every front state, and any made from now on."""
+    _config.stop_deadline = deadline
+    for state in current_states():
+        state.stop(deadline)
+
+
+async def close_fronts(seconds: float) -> None:
+    """After a stop: each state's shutdown (open cancels sent, failed ones once more), all within
+    `seconds`, so the stop stays bounded when the horde does not answer."""
+    states = current_states()
+    if states:
+        await _bounded(asyncio.gather(*(state.shutdown() for state in states)), seconds)

@@ -56,6 +56,8 @@ class WakeSource(StrEnum):
     POLL = "poll"
     DEADLINE = "deadline"
     DISCONNECT = "disconnect"
+    # The process is stopping (oai.server): one read decides whether the request may still finish.
+    STOPPING = "stopping"
     # A relayed stream's deltas arrived: no status read, so never a horde.oai.wakes attribute.
     DELTA = "delta"
 
@@ -347,6 +349,10 @@ class WaitBudget:
     def left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
 
+    def end_by(self, when: float) -> None:
+        """The budget ends at `when` at the latest (a stopping process's deadline)."""
+        self.seconds = min(self.seconds, when - self.started)
+
 
 class ChatRequestWatcher:
     """Waits for the next reason to read one request's status. `polls`: the signal announces only
@@ -362,6 +368,7 @@ class ChatRequestWatcher:
         poll_seconds: float,
         disconnected: asyncio.Event | None,
         polls: bool = False,
+        stopping: asyncio.Event | None = None,
     ):
         self.wake = wake
         self.budget = budget
@@ -374,6 +381,9 @@ class ChatRequestWatcher:
         # for every delta, and making and cancelling a task per source per call was most of its cost.
         self._signal_waiter: asyncio.Future | None = None
         self._disconnect_waiter: asyncio.Future | None = None
+        # The process's stop (FrontState.stopping) wakes the request once.
+        self.stopping = stopping
+        self._stopping_waiter: asyncio.Future | None = None
 
     # Without `keepalive_at` a wake always has a source.
     @overload
@@ -431,6 +441,12 @@ class ChatRequestWatcher:
             if self._disconnect_waiter is None or self._disconnect_waiter.done():
                 self._disconnect_waiter = asyncio.ensure_future(self.disconnected.wait())
             waiters.append(self._disconnect_waiter)
+        if self.stopping is not None:
+            if self.stopping.is_set():
+                return self._take_stop()
+            if self._stopping_waiter is None or self._stopping_waiter.done():
+                self._stopping_waiter = asyncio.ensure_future(self.stopping.wait())
+            waiters.append(self._stopping_waiter)
         deltas_waiter = asyncio.ensure_future(deltas.wait()) if deltas is not None else None
         if deltas_waiter is not None:
             waiters.append(deltas_waiter)
@@ -446,6 +462,8 @@ class ChatRequestWatcher:
                 deltas_waiter.cancel()
         if self.disconnected is not None and self.disconnected.is_set():
             return WakeSource.DISCONNECT
+        if self.stopping is not None and self.stopping.is_set():
+            return self._take_stop()
         if deltas is not None and deltas.is_set():
             return WakeSource.DELTA
         if self.wake is not None and self.wake.event.is_set():
@@ -454,10 +472,18 @@ class ChatRequestWatcher:
 
     def close(self) -> None:
         """The request is over: its waits end with it."""
-        for waiter in (self._signal_waiter, self._disconnect_waiter):
+        for waiter in (self._signal_waiter, self._disconnect_waiter, self._stopping_waiter):
             if waiter is not None and not waiter.done():
                 waiter.cancel()
-        self._signal_waiter = self._disconnect_waiter = None
+        self._signal_waiter = self._disconnect_waiter = self._stopping_waiter = None
+
+    def _take_stop(self) -> WakeSource:
+        """The stop wakes once; the request's budget, cut to the stop's deadline, ends its wait."""
+        self.stopping = None
+        if self._stopping_waiter is not None and not self._stopping_waiter.done():
+            self._stopping_waiter.cancel()
+        self._stopping_waiter = None
+        return WakeSource.STOPPING
 
     def _take_signal(self, wake: Wake) -> WakeSource:
         """A message woke the request (signal), or the listener lost its connection (recheck)."""

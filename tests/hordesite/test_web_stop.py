@@ -1,5 +1,6 @@
 """A web process stopped with SIGTERM (a deploy's restart: systemd's stop, the launcher's Ctrl-C)
-answers the native requests it is serving before it exits (hordesite/web_server.py, the drain).
+answers the native requests it is serving before it exits (hordesite/web_server.py, the drain), and
+the requests its OpenAI front (/v1/) is waiting on (oai/server.py, docs/adr/0076).
 
 Without the drain daphne cancelled every request at once: a native POST whose view was running went
 on to commit on its serving thread, and its client got a closed connection, so a text request
@@ -10,20 +11,24 @@ pop held for work was dropped the same way instead of getting its empty answer.
 from __future__ import annotations
 
 import http.client
+import json
 import signal
 import subprocess
 import sys
 import threading
 import time
+from decimal import Decimal
 
+import httpx
+import openai
 import pytest
 from django.db import connection, transaction
 
-from accounts.models import HordeUser
+from accounts.models import HordeUser, KudosTransaction
 from chat.models import GenerationRequest
 from tests.hordesite.clone import ROOT
 from tests.hordesite.test_web_processes import TEXT_MODEL, _start, call
-from tests.hordesite.test_web_restart import _free_port, web_env
+from tests.hordesite.test_web_restart import CHAT_DECLARATION, CHAT_MODEL, SCRIBE_AGENT, _free_port, web_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
@@ -95,6 +100,281 @@ def test_sigterm_answers_the_requests_in_flight_before_the_process_exits(tmp_pat
         assert isinstance(answers["pop"], tuple), answers
         assert answers["pop"][0] == 200 and answers["pop"][1]["id"] is None, answers
         assert launcher.wait(30) == 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+# --- the OpenAI front at a stop (docs/adr/0076) ----------------------------------------------------
+
+HELLO = [{"role": "user", "content": "Hello"}]
+CHAT_POP = {"models": [CHAT_MODEL], "max_length": 512, "max_context_length": 4096, "bridge_agent": SCRIBE_AGENT,
+            **CHAT_DECLARATION}
+
+
+def _serving(tmp_path, **values: str):
+    """The launcher (one web process) on this test's database and Redis, answering; its env, port, log."""
+    env = web_env(tmp_path, HORDE_WEB_PROCESSES="1", **values)
+    port, log = _free_port(), tmp_path / "web.log"
+    launcher = _start(env, port, log)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if call(http.client.HTTPConnection("127.0.0.1", port, timeout=5), "GET", "status/heartbeat")[0] == 200:
+                return launcher, env, port, log
+        except OSError:
+            pass
+        assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+
+
+def _users(env: dict[str, str], tag: str) -> tuple[str, str]:
+    """(requester's key, a trusted volunteer's key)."""
+    def create(*args: str) -> str:
+        return subprocess.run([sys.executable, "manage.py", "horde_user", "create", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, check=True).stdout.split()[-1]
+
+    return create(f"{tag}-requester", "--kudos", "1000"), create(f"{tag}-volunteer", "--trusted")
+
+
+def _requests_of(tag: str) -> list[GenerationRequest]:
+    return list(GenerationRequest.objects.filter(user__username__startswith=f"{tag}-requester").order_by("created"))
+
+
+def _wait_for(check, seconds: float, log) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+
+
+def _ledger(tag: str) -> list[tuple[str, Decimal]]:
+    return [(t.kind, t.amount) for t in KudosTransaction.objects.filter(
+        user__username__startswith=f"{tag}-requester").order_by("created")]
+
+
+def _front_clients(v1: str, requester: str) -> tuple[list[threading.Thread], dict[str, object]]:
+    """Started: the openai SDK's streamed and whole chat completion, and a streamed /v1/completions
+    read off the wire; what each sees lands in the dict."""
+    sdk = openai.OpenAI(base_url=v1, api_key=requester, max_retries=0, timeout=60)
+    seen: dict[str, object] = {}
+
+    def streamed() -> None:
+        chunks = []
+        try:
+            for chunk in sdk.chat.completions.create(model=CHAT_MODEL, messages=HELLO, max_tokens=32, stream=True):
+                chunks.append(chunk)
+        except Exception as error:
+            seen["stream"] = (chunks, error)
+
+    def whole() -> None:
+        try:
+            seen["whole"] = sdk.chat.completions.create(model=CHAT_MODEL, messages=HELLO, max_tokens=32)
+        except Exception as error:
+            seen["whole"] = error
+
+    def text_stream() -> None:
+        with httpx.stream("POST", f"{v1}/completions", headers={"Authorization": f"Bearer {requester}"}, json={
+                "model": CHAT_MODEL, "prompt": "Once", "max_tokens": 32, "stream": True}, timeout=60) as answer:
+            try:
+                seen["text"] = (answer.status_code, answer.read())
+            except httpx.HTTPError as error:
+                seen["text"] = (answer.status_code, error)
+
+    clients = [threading.Thread(target=target) for target in (streamed, whole, text_stream)]
+    for client in clients:
+        client.start()
+    return clients, seen
+
+
+def _assert_stopping_answers(seen: dict[str, object], tag: str) -> None:
+    """The stream's FrontStopping error event then [DONE], the whole request's 503 that the SDK
+    retries, each horde request cancelled, and only the horde tax paid."""
+    chunks, error = seen["stream"]
+    assert chunks == [] and isinstance(error, openai.APIError), seen["stream"]
+    assert error.body["code"] == "FrontStopping" and error.body["type"] == "api_error", error.body
+    assert error.body["metadata"]["retry_after"] == 5 and error.body["metadata"]["request_id"]
+
+    refused = seen["whole"]
+    assert isinstance(refused, openai.InternalServerError), refused
+    assert refused.status_code == 503 and refused.body["code"] == "FrontStopping", refused.body
+    assert refused.response.headers["retry-after"] == "5"
+    assert refused.response.headers["x-should-retry"] == "true"
+
+    status, body = seen["text"]
+    assert status == 200 and isinstance(body, bytes), seen["text"]
+    events = [event for event in body.decode().split("\n\n") if event.startswith("data: ")]
+    assert events[-1] == "data: [DONE]", body
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "FrontStopping", body
+
+    rows = _requests_of(tag)
+    assert [row.cancelled for row in rows] == [True, True, True], [(row.id, row.cancelled) for row in rows]
+    ledger = _ledger(tag)
+    assert [kind for kind, _ in ledger] == ["grant", "horde_tax", "horde_tax", "horde_tax"], ledger
+    requester = HordeUser.objects.get(username__startswith=f"{tag}-requester")
+    assert requester.kudos == sum(amount for _, amount in ledger) and requester.kudos_held == 0
+
+
+def _check_in(port: int, volunteer: str, name: str) -> None:
+    checked_in = call(http.client.HTTPConnection("127.0.0.1", port, timeout=30), "POST", "generate/text/pop",
+                      {"name": name, **CHAT_POP}, volunteer)
+    assert checked_in[0] == 200 and checked_in[1]["id"] is None, checked_in
+
+
+def test_sigterm_answers_the_fronts_waiting_requests_and_cancels_their_horde_requests(tmp_path):
+    """The front mounted in the web process: a stream sees the FrontStopping error event then
+    [DONE]; a whole request gets 503 with Retry-After and x-should-retry: true (the SDK's own retry
+    goes to the next process); each horde request is cancelled before its answer, and the requester
+    paid only the horde tax."""
+    launcher, env, port, log = _serving(tmp_path)
+    try:
+        requester, volunteer = _users(env, "front-stop")
+        _check_in(port, volunteer, "front-stop-worker")
+        clients, seen = _front_clients(f"http://127.0.0.1:{port}/v1", requester)
+        _wait_for(lambda: len(_requests_of("front-stop")) == 3, 30, log)
+        time.sleep(1.0)  # each waits past its first status read
+        stopped_at = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(30) == 0
+        # Nothing was generating: every request is answered at once, not at the drain's end.
+        assert time.monotonic() - stopped_at < 5, log.read_text()[-3000:]
+        for client in clients:
+            client.join(30)
+        _assert_stopping_answers(seen, "front-stop")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+def test_the_standalone_front_at_sigterm_answers_as_the_mounted_one(tmp_path):
+    """`python -m oai` over the web process: the same answers, cancels and kudos at its stop."""
+    launcher, env, port, log = _serving(tmp_path)
+    front_port, front_log = _free_port(), tmp_path / "front.log"
+    front_env = {**env, "HORDE_OAI_NATIVE_ROOTS": f"http://127.0.0.1:{port}/api/v2", "HORDE_OAI_PORT": str(front_port)}
+    front_env.pop("DJANGO_SETTINGS_MODULE", None)
+    with front_log.open("ab") as output:
+        front = subprocess.Popen([sys.executable, "-m", "oai"], cwd=ROOT, env=front_env, stdout=output,
+                                 stderr=subprocess.STDOUT, process_group=0)
+    try:
+        def front_up() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{front_port}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _wait_for(front_up, 30, front_log)
+        requester, volunteer = _users(env, "oai-stop")
+        _check_in(port, volunteer, "oai-stop-worker")
+        clients, seen = _front_clients(f"http://127.0.0.1:{front_port}/v1", requester)
+        _wait_for(lambda: len(_requests_of("oai-stop")) == 3, 30, front_log)
+        time.sleep(1.0)
+        stopped_at = time.monotonic()
+        front.send_signal(signal.SIGTERM)
+        assert front.wait(30) == 0, front_log.read_text()[-3000:]
+        assert time.monotonic() - stopped_at < 5, front_log.read_text()[-3000:]
+        for client in clients:
+            client.join(30)
+        _assert_stopping_answers(seen, "oai-stop")
+    finally:
+        for process in (front, launcher):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def test_sigterm_lets_a_reply_being_generated_finish_within_the_drain(tmp_path):
+    """A worker holds the job when the process is told to stop: the stream waits on, and the reply
+    the worker submits during the drain (over its kept-alive connection) reaches the client whole,
+    charged as any delivered reply; a request the worker has not popped is cancelled at once."""
+    launcher, env, port, log = _serving(tmp_path)
+    try:
+        requester, volunteer = _users(env, "front-drain")
+        worker = http.client.HTTPConnection("127.0.0.1", port, timeout=30)  # kept alive through the stop
+        assert call(worker, "POST", "generate/text/pop", {"name": "front-drain-worker", **CHAT_POP}, volunteer)[0] == 200
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=requester, max_retries=0, timeout=60)
+        seen: dict[str, object] = {}
+
+        def streamed() -> None:
+            try:
+                seen["stream"] = list(sdk.chat.completions.create(
+                    model=CHAT_MODEL, messages=HELLO, max_tokens=32, stream=True))
+            except Exception as error:
+                seen["stream"] = error
+
+        client = threading.Thread(target=streamed)
+        client.start()
+        _wait_for(lambda: len(_requests_of("front-drain")) == 1, 30, log)
+        status, job = call(worker, "POST", "generate/text/pop", {"name": "front-drain-worker", **CHAT_POP}, volunteer)
+        assert status == 200 and job["id"], job
+        time.sleep(1.0)  # the stream waits for the worker
+        stopped_at = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        submitted = call(worker, "POST", "generate/text/submit", {
+            "id": job["id"], "message": {"role": "assistant", "content": "Hi there."}, "finish_reason": "stop",
+            "native_finish_reason": "stop", "prompt_tokens": 5, "completion_tokens": 3, "model_id": CHAT_MODEL},
+            volunteer)
+        assert submitted[0] == 200 and submitted[1]["reward"] > 0, submitted
+        client.join(30)
+        assert launcher.wait(30) == 0
+        assert time.monotonic() - stopped_at < 10, log.read_text()[-3000:]
+
+        chunks = seen["stream"]
+        assert isinstance(chunks, list), chunks
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hi there."
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        (row,) = _requests_of("front-drain")
+        assert not row.cancelled
+        assert [kind for kind, _ in _ledger("front-drain")] == ["grant", "horde_tax", "generation_charge"]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+def test_sigterm_cancels_a_reply_still_generating_at_the_drains_end(tmp_path):
+    """A worker holds the job and never submits: the stream waits for it until the stop's deadline,
+    then its horde request is cancelled (settled as the spec's cancel of a streamed job) and the
+    stream ends with the FrontStopping error event and [DONE]; the stop stays within its bound."""
+    launcher, env, port, log = _serving(tmp_path)
+    try:
+        requester, volunteer = _users(env, "front-late")
+        worker = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        assert call(worker, "POST", "generate/text/pop", {"name": "front-late-worker", **CHAT_POP}, volunteer)[0] == 200
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=requester, max_retries=0, timeout=60)
+        seen: dict[str, object] = {}
+
+        def streamed() -> None:
+            try:
+                seen["stream"] = list(sdk.chat.completions.create(
+                    model=CHAT_MODEL, messages=HELLO, max_tokens=32, stream=True))
+            except Exception as error:
+                seen["stream"] = error
+
+        client = threading.Thread(target=streamed)
+        client.start()
+        _wait_for(lambda: len(_requests_of("front-late")) == 1, 30, log)
+        status, job = call(worker, "POST", "generate/text/pop", {"name": "front-late-worker", **CHAT_POP}, volunteer)
+        assert status == 200 and job["id"], job
+        time.sleep(1.0)
+        stopped_at = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        client.join(30)
+        answered_after = time.monotonic() - stopped_at
+        assert launcher.wait(30) == 0
+        # Waited for the worker (the deadline: 10 s less the cancel's 1.5 s and 0.5 s), within the drain.
+        assert 6 < answered_after < 10, answered_after
+
+        error = seen["stream"]
+        assert isinstance(error, openai.APIError) and error.body["code"] == "FrontStopping", error
+        (row,) = _requests_of("front-late")
+        assert row.cancelled
+        # The spec's cancel of a streamed job in flight: settled on what the worker posted (nothing
+        # here: the floor), the worker paid; nothing more.
+        assert [kind for kind, _ in _ledger("front-late")] == ["grant", "horde_tax", "generation_charge"]
+        assert HordeUser.objects.get(username__startswith="front-late-requester").kudos_held == 0
     finally:
         if launcher.poll() is None:
             launcher.kill()
