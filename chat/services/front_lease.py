@@ -135,7 +135,8 @@ def front_gone(request: GenerationRequest) -> bool:
 def cancel_for_dead_front(request_id: UUID) -> bool:
     """Cancel a request whose front is gone: no more jobs, the hold released, `cancelled` published,
     and its jobs in flight ended unpaid (their submits answer AbortedGen). A job whose submit holds
-    its row meanwhile is left to that submit. Returns whether this call cancelled it."""
+    its row meanwhile is left to that submit; a request cancelled already has its jobs in flight
+    ended alike. Returns whether this call cancelled it or ended its jobs."""
     with transaction.atomic():
         lock_jobs_in_flight(request_id)  # before the request: see there
         request = (
@@ -147,7 +148,8 @@ def cancel_for_dead_front(request_id: UUID) -> bool:
         if request is None:  # handled already
             return False
         GenerationRequest.objects.filter(pk=request_id).update(front_lease_expires_at=None)
-        if request.cancelled or request.faulted or request_completed(request_id, is_chat=request.is_chat):
+        # A request its front cancelled before it died still has jobs in flight nobody can receive.
+        if request.faulted or request_completed(request_id, is_chat=request.is_chat):
             return False
         in_flight = list(
             Generation.objects.select_for_update(skip_locked=True)
@@ -159,7 +161,10 @@ def cancel_for_dead_front(request_id: UUID) -> bool:
             ended = Generation.objects.filter(pk__in=in_flight, state=Generation.State.PROCESSING).update(
                 state=Generation.State.CANCELLED, finished_at=timezone.now(), kudos=0
             )
-        request_cancel(request=request, settle_streams=False)
+        if not request.cancelled:
+            request_cancel(request=request, settle_streams=False)
+        elif not ended:
+            return False
         if ended and request.is_chat:  # a streaming worker learns of it from its lease
             transaction.on_commit(lambda: flag_cancelled_leases(request_id, in_flight), robust=True)
     log.info("request %s cancelled: its front process is gone (%d jobs in flight ended unpaid)", request_id, ended)

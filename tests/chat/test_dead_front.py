@@ -151,3 +151,42 @@ def test_a_live_fronts_job_submits_and_is_paid(horde, make_user):
     assert horde.submit(owner.key, job["id"], " The end.").status_code == 200
     assert not GenerationRequest.objects.get(pk=created).cancelled
     assert charges() > 0
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_a_job_of_a_request_cancelled_before_its_front_died_is_refused_at_submit_and_nobody_pays(
+    horde, make_user, dead_front, kind
+):
+    """The front cancelled its request (a stop, a client gone) and its process exited before the
+    worker's submit: the job in flight ends unpaid and the submit is AbortedGen, as for a request
+    whose front died first, not DuplicateGen with the job left processing."""
+    requester = make_user("r", kudos=1000)
+    owner = make_user("owner", trusted=True)
+    if kind == "text":
+        created = text_async(horde, requester.key, leased(dead_front)).json()["id"]
+        job = horde.pop(owner.key, models=[MODEL]).json()
+        cancelled = horde.cancel(created, requester.key)
+    else:
+        assert horde.pop(owner.key, models=[MODEL], **CHAT_DECLARATION).json()["id"] is None
+        created = chat_async(horde.client, requester.key, **leased(dead_front)).json()["id"]
+        job = horde.pop(owner.key, models=[MODEL], **CHAT_DECLARATION).json()
+        cancelled = horde.client.delete(f"/api/v2/generate/chat/status/{created}", HTTP_APIKEY=requester.key)
+    assert job["id"], job
+    assert cancelled.status_code == 200, cancelled.content
+    kudos = requester.refresh().kudos
+    if kind == "text":
+        late = horde.submit(owner.key, job["id"], " Nobody reads this.")
+    else:
+        late = horde.chat_submit(
+            owner.key, job["id"], model_id=MODEL, message={"role": "assistant", "content": "Nobody reads this."},
+            finish_reason="stop",
+        )
+    assert late.status_code == 400 and late.json()["rc"] == "AbortedGen", late.content
+    generation = Generation.objects.get(pk=job["id"])
+    assert generation.state == Generation.State.CANCELLED and generation.kudos == 0
+    request = GenerationRequest.objects.get(pk=created)
+    assert request.cancelled and request.front_lease_expires_at is None
+    assert requester.refresh().kudos == kudos and requester.refresh().kudos_held == 0
+    assert charges() == 0
+    route = "text" if kind == "text" else "chat"
+    assert horde.client.get(f"/api/v2/generate/{route}/status/{created}").json()["done"] is True
