@@ -57,9 +57,10 @@ def _runs_tasks_in_children(worker: Any) -> bool:
 
 
 @worker_process_init.connect
-def _start_telemetry_in_pool_child(**_kwargs) -> None:
+def _start_telemetry_in_pool_process(**_kwargs) -> None:
     """A prefork child, after its fork: its own providers (the parent configures none, so no export
-    thread or service.instance.id is shared between processes)."""
+    thread or service.instance.id is shared between processes). The solo pool sends it too, in the
+    worker itself."""
     from hordesite.telemetry import start_celery_telemetry
 
     start_celery_telemetry()
@@ -75,7 +76,8 @@ def _flush_telemetry_in_pool_child(**_kwargs) -> None:
 
 @worker_init.connect
 def _start_telemetry_without_pool_children(sender: Any = None, **_kwargs) -> None:
-    """Under a pool without child processes (solo, threads) the tasks run in the worker itself."""
+    """Under a pool without child processes (solo, threads) the tasks run in the worker itself; the
+    solo pool's worker_process_init then finds the providers running."""
     if sender is not None and not _runs_tasks_in_children(sender):
         from hordesite.telemetry import start_celery_telemetry
 
@@ -86,4 +88,4 @@ def _start_telemetry_without_pool_children(sender: Any = None, **_kwargs) -> Non
 def _flush_telemetry_of_the_worker(**_kwargs) -> None:
     from hordesite.telemetry import stop_telemetry
 
-    stop_telemetry()  # nothing to do under prefork, whose children flushed their own
+    stop_telemetry()  # solo and threads; nothing to do under prefork, whose children flushed their own

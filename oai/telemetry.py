@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,11 +34,17 @@ class ProcessTelemetry:
     """How to stop the providers this process configured, for its stop's flush (no `global`)."""
 
     stops: list[Callable[[], Any]] = field(default_factory=list)
+    pid: int | None = None  # the process whose providers these are
+
+    def running(self) -> bool:
+        return bool(self.stops) and self.pid == os.getpid()
 
     def shutdown(self) -> None:
         """Export what was recorded since the last export, and stop the export threads. Once: a
         second call (the atexit fallback after the process's own stop) finds nothing to do."""
         stops, self.stops = self.stops, []
+        if self.pid != os.getpid():
+            return  # a forked child's copies: the parent's to export, under the parent's id
         for stop in stops:
             try:
                 stop()
@@ -57,7 +64,10 @@ def configure_telemetry(
     and sampling are the Flask application's (upstream horde/telemetry.py), with
     `default_service_name` unless OTEL_SERVICE_NAME sets another. `metric_readers` are added to the
     OTLP exporter's (tests read the provider with an in-memory reader). Returns whether
-    OpenTelemetry is on."""
+    OpenTelemetry is on. Once per process: a second call while this process's providers run (Celery's
+    solo pool signals both a worker's and a pool process's start) changes nothing."""
+    if process_telemetry.running():
+        return True
     service_name = settings.service_name or default_service_name
     sdk_on = settings.enabled and not settings.sdk_disabled
     span_processors = start_pyroscope(settings, service_name=service_name, span_profiles=sdk_on)
@@ -101,6 +111,7 @@ def configure_telemetry(
     bridge_request_log(logger_provider)
     # The meter provider last: its shutdown collects once more, after the spans' and logs' flush.
     # (The tracer's and the logger's take no timeout: their exporters' timeouts bound them.)
+    process_telemetry.pid = os.getpid()
     process_telemetry.stops = [
         tracer_provider.shutdown,
         logger_provider.shutdown,

@@ -107,8 +107,8 @@ class Collector:
 
 
 @contextmanager
-def otlp_collector() -> Iterator[Collector]:
-    """A collector listening on a free local port; its url is the OTLP endpoint to give
+def otlp_collector(port: int = 0) -> Iterator[Collector]:
+    """A collector listening on a local port (0: a free one); its url is the OTLP endpoint to give
     OTEL_EXPORTER_OTLP_ENDPOINT."""
     collector = Collector()
 
@@ -134,7 +134,7 @@ def otlp_collector() -> Iterator[Collector]:
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (http.server's name)
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     collector.url = f"http://127.0.0.1:{server.server_address[1]}"
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

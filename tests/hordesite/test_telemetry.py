@@ -161,7 +161,10 @@ def test_each_web_process_exports_its_metrics_and_spans_when_it_stops(tmp_path):
 @pytest.mark.redis_only
 @pytest.mark.postgres_only
 @pytest.mark.django_db(transaction=True)
-def test_a_celery_pool_process_exports_the_sweeps_metrics_when_the_worker_stops(tmp_path, horde, make_user):
+@pytest.mark.parametrize("pool", ["--concurrency=1", "--pool=solo"])  # tasks in a pool child, or in the worker
+def test_the_celery_process_running_the_sweeps_exports_their_metrics_when_the_worker_stops(
+    tmp_path, horde, make_user, pool
+):
     requester, volunteer = make_user("sweep-requester", kudos=1000), make_user("sweep-volunteer", trusted=True)
     assert horde.text_async(requester.key, models=[TEXT_MODEL]).status_code == 202
     job = horde.pop(volunteer.key, name="sweep-worker", models=[TEXT_MODEL]).json()
@@ -179,8 +182,7 @@ def test_a_celery_pool_process_exports_the_sweeps_metrics_when_the_worker_stops(
         log = tmp_path / "celery.log"
         with log.open("wb") as out:
             worker = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "hordesite", "worker", "-B", "--concurrency=1",
-                 "--loglevel=INFO"],
+                [sys.executable, "-m", "celery", "-A", "hordesite", "worker", "-B", pool, "--loglevel=INFO"],
                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0,
             )
         try:
