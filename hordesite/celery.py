@@ -18,6 +18,8 @@ from celery.signals import (
     worker_shutdown,
 )
 
+from hordesite.telemetry import start_celery_telemetry, stop_telemetry
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hordesite.settings")
 
 app = Celery("hordesite")
@@ -61,16 +63,12 @@ def _start_telemetry_in_pool_process(**_kwargs) -> None:
     """A prefork child, after its fork: its own providers (the parent configures none, so no export
     thread or service.instance.id is shared between processes). The solo pool sends it too, in the
     worker itself."""
-    from hordesite.telemetry import start_celery_telemetry
-
     start_celery_telemetry()
 
 
 @worker_process_shutdown.connect
 def _flush_telemetry_in_pool_child(**_kwargs) -> None:
     """A prefork child exits without atexit hooks (os._exit): its last metrics are exported here."""
-    from hordesite.telemetry import stop_telemetry
-
     stop_telemetry()
 
 
@@ -79,13 +77,9 @@ def _start_telemetry_without_pool_children(sender: Any = None, **_kwargs) -> Non
     """Under a pool without child processes (solo, threads) the tasks run in the worker itself; the
     solo pool's worker_process_init then finds the providers running."""
     if sender is not None and not _runs_tasks_in_children(sender):
-        from hordesite.telemetry import start_celery_telemetry
-
         start_celery_telemetry()
 
 
 @worker_shutdown.connect
 def _flush_telemetry_of_the_worker(**_kwargs) -> None:
-    from hordesite.telemetry import stop_telemetry
-
     stop_telemetry()  # solo and threads; nothing to do under prefork, whose children flushed their own

@@ -60,10 +60,11 @@ def test_the_web_set_up_records_the_horde_and_front_instruments(collector, monke
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     from hordesite.telemetry import start_web_telemetry
+    from oai.settings import load_telemetry_settings
 
     monkeypatch.setenv("HORDE_TELEMETRY_ENABLED", "true")
     reader = InMemoryMetricReader()
-    assert start_web_telemetry(metric_readers=[reader]) is True
+    assert start_web_telemetry(load_telemetry_settings(), metric_readers=[reader]) is True
     requester = make_user("telemetry-requester", kudos=1000)
     assert horde.text_async(requester.key, models=[TEXT_MODEL]).status_code == 202
     (decision,) = _points(reader, "horde.text.free_allowance.decisions")
@@ -80,14 +81,27 @@ def test_telemetry_off_configures_no_provider(collector, monkeypatch):
     from opentelemetry import metrics
 
     from hordesite.telemetry import start_celery_telemetry, start_web_telemetry
+    from oai.settings import load_telemetry_settings
 
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT")
     before = metrics.get_meter_provider()
-    assert start_web_telemetry() is False and start_celery_telemetry() is False
+    off = load_telemetry_settings()
+    assert start_web_telemetry(off) is False and start_celery_telemetry(off) is False
     assert metrics.get_meter_provider() is before
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url)
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
-    assert start_web_telemetry() is False
+    assert start_web_telemetry(load_telemetry_settings()) is False
+
+
+def test_contradicting_switches_stop_the_worker_at_its_start(tmp_path):
+    env = web_env(tmp_path, HORDE_TELEMETRY_ENABLED="true", HORDE_OAI_TELEMETRY_ENABLED="false")
+    env.update(DATABASE_URL=f"sqlite:///{tmp_path / 'never.sqlite3'}", REDIS_URL="")
+    started = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "hordesite", "worker", "--pool=solo"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert started.returncode != 0
+    assert "HORDE_TELEMETRY_ENABLED and HORDE_OAI_TELEMETRY_ENABLED disagree" in started.stderr
 
 
 def _manage(env: dict[str, str], *args: str) -> str:
