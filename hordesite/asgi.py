@@ -4,7 +4,8 @@ The native API (and the admin, the schema, /healthz) is Django's WSGI handler on
 threads (hordesite/wsgi_pool.py, docs/adr/0025); /v1/, the OpenAI front mounted for the
 one-machine default, passes the front's ASGI layer (body admission, CORS, disconnect notice) and
 then Django's ASGI handler, whose async views wait on the event loop. Process-level tweaks (the
-thread switch interval, gc.freeze()) are the launcher's (scripts/run.py), not this module's.
+thread switch interval, gc.freeze(), the telemetry set-up: hordesite/telemetry.py) are the
+launcher's (scripts/run.py), not this module's.
 """
 
 from __future__ import annotations

@@ -31,6 +31,28 @@ def _roots(value: list[str]) -> list[str]:
 
 
 @dataclass(frozen=True)
+class TelemetrySettings:
+    """OpenTelemetry and Pyroscope, with the Flask application's variables (upstream
+    horde/telemetry.py), for every process of the horde: the web process, the Celery worker and
+    `python -m oai` (oai.telemetry, docs/adr/0075)."""
+
+    enabled: bool = False
+    sdk_disabled: bool = False
+    # OTEL_SERVICE_NAME; empty: the process's own (horde-web, horde-celery, horde-oai).
+    service_name: str = ""
+    # DEPLOYMENT_ENVIRONMENT; empty: unset (telemetry says "development" unless
+    # OTEL_RESOURCE_ATTRIBUTES names one).
+    deployment_environment: str = ""
+    # The head sampling ratio of root spans, 0 to 1 (OTEL_TRACES_SAMPLER_ARG), unless
+    # OTEL_TRACES_SAMPLER names a sampler for the SDK to build.
+    traces_sample_ratio: float = 1.0
+    traces_sampler: str = ""
+    pyroscope_enabled: bool = False
+    pyroscope_server_address: str = "http://localhost:4040"
+    pyroscope_tenant_id: str | None = None
+
+
+@dataclass(frozen=True)
 class FrontSettings:
     # The native API: one or more roots ending in /api/v2, tried in turn on a connection failure.
     native_roots: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000/api/v2"])
@@ -72,25 +94,13 @@ class FrontSettings:
     # Standalone process.
     host: str = "127.0.0.1"
     port: int = 8001
-    # Telemetry (off by default), with the Flask application's variables (upstream horde/telemetry.py).
-    telemetry_enabled: bool = False
-    otel_sdk_disabled: bool = False
-    service_name: str = "horde-oai"
-    # DEPLOYMENT_ENVIRONMENT; empty: unset (telemetry says "development" unless
-    # OTEL_RESOURCE_ATTRIBUTES names one).
-    deployment_environment: str = ""
-    # The head sampling ratio of root spans, 0 to 1 (OTEL_TRACES_SAMPLER_ARG), unless
-    # OTEL_TRACES_SAMPLER names a sampler for the SDK to build.
-    traces_sample_ratio: float = 1.0
-    traces_sampler: str = ""
-    pyroscope_enabled: bool = False
-    pyroscope_server_address: str = "http://localhost:4040"
-    pyroscope_tenant_id: str | None = None
+    # Telemetry (off by default): oai.telemetry, for this and every other process of the horde.
+    telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
     log_level: str = "INFO"
 
 
-# Any of these set turns telemetry on unless HORDE_OAI_TELEMETRY_ENABLED says otherwise, as the Flask
-# application's telemetry_enabled does.
+# Any of these set turns telemetry on unless HORDE_TELEMETRY_ENABLED (or HORDE_OAI_TELEMETRY_ENABLED)
+# says otherwise, as the Flask application's telemetry_enabled does.
 OTLP_ENDPOINT_VARIABLES = (
     "OTEL_EXPORTER_OTLP_ENDPOINT",
     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
@@ -108,6 +118,40 @@ def _sample_ratio(value: str) -> float:
     if math.isnan(ratio):
         return 1.0
     return max(0.0, min(1.0, ratio))
+
+
+# The switch of every process's telemetry, and the front's name for it, still read (docs/adr/0075).
+TELEMETRY_SWITCH = "HORDE_TELEMETRY_ENABLED"
+FRONT_TELEMETRY_SWITCH = "HORDE_OAI_TELEMETRY_ENABLED"
+
+
+def load_telemetry_settings(env: Mapping[str, str] | None = None) -> TelemetrySettings:
+    """The one reader of the telemetry variables, for every process (read once, at its start).
+    HORDE_TELEMETRY_ENABLED decides, or HORDE_OAI_TELEMETRY_ENABLED, its older name, when it alone is
+    set; both set and disagreeing is refused (ImproperlyConfigured) rather than one silently
+    winning. Neither set (or empty): on when an OTLP endpoint is."""
+    env = os.environ if env is None else env
+    read = _reader(env)
+    switches = {name: read.bool(name) for name in (TELEMETRY_SWITCH, FRONT_TELEMETRY_SWITCH) if env.get(name)}
+    if len(set(switches.values())) > 1:
+        raise environ.ImproperlyConfigured(
+            f"{TELEMETRY_SWITCH} and {FRONT_TELEMETRY_SWITCH} disagree: set one (docs/configuration.md)"
+        )
+    if switches:
+        enabled = next(iter(switches.values()))
+    else:
+        enabled = any(env.get(name) for name in OTLP_ENDPOINT_VARIABLES)
+    return TelemetrySettings(
+        enabled=enabled,
+        sdk_disabled=read.bool("OTEL_SDK_DISABLED", default=False),
+        service_name=read.str("OTEL_SERVICE_NAME", default="").strip(),
+        deployment_environment=read.str("DEPLOYMENT_ENVIRONMENT", default=""),
+        traces_sample_ratio=_sample_ratio(read.str("OTEL_TRACES_SAMPLER_ARG", default="1.0")),
+        traces_sampler=read.str("OTEL_TRACES_SAMPLER", default=""),
+        pyroscope_enabled=read.bool("PYROSCOPE_ENABLED", default=False),
+        pyroscope_server_address=read.str("PYROSCOPE_SERVER_ADDRESS", default="http://localhost:4040"),
+        pyroscope_tenant_id=read.str("PYROSCOPE_TENANT_ID", default="") or None,
+    )
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> FrontSettings:
@@ -155,16 +199,6 @@ def load_settings(env: Mapping[str, str] | None = None) -> FrontSettings:
         rate_limit_wait_seconds=read.float("HORDE_OAI_RATE_LIMIT_WAIT_SECONDS", default=5.0),
         host=read.str("HORDE_OAI_HOST", default="") or "127.0.0.1",
         port=read.int("HORDE_OAI_PORT", default=8001),
-        telemetry_enabled=read.bool(
-            "HORDE_OAI_TELEMETRY_ENABLED", default=any(env.get(name) for name in OTLP_ENDPOINT_VARIABLES)
-        ),
-        otel_sdk_disabled=read.bool("OTEL_SDK_DISABLED", default=False),
-        service_name=read.str("OTEL_SERVICE_NAME", default="") or "horde-oai",
-        deployment_environment=read.str("DEPLOYMENT_ENVIRONMENT", default=""),
-        traces_sample_ratio=_sample_ratio(read.str("OTEL_TRACES_SAMPLER_ARG", default="1.0")),
-        traces_sampler=read.str("OTEL_TRACES_SAMPLER", default=""),
-        pyroscope_enabled=read.bool("PYROSCOPE_ENABLED", default=False),
-        pyroscope_server_address=read.str("PYROSCOPE_SERVER_ADDRESS", default="http://localhost:4040"),
-        pyroscope_tenant_id=read.str("PYROSCOPE_TENANT_ID", default="") or None,
+        telemetry=load_telemetry_settings(env),
         log_level=read.str("LOG_LEVEL", default="INFO"),
     )

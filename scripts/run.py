@@ -121,16 +121,23 @@ def serve_web(daphne_args: list[str]) -> int:
 def serve_daphne(daphne_args: list[str]) -> int:
     """daphne in this process with the web process's tweaks: the thread switch interval,
     gc.freeze() once the application is loaded, so the collector's full passes stop walking every
-    module, model and URL pattern the process keeps for its lifetime, and daphne's server class
-    (hordesite/web_server.py, docs/adr/0043). The rest is daphne's own command line
-    (`daphne --help`)."""
+    module, model and URL pattern the process keeps for its lifetime, daphne's server class
+    (hordesite/web_server.py, docs/adr/0043), and the process's telemetry, flushed when daphne
+    stops (hordesite/telemetry.py). The rest is daphne's own command line (`daphne --help`)."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_MS / 1000)
     import hordesite.asgi  # noqa: F401  (loaded before the freeze; daphne finds it imported)
+    from hordesite.telemetry import start_web_telemetry, stop_telemetry
 
+    # This process's own providers (each of HORDE_WEB_PROCESSES is a process started afresh, not a
+    # fork): off unless telemetry is enabled (docs/adr/0075).
+    start_web_telemetry()
     gc.freeze()
     from hordesite.web_server import HordeCommandLine  # daphne without Twisted's form parsing
 
-    HordeCommandLine().run(daphne_args)
+    try:
+        HordeCommandLine().run(daphne_args)
+    finally:
+        stop_telemetry()  # after the drain (ADR 0080): what the last requests recorded is exported
     return 0
 
 

@@ -584,7 +584,7 @@ def test_the_finished_line_is_an_opentelemetry_log_record_with_its_fields(front,
     from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler
     from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor
 
-    from oai.__main__ import bridge_request_log
+    from oai.telemetry import bridge_request_log
 
     exporter = InMemoryLogRecordExporter()
     provider = LoggerProvider()

@@ -1,9 +1,10 @@
-"""configure_telemetry of `python -m oai` (spec: chat_front.md, Telemetry configuration): the Flask
+"""configure_telemetry of `python -m oai` (spec: chat_front.md, Telemetry configuration; the set-up
+is oai.telemetry's, shared with the web process and the Celery worker: docs/adr/0075): the Flask
 application's variables, resource attributes and sampling (upstream horde/telemetry.py), the
 service name horde-oai unless OTEL_SERVICE_NAME sets another, and Pyroscope with the same
 PYROSCOPE_* variables, started also with the SDK disabled. Pyroscope is outside the project: a fake
 `pyroscope` module records how it was started. The OpenTelemetry globals configure_telemetry sets
-are put back after each test."""
+are put back after each test; the OTLP exporters send to a local collector (tests/otlp_collector.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ import types
 from typing import Any
 
 import pytest
+from environ import ImproperlyConfigured
 from opentelemetry import trace
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
-from oai.__main__ import configure_telemetry, telemetry_resource
-from oai.settings import load_settings
+from oai.__main__ import configure_telemetry
+from oai.settings import load_settings, load_telemetry_settings
+from oai.telemetry import telemetry_resource
+from tests.telemetry_support import fresh_otel_globals, otlp_collector
 
 ON = {"HORDE_OAI_TELEMETRY_ENABLED": "true"}
 # The lower 64 bits of a trace id decide a ratio sampler: kept when below ratio * 2**64.
@@ -27,39 +31,12 @@ AT_30_PERCENT = int(0.30 * 2**64)
 
 
 @pytest.fixture(autouse=True)
-def otel_globals():
-    """Put back the global tracer, meter and logger providers, the front's server-span tracer and
-    the request log's handlers that configure_telemetry sets."""
-    import opentelemetry._logs._internal as logs_api
-    import opentelemetry.metrics._internal as metrics_api
-    from opentelemetry.util._once import Once
-
-    from oai import asgi
-
-    saved = {
-        (trace, "_TRACER_PROVIDER"): trace._TRACER_PROVIDER,
-        (trace, "_TRACER_PROVIDER_SET_ONCE"): trace._TRACER_PROVIDER_SET_ONCE,
-        (metrics_api, "_METER_PROVIDER"): metrics_api._METER_PROVIDER,
-        (metrics_api, "_METER_PROVIDER_SET_ONCE"): metrics_api._METER_PROVIDER_SET_ONCE,
-        (logs_api, "_LOGGER_PROVIDER"): logs_api._LOGGER_PROVIDER,
-        (logs_api, "_LOGGER_PROVIDER_SET_ONCE"): logs_api._LOGGER_PROVIDER_SET_ONCE,
-    }
-    for module, name in saved:
-        if name.endswith("_SET_ONCE"):
-            setattr(module, name, Once())
-    tracer = asgi._tracer
-    request_log = logging.getLogger("oai.requests")
-    handlers = list(request_log.handlers)
-    yield
-    for provider in (trace._TRACER_PROVIDER, metrics_api._METER_PROVIDER, logs_api._LOGGER_PROVIDER):
-        if provider is not None and hasattr(provider, "shutdown"):
-            provider.shutdown()
-    for (module, name), value in saved.items():
-        setattr(module, name, value)
-    asgi.set_tracer(tracer)
-    for handler in request_log.handlers[:]:
-        if handler not in handlers:
-            request_log.removeHandler(handler)
+def otel_globals(monkeypatch):
+    """The OpenTelemetry globals put back after each test, and the OTLP exporters pointed at a local
+    collector."""
+    with otlp_collector() as collector, fresh_otel_globals():
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url)
+        yield
 
 
 class FakeSpanProcessor(SpanProcessor):
@@ -138,7 +115,9 @@ def test_otel_resource_attributes_name_the_environment_unless_deployment_environ
     assert configure_telemetry(load_settings(ON)) is True
     attributes = _provider().resource.attributes
     assert (attributes["deployment.environment.name"], attributes["team"]) == ("staging", "horde")
-    named = telemetry_resource(load_settings({**ON, "DEPLOYMENT_ENVIRONMENT": "production"}))
+    named = telemetry_resource(
+        load_settings({**ON, "DEPLOYMENT_ENVIRONMENT": "production"}).telemetry, service_name="horde-oai"
+    )
     assert named.attributes["deployment.environment.name"] == "production"
 
 
@@ -222,7 +201,7 @@ def test_pyroscope_not_installed_is_a_warning(monkeypatch, caplog):
 )
 def test_the_sampler_ratio_is_read_and_clamped(value, ratio):
     settings = load_settings({**ON, "OTEL_TRACES_SAMPLER_ARG": value})
-    assert settings.traces_sample_ratio == ratio
+    assert settings.telemetry.traces_sample_ratio == ratio
 
 
 def test_a_root_span_is_kept_at_the_ratio_and_a_child_follows_its_parent():
@@ -235,12 +214,20 @@ def test_a_root_span_is_kept_at_the_ratio_and_a_child_follows_its_parent():
 
 
 def test_an_otlp_endpoint_turns_telemetry_on_unless_told_otherwise():
-    assert load_settings({}).telemetry_enabled is False
-    assert load_settings({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}).telemetry_enabled is True
-    assert load_settings({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318/v1/traces"}).telemetry_enabled
-    assert (
-        load_settings(
-            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", "HORDE_OAI_TELEMETRY_ENABLED": "false"}
-        ).telemetry_enabled
-        is False
-    )
+    assert load_settings({}).telemetry.enabled is False
+    assert load_settings({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}).telemetry.enabled is True
+    assert load_settings({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318/v1/traces"}).telemetry.enabled
+    for switch in ("HORDE_TELEMETRY_ENABLED", "HORDE_OAI_TELEMETRY_ENABLED"):
+        settings = load_settings({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", switch: "false"})
+        assert settings.telemetry.enabled is False
+
+
+def test_either_switch_turns_telemetry_on_and_disagreeing_switches_are_refused():
+    assert load_telemetry_settings({"HORDE_TELEMETRY_ENABLED": "true"}).enabled is True
+    assert load_telemetry_settings({"HORDE_OAI_TELEMETRY_ENABLED": "true"}).enabled is True  # the older name
+    agreeing = {"HORDE_TELEMETRY_ENABLED": "yes", "HORDE_OAI_TELEMETRY_ENABLED": "1"}
+    assert load_telemetry_settings(agreeing).enabled is True
+    # Empty is unset: the other switch, or an endpoint, decides.
+    assert load_telemetry_settings({"HORDE_TELEMETRY_ENABLED": "", "HORDE_OAI_TELEMETRY_ENABLED": "true"}).enabled
+    with pytest.raises(ImproperlyConfigured, match="HORDE_TELEMETRY_ENABLED and HORDE_OAI_TELEMETRY_ENABLED"):
+        load_telemetry_settings({"HORDE_TELEMETRY_ENABLED": "false", "HORDE_OAI_TELEMETRY_ENABLED": "true"})
