@@ -117,11 +117,17 @@ def _text_eligible(request: GenerationRequest, online: OnlineWorkers) -> Eligibl
     return EligibleSet.of(w for w in workers if worker_may_take(w, request, listed))
 
 
+def _owners_in_maintenance(request: GenerationRequest, online: OnlineWorkers) -> tuple:
+    """The requester's own online workers in maintenance, which serve their owner's requests alone
+    (docs/adr/0083): candidates for this request, never for another user's."""
+    return online.in_maintenance.get(request.user_id, ()) if online.in_maintenance else ()
+
+
 def _chat_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
     """Candidates pass the queue query's rules (1 and 4) without the size limits, so a worker
     below them reaches the declaration check and its refusal counts toward the gap."""
     # Rule 1 through the snapshot's index: only workers whose chat model_id is requested.
-    workers = online.chat_candidates(request.requested_models or ())
+    workers = [*online.chat_candidates(request.requested_models or ()), *_owners_in_maintenance(request, online)]
     if not workers:
         return _Pass(eligible_worker_threads=0, gap=None)
     listed = _listed_worker_ids(request)
@@ -178,6 +184,10 @@ def chat_request_availability(
     if not request.is_chat:
         online = online_worker_facts(serving_version)
         eligible = online.text_eligible(text_eligibility_shape(request), lambda: _text_eligible(request, online))
+        owned = _owners_in_maintenance(request, online)
+        if owned:  # after the shape's pass, which every requester shares
+            listed = _listed_worker_ids(request)
+            eligible = EligibleSet.of((*eligible.workers, *(w for w in owned if worker_may_take(w, request, listed))))
         return Availability(
             eligible_worker_threads=eligible.threads,
             is_possible=eligible.threads > 0,

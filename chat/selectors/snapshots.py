@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import Any
 from uuid import UUID
@@ -113,6 +113,9 @@ class OnlineWorkers:
     # from this snapshot and dropped with it: the polls of a queue ask about a few shapes.
     _text_eligible: dict[tuple, EligibleSet] = field(default_factory=dict, compare=False, repr=False)
     _by_id: dict[Any, Worker] = field(default_factory=dict, compare=False, repr=False)
+    # The online workers in maintenance (not paused), by their owner's id: each serves its owner's
+    # requests alone (docs/adr/0083), so it counts only in the availability of those.
+    in_maintenance: dict[int, tuple[Worker, ...]] = field(default_factory=dict)
 
     def text_eligible(self, shape: tuple | None, find: Callable[[], EligibleSet]) -> EligibleSet:
         """The eligible workers of a text request of `shape`: `find()` once per shape (every
@@ -128,8 +131,10 @@ class OnlineWorkers:
 
     def eligible_of(self, worker_ids: Iterable[Any]) -> EligibleSet:
         """The set of those of `worker_ids` still in this snapshot (a cached pass's ids)."""
-        if not self._by_id and self.workers:
+        if not self._by_id and (self.workers or self.in_maintenance):
             self._by_id.update((w.pk, w) for w in self.workers)
+            for owned in self.in_maintenance.values():
+                self._by_id.update((w.pk, w) for w in owned)
         return EligibleSet.of(w for w in map(self._by_id.get, worker_ids) if w is not None)
 
     def _union(self, index: dict[str, tuple[int, ...]], models: Iterable[str]) -> list[Worker]:
@@ -172,7 +177,15 @@ def online_workers_of(workers: Iterable[Worker]) -> OnlineWorkers:
 
 
 def _build_online_workers() -> OnlineWorkers:
-    return online_workers_of(workers_online().filter(maintenance=False, paused=False))
+    online = list(workers_online().filter(paused=False))
+    in_maintenance: dict[int, list[Worker]] = {}
+    for worker in online:
+        if worker.maintenance:
+            in_maintenance.setdefault(worker.owner_id, []).append(worker)
+    return replace(
+        online_workers_of(worker for worker in online if not worker.maintenance),
+        in_maintenance={owner_id: tuple(owned) for owner_id, owned in in_maintenance.items()},
+    )
 
 
 class _PositionMasks:

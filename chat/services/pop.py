@@ -183,11 +183,7 @@ def worker_pop(
     priority users' requests first, then by queue score, oldest first. A `repeated` run of a held
     pop is not counted again."""
     if worker.maintenance:
-        raise HordeError(
-            "WorkerMaintenance",
-            worker.maintenance_msg
-            or f"Worker {worker.name} is in maintenance mode; it receives no jobs until its owner lifts it.",
-        )
+        return _maintenance_pop(worker=worker, amount=amount, image_url_base=image_url_base)
     if worker.paused:
         return PoppedJob(request=None, generations=[], model=None, skipped={})
     view = WorkerView.of(worker)
@@ -221,6 +217,40 @@ def worker_pop(
             wake_on=view_list_tokens(view), remembered_for=remembered_for,
         )
     empty_pop_forget(view)
+    return _handed_out(popped, worker=worker, now=now, image_url_base=image_url_base)
+
+
+def worker_maintenance_refusal(worker: Worker) -> HordeError:
+    return HordeError(
+        "WorkerMaintenance",
+        worker.maintenance_msg
+        or f"Worker {worker.name} is in maintenance mode: it takes only its owner's requests until the owner lifts it.",
+    )
+
+
+def _maintenance_pop(*, worker: Worker, amount: int, image_url_base: Callable[[], str] | None) -> PoppedJob:
+    """A worker in maintenance takes only its owner's requests, so the owner can test it privately
+    (upstream's rule); with none of them waiting it is refused with WorkerMaintenance, as upstream
+    refuses it only when it found nothing. Its pops walk only the owner's requests, through their
+    own statement, and are never answered from the empty pops' memory: the refusal is no answer
+    to remember, and the walk of one user's lists is short (docs/adr/0083)."""
+    if worker.paused:
+        raise worker_maintenance_refusal(worker)
+    view = WorkerView.of(worker)
+    now = timezone.now()
+    if connection.vendor == "postgresql":
+        popped = _pop_in_one_statement(worker=worker, view=view, amount=amount, now=now, owner_only=True)
+    else:
+        popped = _pop_in_transaction(worker=worker, view=view, amount=amount, now=now, owner_only=True)
+    if popped is None:
+        raise worker_maintenance_refusal(worker)
+    return _handed_out(popped, worker=worker, now=now, image_url_base=image_url_base)
+
+
+def _handed_out(
+    popped: PoppedJob, *, worker: Worker, now: datetime, image_url_base: Callable[[], str] | None
+) -> PoppedJob:
+    """What follows a pop that took jobs: the chat job's stored objects, the metrics, the leases."""
     request = popped.request
     assert request is not None  # a pop that took jobs carries their request
     if request.is_chat and (request.chat_has_images or request.chat_messages_offloaded):
@@ -347,12 +377,18 @@ def _job_price(request: GenerationRequest, model: str, worker: Worker) -> dict[s
     }
 
 
-def _pop_in_transaction(*, worker: Worker, view: WorkerView, amount: int, now) -> PoppedJob | None:
-    """The pop as ORM statements in one transaction (SQLite, the embedded default)."""
+def _pop_in_transaction(
+    *, worker: Worker, view: WorkerView, amount: int, now, owner_only: bool = False
+) -> PoppedJob | None:
+    """The pop as ORM statements in one transaction (SQLite, the embedded default); `owner_only`:
+    among the owner's requests alone (a worker in maintenance)."""
     eligible = waiting_requests().filter(eligibility_filter(view)).only(*POP_REQUEST_FIELDS)
     with transaction.atomic():
         locking = eligible.select_for_update(skip_locked=True, of=("self",)).order_by("-queue_score", "created")
-        request = locking.filter(user_id__in=_priority_user_ids(worker)).first() or locking.first()
+        if owner_only:
+            request = locking.filter(user_id=worker.owner_id).first()
+        else:
+            request = locking.filter(user_id__in=_priority_user_ids(worker)).first() or locking.first()
         if request is None:
             return None
         jobs = 1 if request.disable_batching else min(amount, request.jobs_waiting)
@@ -482,12 +518,20 @@ def _popped_request_loader() -> RowLoader:
     return RowLoader.of_fields(connection.alias, [(GenerationRequest, _POP_REQUEST_COLUMNS)], extra=(None, None))
 
 
-def _pop_selects(view: WorkerView) -> tuple[tuple[str, str], tuple]:
+def _pop_selects(view: WorkerView) -> tuple[tuple[str, ...], tuple]:
     """The pop's two selects (the priority users' walk, the lists' walk) and their params in the
     statement's order: the lists, the priority users and their walk, the lists' walk."""
     models, text_count = _queue_lists(view)
     (priority_sql, priority_params), (rest_sql, rest_params) = _eligible_select(view, True), _eligible_select(view, False)
     return (priority_sql, rest_sql), (text_count, models, _PRIORITY_IDS, *priority_params, *rest_params)
+
+
+def _owner_only_selects(view: WorkerView) -> tuple[tuple[str, ...], tuple]:
+    """A worker in maintenance's select: the priority users' walk alone, which its pop runs for its
+    owner alone."""
+    models, text_count = _queue_lists(view)
+    priority_sql, priority_params = _eligible_select(view, True)
+    return (priority_sql,), (text_count, models, _PRIORITY_IDS, *priority_params)
 
 
 @dataclass(frozen=True)
@@ -505,15 +549,27 @@ class _PopStatement:
 
 
 @lru_cache(maxsize=4096)
-def _pop_statement(shape: WorkerView) -> _PopStatement:
+def _pop_statement(shape: WorkerView, owner_only: bool = False) -> _PopStatement:
     """The pop's SQL for a declaration shape (declaration_shape): the text and the selects' params
-    are the same for every pop under it, so they are built once."""
-    selects = sql_for_shape(shape, _pop_selects)
-    priority_sql, rest_sql = selects.texts
+    are the same for every pop under it, so they are built once. `owner_only`: a worker in
+    maintenance's variant, which walks its priority users' lists (the owner's alone) and not the
+    rest of the queue; every other pop keeps the statement that has no word of maintenance."""
+    selects = sql_for_shape(shape, _owner_only_selects if owner_only else _pop_selects)
+    priority_sql, rest_sql = selects.texts if not owner_only else (selects.texts[0], None)
     columns, placeholders, _ = _generation_insert_columns()
     fields = ", ".join(f"p.{connection.ops.quote_name(name)}" for name in _POP_REQUEST_COLUMNS)
     listed = ", ".join(f"c.{connection.ops.quote_name(name)}" for name in _POP_REQUEST_COLUMNS)
     table = connection.ops.quote_name(GenerationRequest._meta.db_table)
+    rest, candidates = "", "SELECT * FROM priority"
+    if rest_sql is not None:
+        rest = f"""\
+        rest AS (
+            SELECT {listed} FROM queue_list
+            CROSS JOIN LATERAL ({rest_sql} FOR UPDATE OF {table} SKIP LOCKED) AS c
+            WHERE NOT EXISTS (SELECT 1 FROM priority)
+            ORDER BY c.list_score DESC, c.list_created ASC LIMIT 1
+        ),"""
+        candidates = "SELECT * FROM priority UNION ALL SELECT * FROM rest LIMIT 1"
     sql = f"""
         WITH queue_list AS (
             SELECT l.position > %s AS is_chat, l.model FROM unnest(%s::text[]) WITH ORDINALITY AS l(model, position)
@@ -523,12 +579,7 @@ def _pop_statement(shape: WorkerView) -> _PopStatement:
             CROSS JOIN LATERAL ({priority_sql} FOR UPDATE OF {table} SKIP LOCKED) AS c
             ORDER BY c.list_score DESC, c.list_created ASC LIMIT 1
         ),
-        rest AS (
-            SELECT {listed} FROM queue_list
-            CROSS JOIN LATERAL ({rest_sql} FOR UPDATE OF {table} SKIP LOCKED) AS c
-            WHERE NOT EXISTS (SELECT 1 FROM priority)
-            ORDER BY c.list_score DESC, c.list_created ASC LIMIT 1
-        ),
+{rest}
         picked AS (
             SELECT p.*,
                 CASE WHEN p.disable_batching THEN 1 ELSE LEAST(%s, p.jobs_waiting) END AS take,
@@ -537,7 +588,7 @@ def _pop_statement(shape: WorkerView) -> _PopStatement:
                      WHERE m = ANY(%s::text[]) ORDER BY i LIMIT 1),
                     %s::varchar)
                 END AS job_model
-            FROM (SELECT * FROM priority UNION ALL SELECT * FROM rest LIMIT 1) AS p
+            FROM ({candidates}) AS p
         ),
         generations AS (
             INSERT INTO horde_generations (id, request_id, model, {", ".join(_ASSIGNED_COLUMNS)},
@@ -565,9 +616,15 @@ def _pop_statement(shape: WorkerView) -> _PopStatement:
     return _PopStatement(sql=sql, selects=selects)
 
 
-def _pop_in_one_statement(*, worker: Worker, view: WorkerView, amount: int, now) -> PoppedJob | None:
-    statement = _pop_statement(declaration_shape(view))
-    select_params = statement.bind(priority_ids=_priority_user_ids(worker), view=view)
+def _pop_in_one_statement(
+    *, worker: Worker, view: WorkerView, amount: int, now, owner_only: bool = False
+) -> PoppedJob | None:
+    if owner_only:
+        statement = _pop_statement(declaration_shape(view), True)
+        select_params = statement.bind(priority_ids=[worker.owner_id], view=view)
+    else:
+        statement = _pop_statement(declaration_shape(view))
+        select_params = statement.bind(priority_ids=_priority_user_ids(worker), view=view)
     lease = now + timedelta(seconds=settings.HORDE_TEXT_JOB_LEASE_SECONDS)
     served = list(worker.served_models or [])
     assigned = _assigned_declaration(worker)

@@ -412,3 +412,24 @@ def test_a_messages_url_that_cannot_be_fetched_faults_the_job_without_a_reason(l
     # No fault reason was sent, so the request records no worker fault message.
     assert GenerationRequest.objects.get(pk=request_id).chat_fault_reason is None
     assert "chat faulted (no reason)" in out.text() and fake_backend.chat_requests() == []
+
+
+def test_a_bridge_in_maintenance_serves_its_owners_request_at_once(live_horde, fake_backend):
+    """In maintenance the horde refuses the pop while none of the owner's requests waits; the
+    reference worker keeps polling at its interval, so the owner's test request is served at once
+    while another user's waits (docs/adr/0083)."""
+    with running_bridge(live_horde, fake_backend.url) as (bridge, out):
+        worker_id = Worker.objects.get(name=bridge.config.worker_name).id
+        put = live_horde.client.put(f"workers/{worker_id}", json={"maintenance": True}, headers={"apikey": live_horde.worker_key})
+        assert put.status_code == 200, put.text
+        theirs = live_horde.text()
+        deadline = time.monotonic() + 10
+        while "aintenance" not in out.text():  # its pop was refused (and, before, it waited 60 s)
+            assert time.monotonic() < deadline, out.text()
+            time.sleep(0.05)
+        mine = live_horde.client.post(
+            "generate/text/async", json={"models": [MODEL], "prompt": "Mine"}, headers={"apikey": live_horde.worker_key}
+        )
+        assert mine.status_code == 202, mine.text
+        assert live_horde.wait(mine.json()["id"], chat=False, timeout=10)["done"]
+        assert live_horde.text_status(theirs)["waiting"] == 1

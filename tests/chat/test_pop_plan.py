@@ -90,3 +90,30 @@ def test_the_pop_walks_its_models_queue_lists_in_order(horde, make_user, monkeyp
     priority = priority[: next(i for i, line in enumerate(priority) if "CTE rest" in line)]
     assert any("Index Scan using queue_entry_user_order" in line for line in priority), "\n".join(plan)
     assert not any("Seq Scan" in line or "Bitmap" in line for line in priority), "\n".join(plan)
+
+
+def test_a_worker_in_maintenance_walks_only_its_owners_lists(horde, make_user, monkeypatch):
+    """Its own statement (docs/adr/0083): the owner's lists of its models through the user index,
+    and no walk of the rest of the queue."""
+    owner = make_user("plan-owner")
+    requesters = [make_user(f"plan-requester-{i}") for i in range(19)]
+    _queue([owner, *requesters], 3000)
+    statements: list[tuple[str, list]] = []
+    run_prepared = pop_service.run_prepared
+
+    def capture(sql, params):
+        statements.append((sql, list(params)))
+        return run_prepared(sql, params)
+
+    assert horde.pop(owner.key, name="plan-worker", models=[MODELS[0]]).json()["id"] is not None
+    GenerationRequest.objects.filter(user=owner.user).update(jobs_waiting=0)
+    horde.client.put(
+        f"/api/v2/workers/{Generation.objects.get().worker_id}", {"maintenance": True}, format="json", HTTP_APIKEY=owner.key
+    )
+    monkeypatch.setattr(pop_service, "run_prepared", capture)
+    refused = horde.pop(owner.key, name="plan-worker", models=[MODELS[0]])
+    assert (refused.status_code, refused.json()["rc"]) == (403, "WorkerMaintenance")
+    plan = _generic_plan_of_the_last_pop(statements)
+    assert not any("CTE rest" in line for line in plan), "\n".join(plan)
+    assert any("Index Scan using queue_entry_user_order" in line for line in plan), "\n".join(plan)
+    assert not any("Seq Scan" in line or "Bitmap" in line for line in plan), "\n".join(plan)

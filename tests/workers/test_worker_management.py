@@ -54,7 +54,7 @@ def test_a_maintenance_message_is_what_the_workers_pops_are_told(horde, make_use
     assert horde.pop(owner.key, name=worker.name).status_code == 200
     _put(horde, worker.id, owner.key, {"maintenance": True})
     assert horde.pop(owner.key, name=worker.name).json()["message"] == (
-        f"Worker {worker.name} is in maintenance mode; it receives no jobs until its owner lifts it."
+        f"Worker {worker.name} is in maintenance mode: it takes only its owner's requests until the owner lifts it."
     )
     too_long = _put(horde, worker.id, owner.key, {"maintenance": True, "maintenance_msg": "x" * 301})
     assert too_long.status_code == 400

@@ -413,6 +413,7 @@ class Bridge:
 
     def _thread_loop(self) -> None:
         backoff = Backoff()
+        in_maintenance = False
         while not self.stop_event.is_set():
             if not self._wait_for_backend():
                 continue
@@ -433,10 +434,22 @@ class Bridge:
                     self.log(self.fatal)
                     self.request_stop()
                     return
-                delay = backoff.next() if error.rc != "WorkerMaintenance" else 60.0
+                if error.rc == "WorkerMaintenance":
+                    # In maintenance the horde hands this worker its owner's requests alone, and
+                    # refuses its pop while none waits: poll as an idle worker does, so the owner's
+                    # test request is taken at once; said once, not at every pop (docs/adr/0083).
+                    if not in_maintenance:
+                        self.log(f"in maintenance, serving only its owner's requests ({error.message})")
+                        in_maintenance = True
+                    self.stop_event.wait(self.config.pop_interval)
+                    continue
+                delay = backoff.next()
                 self.log(f"pop refused ({error.rc}: {error.message}); retrying in {delay:.0f} s")
                 self.stop_event.wait(delay)
                 continue
+            if in_maintenance and not job.get("id"):  # an empty pop: served as everyone's worker again
+                self.log("out of maintenance")
+                in_maintenance = False
             backoff.reset()
             self.ready.set()
             if not job.get("id"):
