@@ -186,9 +186,12 @@ def check_concurrency(*, user: HordeUser, n: int) -> None:
 
     Run unlocked as an early refusal, and again on the locked user row inside the creation.
     """
+    # jobs_waiting > 0 adds nothing to the sum: it lets the (user, jobs_waiting) index skip the
+    # user's finished requests, which a busy user (the shared anonymous one) has by the 100,000
+    # within a request's time to live (docs/adr/0082).
     waiting = (
         GenerationRequest.objects.filter(
-            user=user, faulted=False, cancelled=False, expires_at__gt=timezone.now()
+            user=user, jobs_waiting__gt=0, faulted=False, cancelled=False, expires_at__gt=timezone.now()
         ).aggregate(total=Sum("jobs_waiting"))["total"]
         or 0
     )
