@@ -275,10 +275,12 @@ def retry_chat_object_deletes() -> int:
     return len(done)
 
 
-def listed_chat_objects(*, limit: int = CHAT_ORPHAN_SWEEP_BATCH) -> dict[str, list[str]]:
-    """The chat objects the stores hold, by request id (at most `limit` keys): what the orphan
-    sweep compares with the request rows. A store lists only its own kind of object, so that
-    two aliases on one folder or bucket list each object once, from the store that deletes it."""
+def listed_chat_objects(*, batch: int = CHAT_ORPHAN_SWEEP_BATCH) -> Iterator[dict[str, list[str]]]:
+    """The chat objects the stores hold, by request id, in batches of at most `batch` keys: what
+    the orphan sweep compares with the request rows, a batch at a time. Every object is listed,
+    not the first batch only: a store holding more live objects than a batch would otherwise
+    never show the sweep the orphans listed after them. A store lists only its own kind of object,
+    so that two aliases on one folder or bucket list each object once, from the store that deletes it."""
     listed: dict[str, list[str]] = {}
     seen: set[str] = set()
     count = 0
@@ -292,12 +294,14 @@ def listed_chat_objects(*, limit: int = CHAT_ORPHAN_SWEEP_BATCH) -> dict[str, li
             # Only the objects this store is the home of (chat_object_storage): each is deleted there.
             if match is None or name in seen or chat_object_storage(name) is not storages[alias]:
                 continue
-            if count >= limit:
-                return listed
+            if count >= batch:
+                yield listed
+                listed, count = {}, 0
             seen.add(name)
             listed.setdefault(match["request_id"], []).append(name)
             count += 1
-    return listed
+    if listed:
+        yield listed
 
 
 def delete_objects_with_request(sender: Any, instance: Any, **kwargs: Any) -> None:

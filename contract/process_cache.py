@@ -32,7 +32,8 @@ class ProcessCache(Generic[K, V]):
     """Up to `max_entries` values, each kept `ttl` seconds from when it was stored (a number, or a
     callable read at each store, e.g. a setting; 0 or less stores nothing). Past the count, the
     entry stored longest ago goes. Values are shared by the process's threads: store immutable
-    values or copies."""
+    values or copies. A new key drops the expired entries stored first, so what is held is what
+    was stored within a ttl, not every key the process ever saw."""
 
     __slots__ = ("name", "max_entries", "_ttl", "_entries", "_lock", "_build_lock", "__weakref__")
 
@@ -66,14 +67,19 @@ class ProcessCache(Generic[K, V]):
         if ttl <= 0:
             self.forget(key)
             return
-        expires = monotonic() + ttl
+        now = monotonic()
         with self._lock:
             entries = self._entries
             # Stored again: it moves to the end (the newest).
             if entries.pop(key, None) is None:
                 while len(entries) >= self.max_entries:
                     del entries[next(iter(entries))]
-            entries[key] = (expires, value)
+                # A new key also drops the expired entries stored before the others: a process
+                # that saw 50,000 API keys once would otherwise hold them all for as long as it
+                # runs, where a few seconds' worth are of use (docs/adr/0082).
+                while entries and entries[first := next(iter(entries))][0] <= now:
+                    del entries[first]
+            entries[key] = (now + ttl, value)
 
     def replace(self, key: K, value: V) -> None:
         """A new value for an entry kept under `key`, with the entry's expiry (the caller's change

@@ -190,8 +190,11 @@ def check_concurrency(*, user: HordeUser, n: int, models: list[str] | None = Non
 
     Run unlocked as an early refusal, and again on the locked user row inside the creation.
     """
+    # jobs_waiting > 0 adds nothing to the sum: it lets the (user, jobs_waiting) index skip the
+    # user's finished requests, which a busy user (the shared anonymous one) has by the 100,000
+    # within a request's time to live (docs/adr/0082).
     waiting_requests = GenerationRequest.objects.filter(
-        user=user, faulted=False, cancelled=False, expires_at__gt=timezone.now()
+        user=user, jobs_waiting__gt=0, faulted=False, cancelled=False, expires_at__gt=timezone.now()
     )
     if user.is_anonymous and models:
         waiting_requests = waiting_requests.filter(

@@ -101,3 +101,16 @@ def test_reset_process_caches_forgets_every_cache():
 def test_max_entries_must_be_positive():
     with pytest.raises(ValueError):
         ProcessCache("t", ttl=1, max_entries=0)
+
+
+def test_a_new_key_drops_the_expired_entries_so_memory_follows_the_keys_in_use():
+    """A long-running process sees far more keys (API keys, workers) than are in use within a ttl:
+    expired entries go as new keys arrive, not only past max_entries."""
+    cache = ProcessCache("t", ttl=0.05, max_entries=100_000)
+    for i in range(1000):
+        cache.set(f"once-{i}", i)
+    time.sleep(0.06)
+    cache.set("now", 1)
+    assert len(cache) == 1 and cache.get("now") == 1
+    cache.set("again", 2)  # not expired: kept
+    assert len(cache) == 2
