@@ -15,6 +15,8 @@ RC_STATUS: dict[str, int] = {
     "AnonForbidden": 403,
     "MaintenanceMode": 503,
     "WrongCredentials": 403,
+    "TooManyWorkers": 403,
+    "TooManyWorkersTrusted": 403,
     "InvalidJobID": 404,
     "DuplicateGen": 400,
     "AbortedGen": 400,

@@ -68,6 +68,30 @@ def chat_declaration_columns(chat: ChatDeclaration) -> dict:
     }
 
 
+# Upstream's bounds on the workers one owner registers (its pop refuses a new name past them):
+# worker rows stay until their owner deletes them, so without a bound any key could add rows
+# without end. Counted before the new one, as upstream counts: an untrusted owner's fifth name
+# and a trusted owner's twenty-second are refused.
+UNTRUSTED_OWNER_MAX_WORKERS = 3
+TRUSTED_OWNER_MAX_WORKERS = 20
+
+
+def ensure_may_register_a_worker(owner: HordeUser) -> None:
+    """TooManyWorkers / TooManyWorkersTrusted when `owner` has more workers than upstream lets it
+    register another beside (read on a new worker name only, not on a pop's check-in)."""
+    count = Worker.objects.filter(owner=owner).count()
+    if not owner.trusted and count > UNTRUSTED_OWNER_MAX_WORKERS:
+        raise HordeError(
+            "TooManyWorkers",
+            f"To avoid abuse, untrusted users can only have up to {UNTRUSTED_OWNER_MAX_WORKERS} distinct workers.",
+        )
+    if count > TRUSTED_OWNER_MAX_WORKERS:
+        raise HordeError(
+            "TooManyWorkersTrusted",
+            f"To avoid abuse, you cannot onboard more than {TRUSTED_OWNER_MAX_WORKERS} workers as a trusted user.",
+        )
+
+
 def worker_check_in(*, owner: HordeUser, declaration: TextWorkerDeclaration) -> Worker:
     """Register the worker on its first pop, refresh its declaration and check-in on each later one."""
     now = timezone.now()
@@ -89,6 +113,7 @@ def worker_check_in(*, owner: HordeUser, declaration: TextWorkerDeclaration) -> 
     if worker is None:
         worker = next(iter(Worker.objects.filter(name=declaration.name)), None)  # unique name: no ORDER BY
         if worker is None:
+            ensure_may_register_a_worker(owner)
             try:
                 with transaction.atomic():
                     worker = Worker.objects.create(

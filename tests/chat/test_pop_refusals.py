@@ -74,3 +74,32 @@ def test_threads_are_at_most_fifty(horde, owner):
     refused = horde.pop(owner.key, name="sixty", threads=51)
     assert refused.status_code == 400, refused.content
     assert refused.json()["message"] == "Input payload validation failed" and "threads" in refused.json()["errors"]
+
+
+def test_an_untrusted_owner_registers_at_most_four_workers_as_upstream(horde, make_user, owner):
+    """Upstream refuses a new worker name to an untrusted owner who already has more than 3 (so the
+    fifth); worker rows are never deleted but by their owner, so without it any key could add rows
+    without end. The workers it has keep popping, and a deleted one frees its place."""
+    for i in range(4):
+        assert horde.pop(owner.key, name=f"mine-{i}").status_code == 200
+    fifth = horde.pop(owner.key, name="mine-4")
+    assert fifth.status_code == 403, fifth.content
+    assert fifth.json() == {
+        "message": "To avoid abuse, untrusted users can only have up to 3 distinct workers.",
+        "rc": "TooManyWorkers",
+    }
+    assert not Worker.objects.filter(name="mine-4").exists()
+    assert horde.pop(owner.key, name="mine-3").status_code == 200
+    gone = Worker.objects.get(name="mine-0")
+    assert horde.client.delete(f"/api/v2/workers/{gone.pk}", HTTP_APIKEY=owner.key).status_code == 200
+    assert horde.pop(owner.key, name="mine-4").status_code == 200
+
+
+def test_a_trusted_owner_registers_at_most_twenty_one_workers_as_upstream(horde, make_user):
+    trusted = make_user("trusted-owner", trusted=True)
+    for i in range(21):
+        assert horde.pop(trusted.key, name=f"farm-{i}").status_code == 200
+    refused = horde.pop(trusted.key, name="farm-21")
+    assert refused.status_code == 403, refused.content
+    assert refused.json()["rc"] == "TooManyWorkersTrusted"
+    assert Worker.objects.filter(owner=trusted.user).count() == 21

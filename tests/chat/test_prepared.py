@@ -14,6 +14,7 @@ from django.db import DataError, connection
 from chat.sql import native_placeholders, run_prepared
 from contract.process_cache import reset_process_caches
 from tests.chat.pop_helpers import ALL_GUARANTEES, MODEL, OTHER, chat_pop
+from workers.models import Worker
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db]
 
@@ -30,6 +31,13 @@ def _prepared_on_this_connection() -> set[tuple[str, str]]:
         return set(cursor.fetchall())
 
 
+def _fresh(owners) -> None:
+    """Before each pop: no empty-pop memory, and the workers of the pops before gone (an owner
+    registers at most four workers, twenty-one trusted, as upstream's pop allows)."""
+    Worker.objects.filter(owner__in=[o.user for o in owners]).delete()
+    reset_process_caches()
+
+
 def _pops(horde, owners) -> None:
     """One pop per shape: text and chat declarations, trusted or not, validated or not, each with
     0-3 priority users and a varying amount (every pop reaches the database: no empty-pop memory)."""
@@ -43,13 +51,13 @@ def _pops(horde, owners) -> None:
     ):
         # Small and large ids and limits: psycopg would type them int2, int4 or int8.
         aliases = [f"friend#{user_id}" for user_id in (900, 40_000, 3_000_000_000)[:priority]]
-        reset_process_caches()
+        _fresh(owners)
         assert horde.pop(
             owner.key, name=f"text-{index}", models=models, bridge_agent=agent, priority_usernames=aliases,
             amount=(1, 2, 20, 5)[priority], max_length=(512, 40_000)[index % 2],
         ).status_code == 200
         for shape_index, shape in enumerate(chat_shapes):
-            reset_process_caches()
+            _fresh(owners)
             response = chat_pop(
                 horde, owner.key, name=f"chat-{index}-{shape_index}", bridge_agent=agent,
                 priority_usernames=aliases, **shape,

@@ -149,7 +149,7 @@ def test_the_owners_requests_come_first_in_queue_order_among_those_the_worker_ma
     priority = GenerationRequest.objects.filter(user__in=[owner.user, friend.user], requested_models=[MODEL])
     assert prompts == [r.prompt for r in priority.order_by("-queue_score", "created")] + ["rich"]
     assert sorted(prompts[:3]) == ["friend", "owner, first", "owner, second"]
-    assert horde.pop(owner.key, name="w4").json()["id"] is None  # the owner's OTHER requests are not its
+    assert horde.pop(owner.key, name="w0").json()["id"] is None  # the owner's OTHER requests are not its
 
 
 def test_a_model_name_with_quotes_and_percent_signs_is_walked_as_named(horde, people):

@@ -54,7 +54,8 @@ def test_concurrent_submits_cannot_exceed_concurrency(make_user):
 
 
 def test_racing_submits_of_one_worker_each_keep_their_speed_sample(make_user):
-    requester, owner = make_user("r", kudos=1000), make_user("o")
+    # Trusted: seven workers of one owner (upstream lets an untrusted owner register four).
+    requester, owner = make_user("r", kudos=1000), make_user("o", trusted=True)
     horde = Horde(APIClient())
     horde.text_async(requester.key, models=[MODEL], params={"n": 4})
     job = horde.pop(owner.key, amount=4).json()
@@ -68,7 +69,8 @@ def test_racing_submits_of_one_worker_each_keep_their_speed_sample(make_user):
 
 
 def test_racing_chat_submits_of_one_worker_each_keep_their_speed_sample(make_user):
-    requester, owner = make_user("r", kudos=1000), make_user("o")
+    # Trusted: seven workers of one owner (upstream lets an untrusted owner register four).
+    requester, owner = make_user("r", kudos=1000), make_user("o", trusted=True)
     worker = make_chat_worker(owner.user)
     jobs = [pop_chat_job(make_chat_request(requester.user), worker)[0] for _ in range(4)]
     results = race([lambda job=job: chat_submit(APIClient(), owner.key, job.id, reply("A reply of some words.")) for job in jobs])
@@ -81,7 +83,8 @@ def test_racing_chat_submits_of_one_worker_each_keep_their_speed_sample(make_use
 def test_workers_racing_over_two_queue_lists_never_share_a_request(make_user):
     """Each pop locks the first request of each of its lists and keeps one (ADR 0050): racing pops
     skip each other's locks, so no request is handed out twice and none is left behind."""
-    requester, owner = make_user("r", kudos=1000), make_user("o")
+    # Trusted: seven workers of one owner (upstream lets an untrusted owner register four).
+    requester, owner = make_user("r", kudos=1000), make_user("o", trusted=True)
     horde = Horde(APIClient())
     other = "koboldcpp/Pernicious_Prophecy_70B"
     queued = {horde.text_async(requester.key, models=[[MODEL, other][i % 2]]).json()["id"] for i in range(8)}
