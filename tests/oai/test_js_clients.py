@@ -82,3 +82,70 @@ def test_vercel_stream_text_with_reasoning_keeps_the_think_block_out_of_the_text
                        headers={"Authorization": f"Bearer {key}"}, timeout=30)
     message = whole.json()["choices"][0]["message"]
     assert message["content"] == text and message["reasoning_content"] == reasoning
+
+
+OPENAI_NODE_HEADERS = {
+    "accept": "application/json",
+    "user-agent": "OpenAI/JS 6.49.0",
+    "x-stainless-retry-count": "0",
+    "x-stainless-lang": "js",
+    "x-stainless-package-version": "6.49.0",
+    "x-stainless-os": "Linux",
+    "x-stainless-arch": "x64",
+    "x-stainless-runtime": "node",
+    "x-stainless-runtime-version": "v20.20.2",
+    "authorization": "Bearer {key}",
+    "content-type": "application/json",
+    "x-stainless-helper-method": "stream",
+    "accept-language": "*",
+    "sec-fetch-mode": "cors",
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    },
+}
+
+
+def test_openai_node_history_of_accumulated_stream_messages_is_served(scripted_horde):
+    """openai-node's `chat.completions.stream(...).finalChatCompletion()` returns messages carrying
+    `refusal`, `parsed`, `function.parsed_arguments` and the reasoning; an app pushes them back
+    as history, and the next turn must be served like any other."""
+    v1, key, model = scripted_horde
+    headers = {name: value.format(key=key) for name, value in OPENAI_NODE_HEADERS.items()}
+    call_id = "call_2ba1013ff711b6559ee0aa95"
+    body = {
+        "model": model,
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
+                {"id": call_id, "type": "function",
+                 "function": {"parsed_arguments": {"city": ""}, "name": "get_weather", "arguments": "{\"city\":\"\"}"}},
+            ], "parsed": None},
+            {"role": "tool", "tool_call_id": call_id, "content": "sunny"},
+            {"role": "assistant", "reasoning_content": "The user wrote 17 characters; effort low. I answer plainly.",
+             "content": "The tool answered: sunny", "refusal": None, "parsed": None},
+            {"role": "user", "content": "thanks"},
+        ],
+        "tools": [WEATHER_TOOL],
+        "stream_options": {"include_usage": True},
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{v1}/chat/completions", content=json.dumps(body, separators=(",", ":")),
+                      headers=headers, timeout=30) as response:
+        assert response.status_code == 200, response.read()
+        events = lite_events(response.read().decode())
+    calls = [call for event in events if event["choices"] for call in event["choices"][0]["delta"].get("tool_calls", [])]
+    assert [(call["index"], call["type"], call["function"]["name"]) for call in calls] == [(0, "function", "get_weather")]
+    assert calls[0]["id"].startswith("call_") and json.loads(calls[0]["function"]["arguments"]) == {"city": ""}
+    finishes = [event["choices"][0]["finish_reason"] for event in events if event["choices"]]
+    assert [f for f in finishes if f] == ["tool_calls"]
+    assert not events[-1]["choices"] and events[-1]["usage"]["total_tokens"] > 0
