@@ -12,7 +12,9 @@ bridge's job code runs unchanged. The same request always gets the same answer:
 - otherwise text: "Scripted reply to: <the last user text>", cut at max_tokens (4 characters a
   token; finish_reason length then).
 - reasoning: with reasoning_effort other than none, the reply starts with a <think> block (as a
-  reasoning model on a backend without a reasoning parser answers), which the bridge splits off.
+  reasoning model on a backend without a reasoning parser answers), which the bridge splits off;
+  for a streamed job (`progress` given) it comes as reasoning_content, as a streamed reply reaches
+  the bridge already split.
 - text jobs (/v1/completions): the prompt's last line continued with a fixed sentence.
 
 Directives in the last user message, for demos and tests: `[scripted:sleep=SECONDS]` waits first,
@@ -311,8 +313,12 @@ class ScriptedBackend:
             if len(text) > budget and kind is None:
                 text, finish = text[:budget], "length"
             message["content"] = text
-        if reasoning is not None:
+        if reasoning is not None and progress is None:
             message["content"] = f"<think>{reasoning}</think>\n" + (message["content"] or "")
+        elif reasoning is not None:
+            # A streamed job's reply reaches the worker split as it was posted (ChatStreamReader), and
+            # the worker does not split it again: the block goes apart here, as a stream would post it.
+            message["reasoning_content"] = reasoning
         completion_tokens = _estimate_tokens((reasoning or "") + text + json.dumps(message.get("tool_calls") or ""))
         return {
             "id": "chatcmpl-" + seed[:24],
