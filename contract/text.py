@@ -191,6 +191,8 @@ MAX_BRIDGE_AGENT_LENGTH = 1000
 MAX_WORKER_NAME_LENGTH = 100
 TEXT_POP_AMOUNT_RANGE = (1, 20)
 TEXT_POP_MAX_THREADS = 50  # upstream's PopInput bound
+# Upstream's log_aborted_job: more dropped jobs than this within an hour put a worker into maintenance.
+ABORTED_JOBS_PER_HOUR_LIMIT = 20
 # A pop's optional `wait` (whole seconds, this project's extension): longer asks are held this long.
 TEXT_POP_WAIT_MAX_SECONDS = 20
 

@@ -12,7 +12,12 @@ from typing import Any
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
-from contract.text import STALE_GENERATION_SWEEP_SECONDS, TEXT_JOB_LEASE_SECONDS, TEXT_REQUEST_TTL_SECONDS
+from contract.text import (
+    ABORTED_JOBS_PER_HOUR_LIMIT,
+    STALE_GENERATION_SWEEP_SECONDS,
+    TEXT_JOB_LEASE_SECONDS,
+    TEXT_REQUEST_TTL_SECONDS,
+)
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = BASE_DIR / "var"
@@ -179,6 +184,9 @@ HORDE_TEXT_JOB_LEASE_SECONDS = env.int("HORDE_TEXT_JOB_LEASE_SECONDS", default=T
 HORDE_TEXT_REQUEST_TTL_SECONDS = env.int("HORDE_TEXT_REQUEST_TTL_SECONDS", default=TEXT_REQUEST_TTL_SECONDS)
 HORDE_SWEEP_INTERVAL_SECONDS = env.float("HORDE_SWEEP_INTERVAL_SECONDS", default=STALE_GENERATION_SWEEP_SECONDS)
 HORDE_SWEEP_LATE_SECONDS = env.float("HORDE_SWEEP_LATE_SECONDS", default=3 * HORDE_SWEEP_INTERVAL_SECONDS)
+# More dropped jobs (faulted or lapsed) than this within an hour put a worker into maintenance,
+# where it serves only its owner's requests (upstream's rule; 0: never; docs/adr/0083).
+HORDE_WORKER_DROPPED_JOBS_PER_HOUR = env.int("HORDE_WORKER_DROPPED_JOBS_PER_HOUR", default=ABORTED_JOBS_PER_HOUR_LIMIT)
 # Stored chat objects whose request row is gone are deleted this often (chat.tasks.delete_orphaned_chat_objects).
 HORDE_CHAT_ORPHAN_SWEEP_SECONDS = env.float("HORDE_CHAT_ORPHAN_SWEEP_SECONDS", default=3600.0)
 _FRONT_LEASE_SWEEP_SECONDS = min(10.0, HORDE_SWEEP_INTERVAL_SECONDS)

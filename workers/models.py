@@ -39,7 +39,7 @@ class Worker(models.Model):
     fulfilments = models.PositiveIntegerField(default=0)
     aborted_jobs = models.PositiveIntegerField(default=0)
     # Upstream's hourly count of aborted jobs (log_aborted_job): the jobs dropped since the window
-    # started; past ABORTED_JOBS_PER_HOUR_LIMIT the worker goes into maintenance.
+    # started; past HORDE_WORKER_DROPPED_JOBS_PER_HOUR the worker goes into maintenance.
     aborted_in_window = models.PositiveIntegerField(default=0)
     aborted_window_started_at = models.DateTimeField(null=True, blank=True)
     tokens_generated = models.BigIntegerField(default=0)

@@ -212,15 +212,18 @@ def worker_record_cancelled_settlement(*, worker_id: Any, kudos: Decimal) -> Non
     Worker.objects.filter(pk=worker_id).update(kudos_earned=F("kudos_earned") + kudos)
 
 
-# Upstream's log_aborted_job: more aborted jobs than this within an hour put a worker into
-# maintenance (outside raid mode, which this horde does not have).
-ABORTED_JOBS_PER_HOUR_LIMIT = 20
+# Upstream's log_aborted_job: more aborted jobs than HORDE_WORKER_DROPPED_JOBS_PER_HOUR (its
+# contract.text.ABORTED_JOBS_PER_HOUR_LIMIT outside raid mode, which this horde does not have)
+# within an hour put a worker into maintenance.
 ABORTED_JOBS_WINDOW = timedelta(hours=1)
-ABORTED_JOBS_MAINTENANCE_MESSAGE = (
-    f"Maintenance mode activated because this worker dropped more than {ABORTED_JOBS_PER_HOUR_LIMIT} jobs"
-    " within an hour. Please investigate whether its performance has been impacted, and consider"
-    " lowering its max_length or its threads."
-)
+
+
+def aborted_jobs_maintenance_message(limit: int) -> str:
+    return (
+        f"Maintenance mode activated because this worker dropped more than {limit} jobs"
+        " within an hour. Please investigate whether its performance has been impacted, and consider"
+        " lowering its max_length or its threads."
+    )
 
 
 def worker_record_aborted(*, worker_ids: list) -> None:
@@ -228,6 +231,7 @@ def worker_record_aborted(*, worker_ids: list) -> None:
     drop after it ends, as upstream's); the drop that crosses the limit puts the worker into
     maintenance with its message, where it still serves its owner (docs/adr/0083)."""
     now = timezone.now()
+    limit = settings.HORDE_WORKER_DROPPED_JOBS_PER_HOUR
     window_open = Q(aborted_window_started_at__gt=now - ABORTED_JOBS_WINDOW)
     for worker_id in worker_ids:
         Worker.objects.filter(pk=worker_id).update(
@@ -235,13 +239,15 @@ def worker_record_aborted(*, worker_ids: list) -> None:
             aborted_in_window=Case(When(window_open, then=F("aborted_in_window") + 1), default=Value(1)),
             aborted_window_started_at=Case(When(window_open, then=F("aborted_window_started_at")), default=Value(now)),
         )
-        switched = Worker.objects.filter(pk=worker_id, aborted_in_window__gt=ABORTED_JOBS_PER_HOUR_LIMIT).update(
-            maintenance=True, maintenance_msg=ABORTED_JOBS_MAINTENANCE_MESSAGE, aborted_in_window=0,
+        if limit <= 0:  # the operator turned the automatic maintenance off
+            continue
+        switched = Worker.objects.filter(pk=worker_id, aborted_in_window__gt=limit).update(
+            maintenance=True, maintenance_msg=aborted_jobs_maintenance_message(limit), aborted_in_window=0,
             serving_changed_at=now,
         )
         if switched:
             name = Worker.objects.filter(pk=worker_id).values_list("name", flat=True).get()
-            log.warning("worker %s put into maintenance: more than %d aborted jobs in an hour", name, ABORTED_JOBS_PER_HOUR_LIMIT)
+            log.warning("worker %s put into maintenance: more than %d aborted jobs in an hour", name, limit)
             transaction.on_commit(functools.partial(_worker_changed, worker_id, name, name, serving=True))
 
 

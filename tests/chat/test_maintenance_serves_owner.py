@@ -12,9 +12,10 @@ from django.utils import timezone
 
 from chat.models import GenerationRequest
 from chat.services.create_text import TEXT_NO_AVAILABLE_WORKER_WARNING
+from contract.text import ABORTED_JOBS_PER_HOUR_LIMIT
 from tests.chat.pop_helpers import MODEL, chat_pop, queue_chat
 from workers.models import Worker
-from workers.services import ABORTED_JOBS_MAINTENANCE_MESSAGE, ABORTED_JOBS_PER_HOUR_LIMIT
+from workers.services import aborted_jobs_maintenance_message
 
 
 def _maintenance(horde, owner, name: str, **body) -> Worker:
@@ -156,7 +157,7 @@ def test_too_many_dropped_jobs_in_an_hour_put_the_worker_in_maintenance_where_it
     _drop(horde, owner, "attic", stranger)
     assert horde.client.get(f"/api/v2/workers/{worker.id}").json()["maintenance_mode"] is True
     # Other users' requests are waiting (the dropped ones came back): none is handed out.
-    assert _refused(horde.pop(owner.key, name="attic"), ABORTED_JOBS_MAINTENANCE_MESSAGE)
+    assert _refused(horde.pop(owner.key, name="attic"), aborted_jobs_maintenance_message(ABORTED_JOBS_PER_HOUR_LIMIT))
     # The owner tests the worker on a request of their own, which is possible and served.
     mine = horde.text_async(owner.key, models=[MODEL], prompt="mine").json()
     assert "message" not in mine and horde.status(mine["id"]).json()["is_possible"] is True
@@ -183,3 +184,20 @@ def test_a_kudos_refusal_of_the_owner_stays_a_kudos_refusal(horde, make_user):
     theirs = horde.text_async(stranger.key, models=[MODEL], params={"max_length": 1024})
     assert (mine.status_code, mine.json()["rc"]) == (403, "KudosUpfront")
     assert (theirs.status_code, theirs.json()["rc"]) == (403, "NoEligibleWorker")
+
+
+def test_the_dropped_jobs_limit_is_a_setting_and_zero_turns_it_off(horde, make_user, settings):
+    """HORDE_WORKER_DROPPED_JOBS_PER_HOUR: a smaller bound switches sooner, with its number in the
+    message; 0 leaves a worker that drops every job serving (make run's demo worker faults each
+    `[scripted:error]` request three times, by design)."""
+    owner, stranger = make_user("owner"), make_user("stranger", kudos=1000)
+    assert horde.pop(owner.key, name="attic").status_code == 200
+    settings.HORDE_WORKER_DROPPED_JOBS_PER_HOUR = 0
+    Worker.objects.filter(name="attic").update(aborted_in_window=500, aborted_window_started_at=timezone.now())
+    _drop(horde, owner, "attic", stranger)
+    assert Worker.objects.get(name="attic").maintenance is False
+    settings.HORDE_WORKER_DROPPED_JOBS_PER_HOUR = 1
+    _drop(horde, owner, "attic", stranger)
+    worker = Worker.objects.get(name="attic")
+    assert worker.maintenance is True and worker.maintenance_msg == aborted_jobs_maintenance_message(1)
+    assert "more than 1 jobs" in worker.maintenance_msg
