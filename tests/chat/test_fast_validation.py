@@ -56,8 +56,12 @@ pop_bodies = bodies(
     {
         "name": texts,
         "models": st.one_of(st.lists(texts, max_size=4), values),
-        "priority_usernames": st.one_of(st.lists(texts, max_size=3), values),
+        "priority_usernames": st.one_of(
+            st.lists(st.one_of(texts, st.sampled_from(["db0#1", "#", "x#", " ", "a#b#2"])), max_size=3), values
+        ),
         "amount": integers,
+        # Upstream's thread bound (1 to 50, ADR 0077) and either side of it.
+        "threads": st.one_of(integers, st.sampled_from([0, 1, 49, 50, 51, 100, 101])),
         "nsfw": st.one_of(st.booleans(), values),
     },
 )
