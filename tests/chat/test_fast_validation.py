@@ -106,7 +106,9 @@ valid_params = st.fixed_dictionaries(
         **{name: inside(kind, low, high) for name, (kind, low, high) in TEXT_PARAM_RANGES.items()},
         **{name: st.booleans() for name in BOOLEAN_PARAMS},
         "sampler_order": st.lists(st.integers(min_value=0, max_value=10), max_size=8),
-        "stop_sequence": st.lists(names, max_size=4),
+        # Blank stops are dropped by both paths (ADR 0072); the count and length bounds are
+        # upstream's refusals after validation (contract.text.text_params_refusal).
+        "stop_sequence": st.lists(st.one_of(names, st.sampled_from(["", "\n", "You:"])), max_size=6),
     },
 )
 valid_text_bodies = st.fixed_dictionaries(
