@@ -10,6 +10,8 @@ import uuid
 import jsonschema
 import pytest
 
+from accounts.api.openapi_errors import LINKS
+
 SCHEMA_URL = "/api/v2/openapi.json?format=json"
 
 
@@ -140,3 +142,33 @@ def test_every_native_route_documents_the_refusals_any_route_answers(served):
                 assert "401" in documented, (method, path)
             if "requestBody" in operation:
                 assert {"413", "415"} <= documented, (method, path)
+
+
+def test_the_links_lead_to_operations_that_take_what_the_answer_names(served, horde, make_user):
+    """Each link names an operation of the document and a parameter of its path; following the
+    text request's link with a real answer reaches that request's status."""
+    operations = {
+        operation["operationId"]: (path, method)
+        for path, methods in served["paths"].items()
+        for method, operation in methods.items()
+    }
+    links = [
+        link
+        for methods in served["paths"].values()
+        for operation in methods.values()
+        for response in operation["responses"].values()
+        for link in response.get("links", {}).values()
+    ]
+    assert len(links) == sum(len(by_name) for by_name in LINKS.values())
+    for link in links:
+        path, _ = operations[link["operationId"]]
+        for name in link.get("parameters", {}):
+            assert "{" + name + "}" in path, (link, path)
+
+    requester = make_user("schema-links", kudos=100)
+    created = horde.text_async(requester.key, params={"max_length": 16})
+    link = served["paths"]["/api/v2/generate/text/async"]["post"]["responses"]["202"]["links"]["TextStatus"]
+    assert link["parameters"] == {"request_id": "$response.body#/id"}
+    status = horde.status(created.json()["id"])
+    assert status.status_code == 200
+    assert_documented(served, "GET", "/api/v2/generate/text/status/{request_id}", status)

@@ -56,6 +56,37 @@ def refusals(**rcs_by_status: list[str]) -> dict[int, OpenApiResponse]:
     }
 
 
+def _to(operation_id: str, **parameters: str) -> dict:
+    return {"operationId": operation_id, "parameters": parameters}
+
+
+_REQUEST_ID = "$response.body#/id"
+# OpenAPI links from an answer to the routes that take what it names (a request's id, a shared
+# key's, a user's, a popped job's), so that clients and stateful fuzzers follow them.
+LINKS: dict[tuple[str, str, str], dict[str, dict]] = {
+    ("/api/v2/generate/text/async", "post", "202"): {
+        "TextStatus": _to("api_v2_generate_text_status_retrieve", request_id=_REQUEST_ID),
+        "TextCancel": _to("api_v2_generate_text_status_destroy", request_id=_REQUEST_ID),
+    },
+    ("/api/v2/generate/chat/async", "post", "202"): {
+        "ChatStatus": _to("api_v2_generate_chat_status_retrieve", request_id=_REQUEST_ID),
+        "ChatCancel": _to("api_v2_generate_chat_status_destroy", request_id=_REQUEST_ID),
+    },
+    ("/api/v2/sharedkeys", "put", "200"): {
+        "SharedKey": _to("api_v2_sharedkeys_retrieve", key_id=_REQUEST_ID),
+        "SharedKeyChange": _to("api_v2_sharedkeys_partial_update", key_id=_REQUEST_ID),
+        "SharedKeyDelete": _to("api_v2_sharedkeys_destroy", key_id=_REQUEST_ID),
+    },
+    ("/api/v2/find_user", "get", "200"): {"User": _to("api_v2_users_retrieve", user_id=_REQUEST_ID)},
+    ("/api/v2/generate/text/pop", "post", "200"): {
+        "Submit": {
+            "operationId": "api_v2_generate_text_submit_create",
+            "requestBody": {"id": _REQUEST_ID, "generation": "A reply.", "state": "ok"},
+        },
+    },
+}
+
+
 def _json(schema: dict, description: str) -> dict:
     return {"content": {"application/json": {"schema": schema}}, "description": description}
 
@@ -64,7 +95,7 @@ def document_native_refusals(result, generator, request, public):
     """Adds to each native operation the statuses any route of its kind answers, unless its view
     named them: 400 (a Host not allowed, a body or query it refuses), 401 (a key no one holds, where
     a key is read), 404 (an id in the path), 413 and 415 (a body too large, not JSON), 503 (the
-    database lost)."""
+    database lost); and the LINKS of its answers."""
     schemas = result.setdefault("components", {}).setdefault("schemas", {})
     for name, schema in COMPONENTS.items():
         schemas.setdefault(name, schema)
@@ -86,4 +117,7 @@ def document_native_refusals(result, generator, request, public):
             responses = operation.setdefault("responses", {})
             for status, response in defaults.items():
                 responses.setdefault(status, response)
+            for status, response in responses.items():
+                if (links := LINKS.get((path, method, status))) is not None:
+                    response["links"] = links
     return result
