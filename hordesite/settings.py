@@ -294,6 +294,11 @@ SPECTACULAR_SETTINGS = {
     "ENUM_NAME_OVERRIDES": {"FunctionTypeEnum": ["function"]},
     # The ids in paths are UUIDs in either case (hordesite/converters.py).
     "PATH_CONVERTER_OVERRIDES": {"anycase_uuid": {"type": "string", "format": "uuid"}},
+    # drf-spectacular's enum hook, then the refusals every native route answers (ADR 0085).
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "accounts.api.openapi_errors.document_native_refusals",
+    ],
 }
 
 LANGUAGE_CODE = "en-us"

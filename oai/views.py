@@ -289,6 +289,13 @@ class TextCompletionsView(FrontView):
         return await _completions_answer(app.text_completions, request)
 
 
+# What app.list_models answers when it cannot read the horde's model list (ADR 0085).
+MODEL_LIST_UNAVAILABLE = {
+    502: OpenApiResponse(description="HordeUnavailable: the horde's model list could not be read"),
+    503: OpenApiResponse(description="HordeUnavailable: the horde could not be reached"),
+}
+
+
 class ModelsView(FrontView):
     """GET /v1/models: each text model with at least one online chat worker, as a model card."""
 
@@ -298,6 +305,7 @@ class ModelsView(FrontView):
         responses={
             200: OpenApiResponse(description="list of model cards"),
             401: OpenApiResponse(description="invalid_api_key: a key was sent that the horde does not know"),
+            **MODEL_LIST_UNAVAILABLE,
         },
     )
     async def get(self, request, *args: Any, **kwargs: Any):
@@ -314,6 +322,7 @@ class ModelView(FrontView):
             200: OpenApiResponse(description="the model card"),
             401: OpenApiResponse(description="invalid_api_key: a key was sent that the horde does not know"),
             404: OpenApiResponse(description="model_not_found: no online chat worker serves it"),
+            **MODEL_LIST_UNAVAILABLE,
         },
     )
     async def get(self, request, model_id: str, *args: Any, **kwargs: Any):

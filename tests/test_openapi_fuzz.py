@@ -1,5 +1,6 @@
 """schemathesis over the native OpenAPI schema (GET /api/v2/openapi.json), in process through the
-WSGI application: no generated request, valid or not, may yield a 500.
+WSGI application: no generated request, valid or not, may yield a 500, and every answer is one the
+schema documents, its status and its body (docs/adr/0085).
 
 Bounded to stay well under a minute: a few examples per operation, no stateful links.
 """
@@ -13,6 +14,7 @@ from django.core.wsgi import get_wsgi_application
 from django.db import close_old_connections
 from hypothesis import HealthCheck, Phase
 from hypothesis import settings as hypothesis_settings
+from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance
 
 FUZZ_EXAMPLES_PER_OPERATION = 25
 
@@ -52,3 +54,4 @@ schema = schemathesis.openapi.from_wsgi("/api/v2/openapi.json?format=json", get_
 def test_no_request_yields_a_500(case, keep_test_connection, fuzz_key):
     response = case.call(headers={"apikey": fuzz_key})
     assert response.status_code != 500, f"{case.method} {case.formatted_path}: {response.text[:500]}"
+    case.validate_response(response, checks=[status_code_conformance, response_schema_conformance])

@@ -8,6 +8,7 @@ from rest_framework.views import APIView
 
 from accounts import services
 from accounts.api.callers import registered_caller, requester, shared_key_of
+from accounts.api.openapi_errors import refusals
 from accounts.models import (
     KUDOS_TRANSFER_DEFAULT_AMOUNT,
     KUDOS_TRANSFER_IDEMPOTENCY_KEY_MAX_LENGTH,
@@ -63,7 +64,7 @@ class UsersView(APIView):
             OpenApiParameter("page", int, description="From 1; 25 users a page"),
             OpenApiParameter("sort", str, enum=["kudos", "age"]),
         ],
-        responses=FindUserView.OutputSerializer(many=True),
+        responses={200: FindUserView.OutputSerializer(many=True), **refusals(s400=["BadRequest (page)"])},
     )
     def get(self, request):
         page = request.query_params.get("page", "1")
@@ -78,7 +79,7 @@ class UserDetailView(APIView):
     """GET /api/v2/users/{user_id}: a user's details by the numeric part of their alias; their
     workers' and shared keys' ids only to themselves and to moderators, as upstream's."""
 
-    @extend_schema(responses=FindUserView.OutputSerializer)
+    @extend_schema(responses={200: FindUserView.OutputSerializer, **refusals(s404=["UserNotFound"])})
     def get(self, request, user_id: str):
         if not (user_id.isascii() and user_id.isdigit()):
             raise HordeError(
@@ -110,7 +111,19 @@ class KudosTransferView(APIView):
     class KudosTransferOutputSerializer(serializers.Serializer):
         transferred = serializers.FloatField()
 
-    @extend_schema(request=KudosTransferInputSerializer, responses=KudosTransferOutputSerializer)
+    @extend_schema(
+        request=KudosTransferInputSerializer,
+        responses={
+            200: KudosTransferOutputSerializer,
+            **refusals(
+                s400=["BadRequest", "KudosTransferFromAnon", "KudosTransferToAnon", "KudosTransferToSelf",
+                      "InvalidTargetUsername", "NegativeKudosTransfer", "InvalidKudosTransferAmount",
+                      "KudosTransferNotEnough", "TooFastKudosTransfers", "IdempotencyKeyConflict"],
+                s429=["RateLimited"],
+                s503=["KudosTransferBusy", "DatabaseUnavailable"],
+            ),
+        },
+    )
     def post(self, request):
         check_submit_rate_limits(
             request, scope="kudos_transfer", limits_per_ip=settings.HORDE_KUDOS_TRANSFER_RATE_LIMITS
@@ -185,7 +198,14 @@ def _shared_key_or_401(key_id: str) -> SharedKey:
 class SharedKeysView(APIView):
     """PUT /api/v2/sharedkeys: lend a new shared key (its id is the key)."""
 
-    @extend_schema(request=SharedKeyInputSerializer, responses=SharedKeyDetailsSerializer)
+    @extend_schema(
+        request=SharedKeyInputSerializer,
+        responses={
+            200: SharedKeyDetailsSerializer,
+            **refusals(s401=["InvalidAPIKey (a shared key)"], s403=["AnonForbidden", "Forbidden (too many keys)"],
+                       s429=["RateLimited"]),
+        },
+    )
     def put(self, request):
         check_submit_rate_limits(
             request, scope="sharedkeys", limits_per_ip=settings.HORDE_SHARED_KEY_CREATE_RATE_LIMITS
@@ -212,7 +232,7 @@ class SharedKeyDetailView(APIView):
         # Lazy (DRF's documented hook): the GET reads no key, as upstream's.
         pass
 
-    @extend_schema(responses=SharedKeyDetailsSerializer)
+    @extend_schema(responses={200: SharedKeyDetailsSerializer, **refusals(s401=["InvalidAPIKey (no such shared key)"])})
     def get(self, request, key_id):
         return Response(shared_key_details(_shared_key_or_401(key_id)))
 
@@ -227,7 +247,17 @@ class SharedKeyDetailView(APIView):
             )
         return key
 
-    @extend_schema(request=SharedKeyInputSerializer, responses=SharedKeyDetailsSerializer)
+    @extend_schema(
+        request=SharedKeyInputSerializer,
+        responses={
+            200: SharedKeyDetailsSerializer,
+            **refusals(
+                s400=["BadRequest", "NoSharedKeyModSelected"],
+                s401=["InvalidAPIKey (no such shared key)"],
+                s403=["AnonForbidden", "Forbidden (another's key)"],
+            ),
+        },
+    )
     def patch(self, request, key_id):
         serializer = SharedKeyInputSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -237,7 +267,13 @@ class SharedKeyDetailView(APIView):
         key = services.shared_key_update(key=key, changes=dict(serializer.validated_data))
         return Response(shared_key_details(key))
 
-    @extend_schema(responses=SimpleResponseSerializer)
+    # 200 with a message, as upstream's (not drf-spectacular's 204 for a DELETE).
+    @extend_schema(
+        responses={
+            200: SimpleResponseSerializer,
+            **refusals(s401=["InvalidAPIKey (no such shared key)"], s403=["AnonForbidden", "Forbidden (another's key)"]),
+        }
+    )
     def delete(self, request, key_id):
         services.shared_key_delete(key=self._owned(request, key_id))
         return Response({"message": "OK"})

@@ -13,6 +13,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.api.callers import requester, shared_key_of
+from accounts.api.openapi_errors import refusals
 from accounts.ratelimit import chat_request_limits_per_ip, check_submit_rate_limits
 from chat.api import openapi  # noqa: F401  (the contract's models in the schema)
 from chat.api import serializers as s
@@ -106,7 +107,15 @@ class ChatAsyncView(APIView):
                 ),
                 description="Repeated operation key, or dry run",
             ),
-            **dict.fromkeys((400, 403, 404, 413, 429, 503), s.ErrorSerializer),
+            **refusals(
+                s400=["BadRequest", "UnsupportedChatParameter", "ChatRequestConflict", "OperationKeyConflict",
+                      "PromptExceedsContext", "ChatKudosCapExceeded", "SourceImageUrlRefused", "..."],
+                s403=["NoEligibleWorker", "KudosUpfront", "AnonForbidden", "SharedKeyEmpty", "SharedKeyExpired"],
+                s404=["UnknownChatModel"],
+                s413=["RequestTooLarge"],
+                s429=["RateLimited", "TooManyPrompts"],
+                s503=["MaintenanceMode", "ChatAdmissionDisabled", "ChatImageStorageUnavailable", "DatabaseUnavailable"],
+            ),
         },
     )
     def post(self, request):
@@ -147,7 +156,7 @@ def _not_found(request_id) -> HordeError:
 class ChatStatusView(APIView):
     """GET (status) and DELETE (cancel) /api/v2/generate/chat/status/<id>."""
 
-    @extend_schema(responses={200: ChatStatus, 404: s.ErrorSerializer})
+    @extend_schema(responses={200: ChatStatus, **refusals(s404=["RequestNotFound"])})
     def get(self, request, request_id):
         front_lease.front_lease_renew(
             request_id=request_id, header=request.META.get(front_lease.FRONT_LEASE_META_KEY)
@@ -157,7 +166,7 @@ class ChatStatusView(APIView):
             raise _not_found(request_id)
         return Response(body)
 
-    @extend_schema(responses={200: ChatStatus, 404: s.ErrorSerializer})
+    @extend_schema(responses={200: ChatStatus, **refusals(s404=["RequestNotFound"])})
     def delete(self, request, request_id):
         wp = chat_selectors.chat_request_get(request_id)
         if wp is None:

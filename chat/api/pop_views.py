@@ -8,6 +8,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.api.callers import registered_caller
+from accounts.api.openapi_errors import refusals
 from chat.api import serializers as s
 from chat.api.fast_validation import validated_body
 from chat.services.pop import worker_check_in_and_pop
@@ -18,7 +19,19 @@ from contract.text import TEXT_POP_WAIT_MAX_SECONDS
 class TextPopView(APIView):
     """POST /api/v2/generate/text/pop: check in, and take a job when one is eligible."""
 
-    @extend_schema(request=s.TextPopInputSerializer, responses=s.TextPopOutputSerializer)
+    @extend_schema(
+        request=s.TextPopInputSerializer,
+        responses={
+            200: s.TextPopOutputSerializer,
+            **refusals(
+                s400=["BadRequest (no model, another's branded model)", "InvalidPriorityUsername", "ChatDeclarationInvalid",
+                      "TooLongWorkerName", "ProfaneWorkerName"],
+                s403=["AnonForbiddenWorker", "WrongCredentials (another's worker name)",
+                      "WorkerMaintenance (in maintenance, nothing of its owner's waiting)"],
+                s503=["ChatImageStorageUnavailable", "DatabaseUnavailable"],
+            ),
+        },
+    )
     def post(self, request):
         owner = registered_caller(request, rc="AnonForbiddenWorker")
         data = dict(validated_body(s.TextPopInputSerializer, request.data))

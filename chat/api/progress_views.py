@@ -13,6 +13,7 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from accounts.api.openapi_errors import refusals
 from chat.services.progress import job_progress
 from contract.chat_progress import (
     PROGRESS_MESSAGES,
@@ -45,9 +46,19 @@ class TextProgressView(APIView):
 
     @extend_schema(
         request=ProgressInputSerializer,
-        responses=inline_serializer(
-            "ProgressAccepted", {"accepted_seq": serializers.IntegerField(), "cancelled": serializers.BooleanField()}
-        ),
+        responses={
+            200: inline_serializer(
+                "ProgressAccepted", {"accepted_seq": serializers.IntegerField(), "cancelled": serializers.BooleanField()}
+            ),
+            **refusals(
+                s400=["BadRequest"],
+                s403=["WrongCredentials"],
+                s404=["ChatJobAborted", "ChatProgressNotStreaming"],
+                s409=["ChatProgressOutOfSequence"],
+                s413=["ChatProgressCapReached", "RequestTooLarge"],
+                s503=["ChatProgressUnavailable", "DatabaseUnavailable"],
+            ),
+        },
     )
     def post(self, request):
         try:

@@ -300,11 +300,6 @@ class SubmitOutputSerializer(serializers.Serializer):
     reward = serializers.FloatField()
 
 
-class ErrorSerializer(serializers.Serializer):
-    message = serializers.CharField()
-    rc = serializers.CharField()
-
-
 # --- the chat route's answers ------------------------------------------------------------------
 
 

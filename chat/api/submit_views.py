@@ -9,6 +9,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.api.callers import registered_caller
+from accounts.api.openapi_errors import refusals
 from chat.api import serializers as s
 from chat.api import submit_serializers as cs
 from chat.api.fast_validation import canonical_validated_data, validated_body
@@ -32,7 +33,18 @@ class TextSubmitView(APIView):
     is a text submit, validated as before.
     """
 
-    @extend_schema(request=cs.JobSubmitInputSerializer, responses=s.SubmitOutputSerializer)
+    @extend_schema(
+        request=cs.JobSubmitInputSerializer,
+        responses={
+            200: s.SubmitOutputSerializer,
+            **refusals(
+                s400=["BadRequest", "AbortedGen", "DuplicateGen", "ChatSubmitInvalid", "ChatSubmitNonconformant",
+                      "ChatModelMismatch"],
+                s403=["AnonForbiddenWorker", "WrongCredentials"],
+                s404=["InvalidJobID"],
+            ),
+        },
+    )
     def post(self, request):
         owner = registered_caller(request, rc="AnonForbiddenWorker")
         body = request.data

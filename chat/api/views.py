@@ -11,6 +11,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.api.callers import registered_caller, requester, shared_key_of
+from accounts.api.openapi_errors import OBJECT_LIST, refusals
 from accounts.ratelimit import check_submit_rate_limits
 from chat import selectors, services
 from chat.api import serializers as s
@@ -28,7 +29,18 @@ class TextAsyncView(APIView):
 
     @extend_schema(
         request=s.TextAsyncInputSerializer,
-        responses={202: s.TextAsyncOutputSerializer, 200: s.TextAsyncOutputSerializer},
+        responses={
+            202: s.TextAsyncOutputSerializer,
+            200: s.TextAsyncOutputSerializer,
+            **refusals(
+                s400=["BadRequest", "MissingPrompt", "TokenOverflow", "MissingFullSamplerOrder", "TooManyStopSequences",
+                      "ExcessiveStopSequence", "OperationKeyConflict", "NoValidWorkers"],
+                s403=["KudosUpfront", "AnonForbidden", "SharedKeyEmpty", "SharedKeyExpired",
+                      "SharedKeyInsufficientKudos"],
+                s429=["RateLimited", "TooManyPrompts"],
+                s503=["MaintenanceMode", "DatabaseUnavailable"],
+            ),
+        },
     )
     def post(self, request):
         address = check_submit_rate_limits(
@@ -55,7 +67,7 @@ class TextStatusView(APIView):
 
     authentication_classes: list = []
 
-    @extend_schema(responses=s.TextStatusOutputSerializer)
+    @extend_schema(responses={200: s.TextStatusOutputSerializer, **refusals(s404=["RequestNotFound"])})
     def get(self, request, request_id):
         front_lease.front_lease_renew(
             request_id=request_id, header=request.META.get(front_lease.FRONT_LEASE_META_KEY)
@@ -65,7 +77,8 @@ class TextStatusView(APIView):
             raise _not_found(request_id)
         return Response(body)
 
-    @extend_schema(responses=s.TextStatusOutputSerializer)
+    # The cancelled request's status, 200 as upstream's (not drf-spectacular's 204 for a DELETE).
+    @extend_schema(responses={200: s.TextStatusOutputSerializer, **refusals(s404=["RequestNotFound"])})
     def delete(self, request, request_id):
         wp = selectors.request_get(request_id)
         if wp is None:
@@ -75,6 +88,10 @@ class TextStatusView(APIView):
         if wp is None:  # expired meanwhile
             raise _not_found(request_id)
         return Response(selectors.request_status(wp))
+
+
+# A list of model entries (an empty one while no online worker serves the model).
+MODEL_ENTRIES = OBJECT_LIST
 
 
 class HeartbeatView(APIView):
@@ -94,7 +111,7 @@ class ModelsStatusView(APIView):
             OpenApiParameter("type", str, enum=["image", "text"]),
             OpenApiParameter("chat", bool, description="Only chat-served text models, with their chat object"),
         ],
-        responses={200: dict},
+        responses={200: MODEL_ENTRIES},
     )
     def get(self, request):
         kind = request.query_params.get("type", "image")
@@ -114,7 +131,7 @@ class ModelStatusView(APIView):
     """GET /api/v2/status/models/{model_name}: the one text model's entry of the list, as a list (empty
     while no online worker serves it), as upstream's answers."""
 
-    @extend_schema(operation_id="api_v2_status_model_single_retrieve", responses={200: dict})
+    @extend_schema(operation_id="api_v2_status_model_single_retrieve", responses={200: MODEL_ENTRIES})
     def get(self, request, model_name):
         return Response([entry for entry in selectors.models_status(kind="text", chat=False) if entry["name"] == model_name])
 
@@ -128,7 +145,10 @@ class PerformanceView(APIView):
 class ModesView(APIView):
     """PUT /api/v2/status/modes: a moderator switches maintenance mode."""
 
-    @extend_schema(request=dict, responses={200: dict})
+    @extend_schema(
+        request=dict,
+        responses={200: dict, **refusals(s400=["BadRequest"], s403=["NotModerator", "AnonForbidden"])},
+    )
     def put(self, request):
         maintenance = request.data.get("maintenance") if isinstance(request.data, dict) else None
         if not isinstance(maintenance, bool):

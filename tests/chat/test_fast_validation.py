@@ -56,8 +56,12 @@ pop_bodies = bodies(
     {
         "name": texts,
         "models": st.one_of(st.lists(texts, max_size=4), values),
-        "priority_usernames": st.one_of(st.lists(texts, max_size=3), values),
+        "priority_usernames": st.one_of(
+            st.lists(st.one_of(texts, st.sampled_from(["db0#1", "#", "x#", " ", "a#b#2"])), max_size=3), values
+        ),
         "amount": integers,
+        # Upstream's thread bound (1 to 50, ADR 0077) and either side of it.
+        "threads": st.one_of(integers, st.sampled_from([0, 1, 49, 50, 51, 100, 101])),
         "nsfw": st.one_of(st.booleans(), values),
     },
 )
@@ -102,7 +106,9 @@ valid_params = st.fixed_dictionaries(
         **{name: inside(kind, low, high) for name, (kind, low, high) in TEXT_PARAM_RANGES.items()},
         **{name: st.booleans() for name in BOOLEAN_PARAMS},
         "sampler_order": st.lists(st.integers(min_value=0, max_value=10), max_size=8),
-        "stop_sequence": st.lists(names, max_size=4),
+        # Blank stops are dropped by both paths (ADR 0072); the count and length bounds are
+        # upstream's refusals after validation (contract.text.text_params_refusal).
+        "stop_sequence": st.lists(st.one_of(names, st.sampled_from(["", "\n", "You:"])), max_size=6),
     },
 )
 valid_text_bodies = st.fixed_dictionaries(

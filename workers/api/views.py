@@ -8,6 +8,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.api.callers import registered_caller
+from accounts.api.openapi_errors import OBJECT_LIST, refusals
 from contract.errors import HordeError
 from workers.models import WORKER_MAINTENANCE_MESSAGE_MAX_LENGTH, Worker
 from workers.selectors import (
@@ -28,7 +29,7 @@ def _worker_or_404(worker_id, *, cached: bool = False) -> Worker:
 
 
 class WorkerListView(APIView):
-    @extend_schema(responses={200: dict}, operation_id="api_v2_workers_list")
+    @extend_schema(responses={200: OBJECT_LIST}, operation_id="api_v2_workers_list")
     def get(self, request):
         if request.query_params.get("type", "text") != "text":
             return Response([])
@@ -38,7 +39,9 @@ class WorkerListView(APIView):
 class WorkerByNameView(APIView):
     """GET /api/v2/workers/name/<name>: the same details as by id (spec: "Worker details")."""
 
-    @extend_schema(responses={200: dict}, operation_id="api_v2_workers_name_retrieve")
+    @extend_schema(
+        responses={200: dict, **refusals(s404=["WorkerNotFound"])}, operation_id="api_v2_workers_name_retrieve"
+    )
     def get(self, request, worker_name):
         worker = worker_get_cached_by_name(worker_name)
         if worker is None:
@@ -68,11 +71,22 @@ class WorkerDetailView(APIView):
         deleted_id = serializers.CharField()
         deleted_name = serializers.CharField()
 
-    @extend_schema(responses={200: dict})
+    @extend_schema(responses={200: dict, **refusals(s404=["WorkerNotFound"])})
     def get(self, request, worker_id):
         return Response(worker_details(_worker_or_404(worker_id, cached=True)))
 
-    @extend_schema(request=UpdateSerializer, responses={200: WorkerModifiedSerializer})
+    @extend_schema(
+        request=UpdateSerializer,
+        responses={
+            200: WorkerModifiedSerializer,
+            **refusals(
+                s400=["BadRequest", "NoWorkerModSelected", "TooLongWorkerName", "WorkerNameAlreadyExists"],
+                s403=["AnonForbidden", "NotOwner", "NotModerator", "WrongCredentials"],
+                s404=["WorkerNotFound"],
+                s423=["Locked"],
+            ),
+        },
+    )
     def put(self, request, worker_id):
         actor = registered_caller(request)
         body = self.UpdateSerializer(data=request.data)
@@ -80,7 +94,12 @@ class WorkerDetailView(APIView):
         changed = worker_update(worker_id=worker_id, actor=actor, **body.validated_data)
         return Response(self.WorkerModifiedSerializer(changed).data)
 
-    @extend_schema(responses={200: WorkerDeletedSerializer})
+    @extend_schema(
+        responses={
+            200: WorkerDeletedSerializer,
+            **refusals(s403=["AnonForbidden", "NotOwner", "NotModerator"], s404=["WorkerNotFound"], s423=["Locked"]),
+        }
+    )
     def delete(self, request, worker_id):
         deleted = worker_delete(worker_id=worker_id, actor=registered_caller(request))
         return Response(self.WorkerDeletedSerializer(deleted).data)
