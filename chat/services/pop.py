@@ -17,7 +17,7 @@ from django.db.models import Case, F, Field, Value, When
 from django.utils import timezone
 
 from accounts.models import HordeUser
-from accounts.selectors import USER_ID_DIGITS, anonymous_user_get
+from accounts.selectors import anonymous_user_get
 from chat.gate_shadow import record_over_capacity_assignment
 from chat.metrics import lease_capacity_limited, queue_wait_seconds, size_bucket
 from chat.models import Generation, GenerationRequest
@@ -45,7 +45,7 @@ from contract.chat_errors import ChatDeclarationInvalid
 from contract.chat_limits import CHAT_SAMPLING_DEFAULTS
 from contract.chat_progress import CHAT_STREAM_PROGRESS_KEY, streams_progress
 from contract.errors import HordeError
-from contract.text import text_pop_refusal
+from contract.text import USER_ID_DIGITS, text_pop_refusal
 from workers.models import Worker
 from workers.services import TextWorkerDeclaration, worker_check_in, worker_rows
 
