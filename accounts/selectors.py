@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import copy
-import re
 import uuid
 from email.utils import formatdate
 
@@ -13,6 +12,7 @@ from django.utils import timezone
 from accounts.models import HordeUser, SharedKey, hash_api_key
 from contract.errors import HordeError
 from contract.process_cache import ProcessCache
+from contract.text import USER_ID_DIGITS
 
 # Every authenticated route would otherwise read the caller's row once per request. A process keeps
 # what it read for HORDE_API_KEY_CACHE_SECONDS: a changed role or a removed key takes that long to
@@ -45,10 +45,6 @@ def anonymous_user_get() -> HordeUser:
     user = HordeUser.objects.get(is_anonymous=True)
     _anonymous.set(None, copy.copy(user))
     return user
-
-
-# A user id on the wire: ASCII digits that fit a bigint (str.isdigit() also takes "²" and "١").
-USER_ID_DIGITS = re.compile(r"[0-9]{1,18}")
 
 
 def user_get_by_id(user_id: int) -> HordeUser | None:

@@ -95,9 +95,11 @@ def text_params_refusal(
     return None
 
 
-# A priority user on a pop is upstream's "alias#id": the id (ASCII digits within a bigint) after the
-# last "#" of an alias, which may itself hold "#".
-PRIORITY_USERNAME = re.compile(r".*#([0-9]{1,18})", re.DOTALL)
+# A user id on the wire: ASCII digits that fit a bigint (str.isdigit() also takes "²" and "١").
+USER_ID_DIGITS = re.compile(r"[0-9]{1,18}")
+# A priority user on a pop is upstream's "alias#id": a user id after the last "#" of an alias, which
+# may itself hold "#".
+PRIORITY_USERNAME = re.compile(rf".*#({USER_ID_DIGITS.pattern})", re.DOTALL)
 PRIORITY_USERNAME_MESSAGE = (
     "Priority usernames need to be provided in the form of 'alias#number'. Example: 'db0#1'"
 )

@@ -187,6 +187,8 @@ HORDE_SWEEP_LATE_SECONDS = env.float("HORDE_SWEEP_LATE_SECONDS", default=3 * HOR
 # More dropped jobs (faulted or lapsed) than this within an hour put a worker into maintenance,
 # where it serves only its owner's requests (upstream's rule; 0: never; docs/adr/0083).
 HORDE_WORKER_DROPPED_JOBS_PER_HOUR = env.int("HORDE_WORKER_DROPPED_JOBS_PER_HOUR", default=ABORTED_JOBS_PER_HOUR_LIMIT)
+if HORDE_WORKER_DROPPED_JOBS_PER_HOUR < 0:  # fail closed: a typo must not turn the switch off
+    raise ImproperlyConfigured("HORDE_WORKER_DROPPED_JOBS_PER_HOUR must be 0 (off) or more")
 # Stored chat objects whose request row is gone are deleted this often (chat.tasks.delete_orphaned_chat_objects).
 HORDE_CHAT_ORPHAN_SWEEP_SECONDS = env.float("HORDE_CHAT_ORPHAN_SWEEP_SECONDS", default=3600.0)
 _FRONT_LEASE_SWEEP_SECONDS = min(10.0, HORDE_SWEEP_INTERVAL_SECONDS)

@@ -113,9 +113,15 @@ def worker_check_in(*, owner: HordeUser, declaration: TextWorkerDeclaration) -> 
     if worker is None:
         worker = next(iter(Worker.objects.filter(name=declaration.name)), None)  # unique name: no ORDER BY
         if worker is None:
-            ensure_may_register_a_worker(owner)
             try:
                 with transaction.atomic():
+                    # The owner's row, locked: first pops of new names count the owner's workers one
+                    # at a time, so racing ones stay within the bound (a balance row, last in the
+                    # horde's one lock order: no worker row is locked after it). A name registered
+                    # meanwhile is not counted again: its create fails, and the pop checks in on it.
+                    list(HordeUser.objects.select_for_update(no_key=True).filter(pk=owner.pk).values_list("pk"))
+                    if not Worker.objects.filter(name=declaration.name).exists():
+                        ensure_may_register_a_worker(owner)
                     worker = Worker.objects.create(
                         name=declaration.name, owner=owner, serving_changed_at=now, **fields
                     )

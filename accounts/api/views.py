@@ -21,7 +21,6 @@ from accounts.models import (
 )
 from accounts.ratelimit import check_submit_rate_limits
 from accounts.selectors import (
-    USER_ID_DIGITS,
     shared_key_details,
     shared_key_get,
     user_details,
@@ -29,7 +28,7 @@ from accounts.selectors import (
     users_page,
 )
 from contract.errors import HordeError
-from contract.text import TEXT_MAX_LENGTH_RANGE
+from contract.text import TEXT_MAX_LENGTH_RANGE, USER_ID_DIGITS
 
 
 class FindUserView(APIView):

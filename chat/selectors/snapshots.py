@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 from uuid import UUID
@@ -157,7 +157,13 @@ class OnlineWorkers:
 
 
 def online_workers_of(workers: Iterable[Worker]) -> OnlineWorkers:
-    workers = tuple(workers)
+    """The snapshot of `workers`: those in maintenance are kept apart, by owner (ADR 0083)."""
+    online = tuple(workers)
+    workers = tuple(w for w in online if not w.maintenance)
+    in_maintenance: dict[int, tuple[Worker, ...]] = {}
+    for worker in online:
+        if worker.maintenance:
+            in_maintenance[worker.owner_id] = (*in_maintenance.get(worker.owner_id, ()), worker)
     text_by_model: dict[str, list[int]] = {}
     chat_by_model: dict[str, list[int]] = {}
     for position, worker in enumerate(workers):
@@ -173,19 +179,12 @@ def online_workers_of(workers: Iterable[Worker]) -> OnlineWorkers:
         text_workers=tuple(i for i, w in enumerate(workers) if w.accepts_prompt_jobs),
         text_by_model={name: tuple(ps) for name, ps in text_by_model.items()},
         chat_by_model={name: tuple(ps) for name, ps in chat_by_model.items()},
+        in_maintenance=in_maintenance,
     )
 
 
 def _build_online_workers() -> OnlineWorkers:
-    online = list(workers_online().filter(paused=False))
-    in_maintenance: dict[int, list[Worker]] = {}
-    for worker in online:
-        if worker.maintenance:
-            in_maintenance.setdefault(worker.owner_id, []).append(worker)
-    return replace(
-        online_workers_of(worker for worker in online if not worker.maintenance),
-        in_maintenance={owner_id: tuple(owned) for owner_id, owned in in_maintenance.items()},
-    )
+    return online_workers_of(workers_online().filter(paused=False))
 
 
 class _PositionMasks:

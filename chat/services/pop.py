@@ -17,7 +17,7 @@ from django.db.models import Case, F, Field, Value, When
 from django.utils import timezone
 
 from accounts.models import HordeUser
-from accounts.selectors import USER_ID_DIGITS, anonymous_user_get
+from accounts.selectors import anonymous_user_get
 from chat.gate_shadow import record_over_capacity_assignment
 from chat.metrics import lease_capacity_limited, queue_wait_seconds, size_bucket
 from chat.models import Generation, GenerationRequest
@@ -45,7 +45,7 @@ from contract.chat_errors import ChatDeclarationInvalid
 from contract.chat_limits import CHAT_SAMPLING_DEFAULTS
 from contract.chat_progress import CHAT_STREAM_PROGRESS_KEY, streams_progress
 from contract.errors import HordeError
-from contract.text import text_pop_refusal
+from contract.text import PRIORITY_USERNAME, text_pop_refusal
 from workers.models import Worker
 from workers.services import TextWorkerDeclaration, worker_check_in, worker_rows
 
@@ -69,14 +69,13 @@ class PoppedJob:
 
 
 def _priority_user_ids(worker: Worker) -> list[int]:
-    """The owner, then each `priority_usernames` entry given as upstream's "alias#id"."""
+    """The owner, then the id of each `priority_usernames` entry, upstream's "alias#id": the
+    declaration the pop checked in, which text_pop_refusal checked by the same rule."""
     ids = [worker.owner_id]
     for alias in worker.priority_usernames or []:
-        _, _, tail = str(alias).rpartition("#")
-        # ASCII digits within a bigint (the pop refuses any other alias: text_pop_refusal); a row
-        # stored before that refusal may hold "x#²" or a 30-digit id, which names no one.
-        if USER_ID_DIGITS.fullmatch(tail) and int(tail) not in ids:
-            ids.append(int(tail))
+        match = PRIORITY_USERNAME.fullmatch(str(alias))
+        if match is not None and int(match[1]) not in ids:
+            ids.append(int(match[1]))
     return ids
 
 

@@ -94,3 +94,29 @@ def test_workers_racing_over_two_queue_lists_never_share_a_request(make_user):
         jobs.append(job)
     taken = list(Generation.objects.filter(pk__in=jobs).values_list("request_id", flat=True))
     assert len(taken) == len(jobs) == 8 and {str(r) for r in taken} == queued
+
+
+def test_racing_first_pops_of_new_names_cannot_exceed_the_owners_worker_bound(make_user):
+    """An untrusted owner with three workers may register one more (upstream's bound): new names
+    popping at once register one of them, and the others are refused TooManyWorkers."""
+    owner = make_user("o")
+    horde = Horde(APIClient())
+    for n in range(3):
+        assert horde.pop(owner.key, name=f"kept-{n}").status_code == 200
+    for round_ in range(3):
+        pops = race([lambda n=n, r=round_: Horde(APIClient()).pop(owner.key, name=f"new-{r}-{n}") for n in range(4)])
+        assert Worker.objects.filter(owner=owner.user).count() == 4, [p.status_code for p in pops]
+        codes = sorted(p.status_code for p in pops)
+        assert codes == ([200, 403, 403, 403] if round_ == 0 else [403] * 4), [p.content for p in pops]
+
+
+def test_racing_first_pops_of_one_new_name_at_the_bound_all_check_in(make_user):
+    """The fourth worker's first pops, at once: one registers it, the others check in on its row
+    (none is refused as a fifth)."""
+    owner = make_user("o")
+    horde = Horde(APIClient())
+    for n in range(3):
+        assert horde.pop(owner.key, name=f"kept-{n}").status_code == 200
+    pops = race([lambda: Horde(APIClient()).pop(owner.key, name="fourth") for _ in range(4)])
+    assert [p.status_code for p in pops] == [200] * 4, [p.content for p in pops]
+    assert Worker.objects.filter(owner=owner.user).count() == 4

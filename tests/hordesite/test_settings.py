@@ -80,6 +80,14 @@ def test_the_embedded_default_and_debug_fall_back_to_development_values(clone):
     assert debug["hosts"] == ["*"]
 
 
+def test_a_negative_dropped_jobs_bound_does_not_start(clone):
+    """0 turns the automatic maintenance off; a negative bound is a mistake, not another way to say so."""
+    assert _refusal(clone, HORDE_WORKER_DROPPED_JOBS_PER_HOUR="-1") == (
+        "django.core.exceptions.ImproperlyConfigured: HORDE_WORKER_DROPPED_JOBS_PER_HOUR must be 0 (off) or more"
+    )
+    assert _settings(clone, HORDE_WORKER_DROPPED_JOBS_PER_HOUR="0")
+
+
 def test_importing_the_settings_creates_no_directory(clone):
     _settings(clone)
     _settings(clone, DATABASE_URL=DEPLOYED_DATABASE, SECRET_KEY=STRONG_KEY, ALLOWED_HOSTS="horde.example")

@@ -284,6 +284,30 @@ def test_the_standalone_front_at_sigterm_answers_as_the_mounted_one(tmp_path):
                 process.wait()
 
 
+def _stream_with_its_job_popped(
+    port: int, tag: str, requester: str, volunteer: str, log
+) -> tuple[http.client.HTTPConnection, dict, threading.Thread, dict[str, object]]:
+    """A streamed /v1 request (its chunks, or its error, in `seen["stream"]` once its thread ends)
+    whose job the worker `{tag}-worker` popped, over a connection kept alive through a stop."""
+    worker = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    assert call(worker, "POST", "generate/text/pop", {"name": f"{tag}-worker", **CHAT_POP}, volunteer)[0] == 200
+    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=requester, max_retries=0, timeout=60)
+    seen: dict[str, object] = {}
+
+    def streamed() -> None:
+        try:
+            seen["stream"] = list(sdk.chat.completions.create(model=CHAT_MODEL, messages=HELLO, max_tokens=32, stream=True))
+        except Exception as error:
+            seen["stream"] = error
+
+    client = threading.Thread(target=streamed)
+    client.start()
+    _wait_for(lambda: len(_requests_of(tag)) == 1, 30, log)
+    status, job = call(worker, "POST", "generate/text/pop", {"name": f"{tag}-worker", **CHAT_POP}, volunteer)
+    assert status == 200 and job["id"], job
+    return worker, job, client, seen
+
+
 def test_sigterm_lets_a_reply_being_generated_finish_within_the_drain(tmp_path):
     """A worker holds the job when the process is told to stop: the stream waits on, and the reply
     the worker submits during the drain (over its kept-alive connection) reaches the client whole,
@@ -291,23 +315,7 @@ def test_sigterm_lets_a_reply_being_generated_finish_within_the_drain(tmp_path):
     launcher, env, port, log = _serving(tmp_path)
     try:
         requester, volunteer = _users(env, "front-drain")
-        worker = http.client.HTTPConnection("127.0.0.1", port, timeout=30)  # kept alive through the stop
-        assert call(worker, "POST", "generate/text/pop", {"name": "front-drain-worker", **CHAT_POP}, volunteer)[0] == 200
-        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=requester, max_retries=0, timeout=60)
-        seen: dict[str, object] = {}
-
-        def streamed() -> None:
-            try:
-                seen["stream"] = list(sdk.chat.completions.create(
-                    model=CHAT_MODEL, messages=HELLO, max_tokens=32, stream=True))
-            except Exception as error:
-                seen["stream"] = error
-
-        client = threading.Thread(target=streamed)
-        client.start()
-        _wait_for(lambda: len(_requests_of("front-drain")) == 1, 30, log)
-        status, job = call(worker, "POST", "generate/text/pop", {"name": "front-drain-worker", **CHAT_POP}, volunteer)
-        assert status == 200 and job["id"], job
+        worker, job, client, seen = _stream_with_its_job_popped(port, "front-drain", requester, volunteer, log)
         time.sleep(1.0)  # the stream waits for the worker
         stopped_at = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
@@ -341,23 +349,7 @@ def test_sigterm_cancels_a_reply_still_generating_at_the_drains_end(tmp_path):
     launcher, env, port, log = _serving(tmp_path)
     try:
         requester, volunteer = _users(env, "front-late")
-        worker = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        assert call(worker, "POST", "generate/text/pop", {"name": "front-late-worker", **CHAT_POP}, volunteer)[0] == 200
-        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=requester, max_retries=0, timeout=60)
-        seen: dict[str, object] = {}
-
-        def streamed() -> None:
-            try:
-                seen["stream"] = list(sdk.chat.completions.create(
-                    model=CHAT_MODEL, messages=HELLO, max_tokens=32, stream=True))
-            except Exception as error:
-                seen["stream"] = error
-
-        client = threading.Thread(target=streamed)
-        client.start()
-        _wait_for(lambda: len(_requests_of("front-late")) == 1, 30, log)
-        status, job = call(worker, "POST", "generate/text/pop", {"name": "front-late-worker", **CHAT_POP}, volunteer)
-        assert status == 200 and job["id"], job
+        worker, job, client, seen = _stream_with_its_job_popped(port, "front-late", requester, volunteer, log)
         time.sleep(1.0)
         stopped_at = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
