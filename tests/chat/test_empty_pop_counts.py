@@ -21,18 +21,19 @@ from workers.models import Worker
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db]
 
 
-def _views(horde, owner_key: str) -> dict[str, WorkerView]:
-    """Workers registered by their first pop: text, chat, both, with other limits and models."""
+def _views(horde, owner_key: str, second_owner_key: str) -> dict[str, WorkerView]:
+    """Workers registered by their first pop: text, chat, both, with other limits and models (over
+    two untrusted owners: upstream's pop lets one register four)."""
     pops = {
         "text": lambda: horde.pop(owner_key, name="text"),
         "text-small": lambda: horde.pop(owner_key, name="text-small", max_length=64, max_context_length=512),
         "text-other": lambda: horde.pop(owner_key, name="text-other", models=[OTHER]),
         "chat": lambda: chat_pop(horde, owner_key, name="chat", features=ALL_GUARANTEES),
         "chat-tools": lambda: chat_pop(
-            horde, owner_key, name="chat-tools", features=[*ALL_GUARANTEES, "tools"],
+            horde, second_owner_key, name="chat-tools", features=[*ALL_GUARANTEES, "tools"],
             limits={"max_context_length": 8192, "max_length": 1024, "tools_max_temperature": 1.0},
         ),
-        "both": lambda: chat_pop(horde, owner_key, name="both", prompt_jobs=True, models=[MODEL]),
+        "both": lambda: chat_pop(horde, second_owner_key, name="both", prompt_jobs=True, models=[MODEL]),
     }
     for name, pop in pops.items():
         assert pop().status_code == 200, name
@@ -42,7 +43,7 @@ def _views(horde, owner_key: str) -> dict[str, WorkerView]:
 
 def test_the_prepared_counts_are_the_orms_for_every_kind_of_worker(horde, make_user):
     requester, owner = make_user("requester", kudos=10_000), make_user("owner")
-    views = _views(horde, owner.key)
+    views = _views(horde, owner.key, make_user("second-owner").key)
     listed = str(Worker.objects.get(name="text").id)
     for body in (
         {"models": [MODEL]},

@@ -6,6 +6,7 @@ cases, in upstream's order, with its rc."""
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -62,21 +63,43 @@ params_dicts = st.fixed_dictionaries(
 )
 
 
+# ADR 0073's table, with its numbers written out (not the module's constants): each of upstream's
+# rules as its own test of the params, in upstream's order; the refusal is the first that holds.
+UPSTREAM_TEXT_PARAMS_RULES = (
+    ("TokenOverflow", TEXT_TOKEN_OVERFLOW_MESSAGE, lambda p, length, context: context < length),
+    (
+        "MissingFullSamplerOrder",
+        TEXT_PARTIAL_SAMPLER_ORDER_MESSAGE,
+        lambda p, length, context: p.get("sampler_order") is not None and len(Counter(p["sampler_order"])) < 7,
+    ),
+    (
+        "TooManyStopSequences",
+        TEXT_TOO_MANY_STOP_SEQUENCES_MESSAGE,
+        lambda p, length, context: p.get("stop_sequence") is not None and len(Counter(p["stop_sequence"])) > 128,
+    ),
+    (
+        "ExcessiveStopSequence",
+        TEXT_STOP_SEQUENCES_TOO_LONG_MESSAGE,
+        lambda p, length, context: p.get("stop_sequence") is not None
+        and len("".join(Counter(p["stop_sequence"]))) > 2000,
+    ),
+)
+
+
 def upstream_params_refusal(params, max_length, max_context_length):
-    """Upstream's validate_text_params, written out from ADR 0073's table."""
-    if max_context_length < max_length:
-        return "TokenOverflow", TEXT_TOKEN_OVERFLOW_MESSAGE
-    order = params.get("sampler_order")
-    if order is not None and len(set(order)) < TEXT_SAMPLER_ORDER_MIN_SAMPLERS:
-        return "MissingFullSamplerOrder", TEXT_PARTIAL_SAMPLER_ORDER_MESSAGE
-    stops = params.get("stop_sequence")
-    if stops is not None:
-        distinct = set(stops)
-        if len(distinct) > TEXT_MAX_STOP_SEQUENCES:
-            return "TooManyStopSequences", TEXT_TOO_MANY_STOP_SEQUENCES_MESSAGE
-        if sum(len(stop) for stop in distinct) > TEXT_MAX_STOP_SEQUENCES_TOTAL_CHARS:
-            return "ExcessiveStopSequence", TEXT_STOP_SEQUENCES_TOO_LONG_MESSAGE
-    return None
+    """Upstream's validate_text_params: the first of ADR 0073's rules that the params break."""
+    return next(
+        ((rc, message) for rc, message, broken in UPSTREAM_TEXT_PARAMS_RULES
+         if broken(params, max_length, max_context_length)),
+        None,
+    )
+
+
+def test_the_oracles_numbers_are_the_modules():
+    """The oracle spells ADR 0073's numbers out; the module's constants must say the same."""
+    assert (TEXT_SAMPLER_ORDER_MIN_SAMPLERS, TEXT_MAX_STOP_SEQUENCES, TEXT_MAX_STOP_SEQUENCES_TOTAL_CHARS) == (
+        7, 128, 2000,
+    )
 
 
 @PROPERTY_SETTINGS
