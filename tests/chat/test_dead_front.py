@@ -97,20 +97,22 @@ def test_the_sweep_cancels_a_dead_fronts_requests_before_their_lease_lapses(hord
     assert charges() == 0
 
 
-@pytest.mark.parametrize("kind", ["text", "chat"])
-def test_a_job_in_flight_for_a_dead_front_is_refused_at_submit_and_nobody_pays(horde, make_user, dead_front, kind):
-    """The submit itself finds the front gone (a restarted web process serves the held job's submit
-    before any sweep): the request is cancelled, the job ends unpaid, the submit is AbortedGen."""
-    requester = make_user("r", kudos=1000)
-    owner = make_user("owner", trusted=True)
+def _queued_and_popped(horde, requester, owner, front_id: str, kind: str) -> tuple[str, dict]:
+    """A text or chat request made through `front_id`'s lease, and its job popped: (request id, job)."""
     if kind == "text":
-        created = text_async(horde, requester.key, leased(dead_front)).json()["id"]
+        created = text_async(horde, requester.key, leased(front_id)).json()["id"]
         job = horde.pop(owner.key, models=[MODEL]).json()
     else:  # the worker declares first, so the request finds an online worker
         assert horde.pop(owner.key, models=[MODEL], **CHAT_DECLARATION).json()["id"] is None
-        created = chat_async(horde.client, requester.key, **leased(dead_front)).json()["id"]
+        created = chat_async(horde.client, requester.key, **leased(front_id)).json()["id"]
         job = horde.pop(owner.key, models=[MODEL], **CHAT_DECLARATION).json()
     assert job["id"], job
+    return created, job
+
+
+def _late_submit_ends_unpaid(horde, requester, owner, created: str, job: dict, kind: str) -> None:
+    """The worker's submit is AbortedGen, its job ends unpaid, the request is cancelled and nobody
+    is charged or paid."""
     kudos = requester.refresh().kudos
     if kind == "text":
         late = horde.submit(owner.key, job["id"], " Nobody reads this.")
@@ -119,13 +121,23 @@ def test_a_job_in_flight_for_a_dead_front_is_refused_at_submit_and_nobody_pays(h
             owner.key, job["id"], model_id=MODEL, message={"role": "assistant", "content": "Nobody reads this."},
             finish_reason="stop",
         )
-    assert late.status_code == 400 and late.json()["rc"] == "AbortedGen"
+    assert late.status_code == 400 and late.json()["rc"] == "AbortedGen", late.content
     generation = Generation.objects.get(pk=job["id"])
     assert generation.state == Generation.State.CANCELLED and generation.kudos == 0
     request = GenerationRequest.objects.get(pk=created)
     assert request.cancelled and request.front_lease_expires_at is None
     assert requester.refresh().kudos == kudos and requester.refresh().kudos_held == 0
     assert charges() == 0
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_a_job_in_flight_for_a_dead_front_is_refused_at_submit_and_nobody_pays(horde, make_user, dead_front, kind):
+    """The submit itself finds the front gone (a restarted web process serves the held job's submit
+    before any sweep): the request is cancelled, the job ends unpaid, the submit is AbortedGen."""
+    requester = make_user("r", kudos=1000)
+    owner = make_user("owner", trusted=True)
+    created, job = _queued_and_popped(horde, requester, owner, dead_front, kind)
+    _late_submit_ends_unpaid(horde, requester, owner, created, job, kind)
     assert cancel_lapsed_front_leases() == 0
 
 
@@ -162,31 +174,9 @@ def test_a_job_of_a_request_cancelled_before_its_front_died_is_refused_at_submit
     whose front died first, not DuplicateGen with the job left processing."""
     requester = make_user("r", kudos=1000)
     owner = make_user("owner", trusted=True)
-    if kind == "text":
-        created = text_async(horde, requester.key, leased(dead_front)).json()["id"]
-        job = horde.pop(owner.key, models=[MODEL]).json()
-        cancelled = horde.cancel(created, requester.key)
-    else:
-        assert horde.pop(owner.key, models=[MODEL], **CHAT_DECLARATION).json()["id"] is None
-        created = chat_async(horde.client, requester.key, **leased(dead_front)).json()["id"]
-        job = horde.pop(owner.key, models=[MODEL], **CHAT_DECLARATION).json()
-        cancelled = horde.client.delete(f"/api/v2/generate/chat/status/{created}", HTTP_APIKEY=requester.key)
-    assert job["id"], job
-    assert cancelled.status_code == 200, cancelled.content
-    kudos = requester.refresh().kudos
-    if kind == "text":
-        late = horde.submit(owner.key, job["id"], " Nobody reads this.")
-    else:
-        late = horde.chat_submit(
-            owner.key, job["id"], model_id=MODEL, message={"role": "assistant", "content": "Nobody reads this."},
-            finish_reason="stop",
-        )
-    assert late.status_code == 400 and late.json()["rc"] == "AbortedGen", late.content
-    generation = Generation.objects.get(pk=job["id"])
-    assert generation.state == Generation.State.CANCELLED and generation.kudos == 0
-    request = GenerationRequest.objects.get(pk=created)
-    assert request.cancelled and request.front_lease_expires_at is None
-    assert requester.refresh().kudos == kudos and requester.refresh().kudos_held == 0
-    assert charges() == 0
+    created, job = _queued_and_popped(horde, requester, owner, dead_front, kind)
     route = "text" if kind == "text" else "chat"
+    cancelled = horde.client.delete(f"/api/v2/generate/{route}/status/{created}", HTTP_APIKEY=requester.key)
+    assert cancelled.status_code == 200, cancelled.content
+    _late_submit_ends_unpaid(horde, requester, owner, created, job, kind)
     assert horde.client.get(f"/api/v2/generate/{route}/status/{created}").json()["done"] is True
