@@ -27,7 +27,7 @@ from chat.models import Generation
 from oai import state as front_state
 from oai.metrics import BUCKETS_REQUEST_LIFECYCLE_SECONDS, FrontMetrics
 from tests.hordesite.clone import ROOT
-from tests.hordesite.test_web_processes import _children, _listening, _start, call
+from tests.hordesite.test_web_processes import _children, _listening, _start, _until_serving, call
 from tests.hordesite.test_web_restart import TEXT_MODEL, _free_port, web_env
 from tests.telemetry_support import fresh_otel_globals, otlp_collector
 
@@ -228,16 +228,7 @@ def test_the_launcher_serves_and_exports_nothing_with_telemetry_off(tmp_path):
         port, log = _free_port(), tmp_path / "web.log"
         launcher = _start(env, port, log)
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                    if call(conn, "GET", "status/heartbeat")[0] == 200:
-                        break
-                except OSError:
-                    pass
-                assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
-                time.sleep(0.2)
+            _until_serving(launcher, port, log)
             front = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
             front.request("GET", "/v1/models")
             assert front.getresponse().status == 200

@@ -131,6 +131,19 @@ def _start(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]
         )
 
 
+def _until_serving(launcher: subprocess.Popen[bytes], port: int, log: Path) -> None:
+    """Until the launcher's web process answers the heartbeat on `port` (at most 60 s)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if call(http.client.HTTPConnection("127.0.0.1", port, timeout=5), "GET", "status/heartbeat")[0] == 200:
+                return
+        except OSError:
+            pass
+        assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+
+
 @pytest.fixture
 def web_processes(tmp_path) -> Iterator[WebProcesses]:
     # A held pop re-checks the queue only after the test is over: what wakes it is the signal.

@@ -27,7 +27,7 @@ from django.db import connection, transaction
 from accounts.models import HordeUser, KudosTransaction
 from chat.models import GenerationRequest
 from tests.hordesite.clone import ROOT
-from tests.hordesite.test_web_processes import TEXT_MODEL, _start, call
+from tests.hordesite.test_web_processes import TEXT_MODEL, _start, _until_serving, call
 from tests.hordesite.test_web_restart import CHAT_DECLARATION, CHAT_MODEL, SCRIBE_AGENT, _free_port, web_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
@@ -45,15 +45,7 @@ def test_sigterm_answers_the_requests_in_flight_before_the_process_exits(tmp_pat
     port, log = _free_port(), tmp_path / "web.log"
     launcher = _start(env, port, log)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if call(http.client.HTTPConnection("127.0.0.1", port, timeout=5), "GET", "status/heartbeat")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        _until_serving(launcher, port, log)
 
         def manage(*args: str) -> str:
             return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True,
@@ -118,15 +110,8 @@ def _serving(tmp_path, **values: str):
     env = web_env(tmp_path, HORDE_WEB_PROCESSES="1", **values)
     port, log = _free_port(), tmp_path / "web.log"
     launcher = _start(env, port, log)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if call(http.client.HTTPConnection("127.0.0.1", port, timeout=5), "GET", "status/heartbeat")[0] == 200:
-                return launcher, env, port, log
-        except OSError:
-            pass
-        assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.2)
+    _until_serving(launcher, port, log)
+    return launcher, env, port, log
 
 
 def _users(env: dict[str, str], tag: str) -> tuple[str, str]:
