@@ -327,12 +327,14 @@ def test_sigterm_lets_a_reply_being_generated_finish_within_the_drain(tmp_path):
             launcher.wait()
 
 
-def _generating_at_the_stop(port: int, tag: str, requester: str, volunteer: str, log):
+def _generating_at_the_stop(port: int, tag: str, requester: str, volunteer: str, log, *, v1_port: int | None = None):
     """A streamed and a whole chat completion (the openai SDK, no retries) and a whole
-    /v1/completions, each popped by a worker of its own: (the workers' jobs by request id, the
-    clients, what each client sees: seen["stream"], seen["whole"], seen["text"])."""
+    /v1/completions (to the front on `v1_port`, by default the web process's), each popped by a
+    worker of its own: (the workers' jobs by request id, the clients, what each client sees:
+    seen["stream"], seen["whole"], seen["text"])."""
     _check_in(port, volunteer, f"{tag}-worker-0")
-    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=requester, max_retries=0, timeout=60)
+    v1 = f"http://127.0.0.1:{v1_port or port}/v1"
+    sdk = openai.OpenAI(base_url=v1, api_key=requester, max_retries=0, timeout=60)
     seen: dict[str, object] = {}
 
     def ask(name: str, make) -> None:
@@ -386,52 +388,102 @@ def test_sigterm_ends_the_replies_still_generating_at_the_drains_end_unpaid(tmp_
         # Waited for the workers (the deadline: 10 s less the cancel's 1.5 s and 0.5 s), within the drain.
         assert 6 < answered_after < 10, answered_after
 
-        error = seen["stream"]
-        assert isinstance(error, openai.APIError) and error.body["code"] == "FrontStopping", error
-        for name in ("whole", "text"):
-            refused = seen[name]
-            assert isinstance(refused, openai.InternalServerError), (name, refused)
-            assert refused.status_code == 503 and refused.body["code"] == "FrontStopping", refused.body
-            assert refused.response.headers["retry-after"] == "5"
-
-        # Ended as a dead front's requests (docs/adr/0028) when the process stopped, not left to a submit.
-        rows = _requests_of("front-late")
-        assert [row.cancelled for row in rows] == [True, True, True]
-        generations = Generation.objects.filter(request__in=rows)
-        assert sorted((g.state, g.kudos) for g in generations) == [(Generation.State.CANCELLED, 0)] * 3, [
-            (g.id, g.state, g.kudos, g.settled_character_count) for g in generations]
-        assert [kind for kind, _ in _ledger("front-late")] == ["grant", "horde_tax", "horde_tax", "horde_tax"]
-
-        # The workers, on the process started in its place: the streaming one is told to stop, and
-        # every late submit is AbortedGen; nobody is charged or paid.
+        _assert_ended_unpaid(seen, "front-late")
+        # The workers, on the process started in its place.
         restarted, restarted_log = _start(env, port, tmp_path / "web2.log"), tmp_path / "web2.log"
         try:
             _until_serving(restarted, port, restarted_log)
-            worker = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-            (streamed,) = [job for job in jobs.values() if job["payload"].get("stream_progress")]
-            posted = call(worker, "POST", "generate/text/progress",
-                          {"id": streamed["id"], "seq": 1, "delta": {"content": "Too late"}}, volunteer)
-            assert posted[0] == 200 and posted[1]["cancelled"] is True, posted
-            chat_requests = {str(row.id) for row in rows if row.is_chat}
-            assert len(chat_requests) == 2
-            for request_id, job in jobs.items():
-                if request_id in chat_requests:
-                    late = call(worker, "POST", "generate/text/submit", {
-                        "id": job["id"], "message": {"role": "assistant", "content": "Nobody reads this."},
-                        "finish_reason": "stop", "model_id": CHAT_MODEL}, volunteer)
-                else:
-                    late = call(worker, "POST", "generate/text/submit",
-                                {"id": job["id"], "generation": " Nobody reads this.", "state": "ok"}, volunteer)
-                assert late[0] == 400 and late[1]["rc"] == "AbortedGen", (job["id"], late)
+            _assert_late_workers_refused(port, "front-late", jobs, volunteer)
         finally:
             restarted.send_signal(signal.SIGTERM)
             restarted.wait(30)
-        user = HordeUser.objects.get(username__startswith="front-late-requester")
-        ledger = _ledger("front-late")
-        assert [kind for kind, _ in ledger] == ["grant", "horde_tax", "horde_tax", "horde_tax"], ledger
-        assert user.kudos == sum(amount for _, amount in ledger) and user.kudos_held == 0
-        assert not KudosTransaction.objects.filter(user__username__startswith="front-late-volunteer").exists()
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+def _assert_ended_unpaid(seen: dict[str, object], tag: str) -> None:
+    """The clients answered FrontStopping, and their horde requests ended as a dead front's
+    (docs/adr/0028) when the front stopped, not left to a submit: each cancelled with its job
+    cancelled and unpaid, the requester charged the horde tax only."""
+    error = seen["stream"]
+    assert isinstance(error, openai.APIError) and error.body["code"] == "FrontStopping", error
+    assert error.body["metadata"]["retry_after"] == 5 and error.body["metadata"]["request_id"]
+    for name in ("whole", "text"):
+        refused = seen[name]
+        assert isinstance(refused, openai.InternalServerError), (name, refused)
+        assert refused.status_code == 503 and refused.body["code"] == "FrontStopping", refused.body
+        assert refused.response.headers["retry-after"] == "5"
+        assert refused.response.headers["x-should-retry"] == "true"
+    rows = _requests_of(tag)
+    assert [row.cancelled for row in rows] == [True, True, True]
+    generations = Generation.objects.filter(request__in=rows)
+    assert sorted((g.state, g.kudos) for g in generations) == [(Generation.State.CANCELLED, 0)] * 3, [
+        (g.id, g.state, g.kudos, g.settled_character_count) for g in generations]
+    assert [kind for kind, _ in _ledger(tag)] == ["grant", "horde_tax", "horde_tax", "horde_tax"]
+
+
+def _assert_late_workers_refused(port: int, tag: str, jobs: dict[str, dict], volunteer: str) -> None:
+    """The streaming worker's next progress post is told the request is cancelled, and every late
+    submit is AbortedGen; nobody is charged or paid."""
+    worker = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    (streamed,) = [job for job in jobs.values() if job["payload"].get("stream_progress")]
+    posted = call(worker, "POST", "generate/text/progress",
+                  {"id": streamed["id"], "seq": 1, "delta": {"content": "Too late"}}, volunteer)
+    assert posted[0] == 200 and posted[1]["cancelled"] is True, posted
+    chat_requests = {str(row.id) for row in _requests_of(tag) if row.is_chat}
+    assert len(chat_requests) == 2
+    for request_id, job in jobs.items():
+        if request_id in chat_requests:
+            late = call(worker, "POST", "generate/text/submit", {
+                "id": job["id"], "message": {"role": "assistant", "content": "Nobody reads this."},
+                "finish_reason": "stop", "model_id": CHAT_MODEL}, volunteer)
+        else:
+            late = call(worker, "POST", "generate/text/submit",
+                        {"id": job["id"], "generation": " Nobody reads this.", "state": "ok"}, volunteer)
+        assert late[0] == 400 and late[1]["rc"] == "AbortedGen", (job["id"], late)
+    user = HordeUser.objects.get(username__startswith=f"{tag}-requester")
+    ledger = _ledger(tag)
+    assert [kind for kind, _ in ledger] == ["grant", "horde_tax", "horde_tax", "horde_tax"], ledger
+    assert user.kudos == sum(amount for _, amount in ledger) and user.kudos_held == 0
+    assert not KudosTransaction.objects.filter(user__username__startswith=f"{tag}-volunteer").exists()
+
+
+def test_the_standalone_front_with_a_known_passkey_ends_its_undelivered_requests_unpaid(tmp_path):
+    """`python -m oai` over HTTP, with the passkey the horde lists (HORDE_OAI_PROXY_PASSKEY,
+    HORDE_PROXY_PASSKEYS): at its stop's deadline it ends its requests still generating as the
+    mounted front does, while the horde goes on serving; the workers' submits are refused at once."""
+    launcher, env, port, log = _serving(tmp_path, HORDE_PROXY_PASSKEYS="stop-front-passkey")
+    front_port, front_log = _free_port(), tmp_path / "front.log"
+    front_env = {**env, "HORDE_OAI_NATIVE_ROOTS": f"http://127.0.0.1:{port}/api/v2", "HORDE_OAI_PORT": str(front_port),
+                 "HORDE_OAI_PROXY_PASSKEY": "stop-front-passkey"}
+    front_env.pop("DJANGO_SETTINGS_MODULE", None)
+    with front_log.open("ab") as output:
+        front = subprocess.Popen([sys.executable, "-m", "oai"], cwd=ROOT, env=front_env, stdout=output,
+                                 stderr=subprocess.STDOUT, process_group=0)
+    try:
+        def front_up() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{front_port}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _wait_for(front_up, 30, front_log)
+        requester, volunteer = _users(env, "oai-late")
+        jobs, clients, seen = _generating_at_the_stop(port, "oai-late", requester, volunteer, front_log,
+                                                      v1_port=front_port)
+        time.sleep(1.0)
+        stopped_at = time.monotonic()
+        front.send_signal(signal.SIGTERM)
+        for client in clients:
+            client.join(30)
+        assert 6 < time.monotonic() - stopped_at < 10
+        assert front.wait(30) == 0, front_log.read_text()[-3000:]
+        _assert_ended_unpaid(seen, "oai-late")
+        _assert_late_workers_refused(port, "oai-late", jobs, volunteer)
+    finally:
+        for process in (front, launcher):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
