@@ -487,3 +487,54 @@ def test_the_standalone_front_with_a_known_passkey_ends_its_undelivered_requests
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def test_sigterm_settles_a_relayed_stream_on_what_its_client_was_sent(tmp_path):
+    """A stream whose worker's progress was relayed to its client before the stop: the client
+    received part of the reply, so at the deadline its request is cancelled as the spec's cancel,
+    settled on what the worker posted (docs/adr/0086), not ended unpaid."""
+    launcher, env, port, log = _serving(tmp_path)
+    try:
+        requester, volunteer = _users(env, "front-relayed")
+        _check_in(port, volunteer, "front-relayed-worker")
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=requester, max_retries=0, timeout=60)
+        chunks: list = []
+        seen: dict[str, object] = {}
+
+        def streamed() -> None:
+            try:
+                for chunk in sdk.chat.completions.create(model=CHAT_MODEL, messages=HELLO, max_tokens=32, stream=True):
+                    chunks.append(chunk)
+            except Exception as error:
+                seen["error"] = error
+
+        client = threading.Thread(target=streamed)
+        client.start()
+        _wait_for(lambda: len(_requests_of("front-relayed")) == 1, 30, log)
+        worker = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        status, job = call(worker, "POST", "generate/text/pop", {"name": "front-relayed-worker", **CHAT_POP}, volunteer)
+        assert status == 200 and job["id"] and job["payload"].get("stream_progress"), job
+        posted = call(worker, "POST", "generate/text/progress",
+                      {"id": job["id"], "seq": 1, "delta": {"content": "Hello there, "}}, volunteer)
+        assert posted == (200, {"accepted_seq": 1, "cancelled": False}), posted
+
+        def relayed() -> str:
+            return "".join(c.choices[0].delta.content or "" for c in list(chunks) if c.choices)
+
+        _wait_for(lambda: relayed() == "Hello there, ", 30, log)
+        launcher.send_signal(signal.SIGTERM)
+        client.join(30)
+        assert launcher.wait(30) == 0
+
+        error = seen["error"]
+        assert isinstance(error, openai.APIError) and error.body["code"] == "FrontStopping", error
+        assert relayed() == "Hello there, "
+        (row,) = _requests_of("front-relayed")
+        generation = Generation.objects.get(pk=job["id"])
+        assert row.cancelled and generation.state == Generation.State.CANCELLED
+        assert generation.settled_character_count == len("Hello there, ") and generation.kudos > 0
+        assert [kind for kind, _ in _ledger("front-relayed")] == ["grant", "horde_tax", "generation_charge"]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
