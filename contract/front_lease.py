@@ -57,6 +57,17 @@ _FRONT_ID = re.compile(
 )
 
 
+# --- a stopping front's undelivered requests (docs/adr/0086-a-stopping-front-ends-undelivered-requests-unpaid.md)
+
+# Sent on the cancel (DELETE of the status route) of a request whose reply the front can no longer
+# deliver because its process stops: the request is ended as a dead front's (nobody pays for the
+# generation). The horde honours it only from a front it knows by its proxy passkey
+# (`Proxy-Authorization`, contract.rate_limits) and for a request leased under the same
+# `Horde-Front-Id`; otherwise it is the spec's cancel.
+FRONT_UNDELIVERED_HEADER = "Horde-Front-Undelivered"
+FRONT_UNDELIVERED_VALUE = "stopping"
+
+
 def parse_front_id(value: str | None) -> str | None:
     """The front id a header names, or None (absent or malformed: the lease alone)."""
     if value is None:

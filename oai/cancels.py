@@ -1,6 +1,10 @@
 """The cancels of one front (one per FrontState): the requests it waits for, the cancels to send
 again, and the submits given up with their outcome unknown (docs/adr/0020-front-lease.md: found by
-their operation key and cancelled). The retries start with the first failed cancel."""
+their operation key and cancelled). The retries start with the first failed cancel.
+
+At a stop, a request whose reply its client will not receive is cancelled as undelivered
+(docs/adr/0086): the horde ends it as a dead front's, its generation in flight unpaid, when it knows
+this front's passkey; else the spec's cancel."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from oai.front_lease import front_id
 from oai.horde_client import HordeClient, NativeUnreachable, SubmitAnswerLost
 from oai.metrics import FrontMetrics
 from oai.settings import FrontSettings
@@ -42,8 +47,8 @@ class Cancels:
         # request id -> (submit time (monotonic), text request) of the requests waited for; a text
         # request (POST /v1/completions) is cancelled on the native text route.
         self.open_requests: dict[str, tuple[float, bool]] = {}
-        # The cancels to send again, oldest first.
-        self.failed: collections.OrderedDict[str, tuple[float, bool]] = collections.OrderedDict()
+        # The cancels to send again, oldest first: (submit time, text request, undelivered).
+        self.failed: collections.OrderedDict[str, tuple[float, bool, bool]] = collections.OrderedDict()
         # operation key -> a submit given up with its outcome unknown, to find and cancel (oldest first).
         self.lost_submits: collections.OrderedDict[str, LostSubmit] = collections.OrderedDict()
         self._retry_task: asyncio.Task | None = None
@@ -62,13 +67,18 @@ class Cancels:
             with contextlib.suppress(Exception):
                 await self.retry_failed()
 
-    async def cancel_within_budget(self, request_id: str, *, text: bool = False) -> str:
+    def _headers(self, undelivered: bool) -> dict[str, str] | None:
+        return self.client.undelivered_headers(front_id()) if undelivered else None
+
+    async def cancel_within_budget(self, request_id: str, *, text: bool = False, undelivered: bool = False) -> str:
+        """Cancel a request, within the cancel timeout; `undelivered`: its client will not receive
+        its reply because this process stops (docs/adr/0086)."""
         submitted, text = self.open_requests.pop(request_id, (time.monotonic(), text))
-        outcome = await self.client.cancel(request_id, text=text)
+        outcome = await self.client.cancel(request_id, text=text, headers=self._headers(undelivered))
         self.metrics.cancels.add(1, {"horde.outcome": outcome})
         if outcome in ("failed", "timed_out", "not_started"):
             self.ensure_retries()
-            self.failed[request_id] = (submitted, text)
+            self.failed[request_id] = (submitted, text, undelivered)
             self.failed.move_to_end(request_id)
             while len(self.failed) > MAX_FAILED_CANCELS:
                 self.failed.popitem(last=False)
@@ -76,11 +86,11 @@ class Cancels:
 
     async def retry_failed(self) -> None:
         now = time.monotonic()
-        for request_id, (submitted, text) in list(self.failed.items()):
+        for request_id, (submitted, text, undelivered) in list(self.failed.items()):
             if now - submitted > HORDE_CHAT_REQUEST_EXPIRY_SECONDS:
                 self.failed.pop(request_id, None)
                 continue
-            outcome = await self.client.cancel(request_id, text=text)
+            outcome = await self.client.cancel(request_id, text=text, headers=self._headers(undelivered))
             self.metrics.cancels.add(1, {"horde.outcome": outcome})
             if outcome not in ("failed", "timed_out", "not_started"):
                 self.failed.pop(request_id, None)
@@ -119,8 +129,10 @@ class Cancels:
         return True
 
     async def cancel_open_requests(self) -> None:
+        """At the stop's shutdown: the requests still open were never answered, so none is delivered."""
         ids = list(self.open_requests)
         if ids:
             await asyncio.gather(
-                *(self.cancel_within_budget(request_id) for request_id in ids), return_exceptions=True
+                *(self.cancel_within_budget(request_id, undelivered=True) for request_id in ids),
+                return_exceptions=True,
             )

@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 
 from contract.chat_limits import CHAT_IMAGE_FETCH_TOTAL_SECONDS
+from contract.front_lease import FRONT_ID_HEADER, FRONT_UNDELIVERED_HEADER, FRONT_UNDELIVERED_VALUE
 from contract.rate_limits import PROXIED_FOR_HEADER, PROXY_PASSKEY_HEADER
 from oai.errors import IN_PROCESS_ENVIRON_KEY
 from oai.metrics import FrontMetrics
@@ -330,10 +331,27 @@ class HordeClient:
                 environ["HTTP_" + key] = value
         return environ
 
+    @property
+    def proxy_passkey(self) -> str:
+        """The passkey the horde knows this front by ("" without one)."""
+        return IN_PROCESS_PROXY_PASSKEY if self.in_process else self.settings.proxy_passkey
+
+    def undelivered_headers(self, front_id: str) -> dict[str, str] | None:
+        """The headers of a stopping front's cancel of a request it cannot deliver (docs/adr/0086):
+        the horde ends it unpaid when it knows the passkey and the request is leased under
+        `front_id`. None without a passkey or a front lease: then only the spec's cancel."""
+        if not self.proxy_passkey or self.settings.front_lease_seconds <= 0:
+            return None
+        return {
+            PROXY_PASSKEY_HEADER: self.proxy_passkey,
+            FRONT_ID_HEADER: front_id,
+            FRONT_UNDELIVERED_HEADER: FRONT_UNDELIVERED_VALUE,
+        }
+
     def forwarding_headers(self, client_address: str | None) -> dict[str, str]:
         """The headers that make the horde count `client_address` instead of this front's address:
         none without a passkey or without a known address."""
-        passkey = IN_PROCESS_PROXY_PASSKEY if self.in_process else self.settings.proxy_passkey
+        passkey = self.proxy_passkey
         if not passkey or not client_address or client_address == "unknown":
             return {}
         return {PROXY_PASSKEY_HEADER: passkey, PROXIED_FOR_HEADER: client_address}
@@ -401,11 +419,13 @@ class HordeClient:
         except SubmitAnswerLost as error:
             raise NativeUnreachable(str(error)) from None
 
-    async def cancel(self, request_id: str, *, text: bool = False) -> str:
+    async def cancel(
+        self, request_id: str, *, text: bool = False, headers: dict[str, str] | None = None
+    ) -> str:
         """DELETE the request within the cancel timeout; returns the outcome (acknowledged, failed,
         timed_out, not_started, already_gone). timed_out is a call whose answer did not come within
         the timeout (told by the exception's type); failed, any other call without an answer or
-        with an error status."""
+        with an error status. `headers`: a stopping front's (undelivered_headers)."""
         budget = self.settings.cancel_timeout_seconds
         try:
             await asyncio.wait_for(self._cancel_slots.acquire(), timeout=budget)
@@ -418,6 +438,7 @@ class HordeClient:
                 call_type="cancel",
                 timeout=budget,
                 client=self.cancel_http,
+                headers=headers,
             )
         except SubmitAnswerLost as error:
             return "timed_out" if error.timed_out else "failed"

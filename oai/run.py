@@ -311,7 +311,7 @@ class ChatRun:
         if self.generating and stop_deadline is not None and stop_deadline > time.monotonic():
             self.budget.end_by(stop_deadline)
             return Pending(outcome)
-        await self.cancel()
+        await self.cancel(undelivered=self.undelivered)
         raise front_stopping()
 
     def _database_renewed_at(self) -> float | None:
@@ -494,9 +494,10 @@ class ChatRun:
         )
 
     async def _timeout(self) -> ChatFrontError:
-        await self.cancel()
         if self.stopping:  # the budget the stop cut ended, not the request's own
+            await self.cancel(undelivered=self.undelivered)
             return front_stopping()
+        await self.cancel()
         return ChatFrontError(
             408,
             "ChatRequestTimeout",
@@ -505,11 +506,20 @@ class ChatRun:
             should_retry=False,
         )
 
-    async def cancel(self) -> None:
+    @property
+    def undelivered(self) -> bool:
+        """At a stop: whether the client has received none of the reply, so that the request is
+        ended unpaid (docs/adr/0086); a relayed stream that sent deltas is settled as the spec's
+        cancel, on what its worker posted."""
+        return not (self.relayed is not None and self.relayed.exposed)
+
+    async def cancel(self, *, undelivered: bool = False) -> None:
+        """Cancel the horde request (once); `undelivered`: its client will receive none of its reply
+        because this process stops, and the horde ends it as a dead front's (docs/adr/0086)."""
         if self.cancelled or self.request_id is None:
             return
         self.cancelled = True
-        await self.state.cancels.cancel_within_budget(self.request_id, text=self.is_text)
+        await self.state.cancels.cancel_within_budget(self.request_id, text=self.is_text, undelivered=undelivered)
 
     def cancel_in_background(self) -> None:
         if not self.cancelled and self.request_id is not None:

@@ -5,8 +5,8 @@ Stock daphne cancels every request at once at a stop (SIGTERM): a streamed /v1 r
 an error event or `data: [DONE]`, and a whole one got a closed connection, which the OpenAI SDKs
 retry as a connection error, and whose horde request's cancel often never left the process. Here
 the process stops listening, then drains for at most STOP_DRAIN_SECONDS: a waiting request is
-delivered, or waits on while a worker generates it, or has its horde request cancelled and answers
-503 FrontStopping (Retry-After, x-should-retry: true) or, after a stream's headers, that error as
+delivered, or waits on while a worker generates it, or has its horde request cancelled (as
+undelivered: the horde ends it unpaid, docs/adr/0086) and answers 503 FrontStopping (Retry-After, x-should-retry: true) or, after a stream's headers, that error as
 an SSE event and [DONE] (oai.asgi.drain_fronts). daphne then cancels what is left, and the front's
 shutdown sends its open and failed cancels, within STOP_CLOSE_SECONDS.
 """

@@ -171,7 +171,10 @@ class ChatStatusView(APIView):
         wp = chat_selectors.chat_request_get(request_id)
         if wp is None:
             raise _not_found(request_id)
-        chat_create.chat_request_cancel(request=wp)
+        # A stopping front's cancel of a request it cannot deliver ends it unpaid (docs/adr/0086).
+        front_id = front_lease.stopping_front(request.META)
+        if front_id is None or not front_lease.cancel_undelivered(request_id=wp.pk, front_id=front_id):
+            chat_create.chat_request_cancel(request=wp)
         wp = chat_selectors.chat_request_get(request_id)  # re-read: the cancel changed it
         if wp is None:  # expired meanwhile
             raise _not_found(request_id)

@@ -16,6 +16,12 @@ process on the same host knows the moment that process is gone (contract.front_l
 request cancel it as a dead front's (`cancel_for_dead_front`): nobody can receive its reply, so its
 jobs in flight end unpaid and their submits are refused `AbortedGen`; nobody is charged for it
 (docs/adr/0028-dead-front-requests.md).
+
+A front that stops with a request still generating (docs/adr/0076) cannot deliver its reply either:
+its cancel asks for the same settlement (`Horde-Front-Undelivered`), which the horde grants only to a
+front it knows by its proxy passkey and only for a request leased under the front id it sends
+(`stopping_front`, `cancel_undelivered`; docs/adr/0086-a-stopping-front-ends-undelivered-requests-unpaid.md).
+Any other cancel is the spec's.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import redis
 from django.db import transaction
 from django.utils import timezone
 
+from accounts.ratelimit import is_known_proxy_passkey
 from chat.models import Generation, GenerationRequest
 from chat.selectors.status import request_completed
 from chat.services.cancel import lock_jobs_in_flight, request_cancel
@@ -41,11 +48,14 @@ from contract.front_lease import (
     FRONT_LEASE_HEADER,
     FRONT_LEASE_REDIS_DB,
     FRONT_LEASE_TTL_SECONDS,
+    FRONT_UNDELIVERED_HEADER,
+    FRONT_UNDELIVERED_VALUE,
     front_lease_key,
     front_process_gone,
     parse_front_id,
     parse_front_lease_header,
 )
+from contract.rate_limits import PROXY_PASSKEY_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -132,19 +142,20 @@ def front_gone(request: GenerationRequest) -> bool:
     return request.front_lease_expires_at is not None and front_process_gone(request.front_id)
 
 
-def cancel_for_dead_front(request_id: UUID) -> bool:
+def cancel_for_dead_front(request_id: UUID, *, front_id: str | None = None) -> bool:
     """Cancel a request whose front is gone: no more jobs, the hold released, `cancelled` published,
     and its jobs in flight ended unpaid (their submits answer AbortedGen). A job whose submit holds
     its row meanwhile is left to that submit; a request cancelled already has its jobs in flight
-    ended alike. Returns whether this call cancelled it or ended its jobs."""
+    ended alike. `front_id`: only a request leased under that front id (a stopping front's own,
+    cancel_undelivered). Returns whether this call cancelled it or ended its jobs."""
     with transaction.atomic():
         lock_jobs_in_flight(request_id)  # before the request: see there
-        request = (
-            GenerationRequest.objects.select_for_update()
-            .filter(pk=request_id, front_lease_expires_at__isnull=False)
-            .only("id", "is_chat", "cancelled", "faulted")
-            .first()
+        leased = GenerationRequest.objects.select_for_update().filter(
+            pk=request_id, front_lease_expires_at__isnull=False
         )
+        if front_id is not None:
+            leased = leased.filter(front_id=front_id)
+        request = leased.only("id", "is_chat", "cancelled", "faulted").first()
         if request is None:  # handled already
             return False
         GenerationRequest.objects.filter(pk=request_id).update(front_lease_expires_at=None)
@@ -167,8 +178,46 @@ def cancel_for_dead_front(request_id: UUID) -> bool:
             return False
         if ended and request.is_chat:  # a streaming worker learns of it from its lease
             transaction.on_commit(lambda: flag_cancelled_leases(request_id, in_flight), robust=True)
-    log.info("request %s cancelled: its front process is gone (%d jobs in flight ended unpaid)", request_id, ended)
+    log.info(
+        "request %s cancelled: %s (%d jobs in flight ended unpaid)",
+        request_id,
+        "its front stops before it can deliver" if front_id is not None else "its front process is gone",
+        ended,
+    )
     return True
+
+
+def _meta_key(header: str) -> str:
+    return "HTTP_" + header.upper().replace("-", "_")
+
+
+_UNDELIVERED_META_KEY = _meta_key(FRONT_UNDELIVERED_HEADER)
+_FRONT_ID_META_KEY = _meta_key(FRONT_ID_HEADER)
+_PASSKEY_META_KEY = _meta_key(PROXY_PASSKEY_HEADER)
+
+
+def stopping_front(meta: Mapping[str, object]) -> str | None:
+    """The front id of a cancel that a stopping front sends for a request it can no longer deliver
+    (`Horde-Front-Undelivered: stopping` with its `Horde-Front-Id` and a proxy passkey this horde
+    knows: HORDE_PROXY_PASSKEYS, or the passkey of the front mounted in this process). None for any
+    other cancel, which is the spec's: a client, or a front the horde does not know, cannot ask for
+    a cancel that leaves the work in flight unpaid."""
+    if str(meta.get(_UNDELIVERED_META_KEY, "")).strip() != FRONT_UNDELIVERED_VALUE:
+        return None
+    front_id = parse_front_id(cast(str | None, meta.get(_FRONT_ID_META_KEY)))
+    passkey = str(meta.get(_PASSKEY_META_KEY, "")).strip()
+    if front_id is None or not passkey or not is_known_proxy_passkey(passkey):
+        log.info("an undelivered cancel without a known front's passkey and id: the spec's cancel")
+        return None
+    return front_id
+
+
+def cancel_undelivered(*, request_id: UUID, front_id: str) -> bool:
+    """A stopping front's cancel of a request it cannot deliver: ended as a dead front's
+    (cancel_for_dead_front: the generations in flight unpaid, nobody charged for them; the horde
+    tax taken at the submit stays), when the request is leased under `front_id`. Returns whether it
+    was; else the caller cancels as the spec does."""
+    return cancel_for_dead_front(request_id, front_id=front_id)
 
 
 def cancel_dead_fronts_requests() -> int:

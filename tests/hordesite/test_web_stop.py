@@ -25,7 +25,7 @@ import pytest
 from django.db import connection, transaction
 
 from accounts.models import HordeUser, KudosTransaction
-from chat.models import GenerationRequest
+from chat.models import Generation, GenerationRequest
 from tests.hordesite.clone import ROOT
 from tests.hordesite.test_web_processes import TEXT_MODEL, _start, _until_serving, call
 from tests.hordesite.test_web_restart import CHAT_DECLARATION, CHAT_MODEL, SCRIBE_AGENT, _free_port, web_env
@@ -327,31 +327,213 @@ def test_sigterm_lets_a_reply_being_generated_finish_within_the_drain(tmp_path):
             launcher.wait()
 
 
-def test_sigterm_cancels_a_reply_still_generating_at_the_drains_end(tmp_path):
-    """A worker holds the job and never submits: the stream waits for it until the stop's deadline,
-    then its horde request is cancelled (settled as the spec's cancel of a streamed job) and the
-    stream ends with the FrontStopping error event and [DONE]; the stop stays within its bound."""
+def _generating_at_the_stop(port: int, tag: str, requester: str, volunteer: str, log, *, v1_port: int | None = None):
+    """A streamed and a whole chat completion (the openai SDK, no retries) and a whole
+    /v1/completions (to the front on `v1_port`, by default the web process's), each popped by a
+    worker of its own: (the workers' jobs by request id, the clients, what each client sees:
+    seen["stream"], seen["whole"], seen["text"])."""
+    _check_in(port, volunteer, f"{tag}-worker-0")
+    v1 = f"http://127.0.0.1:{v1_port or port}/v1"
+    sdk = openai.OpenAI(base_url=v1, api_key=requester, max_retries=0, timeout=60)
+    seen: dict[str, object] = {}
+
+    def ask(name: str, make) -> None:
+        try:
+            answer = make()
+            seen[name] = list(answer) if name == "stream" else answer
+        except Exception as error:
+            seen[name] = error
+
+    clients = [
+        threading.Thread(target=ask, args=("stream", lambda: sdk.chat.completions.create(
+            model=CHAT_MODEL, messages=HELLO, max_tokens=32, stream=True))),
+        threading.Thread(target=ask, args=("whole", lambda: sdk.chat.completions.create(
+            model=CHAT_MODEL, messages=HELLO, max_tokens=32))),
+        threading.Thread(target=ask, args=("text", lambda: sdk.completions.create(
+            model=CHAT_MODEL, prompt="Once", max_tokens=32))),
+    ]
+    for client in clients:
+        client.start()
+    _wait_for(lambda: len(_requests_of(tag)) == 3, 30, log)
+    jobs: dict[str, dict] = {}
+    for n in range(1, 4):  # one worker per job: each holds what it popped
+        status, job = call(http.client.HTTPConnection("127.0.0.1", port, timeout=30), "POST", "generate/text/pop",
+                           {"name": f"{tag}-worker-{n}", **CHAT_POP}, volunteer)
+        assert status == 200 and job["id"], job
+        jobs[str(Generation.objects.get(pk=job["id"]).request_id)] = job
+    assert len(jobs) == 3
+    return jobs, clients, seen
+
+
+def test_sigterm_ends_the_replies_still_generating_at_the_drains_end_unpaid(tmp_path):
+    """Workers hold the jobs of a streamed and a whole chat completion and a /v1/completions, and
+    submit none within the drain: at the stop's deadline the front ends each horde request as
+    undelivered (docs/adr/0086): the request cancelled, its job ended cancelled and unpaid in the
+    same commit, the streaming worker's lease flagged; the clients get FrontStopping (the stream's
+    error event and [DONE], 503 with Retry-After for the whole ones); the requester pays the horde
+    tax only, and the workers' late submits are refused AbortedGen. Before, the front sent the
+    spec's cancel: the stream was settled on the 20-token floor, and the whole jobs were left
+    processing, to be paid if their workers submitted before the process exited."""
     launcher, env, port, log = _serving(tmp_path)
     try:
         requester, volunteer = _users(env, "front-late")
-        worker, job, client, seen = _stream_with_its_job_popped(port, "front-late", requester, volunteer, log)
-        time.sleep(1.0)
+        jobs, clients, seen = _generating_at_the_stop(port, "front-late", requester, volunteer, log)
+        time.sleep(1.0)  # each waits for its worker
         stopped_at = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
-        client.join(30)
+        for client in clients:
+            client.join(30)
         answered_after = time.monotonic() - stopped_at
         assert launcher.wait(30) == 0
-        # Waited for the worker (the deadline: 10 s less the cancel's 1.5 s and 0.5 s), within the drain.
+        # Waited for the workers (the deadline: 10 s less the cancel's 1.5 s and 0.5 s), within the drain.
         assert 6 < answered_after < 10, answered_after
 
-        error = seen["stream"]
+        _assert_ended_unpaid(seen, "front-late")
+        # The workers, on the process started in its place.
+        restarted, restarted_log = _start(env, port, tmp_path / "web2.log"), tmp_path / "web2.log"
+        try:
+            _until_serving(restarted, port, restarted_log)
+            _assert_late_workers_refused(port, "front-late", jobs, volunteer)
+        finally:
+            restarted.send_signal(signal.SIGTERM)
+            restarted.wait(30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+def _assert_ended_unpaid(seen: dict[str, object], tag: str) -> None:
+    """The clients answered FrontStopping, and their horde requests ended as a dead front's
+    (docs/adr/0028) when the front stopped, not left to a submit: each cancelled with its job
+    cancelled and unpaid, the requester charged the horde tax only."""
+    error = seen["stream"]
+    assert isinstance(error, openai.APIError) and error.body["code"] == "FrontStopping", error
+    assert error.body["metadata"]["retry_after"] == 5 and error.body["metadata"]["request_id"]
+    for name in ("whole", "text"):
+        refused = seen[name]
+        assert isinstance(refused, openai.InternalServerError), (name, refused)
+        assert refused.status_code == 503 and refused.body["code"] == "FrontStopping", refused.body
+        assert refused.response.headers["retry-after"] == "5"
+        assert refused.response.headers["x-should-retry"] == "true"
+    rows = _requests_of(tag)
+    assert [row.cancelled for row in rows] == [True, True, True]
+    generations = Generation.objects.filter(request__in=rows)
+    assert sorted((g.state, g.kudos) for g in generations) == [(Generation.State.CANCELLED, 0)] * 3, [
+        (g.id, g.state, g.kudos, g.settled_character_count) for g in generations]
+    assert [kind for kind, _ in _ledger(tag)] == ["grant", "horde_tax", "horde_tax", "horde_tax"]
+
+
+def _assert_late_workers_refused(port: int, tag: str, jobs: dict[str, dict], volunteer: str) -> None:
+    """The streaming worker's next progress post is told the request is cancelled, and every late
+    submit is AbortedGen; nobody is charged or paid."""
+    worker = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    (streamed,) = [job for job in jobs.values() if job["payload"].get("stream_progress")]
+    posted = call(worker, "POST", "generate/text/progress",
+                  {"id": streamed["id"], "seq": 1, "delta": {"content": "Too late"}}, volunteer)
+    assert posted[0] == 200 and posted[1]["cancelled"] is True, posted
+    chat_requests = {str(row.id) for row in _requests_of(tag) if row.is_chat}
+    assert len(chat_requests) == 2
+    for request_id, job in jobs.items():
+        if request_id in chat_requests:
+            late = call(worker, "POST", "generate/text/submit", {
+                "id": job["id"], "message": {"role": "assistant", "content": "Nobody reads this."},
+                "finish_reason": "stop", "model_id": CHAT_MODEL}, volunteer)
+        else:
+            late = call(worker, "POST", "generate/text/submit",
+                        {"id": job["id"], "generation": " Nobody reads this.", "state": "ok"}, volunteer)
+        assert late[0] == 400 and late[1]["rc"] == "AbortedGen", (job["id"], late)
+    user = HordeUser.objects.get(username__startswith=f"{tag}-requester")
+    ledger = _ledger(tag)
+    assert [kind for kind, _ in ledger] == ["grant", "horde_tax", "horde_tax", "horde_tax"], ledger
+    assert user.kudos == sum(amount for _, amount in ledger) and user.kudos_held == 0
+    assert not KudosTransaction.objects.filter(user__username__startswith=f"{tag}-volunteer").exists()
+
+
+def test_the_standalone_front_with_a_known_passkey_ends_its_undelivered_requests_unpaid(tmp_path):
+    """`python -m oai` over HTTP, with the passkey the horde lists (HORDE_OAI_PROXY_PASSKEY,
+    HORDE_PROXY_PASSKEYS): at its stop's deadline it ends its requests still generating as the
+    mounted front does, while the horde goes on serving; the workers' submits are refused at once."""
+    launcher, env, port, log = _serving(tmp_path, HORDE_PROXY_PASSKEYS="stop-front-passkey")
+    front_port, front_log = _free_port(), tmp_path / "front.log"
+    front_env = {**env, "HORDE_OAI_NATIVE_ROOTS": f"http://127.0.0.1:{port}/api/v2", "HORDE_OAI_PORT": str(front_port),
+                 "HORDE_OAI_PROXY_PASSKEY": "stop-front-passkey"}
+    front_env.pop("DJANGO_SETTINGS_MODULE", None)
+    with front_log.open("ab") as output:
+        front = subprocess.Popen([sys.executable, "-m", "oai"], cwd=ROOT, env=front_env, stdout=output,
+                                 stderr=subprocess.STDOUT, process_group=0)
+    try:
+        def front_up() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{front_port}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _wait_for(front_up, 30, front_log)
+        requester, volunteer = _users(env, "oai-late")
+        jobs, clients, seen = _generating_at_the_stop(port, "oai-late", requester, volunteer, front_log,
+                                                      v1_port=front_port)
+        time.sleep(1.0)
+        stopped_at = time.monotonic()
+        front.send_signal(signal.SIGTERM)
+        for client in clients:
+            client.join(30)
+        assert 6 < time.monotonic() - stopped_at < 10
+        assert front.wait(30) == 0, front_log.read_text()[-3000:]
+        _assert_ended_unpaid(seen, "oai-late")
+        _assert_late_workers_refused(port, "oai-late", jobs, volunteer)
+    finally:
+        for process in (front, launcher):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def test_sigterm_settles_a_relayed_stream_on_what_its_client_was_sent(tmp_path):
+    """A stream whose worker's progress was relayed to its client before the stop: the client
+    received part of the reply, so at the deadline its request is cancelled as the spec's cancel,
+    settled on what the worker posted (docs/adr/0086), not ended unpaid."""
+    launcher, env, port, log = _serving(tmp_path)
+    try:
+        requester, volunteer = _users(env, "front-relayed")
+        _check_in(port, volunteer, "front-relayed-worker")
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=requester, max_retries=0, timeout=60)
+        chunks: list = []
+        seen: dict[str, object] = {}
+
+        def streamed() -> None:
+            try:
+                for chunk in sdk.chat.completions.create(model=CHAT_MODEL, messages=HELLO, max_tokens=32, stream=True):
+                    chunks.append(chunk)
+            except Exception as error:
+                seen["error"] = error
+
+        client = threading.Thread(target=streamed)
+        client.start()
+        _wait_for(lambda: len(_requests_of("front-relayed")) == 1, 30, log)
+        worker = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        status, job = call(worker, "POST", "generate/text/pop", {"name": "front-relayed-worker", **CHAT_POP}, volunteer)
+        assert status == 200 and job["id"] and job["payload"].get("stream_progress"), job
+        posted = call(worker, "POST", "generate/text/progress",
+                      {"id": job["id"], "seq": 1, "delta": {"content": "Hello there, "}}, volunteer)
+        assert posted == (200, {"accepted_seq": 1, "cancelled": False}), posted
+
+        def relayed() -> str:
+            return "".join(c.choices[0].delta.content or "" for c in list(chunks) if c.choices)
+
+        _wait_for(lambda: relayed() == "Hello there, ", 30, log)
+        launcher.send_signal(signal.SIGTERM)
+        client.join(30)
+        assert launcher.wait(30) == 0
+
+        error = seen["error"]
         assert isinstance(error, openai.APIError) and error.body["code"] == "FrontStopping", error
-        (row,) = _requests_of("front-late")
-        assert row.cancelled
-        # The spec's cancel of a streamed job in flight: settled on what the worker posted (nothing
-        # here: the floor), the worker paid; nothing more.
-        assert [kind for kind, _ in _ledger("front-late")] == ["grant", "horde_tax", "generation_charge"]
-        assert HordeUser.objects.get(username__startswith="front-late-requester").kudos_held == 0
+        assert relayed() == "Hello there, "
+        (row,) = _requests_of("front-relayed")
+        generation = Generation.objects.get(pk=job["id"])
+        assert row.cancelled and generation.state == Generation.State.CANCELLED
+        assert generation.settled_character_count == len("Hello there, ") and generation.kudos > 0
+        assert [kind for kind, _ in _ledger("front-relayed")] == ["grant", "horde_tax", "generation_charge"]
     finally:
         if launcher.poll() is None:
             launcher.kill()
