@@ -17,6 +17,7 @@ from accounts.api.openapi_errors import refusals
 from accounts.ratelimit import chat_request_limits_per_ip, check_submit_rate_limits
 from chat.api import openapi  # noqa: F401  (the contract's models in the schema)
 from chat.api import serializers as s
+from chat.api.openapi import undelivered_cancel_headers
 from chat.selectors import status as chat_selectors
 from chat.services import create_chat as chat_create
 from chat.services import front_lease
@@ -166,7 +167,7 @@ class ChatStatusView(APIView):
             raise _not_found(request_id)
         return Response(body)
 
-    @extend_schema(responses={200: ChatStatus, **refusals(s404=["RequestNotFound"])})
+    @extend_schema(parameters=undelivered_cancel_headers(), responses={200: ChatStatus, **refusals(s404=["RequestNotFound"])})
     def delete(self, request, request_id):
         wp = chat_selectors.chat_request_get(request_id)
         if wp is None:

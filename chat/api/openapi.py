@@ -12,8 +12,12 @@ from typing import Any
 
 from drf_spectacular.contrib.pydantic import PydanticExtension
 from drf_spectacular.plumbing import ResolvedComponent
+from drf_spectacular.utils import OpenApiParameter
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue, model_json_schema
 from pydantic_core import core_schema
+
+from contract.front_lease import FRONT_ID_HEADER, FRONT_UNDELIVERED_HEADER, FRONT_UNDELIVERED_VALUE
+from contract.rate_limits import PROXY_PASSKEY_HEADER
 
 _REF_TEMPLATE = "#/components/schemas/{model}"
 
@@ -77,3 +81,23 @@ class ContractModelExtension(PydanticExtension):
                 ResolvedComponent(name=name, type=ResolvedComponent.SCHEMA, object=name, schema=sub_schema)
             )
         return schema
+
+
+def undelivered_cancel_headers() -> list[OpenApiParameter]:
+    """The headers a stopping front's cancel carries (docs/adr/0086): honoured only with a proxy
+    passkey the horde knows, for a request leased under the same front id; any other cancel is the
+    spec's."""
+    return [
+        OpenApiParameter(
+            FRONT_UNDELIVERED_HEADER,
+            str,
+            OpenApiParameter.HEADER,
+            enum=[FRONT_UNDELIVERED_VALUE],
+            description="A stopping front's cancel of a reply it can no longer deliver: the jobs in "
+            "flight end unpaid. Needs a known proxy passkey and the request's front id.",
+        ),
+        OpenApiParameter(FRONT_ID_HEADER, str, OpenApiParameter.HEADER, description="The front's process id."),
+        OpenApiParameter(
+            PROXY_PASSKEY_HEADER, str, OpenApiParameter.HEADER, description="A proxy passkey this horde knows."
+        ),
+    ]

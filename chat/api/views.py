@@ -16,6 +16,7 @@ from accounts.ratelimit import check_submit_rate_limits
 from chat import selectors, services
 from chat.api import serializers as s
 from chat.api.fast_validation import validated_body
+from chat.api.openapi import undelivered_cancel_headers
 from chat.services import front_lease
 from contract.errors import HordeError
 
@@ -78,7 +79,10 @@ class TextStatusView(APIView):
         return Response(body)
 
     # The cancelled request's status, 200 as upstream's (not drf-spectacular's 204 for a DELETE).
-    @extend_schema(responses={200: s.TextStatusOutputSerializer, **refusals(s404=["RequestNotFound"])})
+    @extend_schema(
+        parameters=undelivered_cancel_headers(),
+        responses={200: s.TextStatusOutputSerializer, **refusals(s404=["RequestNotFound"])},
+    )
     def delete(self, request, request_id):
         wp = selectors.request_get(request_id)
         if wp is None:
