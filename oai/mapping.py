@@ -60,11 +60,17 @@ class Choice(BaseModel):
     logprobs: None = None
 
 
+# OpenRouter's top-level `provider`, the name of the upstream that served the request: clients typed on
+# OpenRouter's reply (pydantic-ai's OpenRouterModel) require it on a whole reply (ADR 0087).
+PROVIDER = "AI Horde"
+
+
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    provider: str = PROVIDER
     system_fingerprint: str | None
     choices: list[Choice]
     usage: Usage

@@ -31,6 +31,7 @@ from contract.chat_shapes import (
     CHAT_REQUEST_KEYS,
     CONTENT_PART_TYPES,
     SUPPORTED_MESSAGE_KEYS,
+    ChatReasoningEffort,
     ChatRequest,
     lone_surrogate_path,
     validate_chat_request,
@@ -52,6 +53,8 @@ DEFAULT_NO_OP_PARAMETERS: dict[str, tuple[Any, ...]] = {
 }
 # Applied or accepted by the front, never forwarded.
 FRONT_ONLY_KEYS = ("stream", "stream_options", "user", "metadata")
+# OpenRouter's reasoning object, translated into the native keys by map_reasoning (ADR 0087).
+REASONING_KEYS = frozenset({"effort", "max_tokens", "exclude", "enabled"})
 
 TOOL_CALL_KEYS = frozenset({"id", "type", "function"})
 TOOL_CALL_FUNCTION_KEYS = frozenset({"name", "arguments"})
@@ -102,7 +105,7 @@ def parse_body(raw: bytes) -> Any:
 def find_refused_parameter(body: Mapping[str, Any]) -> ChatFrontError | None:
     """The first refusal among the screened keys, or None."""
     for key, value in body.items():
-        if key in REQUEST_FIELDS:
+        if key in REQUEST_FIELDS or key == "reasoning":
             continue
         if key in DEFAULT_NO_OP_PARAMETERS:
             if value is None or any(
@@ -339,6 +342,73 @@ def _check_ranges(body: Mapping[str, Any]) -> None:
                 raise _bad(f"stream_options.{key}", f"Invalid type for 'stream_options.{key}': expected a boolean.")
 
 
+def _conflict(param: str, message: str) -> ChatFrontError:
+    return ChatFrontError(400, "ChatRequestConflict", message, param=param, should_retry=False)
+
+
+def map_reasoning(body: dict[str, Any]) -> dict[str, Any]:
+    """OpenRouter's `reasoning` object as the native keys (ADR 0087): effort is reasoning_effort,
+    enabled false is reasoning_effort none, exclude is horde.include_reasoning negated. A value the
+    other keys contradict is 400 ChatRequestConflict at the object's key; max_tokens, a reasoning
+    token budget no worker declares, is refused unless null."""
+    reasoning = body.pop("reasoning", None)
+    if reasoning is None:
+        return body
+    if not isinstance(reasoning, Mapping):
+        raise _bad("reasoning", "Invalid type for 'reasoning': expected an object.")
+    for key in reasoning:
+        if key not in REASONING_KEYS:
+            raise _unsupported(f"reasoning.{key}", f"Unknown parameter: 'reasoning.{key}'.")
+    for key in ("exclude", "enabled"):
+        if reasoning.get(key) is not None and not isinstance(reasoning[key], bool):
+            raise _bad(f"reasoning.{key}", f"Invalid type for 'reasoning.{key}': expected a boolean.")
+    if reasoning.get("max_tokens") is not None:
+        raise _unsupported(
+            "reasoning.max_tokens",
+            "Unsupported parameter: 'reasoning.max_tokens'; the AI Horde's workers declare no reasoning "
+            "token budget. Send 'reasoning.effort' (none, minimal, low, medium, high, xhigh) instead.",
+        )
+    effort, enabled = reasoning.get("effort"), reasoning.get("enabled")
+    if effort is not None and effort not in ChatReasoningEffort.__members__.values():
+        raise _bad(
+            "reasoning.effort",
+            "Invalid value for 'reasoning.effort': expected one of none, minimal, low, medium, high, xhigh.",
+        )
+    if enabled is False:
+        if effort not in (None, "none"):
+            raise _conflict(
+                "reasoning.effort",
+                f"'reasoning.enabled' is false and 'reasoning.effort' is '{effort}'; send one of them.",
+            )
+        effort = "none"
+    elif enabled is True and effort == "none":
+        raise _conflict(
+            "reasoning.effort", "'reasoning.enabled' is true and 'reasoning.effort' is 'none'; send one of them."
+        )
+    if effort is not None:
+        top = body.get("reasoning_effort")
+        if top is not None and top != effort:
+            raise _conflict(
+                "reasoning.effort",
+                f"'reasoning_effort' is {json.dumps(top)} and the reasoning object asks for '{effort}'; send one of them.",
+            )
+        body["reasoning_effort"] = effort
+    exclude = reasoning.get("exclude")
+    if exclude is not None:
+        horde = body.get("horde")
+        if horde is not None and not isinstance(horde, Mapping):
+            return body  # the contract refuses the type
+        shown = (horde or {}).get("include_reasoning")
+        if shown is not None and shown is exclude:
+            raise _conflict(
+                "reasoning.exclude",
+                f"'reasoning.exclude' is {json.dumps(exclude)} and 'horde.include_reasoning' is "
+                f"{json.dumps(shown)}; send one of them.",
+            )
+        body["horde"] = {**(horde or {}), "include_reasoning": not exclude}
+    return body
+
+
 def refusal_error(refusal: ChatRefusal) -> ChatFrontError:
     """A contract refusal with OpenAI's message and param (the message is not prefixed with the path)."""
     status = refusal.status
@@ -432,6 +502,7 @@ def screen_request(raw_body: Any) -> ChatCompletionRequest:
         raise refused
     body = drop_unknown_nested_keys(drop_default_no_ops(dict(raw_body)))
     body = {key: value for key, value in body.items() if value is not None}  # null counts as omitted
+    body = map_reasoning(body)
     _check_models(body)
     _check_ranges(body)
     native = build_native_chat_body(body)

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from oai.errors import ChatFrontError, sse_error_event
-from oai.mapping import Completion
+from oai.mapping import PROVIDER, Completion
 
 DONE_EVENT = b"data: [DONE]\n\n"
 KEEPALIVE_EVENT = b": keepalive\n\n"
@@ -28,6 +28,7 @@ def _chunk(completion: Completion, delta: dict[str, Any], **choice: Any) -> dict
         "object": "chat.completion.chunk",
         "created": completion.created,
         "model": completion.model,
+        "provider": PROVIDER,
         "system_fingerprint": completion.fingerprint,
         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None, **choice}],
     }
@@ -47,6 +48,7 @@ def build_delta_event(
             "object": "chat.completion.chunk",
             "created": created,
             "model": model,
+            "provider": PROVIDER,
             "system_fingerprint": fingerprint,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
         }

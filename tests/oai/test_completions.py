@@ -48,6 +48,46 @@ def test_reasoning_effort_reaches_the_worker(client, start_worker):
     assert "reasoning_effort" not in worker.jobs[1]["payload"]  # no default is sent
 
 
+def test_reasoning_object_maps_to_the_native_keys(front, requester, start_worker):
+    """OpenRouter's reasoning object, as Open WebUI and OpenRouter-style clients send it, on the
+    wire: effort is reasoning_effort, enabled false is effort none, exclude hides the reasoning
+    whole and streamed, and a reasoning_effort that agrees is accepted (ADR 0087)."""
+    worker = start_worker(reply=lambda job: REASONING)
+
+    def post(body: dict) -> httpx.Response:
+        return httpx.post(
+            f"{front.live.v1}/chat/completions",
+            json={"model": MODEL, "messages": USER, **body},
+            headers={"Authorization": f"Bearer {requester.key}"},
+            timeout=20,
+        )
+
+    shown = post({"reasoning": {"effort": "high"}})
+    assert shown.status_code == 200, shown.text
+    assert shown.json()["choices"][0]["message"]["reasoning_content"] == "Six times seven."
+    assert worker.jobs[-1]["payload"]["reasoning_effort"] == "high"
+    assert post({"reasoning": {"effort": "low"}, "reasoning_effort": "low"}).status_code == 200
+    assert worker.jobs[-1]["payload"]["reasoning_effort"] == "low"
+    assert post({"reasoning": {"enabled": False}}).status_code == 200
+    assert worker.jobs[-1]["payload"]["reasoning_effort"] == "none"
+    assert post({"reasoning": {"enabled": True}}).status_code == 200
+    assert "reasoning_effort" not in worker.jobs[-1]["payload"]  # the worker's default effort
+
+    hidden = post({"reasoning": {"effort": "medium", "exclude": True}})
+    assert hidden.status_code == 200, hidden.text
+    message = hidden.json()["choices"][0]["message"]
+    assert message["content"] == "42." and "reasoning_content" not in message
+    assert hidden.json()["usage"]["completion_tokens_details"]["reasoning_tokens"] == 4
+    streamed = post({"reasoning": {"exclude": True}, "stream": True})
+    assert streamed.status_code == 200, streamed.text
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    deltas = [event["choices"][0]["delta"] for event in events if event["choices"]]
+    assert not any("reasoning_content" in delta for delta in deltas)
+    assert "".join(delta.get("content") or "" for delta in deltas) == "42."
+    assert post({"reasoning": {"exclude": False}}).json()["choices"][0]["message"]["reasoning_content"]
+    assert post({"reasoning": None}).status_code == 200  # null counts as omitted
+
+
 def test_reported_counts_and_reasoning_tokens(client, start_worker):
     start_worker(
         reply=lambda job: {

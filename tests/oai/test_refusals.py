@@ -139,6 +139,37 @@ REFUSALS = [
     ({"n": 10**400}, openai.BadRequestError, "n", "UnsupportedChatParameter"),
     # Forwarded to the native route, which types it (ChatReasoningEffort).
     ({"reasoning_effort": "extreme"}, openai.BadRequestError, "reasoning_effort", "BadRequest"),
+    # OpenRouter's reasoning object (ADR 0087): typed at its own paths, contradictions refused.
+    ({"reasoning": "high"}, openai.BadRequestError, "reasoning", "BadRequest"),
+    ({"reasoning": {"effort": "extreme"}}, openai.BadRequestError, "reasoning.effort", "BadRequest"),
+    ({"reasoning": {"exclude": "yes"}}, openai.BadRequestError, "reasoning.exclude", "BadRequest"),
+    ({"reasoning": {"enabled": 1}}, openai.BadRequestError, "reasoning.enabled", "BadRequest"),
+    ({"reasoning": {"summary": "auto"}}, openai.BadRequestError, "reasoning.summary", "UnsupportedChatParameter"),
+    ({"reasoning": {"max_tokens": 2000}}, openai.BadRequestError, "reasoning.max_tokens", "UnsupportedChatParameter"),
+    (
+        {"reasoning": {"effort": "high"}, "reasoning_effort": "low"},
+        openai.BadRequestError,
+        "reasoning.effort",
+        "ChatRequestConflict",
+    ),
+    (
+        {"reasoning": {"enabled": False, "effort": "low"}},
+        openai.BadRequestError,
+        "reasoning.effort",
+        "ChatRequestConflict",
+    ),
+    (
+        {"reasoning": {"enabled": True, "effort": "none"}},
+        openai.BadRequestError,
+        "reasoning.effort",
+        "ChatRequestConflict",
+    ),
+    (
+        {"reasoning": {"exclude": True}, "horde": {"include_reasoning": True}},
+        openai.BadRequestError,
+        "reasoning.exclude",
+        "ChatRequestConflict",
+    ),
 ]
 
 
