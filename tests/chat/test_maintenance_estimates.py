@@ -81,3 +81,20 @@ def test_the_owners_own_queue_ahead_still_sizes_their_allowance(horde, make_user
         _queued(owner.user, max_length=1000, score=1_000_000)
     refused = _text(horde, owner.key, 1024)
     assert refused.status_code == 403 and "requests over 512 tokens" in refused.json()["message"], refused.json()
+
+
+def test_the_owners_chat_request_waits_only_for_their_own_work_on_their_maintenance_worker(api, horde, make_user):
+    """The same on the chat route: a stranger's three chat requests ahead on the model do not
+    compete for the owner's chat worker in maintenance; 64 tokens at 10 tokens/s."""
+    from tests.chat.chat_route_helpers import chat_async
+
+    owner, stranger = make_user("owner", kudos=1000), make_user("stranger", kudos=1000)
+    worker = _text_worker(owner, name="chatty", chat=True)
+    _in_maintenance(horde, owner, worker)
+    for _ in range(3):
+        _queued(stranger.user, max_length=500, models=(worker.chat_model_id,), is_chat=True, score=10**9)
+    created = chat_async(api, owner.key, max_tokens=64)
+    assert created.status_code == 202, created.json()
+    snapshots.reset_snapshots()
+    body = api.get(f"/api/v2/generate/chat/status/{created.json()['id']}").json()
+    assert (body["queue_position"], body["wait_time"], body["eligible_worker_threads"]) == (0, 7, 1)
