@@ -75,6 +75,9 @@ class GenerationRequest(models.Model):
     # The shared key the request was made with, whose kudos its tax and settlements draw down. A
     # plain id, as the ledger's: a deleted key leaves its requests charged to the owner alone.
     shared_key_id = models.UUIDField(null=True, blank=True)
+    # What the request reserves of a limited shared key's kudos per job not yet settled (waiting or
+    # processing): its quote per job at its dearest model, the tax aside (docs/adr/0089). 0 without one.
+    shared_key_reserve = models.DecimalField(max_digits=18, decimal_places=2, default=Decimal("0"))
 
     class Meta:
         db_table = "horde_requests"

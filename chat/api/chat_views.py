@@ -111,7 +111,8 @@ class ChatAsyncView(APIView):
             **refusals(
                 s400=["BadRequest", "UnsupportedChatParameter", "ChatRequestConflict", "OperationKeyConflict",
                       "PromptExceedsContext", "ChatKudosCapExceeded", "SourceImageUrlRefused", "..."],
-                s403=["NoEligibleWorker", "KudosUpfront", "AnonForbidden", "SharedKeyEmpty", "SharedKeyExpired"],
+                s403=["NoEligibleWorker", "KudosUpfront", "AnonForbidden", "SharedKeyEmpty", "SharedKeyExpired",
+                      "SharedKeyInsufficientKudos"],
                 s404=["UnknownChatModel"],
                 s413=["RequestTooLarge"],
                 s429=["RateLimited", "TooManyPrompts"],

@@ -56,13 +56,17 @@ def worker_could_take(worker: Worker, shape: QueuedShape, served: frozenset[str]
 
 
 def eligible_workers(request: GenerationRequest, listed_worker_ids: Iterable) -> list[Worker]:
-    """The online workers the pop would give the request to (worker_may_take over the snapshot)."""
+    """The online workers the pop would give the request to (worker_may_take over the snapshot):
+    the requester's own workers in maintenance among them, which take their owner's requests
+    (docs/adr/0083, 0089)."""
     online = online_worker_facts()
     listed = set(listed_worker_ids)
     if request.is_chat:
         candidates = online.chat_candidates(request.requested_models or ())
     else:
         candidates = online.text_candidates(request.requested_models or (), any_model=request.any_model)
+    if online.in_maintenance and request.user_id in online.in_maintenance:
+        candidates = [*candidates, *online.in_maintenance[request.user_id]]
     capable = functools.cache(lambda: capable_chat_worker_online(request, listed))  # once per pass
     return [worker for worker in candidates if worker_may_take(worker, request, listed, capable_online=capable)]
 

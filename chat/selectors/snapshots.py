@@ -195,7 +195,7 @@ class _PositionMasks:
     worker's competing shapes are found among those that share one of its models."""
 
     __slots__ = ("by_shape", "job_planes", "token_planes", "text_by_model", "text_any_model", "chat_by_model",
-                 "by_worker", "by_set")
+                 "by_worker", "by_set", "by_owner")
 
     def __init__(self, shape_at: Sequence[int], jobs: Sequence[int], shapes: Sequence[QueuedShape]):
         # Positions grouped by shape, jobs and tokens, then each group's mask from its bytes: linear
@@ -228,6 +228,9 @@ class _PositionMasks:
         # Each asked worker's positions, by its id, and each asked set's (the OR of its workers').
         self.by_worker: dict[Any, int] = {}
         self.by_set: dict[frozenset, int] = {}
+        # The positions of each asked owner's requests: a worker in maintenance competes for its
+        # owner's alone (docs/adr/0083, 0089). Made on the first ask, for the owners of such workers.
+        self.by_owner: dict[int, int] = {}
 
 
 def _mask_of(positions: list[int]) -> int:
@@ -264,7 +267,7 @@ class QueueSnapshot:
     could take (spec ADR 0040). Both are made with the snapshot, while the other threads still
     answer from the last one."""
 
-    __slots__ = ("_index", "_tokens_ahead", "_neg_scores", "shapes", "_masks")
+    __slots__ = ("_index", "_tokens_ahead", "_neg_scores", "shapes", "_masks", "_users")
 
     def __init__(
         self,
@@ -275,6 +278,7 @@ class QueueSnapshot:
         jobs: Sequence[int] = (),
         shape_at: Sequence[int] = (),
         shapes: Sequence[QueuedShape] = (),
+        users: Sequence[int] = (),
     ):
         self._index = dict(zip(ids, range(len(ids)), strict=True))
         # tokens_ahead[i]: the outstanding tokens of the requests before position i.
@@ -283,6 +287,8 @@ class QueueSnapshot:
         self._neg_scores = [-score for score in scores]
         self.shapes = tuple(shapes)
         self._masks = _PositionMasks(shape_at, jobs, self.shapes)
+        # Each position's requester (its user id), read only for the owner of a worker in maintenance.
+        self._users = users
 
     def get(self, id_text: str) -> QueuePlace | None:
         position = self._index.get(id_text)
@@ -314,6 +320,14 @@ class QueueSnapshot:
             masks.by_worker[worker.pk] = mask
         return mask
 
+    def _owner_mask(self, owner_id: int) -> int:
+        """The positions of `owner_id`'s requests."""
+        masks = self._masks
+        mask = masks.by_owner.get(owner_id)
+        if mask is None:
+            mask = masks.by_owner[owner_id] = _mask_of([i for i, user in enumerate(self._users) if user == owner_id])
+        return mask
+
     def competing_ahead(
         self, position: int, eligible: EligibleSet, could_take: Callable[[Worker, QueuedShape], bool]
     ) -> CompetingAhead:
@@ -326,7 +340,11 @@ class QueueSnapshot:
         if competing is None:
             competing = 0
             for worker in eligible.workers:
-                competing |= self._worker_mask(worker, could_take)
+                if worker.maintenance:
+                    # Only its owner's requests: in their eligible sets alone (chat.selectors.availability).
+                    competing |= self._worker_mask(worker, could_take) & self._owner_mask(worker.owner_id)
+                else:
+                    competing |= self._worker_mask(worker, could_take)
             if len(masks.by_set) < SETS_PER_QUEUE_SNAPSHOT:
                 masks.by_set[eligible.key] = competing
         ahead = competing & ((1 << position) - 1)
@@ -360,7 +378,7 @@ def _build_queue() -> QueueSnapshot:
             models_text=Cast("requested_models", TextField()),
         )
         .values_list(
-            "id_text", "tokens", "queue_score", "jobs_waiting", "is_chat", "any_model", "max_length",
+            "id_text", "tokens", "queue_score", "jobs_waiting", "user_id", "is_chat", "any_model", "max_length",
             "max_context_length", "models_text",
         )
     )
@@ -373,7 +391,7 @@ def _build_queue() -> QueueSnapshot:
     shapes: list[QueuedShape] = []
     shape_at: list[int] = []
     for row in rows:
-        key = row[4:]
+        key = row[5:]
         index = shape_index.get(key)
         if index is None:
             index = shape_index[key] = len(shapes)
@@ -395,6 +413,7 @@ def _build_queue() -> QueueSnapshot:
         jobs=[row[3] for row in rows],
         shape_at=shape_at,
         shapes=shapes,
+        users=[row[4] for row in rows],
     )
 
 

@@ -6,17 +6,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import timedelta
-from decimal import Decimal
+from decimal import ROUND_UP, Decimal
 from typing import Any, Literal
 from uuid import UUID
 
-from django.db.models import Exists, OuterRef, Sum
+from django.db.models import DecimalField, Exists, F, OuterRef, Subquery, Sum, Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from accounts.models import HordeUser, KudosTransaction, SharedKey
 from accounts.services import kudos_hold, kudos_transfer, shared_key_consume
 from chat.metrics import free_allowance_decisions, free_allowance_estimated_wait, size_bucket
-from chat.models import GenerationRequest, RequestModel, RequestWorker
+from chat.models import Generation, GenerationRequest, RequestModel, RequestWorker
 from chat.pricing import context_multiplier
 from chat.selectors.allowance import QueueWait, estimate_queue_wait_seconds, free_output_allowance
 from chat.selectors.queue import request_queue_lists
@@ -89,15 +90,95 @@ def check_shared_key_limits(key: SharedKey, *, max_length: int, field: str | Non
         raise HordeError("BadRequest", f"'{field}': {message}" if field else message, status=400)
 
 
-def shared_key_lacks(key: SharedKey | None, required: Decimal) -> bool:
-    """Whether a limited key holds less than the request's upfront kudos (at its dearest model)."""
-    return key is not None and key.has_kudos_limit and required > key.kudos
+@dataclass(frozen=True)
+class SharedKeyFunds:
+    """A limited key's kudos and what its unsettled requests reserve of them (docs/adr/0089)."""
+
+    kudos: Decimal
+    reserved: Decimal
+
+    @property
+    def available(self) -> Decimal:
+        return self.kudos - self.reserved
 
 
-def shared_key_insufficient_error(key: SharedKey, required: Decimal) -> HordeError:
+def shared_key_funds(key: SharedKey) -> SharedKeyFunds | None:
+    """The key's kudos and the reserve of its requests' jobs not yet settled (each waiting or
+    processing job its request's shared_key_reserve), read in one statement, so a settlement
+    committed meanwhile is either in both or in neither. None for an unlimited key. The creations
+    on a key are its owner's: they run one at a time under the owner's locked row. The waiting
+    jobs are found among the owner's requests (their user indexes), the processing ones among the
+    generations in flight (the partial index on processing), each joined to its request by id."""
+    if not key.has_kudos_limit:
+        return None
+    waiting = (
+        GenerationRequest.objects.filter(
+            user_id=key.user_id, jobs_waiting__gt=0, shared_key_id=OuterRef("pk"), faulted=False, cancelled=False
+        )
+        .order_by()
+        .values("shared_key_id")
+        .annotate(total=Sum(F("shared_key_reserve") * F("jobs_waiting")))
+        .values("total")
+    )
+    processing = (
+        Generation.objects.filter(
+            state=Generation.State.PROCESSING, request__shared_key_id=OuterRef("pk")
+        )
+        .order_by()
+        .values("request__shared_key_id")
+        .annotate(total=Sum("request__shared_key_reserve"))
+        .values("total")
+    )
+    money = DecimalField(max_digits=18, decimal_places=2)
+    zero = Value(Decimal("0"), output_field=money)
+    row = (
+        SharedKey.objects.filter(pk=key.pk)
+        .annotate(
+            waiting_reserve=Coalesce(Subquery(waiting, output_field=money), zero),
+            processing_reserve=Coalesce(Subquery(processing, output_field=money), zero),
+        )
+        .values_list("kudos", "waiting_reserve", "processing_reserve")
+        .first()
+    )
+    if row is None:  # deleted meanwhile: nothing left to spend through it
+        return SharedKeyFunds(kudos=Decimal("0"), reserved=Decimal("0"))
+    kudos, waiting_reserve, processing_reserve = row
+    cent = Decimal("0.01")  # SQLite's arithmetic comes back with more places
+    return SharedKeyFunds(
+        kudos=Decimal(kudos).quantize(cent),
+        reserved=(Decimal(waiting_reserve) + Decimal(processing_reserve)).quantize(cent),
+    )
+
+
+def shared_key_lacks(key: SharedKey | None, required: Decimal) -> SharedKeyFunds | None:
+    """The funds of a limited key whose kudos, less what its unsettled requests reserve, are
+    under the request's upfront kudos (at its dearest model); None when the key covers it."""
+    if key is None:
+        return None
+    funds = shared_key_funds(key)
+    return funds if funds is not None and required > funds.available else None
+
+
+def shared_key_reserve_per_job(key: SharedKey | None, *, dearest: Decimal, tax: Decimal, n: int) -> Decimal:
+    """What a request reserves of a limited key per job: its dearest quote per job, the tax
+    (charged at creation) aside; 0 without a limited key."""
+    if key is None or not key.has_kudos_limit:
+        return Decimal("0")
+    return ((dearest - tax) / n).quantize(Decimal("0.01"), rounding=ROUND_UP)
+
+
+def shared_key_insufficient_error(key: SharedKey, required: Decimal, funds: SharedKeyFunds | None = None) -> HordeError:
+    """Upstream's refusal; when the key's requests reserve part of its kudos, the message says so."""
+    if funds is None or not funds.reserved:
+        remaining = _kudos_figure(funds.kudos if funds is not None else key.kudos)
+    else:
+        remaining = (
+            f"{_kudos_figure(max(funds.available, Decimal('0')))} once its queued requests' "
+            f"{_kudos_figure(funds.reserved)} are set aside"
+        )
     return HordeError(
         "SharedKeyInsufficientKudos",
-        f"This shared key does not have enough remaining kudos ({_kudos_figure(key.kudos)}) "
+        f"This shared key does not have enough remaining kudos ({remaining}) "
         f"to fulfill this request ({_kudos_figure(required)}).",
         status=403,
     )
@@ -233,13 +314,15 @@ def request_rows_create(
     tax: Decimal = HORDE_TAX,
     inactive_id: UUID | None = None,
     shared_key: SharedKey | None = None,
+    shared_key_reserve: Decimal = Decimal("0"),
     downgraded_priority: bool = False,
 ) -> GenerationRequest:
     """Insert an active request with its model and worker rows, take its hold and the horde tax
     (`tax`: a chat request's images add theirs). `prompt_tokens`: a chat request's prompt
     estimate, which its price's context follows. `inactive_id`: activate that row, written
     inactive before its images were stored (chat.services.create_chat), instead of inserting one.
-    `shared_key`: the key it was made with, which pays its tax and settlements from its kudos;
+    `shared_key`: the key it was made with, which pays its tax and settlements from its kudos, and
+    `shared_key_reserve` what the request reserves of them per job (shared_key_reserve_per_job);
     `downgraded_priority`: queued at SHARED_KEY_DOWNGRADED_PRIORITY.
 
     Runs inside the caller's transaction, on the locked requester.
@@ -259,6 +342,7 @@ def request_rows_create(
         "kudos_context": context_multiplier(fields["prompt"], fields["max_length"], prompt_tokens=prompt_tokens),
         "consumed_kudos": tax,  # the tax charged below, in this transaction
         "shared_key_id": shared_key.pk if shared_key is not None else None,
+        "shared_key_reserve": shared_key_reserve if shared_key is not None else Decimal("0"),
         **fields,
     }
     if inactive_id is None:

@@ -609,7 +609,8 @@ def chat_request_create(
     # Multi-model: the hold and the upfront check use the highest multiplier across the list.
     upfront = max(_quote([m], sized.prompt, max_length, prompt_tokens) for m in submission.models) + image_tax
     # The shared key's kudos, then its token limit, as upstream's (a short key is refused below).
-    key_short = admission.shared_key_lacks(shared_key, upfront)
+    # Read again under the owner's lock below, where it is decided (docs/adr/0089).
+    key_short = admission.shared_key_lacks(shared_key, upfront) is not None
     if shared_key is not None and not key_short:
         admission.check_shared_key_limits(shared_key, max_length=max_length, field="max_tokens")
     has_worker_list, blacklist, worker_ids = _worker_list(submission)
@@ -654,6 +655,11 @@ def chat_request_create(
         with transaction.atomic():
             locked_user = admission.lock_requester(user)
             admission.check_concurrency(user=locked_user, n=1, models=submission.models)
+            # The key's creations are its owner's, one at a time under this lock.
+            key_funds = admission.shared_key_lacks(shared_key, upfront)
+            key_short = key_funds is not None
+            if shared_key is not None and not key_short:
+                admission.check_shared_key_limits(shared_key, max_length=max_length, field="max_tokens")
             needs_hold = admission.needs_upfront_kudos(
                 max_length=max_length,
                 slow_workers=horde.slow_workers,
@@ -673,11 +679,14 @@ def chat_request_create(
                 tax=admission.HORDE_TAX + image_tax,
                 inactive_id=inactive.id if inactive else None,
                 shared_key=shared_key,
+                shared_key_reserve=admission.shared_key_reserve_per_job(
+                    shared_key, dearest=upfront, tax=admission.HORDE_TAX + image_tax, n=1
+                ),
             )
             if key_short or (needs_hold and locked_user.kudos_available < upfront):
                 # Chat requests never downgrade. Kudos do not help a request no worker can serve.
                 refusal = admission.no_eligible_worker_refusal(request) or (
-                    admission.shared_key_insufficient_error(shared_key, upfront)
+                    admission.shared_key_insufficient_error(shared_key, upfront, key_funds)
                     if key_short and shared_key is not None
                     else admission.kudos_upfront_error(
                         allowance=allowance.tokens, kudos=upfront, max_length=max_length,

@@ -34,6 +34,7 @@ from chat.services.admission import (
     request_rows_create,
     shared_key_insufficient_error,
     shared_key_lacks,
+    shared_key_reserve_per_job,
     shared_key_unusable,
 )
 from contract.errors import HordeError
@@ -223,7 +224,10 @@ def _text_request_rows(
     downgrade_disabled = bool(settings.HORDE_UPFRONT_KUDOS_ON_WORKERLIST and data.workers)
     # The shared key's kudos, then its token limit, as upstream's; its kudos at the dearest listed
     # model (spec: Pricing).
-    key_short = shared_key_lacks(shared_key, _dearest_quote(data)) if shared_key is not None else False
+    # Read again under the owner's lock below, where it is decided (docs/adr/0089); here it only
+    # orders the key's refusals as upstream's.
+    key_short = shared_key_lacks(shared_key, _dearest_quote(data)) is not None
+    key_funds = None
     if key_short and data.allow_downgrade and not downgrade_disabled:
         # Upstream admits it at the anonymous priority; it still draws the key down to 0.
         downgraded_priority, key_short = True, False
@@ -256,6 +260,15 @@ def _text_request_rows(
     with transaction.atomic():
         locked_user = lock_requester(user)
         check_concurrency(user=locked_user, n=data.n, models=data.models)
+        if shared_key is not None and not downgraded_priority:
+            # The key's creations are its owner's, one at a time under this lock: what it has left
+            # after its unsettled requests' reserve is read by one of them at a time.
+            key_funds = shared_key_lacks(shared_key, _dearest_quote(data))
+            if key_funds is not None and data.allow_downgrade and not downgrade_disabled:
+                downgraded_priority, key_funds = True, None
+            key_short = key_funds is not None
+            if not key_short:
+                check_shared_key_limits(shared_key, max_length=data.max_length)
         hold = Decimal("0")
         if needs_upfront_kudos(
             max_length=data.max_length,
@@ -293,13 +306,16 @@ def _text_request_rows(
             kudos=kudos,
             hold=hold,
             shared_key=shared_key,
+            shared_key_reserve=shared_key_reserve_per_job(
+                shared_key, dearest=_dearest_quote(data), tax=HORDE_TAX, n=data.n
+            ),
             downgraded_priority=downgraded_priority,
         )
         if outcome == "refused":
             # The row is rolled back with the refusal; it exists here so that the worker check
             # reads it as the status would.
             refusal = no_eligible_worker_refusal(request) or (
-                shared_key_insufficient_error(shared_key, _dearest_quote(data))
+                shared_key_insufficient_error(shared_key, _dearest_quote(data), key_funds)
                 if key_short and shared_key is not None
                 else kudos_upfront_error(
                     allowance=allowance.tokens, kudos=kudos, max_length=data.max_length, slow_workers=data.slow_workers

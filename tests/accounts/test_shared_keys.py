@@ -349,15 +349,15 @@ def test_a_key_short_of_the_dearest_models_kudos_refuses_with_its_own_code(horde
     worker_owner = make_user("owner")
     _worker_online(horde, worker_owner, models=[MODEL, SMALL])
     key_id = lend(api, lender.key, kudos=10).json()["id"]
-    assert horde.text_async(key_id, models=[SMALL], params={"max_length": 200}).status_code == 202
     refused = horde.text_async(key_id, models=[SMALL, MODEL], params={"max_length": 200})
     assert refused.status_code == 403
     body = refused.json()
     assert body["rc"] == "SharedKeyInsufficientKudos"
     assert re.fullmatch(
-        r"This shared key does not have enough remaining kudos \(9\) to fulfill this request \(\d+(\.\d+)?\)\.",
+        r"This shared key does not have enough remaining kudos \(10\) to fulfill this request \(\d+(\.\d+)?\)\.",
         body["message"],
     ), body["message"]
+    assert horde.text_async(key_id, models=[SMALL], params={"max_length": 200}).status_code == 202
     assert GenerationRequest.objects.count() == 1
     assert SharedKey.objects.get(pk=key_id).kudos == Decimal("9")
 

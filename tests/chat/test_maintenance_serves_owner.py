@@ -11,9 +11,11 @@ import pytest
 from django.utils import timezone
 
 from chat.models import GenerationRequest
+from chat.selectors import snapshots
 from chat.services.create_text import TEXT_NO_AVAILABLE_WORKER_WARNING
 from contract.text import ABORTED_JOBS_PER_HOUR_LIMIT
 from tests.chat.pop_helpers import MODEL, chat_pop, queue_chat
+from tests.chat.test_status_queue_wait import _queued
 from workers.models import Worker
 from workers.services import aborted_jobs_maintenance_message
 
@@ -177,9 +179,13 @@ def test_dropped_jobs_count_towards_maintenance_only_within_the_hour(horde, make
 
 def test_a_kudos_refusal_of_the_owner_stays_a_kudos_refusal(horde, make_user):
     """No online worker but the owner's, in maintenance: kudos would help the owner's request
-    (KudosUpfront), not a stranger's (NoEligibleWorker in its place)."""
+    (KudosUpfront), not a stranger's (NoEligibleWorker in its place). The owner's own backlog on
+    the worker holds their allowance to the floor (docs/adr/0089)."""
     owner, stranger = make_user("owner", kudos=5), make_user("stranger", kudos=5)
     _maintenance(horde, owner, "attic", max_length=2048)
+    for _ in range(3):
+        _queued(owner.user, max_length=1000, score=1_000_000)
+    snapshots.reset_snapshots()
     mine = horde.text_async(owner.key, models=[MODEL], params={"max_length": 1024})
     theirs = horde.text_async(stranger.key, models=[MODEL], params={"max_length": 1024})
     assert (mine.status_code, mine.json()["rc"]) == (403, "KudosUpfront")

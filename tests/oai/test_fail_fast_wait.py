@@ -160,6 +160,54 @@ def test_a_request_served_within_its_budget_keeps_waiting(front, client, live_ho
     assert not _wait_exceeds_budget_errors(front)
 
 
+def test_the_owners_request_on_their_worker_in_maintenance_waits_only_for_their_own_work(
+    front, live_horde, worker_owner, make_user, caplog
+):
+    """The owner's only chat worker is in maintenance (ADRs 0083, 0089) with a stranger's three
+    500-token requests ahead: the worker takes none of them, so the owner's 100 tokens wait 10 s at
+    10 tokens/s and fit the 20 s budget (the status read 160 s and the front refused with 503)."""
+    from chat.selectors import snapshots
+    from tests.chat.test_status_queue_wait import _queued
+    from workers.models import Worker
+    from workers.serving_version import serving_changed
+
+    worker = _idle_worker(live_horde, worker_owner, speed=10.0)
+    assert Worker.objects.filter(name=worker.name).update(maintenance=True) == 1
+    serving_changed()
+    stranger = make_user(f"stranger-{worker.name[-6:]}", kudos=100_000)
+    for _ in range(3):
+        _queued(stranger.user, max_length=500, models=(MODEL,), is_chat=True, score=10**9)
+    snapshots.reset_snapshots()
+    caplog.set_level("INFO", logger="oai.requests")
+    result: dict = {}
+    sdk = openai.OpenAI(base_url=front.live.v1, api_key=worker_owner.key, max_retries=0, timeout=30)
+
+    def call():
+        try:
+            result["completion"] = sdk.chat.completions.create(
+                model=MODEL, messages=USER, max_tokens=100, extra_body=FAIL_FAST
+            )
+        except openai.APIError as error:  # pragma: no cover - the assertion below reports it
+            result["error"] = error
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    try:
+        assert wait_for(lambda: [r for r in _requests() if r.user_id == worker_owner.user.pk], 5)
+        time.sleep(POSITIONED_READ_WAIT_SECONDS + 0.5)  # past any first-read decision
+        assert thread.is_alive() and "error" not in result, result.get("error")
+        worker.start()
+        thread.join(20)
+    finally:
+        worker.stop()
+        sdk.close()
+    assert "error" not in result, result.get("error")
+    assert result["completion"].choices[0].message.content
+    (line,) = _finished_lines(caplog)
+    assert line.endswith(" first_read_wait_time=10 first_read_eligible_worker_threads=1"), line
+    assert not _wait_exceeds_budget_errors(front)
+
+
 def _later_reads(front) -> int:
     """Status reads after the first (recheck with the completion signal, poll without it)."""
     wakes = front.metrics().get("horde.oai.wakes", [])
