@@ -17,7 +17,16 @@ template and its caps, modalities), GET /slots, GET /health, POST /tokenize, POS
   character, as byte-level BPE splits CJK; chat markers are single special tokens); usage
   reports what it counts.
 - Chat templates: `jinja` False is --no-jinja: /props looks the same, but any request with tools
-  answers 500 "tools param requires --jinja flag".
+  answers 500 "tools param requires --jinja flag" (and a tool_choice other than "auto", 500
+  "tool_choice param requires --jinja flag").
+- tool_choice: read as a string; an object (a named function) is the wrong type, so the server
+  logs a warning and uses its default "auto"; a string other than auto, none or required is 400
+  "Invalid tool_choice: ...". Under "auto" the tool grammar is lazy (it starts at the call's
+  trigger), so a model that would rather answer in text (`model_prefers_text`) does; under
+  "required" the grammar constrains the reply from its first token and holds it open until one
+  call is complete, so the reply carries a call (content "", finish_reason "tool_calls"), unless
+  `tool_grammar` is False: a template whose tool-call format llama.cpp's parser generator does
+  not recognise gets no grammar at all, and the model answers as it likes.
 - response_format: a json_schema (or a json_object carrying "schema") is compiled to a grammar
   (the reply is the schema's minimal instance); a bare json_object becomes an empty schema and
   no grammar, so the reply is prose.
@@ -124,6 +133,8 @@ class FakeLlamaCpp:
         self.has_apply_template = True  # builds before /apply-template answer it 404
         self.chat_template = TOOL_TEMPLATE
         self.vision = False
+        self.tool_grammar = True  # the template's tool-call format is recognised: "required" is a grammar
+        self.model_prefers_text = False  # the model answers in text unless a grammar forces the call
         self.delay = 0.0
         self.fail_with: tuple[int, dict[str, Any]] | None = None
         self.chat_handler: Callable[[dict[str, Any]], dict[str, Any]] | None = None
@@ -320,10 +331,13 @@ class FakeLlamaCpp:
     def apply_template(self, body: dict[str, Any]) -> str:
         """The chat template (ChatML) as the server renders it, after its request checks."""
         tools = body.get("tools")
+        choice = tool_choice(body)
         if isinstance(tools, list) and tools and not self.jinja:
             raise FakeError(500, "tools param requires --jinja flag", "server_error")
-        if not self.jinja and body.get("tool_choice") is not None:
-            raise FakeError(500, "Unsupported param: tool_choice", "server_error")
+        if not self.jinja and choice != "auto":
+            raise FakeError(500, "tool_choice param requires --jinja flag", "server_error")
+        if choice not in ("auto", "none", "required"):
+            raise FakeError(400, f"Invalid tool_choice: {choice}", "invalid_request_error")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise FakeError(500, "'messages' is required", "server_error")
@@ -404,10 +418,12 @@ class FakeLlamaCpp:
         tools = body.get("tools") or []
         last = (body.get("messages") or [{}])[-1]
         schema = grammar_schema(body.get("response_format"))
-        if tools and body.get("tool_choice") != "none" and last.get("role") != "tool":
+        choice = tool_choice(body)
+        forced = choice == "required" and self.tool_grammar
+        if tools and choice != "none" and last.get("role") != "tool" and (forced or not self.model_prefers_text):
             message = {
                 "role": "assistant",
-                "content": None,
+                "content": "" if forced else None,
                 "tool_calls": [
                     {
                         "type": "function",
@@ -432,6 +448,14 @@ class FakeLlamaCpp:
             "choices": [{"text": " the dragon slept.", "index": 0, "logprobs": None, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10},
         }
+
+
+def tool_choice(body: dict[str, Any]) -> str:
+    """tool_choice as llama-server reads it: a string, its default "auto" when absent or null, and
+    also when it is not a string (an object naming a function is the wrong type: a warning, then
+    the default)."""
+    value = body.get("tool_choice")
+    return value if isinstance(value, str) else "auto"
 
 
 def grammar_schema(response_format: Any) -> dict[str, Any] | None:

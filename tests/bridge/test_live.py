@@ -44,11 +44,11 @@ def test_declaration_comes_from_the_backend(live_horde, fake_backend):
     assert worker.chat_max_context_length == 8192
     assert worker.chat_max_length == 1024
     features = set(worker.chat_features)
-    assert {"tools", "json_object", "json_schema", "structured_output_enforced", "prompt_overflow_refused"} <= features
+    assert {"tools", "json_object", "json_schema", "structured_output_enforced", "prompt_overflow_refused",
+            "tool_choice_enforced"} <= features  # tool_choice required is a grammar there (ADR 0091)
     # Not what llama.cpp does not do: reasoning_effort, vision (no mmproj), tools with a format
-    # grammar, and tool_choice_enforced (its lazy tool grammar lets the model write text first).
-    assert not features & {"reasoning_effort", "vision", "tools_with_response_format", "single_tool_call_enforced",
-                           "tool_choice_enforced"}
+    # grammar.
+    assert not features & {"reasoning_effort", "vision", "tools_with_response_format", "single_tool_call_enforced"}
     assert worker.image_transports == ["messages_url"]
     assert worker.bridge_agent.startswith("horde-bridge:")
 

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
+from chat.models import Generation
 from contract.chat_declaration import CHAT_WORKER_FAULT_MESSAGES, ChatFaultReason
 from tests.bridge.conftest import running_bridge
 from tests.bridge.fake_backend import DEFAULT_REPLY, FakeLlamaCpp, RouteServer, fake_tokenize
@@ -348,21 +349,86 @@ def test_public_model_name(model_id, model_path, public):
 # --- 14. tool_choice_enforced ------------------------------------------------------------------------------
 
 
-def test_tool_choice_enforced_is_not_declared_for_llama_server(live_horde):
-    with llama_server() as fake, running_bridge(live_horde, fake.url) as (bridge, _):
-        worker = Worker.objects.get(name=bridge.config.worker_name)
-        assert "tools" in worker.chat_features and "tool_choice_enforced" not in worker.chat_features
-        # tool_choice required is not handed to it (the horde keeps it for a worker that forces the call).
-        request_id = live_horde.chat(tools=[WEATHER_TOOL], tool_choice="required")
-        time.sleep(2)  # twenty idle pops
-        assert not live_horde.chat_status(request_id)["done"] and fake.chat_requests() == []
-        auto = live_horde.wait(live_horde.chat(tools=[WEATHER_TOOL], tool_choice="auto"))
-        assert auto["done"] and auto["generations"][0]["message"]["tool_calls"]
-    # --feature tool_choice_enforced is the volunteer saying otherwise.
+def test_tool_choice_enforced_is_declared_once_the_server_takes_tool_choice_required():
+    """llama-server builds a grammar for tool_choice "required" that holds the reply from its first
+    token until a call is complete (not the lazy one of "auto"): declared once a probe with tools
+    and tool_choice required is accepted, never without --jinja."""
     with llama_server() as fake:
-        caps = OpenAIBackend(fake.url).probe(None)
-        apply_overrides(caps, add={"tool_choice_enforced"}, remove=set(), transports=None)
+        _, caps, _, _ = _probe(fake)
+        assert {"tools", "tool_choice_enforced"} <= caps.features
+        assert any("tool_choice_enforced" in note for note in caps.notes)
+        probe = next(body for path, body in fake.requests if path == "/apply-template" and body.get("tool_choice"))
+        assert probe["tool_choice"] == "required" and [t["function"]["name"] for t in probe["tools"]] == ["horde_probe"]
+        assert fake.chat_requests() == []  # parsed, never generated
+    with llama_server(jinja=False) as fake:
+        _, caps, _, _ = _probe(fake)
+        assert not {"tools", "tool_choice_enforced"} & caps.features
+    with llama_server() as fake:  # a build without /apply-template: a one-token chat completion
+        fake.has_apply_template = False
+        _, caps, _, _ = _probe(fake)
         assert "tool_choice_enforced" in caps.features
+        assert any(body.get("tool_choice") == "required" and body["max_tokens"] == 1 for body in fake.chat_requests())
+    with llama_server() as fake:  # --no-feature is the volunteer saying otherwise
+        caps = OpenAIBackend(fake.url).probe(None)
+        apply_overrides(caps, add=set(), remove={"tool_choice_enforced"}, transports=None)
+        assert "tool_choice_enforced" not in caps.features
+
+
+def test_a_named_function_choice_reaches_llama_server_as_required_with_that_tool_alone():
+    """llama-server reads tool_choice as a string: an object is the wrong type, taken as "auto"
+    (a lazy grammar). The horde already narrows a named choice to required and the one tool; a
+    payload that still carries the object is sent so too."""
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+    payload = {"messages": [{"role": "user", "content": "hi"}], "tools": [other, WEATHER_TOOL],
+               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    body = chat_backend_request(payload, model="m", kind="llamacpp")
+    assert body["tool_choice"] == "required" and body["tools"] == [WEATHER_TOOL]
+    assert chat_backend_request(payload, model="m", kind="vllm")["tool_choice"] == payload["tool_choice"]
+    with llama_server() as fake:
+        fake.model_prefers_text = True
+        backend = OpenAIBackend(fake.url, timeout=10)
+        sent = backend.chat({**payload, "model": fake.model, "max_tokens": 50}, timeout=10)
+        assert not sent["choices"][0]["message"].get("tool_calls")  # the object: "auto", and the model wrote text
+        forced = backend.chat(body, timeout=10)["choices"][0]
+        assert forced["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        backend.close()
+
+
+def test_strict_tool_choice_required_and_named_are_served_with_the_call(live_horde):
+    with llama_server() as fake, running_bridge(live_horde, fake.url) as (bridge, _):
+        fake.model_prefers_text = True  # unforced, this model answers in text
+        worker = Worker.objects.get(name=bridge.config.worker_name)
+        assert {"tools", "tool_choice_enforced"} <= set(worker.chat_features)
+        required = live_horde.wait(live_horde.chat(tools=[WEATHER_TOOL], tool_choice="required"))
+        assert required["done"] and not required["faulted"], required
+        call = required["generations"][0]["message"]["tool_calls"][0]
+        assert call["function"]["name"] == "get_weather" and required["generations"][0]["finish_reason"] == "tool_calls"
+        other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+        named = live_horde.wait(live_horde.chat(
+            tools=[other, WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+        assert named["done"] and named["generations"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        assert named["generations"][0]["finish_reason"] == "stop"  # as OpenAI finishes a named choice
+        auto = live_horde.wait(live_horde.chat(tools=[WEATHER_TOOL], tool_choice="auto"))
+        assert auto["done"] and not auto["generations"][0]["message"].get("tool_calls")
+    sent = fake.chat_requests()
+    assert sent[0]["tool_choice"] == "required" and sent[0]["tools"] == [WEATHER_TOOL]
+    assert sent[1]["tool_choice"] == "required" and sent[1]["tools"] == [WEATHER_TOOL]  # the named one alone
+
+
+def test_a_reply_without_the_required_call_is_faulted_not_submitted(live_horde):
+    """A template whose call format llama.cpp does not recognise gets no grammar, and the model
+    answers in text: the bridge faults the job tool_violation (the horde hands it on) and never
+    submits the reply as conforming."""
+    with llama_server() as fake, running_bridge(live_horde, fake.url) as (bridge, out):
+        fake.tool_grammar, fake.model_prefers_text = False, True
+        status = live_horde.wait(live_horde.chat(tools=[WEATHER_TOOL], tool_choice="required"),
+                                 until=lambda s: s["faulted"])
+        assert status["fault_reason"] == CHAT_WORKER_FAULT_MESSAGES[ChatFaultReason.TOOL_VIOLATION]
+        assert status["fault_rc"] == "ChatWorkerFault"
+        assert "tool_choice required, and the model answered without a call" in out.text()
+        assert bridge.stats.ok == 0
+    assert len(fake.chat_requests()) == 3  # each handed job generated, none submitted
+    assert not Generation.objects.filter(chat_refusal_rc__isnull=False).exists()
 
 
 # --- the backend's connection -------------------------------------------------------------------------

@@ -246,6 +246,15 @@ def test_tool_controls():
     assert [c["id"] for c in reply.tool_calls] == ["c0"]  # the first call kept
 
 
+def test_tool_controls_of_a_named_choice():
+    """A payload that still carries a named choice beside other tools: a call to another of them
+    breaks it (the bridge sent llama-server only the named tool; another backend got them all)."""
+    tools = [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}}]
+    named = {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    assert enforce_tool_controls(named, parse_chat_response(_calls("f"))) is None
+    assert enforce_tool_controls(named, parse_chat_response(_calls("g"))) == "tool_choice names 'f', and the model called 'g'"
+
+
 def test_backend_request_carries_the_job():
     payload = {
         "messages": [{"role": "user", "content": "x"}], "max_length": 100, "temperature": 0.2, "top_p": 0.9,

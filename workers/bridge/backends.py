@@ -117,8 +117,10 @@ KIND_FEATURES: dict[str, set[str]] = {
     # llama.cpp server: sampling keys, response_format json_schema compiled to a grammar (a
     # json_object is sent as the schema {"type": "object"}: alone it gets no grammar), tools
     # when the server takes them (probed), refuses an over-long prompt (exceed_context_size_error).
-    # Not tool_choice_enforced: its tool grammar is lazy, the model may write text before the
-    # call and end without one. It refuses tools together with a response_format grammar.
+    # tool_choice_enforced once probed: under tool_choice "required" its tool grammar is not lazy
+    # (it holds the reply from the first token until a call is complete); under "auto" it is, so
+    # a named choice is sent as "required" with that tool alone (ADR 0091). Not
+    # tools_with_response_format: with a response_format it builds the format's grammar alone.
     "llamacpp": {F.SEED, F.PRESENCE_PENALTY, F.FREQUENCY_PENALTY, F.JSON_OBJECT, F.JSON_SCHEMA,
                  G.STRUCTURED_OUTPUT_ENFORCED, G.PROMPT_OVERFLOW_REFUSED},
     # vLLM: structured outputs for response_format (json_object sent as the schema
@@ -582,6 +584,13 @@ class OpenAIBackend:
             if taken:
                 caps.features.add(ChatFeature.TOOLS)
                 caps.notes.append("tools: the chat template renders tools and the server took a tool request")
+                forced, detail = self._llamacpp_takes_tools(caps.model, tool_choice="required")
+                if forced:
+                    caps.features.add(ChatGuarantee.TOOL_CHOICE_ENFORCED)
+                    caps.notes.append("tool_choice_enforced: the server took tool_choice required, "
+                                      "which it holds to a call by grammar; a reply without one is faulted")
+                else:
+                    caps.notes.append(f"tool_choice_enforced: not declared, the server refused tool_choice required ({detail})")
             else:
                 caps.notes.append(f"tools: not declared, the server refused a tool request ({detail}; start it with --jinja)")
         modalities = props.get("modalities") or {}
@@ -685,10 +694,13 @@ class OpenAIBackend:
                 return _positive_int(entry.get("context_length"))
         return None
 
-    def _llamacpp_takes_tools(self, model: str) -> tuple[bool, str]:
-        """Whether the server takes a request with tools: /apply-template parses it as a chat
-        completion does, without generating; a build without that route gets a one-token chat."""
+    def _llamacpp_takes_tools(self, model: str, *, tool_choice: str | None = None) -> tuple[bool, str]:
+        """Whether the server takes a request with tools (and `tool_choice`): /apply-template
+        parses it as a chat completion does, building the tool grammar, without generating; a
+        build without that route gets a one-token chat."""
         body: dict[str, Any] = {"messages": [{"role": "user", "content": "ping"}], "tools": [PROBE_TOOL]}
+        if tool_choice is not None:
+            body["tool_choice"] = tool_choice
         try:
             status, data = self._exchange("POST", f"{self.root}/apply-template", body, 30.0)
             if status == 404:

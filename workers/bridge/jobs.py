@@ -74,9 +74,20 @@ def chat_backend_request(payload: dict[str, Any], *, model: str, kind: str) -> d
     for key in TOOL_KEYS:
         if payload.get(key) is not None:
             body[key] = payload[key]
+    if kind == "llamacpp" and isinstance(body.get("tool_choice"), dict):
+        body.update(forced_function_for_llamacpp(body["tool_choice"], body.get("tools") or []))
     if isinstance(body.get("response_format"), dict):
         body.update(response_format_for(kind, body.pop("response_format")))
     return body
+
+
+def forced_function_for_llamacpp(choice: dict[str, Any], tools: list[Any]) -> dict[str, Any]:
+    """A named function choice in the form llama-server enforces: it reads tool_choice as a
+    string (an object is taken as "auto", whose grammar is lazy), so "required" with the named
+    tool alone. The horde already narrows a named choice so (spec: "Chat job pop response")."""
+    name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+    named = [t for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name") == name]
+    return {"tool_choice": "required", "tools": named or tools}
 
 
 # Any JSON object: what a json_object reply must be, as a schema a backend compiles to a grammar.
@@ -310,6 +321,11 @@ def enforce_tool_controls(payload: dict[str, Any], reply: ChatReply) -> str | No
     choice = payload.get("tool_choice")
     if (choice == "required" or isinstance(choice, dict)) and tools and not calls:
         return "tool_choice required, and the model answered without a call"
+    if isinstance(choice, dict):
+        forced = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        stray = next((call["function"]["name"] for call in calls if call["function"]["name"] != forced), None)
+        if stray is not None:
+            return f"tool_choice names '{forced}', and the model called '{stray}'"
     if choice == "none" and calls:
         return "tool_choice none, and the model called a tool"
     if payload.get("parallel_tool_calls") is False and len(calls) > 1:
