@@ -415,20 +415,37 @@ def test_strict_tool_choice_required_and_named_are_served_with_the_call(live_hor
     assert sent[1]["tool_choice"] == "required" and sent[1]["tools"] == [WEATHER_TOOL]  # the named one alone
 
 
-def test_a_reply_without_the_required_call_is_faulted_not_submitted(live_horde):
+def test_a_reply_without_the_required_call_is_faulted_and_the_guarantee_withdrawn(live_horde):
     """A template whose call format llama.cpp does not recognise gets no grammar, and the model
-    answers in text: the bridge faults the job tool_violation (the horde hands it on) and never
-    submits the reply as conforming."""
+    answers in text: the bridge faults the job tool_violation (the horde hands it on), never
+    submits the reply as conforming, and declares tool_choice_enforced no more, so the strict
+    request is not restarted on it again but waits for a worker that keeps the guarantee."""
     with llama_server() as fake, running_bridge(live_horde, fake.url) as (bridge, out):
+        fake.tool_grammar, fake.model_prefers_text = False, True
+        request_id = live_horde.chat(tools=[WEATHER_TOOL], tool_choice="required")
+        status = live_horde.wait(request_id, until=lambda s: s["restarted"] == 1 and not s["is_possible"])
+        assert status["impossible_reason"]["missing_declarations"] == ["tool_choice_enforced"]
+        assert not status["faulted"] and status["waiting"] == 1
+        assert "tool_choice required, and the model answered without a call" in out.text()
+        assert "tool_choice_enforced withdrawn from the next pop" in out.text()
+        assert "tool_choice_enforced" not in bridge.declaration.chat_features
+        assert bridge.stats.ok == 0
+    assert len(fake.chat_requests()) == 1  # generated once, not submitted, not handed back to it
+    assert not Generation.objects.filter(chat_refusal_rc__isnull=False).exists()
+
+
+def test_a_guarantee_the_volunteer_asserted_stays_after_a_violation(live_horde):
+    """--feature tool_choice_enforced is the volunteer's word: a violation faults the job, and the
+    declaration keeps the guarantee."""
+    asserted = {"tool_choice_enforced"}
+    with llama_server() as fake, running_bridge(live_horde, fake.url, add_features=asserted) as (bridge, out):
         fake.tool_grammar, fake.model_prefers_text = False, True
         status = live_horde.wait(live_horde.chat(tools=[WEATHER_TOOL], tool_choice="required"),
                                  until=lambda s: s["faulted"])
-        assert status["fault_reason"] == CHAT_WORKER_FAULT_MESSAGES[ChatFaultReason.TOOL_VIOLATION]
         assert status["fault_rc"] == "ChatWorkerFault"
-        assert "tool_choice required, and the model answered without a call" in out.text()
-        assert bridge.stats.ok == 0
-    assert len(fake.chat_requests()) == 3  # each handed job generated, none submitted
-    assert not Generation.objects.filter(chat_refusal_rc__isnull=False).exists()
+        assert "withdrawn" not in out.text()
+        assert "tool_choice_enforced" in bridge.declaration.chat_features
+    assert len(fake.chat_requests()) == 3
 
 
 # --- the backend's connection -------------------------------------------------------------------------

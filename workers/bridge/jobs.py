@@ -301,6 +301,12 @@ def parse_chat_response(response: dict[str, Any], *, split_think: bool = True) -
     )
 
 
+def forces_a_tool_call(payload: dict[str, Any]) -> bool:
+    """Whether the job's tool controls force a call: tool_choice required or a named function."""
+    choice = payload.get("tool_choice")
+    return bool(payload.get("tools")) and (choice == "required" or isinstance(choice, dict))
+
+
 def enforce_tool_controls(payload: dict[str, Any], reply: ChatReply) -> str | None:
     """Hold the reply to the job's tool controls (as the horde narrowed them); the violation, or None.
 
@@ -319,7 +325,7 @@ def enforce_tool_controls(payload: dict[str, Any], reply: ChatReply) -> str | No
     if len(set(ids)) != len(ids):
         return "the model repeated a tool call id"
     choice = payload.get("tool_choice")
-    if (choice == "required" or isinstance(choice, dict)) and tools and not calls:
+    if forces_a_tool_call(payload) and not calls:
         return "tool_choice required, and the model answered without a call"
     if isinstance(choice, dict):
         forced = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None

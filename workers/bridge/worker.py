@@ -46,6 +46,7 @@ from workers.bridge.jobs import (
     chat_submit_body,
     enforce_tool_controls,
     estimate_tokens,
+    forces_a_tool_call,
     parse_chat_response,
     parse_text_response,
     text_backend_request,
@@ -514,6 +515,19 @@ class Bridge:
         finally:
             self._context_lock.release()
 
+    def _withdraw_probed_guarantee(self, guarantee: str, violation: str) -> None:
+        """The backend broke a guarantee the start's probe found (llama-server builds no tool
+        grammar for a template it does not recognise, ADR 0091): declare it no more from the next
+        pop, so the horde sends such requests to workers that keep it instead of restarting them
+        here. A guarantee the volunteer asserted with --feature stays."""
+        with self._context_lock:  # the context's re-read replaces caps too
+            caps = self.caps
+            if caps is None or guarantee not in caps.features or guarantee in self.config.add_features:
+                return
+            self.caps = dataclasses.replace(caps, features=caps.features - {guarantee})
+            self.declaration = build_declaration(self.config, self.caps, self.horde_model, self.threads)
+        self.log(f"{guarantee} withdrawn from the next pop: the backend broke it ({violation})")
+
     def _read_context_soon(self, reason: str) -> None:
         with self._lock:
             if self._context_reread != "fault":
@@ -628,6 +642,8 @@ class Bridge:
         violation = enforce_tool_controls(payload, reply)
         if violation:
             self._fault(held, ChatFaultReason.TOOL_VIOLATION, violation)
+            if forces_a_tool_call(payload):
+                self._withdraw_probed_guarantee(G.TOOL_CHOICE_ENFORCED, violation)
             return
         outcome = self._submit(held, chat_submit_body(held.id, held.model_id, reply))
         if outcome is None:
