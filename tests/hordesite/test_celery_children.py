@@ -50,6 +50,9 @@ def test_the_worker_reads_its_childrens_bounds_from_the_environment():
 
 @pytest.mark.slow
 def test_a_child_past_its_memory_bound_is_replaced_after_its_task_and_the_sweeps_go_on(tmp_path):
+    """What the variable does. Celery's command line reads it too (click's CELERY_ prefix, as
+    `--max-memory-per-child`), so this passed before the settings read it; what the settings add,
+    the default and the refusal of a negative bound, is the test above's."""
     env = {
         **os.environ,
         "DATABASE_URL": f"sqlite:///{tmp_path / 'celery.sqlite3'}",
