@@ -24,7 +24,6 @@ import logging
 import math
 import re
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache, partial
@@ -117,9 +116,10 @@ def _ints_as_bigint(raw_connection: Any) -> None:
 # One raw cursor per psycopg connection, made on its first prepared statement and reused by the
 # next ones (a cursor runs one statement after another; its connection serves one thread at a
 # time). Making a cursor and its adapters, and checking the int dumpers and the time zone loader,
-# cost each statement about 20 us of CPU (docs/benchmarks.md, "Text queue"). Forgotten with its
-# connection.
-_raw_cursors: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+# cost each statement about 20 us of CPU (docs/benchmarks.md, "Text queue"). Kept as an attribute
+# of the connection, so it goes with it: the cursor refers to its connection, and a map keyed
+# weakly by the connection kept every connection it ever saw (docs/adr/0088).
+_RAW_CURSOR_ATTRIBUTE = "_horde_raw_cursor"
 
 
 def _raw_cursor(db: Any, raw: Any) -> Any:
@@ -128,13 +128,14 @@ def _raw_cursor(db: Any, raw: Any) -> Any:
     import psycopg
     from django.db.backends.postgresql.psycopg_any import register_tzloader
 
-    made = _raw_cursors.get(raw)
+    made = getattr(raw, _RAW_CURSOR_ATTRIBUTE, None)
     if made is not None and made[0] == db.timezone:
         return made[1]
     _ints_as_bigint(raw)
     cursor = psycopg.RawCursor(raw)
     register_tzloader(db.timezone, cursor)
-    _raw_cursors[raw] = (db.timezone, cursor)
+    # A cycle (connection, cursor): Python's collector frees both once nothing else holds them.
+    setattr(raw, _RAW_CURSOR_ATTRIBUTE, (db.timezone, cursor))
     return cursor
 
 

@@ -1,6 +1,7 @@
 """The Celery app: the periodic sweeps run as beat tasks (chat/tasks.py; their schedule is
-CELERY_BEAT_SCHEDULE in the settings). Each process that runs tasks configures its telemetry when it
-starts and flushes it when it stops (hordesite/telemetry.py); beat runs no task and records none."""
+CELERY_BEAT_SCHEDULE in the settings). Each process that runs tasks configures its telemetry before
+its first task and flushes it when it stops (hordesite/telemetry.py); beat runs no task and records
+none."""
 
 from __future__ import annotations
 
@@ -10,15 +11,9 @@ from typing import Any
 
 from celery import Celery
 from celery.beat import PersistentScheduler
-from celery.signals import (
-    celeryd_init,
-    worker_init,
-    worker_process_init,
-    worker_process_shutdown,
-    worker_shutdown,
-)
+from celery.signals import celeryd_init, task_prerun, worker_process_shutdown, worker_shutdown
 
-from hordesite.telemetry import start_celery_telemetry, stop_telemetry
+from hordesite.telemetry import start_celery_telemetry_once, stop_telemetry
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hordesite.settings")
 
@@ -50,34 +45,24 @@ def _make_broker_dirs(**_kwargs) -> None:
     make_broker_dirs()
 
 
-def _runs_tasks_in_children(worker: Any) -> bool:
-    from celery import concurrency
-    from celery.concurrency.prefork import TaskPool
-
-    pool = concurrency.get_implementation(worker.pool_cls)
-    return isinstance(pool, type) and issubclass(pool, TaskPool)
-
-
-@worker_process_init.connect
-def _start_telemetry_in_pool_process(**_kwargs) -> None:
-    """A prefork child, after its fork: its own providers (the parent configures none, so no export
-    thread or service.instance.id is shared between processes). The solo pool sends it too, in the
-    worker itself."""
-    start_celery_telemetry()
+@task_prerun.connect
+def _start_telemetry_at_the_first_task(task: Any = None, **_kwargs) -> None:
+    """The process that runs a task sets its telemetry up before its first task: a prefork child
+    (after its fork), or the worker itself under a pool without children (solo, threads). Not
+    earlier: under the solo pool, `worker -B` forks its embedded beat after the worker's start and
+    before its first task, and beat would otherwise inherit the worker's providers, their export
+    threads restarted by the SDK in the fork, under the worker's service.instance.id (docs/adr/0088).
+    Nothing is recorded before a process's first task. Once per process (a second call is a
+    comparison of process ids). Not for a task run eagerly, in the caller's process."""
+    if task is not None and task.request.is_eager:
+        return
+    start_celery_telemetry_once()
 
 
 @worker_process_shutdown.connect
 def _flush_telemetry_in_pool_child(**_kwargs) -> None:
     """A prefork child exits without atexit hooks (os._exit): its last metrics are exported here."""
     stop_telemetry()
-
-
-@worker_init.connect
-def _start_telemetry_without_pool_children(sender: Any = None, **_kwargs) -> None:
-    """Under a pool without child processes (solo, threads) the tasks run in the worker itself; the
-    solo pool's worker_process_init then finds the providers running."""
-    if sender is not None and not _runs_tasks_in_children(sender):
-        start_celery_telemetry()
 
 
 @worker_shutdown.connect

@@ -173,6 +173,16 @@ if CELERY_BROKER_URL == "filesystem://":
     # kombu's transport, writing each message whole before the worker can see it.
     CELERY_BROKER_TRANSPORT = "hordesite.filesystem_broker:Transport"
 CELERY_TASK_IGNORE_RESULT = True
+# A prefork pool child whose resident memory (KiB, its peak) passed this after a task is replaced by
+# a fresh child; so is one that ran this many tasks. Celery's worker_max_memory_per_child and
+# worker_max_tasks_per_child, read by the worker from here (0: never). A safety net: a child that
+# grows for any reason, ours or a library's, is replaced between two sweeps (docs/adr/0088).
+_max_memory_per_child = env.int("CELERY_WORKER_MAX_MEMORY_PER_CHILD", default=262_144)
+_max_tasks_per_child = env.int("CELERY_WORKER_MAX_TASKS_PER_CHILD", default=0)
+if _max_memory_per_child < 0 or _max_tasks_per_child < 0:  # fail closed: a typo must not turn a bound off
+    raise ImproperlyConfigured("CELERY_WORKER_MAX_MEMORY_PER_CHILD and CELERY_WORKER_MAX_TASKS_PER_CHILD: 0 (never) or more")
+CELERY_WORKER_MAX_MEMORY_PER_CHILD = _max_memory_per_child or None
+CELERY_WORKER_MAX_TASKS_PER_CHILD = _max_tasks_per_child or None
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
 # Beat's own record of its last runs; its folder is created when beat starts (hordesite/celery.py).
 CELERY_BEAT_SCHEDULE_FILENAME = env.str("CELERY_BEAT_SCHEDULE_FILENAME", default=str(VAR_DIR / "celerybeat-schedule"))

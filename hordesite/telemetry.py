@@ -7,6 +7,8 @@ hordesite.celery configure no provider."""
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,10 +41,36 @@ def start_web_telemetry(
 
 
 def start_celery_telemetry(settings: TelemetrySettings | None = None) -> bool:
-    """In a Celery process that runs tasks (a prefork child, after its fork; or the worker itself
-    under a pool without children): service name horde-celery unless OTEL_SERVICE_NAME sets
-    another."""
+    """In a Celery process that runs tasks, before its first task (a prefork child, after its fork;
+    or the worker itself under a pool without children, after it forked its embedded beat):
+    service name horde-celery unless OTEL_SERVICE_NAME sets another."""
     return configure_telemetry(settings or TELEMETRY_SETTINGS, default_service_name=CELERY_SERVICE_NAME)
+
+
+class _CeleryTelemetryStart:
+    """The process whose Celery telemetry was started (its pid), so that each task's check costs a
+    comparison: a forked child has another pid and starts its own."""
+
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self.lock = threading.Lock()  # the threads pool's first tasks may start together
+
+    def once(self) -> None:
+        if self.pid == os.getpid():
+            return
+        with self.lock:
+            if self.pid != os.getpid():
+                start_celery_telemetry()
+                self.pid = os.getpid()
+
+
+_celery_start = _CeleryTelemetryStart()
+
+
+def start_celery_telemetry_once() -> None:
+    """start_celery_telemetry in this process, unless it already ran here (hordesite.celery calls it
+    before each task)."""
+    _celery_start.once()
 
 
 def stop_telemetry() -> None:

@@ -50,6 +50,10 @@ class TelemetrySettings:
     pyroscope_enabled: bool = False
     pyroscope_server_address: str = "http://localhost:4040"
     pyroscope_tenant_id: str | None = None
+    # HORDE_TELEMETRY_STOP_SECONDS: the longest a clean stop waits for the last export of all the
+    # providers together (a collector that is down or hangs would otherwise hold it for each
+    # exporter's own timeout and retries; docs/adr/0088).
+    stop_seconds: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,7 @@ def _sample_ratio(value: str) -> float:
 # The switch of every process's telemetry, and the front's name for it, still read (docs/adr/0075).
 TELEMETRY_SWITCH = "HORDE_TELEMETRY_ENABLED"
 FRONT_TELEMETRY_SWITCH = "HORDE_OAI_TELEMETRY_ENABLED"
+TELEMETRY_STOP_SECONDS = "HORDE_TELEMETRY_STOP_SECONDS"
 
 
 def load_telemetry_settings(env: Mapping[str, str] | None = None) -> TelemetrySettings:
@@ -141,6 +146,9 @@ def load_telemetry_settings(env: Mapping[str, str] | None = None) -> TelemetrySe
         enabled = next(iter(switches.values()))
     else:
         enabled = any(env.get(name) for name in OTLP_ENDPOINT_VARIABLES)
+    stop_seconds = read.float(TELEMETRY_STOP_SECONDS, default=5.0)
+    if stop_seconds <= 0:  # a stop must have a bound
+        raise environ.ImproperlyConfigured(f"{TELEMETRY_STOP_SECONDS} must be a number of seconds above 0")
     return TelemetrySettings(
         enabled=enabled,
         sdk_disabled=read.bool("OTEL_SDK_DISABLED", default=False),
@@ -151,6 +159,7 @@ def load_telemetry_settings(env: Mapping[str, str] | None = None) -> TelemetrySe
         pyroscope_enabled=read.bool("PYROSCOPE_ENABLED", default=False),
         pyroscope_server_address=read.str("PYROSCOPE_SERVER_ADDRESS", default="http://localhost:4040"),
         pyroscope_tenant_id=read.str("PYROSCOPE_TENANT_ID", default="") or None,
+        stop_seconds=stop_seconds,
     )
 
 

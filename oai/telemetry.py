@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,9 +24,6 @@ from oai.settings import TelemetrySettings
 
 FRONT_SERVICE_NAME = "horde-oai"
 DEFAULT_DEPLOYMENT_ENVIRONMENT = "development"  # the Flask application's
-# How long a stop waits for the last export of each provider: within the launcher's stop (20 s,
-# after the web process's 10 s drain) and the Celery unit's.
-SHUTDOWN_TIMEOUT_MILLIS = 5_000
 log = logging.getLogger("oai")
 
 
@@ -35,21 +33,38 @@ class ProcessTelemetry:
 
     stops: list[Callable[[], Any]] = field(default_factory=list)
     pid: int | None = None  # the process whose providers these are
+    # The longest the stop waits for all the providers' last exports (HORDE_TELEMETRY_STOP_SECONDS).
+    stop_seconds: float = 5.0
 
     def running(self) -> bool:
         return bool(self.stops) and self.pid == os.getpid()
 
     def shutdown(self) -> None:
-        """Export what was recorded since the last export, and stop the export threads. Once: a
-        second call (the atexit fallback after the process's own stop) finds nothing to do."""
+        """Export what was recorded since the last export, and stop the export threads, waiting at
+        most stop_seconds: each exporter's own timeout and retries (10 s and up, one after the
+        other) would otherwise hold a stop for as long as a collector is down or hangs. What is not
+        exported by then is dropped, and the process goes on stopping. Once: a second call (the
+        atexit fallback after the process's own stop) finds nothing to do."""
         stops, self.stops = self.stops, []
-        if self.pid != os.getpid():
+        if self.pid != os.getpid() or not stops:
             return  # a forked child's copies: the parent's to export, under the parent's id
-        for stop in stops:
-            try:
-                stop()
-            except Exception:
-                log.exception("telemetry: a provider's shutdown failed")
+        last_exports = threading.Thread(target=_stop_each, args=(stops,), name="telemetry-stop", daemon=True)
+        last_exports.start()
+        last_exports.join(self.stop_seconds)
+        if last_exports.is_alive():
+            log.warning(
+                "telemetry: the last export did not finish within %g s (HORDE_TELEMETRY_STOP_SECONDS): "
+                "is the OTLP collector down? What it held is dropped",
+                self.stop_seconds,
+            )
+
+
+def _stop_each(stops: list[Callable[[], Any]]) -> None:
+    for stop in stops:
+        try:
+            stop()
+        except Exception:
+            log.exception("telemetry: a provider's shutdown failed")
 
 
 process_telemetry = ProcessTelemetry()
@@ -110,12 +125,13 @@ def configure_telemetry(
     logger_provider = _logger_provider(resource)
     bridge_request_log(logger_provider)
     # The meter provider last: its shutdown collects once more, after the spans' and logs' flush.
-    # (The tracer's and the logger's take no timeout: their exporters' timeouts bound them.)
+    # All three within the stop's bound (ProcessTelemetry.shutdown).
     process_telemetry.pid = os.getpid()
+    process_telemetry.stop_seconds = settings.stop_seconds
     process_telemetry.stops = [
         tracer_provider.shutdown,
         logger_provider.shutdown,
-        lambda: meter_provider.shutdown(timeout_millis=SHUTDOWN_TIMEOUT_MILLIS),
+        lambda: meter_provider.shutdown(timeout_millis=settings.stop_seconds * 1000),
     ]
     atexit.unregister(process_telemetry.shutdown)  # registered once, however often a test configures
     atexit.register(process_telemetry.shutdown)

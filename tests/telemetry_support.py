@@ -6,8 +6,10 @@ configured this process's telemetry (oai.telemetry)."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import logging
+import socket
 import threading
 import time
 import zlib
@@ -143,6 +145,28 @@ def otlp_collector(port: int = 0) -> Iterator[Collector]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@contextmanager
+def silent_collector() -> Iterator[str]:
+    """A collector that is up but never answers (hung, or overloaded): it accepts each connection
+    and reads nothing. Yields the OTLP endpoint to give OTEL_EXPORTER_OTLP_ENDPOINT."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # the listener closed at the end
+            while True:
+                accepted.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+        for connection in accepted:
+            connection.close()
 
 
 @contextmanager

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.utils import timezone
@@ -239,3 +240,56 @@ def test_the_launcher_serves_and_exports_nothing_with_telemetry_off(tmp_path):
                 os.killpg(launcher.pid, signal.SIGKILL)
                 launcher.wait()
         assert collector.paths == []
+
+
+def _threads(pid: int) -> int:
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(status["Threads"])
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_the_beat_of_a_solo_worker_holds_no_copy_of_the_workers_telemetry(tmp_path, horde, make_user):
+    """`celery worker -B --pool=solo`: the worker runs the tasks and forks its embedded beat at its
+    start. Before, the worker set its telemetry up before that fork, so beat held copies of its
+    providers, their three export threads restarted by the SDK in the fork, under the worker's
+    service.instance.id (a point recorded before the fork would have been exported twice). Now the
+    worker sets up at its first task, after the fork: beat runs its one thread, and what arrives
+    comes from the worker, once."""
+    requester, volunteer = make_user("beat-requester", kudos=1000), make_user("beat-volunteer", trusted=True)
+    assert horde.text_async(requester.key, models=[TEXT_MODEL]).status_code == 202
+    job = horde.pop(volunteer.key, name="beat-worker", models=[TEXT_MODEL]).json()
+    assert job["id"], job
+    Generation.objects.filter(pk=job["id"]).update(lease_expires_at=timezone.now() - timedelta(minutes=5))
+    with otlp_collector() as collector:
+        env = web_env(
+            tmp_path,
+            HORDE_TELEMETRY_ENABLED="true",
+            OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
+            OTEL_EXPERIMENTAL_RESOURCE_DETECTORS="otel,process",  # process.pid in each point's resource
+            HORDE_SWEEP_INTERVAL_SECONDS="1",
+            CELERY_BEAT_SCHEDULE_FILENAME=str(tmp_path / "celerybeat-schedule"),
+            **NO_PERIODIC_EXPORT,
+        )
+        log = tmp_path / "celery.log"
+        with log.open("wb") as out:
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "hordesite", "worker", "-B", "--pool=solo", "--loglevel=INFO"],
+                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0,
+            )
+        try:
+            deadline = time.monotonic() + 90
+            while Generation.objects.get(pk=job["id"]).state != Generation.State.FAULTED:
+                assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.5)
+            (beat,) = _children(worker.pid)  # the solo pool's only child process
+            assert _threads(beat) == 1
+            worker.send_signal(signal.SIGTERM)
+            assert worker.wait(60) == 0, log.read_text()
+        finally:
+            if worker.poll() is None:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait()
+    (abort,) = collector.points_of("horde.text.stale_aborts")
+    assert abort.value == 1 and abort.resource["service.name"] == "horde-celery"
+    assert {point.resource["process.pid"] for point in collector.points} == {worker.pid}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import types
 from typing import Any
 
@@ -21,8 +22,9 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_s
 
 from oai.__main__ import configure_telemetry
 from oai.settings import load_settings, load_telemetry_settings
-from oai.telemetry import telemetry_resource
-from tests.telemetry_support import fresh_otel_globals, otlp_collector
+from oai.telemetry import configure_telemetry as configure_process_telemetry
+from oai.telemetry import shutdown_telemetry, telemetry_resource
+from tests.telemetry_support import fresh_otel_globals, otlp_collector, silent_collector
 
 ON = {"HORDE_OAI_TELEMETRY_ENABLED": "true"}
 # The lower 64 bits of a trace id decide a ratio sampler: kept when below ratio * 2**64.
@@ -231,3 +233,41 @@ def test_either_switch_turns_telemetry_on_and_disagreeing_switches_are_refused()
     assert load_telemetry_settings({"HORDE_TELEMETRY_ENABLED": "", "HORDE_OAI_TELEMETRY_ENABLED": "true"}).enabled
     with pytest.raises(ImproperlyConfigured, match="HORDE_TELEMETRY_ENABLED and HORDE_OAI_TELEMETRY_ENABLED"):
         load_telemetry_settings({"HORDE_TELEMETRY_ENABLED": "false", "HORDE_OAI_TELEMETRY_ENABLED": "true"})
+
+
+def _record_one_of_each() -> None:
+    """A metric point, a span and a finished-request log line: each provider has something to export."""
+    from opentelemetry import metrics
+
+    metrics.get_meter("test").create_counter("test.stops").add(1)
+    with trace.get_tracer("test").start_as_current_span("test-stop"):
+        pass
+    logging.getLogger("oai.requests").warning("finished")
+
+
+@pytest.mark.parametrize("collector", ["silent", "down"])
+def test_a_stop_waits_at_most_its_bound_for_a_collector_that_does_not_take_the_last_export(
+    monkeypatch, collector
+):
+    """A clean stop exports the last points, but a collector that hangs (or is down) delays the stop
+    by at most HORDE_TELEMETRY_STOP_SECONDS, not by each exporter's own timeout and retries (16 s
+    and 12.7 s before, past the launcher's 20 s after a 10 s drain)."""
+    with silent_collector() as silent:
+        down = otlp_collector()
+        with down as stopped:
+            closed = stopped.url  # a port nothing listens on once the collector is stopped
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", silent if collector == "silent" else closed)
+        monkeypatch.setenv("HORDE_TELEMETRY_STOP_SECONDS", "2")
+        assert configure_process_telemetry(load_telemetry_settings(), default_service_name="horde-test") is True
+        _record_one_of_each()
+        started = time.monotonic()
+        shutdown_telemetry()
+        assert time.monotonic() - started < 2 + 1.0
+
+
+def test_the_stop_bound_is_read_and_must_be_positive():
+    assert load_telemetry_settings({}).stop_seconds == 5.0
+    assert load_telemetry_settings({"HORDE_TELEMETRY_STOP_SECONDS": "1.5"}).stop_seconds == 1.5
+    for value in ("0", "-1"):
+        with pytest.raises(ImproperlyConfigured, match="HORDE_TELEMETRY_STOP_SECONDS"):
+            load_telemetry_settings({"HORDE_TELEMETRY_STOP_SECONDS": value})
