@@ -16,6 +16,7 @@ import io
 import ipaddress
 import json
 import logging
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -113,18 +114,26 @@ def load_chat_images(
     image of the request takes at most `fetch_seconds` in all (docs/adr/0069)."""
     cap = user_image_total_cap(user)
     total = check_data_url_total(parts, cap)
-    deadline = time.monotonic() + fetch_seconds
-    raw: list[bytes] = []
-    for part in parts:
-        if part.is_data_url:
-            raw.append(_decoded(part))
-            continue
-        data = _fetched(part, deadline=deadline, budget=fetch_seconds)
-        # A URL image's size is known once fetched: the total is checked before the next fetch.
-        total += len(data)
-        if total > cap:
-            raise images_total_exceeded(total, cap)
-        raw.append(data)
+    # A request with URL images fetches them in a fetch slot of the process, or is refused at once.
+    slots = _fetch_slots() if any(not part.is_data_url for part in parts) else None
+    if slots is not None and not slots.acquire(blocking=False):
+        raise image_fetch_busy()
+    try:
+        deadline = time.monotonic() + fetch_seconds
+        raw: list[bytes] = []
+        for part in parts:
+            if part.is_data_url:
+                raw.append(_decoded(part))
+                continue
+            data = _fetched(part, deadline=deadline, budget=fetch_seconds)
+            # A URL image's size is known once fetched: the total is checked before the next fetch.
+            total += len(data)
+            if total > cap:
+                raise images_total_exceeded(total, cap)
+            raw.append(data)
+    finally:
+        if slots is not None:
+            slots.release()
     for part, data in zip(parts, raw, strict=True):
         _check_header(part, data)
     jpegs = []
@@ -137,6 +146,34 @@ def load_chat_images(
     if encoded > cap:  # a compact PNG can re-encode to a far larger JPEG
         raise images_total_exceeded(encoded, cap, encoded=True)
     return jpegs
+
+
+# A fetch slot frees within the fetch bound; most fetches take well under a second.
+CHAT_IMAGE_FETCH_BUSY_RETRY_AFTER_SECONDS = 5
+_slots_lock = threading.Lock()
+_slots: tuple[int, threading.BoundedSemaphore] | None = None
+
+
+def _fetch_slots() -> threading.BoundedSemaphore:
+    """The process's HORDE_CHAT_IMAGE_FETCH_CONCURRENCY slots for requests fetching image URLs (each
+    holds a web thread while it fetches, up to the fetch bound): a new set when the setting changes."""
+    global _slots
+    size = settings.HORDE_CHAT_IMAGE_FETCH_CONCURRENCY
+    with _slots_lock:
+        if _slots is None or _slots[0] != size:
+            _slots = (size, threading.BoundedSemaphore(size))
+        return _slots[1]
+
+
+def image_fetch_busy() -> HordeError:
+    error = HordeError(
+        "ChatImageFetchBusy",
+        "This horde is fetching as many image URLs as it allows at once; send the request again shortly, "
+        "or send the images as data URLs.",
+        status=503,
+    )
+    error.headers["Retry-After"] = str(CHAT_IMAGE_FETCH_BUSY_RETRY_AFTER_SECONDS)
+    return error
 
 
 def _decoded(part: ImagePart) -> bytes:
