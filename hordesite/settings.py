@@ -48,6 +48,10 @@ if DEPLOYED:
 else:
     SECRET_KEY = env.str("SECRET_KEY", default=DEV_SECRET_KEY)
     ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["*"])
+# The admin's forms behind a proxy that ends TLS: the browser's Origin is https://<site>, which the
+# process, seeing plain HTTP, does not take for its own (docs/adr/0092). Scheme and host, e.g.
+# https://horde.example.org; empty: only the origin the process itself is reached at.
+CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 
 INSTALLED_APPS = [
     "daphne",

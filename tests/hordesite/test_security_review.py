@@ -185,3 +185,37 @@ def test_a_refused_image_url_does_not_tell_the_address_its_host_resolves_to(web_
     message = answer.json()["message"]
     assert "localhost" in message and "not public" in message, message
     assert "127.0.0.1" not in message and "::1" not in message, message
+
+
+def _cookies(answer: httpx.Response) -> dict[str, str]:
+    """The cookies an answer sets, secure ones included (a browser behind the proxy's TLS keeps them)."""
+    return dict(
+        header.split(";", 1)[0].strip().split("=", 1) for header in answer.headers.get_list("set-cookie")
+    )
+
+
+def test_the_admin_logs_in_behind_a_tls_proxy_from_its_trusted_origin_only(web_factory):
+    """The documented deployment serves the horde behind a reverse proxy that ends TLS, and the
+    admin's cookies are secure-only there: a browser's login then comes with `Origin: https://...`
+    to a process that sees plain HTTP. Django's CSRF check refused it (403) with no setting to name
+    the proxy's origin; CSRF_TRUSTED_ORIGINS names it, and any other origin is still refused."""
+    port = _free_port()
+    web = web_factory(CSRF_TRUSTED_ORIGINS=f"https://127.0.0.1:{port}", DJANGO_SUPERUSER_PASSWORD="a-Long-pass-4321")
+    web.manage("createsuperuser", "--noinput", "--username", "root", "--email", "root@example.org")
+    admin = httpx.Client(base_url=f"http://127.0.0.1:{web.port}", timeout=30)
+    form = admin.get("/admin/login/")
+    token = form.text.split('name="csrfmiddlewaretoken" value="', 1)[1].split('"', 1)[0]
+    cookie = "; ".join(f"{name}={value}" for name, value in _cookies(form).items())
+
+    def login(origin: str) -> httpx.Response:
+        return admin.post(
+            "/admin/login/?next=/admin/",
+            data={"csrfmiddlewaretoken": token, "username": "root", "password": "a-Long-pass-4321", "next": "/admin/"},
+            headers={"Cookie": cookie, "Origin": origin, "Referer": f"{origin}/admin/login/"},
+        )
+
+    assert login("https://evil.example").status_code == 403
+    answer = login(f"https://127.0.0.1:{port}")
+    assert answer.status_code == 302 and answer.headers["Location"] == "/admin/", answer.text[:300]
+    assert "sessionid" in _cookies(answer)
+    assert "Secure" in next(h for h in answer.headers.get_list("set-cookie") if h.startswith("sessionid="))
