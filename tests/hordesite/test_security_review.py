@@ -219,3 +219,29 @@ def test_the_admin_logs_in_behind_a_tls_proxy_from_its_trusted_origin_only(web_f
     assert answer.status_code == 302 and answer.headers["Location"] == "/admin/", answer.text[:300]
     assert "sessionid" in _cookies(answer)
     assert "Secure" in next(h for h in answer.headers.get_list("set-cookie") if h.startswith("sessionid="))
+
+
+def test_a_text_requests_repeated_stop_sequences_reach_its_worker_once(web_factory):
+    """Upstream's bound counts the distinct stop sequences (at most 128, ADR 0072), so a body of
+    100,000 copies of one passed it, and every pop of the request carried the 100,000 copies to a
+    worker (about 600 KB of JSON per pop). The worker now receives each sequence once, in order."""
+    web = web_factory()
+    requester = web.manage("horde_user", "create", "review-requester", "--kudos", "1000", "--trusted").split()[-1]
+    owner = web.manage("horde_user", "create", "review-owner", "--trusted").split()[-1]
+    client = httpx.Client(base_url=web.url, timeout=60)
+    model = "koboldcpp/Llama-3-8B"
+    pop = {"name": "review-text", "models": [model], "max_length": 512, "max_context_length": 4096,
+           "bridge_agent": SCRIBE_AGENT}
+    assert client.post("generate/text/pop", json=pop, headers={"apikey": owner}).status_code == 200
+    stops = ["\nUser:", "###"] * 50_000 + ["", "\nUser:"]
+    created = client.post(
+        "generate/text/async", headers={"apikey": requester},
+        json={"prompt": "Once", "params": {"n": 1, "max_length": 16, "stop_sequence": stops}, "models": [model]},
+    )
+    assert created.status_code == 202, created.text
+
+    job = client.post("generate/text/pop", json=pop, headers={"apikey": owner})
+
+    assert job.status_code == 200 and job.json()["id"] is not None, job.text[:300]
+    assert job.json()["payload"]["stop_sequence"] == ["\nUser:", "###"]
+    assert len(job.content) < 10_000
