@@ -347,14 +347,13 @@ HORDE_WORKER_CACHE_SECONDS = env.float("HORDE_WORKER_CACHE_SECONDS", default=5.0
 HORDE_EMPTY_POP_CACHE_SECONDS = env.float("HORDE_EMPTY_POP_CACHE_SECONDS", default=10.0)
 # Threads of the web process serving the native API through Django's WSGI handler (hordesite/wsgi_pool.py).
 HORDE_WEB_THREADS = env.int("HORDE_WEB_THREADS", default=4)
-# Chat requests of a process that fetch their image URLs at once (each holds a thread up to the
-# fetch bound, 15 s); another is answered 503 ChatImageFetchBusy, so slow image hosts cannot take
-# every thread (docs/adr/0092). Default: half the threads, at least one.
-HORDE_CHAT_IMAGE_FETCH_CONCURRENCY = env.int(
-    "HORDE_CHAT_IMAGE_FETCH_CONCURRENCY", default=max(1, HORDE_WEB_THREADS // 2)
-)
-if HORDE_CHAT_IMAGE_FETCH_CONCURRENCY < 1:
-    raise ImproperlyConfigured("HORDE_CHAT_IMAGE_FETCH_CONCURRENCY must be at least 1")
+# Chat requests of a process that load their images at once (fetch URL images, check and re-encode
+# every image: each holds a thread, a fetch up to its bound of 15 s); another is answered 503
+# ChatImagesBusy, so image work cannot take every thread (docs/adr/0092). Default: half the
+# threads, at least one.
+HORDE_CHAT_IMAGE_CONCURRENCY = env.int("HORDE_CHAT_IMAGE_CONCURRENCY", default=max(1, HORDE_WEB_THREADS // 2))
+if HORDE_CHAT_IMAGE_CONCURRENCY < 1:
+    raise ImproperlyConfigured("HORDE_CHAT_IMAGE_CONCURRENCY must be at least 1")
 # Web processes the launcher serves one port with (scripts/run.py web, docs/adr/0046). Processes
 # learn of each other's writes through PostgreSQL and Redis only (queue signals, wakes, rate limits),
 # so more than one needs both.

@@ -116,7 +116,7 @@ class ChatAsyncView(APIView):
                 s404=["UnknownChatModel"],
                 s413=["RequestTooLarge"],
                 s429=["RateLimited", "TooManyPrompts"],
-                s503=["MaintenanceMode", "ChatAdmissionDisabled", "ChatImageStorageUnavailable", "ChatImageFetchBusy",
+                s503=["MaintenanceMode", "ChatAdmissionDisabled", "ChatImageStorageUnavailable", "ChatImagesBusy",
                       "DatabaseUnavailable"],
             ),
         },

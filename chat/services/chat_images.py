@@ -114,26 +114,30 @@ def load_chat_images(
     image of the request takes at most `fetch_seconds` in all (docs/adr/0069)."""
     cap = user_image_total_cap(user)
     total = check_data_url_total(parts, cap)
-    # A request with URL images fetches them in a fetch slot of the process, or is refused at once.
-    slots = _fetch_slots() if any(not part.is_data_url for part in parts) else None
-    if slots is not None and not slots.acquire(blocking=False):
-        raise image_fetch_busy()
+    # Fetching, checking and re-encoding hold the web thread: in one of the process's image slots,
+    # or refused at once (docs/adr/0092).
+    slots = _image_slots()
+    if not slots.acquire(blocking=False):
+        raise images_busy()
     try:
-        deadline = time.monotonic() + fetch_seconds
-        raw: list[bytes] = []
-        for part in parts:
-            if part.is_data_url:
-                raw.append(_decoded(part))
-                continue
-            data = _fetched(part, deadline=deadline, budget=fetch_seconds)
-            # A URL image's size is known once fetched: the total is checked before the next fetch.
-            total += len(data)
-            if total > cap:
-                raise images_total_exceeded(total, cap)
-            raw.append(data)
+        return _loaded(parts, cap=cap, total=total, fetch_seconds=fetch_seconds)
     finally:
-        if slots is not None:
-            slots.release()
+        slots.release()
+
+
+def _loaded(parts: list[ImagePart], *, cap: int, total: int, fetch_seconds: float) -> list[bytes]:
+    deadline = time.monotonic() + fetch_seconds
+    raw: list[bytes] = []
+    for part in parts:
+        if part.is_data_url:
+            raw.append(_decoded(part))
+            continue
+        data = _fetched(part, deadline=deadline, budget=fetch_seconds)
+        # A URL image's size is known once fetched: the total is checked before the next fetch.
+        total += len(data)
+        if total > cap:
+            raise images_total_exceeded(total, cap)
+        raw.append(data)
     for part, data in zip(parts, raw, strict=True):
         _check_header(part, data)
     jpegs = []
@@ -148,31 +152,31 @@ def load_chat_images(
     return jpegs
 
 
-# A fetch slot frees within the fetch bound; most fetches take well under a second.
-CHAT_IMAGE_FETCH_BUSY_RETRY_AFTER_SECONDS = 5
+# A slot frees within the fetch bound and a few seconds of decoding; most take well under a second.
+CHAT_IMAGES_BUSY_RETRY_AFTER_SECONDS = 5
 _slots_lock = threading.Lock()
 _slots: tuple[int, threading.BoundedSemaphore] | None = None
 
 
-def _fetch_slots() -> threading.BoundedSemaphore:
-    """The process's HORDE_CHAT_IMAGE_FETCH_CONCURRENCY slots for requests fetching image URLs (each
-    holds a web thread while it fetches, up to the fetch bound): a new set when the setting changes."""
+def _image_slots() -> threading.BoundedSemaphore:
+    """The process's HORDE_CHAT_IMAGE_CONCURRENCY slots for requests loading their images (each
+    holds a web thread while it fetches, checks and re-encodes them): a new set when the setting
+    changes."""
     global _slots
-    size = settings.HORDE_CHAT_IMAGE_FETCH_CONCURRENCY
+    size = settings.HORDE_CHAT_IMAGE_CONCURRENCY
     with _slots_lock:
         if _slots is None or _slots[0] != size:
             _slots = (size, threading.BoundedSemaphore(size))
         return _slots[1]
 
 
-def image_fetch_busy() -> HordeError:
+def images_busy() -> HordeError:
     error = HordeError(
-        "ChatImageFetchBusy",
-        "This horde is fetching as many image URLs as it allows at once; send the request again shortly, "
-        "or send the images as data URLs.",
+        "ChatImagesBusy",
+        "This horde is loading the images of as many requests as it allows at once; send the request again shortly.",
         status=503,
     )
-    error.headers["Retry-After"] = str(CHAT_IMAGE_FETCH_BUSY_RETRY_AFTER_SECONDS)
+    error.headers["Retry-After"] = str(CHAT_IMAGES_BUSY_RETRY_AFTER_SECONDS)
     return error
 
 

@@ -2,11 +2,11 @@
 (daphne on the test database, as `scripts/run.py web` serves it) with real local servers for what is
 outside the horde: an image host that drips its answer, or answers at once.
 
-- A request's image URLs hold a web thread while they are fetched, up to the request's fetch bound
-  (15 s). Before the fix, HORDE_WEB_THREADS such requests from one client held every thread of the
-  process: its heartbeat, pops and submits waited for them. Now only
-  HORDE_CHAT_IMAGE_FETCH_CONCURRENCY requests of a process fetch at once; another is answered
-  503 ChatImageFetchBusy with Retry-After at once, and the other routes keep their threads.
+- A request's images hold a web thread while they are fetched (up to the request's fetch bound,
+  15 s), checked and re-encoded. Before the fix, HORDE_WEB_THREADS such requests from one client
+  held every thread of the process: its heartbeat, pops and submits waited for them. Now only
+  HORDE_CHAT_IMAGE_CONCURRENCY requests of a process load images at once; another is answered
+  503 ChatImagesBusy with Retry-After at once, and the other routes keep their threads.
 - An image URL refused for its address named the address its host resolved to: the horde told
   anyone the internal addresses of the names its resolver knows.
 """
@@ -164,7 +164,7 @@ def test_slow_image_urls_do_not_take_every_web_thread(web_factory, drip_host):
     busy = [a for a in answers if a.status_code == 503]
     assert len(busy) == WEB_THREADS - fetching, [a.text for a in answers]
     for answer in busy:
-        assert answer.json()["rc"] == "ChatImageFetchBusy", answer.text
+        assert answer.json()["rc"] == "ChatImagesBusy", answer.text
         assert int(answer.headers["Retry-After"]) > 0
     fetched = [a for a in answers if a.status_code != 503]
     assert all(a.status_code == 400 and a.json()["rc"] == "SourceImageUrlInvalid" for a in fetched), [
@@ -245,3 +245,44 @@ def test_a_text_requests_repeated_stop_sequences_reach_its_worker_once(web_facto
     assert job.status_code == 200 and job.json()["id"] is not None, job.text[:300]
     assert job.json()["payload"]["stop_sequence"] == ["\nUser:", "###"]
     assert len(job.content) < 10_000
+
+
+def _png_data_url(side: int) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (side, side), (10, 200, 30)).save(out, format="PNG", optimize=True)
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def test_data_url_images_wait_for_an_image_slot_too(web_factory, drip_host):
+    """Decoding and re-encoding images holds a thread as a fetch does: 15 data URLs of a 3072x3072
+    PNG (35 KB each, within an untrusted requester's 5 MiB) took 3.5 s of a web thread, and four
+    such requests from the anonymous key, cancelled at once to free its concurrency, stalled the
+    process's heartbeat 6.3 s. Every request with images takes an image slot: with the one slot
+    of this process held by a slow image URL, a request of data URLs is answered 503 at once."""
+    web = web_factory(HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS="127.0.0.0/8")
+    requester = web.manage("horde_user", "create", "review-requester", "--kudos", "1000", "--trusted").split()[-1]
+    owner = web.manage("horde_user", "create", "review-owner", "--trusted").split()[-1]
+    client = httpx.Client(base_url=web.url, timeout=60)
+    _vision_worker(client, owner)
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(_chat_with_image, httpx.Client(base_url=web.url, timeout=60), requester,
+                           drip_host.url("/drip.png"))
+        deadline = time.monotonic() + 10
+        while drip_host.connections < 1:
+            assert time.monotonic() < deadline and not slow.done(), "the slow image request did not fetch"
+            time.sleep(0.05)
+
+        started = time.monotonic()
+        busy = _chat_with_image(client, requester, _png_data_url(3072))
+        busy_seconds = time.monotonic() - started
+        slow.result()
+
+    assert busy.status_code == 503 and busy.json()["rc"] == "ChatImagesBusy", busy.text
+    assert int(busy.headers["Retry-After"]) > 0 and busy_seconds < 3
+    # With the slot free again the same request is served.
+    assert _chat_with_image(client, requester, _png_data_url(3072)).status_code == 202
