@@ -162,7 +162,9 @@ def _resolve_public(
     for _family, _type, _proto, _canonname, sockaddr in answers:
         address = _checked_form(ipaddress.ip_address(sockaddr[0]))
         if _is_internal(address) and not any(address in network for network in allowed_networks):
-            raise ImageUrlRefused(f"the host {host!r} resolves to a private address {address}")
+            # Not the address itself: the horde's resolver may know internal names, and a refusal
+            # that named their addresses would map the horde's network for anyone (docs/adr/0092).
+            raise ImageUrlRefused(f"the host {host!r} resolves to an address that is not public")
     family, _type, _proto, _canonname, sockaddr = answers[0]
     return family, sockaddr
 

@@ -48,6 +48,10 @@ if DEPLOYED:
 else:
     SECRET_KEY = env.str("SECRET_KEY", default=DEV_SECRET_KEY)
     ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["*"])
+# The admin's forms behind a proxy that ends TLS: the browser's Origin is https://<site>, which the
+# process, seeing plain HTTP, does not take for its own (docs/adr/0092). Scheme and host, e.g.
+# https://horde.example.org; empty: only the origin the process itself is reached at.
+CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 
 INSTALLED_APPS = [
     "daphne",
@@ -353,6 +357,13 @@ HORDE_WORKER_CACHE_SECONDS = env.float("HORDE_WORKER_CACHE_SECONDS", default=5.0
 HORDE_EMPTY_POP_CACHE_SECONDS = env.float("HORDE_EMPTY_POP_CACHE_SECONDS", default=10.0)
 # Threads of the web process serving the native API through Django's WSGI handler (hordesite/wsgi_pool.py).
 HORDE_WEB_THREADS = env.int("HORDE_WEB_THREADS", default=4)
+# Chat requests of a process that load their images at once (fetch URL images, check and re-encode
+# every image: each holds a thread, a fetch up to its bound of 15 s); another is answered 503
+# ChatImagesBusy, so image work cannot take every thread (docs/adr/0092). Default: half the
+# threads, at least one.
+HORDE_CHAT_IMAGE_CONCURRENCY = env.int("HORDE_CHAT_IMAGE_CONCURRENCY", default=max(1, HORDE_WEB_THREADS // 2))
+if HORDE_CHAT_IMAGE_CONCURRENCY < 1:
+    raise ImproperlyConfigured("HORDE_CHAT_IMAGE_CONCURRENCY must be at least 1")
 # Web processes the launcher serves one port with (scripts/run.py web, docs/adr/0046). Processes
 # learn of each other's writes through PostgreSQL and Redis only (queue signals, wakes, rate limits),
 # so more than one needs both.

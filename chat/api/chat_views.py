@@ -116,7 +116,8 @@ class ChatAsyncView(APIView):
                 s404=["UnknownChatModel"],
                 s413=["RequestTooLarge"],
                 s429=["RateLimited", "TooManyPrompts"],
-                s503=["MaintenanceMode", "ChatAdmissionDisabled", "ChatImageStorageUnavailable", "DatabaseUnavailable"],
+                s503=["MaintenanceMode", "ChatAdmissionDisabled", "ChatImageStorageUnavailable", "ChatImagesBusy",
+                      "DatabaseUnavailable"],
             ),
         },
     )

@@ -85,11 +85,13 @@ class TextParamsSerializer(serializers.Serializer):
 
     def validate(self, attrs):
         """The empty stop sequences dropped: one stops nothing, and KoboldAI Lite sends an empty
-        instruct tag as one. Here, not in a validate_stop_sequence, so the canonical path runs it
-        too. Upstream's bounds are the service's (contract.text.text_params_refusal)."""
+        instruct tag as one; and each sequence kept once, in order, since upstream's bound counts
+        the distinct ones and a worker was sent every copy (docs/adr/0092). Here, not in a
+        validate_stop_sequence, so the canonical path runs it too. Upstream's bounds are the
+        service's (contract.text.text_params_refusal)."""
         stops = attrs.get("stop_sequence")
         if stops is not None:
-            attrs["stop_sequence"] = [stop for stop in stops if stop]
+            attrs["stop_sequence"] = list(dict.fromkeys(stop for stop in stops if stop))
         return attrs
 
 

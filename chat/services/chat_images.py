@@ -16,6 +16,7 @@ import io
 import ipaddress
 import json
 import logging
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -113,6 +114,18 @@ def load_chat_images(
     image of the request takes at most `fetch_seconds` in all (docs/adr/0069)."""
     cap = user_image_total_cap(user)
     total = check_data_url_total(parts, cap)
+    # Fetching, checking and re-encoding hold the web thread: in one of the process's image slots,
+    # or refused at once (docs/adr/0092).
+    slots = _image_slots()
+    if not slots.acquire(blocking=False):
+        raise images_busy()
+    try:
+        return _loaded(parts, cap=cap, total=total, fetch_seconds=fetch_seconds)
+    finally:
+        slots.release()
+
+
+def _loaded(parts: list[ImagePart], *, cap: int, total: int, fetch_seconds: float) -> list[bytes]:
     deadline = time.monotonic() + fetch_seconds
     raw: list[bytes] = []
     for part in parts:
@@ -137,6 +150,34 @@ def load_chat_images(
     if encoded > cap:  # a compact PNG can re-encode to a far larger JPEG
         raise images_total_exceeded(encoded, cap, encoded=True)
     return jpegs
+
+
+# A slot frees within the fetch bound and a few seconds of decoding; most take well under a second.
+CHAT_IMAGES_BUSY_RETRY_AFTER_SECONDS = 5
+_slots_lock = threading.Lock()
+_slots: tuple[int, threading.BoundedSemaphore] | None = None
+
+
+def _image_slots() -> threading.BoundedSemaphore:
+    """The process's HORDE_CHAT_IMAGE_CONCURRENCY slots for requests loading their images (each
+    holds a web thread while it fetches, checks and re-encodes them): a new set when the setting
+    changes."""
+    global _slots
+    size = settings.HORDE_CHAT_IMAGE_CONCURRENCY
+    with _slots_lock:
+        if _slots is None or _slots[0] != size:
+            _slots = (size, threading.BoundedSemaphore(size))
+        return _slots[1]
+
+
+def images_busy() -> HordeError:
+    error = HordeError(
+        "ChatImagesBusy",
+        "This horde is loading the images of as many requests as it allows at once; send the request again shortly.",
+        status=503,
+    )
+    error.headers["Retry-After"] = str(CHAT_IMAGES_BUSY_RETRY_AFTER_SECONDS)
+    return error
 
 
 def _decoded(part: ImagePart) -> bytes:

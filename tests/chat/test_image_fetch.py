@@ -211,9 +211,10 @@ def test_loopback_is_refused_without_the_allowance(server: LocalServer) -> None:
 )
 def test_a_name_resolving_to_a_private_address_is_refused(address: str) -> None:
     dns = FakeDns({"images.test": [[address]]})
-    with pytest.raises(ImageUrlRefused, match="private address") as refused:
+    with pytest.raises(ImageUrlRefused, match="not public") as refused:
         fetch_public_image("http://images.test/cat.png", max_bytes=10_000, resolve=dns)
     assert "'images.test'" in str(refused.value)
+    assert address not in str(refused.value)  # the refusal names no internal address (ADR 0092)
     assert dns.calls == ["images.test"]
 
 
@@ -228,8 +229,9 @@ def test_a_mapped_ipv6_address_is_allowed_by_its_ipv4_network(server: LocalServe
 
 def test_one_private_address_among_public_ones_refuses_the_name() -> None:
     dns = FakeDns({"images.test": [["93.184.215.14", "10.0.0.1"]]})
-    with pytest.raises(ImageUrlRefused, match="10.0.0.1"):
+    with pytest.raises(ImageUrlRefused, match="'images.test'") as refused:
         fetch_public_image("http://images.test/cat.png", max_bytes=10_000, resolve=dns)
+    assert "10.0.0.1" not in str(refused.value)
 
 
 def test_the_connection_goes_to_the_checked_address_without_resolving_again(server: LocalServer) -> None:
@@ -302,8 +304,9 @@ def test_a_redirect_to_a_name_resolving_privately_is_refused(server: LocalServer
     server.routes["/moved"] = (302, {"Location": "http://metadata.test/latest"}, b"")
     dns = FakeDns({"images.test": [["127.0.0.1"]], "metadata.test": [["169.254.169.254"]]})
     url = server.url("/moved", host="images.test")
-    with pytest.raises(ImageUrlRefused, match="169.254.169.254"):
+    with pytest.raises(ImageUrlRefused, match="'metadata.test'") as refused:
         fetch_public_image(url, max_bytes=10_000, resolve=dns, allowed_networks=LOOPBACK)
+    assert "169.254.169.254" not in str(refused.value)
 
 
 def test_a_server_slower_than_the_timeout_is_invalid(server: LocalServer) -> None:
