@@ -117,9 +117,16 @@ def _ints_as_bigint(raw_connection: Any) -> None:
 # One raw cursor per psycopg connection, made on its first prepared statement and reused by the
 # next ones (a cursor runs one statement after another; its connection serves one thread at a
 # time). Making a cursor and its adapters, and checking the int dumpers and the time zone loader,
-# cost each statement about 20 us of CPU (docs/benchmarks.md, "Text queue"). Forgotten with its
-# connection.
+# cost each statement about 20 us of CPU (docs/benchmarks.md, "Text queue"). Forgotten once its
+# connection is closed: the cursor holds its connection, so the weak key alone never let one go,
+# and a process whose pool replaces its connections (the Celery worker's, task after task) kept
+# every connection it ever opened, 1-2.6 MB a minute in the soak (drills/soak.py, docs/reliability.md).
 _raw_cursors: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def _forget_closed_connections() -> None:
+    for raw in [raw for raw in list(_raw_cursors) if raw.closed]:
+        _raw_cursors.pop(raw, None)
 
 
 def _raw_cursor(db: Any, raw: Any) -> Any:
@@ -131,6 +138,7 @@ def _raw_cursor(db: Any, raw: Any) -> Any:
     made = _raw_cursors.get(raw)
     if made is not None and made[0] == db.timezone:
         return made[1]
+    _forget_closed_connections()
     _ints_as_bigint(raw)
     cursor = psycopg.RawCursor(raw)
     register_tzloader(db.timezone, cursor)
