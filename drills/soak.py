@@ -194,8 +194,9 @@ class Clients:
         if isinstance(exc, openai.APIStatusError):
             code = (exc.body or {}).get("code") if isinstance(exc.body, dict) else None
             call.errors.append(f"{exc.status_code} {code or type(exc).__name__}")
-        else:
-            call.errors.append(type(exc).__name__)
+        else:  # an error event in a stream carries its code (ChatStreamDiverged: spec chat_front.md)
+            code = getattr(exc, "code", None)
+            call.errors.append(f"{type(exc).__name__} {code}" if code else type(exc).__name__)
 
     def v1_chat(self, key: str) -> None:
         import openai
