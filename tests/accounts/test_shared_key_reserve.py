@@ -136,3 +136,26 @@ def test_creations_racing_on_one_key_are_admitted_within_its_kudos(make_user):
     key = _key(key_id)
     reserved = sum(r.shared_key_reserve * r.jobs_waiting for r in GenerationRequest.objects.filter(shared_key_id=key_id))
     assert key.kudos == Decimal("16") and reserved == 2 * JOB and reserved <= key.kudos
+
+
+BIG = "koboldcpp/Pernicious_Prophecy_70B"
+
+
+def test_a_request_without_models_is_checked_at_the_dearest_model_a_worker_could_serve_it_with(
+    horde, api, lender, make_user
+):
+    """A text request that lists no model is served by whatever model a worker runs, and charged at
+    that model's rate (a 70B reply of 200 tokens here: over 200 kudos). Quoted as an unknown 2.7B
+    model, a key of 20 admitted it and was drawn to 0, the owner paying the rest. Checked at the
+    reference's dearest model, the key refuses it; with allow_downgrade it queues at the anonymous
+    priority, as any request the key cannot cover."""
+    worker_owner = make_user("owner")
+    _worker_online(horde, worker_owner, models=[BIG])
+    key_id = lend(api, lender.key, kudos=20).json()["id"]
+    refused = horde.text_async(key_id, params={"max_length": 200})
+    assert (refused.status_code, refused.json()["rc"]) == (403, "SharedKeyInsufficientKudos"), refused.json()
+    assert not GenerationRequest.objects.exists()
+    assert _key(key_id).kudos == 20
+    downgraded = horde.text_async(key_id, params={"max_length": 200}, allow_downgrade=True)
+    assert downgraded.status_code == 202, downgraded.json()
+    assert GenerationRequest.objects.get().priority == SHARED_KEY_DOWNGRADED_PRIORITY
