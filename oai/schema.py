@@ -399,7 +399,9 @@ def map_reasoning(body: dict[str, Any]) -> dict[str, Any]:
         if horde is not None and not isinstance(horde, Mapping):
             return body  # the contract refuses the type
         shown = (horde or {}).get("include_reasoning")
-        if shown is not None and shown is exclude:
+        if shown is not None and not isinstance(shown, bool):
+            return body  # the contract refuses the type, as without the object
+        if shown is exclude:
             raise _conflict(
                 "reasoning.exclude",
                 f"'reasoning.exclude' is {json.dumps(exclude)} and 'horde.include_reasoning' is "
