@@ -337,9 +337,9 @@ def _text_request_rows(
 def _dearest_quote(data: TextRequestInput) -> Decimal:
     """The request's kudos at the dearest of its models, for a shared key's checks and reserve.
     Without a list, any worker's model serves it and is charged (chat.services.pop._job_price), so
-    the dearest model of the reference bounds it (docs/adr/0089)."""
+    the dearer of the reference's dearest model and an unknown model bounds it (docs/adr/0089)."""
     dearest_known = dearest_known_text_model()
-    models = [[m] for m in data.models] or [[dearest_known] if dearest_known else []]
+    models = [[m] for m in data.models] or [[], *([[dearest_known]] if dearest_known else [])]
     return max(
         text_request_quote(models=m, prompt=data.prompt, max_length=data.max_length, n=data.n) for m in models
     ) + HORDE_TAX
