@@ -38,6 +38,13 @@ def is_known_text_model(model_name: str) -> bool:
     return model_name in _reference()
 
 
+def dearest_known_text_model() -> str | None:
+    """The reference's model of the most parameters (None with an empty reference): the dearest
+    model a request that lists none can be served and charged at (docs/adr/0089)."""
+    reference = _reference()
+    return max(reference, key=text_model_multiplier, default=None)
+
+
 def text_model_multiplier(model_name: str) -> float:
     """Billions of parameters, the upstream multiplier; 1 for an unknown model."""
     entry = _reference().get(model_name)

@@ -332,14 +332,19 @@ def _check_ranges(body: Mapping[str, Any]) -> None:
         raise _bad("metadata", "Invalid type for 'metadata': expected an object of strings.")
     options = body.get("stream_options")
     if options is not None:
-        if not isinstance(options, Mapping):
-            raise _bad("stream_options", "Invalid type for 'stream_options': expected an object.")
-        for key in options:
-            if key not in STREAM_OPTIONS_KEYS:
-                raise _unsupported(f"stream_options.{key}", f"Unknown parameter: 'stream_options.{key}'.")
-        for key in ("include_usage", "include_obfuscation"):
-            if options.get(key) is not None and not isinstance(options[key], bool):
-                raise _bad(f"stream_options.{key}", f"Invalid type for 'stream_options.{key}': expected a boolean.")
+        _screen_object(options, "stream_options", STREAM_OPTIONS_KEYS, ("include_usage", "include_obfuscation"))
+
+
+def _screen_object(value: Any, param: str, keys: frozenset[str], booleans: tuple[str, ...]) -> None:
+    """An object parameter: an object, only `keys`, each of `booleans` a boolean or null."""
+    if not isinstance(value, Mapping):
+        raise _bad(param, f"Invalid type for '{param}': expected an object.")
+    for key in value:
+        if key not in keys:
+            raise _unsupported(f"{param}.{key}", f"Unknown parameter: '{param}.{key}'.")
+    for key in booleans:
+        if value.get(key) is not None and not isinstance(value[key], bool):
+            raise _bad(f"{param}.{key}", f"Invalid type for '{param}.{key}': expected a boolean.")
 
 
 def _conflict(param: str, message: str) -> ChatFrontError:
@@ -354,14 +359,7 @@ def map_reasoning(body: dict[str, Any]) -> dict[str, Any]:
     reasoning = body.pop("reasoning", None)
     if reasoning is None:
         return body
-    if not isinstance(reasoning, Mapping):
-        raise _bad("reasoning", "Invalid type for 'reasoning': expected an object.")
-    for key in reasoning:
-        if key not in REASONING_KEYS:
-            raise _unsupported(f"reasoning.{key}", f"Unknown parameter: 'reasoning.{key}'.")
-    for key in ("exclude", "enabled"):
-        if reasoning.get(key) is not None and not isinstance(reasoning[key], bool):
-            raise _bad(f"reasoning.{key}", f"Invalid type for 'reasoning.{key}': expected a boolean.")
+    _screen_object(reasoning, "reasoning", REASONING_KEYS, ("exclude", "enabled"))
     if reasoning.get("max_tokens") is not None:
         raise _unsupported(
             "reasoning.max_tokens",
@@ -399,7 +397,9 @@ def map_reasoning(body: dict[str, Any]) -> dict[str, Any]:
         if horde is not None and not isinstance(horde, Mapping):
             return body  # the contract refuses the type
         shown = (horde or {}).get("include_reasoning")
-        if shown is not None and shown is exclude:
+        if shown is not None and not isinstance(shown, bool):
+            return body  # the contract refuses the type, as without the object
+        if shown is exclude:
             raise _conflict(
                 "reasoning.exclude",
                 f"'reasoning.exclude' is {json.dumps(exclude)} and 'horde.include_reasoning' is "

@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from accounts.models import HordeUser, SharedKey
 from accounts.selectors import anonymous_user_get
+from chat.model_reference import dearest_known_text_model
 from chat.models import GenerationRequest
 from chat.pricing import text_request_quote
 from chat.services.admission import (
@@ -226,7 +227,7 @@ def _text_request_rows(
     # model (spec: Pricing).
     # Read again under the owner's lock below, where it is decided (docs/adr/0089); here it only
     # orders the key's refusals as upstream's.
-    key_short = shared_key_lacks(shared_key, _dearest_quote(data)) is not None
+    key_short = shared_key is not None and shared_key_lacks(shared_key, _dearest_quote(data)) is not None
     key_funds = None
     if key_short and data.allow_downgrade and not downgrade_disabled:
         # Upstream admits it at the anonymous priority; it still draws the key down to 0.
@@ -308,7 +309,7 @@ def _text_request_rows(
             shared_key=shared_key,
             shared_key_reserve=shared_key_reserve_per_job(
                 shared_key, dearest=_dearest_quote(data), tax=HORDE_TAX, n=data.n
-            ),
+            ) if shared_key is not None and shared_key.has_kudos_limit else Decimal("0"),
             downgraded_priority=downgraded_priority,
         )
         if outcome == "refused":
@@ -334,8 +335,11 @@ def _text_request_rows(
 
 
 def _dearest_quote(data: TextRequestInput) -> Decimal:
-    """The request's kudos at the dearest of its models (the first one's quote without a list)."""
-    models = [[m] for m in data.models] or [[]]
+    """The request's kudos at the dearest of its models, for a shared key's checks and reserve.
+    Without a list, any worker's model serves it and is charged (chat.services.pop._job_price), so
+    the dearer of the reference's dearest model and an unknown model bounds it (docs/adr/0089)."""
+    dearest_known = dearest_known_text_model()
+    models = [[m] for m in data.models] or [[], *([[dearest_known]] if dearest_known else [])]
     return max(
         text_request_quote(models=m, prompt=data.prompt, max_length=data.max_length, n=data.n) for m in models
     ) + HORDE_TAX

@@ -136,3 +136,81 @@ def test_creations_racing_on_one_key_are_admitted_within_its_kudos(make_user):
     key = _key(key_id)
     reserved = sum(r.shared_key_reserve * r.jobs_waiting for r in GenerationRequest.objects.filter(shared_key_id=key_id))
     assert key.kudos == Decimal("16") and reserved == 2 * JOB and reserved <= key.kudos
+
+
+BIG = "koboldcpp/Pernicious_Prophecy_70B"
+
+
+def test_a_request_without_models_is_checked_at_the_dearest_model_a_worker_could_serve_it_with(
+    horde, api, lender, make_user
+):
+    """A text request that lists no model is served by whatever model a worker runs, and charged at
+    that model's rate (a 70B reply of 200 tokens here: over 200 kudos). Quoted as an unknown 2.7B
+    model, a key of 20 admitted it and was drawn to 0, the owner paying the rest. Checked at the
+    reference's dearest model, the key refuses it; with allow_downgrade it queues at the anonymous
+    priority, as any request the key cannot cover."""
+    worker_owner = make_user("owner")
+    _worker_online(horde, worker_owner, models=[BIG])
+    key_id = lend(api, lender.key, kudos=20).json()["id"]
+    refused = horde.text_async(key_id, params={"max_length": 200})
+    assert (refused.status_code, refused.json()["rc"]) == (403, "SharedKeyInsufficientKudos"), refused.json()
+    assert not GenerationRequest.objects.exists()
+    assert _key(key_id).kudos == 20
+    downgraded = horde.text_async(key_id, params={"max_length": 200}, allow_downgrade=True)
+    assert downgraded.status_code == 202, downgraded.json()
+    assert GenerationRequest.objects.get().priority == SHARED_KEY_DOWNGRADED_PRIORITY
+
+
+def test_a_cancelled_faulted_or_expired_request_stops_reserving(horde, api, lender, make_user):
+    """A key of 9 covers one request (8.27), not two. Whatever ends the first request's waiting
+    job frees its reserve for the next: the requester's cancel, a fault (a submit's fault of its
+    job past the retries), the expiry sweep. A job faulted once goes back to waiting and keeps it."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from chat.models import Generation
+    from chat.services.sweeps import expire_requests
+
+    worker_owner = make_user("owner")
+    _worker_online(horde, worker_owner, models=[SMALL])
+    key_id = lend(api, lender.key, kudos=100).json()["id"]
+
+    def refill() -> None:  # the next creation finds 9 kudos: one request's worth
+        SharedKey.objects.filter(pk=key_id).update(kudos=Decimal("9"))
+
+    # The cancel.
+    refill()
+    first = _make(horde, key_id).json()["id"]
+    refill()
+    assert _make(horde, key_id).status_code == 403
+    assert horde.cancel(first).status_code == 200
+    refill()
+    second = _make(horde, key_id)
+    assert second.status_code == 202, second.json()
+
+    # A job faulted once waits again and still reserves; the request faulted reserves nothing.
+    job = horde.pop(worker_owner.key, models=[SMALL]).json()
+    assert str(Generation.objects.get(pk=job["id"]).request_id) == second.json()["id"]
+    assert horde.submit(worker_owner.key, job["id"], "", state="faulted").status_code == 200
+    request = GenerationRequest.objects.get(pk=second.json()["id"])
+    assert (request.faulted, request.jobs_waiting) == (False, 1)
+    refill()
+    assert _make(horde, key_id).status_code == 403
+    for _ in range(10):  # faulted again until the request faults
+        job = horde.pop(worker_owner.key, models=[SMALL]).json()
+        if job["id"] is None:
+            break
+        assert horde.submit(worker_owner.key, job["id"], "", state="faulted").status_code == 200
+    assert GenerationRequest.objects.get(pk=request.pk).faulted
+    refill()
+    third = _make(horde, key_id)
+    assert third.status_code == 202, third.json()
+
+    # The expiry sweep.
+    GenerationRequest.objects.filter(pk=third.json()["id"]).update(expires_at=timezone.now() - timedelta(seconds=1))
+    refill()
+    assert _make(horde, key_id).status_code == 403  # until the sweep deletes it
+    assert expire_requests() >= 1
+    refill()
+    assert _make(horde, key_id).status_code == 202

@@ -170,6 +170,13 @@ REFUSALS = [
         "reasoning.exclude",
         "ChatRequestConflict",
     ),
+    # A mistyped include_reasoning is refused as without the object, not overwritten by it.
+    (
+        {"reasoning": {"exclude": True}, "horde": {"include_reasoning": "yes"}},
+        openai.BadRequestError,
+        "horde.include_reasoning",
+        "BadRequest",
+    ),
 ]
 
 
