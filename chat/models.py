@@ -77,7 +77,11 @@ class GenerationRequest(models.Model):
     shared_key_id = models.UUIDField(null=True, blank=True)
     # What the request reserves of a limited shared key's kudos per job not yet settled (waiting or
     # processing): its quote per job at its dearest model, the tax aside (docs/adr/0089). 0 without one.
-    shared_key_reserve = models.DecimalField(max_digits=18, decimal_places=2, default=Decimal("0"))
+    # The database's own default too, so a process still running the previous code during a
+    # deploy (migrated first, restarted after) can still insert requests.
+    shared_key_reserve = models.DecimalField(
+        max_digits=18, decimal_places=2, default=Decimal("0"), db_default=Decimal("0")
+    )
 
     class Meta:
         db_table = "horde_requests"

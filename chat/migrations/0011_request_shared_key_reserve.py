@@ -1,5 +1,7 @@
 """What a request made with a limited shared key reserves of its kudos per unsettled job
-(docs/adr/0089). A constant default: PostgreSQL adds the column without rewriting the table."""
+(docs/adr/0089). A constant default, kept in the database (db_default): PostgreSQL adds the column
+without rewriting the table, and a process still running the previous code during a deploy can
+still insert requests."""
 
 from decimal import Decimal
 
@@ -16,6 +18,6 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='generationrequest',
             name='shared_key_reserve',
-            field=models.DecimalField(decimal_places=2, default=Decimal('0'), max_digits=18),
+            field=models.DecimalField(decimal_places=2, default=Decimal('0'), db_default=Decimal('0'), max_digits=18),
         ),
     ]

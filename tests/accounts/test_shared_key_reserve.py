@@ -5,6 +5,7 @@ queued on a key together cannot be charged past its kudos."""
 from __future__ import annotations
 
 import math
+import uuid
 from decimal import Decimal
 
 import pytest
@@ -214,3 +215,31 @@ def test_a_cancelled_faulted_or_expired_request_stops_reserving(horde, api, lend
     assert expire_requests() >= 1
     refill()
     assert _make(horde, key_id).status_code == 202
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_request_inserted_by_the_previous_code_without_the_reserve_reserves_nothing(horde, lender, make_user):
+    """The column has the database's default (migration chat/0011): during a deploy a process still
+    running the code before it inserts requests without the column, and they are stored, with no
+    reserve, instead of failing every creation."""
+    from django.db import connection
+
+    _worker_online(horde, make_user("owner"), models=[SMALL])
+    made = horde.text_async(lender.key, models=[SMALL], params={"max_length": 200})
+    assert made.status_code == 202, made.json()
+    table = GenerationRequest._meta.db_table
+    columns = ", ".join(
+        connection.ops.quote_name(field.column)
+        for field in GenerationRequest._meta.concrete_fields
+        if field.column not in ("id", "shared_key_reserve")
+    )
+    new_id = uuid.uuid4()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} (id, {columns}) SELECT %s, {columns} FROM {table} WHERE id = %s",
+            [
+                GenerationRequest._meta.pk.get_db_prep_value(new_id, connection),
+                GenerationRequest._meta.pk.get_db_prep_value(uuid.UUID(made.json()["id"]), connection),
+            ],
+        )
+    assert GenerationRequest.objects.get(pk=new_id).shared_key_reserve == Decimal("0")
