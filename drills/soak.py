@@ -67,6 +67,10 @@ def serve_backend(port: int) -> ThreadingHTTPServer:
         def log_message(self, *args) -> None:
             pass
 
+        def handle(self) -> None:
+            with contextlib.suppress(ConnectionError):  # a bridge killed -9 resets its kept connection
+                super().handle()
+
         def _send(self, body: bytes, content_type: str = "application/json") -> None:
             self.send_response(200)
             self.send_header("Content-Type", content_type)
