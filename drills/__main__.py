@@ -317,6 +317,73 @@ class Horde:
 # --- load -------------------------------------------------------------------------------------------
 
 
+def rc(response: httpx.Response) -> str:
+    """The horde's rc, or the front's error code, of an answer; "" when it has none."""
+    with contextlib.suppress(ValueError, AttributeError):
+        body = response.json()
+        return str(body.get("rc") or (body.get("error") or {}).get("code") or "")
+    return ""
+
+
+def native_request(kind: str, tag: str, label: str) -> tuple[str, dict]:
+    """The route and body of a requester's native text or chat request, with its own operation key;
+    `tag` marks it for the reconciliation."""
+    operation_key = str(uuid.uuid4())
+    if kind == "text":
+        return "generate/text/async", {
+            "prompt": f"{label} drill-{tag}: once upon a time", "params": {"n": 1, "max_length": 64},
+            "models": [MODEL], "operation_key": operation_key}
+    return "generate/chat/async", {
+        "model": MODEL, "messages": [{"role": "user", "content": f"{label} drill-{tag}"}],
+        "max_tokens": 64, "horde": {"operation_key": operation_key}}
+
+
+def submit_native(client: httpx.Client, path: str, body: dict, call: Call, seconds: float = 40) -> str | None:
+    """The same operation key until accepted: a lost answer or a 5xx cannot make two requests."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            r = client.post(path, json=body)
+        except httpx.HTTPError as exc:
+            call.errors.append(f"submit {type(exc).__name__}")
+            time.sleep(1)
+            continue
+        if r.status_code in (200, 202):
+            request_id = r.json()["id"]
+            call.ids.add(request_id)
+            return request_id
+        call.errors.append(f"submit {r.status_code} {rc(r)}")
+        if r.status_code < 500 and r.status_code != 429:
+            return None
+        time.sleep(1)
+    return None
+
+
+def poll_native_status(client: httpx.Client, status_path: str, call: Call, seconds: float = 90) -> str:
+    """Poll a native request's status every half second, as KoboldAI Lite does, for up to `seconds`:
+    "answered" (done with a generation), "done" (done with none: cancelled), "faulted", "gone" (404)
+    or "timeout"."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        try:
+            r = client.get(status_path)
+        except httpx.HTTPError as exc:
+            call.errors.append(f"status {type(exc).__name__}")
+            continue
+        if r.status_code != 200:
+            call.errors.append(f"status {r.status_code} {rc(r)}")
+            if r.status_code == 404:
+                return "gone"
+            continue
+        status = r.json()
+        if status.get("faulted"):
+            return "faulted"
+        if status.get("done"):
+            return "answered" if status.get("generations") else "done"
+    return "timeout"
+
+
 class Load:
     """Requesters and workers as real programs: HTTP only, retrying what such programs retry."""
 
@@ -380,72 +447,27 @@ class Load:
 
     def native_call(self, client: httpx.Client, kind: str) -> None:
         call = self.record(Call(kind=kind, tag=new_tag()))
-        operation_key = str(uuid.uuid4())
-        if kind == "text":
-            path = "generate/text/async"
-            body = {"prompt": f"Drill drill-{call.tag}: once upon a time", "params": {"n": 1, "max_length": 64},
-                    "models": [MODEL], "operation_key": operation_key}
-        else:
-            path = "generate/chat/async"
-            body = {"model": MODEL, "messages": [{"role": "user", "content": f"Drill drill-{call.tag}"}],
-                    "max_tokens": 64, "horde": {"operation_key": operation_key}}
-        request_id = self.submit_with_retries(client, path, body, call)
+        path, body = native_request(kind, call.tag, "Drill")
+        request_id = submit_native(client, path, body, call)
         if request_id is None:
             call.outcome = "error"
             return
+        self.ok("submit")
         status_path = f"generate/{kind}/status/{request_id}"
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            time.sleep(0.5)
-            try:
-                r = client.get(status_path)
-            except httpx.HTTPError as exc:
-                call.errors.append(f"status {type(exc).__name__}")
-                continue
-            if r.status_code != 200:
-                call.errors.append(f"status {r.status_code} {self.rc(r)}")
-                if r.status_code == 404:
-                    call.outcome = "error"
-                    return
-                continue
-            status = r.json()
-            if status.get("faulted"):
-                call.outcome = "faulted"
-                return
-            if status.get("done") and status.get("generations"):
-                call.outcome, call.answered_id = "answered", request_id
-                self.ok(f"{kind} answer")
-                return
-            if status.get("done"):  # done with nothing: cancelled by the horde
-                call.outcome = "cancelled"
-                return
+        ended = poll_native_status(client, status_path, call)
+        if ended == "answered":
+            call.outcome, call.answered_id = "answered", request_id
+            self.ok(f"{kind} answer")
+            return
+        if ended != "timeout":
+            call.outcome = {"faulted": "faulted", "done": "cancelled", "gone": "error"}[ended]
+            return
         # Gave up: cancel, as a client that stops waiting should; the cancel's answer may still hold it.
         call.outcome = "gave up"
         with contextlib.suppress(httpx.HTTPError):
             r = client.delete(status_path)
             if r.status_code == 200 and r.json().get("generations"):
                 call.outcome, call.answered_id = "answered", request_id
-
-    def submit_with_retries(self, client: httpx.Client, path: str, body: dict, call: Call) -> str | None:
-        """The same operation key until accepted: a lost answer or a 5xx cannot make two requests."""
-        deadline = time.monotonic() + 40
-        while time.monotonic() < deadline:
-            try:
-                r = client.post(path, json=body)
-            except httpx.HTTPError as exc:
-                call.errors.append(f"submit {type(exc).__name__}")
-                time.sleep(1)
-                continue
-            if r.status_code in (200, 202):
-                request_id = r.json()["id"]
-                call.ids.add(request_id)
-                self.ok("submit")
-                return request_id
-            call.errors.append(f"submit {r.status_code} {self.rc(r)}")
-            if r.status_code < 500 and r.status_code != 429:
-                return None
-            time.sleep(1)
-        return None
 
     def v1_call(self, key: str) -> None:
         import openai
@@ -469,12 +491,6 @@ class Load:
         call.outcome, call.answered_id = "answered", reply.id.removeprefix("chatcmpl-")
         self.ok("v1 answer")
 
-    @staticmethod
-    def rc(response: httpx.Response) -> str:
-        with contextlib.suppress(ValueError, AttributeError):
-            body = response.json()
-            return str(body.get("rc") or (body.get("error") or {}).get("code") or "")
-        return ""
 
     # workers
 
@@ -493,7 +509,7 @@ class Load:
                 time.sleep(0.5)
                 continue
             if r.status_code != 200:
-                self.worker_errors.append(f"pop {r.status_code} {self.rc(r)}")
+                self.worker_errors.append(f"pop {r.status_code} {rc(r)}")
                 time.sleep(0.5)
                 continue
             job = r.json()
@@ -519,11 +535,11 @@ class Load:
                 time.sleep(1)
                 continue
             if r.status_code >= 500:
-                self.worker_errors.append(f"submit {r.status_code} {self.rc(r)}")
+                self.worker_errors.append(f"submit {r.status_code} {rc(r)}")
                 time.sleep(1)
                 continue
             if r.status_code != 200:
-                self.worker_errors.append(f"submit {r.status_code} {self.rc(r)}")
+                self.worker_errors.append(f"submit {r.status_code} {rc(r)}")
             return r
         return None
 
@@ -642,7 +658,7 @@ class Drills:
         else:
             result.faults.append("worker killed after pop: the job was NOT re-queued and served in time")
         late = load.submit(client, job)
-        answer = f"{late.status_code} {load.rc(late)}" if late is not None else "no answer"
+        answer = f"{late.status_code} {rc(late)}" if late is not None else "no answer"
         result.notes.append(f"the dead worker's late submit: {answer}")
 
     def celery_killed(self, horde: Horde, load: Load, result: DrillResult) -> None:
@@ -772,7 +788,7 @@ class Drills:
                               headers={"apikey": self.template.requesters[0]}) as client:
                 barrier.wait()
                 r = client.post("generate/chat/async", json=body)
-                answers.append(f"{r.status_code} {r.json().get('id', load.rc(r))}")
+                answers.append(f"{r.status_code} {r.json().get('id', rc(r))}")
                 if r.status_code in (200, 202):
                     call.ids.add(r.json()["id"])
 

@@ -41,14 +41,25 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 
-from drills.__main__ import MODEL, PYTHON, Horde, Process, Template, free_port, log
+from drills.__main__ import (
+    MODEL,
+    PYTHON,
+    Horde,
+    Process,
+    Template,
+    free_port,
+    log,
+    native_request,
+    poll_native_status,
+    rc,
+    submit_native,
+)
 from drills.reconcile import TAG, Call, new_tag, reconcile
 
 BACKEND_MODEL = "soak-backend"
@@ -301,62 +312,20 @@ class Clients:
     def native(self, key: str, kind: str) -> None:
         cancel_after = random.uniform(1.0, 3.0) if kind == "text" and random.random() < 0.2 else None
         call = self.record(f"native {kind}" + (" cancelled" if cancel_after else ""))
-        operation_key = str(uuid.uuid4())
-        if kind == "text":
-            path = "generate/text/async"
-            body = {"prompt": f"Soak drill-{call.tag}: once upon a time", "params": {"n": 1, "max_length": 64},
-                    "models": [MODEL], "operation_key": operation_key}
-        else:
-            path = "generate/chat/async"
-            body = {"model": MODEL, "messages": [{"role": "user", "content": f"Soak drill-{call.tag}"}],
-                    "max_tokens": 64, "horde": {"operation_key": operation_key}}
+        path, body = native_request(kind, call.tag, "Soak")
         with httpx.Client(base_url=f"{self.base_url}/api/v2/", timeout=15, headers={"apikey": key}) as client:
-            request_id = None
-            for _ in range(10):  # the same operation key until accepted
-                try:
-                    r = client.post(path, json=body)
-                except httpx.HTTPError as exc:
-                    call.errors.append(f"submit {type(exc).__name__}")
-                    time.sleep(1)
-                    continue
-                if r.status_code in (200, 202):
-                    request_id = r.json()["id"]
-                    break
-                call.errors.append(f"submit {r.status_code} {rc(r)}")
-                if r.status_code < 500 and r.status_code != 429:
-                    break
-                time.sleep(1)
+            request_id = submit_native(client, path, body, call)
             if request_id is None:
                 call.outcome = "error"
                 return
-            call.ids.add(request_id)
             status_path = f"generate/{kind}/status/{request_id}"
-            started = time.monotonic()
-            while time.monotonic() - started < 90:
-                time.sleep(0.5)
-                if cancel_after is not None and time.monotonic() - started >= cancel_after:
-                    break
-                try:
-                    r = client.get(status_path)
-                except httpx.HTTPError as exc:
-                    call.errors.append(f"status {type(exc).__name__}")
-                    continue
-                if r.status_code != 200:
-                    call.errors.append(f"status {r.status_code} {rc(r)}")
-                    if r.status_code == 404:
-                        call.outcome = "error"
-                        return
-                    continue
-                status = r.json()
-                if status.get("faulted"):
-                    call.outcome = "faulted"
-                    return
-                if status.get("done") and status.get("generations"):
-                    call.outcome, call.answered_id = "answered", request_id
-                    return
-                if status.get("done"):
-                    call.outcome = "cancelled by the horde"
-                    return
+            ended = poll_native_status(client, status_path, call, seconds=90 if cancel_after is None else cancel_after)
+            if ended == "answered":
+                call.outcome, call.answered_id = "answered", request_id
+                return
+            if ended != "timeout":
+                call.outcome = {"faulted": "faulted", "done": "cancelled by the horde", "gone": "error"}[ended]
+                return
             # Cancelled by the client (or it gave up): its answer may still carry the reply.
             call.outcome = "cancelled" if cancel_after is not None else "gave up"
             self.gone_at[call.tag] = time.time()
@@ -381,13 +350,6 @@ class Clients:
                     r = client.get(status_path)
             if r.status_code == 200 and r.json().get("generations"):
                 call.outcome, call.answered_id = "answered after cancel", request_id
-
-
-def rc(response: httpx.Response) -> str:
-    with contextlib.suppress(ValueError, AttributeError):
-        body = response.json()
-        return str(body.get("rc") or (body.get("error") or {}).get("code") or "")
-    return ""
 
 
 # --- sampling ---------------------------------------------------------------------------------------------
