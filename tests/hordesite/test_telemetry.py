@@ -172,6 +172,16 @@ def test_each_web_process_exports_its_metrics_and_spans_when_it_stops(tmp_path):
         assert ("GET /v1/models", "horde-web") in {(name, resource["service.name"]) for name, resource in collector.spans}
 
 
+def _a_job_past_its_lease(horde, make_user, tag: str) -> dict:
+    """A popped text job whose lease ended five minutes ago: the next stale sweep aborts it."""
+    requester, volunteer = make_user(f"{tag}-requester", kudos=1000), make_user(f"{tag}-volunteer", trusted=True)
+    assert horde.text_async(requester.key, models=[TEXT_MODEL]).status_code == 202
+    job = horde.pop(volunteer.key, name=f"{tag}-worker", models=[TEXT_MODEL]).json()
+    assert job["id"], job
+    Generation.objects.filter(pk=job["id"]).update(lease_expires_at=timezone.now() - timedelta(minutes=5))
+    return job
+
+
 @pytest.mark.slow
 @pytest.mark.redis_only
 @pytest.mark.postgres_only
@@ -180,11 +190,7 @@ def test_each_web_process_exports_its_metrics_and_spans_when_it_stops(tmp_path):
 def test_the_celery_process_running_the_sweeps_exports_their_metrics_when_the_worker_stops(
     tmp_path, horde, make_user, pool
 ):
-    requester, volunteer = make_user("sweep-requester", kudos=1000), make_user("sweep-volunteer", trusted=True)
-    assert horde.text_async(requester.key, models=[TEXT_MODEL]).status_code == 202
-    job = horde.pop(volunteer.key, name="sweep-worker", models=[TEXT_MODEL]).json()
-    assert job["id"], job
-    Generation.objects.filter(pk=job["id"]).update(lease_expires_at=timezone.now() - timedelta(minutes=5))
+    job = _a_job_past_its_lease(horde, make_user, "sweep")
     with otlp_collector() as collector:
         env = web_env(
             tmp_path,
@@ -256,11 +262,7 @@ def test_the_beat_of_a_solo_worker_holds_no_copy_of_the_workers_telemetry(tmp_pa
     service.instance.id (a point recorded before the fork would have been exported twice). Now the
     worker sets up at its first task, after the fork: beat runs its one thread, and what arrives
     comes from the worker, once."""
-    requester, volunteer = make_user("beat-requester", kudos=1000), make_user("beat-volunteer", trusted=True)
-    assert horde.text_async(requester.key, models=[TEXT_MODEL]).status_code == 202
-    job = horde.pop(volunteer.key, name="beat-worker", models=[TEXT_MODEL]).json()
-    assert job["id"], job
-    Generation.objects.filter(pk=job["id"]).update(lease_expires_at=timezone.now() - timedelta(minutes=5))
+    job = _a_job_past_its_lease(horde, make_user, "beat")
     with otlp_collector() as collector:
         env = web_env(
             tmp_path,

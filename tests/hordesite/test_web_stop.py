@@ -233,23 +233,38 @@ def test_sigterm_answers_the_fronts_waiting_requests_and_cancels_their_horde_req
             launcher.wait()
 
 
-def test_the_standalone_front_at_sigterm_answers_as_the_mounted_one(tmp_path):
-    """`python -m oai` over the web process: the same answers, cancels and kudos at its stop."""
-    launcher, env, port, log = _serving(tmp_path)
+def _standalone_front(tmp_path, env: dict, port: int, **values: str):
+    """`python -m oai` over the web process on `port`, serving: (its process, its port, its log)."""
     front_port, front_log = _free_port(), tmp_path / "front.log"
-    front_env = {**env, "HORDE_OAI_NATIVE_ROOTS": f"http://127.0.0.1:{port}/api/v2", "HORDE_OAI_PORT": str(front_port)}
+    front_env = {**env, "HORDE_OAI_NATIVE_ROOTS": f"http://127.0.0.1:{port}/api/v2", "HORDE_OAI_PORT": str(front_port),
+                 **values}
     front_env.pop("DJANGO_SETTINGS_MODULE", None)
     with front_log.open("ab") as output:
         front = subprocess.Popen([sys.executable, "-m", "oai"], cwd=ROOT, env=front_env, stdout=output,
                                  stderr=subprocess.STDOUT, process_group=0)
-    try:
-        def front_up() -> bool:
-            try:
-                return httpx.get(f"http://127.0.0.1:{front_port}/healthz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
 
+    def front_up() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{front_port}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
         _wait_for(front_up, 30, front_log)
+    except BaseException:
+        front.kill()
+        front.wait()
+        raise
+    return front, front_port, front_log
+
+
+def test_the_standalone_front_at_sigterm_answers_as_the_mounted_one(tmp_path):
+    """`python -m oai` over the web process: the same answers, cancels and kudos at its stop."""
+    launcher, env, port, log = _serving(tmp_path)
+    processes = [launcher]
+    try:
+        front, front_port, front_log = _standalone_front(tmp_path, env, port)
+        processes.append(front)
         requester, volunteer = _users(env, "oai-stop")
         _check_in(port, volunteer, "oai-stop-worker")
         clients, seen = _front_clients(f"http://127.0.0.1:{front_port}/v1", requester)
@@ -263,7 +278,7 @@ def test_the_standalone_front_at_sigterm_answers_as_the_mounted_one(tmp_path):
             client.join(30)
         _assert_stopping_answers(seen, "oai-stop")
     finally:
-        for process in (front, launcher):
+        for process in processes:
             if process.poll() is None:
                 process.kill()
                 process.wait()
@@ -455,21 +470,10 @@ def test_the_standalone_front_with_a_known_passkey_ends_its_undelivered_requests
     HORDE_PROXY_PASSKEYS): at its stop's deadline it ends its requests still generating as the
     mounted front does, while the horde goes on serving; the workers' submits are refused at once."""
     launcher, env, port, log = _serving(tmp_path, HORDE_PROXY_PASSKEYS="stop-front-passkey")
-    front_port, front_log = _free_port(), tmp_path / "front.log"
-    front_env = {**env, "HORDE_OAI_NATIVE_ROOTS": f"http://127.0.0.1:{port}/api/v2", "HORDE_OAI_PORT": str(front_port),
-                 "HORDE_OAI_PROXY_PASSKEY": "stop-front-passkey"}
-    front_env.pop("DJANGO_SETTINGS_MODULE", None)
-    with front_log.open("ab") as output:
-        front = subprocess.Popen([sys.executable, "-m", "oai"], cwd=ROOT, env=front_env, stdout=output,
-                                 stderr=subprocess.STDOUT, process_group=0)
+    processes = [launcher]
     try:
-        def front_up() -> bool:
-            try:
-                return httpx.get(f"http://127.0.0.1:{front_port}/healthz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        _wait_for(front_up, 30, front_log)
+        front, front_port, front_log = _standalone_front(tmp_path, env, port, HORDE_OAI_PROXY_PASSKEY="stop-front-passkey")
+        processes.append(front)
         requester, volunteer = _users(env, "oai-late")
         jobs, clients, seen = _generating_at_the_stop(port, "oai-late", requester, volunteer, front_log,
                                                       v1_port=front_port)
@@ -483,7 +487,7 @@ def test_the_standalone_front_with_a_known_passkey_ends_its_undelivered_requests
         _assert_ended_unpaid(seen, "oai-late")
         _assert_late_workers_refused(port, "oai-late", jobs, volunteer)
     finally:
-        for process in (front, launcher):
+        for process in processes:
             if process.poll() is None:
                 process.kill()
                 process.wait()
