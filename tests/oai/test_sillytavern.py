@@ -1,0 +1,373 @@
+"""SillyTavern 1.12.6 (its server, unchanged) against the horde: the exchanges its server sent, captured
+on the wire and replayed here byte for byte against the live horde: the body's bytes (the model name
+aside), the headers in their order and casing (but Host, which httpx writes first and node-fetch last).
+
+Two ways its users reach a horde:
+
+- Chat Completion, source "Custom (OpenAI-compatible)", the custom URL being the horde's /v1. Its server
+  (src/endpoints/backends/chat-completions.js, node-fetch 2) checks the status with GET {url}/models and
+  posts {url}/chat/completions, whole or streamed. Its browser page (public/scripts/openai.js,
+  sse-stream.js) reads the stream: `data:` events split at a blank line, `JSON.parse`, then
+  `data.choices[0]?.delta?.content` appended and shown; a top-level `error` or `message` is shown as an
+  error. It neither sends `stream_options` nor reads `reasoning_content` (a reasoning delta shows nothing).
+  Its Stop button aborts the page's fetch; its server then aborts its own fetch, which closes the
+  connection to the horde.
+- The AI Horde text API (src/endpoints/horde.js): the horde URL is hard-coded (https://aihorde.net/api/v2),
+  so the capture redirected that host to this horde at the TLS layer; the requests are the program's.
+  The page polls the status every 2.5 s through its server, which sends only `Client-Agent` (no key),
+  and cancels with DELETE on the same URL.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Any
+
+import httpx
+import pytest
+
+from chat.models import Generation, GenerationRequest
+from tests.oai.conftest import MODEL, wait_for
+from tests.oai.test_relay import StreamingWorker
+
+pytestmark = pytest.mark.slow
+
+NODE_FETCH_AGENT = "node-fetch/1.0 (+https://github.com/bitinn/node-fetch)"
+ST_CLIENT_AGENT = "SillyTavern:1.12.6:Cohee#1207"
+
+# The body its server posted for the default settings (temperature 1, top_p 1, penalties 0, 300 tokens,
+# the bias preset "Default (none)" as {}; no seed, n, stop or logprobs: JSON.stringify drops undefined).
+ST_MESSAGES = (
+    '[{"role":"system","content":"Write Seraphina\'s next reply in a fictional chat between Seraphina and '
+    'User."},{"role":"system","content":"[Start a new Chat]"},{"role":"assistant","content":"*You wake with '
+    'a start...*"},{"role":"user","content":"Tell me a story"}]'
+)
+
+
+def st_chat_body(*, stream: bool) -> bytes:
+    return (
+        '{"messages":' + ST_MESSAGES + ',"model":"' + MODEL + '","temperature":1,"max_tokens":300,'
+        '"stream":' + json.dumps(stream) + ',"presence_penalty":0,"frequency_penalty":0,"top_p":1,'
+        '"logit_bias":{}}'
+    ).encode()
+
+
+def st_post_headers(key: str, body: bytes, host: str) -> list[tuple[str, str]]:
+    """node-fetch's headers after the ones its caller set, in the order it wrote them."""
+    return [
+        ("Content-Type", "application/json"),
+        ("Authorization", f"Bearer {key}"),
+        ("Accept", "*/*"),
+        ("Content-Length", str(len(body))),
+        ("User-Agent", NODE_FETCH_AGENT),
+        ("Accept-Encoding", "gzip,deflate"),
+        ("Connection", "close"),
+        ("Host", host),
+    ]
+
+
+def st_get_headers(host: str, first: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [
+        *first,
+        ("Accept", "*/*"),
+        ("User-Agent", NODE_FETCH_AGENT),
+        ("Accept-Encoding", "gzip,deflate"),
+        ("Connection", "close"),
+        ("Host", host),
+    ]
+
+
+class StPage:
+    """What SillyTavern's page shows of a stream: EventSourceStream (sse-stream.js), then streamData
+    (openai.js sendOpenAIRequest): each data event parsed, an `error` or `message` raised, the text of
+    getStreamingReply appended; `shown` is the text after each event."""
+
+    def __init__(self) -> None:
+        self.buffer = ""
+        self.text = ""
+        self.shown: list[str] = []
+        self.events: list[Any] = []
+        self.done = False
+
+    def feed(self, chunk: str) -> None:
+        self.buffer += chunk
+        events = re.split(r"\r\n\r\n|\r\r|\n\n", self.buffer)
+        self.buffer = events.pop()
+        for event in events:
+            data = ""
+            for line in re.split(r"\n|\r|\r\n", event):
+                match = re.search(r"([^:]+)(?:: ?(.*))?", line)
+                if match and match.group(1) == "data":
+                    data += (match.group(2) or "") + "\n"
+            if not data:
+                continue
+            data = data[:-1]
+            if data == "[DONE]":
+                self.done = True
+                continue
+            parsed = json.loads(data)
+            self.events.append(parsed)
+            assert not parsed.get("error") and not parsed.get("message"), parsed  # shown as an error
+            # data.choices[0]?.delta?.content: `choices` must be there, or the page throws.
+            choice = parsed["choices"][0] if parsed["choices"] else None
+            if choice is not None:
+                delta, message = choice.get("delta") or {}, choice.get("message") or {}
+                self.text += delta.get("content") or message.get("content") or choice.get("text") or ""
+            self.shown.append(self.text)
+
+
+class StStream(threading.Thread):
+    """SillyTavern's server streaming from the horde: the captured request, the answer read as it comes
+    and handed to the page; `stop` closes the connection as its abort does."""
+
+    def __init__(self, url: str, key: str, host: str, *, stop_at: str | None = None):
+        super().__init__(daemon=True)
+        self.url, self.key, self.host, self.stop_at = url, key, host, stop_at
+        self.page = StPage()
+        self.status: int | None = None
+        self.headers: httpx.Headers | None = None
+        self.first_bytes = b""
+        self.closed = threading.Event()
+
+    def run(self) -> None:
+        body = st_chat_body(stream=True)
+        with httpx.Client(timeout=30) as http:
+            request = http.build_request(
+                "POST", self.url, content=body, headers=st_post_headers(self.key, body, self.host)
+            )
+            response = http.send(request, stream=True)
+            try:
+                self.status, self.headers = response.status_code, response.headers
+                for chunk in response.iter_raw():
+                    self.first_bytes = self.first_bytes or chunk
+                    self.page.feed(chunk.decode())
+                    if self.stop_at is not None and self.page.text == self.stop_at:
+                        break  # the user presses Stop once this much is shown
+            finally:
+                response.close()
+                self.closed.set()
+
+    def wait_shown(self, text: str, timeout: float = 5) -> None:
+        assert wait_for(lambda: self.page.text == text, timeout), (self.page.text, self.page.events)
+
+
+@pytest.fixture
+def streaming_worker(live_horde, worker_owner):
+    worker = StreamingWorker(live_horde, worker_owner.key)
+    worker.shape.check_in()
+    yield worker
+    worker.close()
+
+
+def _host(live_horde) -> str:
+    return f"127.0.0.1:{live_horde.port}"
+
+
+def test_sillytavern_status_check_lists_the_models(front, requester, start_worker, live_horde):
+    """Its "Connect": GET {url}/models with the key; it lists data[].id and picks the first when no
+    model is set."""
+    start_worker()
+    headers = st_get_headers(_host(live_horde), [("Authorization", f"Bearer {requester.key}")])
+    response = httpx.get(f"{front.live.v1}/models", headers=headers, timeout=10)
+    assert response.status_code == 200
+    assert [m["id"] for m in response.json()["data"] if isinstance(m, dict)] == [MODEL]
+
+
+def test_sillytavern_whole_reply(front, requester, start_worker, live_horde):
+    start_worker()
+    body = st_chat_body(stream=False)
+    response = httpx.post(
+        f"{front.live.v1}/chat/completions",
+        content=body,
+        headers=st_post_headers(requester.key, body, _host(live_horde)),
+        timeout=20,
+    )
+    assert response.status_code == 200
+    data = response.json()
+    assert data["choices"][0]["message"]["content"] == "Hello from the horde."
+    assert data["choices"][0]["index"] == 0  # checkFunctionToolCalls looks for index 0
+
+
+@pytest.mark.redis_only  # the relayed stream
+def test_sillytavern_stream_shows_each_token_and_skips_the_reasoning(
+    front, requester, streaming_worker, live_horde
+):
+    """The page shows the text token by token as the worker posts it; the reasoning deltas the horde
+    sends by default (ADR 0058) reach it as chunks with `choices` and show nothing."""
+    client = StStream(f"{front.live.v1}/chat/completions", requester.key, _host(live_horde))
+    client.start()
+    job = streaming_worker.pop()
+    assert job["payload"].get("stream_progress") is True
+    streaming_worker.post(job, 1, reasoning="The user wants a story.")
+    streaming_worker.post(job, 2, "Once")
+    client.wait_shown("Once")
+    streaming_worker.post(job, 3, " upon a time")
+    client.wait_shown("Once upon a time")
+    streaming_worker.submit(job, "Once upon a time, the end.", reasoning="The user wants a story.")
+    client.join(10)
+    assert not client.is_alive()
+    assert client.status == 200 and client.headers is not None
+    assert client.headers["content-type"].startswith("text/event-stream")
+    assert client.first_bytes.startswith(b": keepalive")  # a comment: no field the page reads
+    assert client.page.done and client.page.text == "Once upon a time, the end."
+    assert "" in client.page.shown[:2]  # the role chunk, then the reasoning chunk, show nothing
+    reasoning = [
+        e["choices"][0]["delta"]["reasoning_content"]
+        for e in client.page.events
+        if e["choices"] and "reasoning_content" in e["choices"][0].get("delta", {})
+    ]
+    assert reasoning == ["The user wants a story."]
+
+
+@pytest.mark.redis_only  # the relayed stream
+def test_sillytavern_stop_mid_stream_cancels_and_settles_on_what_was_streamed(
+    front, requester, worker_owner, streaming_worker, live_horde
+):
+    """Its Stop button: the connection closes mid-stream. The horde cancels the request, tells the worker
+    to stop, and settles the generation on the content it streamed (reasoning aside), paying the worker
+    for it (chat_requests.md, Pricing)."""
+    content = ["Once upon a time, ", "a horde of volunteers ", "ran models for everyone."]
+    posted = "".join(content)
+    client = StStream(f"{front.live.v1}/chat/completions", requester.key, _host(live_horde), stop_at=posted)
+    client.start()
+    job = streaming_worker.pop()
+    streaming_worker.post(job, 1, reasoning="Thinking about a story. " * 4)
+    for seq, part in enumerate(content, start=2):
+        streaming_worker.post(job, seq, part)
+    assert client.closed.wait(5) and client.page.text == posted
+
+    request = GenerationRequest.objects.get()
+    assert wait_for(lambda: GenerationRequest.objects.get(pk=request.pk).cancelled, 5), "not cancelled"
+    answer = streaming_worker.post(job, 5, " The end.")
+    assert answer["cancelled"] is True
+    generation = Generation.objects.get(pk=job["id"])
+    assert generation.state == Generation.State.CANCELLED
+    assert generation.settled_character_count == len(posted)
+    assert generation.kudos > 0
+    assert worker_owner.refresh().kudos == generation.kudos
+    submit = streaming_worker.http.post(
+        "/api/v2/generate/text/submit",
+        json={
+            "id": job["id"],
+            "model_id": MODEL,
+            "message": {"role": "assistant", "content": posted},
+            "finish_reason": "stop",
+        },
+    )
+    assert submit.status_code == 400 and submit.json()["rc"] == "AbortedGen"
+
+
+# --- the AI Horde text API ---------------------------------------------------------------------------
+
+ST_PROMPT = (
+    "Seraphina's Persona: a kind guardian.\n***\nSeraphina: *You wake with a start...*\n"
+    "User: Hello Seraphina\nSeraphina:"
+)
+# The Kobold preset the program starts with (RecoveredRuins), as getKoboldGenerationData builds it for the
+# horde, then generateHorde's n and frmt* keys; api_server is its KoboldAI URL setting, sent along.
+ST_PRESET_PARAMS = (
+    '{"gui_settings":false,"sampler_order":[6,0,1,2,3,4,5],"max_context_length":8192,"max_length":350,'
+    '"rep_pen":1.1,"rep_pen_range":600,"rep_pen_slope":0,"temperature":1,"tfs":1,"top_a":0,"top_k":0,'
+    '"top_p":0.95,"min_p":0,"typical":1,"use_world_info":false,"singleline":false,'
+    '"stop_sequence":["\\nUser:","<START>","\\nSeraphina:"],"streaming":false,"can_abort":false,'
+    '"mirostat":0,"mirostat_tau":5,"mirostat_eta":0.1,"use_default_badwordsids":false,"grammar":"",'
+    '"api_server":"http://127.0.0.1:5000/api","n":1,"frmtadsnsp":false,"frmtrmblln":false,'
+    '"frmtrmspch":false,"frmttriminc":false}'
+)
+# The preset "GUI KoboldAI Settings": only the lengths and api_server.
+ST_GUI_PARAMS = (
+    '{"gui_settings":true,"max_length":350,"max_context_length":8192,'
+    '"api_server":"http://127.0.0.1:5000/api","n":1,"frmtadsnsp":false,"frmtrmblln":false,"frmtrmspch":false,"frmttriminc":false}'
+)
+
+
+def st_horde_body(params: str) -> bytes:
+    return (
+        '{"prompt":' + json.dumps(ST_PROMPT) + ',"params":' + params + ',"trusted_workers":false,'
+        '"models":["' + MODEL + '"]}'
+    ).encode()
+
+
+def _horde_get(live_horde, path: str, *first: tuple[str, str]) -> httpx.Response:
+    headers = st_get_headers(_host(live_horde), [("Client-Agent", ST_CLIENT_AGENT), *first])
+    return httpx.get(f"{live_horde.url}/api/v2{path}", headers=headers, timeout=10)
+
+
+def _horde_async(live_horde, key: str, params: str) -> httpx.Response:
+    body = st_horde_body(params)
+    headers = [
+        ("Content-Type", "application/json"),
+        ("apikey", key),
+        ("Client-Agent", ST_CLIENT_AGENT),
+        ("Accept", "*/*"),
+        ("Content-Length", str(len(body))),
+        ("User-Agent", NODE_FETCH_AGENT),
+        ("Accept-Encoding", "gzip,deflate"),
+        ("Connection", "close"),
+        ("Host", _host(live_horde)),
+    ]
+    return httpx.post(
+        f"{live_horde.url}/api/v2/generate/text/async", content=body, headers=headers, timeout=10
+    )
+
+
+@pytest.mark.parametrize("params", [ST_PRESET_PARAMS, ST_GUI_PARAMS], ids=["preset", "gui"])
+def test_sillytavern_horde_mode(live_horde, transactional_db, requester, start_text_worker, params):
+    worker = start_text_worker(generation=lambda job: " *She smiles.* Welcome back.", max_context_length=8192)
+    # At load and on "Connect": the heartbeat, the models, the workers, the user (its kudos).
+    assert _horde_get(live_horde, "/status/heartbeat").status_code == 200
+    models = _horde_get(live_horde, "/status/models?type=text").json()
+    assert [m["name"] for m in models] == [MODEL]
+    (listed,) = _horde_get(live_horde, "/workers?type=text").json()
+    assert (listed["models"], listed["max_length"], listed["max_context_length"]) == ([MODEL], 512, 8192)
+    user = httpx.get(  # @zeldafan0225/ai_horde's findUser, over Node's own fetch (undici)
+        f"{live_horde.url}/api/v2/find_user",
+        headers=[
+            ("host", _host(live_horde)),
+            ("connection", "keep-alive"),
+            ("Client-Agent", ST_CLIENT_AGENT),
+            ("Content-Type", "application/json"),
+            ("apikey", requester.key),
+            ("accept", "*/*"),
+            ("accept-language", "*"),
+            ("sec-fetch-mode", "cors"),
+            ("user-agent", "node"),
+            ("accept-encoding", "br, gzip, deflate"),
+        ],
+        timeout=10,
+    ).json()
+    assert user["username"] == f"{requester.user.username}#{requester.user.pk}" and user["kudos"] == 100_000
+
+    submitted = _horde_async(live_horde, requester.key, params)
+    assert submitted.status_code == 202, submitted.text  # its server passes any 2xx body on
+    task = submitted.json()["id"]
+    assert wait_for(lambda: _horde_get(live_horde, f"/generate/text/status/{task}").json()["done"], 10)
+    status = _horde_get(live_horde, f"/generate/text/status/{task}").json()
+    assert (status["faulted"], status["is_possible"]) == (False, True)
+    (generation,) = status["generations"]
+    assert (generation["text"], generation["worker_name"], generation["model"]) == (
+        " *She smiles.* Welcome back.",
+        worker.name,
+        MODEL,
+    )
+    payload = worker.jobs[0]["payload"]
+    assert (payload["max_length"], payload["max_context_length"]) == (350, 8192)
+
+
+def test_sillytavern_horde_mode_stop(live_horde, transactional_db, requester, start_text_worker):
+    """Its Stop button while the request waits: DELETE on the status URL, with only Client-Agent."""
+    submitted = _horde_async(live_horde, requester.key, ST_PRESET_PARAMS)
+    assert submitted.status_code == 202, submitted.text
+    task = submitted.json()["id"]
+    queued = _horde_get(live_horde, f"/generate/text/status/{task}").json()
+    assert queued["done"] is False and isinstance(queued["queue_position"], int)
+    headers = st_get_headers(_host(live_horde), [("Client-Agent", ST_CLIENT_AGENT)])
+    cancelled = httpx.delete(
+        f"{live_horde.url}/api/v2/generate/text/status/{task}", headers=headers, timeout=10
+    )
+    assert cancelled.status_code == 200 and isinstance(cancelled.json(), dict)  # its server reads it as JSON
+    assert GenerationRequest.objects.get(pk=task).cancelled
+    assert not Generation.objects.exists()
+    assert requester.refresh().kudos == 100_000 - 1  # only the horde tax of its activation
