@@ -71,6 +71,19 @@ def test_config_from_environment_and_flags():
     assert config.max_length == 300 and config.horde_model == "koboldcpp/Qwen3-8B"
 
 
+def test_a_flag_given_wins_over_the_environment_even_at_its_default():
+    """A flag on the command line wins, also when it repeats its default (docs/configuration.md): a
+    worker started with --threads 1 in a shell that exports BRIDGE_THREADS=4 runs one thread."""
+    env = {"BRIDGE_API_KEY": "secret", "BRIDGE_THREADS": "4", "BRIDGE_HORDE_URL": "http://elsewhere.invalid:9000",
+           "BRIDGE_POP_WAIT": "0", "BRIDGE_BACKEND": "http://127.0.0.1:8080/v1"}
+    config = load_config(
+        ["--threads", "1", "--horde-url", "http://127.0.0.1:8000", "--pop-wait", "10", "--backend", "scripted"], env
+    )
+    assert (config.threads, config.horde_url, config.pop_wait, config.backend) == (1, "http://127.0.0.1:8000", 10, "scripted")
+    # Not given: the environment, then the default.
+    assert load_config([], env).threads == 4 and load_config([], {"BRIDGE_API_KEY": "k"}).threads == 1
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

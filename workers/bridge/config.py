@@ -200,15 +200,23 @@ class ConfigError(ValueError):
     pass
 
 
+def _given_flags(argv: Sequence[str] | None) -> set[str]:
+    """The options on the command line, whatever their value: one that repeats its default still
+    wins over its BRIDGE_* variable."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
 def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> BridgeConfig:
     """Flags first, then BRIDGE_* variables, then the defaults."""
     environ = os.environ if environ is None else environ
     parser = build_parser()
-    args = parser.parse_args(argv)
-    defaults = vars(parser.parse_args([]))
-    values = vars(args)
+    values = vars(parser.parse_args(argv))
+    given = _given_flags(argv)
     for attr, (env, convert) in _ENV.items():
-        if values.get(attr) == defaults.get(attr) and environ.get(env):
+        if attr not in given and environ.get(env):
             try:
                 values[attr] = convert(environ[env])  # type: ignore[operator]
             except ValueError as error:
