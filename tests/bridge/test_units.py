@@ -84,6 +84,13 @@ def test_a_flag_given_wins_over_the_environment_even_at_its_default():
     assert load_config([], env).threads == 4 and load_config([], {"BRIDGE_API_KEY": "k"}).threads == 1
 
 
+def test_a_key_that_starts_with_a_dash_is_the_flags_value():
+    """The horde's keys are token_urlsafe, so one in 64 starts with "-": `--api-key "$KEY"` as the
+    README writes it must still take it (argparse read it as an unknown option and exited 2)."""
+    config = load_config(["--api-key", "-Xq3_key", "--backend-key", "--bk", "--backend", "scripted"], {})
+    assert (config.api_key, config.backend_key, config.backend) == ("-Xq3_key", "--bk", "scripted")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
