@@ -100,7 +100,9 @@ TEMPLATES = [
 ]
 
 # --- Database -------------------------------------------------------------------------------
-DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'horde.sqlite3'}")}
+# Empty counts as unset, as DEPLOYED reads it (a blank line in .env is not a URL).
+_database_url = env.str("DATABASE_URL", default="") or f"sqlite:///{VAR_DIR / 'horde.sqlite3'}"
+DATABASES = {"default": environ.Env.db_url_config(_database_url)}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # WAL and a busy timeout let the web process and the Celery worker share the file.
     DATABASES["default"]["OPTIONS"] = {

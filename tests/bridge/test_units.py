@@ -71,6 +71,26 @@ def test_config_from_environment_and_flags():
     assert config.max_length == 300 and config.horde_model == "koboldcpp/Qwen3-8B"
 
 
+def test_a_flag_given_wins_over_the_environment_even_at_its_default():
+    """A flag on the command line wins, also when it repeats its default (docs/configuration.md): a
+    worker started with --threads 1 in a shell that exports BRIDGE_THREADS=4 runs one thread."""
+    env = {"BRIDGE_API_KEY": "secret", "BRIDGE_THREADS": "4", "BRIDGE_HORDE_URL": "http://elsewhere.invalid:9000",
+           "BRIDGE_POP_WAIT": "0", "BRIDGE_BACKEND": "http://127.0.0.1:8080/v1"}
+    config = load_config(
+        ["--threads", "1", "--horde-url", "http://127.0.0.1:8000", "--pop-wait", "10", "--backend", "scripted"], env
+    )
+    assert (config.threads, config.horde_url, config.pop_wait, config.backend) == (1, "http://127.0.0.1:8000", 10, "scripted")
+    # Not given: the environment, then the default.
+    assert load_config([], env).threads == 4 and load_config([], {"BRIDGE_API_KEY": "k"}).threads == 1
+
+
+def test_a_key_that_starts_with_a_dash_is_the_flags_value():
+    """The horde's keys are token_urlsafe, so one in 64 starts with "-": `--api-key "$KEY"` as the
+    README writes it must still take it (argparse read it as an unknown option and exited 2)."""
+    config = load_config(["--api-key", "-Xq3_key", "--backend-key", "--bk", "--backend", "scripted"], {})
+    assert (config.api_key, config.backend_key, config.backend) == ("-Xq3_key", "--bk", "scripted")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -80,6 +80,19 @@ def test_the_embedded_default_and_debug_fall_back_to_development_values(clone):
     assert debug["hosts"] == ["*"]
 
 
+def test_an_empty_database_url_is_the_embedded_default(clone):
+    """`DATABASE_URL=` (an .env copied with the value left blank) is unset, as the fail-closed rule
+    already reads it: the embedded SQLite file, not a traceback."""
+    show = (
+        "import django; django.setup(); from django.conf import settings as s; "
+        "d = s.DATABASES['default']; print(d['ENGINE'], d['NAME'])"
+    )
+    shown = run_python(clone, clean_env(DJANGO_SETTINGS_MODULE="hordesite.settings", DATABASE_URL=""), "-c", show)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.split() == ["django.db.backends.sqlite3", str(clone / "var" / "horde.sqlite3")]
+    assert _settings(clone, DATABASE_URL="")["hosts"] == ["*"]
+
+
 def test_a_negative_dropped_jobs_bound_does_not_start(clone):
     """0 turns the automatic maintenance off; a negative bound is a mistake, not another way to say so."""
     assert _refusal(clone, HORDE_WORKER_DROPPED_JOBS_PER_HOUR="-1") == (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -200,15 +201,39 @@ class ConfigError(ValueError):
     pass
 
 
+# Options whose value is a key: a horde key is token_urlsafe and may start with "-", which argparse
+# would take for an option in `--api-key -Xq3...`.
+_KEY_OPTIONS = ("--api-key", "--backend-key")
+
+
+def _keys_joined(argv: Sequence[str]) -> list[str]:
+    """`--api-key VALUE` as `--api-key=VALUE`, so a value that starts with "-" stays the value."""
+    out: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        value = next(args, None) if arg in _KEY_OPTIONS else None
+        out.append(arg if value is None else f"{arg}={value}")
+    return out
+
+
+def _given_flags(argv: Sequence[str] | None) -> set[str]:
+    """The options on the command line, whatever their value: one that repeats its default still
+    wins over its BRIDGE_* variable."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
 def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> BridgeConfig:
     """Flags first, then BRIDGE_* variables, then the defaults."""
     environ = os.environ if environ is None else environ
+    argv = _keys_joined(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
-    defaults = vars(parser.parse_args([]))
-    values = vars(args)
+    values = vars(parser.parse_args(argv))
+    given = _given_flags(argv)
     for attr, (env, convert) in _ENV.items():
-        if values.get(attr) == defaults.get(attr) and environ.get(env):
+        if attr not in given and environ.get(env):
             try:
                 values[attr] = convert(environ[env])  # type: ignore[operator]
             except ValueError as error:
