@@ -444,3 +444,14 @@ def start_text_worker(live_horde, worker_owner):
     yield start
     for worker in workers:
         worker.stop()
+
+
+@pytest.fixture
+def streaming_worker(live_horde, worker_owner):
+    """A chat worker checked in on the live horde that posts progress as the test scripts it."""
+    from tests.oai.test_relay import StreamingWorker
+
+    worker = StreamingWorker(live_horde, worker_owner.key)
+    worker.shape.check_in()
+    yield worker
+    worker.close()

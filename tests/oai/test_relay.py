@@ -72,12 +72,6 @@ class StreamingWorker:
         self.http.close()
 
 
-@pytest.fixture
-def streaming_worker(live_horde, worker_owner):
-    worker = StreamingWorker(live_horde, worker_owner.key)
-    worker.shape.check_in()
-    yield worker
-    worker.close()
 
 
 # --- the client side: the SSE events as they arrive ------------------------------------------------

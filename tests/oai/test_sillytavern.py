@@ -30,7 +30,7 @@ import pytest
 
 from chat.models import Generation, GenerationRequest
 from tests.oai.conftest import MODEL, wait_for
-from tests.oai.test_relay import StreamingWorker
+from tests.oai.test_text_completions_samplers import st_event_data
 
 pytestmark = pytest.mark.slow
 
@@ -96,14 +96,9 @@ class StPage:
         events = re.split(r"\r\n\r\n|\r\r|\n\n", self.buffer)
         self.buffer = events.pop()
         for event in events:
-            data = ""
-            for line in re.split(r"\n|\r|\r\n", event):
-                match = re.search(r"([^:]+)(?:: ?(.*))?", line)
-                if match and match.group(1) == "data":
-                    data += (match.group(2) or "") + "\n"
-            if not data:
+            data = st_event_data(event)
+            if data is None:
                 continue
-            data = data[:-1]
             if data == "[DONE]":
                 self.done = True
                 continue
@@ -153,12 +148,6 @@ class StStream(threading.Thread):
         assert wait_for(lambda: self.page.text == text, timeout), (self.page.text, self.page.events)
 
 
-@pytest.fixture
-def streaming_worker(live_horde, worker_owner):
-    worker = StreamingWorker(live_horde, worker_owner.key)
-    worker.shape.check_in()
-    yield worker
-    worker.close()
 
 
 def _host(live_horde) -> str:

@@ -208,20 +208,26 @@ def st_read_whole(data: dict[str, Any]) -> str:
     return data.get("choices", [{}])[0].get("text") or data.get("content") or data.get("response") or ""
 
 
+def st_event_data(event: str) -> str | None:
+    """SillyTavern's EventSourceStream on one event: its `data:` lines joined, None when it has none
+    (a comment line names no field it reads)."""
+    data = ""
+    for line in re.split(r"\n|\r|\r\n", event):
+        match = re.search(r"([^:]+)(?:: ?(.*))?", line)
+        if match and match.group(1) == "data":
+            data += (match.group(2) or "") + "\n"
+    return data[:-1] if data else None
+
+
 def st_read_stream(raw: str) -> str:
     """SillyTavern's EventSourceStream and streamData: events split at a blank line, `field: value`
     lines (a comment line names no field it reads), an error message in a data event thrown, the text
     of choices[0] appended, [DONE] ending it."""
     text = ""
     for event in re.split(r"\r\n\r\n|\r\r|\n\n", raw):
-        data = ""
-        for line in re.split(r"\n|\r|\r\n", event):
-            match = re.search(r"([^:]+)(?:: ?(.*))?", line)
-            if match and match.group(1) == "data":
-                data += (match.group(2) or "") + "\n"
-        if not data:
+        data = st_event_data(event)
+        if data is None:
             continue
-        data = data[:-1]
         if data == "[DONE]":
             return text
         parsed = json.loads(data)
