@@ -148,7 +148,9 @@ def test_koboldcpps_worker_serves_a_request_as_it_sends_and_reads_it(live, make_
     status = live.request("GET", f"/api/v2/generate/text/status/{request_id}", headers={}).json()
     assert status["done"] is True and status["faulted"] is False
     [generation] = status["generations"]
-    assert (generation["text"], generation["worker_name"], generation["model"]) == (" Hello there.", "kcpp-worker", MODEL)
+    assert generation["text"] == " Hello there." and (generation["worker_name"], generation["model"]) == (
+        "kcpp-worker", MODEL
+    )
     # The owner earns the reward; the requester pays it and the horde tax.
     assert owner.refresh().kudos == Decimal(str(reward))
     assert requester.refresh().kudos == Decimal("100") - Decimal(str(reward)) - 1
@@ -163,7 +165,9 @@ def test_koboldcpps_worker_is_refused_in_maintenance_with_a_json_body(live, make
     owner = make_user("kcpp-owner")
     kcpp_pop(live, owner.key)
     worker_id = str(Worker.objects.get(name="kcpp-worker").pk)
-    put = live.request("PUT", f"/api/v2/workers/{worker_id}", headers={"apikey": owner.key}, body={"maintenance": True})
+    put = live.request(
+        "PUT", f"/api/v2/workers/{worker_id}", headers={"apikey": owner.key}, body={"maintenance": True}
+    )
     assert put.status_code == 200, put.text
     body = {
         "name": "kcpp-worker", "models": [MODEL], "max_length": 400, "max_context_length": 4096,

@@ -306,3 +306,28 @@ def test_the_scribes_null_generation_is_refused_with_a_message(live, make_user):
     polled = lite_status(live, request_id)
     assert (polled["processing"], polled["faulted"], polled["is_possible"]) == (1, False, True)
     assert "message" not in polled and owner.refresh().kudos == 0
+
+
+@pytest.mark.parametrize(
+    ("params", "skipped"),
+    [
+        ({**LITE_PARAMS, "max_length": 200}, {"max_length": 1}),
+        ({**LITE_PARAMS, "max_context_length": 4096}, {"max_context_length": 1}),
+    ],
+)
+def test_a_request_the_scribe_cannot_serve(live, make_user, params, skipped):
+    """Past the scribe's max_length 80 or max_context_length 1024: Lite is told at once (the async's
+    warning, then is_possible false, on which it gives up), and the scribe's pop says why it was
+    skipped, which it logs ("Skipped Info: {'max_length': 1}")."""
+    owner, requester = make_user("scribe-owner"), make_user("lite-user", kudos=50)
+    scribe_pop(live, owner.key, "scribe", "~unknown~kai~kai~kai")
+    created = live.request(
+        "POST",
+        "/api/v2/generate/text/async",
+        headers={"apikey": requester.key, "Client-Agent": "KoboldAiLite:17", "Origin": "null"},
+        body={"prompt": "You: Hello\nBot:", "params": params, "models": [MODEL], "workers": []},
+    )
+    assert created.status_code == 202 and created.json()["message"].startswith("Warning: No available workers")
+    assert lite_status(live, created.json()["id"])["is_possible"] is False
+    idle = scribe_pop(live, owner.key, "scribe", "~unknown~kai~kai~kai")
+    assert idle["id"] is None and idle["skipped"] == skipped
