@@ -234,6 +234,17 @@ def validated_bridge_name(bridge_agent: str) -> str:
     return _REPEATED_ENGINE.sub(r"\1", bridge_name(bridge_agent))
 
 
+def bridge_agent_within_limit(bridge_agent: str) -> str:
+    """A bridge_agent longer than MAX_BRIDGE_AGENT_LENGTH with its program name's repeated
+    "~engine" segments collapsed, as validated_bridge_name collapses them: the scribe adds "~kai"
+    on every config reload, once a minute, and passes the bound after about four hours
+    (docs/adr/0097). Anything else is returned as sent, for the bound to refuse."""
+    if len(bridge_agent) <= MAX_BRIDGE_AGENT_LENGTH:
+        return bridge_agent
+    name, colon, rest = bridge_agent.partition(":")
+    return _REPEATED_ENGINE.sub(r"\1", name) + colon + rest
+
+
 @lru_cache(maxsize=1024)  # read on every pop; a horde sees few distinct bridge_agent strings
 def is_validated_bridge(bridge_agent: str) -> bool:
     return validated_bridge_name(bridge_agent) in VALIDATED_TEXT_BRIDGES

@@ -10,6 +10,7 @@ chat status body are the contract's pydantic models (contract.chat_shapes, contr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from django.conf import settings
@@ -37,6 +38,7 @@ from contract.text import (
     TEXT_POP_MAX_THREADS,
     TEXT_POP_WAIT_MAX_SECONDS,
     TEXT_SAMPLER_ORDER_RANGE,
+    bridge_agent_within_limit,
 )
 
 
@@ -236,6 +238,15 @@ class TextPopInputSerializer(serializers.Serializer):
         default=0,
         help_text=f"seconds an empty pop may wait for a job (held at most {TEXT_POP_WAIT_MAX_SECONDS})",
     )
+
+    def to_internal_value(self, data):
+        """A bridge_agent over the bound, the scribe's after hours of config reloads, read with
+        its repeated engine segments collapsed before the bound applies (docs/adr/0097). The
+        canonical path (fast_validation) never takes a value over the bound: it comes here."""
+        agent = data.get("bridge_agent") if isinstance(data, Mapping) else None
+        if isinstance(agent, str) and len(agent) > MAX_BRIDGE_AGENT_LENGTH:
+            data = {**data, "bridge_agent": bridge_agent_within_limit(agent)}
+        return super().to_internal_value(data)
 
 
 class TextPopOutputSerializer(serializers.Serializer):

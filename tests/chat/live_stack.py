@@ -32,8 +32,13 @@ class LiveStack:
     def close(self) -> None:
         self.app.close()
 
-    def request(self, method: str, path: str, *, headers: dict[str, str], body: Any = None) -> httpx.Response:
-        # requests' json= encoding: json.dumps with its default separators.
+    def request(
+        self, method: str, path: str, *, headers: dict[str, str], body: Any = None, exact_headers: bool = False
+    ) -> httpx.Response:
+        """`exact_headers`: send only `headers` (and Host, Content-Length), without the ones httpx
+        adds itself (Accept, Accept-Encoding, Connection, User-Agent), for a program that sends none
+        of them (urllib sends no Accept)."""
+        # requests' and urllib's json encoding: json.dumps with its default separators.
         content = json.dumps(body).encode() if body is not None else None
         sent = dict(headers)
         if content is not None:
@@ -42,6 +47,10 @@ class LiveStack:
         async def go() -> httpx.Response:
             transport = httpx.ASGITransport(app=self.app, client=("127.0.0.1", 41000))
             async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+                if exact_headers:
+                    for name in list(client.headers):
+                        if name.lower() not in {key.lower() for key in sent}:
+                            del client.headers[name]
                 return await client.request(method, path, headers=sent, content=content)
 
         return asyncio.run(go())
