@@ -177,6 +177,10 @@ class ChatRun:
                 metadata={"submit_outcome": "unknown"},
             )
         self.request_id = str(answer.body["id"])
+        if isinstance(self.request, TextCompletionRequest):
+            adjustments = answer.body.get("context_adjustments")
+            if isinstance(adjustments, list) and adjustments:
+                self.request.context_adjustments = adjustments
         self.trace.request_id = self.request_id
         self.trace.submitted_at = time.time()
         self.trace.submitted_mono = time.monotonic()

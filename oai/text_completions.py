@@ -210,6 +210,8 @@ class TextCompletionRequest:
     fail_fast: bool
     worker_list_key: str | None
     native_body: dict[str, Any] = field(default_factory=dict)
+    # The horde's answer to the submit: max_tokens lowered to its workers' (docs/adr/0095).
+    context_adjustments: list[dict[str, Any]] | None = None
 
     is_text = True
 
@@ -475,6 +477,9 @@ def screen_text_request(raw_body: Any) -> TextCompletionRequest:
         "trusted_workers": horde.get("trusted_workers", False),
         "validated_backends": horde.get("validated_backends", False),
         "slow_workers": horde.get("slow_workers", True),
+        # OpenAI's max_tokens is an upper bound: above every serving worker's limit it is lowered,
+        # as the chat route does, instead of waiting for a worker that never comes (docs/adr/0095).
+        "lower_max_length_to_workers": True,
     }
     worker_list_key = "only" if "only" in horde else "ignore" if "ignore" in horde else None
     if worker_list_key is not None:

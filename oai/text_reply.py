@@ -8,10 +8,12 @@ import json
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from contract.chat_shapes import ChatContextAdjustmentReason
 from oai.mapping import build_system_fingerprint, estimate_tokens
 from oai.sse import DONE_EVENT
 
 TEXT_COMPLETION_ID_PREFIX = "cmpl-"
+WORKER_MAX_LENGTH = ChatContextAdjustmentReason.WORKER_MAX_LENGTH.value
 
 
 class RepliedTextRequest(Protocol):
@@ -22,6 +24,7 @@ class RepliedTextRequest(Protocol):
     max_tokens: int
     stop: list[str]
     echo: bool
+    context_adjustments: list[dict[str, Any]] | None
 
 
 def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -37,7 +40,6 @@ class TextCompletion:
 
     estimated_usage = True  # a text worker reports no token counts
     queue_wait = None  # the text status does not carry it
-    max_length_lowered = False  # only a chat request's max_length is lowered to the workers'
 
     def __init__(
         self, request: RepliedTextRequest, request_id: str, created: int, status: Mapping[str, Any]
@@ -51,9 +53,15 @@ class TextCompletion:
         self.generated = text
         self.text = request.prompt + text if request.echo else text
         completion_tokens = estimate_tokens(text)
+        # The horde's lowering of max_tokens to its workers' limit, shown as the chat route shows it.
+        adjustments = request.context_adjustments or []
+        self.x_horde: dict[str, Any] = {"context_adjustments": adjustments} if adjustments else {}
+        lowered = [a.get("to") for a in adjustments if isinstance(a, Mapping) and a.get("reason") == WORKER_MAX_LENGTH]
+        self.max_length_lowered = bool(lowered)
+        max_tokens = lowered[0] if lowered and isinstance(lowered[0], int) else request.max_tokens
         if generation.get("state") in ("censored", "csam"):
             self.finish_reason = "content_filter"
-        elif not stopped and completion_tokens >= request.max_tokens:
+        elif not stopped and completion_tokens >= max_tokens:
             self.finish_reason = "length"
         else:
             self.finish_reason = "stop"
@@ -87,6 +95,8 @@ def _choice(text: str, finish_reason: str | None) -> dict[str, Any]:
 def build_text_completion(completion: TextCompletion) -> dict[str, Any]:
     body = _object(completion, [_choice(completion.text, completion.finish_reason)])
     body["usage"] = dict(completion.usage)
+    if completion.x_horde:
+        body["x_horde"] = completion.x_horde
     return body
 
 
@@ -99,7 +109,10 @@ def build_text_completion_events(completion: TextCompletion, *, include_usage: b
     events = []
     if completion.text:
         events.append(_event(_object(completion, [_choice(completion.text, None)])))
-    events.append(_event(_object(completion, [_choice("", completion.finish_reason)])))
+    finish = _object(completion, [_choice("", completion.finish_reason)])
+    if completion.x_horde:
+        finish["x_horde"] = completion.x_horde  # as the chat route's finish chunk
+    events.append(_event(finish))
     if include_usage:
         usage_chunk = _object(completion, [])
         usage_chunk["usage"] = dict(completion.usage)

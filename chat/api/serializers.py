@@ -137,6 +137,11 @@ class TextAsyncInputSerializer(serializers.Serializer):
     )
     # As the chat route's horde.operation_key (docs/adr/0020-front-lease.md).
     operation_key = serializers.UUIDField(required=False, allow_null=True, default=None)
+    # Not upstream's: the OpenAI front's legacy completions ask for the chat route's lowering (ADR 0095).
+    lower_max_length_to_workers = StrictBooleanField(
+        default=False,
+        help_text="a max_length above every online worker's serving the models is lowered to the largest",
+    )
 
     NOT_APPLIED = ("extra_slow_workers", "webhook", "style", "proxied_account", "extra_source_images")
 
@@ -171,9 +176,14 @@ class TextAsyncOutputSerializer(serializers.Serializer):
     id = serializers.UUIDField(source="request.id", required=False, help_text="absent on a dry run")
     kudos = serializers.FloatField()
     message = serializers.CharField(required=False)
+    context_adjustments = serializers.ListField(
+        child=serializers.DictField(),
+        required=False,
+        help_text="only with lower_max_length_to_workers, when the max_length was lowered",
+    )
 
     def to_representation(self, instance):
-        return _without_empty(super().to_representation(instance), "message")
+        return _without_empty(super().to_representation(instance), "message", "context_adjustments")
 
 
 class GenerationSerializer(serializers.Serializer):

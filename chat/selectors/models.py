@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from chat.models import Generation
 from chat.selectors.queue import waiting_requests
-from chat.selectors.snapshots import online_workers
+from chat.selectors.snapshots import online_worker_facts, online_workers
 from workers.selectors import chat_workers_online, worker_speed
 
 # GET /status/models answers from a cache keyed by its query string (spec: "Chat model list").
@@ -61,6 +61,13 @@ def text_models_status() -> list[dict]:
             }
         )
     return result
+
+
+def text_workers_max_length(models: list[str]) -> int | None:
+    """The largest max_length among the online text workers serving any of `models` (any text
+    model when empty), from the process's snapshot; None when none is online."""
+    candidates = online_worker_facts().text_candidates(models, any_model=not models)
+    return max((w.max_length for w in candidates), default=None)
 
 
 def chat_model_offers() -> dict[str, dict]:

@@ -20,6 +20,7 @@ from accounts.selectors import anonymous_user_get
 from chat.model_reference import dearest_known_text_model
 from chat.models import GenerationRequest
 from chat.pricing import text_request_quote
+from chat.selectors.models import text_workers_max_length
 from chat.services.admission import (
     HORDE_TAX,
     AllowanceOutcome,
@@ -38,8 +39,9 @@ from chat.services.admission import (
     shared_key_reserve_per_job,
     shared_key_unusable,
 )
+from contract.chat_shapes import ChatContextAdjustmentReason
 from contract.errors import HordeError
-from contract.text import text_params_refusal
+from contract.text import TEXT_MAX_LENGTH_RANGE, text_params_refusal
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,9 @@ class TextRequestInput:
     dry_run: bool = False
     # The chat route's horde.operation_key, top-level as every text option (docs/adr/0020-front-lease.md).
     operation_key: UUID | None = None
+    # Sent by the OpenAI front (/v1/completions): a max_length above every online worker's serving
+    # the models is lowered to the largest, as a chat request's is (docs/adr/0095).
+    lower_max_length_to_workers: bool = False
 
 
 # Upstream's text async answer when no worker can serve the request (it is still queued).
@@ -81,6 +86,8 @@ class CreatedRequest:
     message: str | None = None
     # A repeated operation key: the claim's request, nothing queued or charged (200).
     repeated: bool = False
+    # The max_length lowered to the workers' (lower_max_length_to_workers), as a chat request's.
+    context_adjustments: list[dict] | None = None
 
 
 def text_operation_fingerprint(data: TextRequestInput) -> str:
@@ -102,6 +109,8 @@ def text_operation_fingerprint(data: TextRequestInput) -> str:
         "allow_downgrade": data.allow_downgrade,
         "disable_batching": data.disable_batching,
         "softprompt": data.softprompt,
+        # Only when asked: the fingerprints stored before the option existed stay the same.
+        **({"lower_max_length_to_workers": True} if data.lower_max_length_to_workers else {}),
     }
     canonical = json.dumps(defining, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
@@ -113,7 +122,7 @@ def text_operation_claim(*, user: HordeUser, operation_key: UUID, fingerprint: s
     # The claim is the user's whatever the route: a key a chat request holds is another operation.
     claim = (
         GenerationRequest.objects.filter(user=user, operation_key=operation_key)
-        .only("id", "is_chat", "kudos_quote", "operation_fingerprint")
+        .only("id", "is_chat", "kudos_quote", "operation_fingerprint", "context_adjustments")
         .first()
     )
     if claim is None:
@@ -125,7 +134,9 @@ def text_operation_claim(*, user: HordeUser, operation_key: UUID, fingerprint: s
             "send the same request.",
             status=400,
         )
-    return CreatedRequest(request=claim, kudos=claim.kudos_quote, repeated=True)
+    return CreatedRequest(
+        request=claim, kudos=claim.kudos_quote, repeated=True, context_adjustments=claim.context_adjustments
+    )
 
 
 def text_request_create(
@@ -152,6 +163,7 @@ def text_request_create(
     refusal = text_params_refusal(data.params, max_length=data.max_length, max_context_length=data.max_context_length)
     if refusal is not None:
         raise HordeError(*refusal)
+    adjustments = _lowered_to_workers(data) if data.lower_max_length_to_workers else None
     downgraded_priority = False
     if shared_key is not None:
         unusable = shared_key_unusable(shared_key)
@@ -170,7 +182,7 @@ def text_request_create(
 
     kudos = quote()
     if data.dry_run:
-        return CreatedRequest(request=None, kudos=kudos)
+        return CreatedRequest(request=None, kudos=kudos, context_adjustments=adjustments)
 
     try:
         request, kudos, message = _text_request_rows(
@@ -189,6 +201,7 @@ def text_request_create(
                     timezone.now() + timedelta(seconds=front_lease_seconds) if front_lease_seconds else None
                 ),
                 "front_id": front_id if front_lease_seconds else None,
+                "context_adjustments": adjustments,
             },
         )
     except IntegrityError:
@@ -205,7 +218,19 @@ def text_request_create(
 
     if not chat_request_availability(request, created=True).is_possible:
         message = TEXT_NO_AVAILABLE_WORKER_WARNING
-    return CreatedRequest(request=request, kudos=kudos, message=message)
+    return CreatedRequest(request=request, kudos=kudos, message=message, context_adjustments=adjustments)
+
+
+def _lowered_to_workers(data: TextRequestInput) -> list[dict] | None:
+    """Lower data.max_length to the largest max_length of the online text workers serving its
+    models, when it is above it (OpenAI's max_tokens is an upper bound): the chat route's
+    worker_max_length adjustment, for the front's legacy completions. None when not lowered."""
+    largest = text_workers_max_length(data.models)
+    if largest is None or data.max_length <= largest or largest < TEXT_MAX_LENGTH_RANGE[0]:
+        return None
+    adjustment = {"from": data.max_length, "to": largest, "reason": ChatContextAdjustmentReason.WORKER_MAX_LENGTH.value}
+    data.max_length = largest
+    return [adjustment]
 
 
 def _text_request_rows(
