@@ -83,10 +83,10 @@ def live():
     stack.close()
 
 
-def sdk_pop(live: LiveStack, key: str, name: str = "sdk-worker") -> dict:
+def sdk_pop(live: LiveStack, key: str, name: str = "sdk-worker", model: str = MODEL, threads: int = 1) -> dict:
     """TextGenerateJobPopRequest(name, models, max_length, max_context_length, bridge_agent, threads), dumped
     as its client dumps it."""
-    body = {"bridge_agent": BRIDGE_AGENT, "models": [MODEL], "name": name, "threads": 1, "max_length": 512,
+    body = {"bridge_agent": BRIDGE_AGENT, "models": [model], "name": name, "threads": threads, "max_length": 512,
             "max_context_length": 2048}
     response = live.request(
         "POST", "/api/v2/generate/text/pop", headers=sdk_headers(key, body=True), body=body, exact_headers=True
@@ -210,3 +210,32 @@ def test_the_sdk_workers_list_is_every_worker_or_the_one_named(live, make_user):
     by_id = live.request("GET", f"/api/v2/workers/{worker_id}", headers=sdk_headers("0000000000"), exact_headers=True)
     assert by_id.status_code == 200 and by_id.json()["name"] == "sdk-worker"
     has_model_fields(by_id.json(), WORKER_REQUIRED, WORKER_FIELDS | WORKER_CHAT_FIELDS)
+
+
+def test_the_sdk_models_filters_are_upstreams(live, make_user):
+    """HordeStatusModelsAllRequest's model_state (known: in the text model reference; custom: not in
+    it) and min_count/max_count (serving threads), in the query order it sends. This horde ignored all
+    three and listed every model."""
+    owner = make_user("sdk-owner", trusted=True)
+    known = "Gryphe/MythoMax-L2-13b"
+    sdk_pop(live, owner.key, name="known-worker", model=known, threads=2)
+    sdk_pop(live, owner.key)
+
+    def listed(query: str) -> list[str]:
+        response = live.request("GET", f"/api/v2/status/models?{query}", headers=sdk_headers(), exact_headers=True)
+        assert response.status_code == 200, response.text
+        for model in response.json():
+            has_model_fields(model, ACTIVE_MODEL_REQUIRED, ACTIVE_MODEL_FIELDS)
+        return sorted(model["name"] for model in response.json())
+
+    assert listed("type=text&model_state=all") == [known, MODEL]
+    assert listed("type=text&model_state=known") == [known]
+    assert listed("type=text&model_state=custom") == [MODEL]
+    assert listed("type=text&min_count=2&max_count=5&model_state=all") == [known]
+    assert listed("type=text&max_count=1&model_state=all") == [MODEL]
+    assert listed("type=text&min_count=1&max_count=5&model_state=custom") == [MODEL]
+    refused = live.request("GET", "/api/v2/status/models?type=text&model_state=popular", headers=sdk_headers(),
+                           exact_headers=True)
+    assert (refused.status_code, refused.json()) == (
+        400, {"message": "'model_state' needs to be one of ['known', 'custom', 'all']", "rc": "BadRequest"}
+    )
