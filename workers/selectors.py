@@ -151,6 +151,7 @@ def worker_details(worker: Worker) -> dict:
     return details
 
 
-def workers_online_details() -> list[dict]:
-    """The details of every online worker, by name (one query)."""
-    return [worker_details(worker) for worker in workers_online().order_by("name")]
+def workers_online_details(*, name: str | None = None) -> list[dict]:
+    """The details of every online worker, or of the one called `name` in any case, by name (one query)."""
+    workers = workers_online() if name is None else workers_online().filter(name__iexact=name)
+    return [worker_details(worker) for worker in workers.order_by("name")]

@@ -109,16 +109,34 @@ class HeartbeatView(APIView):
         return Response({"message": "OK", "version": "2.0.0"})
 
 
+MODEL_STATES = ("known", "custom", "all")
+
+
+def _count_param(request, name: str) -> int | None:
+    value = request.query_params.get(name)
+    if value is None:
+        return None
+    if not (value.isascii() and value.lstrip("-").isdigit()) or len(value) > 9:
+        raise HordeError("BadRequest", f"{name} must be a whole number.")
+    return int(value)
+
+
 class ModelsStatusView(APIView):
-    """GET /api/v2/status/models[?type=text][&chat=true]: the text models the online workers serve;
-    with chat=true only those an online chat worker serves, each with its chat object."""
+    """GET /api/v2/status/models[?type=text][&chat=true][&model_state=][&min_count=][&max_count=]: the
+    text models the online workers serve; with chat=true only those an online chat worker serves,
+    each with its chat object; upstream's filters as horde_sdk sends them (model_state=all at least)."""
 
     @extend_schema(
         parameters=[
             OpenApiParameter("type", str, enum=["image", "text"]),
             OpenApiParameter("chat", bool, description="Only chat-served text models, with their chat object"),
+            OpenApiParameter(
+                "model_state", str, enum=list(MODEL_STATES), description="In the text model reference, out of it, or either"
+            ),
+            OpenApiParameter("min_count", int, description="Only models served by at least this many threads"),
+            OpenApiParameter("max_count", int, description="Only models served by at most this many threads"),
         ],
-        responses={200: MODEL_ENTRIES},
+        responses={200: MODEL_ENTRIES, **refusals(s400=["BadRequest"])},
     )
     def get(self, request):
         kind = request.query_params.get("type", "image")
@@ -129,8 +147,17 @@ class ModelsStatusView(APIView):
             raise HordeError("BadRequest", "chat must be true or false.")
         if chat == "true" and kind != "text":
             raise HordeError("BadRequest", "chat=true lists text models only: use it with type=text.")
+        model_state = request.query_params.get("model_state", "all")
+        if model_state not in MODEL_STATES:
+            raise HordeError("BadRequest", "'model_state' needs to be one of ['known', 'custom', 'all']")
         return Response(
-            selectors.models_status(kind=kind, chat=chat == "true")
+            selectors.models_status(
+                kind=kind,
+                chat=chat == "true",
+                model_state=model_state,
+                min_count=_count_param(request, "min_count"),
+                max_count=_count_param(request, "max_count"),
+            )
         )
 
 

@@ -11,6 +11,7 @@ from django.db.models import Count, F, IntegerField, Sum, Value
 from django.db.models.functions import Cast, Ceil, Coalesce, Length
 from django.utils import timezone
 
+from chat.model_reference import is_known_text_model
 from chat.models import Generation
 from chat.selectors.queue import waiting_requests
 from chat.selectors.snapshots import online_worker_facts, online_workers
@@ -101,8 +102,17 @@ def chat_models_status() -> list[dict]:
     return [{**entry, "chat": offers[entry["name"]]} for entry in text_models_status() if entry["name"] in offers]
 
 
-def models_status(*, kind: str, chat: bool) -> list[dict]:
-    """The models route's body, through its two-second cache keyed by the (validated) query."""
+def models_status(
+    *,
+    kind: str,
+    chat: bool,
+    model_state: str = "all",
+    min_count: int | None = None,
+    max_count: int | None = None,
+) -> list[dict]:
+    """The models route's body, through its two-second cache keyed by the (validated) query; then
+    upstream's filters: a serving thread count within [min_count, max_count], and a model in the text
+    model reference (known), out of it (custom) or either (all)."""
     key = f"horde:status-models:{kind}:{chat}"
     body = cache.get(key)
     if body is None:
@@ -111,7 +121,15 @@ def models_status(*, kind: str, chat: bool) -> list[dict]:
         else:
             body = chat_models_status() if chat else text_models_status()
         cache.set(key, body, MODELS_STATUS_CACHE_SECONDS)
-    return body
+    if model_state == "all" and min_count is None and max_count is None:
+        return body
+    return [
+        entry
+        for entry in body
+        if (min_count is None or entry["count"] >= min_count)
+        and (max_count is None or entry["count"] <= max_count)
+        and (model_state == "all" or is_known_text_model(entry["name"]) == (model_state == "known"))
+    ]
 
 
 def horde_performance() -> dict:

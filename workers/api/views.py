@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -29,9 +29,21 @@ def _worker_or_404(worker_id, *, cached: bool = False) -> Worker:
 
 
 class WorkerListView(APIView):
-    @extend_schema(responses={200: OBJECT_LIST}, operation_id="api_v2_workers_list")
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("type", str, description="Only workers of this type (image, text or interrogation)"),
+            OpenApiParameter("name", str, description="Only the worker of this name (case insensitive)"),
+        ],
+        responses={200: OBJECT_LIST},
+        operation_id="api_v2_workers_list",
+    )
     def get(self, request):
-        if request.query_params.get("type", "text") != "text":
+        # Upstream's filters: a name first, whatever the type; an empty value filters nothing
+        # (horde_sdk sends `?type=` for all workers).
+        name = request.query_params.get("name")
+        if name:
+            return Response(workers_online_details(name=name))
+        if request.query_params.get("type") not in (None, "", "text"):
             return Response([])
         return Response(workers_online_details())
 
