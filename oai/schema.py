@@ -456,15 +456,20 @@ class ChatCompletionRequest(BaseModel):
         return bool(self.chat.models)
 
 
+# tool_choice values under which a reply may be text: its text is relayed (ADR 0098).
+RELAYED_TOOL_CHOICES = (None, "auto", "none")
+
+
 def relays_deltas(request: ChatCompletionRequest) -> bool:
-    """Whether the request's reply is relayed as deltas from worker progress: streamed, no tools and
-    no response_format other than text (the horde verifies those only on the whole reply), and one
-    choice (the stream holds every choice's deltas; the front streams one; ADR 0023)."""
+    """Whether the request's reply is relayed as deltas from worker progress: streamed, no
+    response_format other than text (the horde verifies it only on the whole reply), one choice (the
+    stream holds every choice's deltas; the front streams one; ADR 0023), and tools only under a
+    tool_choice that lets the model answer in text (ADR 0098: chat apps send tools with every chat)."""
     body = request.native_body
     response_format = body.get("response_format")
     return (
         request.stream
-        and not body.get("tools")
+        and (not body.get("tools") or body.get("tool_choice") in RELAYED_TOOL_CHOICES)
         and (response_format is None or dict(response_format) == {"type": "text"})
         and (body.get("n") or 1) == 1
     )
