@@ -192,3 +192,50 @@ def test_a_refused_call_after_relayed_text_ends_the_stream_diverged(front, reque
     assert not client.is_alive() and client.done
     assert [error["code"] for error in client.errors] == ["ChatStreamDiverged"]
     assert client.text("content") == "Let me check."
+
+
+def test_open_webui_chat_controls_reach_the_worker_and_the_thinking_is_relayed(front, requester, streaming_worker):
+    """Its page's chat controls (temperature, reasoning effort, max tokens, seed) are top-level keys
+    beside its tools."""
+    messages = b'[{"role":"user","content":"think about it"}]'
+    body = chat_body(messages).replace(
+        b',"tools":', b',"temperature":0.7,"reasoning_effort":"low","max_tokens":200,"seed":42,"tools":', 1
+    )
+    client = OpenWebUiStream(front.live.v1, requester.key, body)
+    client.start()
+    job = streaming_worker.pop()
+    payload = job["payload"]
+    assert (payload["temperature"], payload["reasoning_effort"], payload["max_length"], payload["seed"]) == (
+        0.7, "low", 200, 42,
+    )
+    assert payload["stream_progress"] is True
+    streaming_worker.post(job, 1, reasoning="Effort low.")
+    _wait(lambda: client.text("reasoning_content") == "Effort low.", 5, "the reasoning delta")
+    streaming_worker.submit(job, "Plainly.", reasoning="Effort low. I answer plainly.")
+    client.finish()
+    assert client.text("reasoning_content") == "Effort low. I answer plainly."
+    assert client.text("content") == "Plainly." and client.finishes == ["stop"]
+
+
+def test_open_webui_title_task_is_answered_whole(front, requester, streaming_worker):
+    """After a chat it asks for a title: stream false, max_tokens 1000, its prompt in one user message.
+    It reads choices[0].message.content and takes the JSON object in it."""
+    body = (Path(__file__).parent / "data" / "open_webui_0_12_4_title.json").read_bytes()
+    body = body.replace(b'"model":"scripted"', b'"model":"' + MODEL.encode() + b'"', 1)
+    answers: list[httpx.Response] = []
+    thread = threading.Thread(
+        target=lambda: answers.append(httpx.post(
+            f"{front.live.v1}/chat/completions", content=body, headers=post_headers(requester.key, body), timeout=30
+        )),
+        daemon=True,
+    )
+    thread.start()
+    job = streaming_worker.pop()
+    assert job["payload"]["max_length"] == 1000 and "stream_progress" not in job["payload"]
+    assert job["payload"]["messages"][0]["content"].startswith("### Task:\nGenerate a concise title")
+    streaming_worker.submit(job, '{ "title": "Thinking It Over" }')
+    thread.join(15)
+    assert answers and answers[0].status_code == 200, answers
+    assert answers[0].headers["content-type"] == "application/json"
+    content = answers[0].json()["choices"][0]["message"]["content"]
+    assert json.loads(content[content.find("{") : content.rfind("}") + 1]) == {"title": "Thinking It Over"}
