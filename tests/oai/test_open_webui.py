@@ -10,8 +10,9 @@ after a tool call it posts the call and the tool's answer with the same tools. I
 `stream_options` by default, so it reads no usage. Its stream reader shows `delta.reasoning_content`
 as the model's thinking and `delta.content` as the reply, as they arrive, and runs `delta.tool_calls`.
 
-Those chats were delivered whole: a request with tools was not relayed, so its users saw nothing
-until the reply was complete (ADR 0098).
+As chat_front.md says, a streamed request with tools is delivered whole, so by default its users see
+nothing until the reply is complete. A front set with HORDE_OAI_RELAY_WITH_TOOLS relays such a request
+under tool_choice auto, none or absent, and the checked calls follow the text (ADR 0098).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import httpx
 import pytest
 
 from tests.oai.conftest import MODEL
-from tests.oai.test_relay import StreamingWorker, _wait
+from tests.oai.test_relay import _wait
 
 pytestmark = pytest.mark.redis_only
 
@@ -112,11 +113,10 @@ class OpenWebUiStream(threading.Thread):
 
 
 @pytest.fixture
-def streaming_worker(live_horde, worker_owner):
-    worker = StreamingWorker(live_horde, worker_owner.key)
-    worker.shape.check_in()
-    yield worker
-    worker.close()
+def relaying_front(front):
+    """The front set to relay requests with tools (HORDE_OAI_RELAY_WITH_TOOLS)."""
+    front.configure(relay_with_tools=True)
+    return front
 
 
 def test_open_webui_lists_the_models_with_its_headers(front, requester, streaming_worker):
@@ -127,7 +127,21 @@ def test_open_webui_lists_the_models_with_its_headers(front, requester, streamin
     assert MODEL in [model["id"] for model in listed.json()["data"]]
 
 
-def test_open_webui_chat_with_its_tools_streams_the_thinking_then_the_call(front, requester, streaming_worker):
+def test_open_webui_chat_with_its_tools_is_delivered_whole_by_default(front, requester, streaming_worker):
+    """The spec's rule (chat_front.md, relays_deltas: no tools): its chat with 28 tools is not relayed;
+    the reply reaches the page whole when the worker submits."""
+    client = OpenWebUiStream(front.live.v1, requester.key, chat_body(FIRST_MESSAGES))
+    client.start()
+    job = streaming_worker.pop()
+    assert len(job["payload"]["tools"]) == 28 and "stream_progress" not in job["payload"]
+    streaming_worker.submit(job, "Once upon a time.")
+    client.finish()
+    assert [delta["content"] for delta in client.deltas if delta.get("content")] == ["Once upon a time."]
+    assert client.finishes == ["stop"]
+
+
+def test_open_webui_chat_with_its_tools_streams_the_thinking_then_the_call(relaying_front, requester, streaming_worker):
+    front = relaying_front
     client = OpenWebUiStream(front.live.v1, requester.key, chat_body(FIRST_MESSAGES))
     client.start()
     job = streaming_worker.pop()
@@ -155,7 +169,8 @@ def test_open_webui_chat_with_its_tools_streams_the_thinking_then_the_call(front
     assert client.finishes == ["tool_calls"]
 
 
-def test_open_webui_tool_answer_streams_the_reply_as_it_comes(front, requester, streaming_worker):
+def test_open_webui_tool_answer_streams_the_reply_as_it_comes(relaying_front, requester, streaming_worker):
+    front = relaying_front
     client = OpenWebUiStream(front.live.v1, requester.key, chat_body(TOOL_MESSAGES))
     client.start()
     job = streaming_worker.pop()
@@ -172,7 +187,8 @@ def test_open_webui_tool_answer_streams_the_reply_as_it_comes(front, requester, 
     assert client.finishes == ["stop"]
 
 
-def test_a_refused_call_after_relayed_text_ends_the_stream_diverged(front, requester, streaming_worker):
+def test_a_refused_call_after_relayed_text_ends_the_stream_diverged(relaying_front, requester, streaming_worker):
+    front = relaying_front
     """Under its tools the relayed text may belong to a reply the horde refuses (a call to a function
     the tools do not define): the stream ends in ChatStreamDiverged, as any replaced attempt (ADR 0098)."""
     client = OpenWebUiStream(front.live.v1, requester.key, chat_body(FIRST_MESSAGES))
@@ -194,7 +210,8 @@ def test_a_refused_call_after_relayed_text_ends_the_stream_diverged(front, reque
     assert client.text("content") == "Let me check."
 
 
-def test_open_webui_chat_controls_reach_the_worker_and_the_thinking_is_relayed(front, requester, streaming_worker):
+def test_open_webui_chat_controls_reach_the_worker_and_the_thinking_is_relayed(relaying_front, requester, streaming_worker):
+    front = relaying_front
     """Its page's chat controls (temperature, reasoning effort, max tokens, seed) are top-level keys
     beside its tools."""
     messages = b'[{"role":"user","content":"think about it"}]'
