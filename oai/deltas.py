@@ -624,6 +624,9 @@ class RelayedStream:
         # The final chunks carry the first delta's model and fingerprint, as every chunk before them.
         completion.model = self.relay.model
         completion.fingerprint = self.relay.fingerprint
+        # Tool calls are never relayed (the horde verifies them on the whole reply): they follow the text.
+        if completion.tool_calls:
+            pieces.append(sse.tool_calls_delta(completion))
         return self._events(pieces) + sse.build_completion_tail_events(
             completion, include_usage=include_usage
         )

@@ -110,7 +110,7 @@ class ChatRun:
         self.relays = (
             isinstance(request, ChatCompletionRequest)
             and state.delta_reader is not None
-            and relays_deltas(request)
+            and relays_deltas(request, with_tools=self.settings.relay_with_tools)
         )
         self.relayed: RelayedStream | None = None
         # horde.oai.first_content.duration is recorded once (first_content_sent).

@@ -456,15 +456,23 @@ class ChatCompletionRequest(BaseModel):
         return bool(self.chat.models)
 
 
-def relays_deltas(request: ChatCompletionRequest) -> bool:
+# tool_choice values under which a reply may be text: its text is relayed when the front is set to
+# relay requests with tools (HORDE_OAI_RELAY_WITH_TOOLS, ADR 0098).
+RELAYED_TOOL_CHOICES = (None, "auto", "none")
+
+
+def relays_deltas(request: ChatCompletionRequest, *, with_tools: bool = False) -> bool:
     """Whether the request's reply is relayed as deltas from worker progress: streamed, no tools and
     no response_format other than text (the horde verifies those only on the whole reply), and one
-    choice (the stream holds every choice's deltas; the front streams one; ADR 0023)."""
+    choice (the stream holds every choice's deltas; the front streams one; ADR 0023). `with_tools`
+    (the front's setting, off by default as the spec says): tools too, under a tool_choice that lets
+    the model answer in text (ADR 0098: chat apps send tools with every chat)."""
     body = request.native_body
     response_format = body.get("response_format")
+    tools_allow = not body.get("tools") or (with_tools and body.get("tool_choice") in RELAYED_TOOL_CHOICES)
     return (
         request.stream
-        and not body.get("tools")
+        and tools_allow
         and (response_format is None or dict(response_format) == {"type": "text"})
         and (body.get("n") or 1) == 1
     )

@@ -76,6 +76,9 @@ class FrontSettings:
     poll_seconds: float = 1.0
     signal_ping_seconds: float = 5.0
     keepalive_seconds: float = 10.0
+    # Relay the deltas of a streamed request with tools under tool_choice auto, none or absent; off:
+    # such a request is delivered whole, as chat_front.md says (ADR 0098).
+    relay_with_tools: bool = False
     # Cancels.
     cancel_timeout_seconds: float = 1.5
     cancel_retry_seconds: float = 30.0
@@ -190,6 +193,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> FrontSettings:
         poll_seconds=read.float("HORDE_OAI_POLL_SECONDS", default=1.0),
         signal_ping_seconds=read.float("HORDE_OAI_SIGNAL_PING_SECONDS", default=5.0),
         keepalive_seconds=read.float("HORDE_OAI_KEEPALIVE_SECONDS", default=10.0),
+        relay_with_tools=read.bool("HORDE_OAI_RELAY_WITH_TOOLS", default=False),
         cancel_timeout_seconds=read.float("HORDE_OAI_CANCEL_TIMEOUT_SECONDS", default=1.5),
         cancel_retry_seconds=read.float("HORDE_OAI_CANCEL_RETRY_SECONDS", default=30.0),
         cancel_max_connections=read.int("HORDE_OAI_CANCEL_MAX_CONNECTIONS", default=20),

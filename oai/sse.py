@@ -3,7 +3,8 @@
 A reply is delivered whole: role chunk, reasoning chunk (under horde.include_reasoning), content
 chunk, tool-call chunk (each call whole with its index, without content), the finish chunk with
 x_horde, the usage chunk when stream_options.include_usage, then [DONE]. A relayed stream
-(oai.deltas) sends `build_delta_event` chunks as the deltas arrive, then the rest and the same tail.
+(oai.deltas) sends `build_delta_event` chunks as the deltas arrive, then the rest (the tool calls
+last), and the same tail.
 """
 
 from __future__ import annotations
@@ -62,17 +63,22 @@ def build_completion_events(completion: Completion, *, include_usage: bool) -> l
     if completion.content:
         events.append(_event(_chunk(completion, {"content": completion.content})))
     if completion.tool_calls:
-        calls = [
-            {
-                "index": i,
-                "id": c["id"],
-                "type": "function",
-                "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-            }
-            for i, c in enumerate(completion.tool_calls)
-        ]
-        events.append(_event(_chunk(completion, {"tool_calls": calls})))
+        events.append(_event(_chunk(completion, tool_calls_delta(completion))))
     return events + build_completion_tail_events(completion, include_usage=include_usage)
+
+
+def tool_calls_delta(completion: Completion) -> dict[str, Any]:
+    """The reply's tool calls as one delta: each call whole, with its index."""
+    calls = [
+        {
+            "index": i,
+            "id": c["id"],
+            "type": "function",
+            "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+        }
+        for i, c in enumerate(completion.tool_calls or ())
+    ]
+    return {"tool_calls": calls}
 
 
 def build_completion_tail_events(completion: Completion, *, include_usage: bool) -> list[bytes]:

@@ -7,7 +7,8 @@ splits the body at blank lines, keeps `data:` events that parse as JSON, and rea
 `choices[0].delta.content` and `choices[0].finish_reason`; `GET {base}/models` must answer a `data`
 list with entries.
 
-Open WebUI (backend/open_webui/routers/openai.py) posts from its server with aiohttp: `Content-Type`,
+Open WebUI (backend/open_webui/routers/openai.py; an older release: 0.12.4's exchanges, with its
+built-in tools on every chat, are replayed in tests/oai/test_open_webui.py) posts from its server with aiohttp: `Content-Type`,
 `Authorization`, and with ENABLE_FORWARD_USER_INFO_HEADERS its `X-OpenWebUI-User-*` and
 `X-OpenWebUI-Chat-Id` headers. On a stream it adds `stream_options.include_usage`, and it marks the
 last message with `cache_control: {"type": "ephemeral"}`; it reads `usage` from the stream's chunks.
