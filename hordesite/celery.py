@@ -1,7 +1,8 @@
 """The Celery app: the periodic sweeps run as beat tasks (chat/tasks.py; their schedule is
 CELERY_BEAT_SCHEDULE in the settings). Each process that runs tasks configures its telemetry before
 its first task and flushes it when it stops (hordesite/telemetry.py); beat runs no task and records
-none."""
+none. A task's database connection goes back to the process's pool after the task, as a request's
+does in the web process (docs/adr/0093)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,39 @@ from typing import Any
 
 from celery import Celery
 from celery.beat import PersistentScheduler
-from celery.signals import celeryd_init, task_prerun, worker_process_shutdown, worker_shutdown
+from celery.contrib.django.task import DjangoTask
+from celery.signals import celeryd_init, task_postrun, task_prerun, worker_process_shutdown, worker_shutdown
 
 from hordesite.telemetry import start_celery_telemetry_once, stop_telemetry
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hordesite.settings")
 
-app = Celery("hordesite")
+
+class HordeTask(DjangoTask):
+    """A task that loses its PostgreSQL connection before any of its statements completed runs once
+    more on a fresh connection, as a native request does (hordesite/db_guard.py): the pool outlives
+    the tasks, so after a database restart its idle connections are dead, and the first task to take
+    one must not fail for it. The lost connection is discarded and the pool's idle ones checked."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.request.is_eager:
+            return super().__call__(*args, **kwargs)
+        from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
+
+        from hordesite import db_guard
+
+        for last in (False, True):
+            db_guard.start_request()
+            try:
+                with connections[DEFAULT_DB_ALIAS].execute_wrapper(db_guard.count_statements):
+                    return super().__call__(*args, **kwargs)
+            except DatabaseError as exc:
+                if last or not db_guard.is_connection_failure(exc) or not db_guard.on_connection_failure(exc):
+                    raise
+        raise AssertionError("unreachable")
+
+
+app = Celery("hordesite", task_cls=HordeTask)
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 
@@ -57,6 +84,20 @@ def _start_telemetry_at_the_first_task(task: Any = None, **_kwargs) -> None:
     if task is not None and task.request.is_eager:
         return
     start_celery_telemetry_once()
+
+
+@task_prerun.connect
+@task_postrun.connect
+def _close_old_connections(task: Any = None, **_kwargs) -> None:
+    """What Django does when a request starts and ends, around each task (Celery's fixup no longer
+    does: CELERY_DB_REUSE_MAX in the settings). CONN_MAX_AGE is 0 under the pool, so the task's
+    connection goes back to the pool, which keeps it for the next task; the pool discards one that
+    broke. Not for a task run eagerly, inside its caller's own work."""
+    if task is not None and task.request.is_eager:
+        return
+    from django.db import close_old_connections
+
+    close_old_connections()
 
 
 @worker_process_shutdown.connect

@@ -190,6 +190,13 @@ if _max_memory_per_child < 0 or _max_tasks_per_child < 0:  # fail closed: a typo
 CELERY_WORKER_MAX_MEMORY_PER_CHILD = _max_memory_per_child or None
 CELERY_WORKER_MAX_TASKS_PER_CHILD = _max_tasks_per_child or None
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
+# Celery's Django fixup closes the database connections before and after each task, and under the
+# prefork pool Django's whole connection pool with them (Celery 5.7, celery/celery#10554): a new
+# pool and new sessions for every sweep. It does so only once in this many tasks (its setting for
+# it): never, in effect. Each task gives its connection back to the pool instead, as a request does,
+# and one that finds its connection dead runs once more on a fresh one (hordesite/celery.py). A
+# fresh pool child still drops what it inherited from its parent (the fixup's worker_process_init).
+CELERY_DB_REUSE_MAX = 2**62
 # Beat's own record of its last runs; its folder is created when beat starts (hordesite/celery.py).
 CELERY_BEAT_SCHEDULE_FILENAME = env.str("CELERY_BEAT_SCHEDULE_FILENAME", default=str(VAR_DIR / "celerybeat-schedule"))
 

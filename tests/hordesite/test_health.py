@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from chat import tasks
@@ -81,3 +83,15 @@ def test_healthz_is_unhealthy_when_no_sweep_ever_ran_within_the_late_delay(api, 
     response = api.get("/healthz")
     assert response.status_code == 503
     assert response.json()["sweeps"]["chat.tasks.expire_requests"] == {"last_finished_at": None, "late": True}
+
+
+def test_a_sweep_records_its_run_in_one_statement():
+    """Each sweep runs every few seconds: after a task's first run, its record is one UPDATE, not
+    update_or_create's transaction, row lock and read (three more round trips per sweep)."""
+    assert tasks.sweep_maintenance.apply().get() == 0
+    first = SweepRun.objects.get(task="chat.tasks.sweep_maintenance").finished_at
+    with CaptureQueriesContext(connection) as queries:
+        assert tasks.sweep_maintenance.apply().get() == 0
+    on_the_record = [query["sql"] for query in queries if "horde_sweep_runs" in query["sql"]]
+    assert len(on_the_record) == 1 and on_the_record[0].startswith("UPDATE"), on_the_record
+    assert SweepRun.objects.get(task="chat.tasks.sweep_maintenance").finished_at > first

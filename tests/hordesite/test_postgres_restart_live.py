@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -186,3 +188,54 @@ def test_restart_then_stop_then_start(horde_on_own_postgres):
     for name, (expected, call) in calls.items():
         response = call()
         assert response.status_code == expected, (name, response.status_code, response.text[:300])
+
+
+CELERY_SUCCEEDED = re.compile(rb"Task chat\.tasks\.\w+\[[^]]+\] succeeded")
+
+
+def test_a_restart_costs_the_celery_worker_no_sweep(horde_on_own_postgres, tmp_path):
+    """The Celery worker keeps its connection pool from one sweep to the next (docs/adr/0093), so a
+    restart leaves it dead connections: the next sweeps must still succeed. The worker is paused
+    across the restart (SIGSTOP), so that no sweep is in flight when the server goes: what is
+    tested is the pool's dead connections, not a sweep cut in the middle."""
+    postgres, _url, _keys = horde_on_own_postgres
+    env = {
+        **os.environ,
+        "DATABASE_URL": postgres.url,
+        "REDIS_URL": "",
+        "CELERY_BROKER_URL": "",
+        "DJANGO_SETTINGS_MODULE": "hordesite.settings",
+        "CELERY_BEAT_SCHEDULE_FILENAME": str(tmp_path / "celerybeat-schedule"),
+        "HORDE_SWEEP_INTERVAL_SECONDS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    log = tmp_path / "celery.log"
+    with log.open("wb") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "hordesite", "worker", "-B", "--concurrency=1", "--loglevel=INFO"],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0,
+        )
+
+    def sweeps_succeeded(count: int) -> int:
+        deadline = time.monotonic() + 90
+        while (done := len(CELERY_SUCCEEDED.findall(log.read_bytes()))) < count:
+            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        return done
+
+    try:
+        before = sweeps_succeeded(6)
+        os.killpg(worker.pid, signal.SIGSTOP)
+        try:
+            postgres.pg_ctl("-m", "fast", "restart")
+        finally:
+            os.killpg(worker.pid, signal.SIGCONT)
+        sweeps_succeeded(before + 8)
+        assert b"raised unexpected" not in log.read_bytes(), log.read_text()[-4000:]
+    finally:
+        worker.send_signal(signal.SIGTERM)  # the main process only, as systemd's KillMode=mixed does
+        try:
+            worker.wait(60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGKILL)
