@@ -570,6 +570,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if clean else 1
 
 
+# How long after a client goes the front's cancel may take to reach the horde (its disconnect noticed,
+# the cancel sent): a reply submitted within it was done before the cancel.
+FRONT_CANCEL_GRACE_SECONDS = 2.0
+
+
 def report(args, clients: Clients, recent: list[Call], rec, stuck: int, samples: list[dict], horde: Horde,
            bridges: list[Process], restarts: int, seconds: float) -> bool:
     print(f"\n## Soak report ({seconds / 60:.1f} min; {args.web_processes} web processes, {args.bridges} bridges, "
@@ -593,6 +598,13 @@ def report(args, clients: Clients, recent: list[Call], rec, stuck: int, samples:
         if rows and gone and all(state == "ok" and float(finished) <= max(gone) for _, state, finished, _ in rows):
             # Its reply was finished before the client's timeout fired: nothing left to cancel.
             by_spec["finished before the client went away"] += 1
+        elif rows and gone and all(
+            not cancelled and state == "ok" and float(finished) <= max(gone) + FRONT_CANCEL_GRACE_SECONDS
+            for cancelled, state, finished, _ in rows
+        ):
+            # Submitted in the moment between the client's going and the front's cancel reaching the
+            # horde: the request was done, and a cancel of a done request changes nothing (ADR 0064).
+            by_spec["finished as the client went away, before the front's cancel"] += 1
         elif rows and all(cancelled for cancelled, *_ in rows):
             by_spec["streamed, settled at the cancel on its posted content" if any(row[1] == "cancelled" for row in rows)
                     else "in flight at the cancel, its submit paid"] += 1
