@@ -234,8 +234,8 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def _created(self, answer, *, tag: str, chat: bool, streamed: bool, models: list[str], via_key: bool) -> None:
         body = answer.json()
-        if answer.status_code == 403:
-            assert body["rc"] in ("KudosUpfront", "NoEligibleWorker", "SharedKeyInsufficientKudos"), body
+        if answer.status_code in (403, 429):  # refused: nothing queued (the ledger checks say nothing charged)
+            assert body["rc"] in ("KudosUpfront", "NoEligibleWorker", "SharedKeyInsufficientKudos", "TooManyPrompts"), body
             return
         assert answer.status_code == 202, body
         self.tags.add(tag)
