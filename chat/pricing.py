@@ -107,16 +107,21 @@ def text_request_quote(
     """The kudos a request is expected to cost: n full-length generations at the first model
     (`prompt_tokens`: as context_multiplier).
 
-    The quote assumes full-length replies and a trusted worker's owner (the dearer rate for an
-    unknown model; a known model's rate ignores trust), so it bounds the charge.
+    The quote assumes full-length replies at the dearer of the two owners' rates, so it bounds the
+    charge. A known model's rate ignores trust. An unknown model pays a trusted owner per token
+    and an untrusted one a flat context multiplier, dearer below 38 tokens (docs/adr/0090).
     """
     model = models[0] if models else ""
-    per_generation = text_generation_kudos(
-        model=model,
-        prompt=prompt,
-        generation="x" * (max_length * 4),
-        max_length=max_length,
-        owner_trusted=True,
-        context=context_multiplier(prompt, max_length, prompt_tokens=prompt_tokens),
+    context = context_multiplier(prompt, max_length, prompt_tokens=prompt_tokens)
+    per_generation = max(
+        text_generation_kudos(
+            model=model,
+            prompt=prompt,
+            generation="x" * (max_length * 4),
+            max_length=max_length,
+            owner_trusted=trusted,
+            context=context,
+        )
+        for trusted in (True, False)
     )
     return per_generation * n

@@ -357,13 +357,9 @@ def finished_generations(request_id: Any) -> list[Any]:
 # --- the priced text submit (docs/adr/0026-price-at-pop.md) ---------------------------------------
 
 
-def _half_even_cents(value: str) -> str:
-    """`value` (numeric) to the cent, halves to even, as Decimal.quantize rounds the hold's share."""
-    cents = f"(({value}) * 100)"
-    return (
-        f"(CASE WHEN {cents} - trunc({cents}) = 0.5 THEN (trunc({cents}) + mod(trunc({cents}), 2)) / 100"
-        f" ELSE round({value}, 2) END)"
-    )
+def _ceiling_cents(value: str) -> str:
+    """`value` (numeric) up to the cent, as chat.services.submit.hold_share rounds the hold's share."""
+    return f"(ceil(({value}) * 100) / 100)"
 
 
 def _settled_submit(won: tuple[str, list], *, owner_id: int, now: Any) -> tuple[str, list]:
@@ -385,7 +381,7 @@ def _settled_submit(won: tuple[str, list], *, owner_id: int, now: Any) -> tuple[
             # A chat request's one job releases the whole hold, which a multi-model request
             # takes at its dearest model while kudos_quote is its first's (spec: Pricing).
             "SELECT r.id, r.user_id, r.shared_key_id, CASE WHEN r.is_chat THEN r.kudos_held"
-            f" ELSE LEAST(r.kudos_held, {_half_even_cents('r.kudos_quote / r.n')}) END AS release"
+            f" ELSE LEAST(r.kudos_held, {_ceiling_cents('r.kudos_quote / r.n')}) END AS release"
             " FROM horde_requests AS r JOIN won ON r.id = won.request_id FOR NO KEY UPDATE OF r",
             [],
         ),

@@ -10,7 +10,7 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from decimal import Decimal
+from decimal import ROUND_CEILING, Decimal
 from typing import Any, NoReturn
 from uuid import UUID
 
@@ -117,6 +117,13 @@ def _apply_fault(generation: Generation, *, now, seed: int = 0, gen_metadata: li
     record_gate_shadow_outcome(generation, "faulted")
 
 
+def hold_share(request: GenerationRequest) -> Decimal:
+    """What one result of a text request releases of its hold: its quote over n, rounded up to the
+    cent, so its n results release the whole hold (the last one the rest). Rounded to the nearest,
+    a hold of 3p + 1 kept 0.01 held on a done request (docs/adr/0090)."""
+    return (request.kudos_quote / request.n).quantize(Decimal("0.01"), rounding=ROUND_CEILING)
+
+
 def _settle(generation: Generation, *, state: str, tokens: int, reward: Decimal, now) -> None:
     """Reward the owner, charge the requester the same and release the hold's share.
 
@@ -131,8 +138,7 @@ def _settle(generation: Generation, *, state: str, tokens: int, reward: Decimal,
     # hold as it is charged.
     locked = GenerationRequest.objects.select_for_update(no_key=True).only("kudos_held").get(pk=request.pk)
     # A chat request's one job releases the whole hold (taken at its dearest model).
-    share = (request.kudos_quote / request.n).quantize(Decimal("0.01"))
-    release = locked.kudos_held if request.is_chat else min(locked.kudos_held, share)
+    release = locked.kudos_held if request.is_chat else min(locked.kudos_held, hold_share(request))
     worker_record_job(
         worker=worker, tokens=tokens, seconds=(now - generation.created).total_seconds(), kudos=reward
     )

@@ -1,5 +1,6 @@
-"""The priced submit computes its reward in SQL and chat.pricing in Python (docs/adr/0026-price-at-pop.md):
-both round a double to the cent the same way, halves included, so the two paths agree."""
+"""The priced submit computes its reward and the hold's share in SQL, chat.pricing and
+chat.services.submit in Python (docs/adr/0026-price-at-pop.md): both round the same way, halves
+included, so the two paths agree."""
 
 from __future__ import annotations
 
@@ -24,14 +25,22 @@ def test_python_and_postgresql_round_kudos_alike():
     assert [kudos_amount(v) for v in values] == rounded
 
 
-def test_the_hold_share_rounds_halves_to_even_as_decimal_does():
-    from chat.sql import _half_even_cents
+def test_the_hold_share_rounds_up_to_the_cent_in_both_paths():
+    """The priced submit's SQL and chat.services.submit.hold_share give each result the same share
+    of the hold, rounded up, so n results release it whole (docs/adr/0090)."""
+    from types import SimpleNamespace
 
-    cases = [("0.05", 2), ("0.15", 2), ("10.00", 3), ("0.07", 2), ("12.34", 4), ("1.00", 8)]
+    from chat.services.submit import hold_share
+    from chat.sql import _ceiling_cents
+
+    cases = [("0.05", 2), ("0.15", 2), ("10.00", 3), ("0.07", 2), ("12.34", 4), ("1.00", 8), ("4.00", 2), ("7.77", 7)]
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT {_half_even_cents('q / n')} FROM unnest(%s::numeric[], %s::int[]) AS t(q, n)",
+            f"SELECT {_ceiling_cents('q / n')} FROM unnest(%s::numeric[], %s::int[]) AS t(q, n)",
             [[Decimal(q) for q, _ in cases], [n for _, n in cases]],
         )
         shares = [row[0] for row in cursor.fetchall()]
-    assert shares == [(Decimal(q) / n).quantize(Decimal("0.01")) for q, n in cases]
+    expected = [hold_share(SimpleNamespace(kudos_quote=Decimal(q), n=n)) for q, n in cases]
+    assert shares == expected
+    assert expected[2] == Decimal("3.34") and expected[6] == Decimal("2.00")
+    assert all(share * n >= Decimal(q) for share, (q, n) in zip(expected, cases, strict=True))
