@@ -116,7 +116,7 @@ def _count_param(request, name: str) -> int | None:
     value = request.query_params.get(name)
     if value is None:
         return None
-    if not (value.isascii() and value.lstrip("-").isdigit()) or len(value) > 9:
+    if not (value.isascii() and value.removeprefix("-").isdigit()) or len(value) > 9:
         raise HordeError("BadRequest", f"{name} must be a whole number.")
     return int(value)
 

@@ -41,7 +41,7 @@ from chat.services.admission import (
 )
 from contract.chat_shapes import ChatContextAdjustmentReason
 from contract.errors import HordeError
-from contract.text import TEXT_MAX_LENGTH_RANGE, text_params_refusal
+from contract.text import TEXT_MAX_CONTEXT_LENGTH_RANGE, TEXT_MAX_LENGTH_RANGE, text_params_refusal
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +229,11 @@ def _lowered_to_workers(data: TextRequestInput) -> list[dict] | None:
     if largest is None or data.max_length <= largest or largest < TEXT_MAX_LENGTH_RANGE[0]:
         return None
     adjustment = {"from": data.max_length, "to": largest, "reason": ChatContextAdjustmentReason.WORKER_MAX_LENGTH.value}
+    # The context it needs is its prompt and its completion (the front sends their sum), as a chat
+    # request is sized after its lowering: kept, it could still exceed every worker's context.
+    data.max_context_length = max(
+        largest, TEXT_MAX_CONTEXT_LENGTH_RANGE[0], data.max_context_length - (data.max_length - largest)
+    )
     data.max_length = largest
     return [adjustment]
 

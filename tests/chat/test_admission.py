@@ -260,6 +260,15 @@ def test_status_routes(horde):
     assert horde.client.get("/api/v2/status/models?type=sound").json()["rc"] == "BadRequest"
 
 
+@pytest.mark.parametrize("value", ["--1", "-", "1.5", "x", "1e3", "--", "0x1"])
+def test_status_models_count_filters_refuse_what_is_not_a_whole_number(horde, value):
+    # "--1" passed a check that stripped every leading "-", then int() raised: a 500.
+    for name in ("min_count", "max_count"):
+        response = horde.client.get(f"/api/v2/status/models?type=text&{name}={value}")
+        assert response.status_code == 400 and response.json()["rc"] == "BadRequest", (name, value)
+    assert horde.client.get("/api/v2/status/models?type=text&min_count=-1&max_count=0").json() == []
+
+
 def test_browser_preflight_and_cors_headers(horde):
     preflight = horde.client.options(
         "/api/v2/generate/text/async",

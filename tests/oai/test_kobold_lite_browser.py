@@ -18,6 +18,7 @@ import contextlib
 import json
 import re
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -341,3 +342,31 @@ def test_only_the_fronts_text_requests_are_lowered(live_horde, transactional_db,
     assert "message" not in lowered.json()
     row = GenerationRequest.objects.get(pk=lowered.json()["id"])
     assert (row.max_length, row.context_adjustments[0]["to"]) == (512, 512)
+
+
+def test_a_lowered_max_length_lowers_the_context_it_needs(live_horde, transactional_db, make_user, start_text_worker):
+    """The context a text request needs is its prompt and its completion (the front sends
+    max_context_length as their sum): lowered by 256 tokens, it needs 256 fewer. Kept at 6144, it
+    stayed above this worker's 6000, so the lowered request still waited for a worker that never comes."""
+    worker = start_text_worker(model=LITE_MODEL, max_length=512, max_context_length=6000,
+                               generation=lambda job: TEXT_GENERATION)
+    requester = make_user("lite-user", kudos=5000)
+    body = HORDE_BODY.replace(b'"max_length":512', b'"max_length":768')
+    assert b'"max_context_length":6144' in body
+    headers = {"apikey": requester.key, "Client-Agent": "KoboldAiLite:17", "Content-Type": "application/json"}
+    url = f"{live_horde.url}/api/v2/generate/text/async"
+    lowered = httpx.post(
+        url, content=body[:-1] + b',"lower_max_length_to_workers":true}', headers=headers, timeout=20
+    )
+    assert lowered.status_code == 202, lowered.text
+    assert lowered.json()["context_adjustments"] == [{"from": 768, "to": 512, "reason": "worker_max_length"}]
+    assert "message" not in lowered.json(), lowered.json()
+    row = GenerationRequest.objects.get(pk=lowered.json()["id"])
+    assert (row.max_length, row.max_context_length) == (512, 6144 - 256)
+    status_url = f"{live_horde.url}/api/v2/generate/text/status/{row.pk}"
+    deadline = time.monotonic() + 60
+    while not (status := httpx.get(status_url, timeout=20).json())["done"]:
+        assert status["is_possible"] and time.monotonic() < deadline, status
+        threading.Event().wait(0.1)
+    assert status["generations"][0]["text"] == TEXT_GENERATION
+    assert worker.jobs[0]["payload"]["max_context_length"] == 6144 - 256
