@@ -152,6 +152,13 @@ def worker_details(worker: Worker) -> dict:
 
 
 def workers_online_details(*, name: str | None = None) -> list[dict]:
-    """The details of every online worker, or of the one called `name` in any case, by name (one query)."""
-    workers = workers_online() if name is None else workers_online().filter(name__iexact=name)
+    """The details of every online worker, or of the one called `name` in any case, by name."""
+    workers = workers_online()
+    if name is not None:
+        # Upstream compares Python's str.lower() of both names. SQL folds case otherwise: SQLite's
+        # LIKE only ASCII letters (Ä), PostgreSQL's UPPER more of them (ı and i are both I).
+        wanted = name.lower()
+        workers = workers.filter(
+            pk__in=[pk for pk, listed in workers.values_list("pk", "name") if listed.lower() == wanted]
+        )
     return [worker_details(worker) for worker in workers.order_by("name")]

@@ -203,9 +203,16 @@ def test_the_sdk_workers_list_is_every_worker_or_the_one_named(live, make_user):
     assert listed("type=text") == ["other-worker", "sdk-worker"]
     assert listed("type=image") == []
     assert listed("type=image&name=sdk-worker") == ["sdk-worker"]  # upstream: the name before the type
+    assert listed("type=text&type=image") == ["other-worker", "sdk-worker"]  # upstream: the first value
     by_name = live.request("GET", "/api/v2/workers/name/sdk-worker", headers=sdk_headers("0000000000"),
                            exact_headers=True)
     assert by_name.status_code == 200, by_name.text
+    # worker_details_by_name() of an unknown (or differently cased) name: upstream's WorkerNotFound,
+    # which names an ID; the SDK returns it as its RequestErrorResponse (message, rc).
+    unknown = live.request("GET", "/api/v2/workers/name/SDK-Worker", headers=sdk_headers("0000000000"),
+                           exact_headers=True)
+    assert unknown.status_code == 404
+    assert unknown.json() == {"message": "Worker with ID 'SDK-Worker' not found.", "rc": "WorkerNotFound"}
     worker_id = uuid.UUID(by_name.json()["id"])
     by_id = live.request("GET", f"/api/v2/workers/{worker_id}", headers=sdk_headers("0000000000"), exact_headers=True)
     assert by_id.status_code == 200 and by_id.json()["name"] == "sdk-worker"

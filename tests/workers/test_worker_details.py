@@ -3,7 +3,10 @@ details")."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from django.core.cache import cache
+from django.utils import timezone
 
 from chat.selectors.snapshots import reset_snapshots
 from tests.chat.pop_helpers import MODEL, chat_pop
@@ -97,7 +100,8 @@ def test_an_unknown_name_is_worker_not_found(horde, make_user):
     horde.pop(owner.key, name="known")
     response = horde.client.get("/api/v2/workers/name/unknown")
     assert response.status_code == 404
-    assert response.json() == {"message": "Worker with name 'unknown' not found.", "rc": "WorkerNotFound"}
+    # Upstream's WorkerNotFound names an ID whatever it was given.
+    assert response.json() == {"message": "Worker with ID 'unknown' not found.", "rc": "WorkerNotFound"}
     assert horde.client.get("/api/v2/workers/name/Known").status_code == 404  # names are exact
 
 
@@ -106,7 +110,7 @@ def test_a_name_with_a_nul_is_worker_not_found(horde, make_user):
     horde.pop(make_user("owner").key, name="known")
     response = horde.client.get("/api/v2/workers/name/kn%00own")
     assert response.status_code == 404
-    assert response.json() == {"message": "Worker with name 'kn\x00own' not found.", "rc": "WorkerNotFound"}
+    assert response.json() == {"message": "Worker with ID 'kn\x00own' not found.", "rc": "WorkerNotFound"}
 
 
 def test_details_by_name_are_cached_but_the_owner_switch_shows_at_once(horde, make_user):
@@ -133,6 +137,55 @@ def test_the_text_worker_list_kobold_lite_asks_for(horde, make_user):
     assert listed["text"]["type"] == "text" and listed["text"]["models"] == [MODEL]
     assert listed["text"]["accepts_prompt_jobs"] is True and listed["chat"]["accepts_chat_jobs"] is True
     assert horde.client.get("/api/v2/workers?type=image").json() == []
+
+
+def test_the_list_matches_a_name_by_pythons_lower_case_as_upstream(horde, make_user):
+    """Upstream keeps the listed workers whose name.lower() is the asked name's. SQLite's LIKE folded
+    only ASCII letters (Ä was not ä) and PostgreSQL's UPPER more than lower() does (ı and i are both I)."""
+    owner = make_user("owner")
+    horde.pop(owner.key, name="Ärger")
+    horde.pop(owner.key, name="kıwi")
+
+    def listed(query: str) -> list[str]:
+        response = horde.client.get(f"/api/v2/workers?{query}")
+        assert response.status_code == 200
+        return [worker["name"] for worker in response.json()]
+
+    assert listed("name=%C3%84RGER") == ["Ärger"] and listed("name=%C3%A4rger") == ["Ärger"]
+    assert listed("name=KIWI") == [] and listed("name=kiwi") == []
+    assert listed("name=K%C4%B1WI") == ["kıwi"]  # 'KıWI'.lower() is 'kıwi'
+
+
+def test_the_list_reads_a_repeated_filter_by_its_first_value(horde, make_user):
+    """Upstream's reqparse keeps the first of a repeated query parameter; QueryDict.get kept the last."""
+    horde.pop(make_user("owner").key, name="text")
+
+    def listed(query: str) -> list[str]:
+        return [worker["name"] for worker in horde.client.get(f"/api/v2/workers?{query}").json()]
+
+    assert listed("type=text&type=image") == ["text"]
+    assert listed("type=image&type=text") == []
+    assert listed("name=text&name=other") == ["text"]
+    assert listed("name=other&name=text") == []
+    assert listed("name=&name=text&type=image") == []  # the first name is empty: the type filters
+
+
+def test_an_offline_worker_is_listed_by_no_filter_but_found_by_name(horde, make_user):
+    """Upstream lists the workers checked in within 300 seconds (get_active_workers), and its name
+    filter picks among them; /workers/name/<name> finds any worker, exact name, with online false."""
+    owner = make_user("owner")
+    horde.pop(owner.key, name="gone")
+    horde.pop(owner.key, name="here")
+    Worker.objects.filter(name="gone").update(last_check_in=timezone.now() - timedelta(seconds=301))
+    for query in ("", "?type=", "?type=text"):
+        assert [w["name"] for w in horde.client.get(f"/api/v2/workers{query}").json()] == ["here"]
+    assert horde.client.get("/api/v2/workers?name=gone").json() == []
+    assert horde.client.get("/api/v2/workers?type=text&name=GONE").json() == []
+    response = horde.client.get("/api/v2/workers/name/gone")
+    assert response.status_code == 200 and response.json()["online"] is False
+    assert horde.client.get("/api/v2/workers/name/GONE").json() == {
+        "message": "Worker with ID 'GONE' not found.", "rc": "WorkerNotFound"
+    }
 
 
 def test_details_carry_upstreams_kudos_breakdown_and_flag(horde, make_user):

@@ -21,6 +21,11 @@ from workers.selectors import (
 from workers.services import worker_delete, worker_update
 
 
+def _first_query_value(request, key: str) -> str:
+    values = request.query_params.getlist(key)
+    return values[0] if values else ""
+
+
 def _worker_or_404(worker_id, *, cached: bool = False) -> Worker:
     worker = worker_get_cached(worker_id) if cached else worker_get(worker_id)
     if worker is None:
@@ -39,11 +44,12 @@ class WorkerListView(APIView):
     )
     def get(self, request):
         # Upstream's filters: a name first, whatever the type; an empty value filters nothing
-        # (horde_sdk sends `?type=` for all workers).
-        name = request.query_params.get("name")
+        # (horde_sdk sends `?type=` for all workers). Its parser keeps a repeated parameter's first
+        # value, where QueryDict.get keeps the last.
+        name = _first_query_value(request, "name")
         if name:
             return Response(workers_online_details(name=name))
-        if request.query_params.get("type") not in (None, "", "text"):
+        if _first_query_value(request, "type") not in ("", "text"):
             return Response([])
         return Response(workers_online_details())
 
@@ -57,7 +63,8 @@ class WorkerByNameView(APIView):
     def get(self, request, worker_name):
         worker = worker_get_cached_by_name(worker_name)
         if worker is None:
-            raise HordeError("WorkerNotFound", f"Worker with name '{worker_name}' not found.")
+            # Upstream's words: its WorkerNotFound names an ID even for a name.
+            raise HordeError("WorkerNotFound", f"Worker with ID '{worker_name}' not found.")
         return Response(worker_details(worker))
 
 
