@@ -249,3 +249,20 @@ class SweepRun(models.Model):
 
     class Meta:
         db_table = "horde_sweep_runs"
+
+
+class TextGenerationStat(models.Model):
+    """The finished text generations of expired (deleted) requests, per model and minute: what
+    GET /stats/text/totals and /stats/text/models count once the generations are gone (ADR 0100).
+    Folded in by the expiry sweep in the transaction that deletes the request, so each generation
+    is counted either here or live, never both."""
+
+    model = models.CharField(max_length=255)
+    minute = models.DateTimeField()  # the minute the generations finished in (its start)
+    requests = models.BigIntegerField(default=0)
+    tokens = models.BigIntegerField(default=0)  # the requests' max_length, as upstream counts tokens
+
+    class Meta:
+        db_table = "horde_text_generation_stats"
+        constraints = [models.UniqueConstraint(fields=["model", "minute"], name="horde_text_stats_model_minute")]
+        indexes = [models.Index(fields=["minute"], name="horde_text_stats_minute")]

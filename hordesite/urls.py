@@ -44,6 +44,8 @@ api_v2 = [
     path("status/models/<path:model_name>", chat_views.ModelStatusView.as_view()),
     path("status/performance", chat_views.PerformanceView.as_view()),
     path("status/modes", chat_views.ModesView.as_view()),
+    path("stats/text/totals", chat_views.TextStatsTotalsView.as_view()),
+    path("stats/text/models", chat_views.TextStatsModelsView.as_view()),
 ]
 
 urlpatterns = [

@@ -196,6 +196,31 @@ class GenerationSerializer(serializers.Serializer):
     state = serializers.CharField()
 
 
+class SinglePeriodTxtStatSerializer(serializers.Serializer):
+    """Upstream's SinglePeriodTxtStat (the schema's; the selector builds the body)."""
+
+    requests = serializers.IntegerField(help_text="The amount of text requests generated during this period.")
+    tokens = serializers.IntegerField(help_text="The amount of tokens generated during this period.")
+
+
+class StatsTxtTotalsSerializer(serializers.Serializer):
+    """Upstream's StatsTxtTotals."""
+
+    minute = SinglePeriodTxtStatSerializer()
+    hour = SinglePeriodTxtStatSerializer()
+    day = SinglePeriodTxtStatSerializer()
+    month = SinglePeriodTxtStatSerializer()
+    total = SinglePeriodTxtStatSerializer()
+
+
+class TxtModelStatsSerializer(serializers.Serializer):
+    """Upstream's TxtModelStats: per period, requests fulfilled per model name."""
+
+    day = serializers.DictField(child=serializers.IntegerField(), help_text="Requests per model in the past day.")
+    month = serializers.DictField(child=serializers.IntegerField(), help_text="Requests per model in the past month.")
+    total = serializers.DictField(child=serializers.IntegerField(), help_text="Requests per model, all time.")
+
+
 class TextStatusOutputSerializer(serializers.Serializer):
     generations = GenerationSerializer(many=True)
     finished = serializers.IntegerField()

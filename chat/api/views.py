@@ -170,6 +170,38 @@ class ModelStatusView(APIView):
         return Response([entry for entry in selectors.models_status(kind="text", chat=False) if entry["name"] == model_name])
 
 
+class TextStatsTotalsView(APIView):
+    """GET /api/v2/stats/text/totals: the finished text generations and their tokens (the requests'
+    max_length, as upstream counts them) of the past minute, hour, day, 30 days and all time (ADR 0100)."""
+
+    authentication_classes: list = []
+
+    @extend_schema(responses={200: s.StatsTxtTotalsSerializer})
+    def get(self, request):
+        return Response(selectors.text_stats_totals())
+
+
+class TextStatsModelsView(APIView):
+    """GET /api/v2/stats/text/models[?model_state=]: the finished text generations per model of the
+    past day, 30 days and all time (ADR 0100)."""
+
+    authentication_classes: list = []
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter(
+                "model_state", str, enum=list(MODEL_STATES), description="In the text model reference, out of it, or either"
+            ),
+        ],
+        responses={200: s.TxtModelStatsSerializer, **refusals(s400=["BadRequest"])},
+    )
+    def get(self, request):
+        model_state = request.query_params.get("model_state", "all")
+        if model_state not in MODEL_STATES:
+            raise HordeError("BadRequest", "'model_state' needs to be one of ['known', 'custom', 'all']")
+        return Response(selectors.text_stats_models(model_state=model_state))
+
+
 class PerformanceView(APIView):
     @extend_schema(responses={200: dict})
     def get(self, request):

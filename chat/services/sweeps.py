@@ -28,6 +28,7 @@ from chat.services.progress import (
     progress_redis,
     write_job_lease,
 )
+from chat.services.text_stats import compact_text_stats, fold_finished_generations
 from chat.signals import publish_chat_signal
 from contract.chat_progress import streams_progress
 from contract.errors import is_transaction_conflict
@@ -98,7 +99,8 @@ def abort_stale_generations() -> int:
 
 def expire_requests() -> int:
     """Delete requests past their expiry, release their holds and delete their images (the 60 s
-    beat task), after a retry of the image deletes that failed before.
+    beat task), after a retry of the image deletes that failed before and the text statistics'
+    compaction (ADR 0100).
 
     A chat request that was still open publishes faulted after its deletion commits, so a client
     woken by it reads the settled state (404); the message carries the stored fault details, since
@@ -107,6 +109,7 @@ def expire_requests() -> int:
     now = timezone.now()
     expired = 0
     retry_chat_object_deletes()
+    compact_text_stats()
     # Batch after batch while a batch comes back full: a horde that creates more requests an
     # interval than one batch holds would otherwise keep more rows each interval than it deletes,
     # and its tables would grow for as long as it runs (ADR 0082). Past the first batch, within
@@ -140,16 +143,24 @@ def _expire_request(request_id: UUID, now: datetime) -> int:
     with transaction.atomic():
         # The horde's one lock order (docs/adr/0068-one-lock-order.md): the request's jobs, by id,
         # before the request, as a submit holds its job when it locks the request.
-        list(Generation.objects.select_for_update().filter(request_id=request_id).order_by("pk").values_list("pk", flat=True))
+        jobs = list(
+            Generation.objects.select_for_update().filter(request_id=request_id).order_by("pk")
+            .values_list("model", "state", "finished_at")
+        )
         request = (
             GenerationRequest.objects.select_for_update()
             .filter(pk=request_id, expires_at__lt=now)
             .only("user_id", "kudos_held", "is_chat", "faulted", "chat_fault_reason", "chat_fault_rc", "chat_has_images",
-                  "chat_messages_offloaded")
+                  "chat_messages_offloaded", "max_length")
             .first()
         )
         if request is None:
             return 0
+        # Its finished generations stay counted in the text statistics once deleted (ADR 0100).
+        fold_finished_generations(
+            finished=[(model, at) for model, state, at in jobs if state in Generation.FINISHED_STATES and at],
+            max_length=request.max_length,
+        )
         # A done request already had its done (or faulted) message; only an open one is faulted here.
         signal = None
         if request.is_chat and not request_completed(request_id, is_chat=True):

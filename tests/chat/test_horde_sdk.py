@@ -246,3 +246,25 @@ def test_the_sdk_models_filters_are_upstreams(live, make_user):
     assert (refused.status_code, refused.json()) == (
         400, {"message": "'model_state' needs to be one of ['known', 'custom', 'all']", "rc": "BadRequest"}
     )
+
+
+def test_the_sdk_text_stats_parse(live, make_user):
+    """text_stats_totals() and text_stats_models(): TextStatsModelsTotalRequest and TextStatsModelsRequest
+    (no query, no key), parsed as TextStatsModelsTotalResponse (minute, hour, day, month, total: each a
+    dict[str, int]) and TextStatsModelResponse (day, month, total: dict[str, int]). This horde answered
+    404 to both."""
+    owner = make_user("sdk-owner", trusted=True)
+    requester = make_user("sdk-requester", kudos=1000)
+    queued = live.request("POST", "/api/v2/generate/text/async", headers=sdk_headers(requester.key, body=True),
+                          body={"prompt": "Hi", "models": [MODEL], "params": {"max_length": 64}}, exact_headers=True)
+    assert queued.status_code == 202, queued.text
+    job = sdk_pop(live, owner.key)
+    submitted = live.request("POST", "/api/v2/generate/text/submit", headers=sdk_headers(owner.key, body=True),
+                             body={"id": job["id"], "generation": "Hello."}, exact_headers=True)
+    assert submitted.status_code == 200, submitted.text
+    totals = live.request("GET", "/api/v2/stats/text/totals", headers=sdk_headers(), exact_headers=True)
+    assert totals.status_code == 200, totals.text
+    assert totals.json() == {period: {"requests": 1, "tokens": 64} for period in ("minute", "hour", "day", "month", "total")}
+    models = live.request("GET", "/api/v2/stats/text/models", headers=sdk_headers(), exact_headers=True)
+    assert models.status_code == 200, models.text
+    assert models.json() == {"day": {MODEL: 1}, "month": {MODEL: 1}, "total": {MODEL: 1}}
