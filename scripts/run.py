@@ -428,7 +428,16 @@ def stop_children(children: dict[str, subprocess.Popen[bytes]], timeout: float, 
         time.sleep(0.1)
 
 
+USAGE = """usage: scripts/run.py            the web process, Celery with beat and the demo worker (PORT, default 8000)
+       scripts/run.py web ARGS   the web process alone: daphne's arguments, tuned (docs/deployment.md)"""
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["web"]:
         sys.exit(serve_web(sys.argv[2:]))
+    if sys.argv[1:]:
+        # Anything else (--help included) starts nothing: the whole stack on port 8000 is no answer to it.
+        help_asked = sys.argv[1] in ("-h", "--help")
+        print(USAGE, file=sys.stdout if help_asked else sys.stderr)
+        sys.exit(0 if help_asked else 2)
     sys.exit(main())

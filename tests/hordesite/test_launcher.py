@@ -218,3 +218,12 @@ def test_a_ctrl_c_lets_the_demo_worker_submit_the_job_it_holds(tmp_path):
     assert launcher.returncode == 0, shown[-3000:]
     assert "still running: killing" not in shown, shown[-3000:]
     assert database.execute("SELECT state FROM horde_generations").fetchall() == [("ok",)], shown[-3000:]
+
+
+@pytest.mark.parametrize(("args", "code"), [(["--help"], 0), (["-h"], 0), (["--port", "9000"], 2)])
+def test_arguments_other_than_web_print_the_usage_and_start_nothing(args, code):
+    """`scripts/run.py --help` started the whole stack on port 8000; now it answers with the usage."""
+    done = run_python(ROOT, clean_env(PORT="1"), "scripts/run.py", *args, timeout=30)
+    assert done.returncode == code, done.stderr
+    assert "usage: scripts/run.py" in (done.stdout if code == 0 else done.stderr)
+    assert "[run]" not in done.stdout + done.stderr  # no child was started
