@@ -299,12 +299,11 @@ def test_horde_mode_request_poll_and_abort(live_horde, transactional_db, make_us
 
         poll = browser_headers(requester.key, content_type=False, referer=True, site="cross-site")
         status_url = f"{base}/generate/text/status/{request_id}"
-        deadline = 0
-        while not worker.jobs and deadline < 200:
+        deadline = time.monotonic() + 30
+        while not worker.jobs and time.monotonic() < deadline:
             status = httpx.get(status_url, headers=poll).json()
             # Lite gives up on a message, faulted or is_possible false.
             assert status["is_possible"] is True and not status["faulted"] and "message" not in status
-            deadline += 1
             threading.Event().wait(0.05)
         assert worker.jobs and worker.jobs[0]["payload"]["max_length"] == 512
 
