@@ -1,5 +1,6 @@
 """The routes of the OpenAI front (spec: chat_front.md): POST /v1/chat/completions, POST
-/v1/completions (the same lifecycle over a native text request, docs/adr/0014-legacy-completions.md)
+/v1/completions (the same lifecycle over a native text request, docs/adr/0014-legacy-completions.md),
+POST /v1/responses (the chat lifecycle in the Responses API's shapes, docs/adr/0101-responses-api.md)
 and GET /v1/models.
 
 A completions request is authenticated, screened (oai.schema, oai.text_completions), admitted (an
@@ -11,14 +12,19 @@ streamed, the first status read decides the HTTP answer and the stream carries t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from oai.admission import front_at_capacity
 from oai.errors import ChatFrontError, front_stopping, invalid_api_key
 from oai.horde_client import NativeUnreachable
 from oai.mapping import build_completion, build_model_card
+from oai.responses.events import stream_response
+from oai.responses.references import resolve_item_references
+from oai.responses.reply import build_response
+from oai.responses.request import ResponsesRequest, screen_responses_request
 from oai.run import ANONYMOUS_API_KEY, ChatRun
 from oai.schema import model_not_found, parse_body, screen_request
 from oai.state import get_front_state
@@ -81,6 +87,32 @@ async def text_completions(
     )
 
 
+async def responses(
+    *,
+    raw_body: bytes,
+    api_key: str | None,
+    headers: dict[str, str],
+    source: str,
+    disconnected: asyncio.Event | None = None,
+) -> JsonAnswer | StreamAnswer:
+    """POST /v1/responses (OpenAI's Responses API) over a chat request: the chat route's
+    authentication, admission, wait, relay, errors and cancels, in the Responses API's shapes."""
+    items = (await get_front_state()).response_items
+
+    async def resolve(body: Any, key: str) -> Any:
+        return await resolve_item_references(body, key, items)
+
+    return await _completions(
+        partial(screen_responses_request, keeps_items=items.enabled),
+        raw_body=raw_body,
+        api_key=api_key,
+        headers=headers,
+        source=source,
+        disconnected=disconnected,
+        prepare=resolve,
+    )
+
+
 async def _completions(
     screen: Any,
     *,
@@ -89,6 +121,7 @@ async def _completions(
     headers: dict[str, str],
     source: str,
     disconnected: asyncio.Event | None,
+    prepare: Callable[[Any, str], Awaitable[Any]] | None = None,
 ) -> JsonAnswer | StreamAnswer:
     state = await get_front_state()
     metrics = state.metrics
@@ -103,7 +136,10 @@ async def _completions(
             return _json_error(error)
         api_key = ANONYMOUS_API_KEY
     try:
-        request = screen(parse_body(raw_body))
+        body = parse_body(raw_body)
+        if prepare is not None:
+            body = await prepare(body, api_key)
+        request = screen(body)
     except ChatFrontError as error:
         metrics.refused(error.status, error.code)
         return _json_error(error)
@@ -128,15 +164,23 @@ async def _completions(
         completion = await run.first_decision()
         if request.stream:
             streaming_started = True
-            return StreamAnswer(stream_completion(run, completion), {})
+            chat_events = stream_completion(run, completion)
+            if not isinstance(request, ResponsesRequest):
+                return StreamAnswer(chat_events, {})
+            keep = partial(state.response_items.keep, api_key) if request.echo["store"] else None
+            events = stream_response(request, run.submitted_id(), run.created, chat_events, keep=keep)
+            return StreamAnswer(events, {})
         if completion is None:
             completion = await run.wait(run.not_after)
         run.delivered(completion)
-        body = (
-            build_text_completion(completion)
-            if isinstance(completion, TextCompletion)
-            else build_completion(completion)
-        )
+        if isinstance(completion, TextCompletion):
+            body = build_text_completion(completion)
+        elif isinstance(request, ResponsesRequest):
+            body = build_response(completion, request, run.submitted_id())
+            if request.echo["store"]:
+                await state.response_items.keep(api_key, body["output"])
+        else:
+            body = build_completion(completion)
         return JsonAnswer(200, body, {})
     except ChatFrontError as error:
         trace.fail(error)

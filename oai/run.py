@@ -257,13 +257,13 @@ class ChatRun:
             self.state.metrics.native(call_type, "abandoned", time.perf_counter() - started)
             raise
 
-    def _submitted_id(self) -> str:
+    def submitted_id(self) -> str:
         """The request's id, for what follows its submit."""
         assert self.request_id is not None, "used before the submit"
         return self.request_id
 
     async def start_wait(self) -> None:
-        request_id = self._submitted_id()
+        request_id = self.submitted_id()
         if self.relays:
             # What __init__ decided relays on: a chat request, and the front's delta reader.
             assert isinstance(self.request, ChatCompletionRequest) and self.state.delta_reader is not None
@@ -344,7 +344,7 @@ class ChatRun:
     async def _read(
         self, source: WakeSource, lease_headers: dict[str, str] | None
     ) -> Delivered | float | None:
-        request_id = self._submitted_id()
+        request_id = self.submitted_id()
         try:
             answer = await self._native(
                 "status",

@@ -79,6 +79,9 @@ class FrontSettings:
     # Relay the deltas of a streamed request with tools under tool_choice auto, none or absent; off:
     # such a request is delivered whole, as chat_front.md says (ADR 0098).
     relay_with_tools: bool = False
+    # How long the output items of a Responses API reply stay referable by id (item_reference;
+    # oai.response_items, ADR 0101); 0 keeps none.
+    response_items_seconds: int = 21_600
     # Cancels.
     cancel_timeout_seconds: float = 1.5
     cancel_retry_seconds: float = 30.0
@@ -194,6 +197,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> FrontSettings:
         signal_ping_seconds=read.float("HORDE_OAI_SIGNAL_PING_SECONDS", default=5.0),
         keepalive_seconds=read.float("HORDE_OAI_KEEPALIVE_SECONDS", default=10.0),
         relay_with_tools=read.bool("HORDE_OAI_RELAY_WITH_TOOLS", default=False),
+        response_items_seconds=read.int("HORDE_OAI_RESPONSE_ITEMS_SECONDS", default=21_600),
         cancel_timeout_seconds=read.float("HORDE_OAI_CANCEL_TIMEOUT_SECONDS", default=1.5),
         cancel_retry_seconds=read.float("HORDE_OAI_CANCEL_RETRY_SECONDS", default=30.0),
         cancel_max_connections=read.int("HORDE_OAI_CANCEL_MAX_CONNECTIONS", default=20),

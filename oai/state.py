@@ -17,6 +17,7 @@ from oai.deltas import build_delta_reader
 from oai.front_lease import FrontLeaseRenewer
 from oai.horde_client import HordeClient
 from oai.metrics import FrontMetrics
+from oai.response_items import ResponseItems
 from oai.settings import FrontSettings, load_settings
 from oai.waiter import CompletionSignalListener, InProcessSignalListener, in_process_signals
 
@@ -50,6 +51,7 @@ class FrontState:
             else None
         )
         self.delta_reader = build_delta_reader(settings.redis_url, settings.stream_redis_db)
+        self.response_items = ResponseItems(settings.redis_url, keep_seconds=settings.response_items_seconds)
         self._tasks: set[asyncio.Task] = set()
         self.started = False
         # Set when the process stops (stop_fronts): each waiting request wakes, and those not
@@ -96,6 +98,7 @@ class FrontState:
             await _bounded(self.listener.close(), bound)
         if self.delta_reader is not None:
             await _bounded(self.delta_reader.close(), bound)
+        await _bounded(self.response_items.close(), bound)
         await _bounded(self.client.aclose(), bound)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from oai import sse
 from oai.deltas import RelayedStream
@@ -20,7 +20,7 @@ from oai.waiter import WakeSource
 
 async def stream_completion(
     run: ChatRun, completion: Completion | TextCompletion | None
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """The SSE body: a first comment (the headers go out with it), keepalives while waiting, then the
     reply whole (events 1-7) or an SSE error event."""
     metrics = run.state.metrics

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 from django.urls import path, re_path
 
-from oai.views import ChatCompletionsView, ModelsView, ModelView, TextCompletionsView, unknown_path
+from oai.views import (
+    ChatCompletionsView,
+    ModelsView,
+    ModelView,
+    ResponsesView,
+    TextCompletionsView,
+    unknown_path,
+)
 
 urlpatterns = [
     path("chat/completions", ChatCompletionsView.as_view()),
     path("completions", TextCompletionsView.as_view()),
+    path("responses", ResponsesView.as_view()),
     path("models", ModelsView.as_view()),
     path("models/<path:model_id>", ModelView.as_view()),
     # Last: every other /v1/ path is 404 in OpenAI's error shape.

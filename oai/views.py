@@ -1,5 +1,5 @@
-"""DRF (adrf async) views of the OpenAI routes: POST /v1/chat/completions, POST /v1/completions and
-GET /v1/models; every other /v1/ path is `unknown_path`'s 404 in OpenAI's error shape.
+"""DRF (adrf async) views of the OpenAI routes: POST /v1/chat/completions, POST /v1/completions,
+POST /v1/responses and GET /v1/models; every other /v1/ path is `unknown_path`'s 404 in OpenAI's error shape.
 
 DRF runs authentication (the Bearer key is the horde API key), the error envelope (OpenAI's, through
 `openai_exception_handler`) and the OpenAPI schema for them. A streamed answer is Django's async
@@ -287,6 +287,41 @@ class TextCompletionsView(FrontView):
     )
     async def post(self, request, *args: Any, **kwargs: Any):
         return await _completions_answer(app.text_completions, request)
+
+
+class ResponsesView(FrontView):
+    """POST /v1/responses (OpenAI's Responses API, stateless, whole or streamed) over a chat request."""
+
+    @extend_schema(
+        operation_id="oai_responses",
+        tags=["openai"],
+        request=inline_serializer(
+            "ResponsesRequest",
+            {
+                "model": serializers.CharField(required=False),
+                "models": serializers.ListField(child=serializers.CharField(), required=False),
+                "input": serializers.JSONField(),
+                "instructions": serializers.CharField(required=False),
+                "max_output_tokens": serializers.IntegerField(required=False),
+                "stream": serializers.BooleanField(required=False),
+                "tools": serializers.ListField(child=serializers.DictField(), required=False),
+                "horde": serializers.DictField(required=False),
+            },
+        ),
+        responses={
+            200: OpenApiResponse(description="response, or text/event-stream of the Responses API's events"),
+            **_COMPLETION_ERRORS,
+        },
+        examples=[
+            OpenApiExample(
+                "hello",
+                value={"model": "Gryphe/MythoMax-L2-13b", "input": "Hello", "store": False},
+                request_only=True,
+            )
+        ],
+    )
+    async def post(self, request, *args: Any, **kwargs: Any):
+        return await _completions_answer(app.responses, request)
 
 
 # What app.list_models answers when it cannot read the horde's model list (ADR 0085).

@@ -1,0 +1,120 @@
+"""The output items of delivered Responses API replies, kept for a while so that a later request may
+name them by id (`{"type": "item_reference", "id": "msg_..."}`): what the Vercel AI SDK sends for
+an earlier assistant turn unless its app sets `store: false` (docs/adr/0101-responses-api.md).
+
+An item is kept `HORDE_OAI_RESPONSE_ITEMS_SECONDS` (0: none), only for the API key whose request
+made it (a reference from another key is not found), in Redis when the front has one (every front
+process reads what any of them kept) and else in the process (the embedded default's one process).
+Keeping is never worth a reply: a Redis that fails to keep them drops the items with a warning; one
+that fails to read them makes the referring request a retryable 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+from typing import Any
+
+from contract.process_cache import ProcessCache
+
+log = logging.getLogger("oai")
+
+RESPONSE_ITEM_KEY_PREFIX = "horde:oai:response_item:"
+RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS = 1.0
+# Without Redis, the items of this many replies' worth at most stay in the process.
+RESPONSE_ITEMS_MAX_LOCAL_ENTRIES = 20_000
+
+
+class ResponseItemsUnavailable(Exception):
+    """Redis did not answer a recall: the references cannot be told found or not."""
+
+
+def response_item_key(item_id: str) -> str:
+    return RESPONSE_ITEM_KEY_PREFIX + item_id
+
+
+def _owner(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+class ResponseItems:
+    def __init__(self, redis_url: str | None, *, keep_seconds: int):
+        self.redis_url = redis_url
+        self.keep_seconds = keep_seconds
+        self._client: Any = None
+        self._local: ProcessCache[str, tuple[str, str]] = ProcessCache(
+            "oai-response-items", ttl=keep_seconds, max_entries=RESPONSE_ITEMS_MAX_LOCAL_ENTRIES
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.keep_seconds > 0
+
+    def _redis(self) -> Any:
+        assert self.redis_url is not None
+        if self._client is None:
+            import redis.asyncio as aioredis
+
+            self._client = aioredis.Redis.from_url(
+                self.redis_url,
+                socket_timeout=RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS,
+                socket_connect_timeout=RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS,
+            )
+        return self._client
+
+    async def keep(self, api_key: str, items: list[dict[str, Any]]) -> None:
+        """Keep `items` (each with its `id`) for `api_key`; a failure is logged, never raised."""
+        if not self.enabled or not items:
+            return
+        owner = _owner(api_key)
+        values = {item["id"]: json.dumps({"owner": owner, "item": item}, separators=(",", ":")) for item in items}
+        if self.redis_url is None:
+            for item_id, value in values.items():
+                self._local.set(item_id, (owner, value))
+            return
+        try:
+            pipe = self._redis().pipeline(transaction=False)
+            for item_id, value in values.items():
+                pipe.set(response_item_key(item_id), value, ex=self.keep_seconds)
+            await asyncio.wait_for(pipe.execute(), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS * 2)
+        except Exception as error:  # the reply is delivered; only a later reference to it fails
+            log.warning("keeping %d response items in Redis failed: %s", len(values), error)
+            await self._drop_client()
+
+    async def recall(self, api_key: str, item_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """The kept items among `item_ids` that `api_key` made: id -> item."""
+        if not self.enabled or not item_ids:
+            return {}
+        if self.redis_url is None:
+            raw = [entry[1] if entry else None for entry in (self._local.get(i) for i in item_ids)]
+        else:
+            try:
+                raw = await asyncio.wait_for(
+                    self._redis().mget([response_item_key(i) for i in item_ids]),
+                    RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS * 2,
+                )
+            except Exception as error:
+                log.warning("reading %d response items from Redis failed: %s", len(item_ids), error)
+                await self._drop_client()
+                raise ResponseItemsUnavailable(str(error)) from None
+        owner = _owner(api_key)
+        found: dict[str, dict[str, Any]] = {}
+        for item_id, value in zip(item_ids, raw, strict=True):
+            if value is None:
+                continue
+            kept = json.loads(value)
+            if kept["owner"] == owner:
+                found[item_id] = kept["item"]
+        return found
+
+    async def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
+    async def close(self) -> None:
+        await self._drop_client()
