@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import logging
+from time import monotonic
 from typing import Any
 
 from contract.process_cache import ProcessCache
@@ -24,6 +25,9 @@ log = logging.getLogger("oai")
 
 RESPONSE_ITEM_KEY_PREFIX = "horde:oai:response_item:"
 RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS = 1.0
+# After a Redis failure, this long without trying again: a hung Redis costs one reply a timeout, not
+# every reply.
+RESPONSE_ITEMS_BACKOFF_SECONDS = 5.0
 # Without Redis, the items of this many replies' worth at most stay in the process.
 RESPONSE_ITEMS_MAX_LOCAL_ENTRIES = 20_000
 
@@ -45,6 +49,7 @@ class ResponseItems:
         self.redis_url = redis_url
         self.keep_seconds = keep_seconds
         self._client: Any = None
+        self._down_until = 0.0  # monotonic: Redis is not tried before it after a failure
         self._local: ProcessCache[str, tuple[str, str]] = ProcessCache(
             "oai-response-items", ttl=keep_seconds, max_entries=RESPONSE_ITEMS_MAX_LOCAL_ENTRIES
         )
@@ -75,14 +80,21 @@ class ResponseItems:
             for item_id, value in values.items():
                 self._local.set(item_id, (owner, value))
             return
+        if monotonic() < self._down_until:
+            log.warning(
+                "not keeping %d response items: Redis failed less than %g s ago",
+                len(values),
+                RESPONSE_ITEMS_BACKOFF_SECONDS,
+            )
+            return
         try:
             pipe = self._redis().pipeline(transaction=False)
             for item_id, value in values.items():
                 pipe.set(response_item_key(item_id), value, ex=self.keep_seconds)
-            await asyncio.wait_for(pipe.execute(), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS * 2)
+            await asyncio.wait_for(pipe.execute(), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
         except Exception as error:  # the reply is delivered; only a later reference to it fails
             log.warning("keeping %d response items in Redis failed: %s", len(values), error)
-            await self._drop_client()
+            await self._failed()
 
     async def recall(self, api_key: str, item_ids: list[str]) -> dict[str, dict[str, Any]]:
         """The kept items among `item_ids` that `api_key` made: id -> item."""
@@ -91,14 +103,16 @@ class ResponseItems:
         if self.redis_url is None:
             raw = [entry[1] if entry else None for entry in (self._local.get(i) for i in item_ids)]
         else:
+            if monotonic() < self._down_until:
+                raise ResponseItemsUnavailable("Redis failed moments ago")
             try:
                 raw = await asyncio.wait_for(
                     self._redis().mget([response_item_key(i) for i in item_ids]),
-                    RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS * 2,
+                    RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS,
                 )
             except Exception as error:
                 log.warning("reading %d response items from Redis failed: %s", len(item_ids), error)
-                await self._drop_client()
+                await self._failed()
                 raise ResponseItemsUnavailable(str(error)) from None
         owner = _owner(api_key)
         found: dict[str, dict[str, Any]] = {}
@@ -109,6 +123,10 @@ class ResponseItems:
             if kept["owner"] == owner:
                 found[item_id] = kept["item"]
         return found
+
+    async def _failed(self) -> None:
+        self._down_until = monotonic() + RESPONSE_ITEMS_BACKOFF_SECONDS
+        await self._drop_client()
 
     async def _drop_client(self) -> None:
         client, self._client = self._client, None
