@@ -143,6 +143,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--redis-url", default=os.environ.get("BENCH_FRONT_REDIS_URL", DEFAULT_REDIS_URL))
     p.add_argument("--skip-waiters", action="store_true", help="only the latency phases")
     p.add_argument(
+        "--front-route",
+        choices=sorted(FRONT_ROUTES),
+        default="chat",
+        help="the front's route measured against the native path: chat (/v1/chat/completions, the\n"
+        "default) or responses (/v1/responses with the same text as its input; ADR 0101)",
+    )
+    p.add_argument(
         "--native-over-http",
         action="store_true",
         help="the front calls the native API over TCP loopback to its own daphne (HORDE_OAI_NATIVE_ROOTS\n"
@@ -395,12 +402,22 @@ def job_tag(job: dict) -> str:
     return str(job.get("id"))
 
 
+def responses_body(tag: str) -> dict:
+    return {"model": MODEL, "input": f"Say hello, bench request {tag}.", "max_output_tokens": 32, "store": False}
+
+
 def chat_body(tag: str) -> dict:
     return {
         "model": MODEL,
         "messages": [{"role": "user", "content": f"Say hello, bench request {tag}."}],
         "max_tokens": 32,
     }
+
+
+# --front-route: the front's path and body for a request tagged `tag`.
+FRONT_ROUTES = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
+FRONT_BODIES = {"chat": chat_body, "responses": responses_body}
+front_route = "chat"
 
 
 @dataclass
@@ -436,7 +453,7 @@ async def front_request(client, worker: InstantWorker, i: int, lat: Latencies | 
     tag = new_tag()
     worker.kick()
     t0 = time.perf_counter()
-    r = await client.post("/v1/chat/completions", json=chat_body(tag))
+    r = await client.post(FRONT_ROUTES[front_route], json=FRONT_BODIES[front_route](tag))
     t1 = time.perf_counter()
     if r.status_code != 200:
         if lat is not None:
@@ -697,7 +714,7 @@ def report(args, lat: Latencies, poll_wakes: list[float], waits: dict | None, wo
     ]
     lines += ["| path | n | p50 ms | p90 ms | p99 ms | max ms |", "|---|---:|---:|---:|---:|---:|"]
     for label, values in (
-        ("front: POST /v1/chat/completions", lat.front),
+        (f"front: POST {FRONT_ROUTES[args.front_route]}", lat.front),
         ("native: POST chat/async + signal + GET status", lat.native),
         ("  pick-up (send -> worker has the job), front", lat.front_pickup),
         ("  pick-up (send -> worker has the job), native", lat.native_pickup),
@@ -783,6 +800,8 @@ async def run(
 ):
     import httpx
 
+    global front_route
+    front_route = args.front_route
     base = f"http://127.0.0.1:{args.port}"
     worker_client = httpx.AsyncClient(
         base_url=base,
