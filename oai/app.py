@@ -22,7 +22,7 @@ from oai.errors import ChatFrontError, front_stopping, invalid_api_key
 from oai.horde_client import NativeUnreachable
 from oai.mapping import build_completion, build_model_card
 from oai.responses.events import stream_response
-from oai.responses.references import resolve_item_references
+from oai.responses.references import PreparedBody, resolve_references
 from oai.responses.reply import build_response
 from oai.responses.request import ResponsesRequest, screen_responses_request
 from oai.run import ANONYMOUS_API_KEY, ChatRun
@@ -99,8 +99,8 @@ async def responses(
     authentication, admission, wait, relay, errors and cancels, in the Responses API's shapes."""
     items = (await get_front_state()).response_items
 
-    async def resolve(body: Any, key: str) -> Any:
-        return await resolve_item_references(body, key, items)
+    async def resolve(body: Any, key: str) -> PreparedBody:
+        return await resolve_references(body, key, items)
 
     return await _completions(
         partial(screen_responses_request, keeps_items=items.enabled),
@@ -167,7 +167,7 @@ async def _completions(
             chat_events = stream_completion(run, completion)
             if not isinstance(request, ResponsesRequest):
                 return StreamAnswer(chat_events, {})
-            keep = partial(state.response_items.keep, api_key) if request.echo["store"] else None
+            keep = partial(keep_response, state, api_key, request) if request.echo["store"] else None
             events = stream_response(request, run.submitted_id(), run.created, chat_events, keep=keep)
             return StreamAnswer(events, {})
         if completion is None:
@@ -178,7 +178,7 @@ async def _completions(
         elif isinstance(request, ResponsesRequest):
             body = build_response(completion, request, run.submitted_id())
             if request.echo["store"]:
-                await state.response_items.keep(api_key, body["output"])
+                await keep_response(state, api_key, request, body["id"], body["output"])
         else:
             body = build_completion(completion)
         return JsonAnswer(200, body, {})
@@ -192,6 +192,19 @@ async def _completions(
     finally:
         if not streaming_started:
             await run.finish()
+
+
+async def keep_response(
+    state: Any, api_key: str, request: ResponsesRequest, response_id: str, output: list[dict[str, Any]]
+) -> None:
+    """A delivered response kept for later references to it (its items, previous_response_id)."""
+    await state.response_items.keep(
+        api_key,
+        response_id=response_id,
+        previous_response_id=request.previous_response_id,
+        turn_input=request.turn_input,
+        output=output,
+    )
 
 
 def _json_error(error: ChatFrontError, request_id: str | None = None) -> JsonAnswer:

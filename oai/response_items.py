@@ -1,8 +1,11 @@
-"""The output items of delivered Responses API replies, kept for a while so that a later request may
-name them by id (`{"type": "item_reference", "id": "msg_..."}`): what the Vercel AI SDK sends for
-an earlier assistant turn unless its app sets `store: false` (docs/adr/0101-responses-api.md).
+"""Delivered Responses API replies, kept for a while so that a later request may name their output
+items (`{"type": "item_reference", "id": "msg_..."}`, what the Vercel AI SDK sends for an earlier
+assistant turn unless its app sets `store: false`) or continue one (`previous_response_id`)
+(docs/adr/0101-responses-api.md). Each output item is kept by its id, and each response as a record
+of its turn's input, its output and the response before it: a conversation is walked back record by
+record, so none holds the conversation before it.
 
-An item is kept `HORDE_OAI_RESPONSE_ITEMS_SECONDS` (0: none), only for the API key whose request
+A response is kept `HORDE_OAI_RESPONSE_ITEMS_SECONDS` (0: none), only for the API key whose request
 made it (a reference from another key is not found), in Redis when the front has one (every front
 process reads what any of them kept) and else in the process (the embedded default's one process).
 Keeping is never worth a reply: a Redis that fails to keep them drops the items with a warning; one
@@ -24,6 +27,11 @@ from contract.process_cache import ProcessCache
 log = logging.getLogger("oai")
 
 RESPONSE_ITEM_KEY_PREFIX = "horde:oai:response_item:"
+# A response's own record, for `previous_response_id`: its turn's input items, its output items and
+# the response before it.
+RESPONSE_KEY_PREFIX = "horde:oai:response:"
+# The longest chain of previous responses a request may continue.
+MAX_RESPONSE_CHAIN = 200
 RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS = 1.0
 # After a Redis failure, this long without trying again: a hung Redis costs one reply a timeout, not
 # every reply.
@@ -38,6 +46,10 @@ class ResponseItemsUnavailable(Exception):
 
 def response_item_key(item_id: str) -> str:
     return RESPONSE_ITEM_KEY_PREFIX + item_id
+
+
+def response_key(response_id: str) -> str:
+    return RESPONSE_KEY_PREFIX + response_id
 
 
 def _owner(api_key: str) -> str:
@@ -70,15 +82,32 @@ class ResponseItems:
             )
         return self._client
 
-    async def keep(self, api_key: str, items: list[dict[str, Any]]) -> None:
-        """Keep `items` (each with its `id`) for `api_key`; a failure is logged, never raised."""
-        if not self.enabled or not items:
+    async def keep(
+        self,
+        api_key: str,
+        *,
+        response_id: str,
+        previous_response_id: str | None,
+        turn_input: list[dict[str, Any]],
+        output: list[dict[str, Any]],
+    ) -> None:
+        """Keep a delivered response for `api_key`: each output item by its id, and the response's
+        record (its turn's input, its output, the response before it). A failure is logged, never
+        raised."""
+        if not self.enabled:
             return
         owner = _owner(api_key)
-        values = {item["id"]: json.dumps({"owner": owner, "item": item}, separators=(",", ":")) for item in items}
+        values = {
+            response_item_key(item["id"]): json.dumps({"owner": owner, "item": item}, separators=(",", ":"))
+            for item in output
+        }
+        values[response_key(response_id)] = json.dumps(
+            {"owner": owner, "previous": previous_response_id, "input": turn_input, "output": output},
+            separators=(",", ":"),
+        )
         if self.redis_url is None:
-            for item_id, value in values.items():
-                self._local.set(item_id, (owner, value))
+            for key, value in values.items():
+                self._local.set(key, (owner, value))
             return
         if monotonic() < self._down_until:
             log.warning(
@@ -89,40 +118,54 @@ class ResponseItems:
             return
         try:
             pipe = self._redis().pipeline(transaction=False)
-            for item_id, value in values.items():
-                pipe.set(response_item_key(item_id), value, ex=self.keep_seconds)
+            for key, value in values.items():
+                pipe.set(key, value, ex=self.keep_seconds)
             await asyncio.wait_for(pipe.execute(), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
         except Exception as error:  # the reply is delivered; only a later reference to it fails
             log.warning("keeping %d response items in Redis failed: %s", len(values), error)
             await self._failed()
 
-    async def recall(self, api_key: str, item_ids: list[str]) -> dict[str, dict[str, Any]]:
-        """The kept items among `item_ids` that `api_key` made: id -> item."""
-        if not self.enabled or not item_ids:
-            return {}
+    async def _read(self, api_key: str, keys: list[str]) -> list[dict[str, Any] | None]:
+        """The kept values under `keys` that `api_key` made (None where none is)."""
         if self.redis_url is None:
-            raw = [entry[1] if entry else None for entry in (self._local.get(i) for i in item_ids)]
+            raw = [entry[1] if entry else None for entry in (self._local.get(key) for key in keys)]
         else:
             if monotonic() < self._down_until:
                 raise ResponseItemsUnavailable("Redis failed moments ago")
             try:
-                raw = await asyncio.wait_for(
-                    self._redis().mget([response_item_key(i) for i in item_ids]),
-                    RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS,
-                )
+                raw = await asyncio.wait_for(self._redis().mget(keys), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
             except Exception as error:
-                log.warning("reading %d response items from Redis failed: %s", len(item_ids), error)
+                log.warning("reading %d response items from Redis failed: %s", len(keys), error)
                 await self._failed()
                 raise ResponseItemsUnavailable(str(error)) from None
         owner = _owner(api_key)
-        found: dict[str, dict[str, Any]] = {}
-        for item_id, value in zip(item_ids, raw, strict=True):
-            if value is None:
-                continue
-            kept = json.loads(value)
-            if kept["owner"] == owner:
-                found[item_id] = kept["item"]
-        return found
+        kept = [json.loads(value) if value is not None else None for value in raw]
+        return [value if value is not None and value["owner"] == owner else None for value in kept]
+
+    async def recall(self, api_key: str, item_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """The kept items among `item_ids` that `api_key` made: id -> item."""
+        if not self.enabled or not item_ids:
+            return {}
+        values = await self._read(api_key, [response_item_key(i) for i in item_ids])
+        return {i: value["item"] for i, value in zip(item_ids, values, strict=True) if value is not None}
+
+    async def conversation(self, api_key: str, response_id: str) -> list[dict[str, Any]] | None:
+        """The items of the conversation that ends with `response_id`, oldest first (each response's
+        turn input, then its output); None when a response of the chain is not kept for this key,
+        or the chain is longer than MAX_RESPONSE_CHAIN."""
+        if not self.enabled:
+            return None
+        turns: list[dict[str, Any]] = []
+        next_id: str | None = response_id
+        while next_id is not None:
+            if len(turns) == MAX_RESPONSE_CHAIN:
+                return None
+            (record,) = await self._read(api_key, [response_key(next_id)])
+            if record is None:
+                return None
+            turns.append(record)
+            next_id = record["previous"]
+        return [item for turn in reversed(turns) for item in (*turn["input"], *turn["output"])]
 
     async def _failed(self) -> None:
         self._down_until = monotonic() + RESPONSE_ITEMS_BACKOFF_SECONDS

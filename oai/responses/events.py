@@ -29,6 +29,7 @@ from oai.responses.reply import (
     message_item,
     output_text_part,
     reasoning_item,
+    response_id,
 )
 from oai.responses.request import ResponsesRequest
 
@@ -301,11 +302,11 @@ async def stream_response(
     created: int,
     chat_events: AsyncGenerator[bytes, None],
     *,
-    keep: Callable[[list[dict[str, Any]]], Awaitable[None]] | None = None,
+    keep: Callable[[str, list[dict[str, Any]]], Awaitable[None]] | None = None,
 ) -> AsyncIterator[bytes]:
     """The Responses stream of the chat route's stream `chat_events` (which ends the run: closing
-    this stream closes it). `keep` is given the output items of a completed or incomplete response,
-    once sent."""
+    this stream closes it). `keep` is given the id and the output items of a completed or incomplete
+    response, once sent."""
     writer = ResponseEvents(request, request_id, created=created, model=request.requested_models[0])
     try:
         for event in writer.start():
@@ -316,4 +317,4 @@ async def stream_response(
     finally:
         await chat_events.aclose()
     if keep is not None and writer.delivered:
-        await keep(writer.output)
+        await keep(response_id(request_id), writer.output)

@@ -1,18 +1,31 @@
-"""`item_reference` input items, replaced by the items they name (oai.response_items): what the
-Vercel AI SDK sends for an earlier assistant turn of a multi-turn chat unless `store` is false."""
+"""What a Responses request refers to, from the kept responses (oai.response_items): its
+`item_reference` input items, replaced by the items they name (what the Vercel AI SDK sends for an
+earlier assistant turn unless `store` is false), and its `previous_response_id`, the conversation it
+continues (what openai-agents and LangChain send when asked to)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from oai.errors import ChatFrontError
 from oai.response_items import ResponseItems, ResponseItemsUnavailable
 
-ITEM_NOT_FOUND_HINT = (
-    "This AI Horde front keeps the items of a response for {seconds} s, for the API key that made it; "
-    "send the item itself instead (the Vercel AI SDK does with providerOptions.openai.store = false)."
+KEPT_HINT = (
+    "This AI Horde front keeps a response for {seconds} s, for the API key that made it, unless it was "
+    "sent with store: false; send the whole conversation in 'input' instead (the Vercel AI SDK does "
+    "with providerOptions.openai.store = false)."
 )
+
+
+@dataclass
+class PreparedBody:
+    """A Responses body with its references resolved, and the conversation it continues."""
+
+    body: Any
+    history: list[dict[str, Any]] = field(default_factory=list)
+    previous_response_id: str | None = None
 
 
 def _references(body: Any) -> list[tuple[int, str]]:
@@ -27,34 +40,62 @@ def _references(body: Any) -> list[tuple[int, str]]:
     ]
 
 
-async def resolve_item_references(body: Any, api_key: str, items: ResponseItems) -> Any:
-    """The body with each item_reference replaced by the kept item; 400 item_not_found for one that
-    is not kept (for this key), 503 when Redis cannot tell."""
+def _unavailable() -> ChatFrontError:
+    return ChatFrontError(
+        503,
+        "ResponseItemsUnavailable",
+        "The responses this request refers to could not be read just now; send it again.",
+        type="api_error",
+        retry_after=1,
+        should_retry=True,
+    )
+
+
+async def resolve_references(body: Any, api_key: str, items: ResponseItems) -> PreparedBody:
+    """The body with each item_reference replaced by its kept item, and the conversation of its
+    previous_response_id: 400 item_not_found or previous_response_not_found for what is not kept (for
+    this key), 503 when Redis cannot tell."""
+    if not isinstance(body, Mapping):
+        return PreparedBody(body)
+    previous = body.get("previous_response_id")
     references = _references(body)
-    if not references:
-        return body
+    hint = KEPT_HINT.format(seconds=items.keep_seconds)
+    history: list[dict[str, Any]] = []
     try:
+        if previous is not None:
+            if not isinstance(previous, str):
+                raise ChatFrontError(
+                    400,
+                    "BadRequest",
+                    "Invalid type for 'previous_response_id': expected a string.",
+                    param="previous_response_id",
+                    should_retry=False,
+                )
+            conversation = await items.conversation(api_key, previous)
+            if conversation is None:
+                raise ChatFrontError(
+                    400,
+                    "previous_response_not_found",
+                    f"Previous response with id '{previous}' not found. {hint}",
+                    param="previous_response_id",
+                    should_retry=False,
+                )
+            history = conversation
         found = await items.recall(api_key, sorted({item_id for _, item_id in references}))
     except ResponseItemsUnavailable:
-        raise ChatFrontError(
-            503,
-            "ResponseItemsUnavailable",
-            "The items this request refers to could not be read just now; send it again.",
-            type="api_error",
-            retry_after=1,
-            should_retry=True,
-        ) from None
-    resolved = list(body["input"])
-    for index, item_id in references:
-        item = found.get(item_id)
-        if item is None:
-            raise ChatFrontError(
-                400,
-                "item_not_found",
-                f"Item with id '{item_id}' not found. "
-                + ITEM_NOT_FOUND_HINT.format(seconds=items.keep_seconds),
-                param=f"input[{index}].id",
-                should_retry=False,
-            )
-        resolved[index] = item
-    return {**body, "input": resolved}
+        raise _unavailable() from None
+    if references:
+        resolved = list(body["input"])
+        for index, item_id in references:
+            item = found.get(item_id)
+            if item is None:
+                raise ChatFrontError(
+                    400,
+                    "item_not_found",
+                    f"Item with id '{item_id}' not found. {hint}",
+                    param=f"input[{index}].id",
+                    should_retry=False,
+                )
+            resolved[index] = item
+        body = {**body, "input": resolved}
+    return PreparedBody(body, history, previous)

@@ -101,7 +101,6 @@ def build_response_object(
         "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None,
         "model": model,
         "output": output or [],
-        "previous_response_id": None,
         "service_tier": "default",
         "top_logprobs": 0,
         "max_tool_calls": None,

@@ -7,8 +7,9 @@ keeps its role, its `input_text`/`output_text` parts become text and `input_imag
 reasoning. The flat function tools, `tool_choice`, `text.format`, `reasoning`, `max_output_tokens`
 and `truncation` take their chat form. The chat route's screening and the contract then check the
 result; a refusal names the path the client sent (`input[2].content`, not `messages[3].content`).
-Everything that needs stored state (`previous_response_id`, `conversation`, `item_reference`,
-`prompt`, `background`) and every built-in tool is refused with 400: the front stores nothing.
+`previous_response_id` and `item_reference` items are resolved before (oai.responses.references)
+from the responses the front keeps; what needs more stored state (`conversation`, `prompt`,
+`background`) and every built-in tool is refused with 400.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from oai.errors import ChatFrontError
+from oai.responses.references import PreparedBody
 from oai.schema import ChatCompletionRequest, screen_request
 
 # Top-level keys a Responses body may hold. The ones in STATEFUL_KEYS are refused unless null (or
@@ -50,12 +52,13 @@ RESPONSES_KEYS = frozenset(
         "include",
         "top_logprobs",
         "horde",
+        "previous_response_id",
     }
 )
-STATEFUL_KEYS = ("previous_response_id", "conversation", "prompt", "background", "max_tool_calls", "context_management")
+STATEFUL_KEYS = ("conversation", "prompt", "background", "max_tool_calls", "context_management")
 STATELESS_HINT = (
-    "This AI Horde front stores no responses: send the whole conversation in 'input' (as with "
-    "store: false)."
+    "This AI Horde front keeps no conversations: send the whole conversation in 'input', or continue "
+    "a response with 'previous_response_id'."
 )
 # `include` values the front accepts: they ask for data on items it never outputs (built-in tools'
 # results, encrypted reasoning it does not have), so they change nothing. Log probabilities are not
@@ -114,9 +117,12 @@ def _type_name(value: Any) -> str:
 
 
 class ResponsesRequest(ChatCompletionRequest):
-    """The screened chat request, and what the `response` object echoes of the Responses body."""
+    """The screened chat request, what the `response` object echoes of the Responses body, and what
+    its response keeps (oai.response_items): this request's own input and the response it continues."""
 
     echo: dict[str, Any]
+    turn_input: list[dict[str, Any]]
+    previous_response_id: str | None = None
 
 
 class _Translation:
@@ -158,7 +164,7 @@ class _Translation:
                 )
                 return path + rest
             path = self.message_paths[index]
-            if path == "instructions":
+            if path in ("instructions", "previous_response_id"):
                 return path
             if rest == ".tool_call_id":
                 rest = ".call_id"
@@ -259,51 +265,65 @@ def _string(item: Mapping[str, Any], key: str, path: str) -> str:
     return value
 
 
-def _translate_input(body: Mapping[str, Any], translation: _Translation) -> None:
+def _translate_item(raw: Any, path: str, translation: _Translation) -> None:
+    item = _object(raw, path)
+    kind = item.get("type", "message")
+    if kind == "message":
+        translation.add(_message_item(item, path), path)
+    elif kind == "function_call":
+        call = {
+            "id": _string(item, "call_id", path),
+            "type": "function",
+            "function": {"name": _string(item, "name", path), "arguments": _string(item, "arguments", path)},
+        }
+        translation.add_call(call, path)
+    elif kind == "function_call_output":
+        message = {
+            "role": "tool",
+            "tool_call_id": _string(item, "call_id", path),
+            "content": _output_text(item.get("output"), f"{path}.output"),
+        }
+        translation.add(message, path)
+    elif kind == "reasoning":
+        return  # chat messages carry no reasoning; a model is not shown its past reasoning
+    elif kind == "item_reference":  # resolved before screening (oai.responses.references)
+        raise _unsupported(f"{path}.type", f"Unsupported value: {path}.type=item_reference. {STATELESS_HINT}")
+    else:
+        shown = kind if isinstance(kind, str) else json.dumps(kind)
+        raise _unsupported(
+            f"{path}.type",
+            f"Unsupported value: {path}.type={shown}; the AI Horde serves message, function_call, "
+            "function_call_output and reasoning items.",
+        )
+
+
+def turn_input(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """This request's own input as items (a string is one user message): what its response keeps
+    for a later previous_response_id."""
+    value = body.get("input")
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    return [dict(item) for item in value or () if isinstance(item, Mapping)]
+
+
+def _translate_input(body: Mapping[str, Any], history: list[dict[str, Any]], translation: _Translation) -> None:
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise _bad("instructions", "Invalid type for 'instructions': expected a string.")
         translation.add({"role": "system", "content": instructions}, "instructions")
+    for item in history:  # the kept conversation of previous_response_id
+        _translate_item(item, "previous_response_id", translation)
     value = body.get("input")
     if value is None:
-        raise _bad("input", f"Missing required parameter: 'input'. {STATELESS_HINT}")
+        raise _bad("input", "Missing required parameter: 'input'.")
     if isinstance(value, str):
         translation.add({"role": "user", "content": value}, "input")
         return
     if not isinstance(value, list):
         raise _bad("input", "Invalid type for 'input': expected a string or an array of input items.")
     for i, raw in enumerate(value):
-        path = f"input[{i}]"
-        item = _object(raw, path)
-        kind = item.get("type", "message")
-        if kind == "message":
-            translation.add(_message_item(item, path), path)
-        elif kind == "function_call":
-            call = {
-                "id": _string(item, "call_id", path),
-                "type": "function",
-                "function": {"name": _string(item, "name", path), "arguments": _string(item, "arguments", path)},
-            }
-            translation.add_call(call, path)
-        elif kind == "function_call_output":
-            message = {
-                "role": "tool",
-                "tool_call_id": _string(item, "call_id", path),
-                "content": _output_text(item.get("output"), f"{path}.output"),
-            }
-            translation.add(message, path)
-        elif kind == "reasoning":
-            continue  # chat messages carry no reasoning; a model is not shown its past reasoning
-        elif kind == "item_reference":
-            raise _unsupported(f"{path}.type", f"Unsupported value: {path}.type=item_reference. {STATELESS_HINT}")
-        else:
-            shown = kind if isinstance(kind, str) else json.dumps(kind)
-            raise _unsupported(
-                f"{path}.type",
-                f"Unsupported value: {path}.type={shown}; the AI Horde serves message, function_call, "
-                "function_call_output and reasoning items.",
-            )
+        _translate_item(raw, f"input[{i}]", translation)
     if not translation.messages:
         raise _bad("input", "Invalid 'input': no message to answer. Expected at least one message item.")
 
@@ -437,15 +457,18 @@ def _refuse_stateful(body: Mapping[str, Any]) -> None:
         raise _unsupported(key, f"Unsupported parameter: '{key}'. {STATELESS_HINT}")
 
 
-def chat_body_from_responses(body: Mapping[str, Any]) -> tuple[dict[str, Any], _Translation]:
-    """The chat completions body of a Responses body, and the paths to name its errors by."""
+def chat_body_from_responses(
+    body: Mapping[str, Any], history: list[dict[str, Any]] | None = None
+) -> tuple[dict[str, Any], _Translation]:
+    """The chat completions body of a Responses body continuing `history` (the kept conversation of
+    its previous_response_id), and the paths to name its errors by."""
     _refuse_stateful(body)
     for key in body:
         if key not in RESPONSES_KEYS and key not in STATEFUL_KEYS:
             raise _unsupported(str(key), f"Unrecognized request argument supplied: {key}")
     _check_accepted(body)
     translation = _Translation()
-    _translate_input(body, translation)
+    _translate_input(body, history or [], translation)
     chat: dict[str, Any] = {"messages": translation.messages}
     for key in ("model", "models", "temperature", "top_p", "stream", "metadata", "user", "horde"):
         if body.get(key) is not None:
@@ -488,6 +511,7 @@ def _echo(body: Mapping[str, Any], request: ChatCompletionRequest, *, keeps_item
         "max_output_tokens": body.get("max_output_tokens"),
         "metadata": body.get("metadata") or {},
         "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
+        "previous_response_id": body.get("previous_response_id"),
         "prompt_cache_key": body.get("prompt_cache_key"),
         "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
         "safety_identifier": body.get("safety_identifier"),
@@ -502,12 +526,13 @@ def _echo(body: Mapping[str, Any], request: ChatCompletionRequest, *, keeps_item
     }
 
 
-def screen_responses_request(raw_body: Any, *, keeps_items: bool = False) -> ResponsesRequest:
-    """A Responses body screened as the chat route screens its own; raises ChatFrontError naming the
-    Responses path of what it refuses."""
+def screen_responses_request(prepared: PreparedBody, *, keeps_items: bool = False) -> ResponsesRequest:
+    """A Responses body (its references resolved) screened as the chat route screens its own; raises
+    ChatFrontError naming the Responses path of what it refuses."""
+    raw_body = prepared.body
     if not isinstance(raw_body, Mapping):
         raise _bad(None, "The request body has to be a JSON object.")
-    chat, translation = chat_body_from_responses(raw_body)
+    chat, translation = chat_body_from_responses(raw_body, prepared.history)
     try:
         request = screen_request(chat)
     except ChatFrontError as error:
@@ -516,4 +541,9 @@ def screen_responses_request(raw_body: Any, *, keeps_items: bool = False) -> Res
             error.message = error.message.replace(error.param, param or "")
             error.param = param
         raise
-    return ResponsesRequest(**dict(request), echo=_echo(raw_body, request, keeps_items=keeps_items))
+    return ResponsesRequest(
+        **dict(request),
+        echo=_echo(raw_body, request, keeps_items=keeps_items),
+        turn_input=turn_input(raw_body),
+        previous_response_id=prepared.previous_response_id,
+    )

@@ -10,7 +10,12 @@ import time
 
 import pytest
 
-from oai.response_items import RESPONSE_ITEMS_BACKOFF_SECONDS, ResponseItems, ResponseItemsUnavailable
+from oai.response_items import (
+    MAX_RESPONSE_CHAIN,
+    RESPONSE_ITEMS_BACKOFF_SECONDS,
+    ResponseItems,
+    ResponseItemsUnavailable,
+)
 
 ITEM = {"id": "msg_abc", "type": "message", "role": "assistant", "status": "completed", "content": []}
 
@@ -25,10 +30,16 @@ def _run(coro):
     return asyncio.run(coro)
 
 
+async def _keep(items: ResponseItems, key: str, item: dict, *, response: str = "resp_1", previous=None, turn=None):
+    await items.keep(
+        key, response_id=response, previous_response_id=previous, turn_input=turn or [], output=[item]
+    )
+
+
 def test_in_the_process_an_item_is_found_only_by_the_key_that_made_it():
     async def scenario():
         items = ResponseItems(None, keep_seconds=60)
-        await items.keep("key-a", [ITEM])
+        await _keep(items, "key-a", ITEM)
         return await items.recall("key-a", ["msg_abc", "msg_other"]), await items.recall("key-b", ["msg_abc"])
 
     mine, theirs = _run(scenario())
@@ -38,10 +49,10 @@ def test_in_the_process_an_item_is_found_only_by_the_key_that_made_it():
 def test_keeping_for_zero_seconds_keeps_nothing():
     async def scenario():
         items = ResponseItems(None, keep_seconds=0)
-        await items.keep("key-a", [ITEM])
-        return items.enabled, await items.recall("key-a", ["msg_abc"])
+        await _keep(items, "key-a", ITEM)
+        return items.enabled, await items.recall("key-a", ["msg_abc"]), await items.conversation("key-a", "resp_1")
 
-    assert _run(scenario()) == (False, {})
+    assert _run(scenario()) == (False, {}, None)
 
 
 @pytest.mark.redis_only
@@ -50,7 +61,7 @@ def test_in_redis_an_item_expires_after_its_time():
 
     async def scenario():
         items = ResponseItems(url, keep_seconds=1)
-        await items.keep("key-a", [{**ITEM, "id": "msg_expiring"}])
+        await _keep(items, "key-a", {**ITEM, "id": "msg_expiring"}, response="resp_expiring")
         found = await items.recall("key-a", ["msg_expiring"])
         await asyncio.sleep(2.1)
         gone = await items.recall("key-a", ["msg_expiring"])
@@ -66,7 +77,7 @@ def test_a_redis_that_refuses_connections_costs_the_keep_nothing_and_a_recall_is
     async def scenario():
         items = ResponseItems(f"redis://127.0.0.1:{_closed_port()}/0", keep_seconds=60)
         started = time.monotonic()
-        await items.keep("key-a", [ITEM])  # logged, not raised
+        await _keep(items, "key-a", ITEM)  # logged, not raised
         kept_in = time.monotonic() - started
         with pytest.raises(ResponseItemsUnavailable):
             await items.recall("key-a", ["msg_abc"])
@@ -78,3 +89,49 @@ def test_a_redis_that_refuses_connections_costs_the_keep_nothing_and_a_recall_is
 
     kept_in, second = _run(scenario())
     assert kept_in < 2 and second < 0.05 < RESPONSE_ITEMS_BACKOFF_SECONDS
+
+
+@pytest.mark.parametrize("redis", [False, pytest.param(True, marks=pytest.mark.redis_only)])
+def test_a_conversation_is_each_turns_input_then_output_oldest_first(redis):
+    def message(text: str) -> dict:
+        return {"type": "message", "role": "user", "content": text}
+
+    async def scenario():
+        items = ResponseItems(os.environ["REDIS_URL"] if redis else None, keep_seconds=60)
+        suffix = os.urandom(4).hex()
+        await _keep(items, "key-a", {**ITEM, "id": f"msg_1{suffix}"}, response=f"resp_1{suffix}", turn=[message("one")])
+        await _keep(
+            items,
+            "key-a",
+            {**ITEM, "id": f"msg_2{suffix}"},
+            response=f"resp_2{suffix}",
+            previous=f"resp_1{suffix}",
+            turn=[message("two")],
+        )
+        mine = await items.conversation("key-a", f"resp_2{suffix}")
+        theirs = await items.conversation("key-b", f"resp_2{suffix}")
+        unknown = await items.conversation("key-a", "resp_unknown")
+        await items.close()
+        return suffix, mine, theirs, unknown
+
+    suffix, mine, theirs, unknown = _run(scenario())
+    assert [item.get("content") if item["type"] == "message" and item.get("role") == "user" else item["id"] for item in mine] == [
+        "one",
+        f"msg_1{suffix}",
+        "two",
+        f"msg_2{suffix}",
+    ]
+    assert theirs is None and unknown is None
+
+
+def test_a_chain_longer_than_the_bound_is_not_followed():
+    async def scenario():
+        items = ResponseItems(None, keep_seconds=60)
+        previous = None
+        for n in range(MAX_RESPONSE_CHAIN + 1):
+            await _keep(items, "key-a", {**ITEM, "id": f"msg_{n}"}, response=f"resp_{n}", previous=previous)
+            previous = f"resp_{n}"
+        return await items.conversation("key-a", previous), await items.conversation("key-a", f"resp_{MAX_RESPONSE_CHAIN - 1}")
+
+    too_long, longest = _run(scenario())
+    assert too_long is None and len(longest) == MAX_RESPONSE_CHAIN

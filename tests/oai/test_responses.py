@@ -255,7 +255,7 @@ def test_the_sdks_stream_helper_gives_the_text_and_the_final_response(client, st
 @pytest.mark.parametrize(
     ("extra", "param", "code"),
     [
-        ({"previous_response_id": "resp_123"}, "previous_response_id", "UnsupportedChatParameter"),
+        ({"previous_response_id": "resp_123"}, "previous_response_id", "previous_response_not_found"),
         ({"conversation": "conv_1"}, "conversation", "UnsupportedChatParameter"),
         ({"background": True}, "background", "UnsupportedChatParameter"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type", "UnsupportedChatParameter"),
@@ -414,3 +414,58 @@ class _Key:
 
 def client_key(client) -> _Key:
     return _Key(client.api_key)
+
+
+# --- previous_response_id --------------------------------------------------------------------------
+
+
+def test_previous_response_id_continues_the_kept_conversation(client, start_worker):
+    worker = start_worker(reply=text_reply("One."))
+    first = client.responses.create(model=MODEL, input="Count.", instructions="Be brief.")
+    worker.reply = text_reply("Two.")
+    second = client.responses.create(model=MODEL, input="Go on.", previous_response_id=first.id)
+    assert second.previous_response_id == first.id
+    worker.reply = text_reply("Three.")
+    third = client.responses.create(
+        model=MODEL, input=[{"role": "user", "content": "More."}], previous_response_id=second.id
+    )
+    assert third.output_text == "Three."
+    # The instructions are not carried over (as OpenAI); every turn's input and output are.
+    assert worker.jobs[2]["payload"]["messages"] == [
+        {"role": "user", "content": "Count."},
+        {"role": "assistant", "content": "One."},
+        {"role": "user", "content": "Go on."},
+        {"role": "assistant", "content": "Two."},
+        {"role": "user", "content": "More."},
+    ]
+
+
+def test_a_tool_loop_by_previous_response_id_sends_only_the_output(client, start_worker):
+    """What openai-agents sends with previous_response_id: only the function_call_output."""
+    worker = start_worker(reply=calls_reply("get_weather"))
+    first = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[WEATHER])
+    worker.reply = text_reply("Sunny.")
+    client.responses.create(
+        model=MODEL,
+        tools=[WEATHER],
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": first.output[0].call_id, "output": "21 C"}],
+    )
+    messages = worker.jobs[1]["payload"]["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1]["tool_calls"][0]["id"] == "call_0" and messages[2]["tool_call_id"] == "call_0"
+
+
+def test_a_previous_response_of_another_key_or_not_stored_is_not_found(front, client, start_worker, make_user):
+    start_worker()
+    unstored = client.responses.create(model=MODEL, input="Hi", store=False)
+    stored = client.responses.create(model=MODEL, input="Hi")
+    other = make_user("another-user", kudos=1000)
+    stranger = openai.OpenAI(base_url=front.live.v1, api_key=other.key, max_retries=0, timeout=30)
+    for sdk, previous in ((client, unstored.id), (stranger, stored.id)):
+        with pytest.raises(openai.BadRequestError) as caught:
+            sdk.responses.create(model=MODEL, input="Again", previous_response_id=previous)
+        assert caught.value.body["code"] == "previous_response_not_found"
+        assert caught.value.body["param"] == "previous_response_id"
+    stranger.close()
+    assert len(_requests()) == 2
