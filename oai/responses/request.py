@@ -330,12 +330,10 @@ def _translate_input(body: Mapping[str, Any], history: list[dict[str, Any]], tra
 
 def _translate_tools(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
     tools = body.get("tools")
-    if tools is None:
-        return
-    if not isinstance(tools, list):
+    if tools is not None and not isinstance(tools, list):
         raise _bad("tools", "Invalid type for 'tools': expected an array of tools.")
     chat_tools = []
-    for i, raw in enumerate(tools):
+    for i, raw in enumerate(tools or ()):
         path = f"tools[{i}]"
         tool = _object(raw, path)
         if tool.get("type") != "function":
@@ -346,7 +344,8 @@ def _translate_tools(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
                 f"Unsupported value: {path}.type={shown}; the AI Horde serves function tools only.",
             )
         chat_tools.append({"type": "function", "function": {k: tool[k] for k in FUNCTION_TOOL_KEYS if k in tool}})
-    chat["tools"] = chat_tools
+    if chat_tools:
+        chat["tools"] = chat_tools
     choice = body.get("tool_choice")
     if isinstance(choice, Mapping):
         if choice.get("type") != "function":
@@ -358,7 +357,9 @@ def _translate_tools(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
                 "and a function by name.",
             )
         chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
-    elif choice is not None:
+    elif choice is not None and (chat_tools or choice not in ("auto", "none")):
+        # Without tools, "auto" and "none" ask for nothing (OpenAI takes them); "required" or a
+        # function is refused by the chat route's check, at tool_choice.
         chat["tool_choice"] = choice
     if body.get("parallel_tool_calls") is not None and chat_tools:
         chat["parallel_tool_calls"] = body["parallel_tool_calls"]

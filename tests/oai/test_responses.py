@@ -270,6 +270,7 @@ def test_the_sdks_stream_helper_gives_the_text_and_the_final_response(client, st
         ({"temperature": 3}, "temperature", "UnsupportedChatParameter"),
         ({"max_output_tokens": 5}, "max_output_tokens", "UnsupportedChatParameter"),
         ({"seed": 1}, "seed", "UnsupportedChatParameter"),
+        ({"tool_choice": "required"}, "tool_choice", "ChatRequestConflict"),
         ({"input": []}, "input", "BadRequest"),
     ],
 )
