@@ -146,6 +146,8 @@ class _Translation:
         """The Responses path of a chat route's error param."""
         if not param:
             return param
+        if param == "messages":
+            return "input"
         match = re.match(r"messages\[(\d+)\](?:\.tool_calls\[(\d+)\])?(.*)$", param)
         if match:
             index, call, rest = int(match[1]), match[2], match[3]
@@ -311,7 +313,9 @@ def _translate_input(body: Mapping[str, Any], translation: _Translation) -> None
 def _translate_tools(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
     tools = body.get("tools")
     if tools is None:
-        return
+        if body.get("tool_choice") in (None, "auto", "none"):
+            return  # a choice among no tools changes nothing; any other one the chat route refuses
+        tools = []
     if not isinstance(tools, list):
         raise _bad("tools", "Invalid type for 'tools': expected an array of tools.")
     chat_tools = []
@@ -326,7 +330,8 @@ def _translate_tools(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
                 f"Unsupported value: {path}.type={shown}; the AI Horde serves function tools only.",
             )
         chat_tools.append({"type": "function", "function": {k: tool[k] for k in FUNCTION_TOOL_KEYS if k in tool}})
-    chat["tools"] = chat_tools
+    if body.get("tools") is not None:
+        chat["tools"] = chat_tools
     choice = body.get("tool_choice")
     if isinstance(choice, Mapping):
         if choice.get("type") != "function":
@@ -394,12 +399,23 @@ def _translate_reasoning(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
 
 def _check_accepted(body: Mapping[str, Any]) -> None:
     """The keys accepted without a chat form: typed, and at a value the front can honour."""
-    for key in ("store",):
+    for key in ("store", "parallel_tool_calls"):
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise _bad(key, f"Invalid type for '{key}': expected a boolean.")
     for key in ("safety_identifier", "prompt_cache_key", "prompt_cache_retention"):
         if body.get(key) is not None and not isinstance(body[key], str):
             raise _bad(key, f"Invalid type for '{key}': expected a string.")
+    options = body.get("stream_options")
+    if options is not None:
+        options = _object(options, "stream_options")
+        for key, value in options.items():
+            if key != "include_obfuscation":
+                raise _unsupported(f"stream_options.{key}", f"Unknown parameter: 'stream_options.{key}'.")
+            if not isinstance(value, bool):
+                raise _bad(
+                    "stream_options.include_obfuscation",
+                    "Invalid type for 'stream_options.include_obfuscation': expected a boolean.",
+                )
     tier = body.get("service_tier")
     if tier is not None and tier not in SERVICE_TIERS:
         raise _unsupported(
@@ -418,14 +434,14 @@ def _check_accepted(body: Mapping[str, Any]) -> None:
         if not isinstance(include, list):
             raise _bad("include", "Invalid type for 'include': expected an array of strings.")
         for i, value in enumerate(include):
-            if value not in ACCEPTED_INCLUDES:
+            if not isinstance(value, str) or value not in ACCEPTED_INCLUDES:
                 shown = value if isinstance(value, str) else json.dumps(value)
                 raise _unsupported(
                     f"include[{i}]",
                     f"Unsupported value: include[{i}]={shown} is not supported by the AI Horde.",
                 )
     truncation = body.get("truncation")
-    if truncation is not None and truncation not in TRUNCATION_CONTEXT_FIT:
+    if truncation is not None and (not isinstance(truncation, str) or truncation not in TRUNCATION_CONTEXT_FIT):
         raise _bad("truncation", "Invalid value for 'truncation': expected 'auto' or 'disabled'.")
 
 
@@ -472,6 +488,21 @@ def chat_body_from_responses(body: Mapping[str, Any]) -> tuple[dict[str, Any], _
     return chat, translation
 
 
+# The chat route's names a refusal's message may still hold (past its param), as the client sent them.
+MESSAGE_NAMES = (
+    ("'messages'", "'input'"),
+    ("max_completion_tokens", "max_output_tokens"),
+    ("response_format", "text.format"),
+    ("reasoning_effort", "reasoning.effort"),
+)
+
+
+def _responses_names(message: str) -> str:
+    for chat, responses in MESSAGE_NAMES:
+        message = message.replace(chat, responses)
+    return message
+
+
 def _echo(body: Mapping[str, Any], request: ChatCompletionRequest, *, keeps_items: bool) -> dict[str, Any]:
     """What the `response` object echoes: the client's own values, in the Responses shape; `store`
     says whether its output items are kept for item_reference (the client's store, default true,
@@ -515,5 +546,6 @@ def screen_responses_request(raw_body: Any, *, keeps_items: bool = False) -> Res
         if param != error.param and error.param:
             error.message = error.message.replace(error.param, param or "")
             error.param = param
+        error.message = _responses_names(error.message)
         raise
     return ResponsesRequest(**dict(request), echo=_echo(raw_body, request, keeps_items=keeps_items))
