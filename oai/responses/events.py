@@ -277,7 +277,10 @@ class ResponseEvents:
     def _fail(self, error: dict[str, Any]) -> list[bytes]:
         self.ended = True
         code, message = error.get("code"), error.get("message") or "The AI Horde could not finish this response."
-        failed = self._response("failed", output=self.output, error={"code": code, "message": message})
+        # The response's error.code is one of OpenAI's own codes (the SDK types it so); the horde's
+        # code stays on the error event, whose code is any string.
+        failed_code = "rate_limit_exceeded" if error.get("type") == "rate_limit_error" else "server_error"
+        failed = self._response("failed", output=self.output, error={"code": failed_code, "message": message})
         return [
             self._event("error", code=code, message=message, param=error.get("param")),
             self._event("response.failed", response=failed),
@@ -288,7 +291,7 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     details = usage.get("completion_tokens_details") or {}
     return {
         "input_tokens": usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)},
         "total_tokens": usage["total_tokens"],
