@@ -82,3 +82,38 @@ def test_usage_has_the_sdks_required_details() -> None:
     usage = _stream(STREAMS["reasoning and text"])[-1]["response"]["usage"]
     assert usage["input_tokens_details"] == {"cached_tokens": 0, "cache_write_tokens": 0}
     assert usage["output_tokens_details"] == {"reasoning_tokens": 0}
+
+
+def test_relayed_chunks_sent_as_one_write_are_each_rewritten() -> None:
+    """The relay sends the chunks read together as one write (oai.deltas.pending_events)."""
+    one_write = _chunk({"role": "assistant"}) + b"\n\n" + _chunk({"content": "Hel"}) + b"\n\n" + _chunk({"content": "lo"}) + b"\n\n"
+    events = _stream([one_write, _chunk(finish="stop"), *END])
+    assert [e["delta"] for e in events if e["type"] == "response.output_text.delta"] == ["Hel", "lo"]
+    assert events[-1]["type"] == "response.completed"
+
+
+def test_reasoning_relayed_after_the_text_began_stays_in_its_item() -> None:
+    events = _stream(
+        [
+            _chunk({"reasoning_content": "Six times"}),
+            _chunk({"content": "4"}),
+            _chunk({"reasoning_content": " seven."}),
+            _chunk({"content": "2."}),
+            _chunk(finish="stop"),
+            *END,
+        ]
+    )
+    for data in events:
+        EVENTS.validate_python(data)
+    added = [(e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"]
+    assert added == [(0, "reasoning"), (1, "message")]
+    reasoning = [(e["output_index"], e["delta"]) for e in events if e["type"] == "response.reasoning_summary_text.delta"]
+    assert reasoning == [(0, "Six times"), (0, " seven.")]
+    text = [(e["output_index"], e["delta"]) for e in events if e["type"] == "response.output_text.delta"]
+    assert text == [(1, "4"), (1, "2.")]
+    output = events[-1]["response"]["output"]
+    assert [item["type"] for item in output] == ["reasoning", "message"]
+    assert output[0]["summary"] == [{"type": "summary_text", "text": "Six times seven."}]
+    assert output[1]["content"][0]["text"] == "42."
+    done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == [0, 1]
