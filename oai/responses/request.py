@@ -520,7 +520,11 @@ def _echo(body: Mapping[str, Any], request: ChatCompletionRequest, *, keeps_item
         "metadata": body.get("metadata") or {},
         "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
         "prompt_cache_key": body.get("prompt_cache_key"),
-        "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
+        # `generate_summary` is the deprecated name of `summary`: the response echoes it as `summary`.
+        "reasoning": {
+            "effort": reasoning.get("effort"),
+            "summary": reasoning.get("summary") or reasoning.get("generate_summary"),
+        },
         "safety_identifier": body.get("safety_identifier"),
         "store": keeps_items and body.get("store") is not False,
         "temperature": body.get("temperature", 1.0),

@@ -262,3 +262,8 @@ def test_refusals_name_what_the_client_sent(body: dict[str, Any], param: str) ->
 def test_accepted_tool_and_stream_options(extra: dict[str, Any]) -> None:
     request = screen_responses_request({"model": "m", "input": "hi", **extra})
     assert request.echo["tool_choice"] == extra.get("tool_choice", "auto")
+
+
+def test_the_deprecated_generate_summary_is_echoed_as_summary() -> None:
+    request = screen_responses_request({"model": "m", "input": "hi", "reasoning": {"effort": "low", "generate_summary": "auto"}})
+    assert request.echo["reasoning"] == {"effort": "low", "summary": "auto"}
