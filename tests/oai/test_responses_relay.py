@@ -231,3 +231,36 @@ def test_a_client_leaving_mid_relay_has_its_request_cancelled(front, requester, 
     assert time.monotonic() - left < 5
     # The worker learns it at its next post.
     assert streaming_worker.post(job, 2, "lo")["cancelled"] is True
+
+
+def test_the_sdks_stream_helper_reads_interleaved_relayed_reasoning(front, requester, streaming_worker):
+    """openai-python's responses.stream() helper accumulates the events by output_index: its final
+    response is the reasoning item then the message, with the whole texts."""
+    import openai
+
+    sdk = openai.OpenAI(base_url=front.live.v1, api_key=requester.key, max_retries=0, timeout=30)
+    result: dict[str, Any] = {}
+    texts: list[str] = []
+
+    def consume() -> None:
+        with sdk.responses.stream(model=MODEL, input="6*7?", extra_body={"horde": {"include_reasoning": True}}) as stream:
+            for event in stream:
+                if event.type == "response.output_text.delta":
+                    texts.append(event.delta)
+            result["final"] = stream.get_final_response()
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    job = streaming_worker.pop()
+    streaming_worker.post(job, 1, reasoning="Six times")
+    streaming_worker.post(job, 2, "4")
+    _wait(lambda: texts == ["4"], 5, "the first text delta")
+    streaming_worker.post(job, 3, reasoning=" seven")
+    streaming_worker.submit(job, "42.", reasoning="Six times seven.")
+    thread.join(10)
+    sdk.close()
+    assert not thread.is_alive()
+    final = result["final"]
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].summary[0].text == "Six times seven."
+    assert final.output_text == "42." and texts == ["4", "2."]
