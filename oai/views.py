@@ -303,14 +303,31 @@ class ResponsesView(FrontView):
                 "input": serializers.JSONField(),
                 "instructions": serializers.CharField(required=False),
                 "max_output_tokens": serializers.IntegerField(required=False),
+                "temperature": serializers.FloatField(required=False),
+                "top_p": serializers.FloatField(required=False),
                 "stream": serializers.BooleanField(required=False),
+                "stream_options": serializers.DictField(required=False),
+                "store": serializers.BooleanField(required=False),
                 "tools": serializers.ListField(child=serializers.DictField(), required=False),
+                "tool_choice": serializers.JSONField(required=False),
+                "parallel_tool_calls": serializers.BooleanField(required=False),
+                "text": serializers.DictField(required=False),
+                "reasoning": serializers.DictField(required=False),
+                "truncation": serializers.ChoiceField(choices=["auto", "disabled"], required=False),
+                "include": serializers.ListField(child=serializers.CharField(), required=False),
+                "metadata": serializers.DictField(child=serializers.CharField(), required=False),
+                "user": serializers.CharField(required=False),
                 "horde": serializers.DictField(required=False),
             },
         ),
         responses={
             200: OpenApiResponse(description="response, or text/event-stream of the Responses API's events"),
             **_COMPLETION_ERRORS,
+            503: OpenApiResponse(
+                response=_ERROR,
+                description="no_eligible_worker, queue_unavailable, HordeUnavailable, FrontAtCapacity, FrontStopping, or "
+                "ResponseItemsUnavailable: the items an item_reference names could not be read just now",
+            ),
         },
         examples=[
             OpenApiExample(

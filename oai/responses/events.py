@@ -5,7 +5,8 @@ events is rewritten here into the Responses API's typed events, each with its `s
 
 - first `response.created` and `response.in_progress`;
 - a chunk's `reasoning_content` opens a reasoning item and is its summary text's delta
-  (`response.reasoning_summary_text.delta`); its `content` opens the message item
+  (`response.reasoning_summary_text.delta`; reasoning relayed after the text began stays in that
+  open item); its `content` opens the message item
   (`response.output_item.added`, `response.content_part.added`) and is a
   `response.output_text.delta`; its tool calls (each whole) are `function_call` items with their
   arguments in one delta;
@@ -39,6 +40,15 @@ def _sse(data: dict[str, Any]) -> bytes:
     return b"event: " + data["type"].encode() + b"\ndata: " + payload + b"\n\n"
 
 
+class _OpenItem:
+    """An item receiving deltas: its output index, id and text so far."""
+
+    def __init__(self, index: int, item_id: str) -> None:
+        self.index = index
+        self.item_id = item_id
+        self.text = ""
+
+
 class ResponseEvents:
     """One streamed response: feed it the chat route's events in order, send what it returns."""
 
@@ -49,13 +59,12 @@ class ResponseEvents:
         self.model = model
         self.reasoning_id, self.message_id, self.call_prefix = item_ids(request_id)
         self.sequence = 0
-        self.output: list[dict[str, Any]] = []
-        self.open: str | None = None  # "reasoning" or "message": the item receiving deltas
-        self.text = ""
+        self.output: list[dict[str, Any]] = []  # an open item's entry is its in-progress form
+        self.open_items: dict[str, _OpenItem] = {}  # "reasoning", "message": the items receiving deltas
+        self.done_indexes: set[int] = set()
         self.sent_message = False
         self.calls = 0
         self.opened = {"reasoning": 0, "message": 0}  # items of each kind opened so far
-        self.item_id = ""
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
         self.x_horde: dict[str, Any] | None = None
@@ -79,8 +88,16 @@ class ResponseEvents:
             self._event("response.in_progress", response=in_progress),
         ]
 
-    def feed(self, chat_event: bytes) -> list[bytes]:
-        """The Responses events of one chat route event (a keepalive passes as it is)."""
+    def feed(self, chat_write: bytes) -> list[bytes]:
+        """The Responses events of one write of the chat route's stream: one event, or several sent
+        as one write (the relayed chunks read together, oai.deltas); a keepalive passes as it is."""
+        events: list[bytes] = []
+        for block in chat_write.split(b"\n\n"):
+            if block.strip():
+                events += self._feed_event(block + b"\n\n")
+        return events
+
+    def _feed_event(self, chat_event: bytes) -> list[bytes]:
         if self.ended:
             return []
         if not chat_event.startswith(b"data: "):
@@ -113,21 +130,26 @@ class ResponseEvents:
     # --- items ---------------------------------------------------------------------------------
 
     def _open_item(self, kind: str) -> list[bytes]:
-        events = self._close_item()
+        """Opens the kind's item at the next output index. A reasoning item and the message item
+        may be open together: the relayed reasoning can go on after the text began (its rest comes
+        with the reply), and it stays in the one reasoning item before the message, as in the whole
+        response; events name their item by output_index."""
         index = len(self.output)
-        self.open, self.text = kind, ""
-        # A kind's first item has the reply's id for it (as the whole response); a later one (text,
-        # then more reasoning) gets a suffix, so no two items share an id.
+        # A kind's first item has the reply's id for it (as the whole response); a later one (after
+        # a tool call closed it) gets a suffix, so no two items share an id.
         base = self.reasoning_id if kind == "reasoning" else self.message_id
-        self.item_id = base if not self.opened[kind] else f"{base}_{self.opened[kind]}"
+        item_id = base if not self.opened[kind] else f"{base}_{self.opened[kind]}"
         self.opened[kind] += 1
+        self.open_items[kind] = _OpenItem(index, item_id)
+        events: list[bytes] = []
         if kind == "reasoning":
-            item = reasoning_item(self.item_id, None)
+            item = reasoning_item(item_id, None)
+            self.output.append(item)
             events.append(self._event("response.output_item.added", output_index=index, item=item))
             events.append(
                 self._event(
                     "response.reasoning_summary_part.added",
-                    item_id=self.item_id,
+                    item_id=item_id,
                     output_index=index,
                     summary_index=0,
                     part={"type": "summary_text", "text": ""},
@@ -135,12 +157,13 @@ class ResponseEvents:
             )
         else:
             self.sent_message = True
-            item = message_item(self.item_id, "", status="in_progress")
+            item = message_item(item_id, "", status="in_progress")
+            self.output.append(item)
             events.append(self._event("response.output_item.added", output_index=index, item=item))
             events.append(
                 self._event(
                     "response.content_part.added",
-                    item_id=self.item_id,
+                    item_id=item_id,
                     output_index=index,
                     content_index=0,
                     part=output_text_part(""),
@@ -149,15 +172,15 @@ class ResponseEvents:
         return events
 
     def _delta(self, kind: str, text: str) -> list[bytes]:
-        events = self._open_item(kind) if self.open != kind else []
-        self.text += text
-        index = len(self.output)
+        events = self._open_item(kind) if kind not in self.open_items else []
+        item = self.open_items[kind]
+        item.text += text
         if kind == "reasoning":
             events.append(
                 self._event(
                     "response.reasoning_summary_text.delta",
-                    item_id=self.item_id,
-                    output_index=index,
+                    item_id=item.item_id,
+                    output_index=item.index,
                     summary_index=0,
                     delta=text,
                 )
@@ -166,8 +189,8 @@ class ResponseEvents:
             events.append(
                 self._event(
                     "response.output_text.delta",
-                    item_id=self.item_id,
-                    output_index=index,
+                    item_id=item.item_id,
+                    output_index=item.index,
                     content_index=0,
                     delta=text,
                     logprobs=[],
@@ -175,17 +198,23 @@ class ResponseEvents:
             )
         return events
 
-    def _close_item(self) -> list[bytes]:
-        if self.open is None:
-            return []
-        index, text = len(self.output), self.text
+    def _close_items(self) -> list[bytes]:
+        """Closes the open items, in their output order."""
         events: list[bytes] = []
-        if self.open == "reasoning":
+        for kind, open_item in sorted(self.open_items.items(), key=lambda pair: pair[1].index):
+            events += self._close_item(kind, open_item)
+        self.open_items.clear()
+        return events
+
+    def _close_item(self, kind: str, open_item: _OpenItem) -> list[bytes]:
+        index, item_id, text = open_item.index, open_item.item_id, open_item.text
+        events: list[bytes] = []
+        if kind == "reasoning":
             part = {"type": "summary_text", "text": text}
             events.append(
                 self._event(
                     "response.reasoning_summary_text.done",
-                    item_id=self.item_id,
+                    item_id=item_id,
                     output_index=index,
                     summary_index=0,
                     text=text,
@@ -194,18 +223,18 @@ class ResponseEvents:
             events.append(
                 self._event(
                     "response.reasoning_summary_part.done",
-                    item_id=self.item_id,
+                    item_id=item_id,
                     output_index=index,
                     summary_index=0,
                     part=part,
                 )
             )
-            item = reasoning_item(self.item_id, text)
+            item = reasoning_item(item_id, text)
         else:
             events.append(
                 self._event(
                     "response.output_text.done",
-                    item_id=self.item_id,
+                    item_id=item_id,
                     output_index=index,
                     content_index=0,
                     text=text,
@@ -215,20 +244,20 @@ class ResponseEvents:
             events.append(
                 self._event(
                     "response.content_part.done",
-                    item_id=self.item_id,
+                    item_id=item_id,
                     output_index=index,
                     content_index=0,
                     part=output_text_part(text),
                 )
             )
-            item = message_item(self.item_id, text)
+            item = message_item(item_id, text)
         events.append(self._event("response.output_item.done", output_index=index, item=item))
-        self.output.append(item)
-        self.open, self.text = None, ""
+        self.output[index] = item
+        self.done_indexes.add(index)
         return events
 
     def _call(self, call: dict[str, Any]) -> list[bytes]:
-        events = self._close_item()
+        events = self._close_items()
         index = len(self.output)
         item_id = f"{self.call_prefix}_{self.calls}"
         self.calls += 1
@@ -257,15 +286,16 @@ class ResponseEvents:
         item = function_call_item(item_id, call)
         events.append(self._event("response.output_item.done", output_index=index, item=item))
         self.output.append(item)
+        self.done_indexes.add(index)
         return events
 
     # --- the end -------------------------------------------------------------------------------
 
     def _finish(self) -> list[bytes]:
-        events = self._close_item()
+        events = self._close_items()
         if not self.sent_message and not self.calls:
             # A reply with neither text nor tool calls is one empty message, as the whole response.
-            events += self._open_item("message") + self._close_item()
+            events += self._open_item("message") + self._close_items()
         reason = INCOMPLETE_REASONS.get(self.finish_reason or "")
         status = "incomplete" if reason else "completed"
         response = self._response(
@@ -278,7 +308,11 @@ class ResponseEvents:
     def _fail(self, error: dict[str, Any]) -> list[bytes]:
         self.ended = True
         code, message = error.get("code"), error.get("message") or "The AI Horde could not finish this response."
-        failed = self._response("failed", output=self.output, error={"code": code, "message": message})
+        # The response's error.code is one of OpenAI's own codes (the SDK types it so); the horde's
+        # code stays on the error event, whose code is any string.
+        failed_code = "rate_limit_exceeded" if error.get("type") == "rate_limit_error" else "server_error"
+        done = [item for index, item in enumerate(self.output) if index in self.done_indexes]
+        failed = self._response("failed", output=done, error={"code": failed_code, "message": message})
         return [
             self._event("error", code=code, message=message, param=error.get("param")),
             self._event("response.failed", response=failed),
@@ -289,7 +323,7 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     details = usage.get("completion_tokens_details") or {}
     return {
         "input_tokens": usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)},
         "total_tokens": usage["total_tokens"],
@@ -311,9 +345,10 @@ async def stream_response(
     try:
         for event in writer.start():
             yield event
-        async for chat_event in chat_events:
-            for event in writer.feed(chat_event):
-                yield event
+        async for chat_write in chat_events:
+            events = writer.feed(chat_write)
+            if events:
+                yield b"".join(events)  # one write in, one write out: a relayed batch stays one send
     finally:
         await chat_events.aclose()
     if keep is not None and writer.delivered:

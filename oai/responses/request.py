@@ -152,6 +152,8 @@ class _Translation:
         """The Responses path of a chat route's error param."""
         if not param:
             return param
+        if param == "messages":
+            return "input"
         match = re.match(r"messages\[(\d+)\](?:\.tool_calls\[(\d+)\])?(.*)$", param)
         if match:
             index, call, rest = int(match[1]), match[2], match[3]
@@ -415,12 +417,23 @@ def _translate_reasoning(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
 
 def _check_accepted(body: Mapping[str, Any]) -> None:
     """The keys accepted without a chat form: typed, and at a value the front can honour."""
-    for key in ("store",):
+    for key in ("store", "parallel_tool_calls"):
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise _bad(key, f"Invalid type for '{key}': expected a boolean.")
     for key in ("safety_identifier", "prompt_cache_key", "prompt_cache_retention"):
         if body.get(key) is not None and not isinstance(body[key], str):
             raise _bad(key, f"Invalid type for '{key}': expected a string.")
+    options = body.get("stream_options")
+    if options is not None:
+        options = _object(options, "stream_options")
+        for key, value in options.items():
+            if key != "include_obfuscation":
+                raise _unsupported(f"stream_options.{key}", f"Unknown parameter: 'stream_options.{key}'.")
+            if not isinstance(value, bool):
+                raise _bad(
+                    "stream_options.include_obfuscation",
+                    "Invalid type for 'stream_options.include_obfuscation': expected a boolean.",
+                )
     tier = body.get("service_tier")
     if tier is not None and tier not in SERVICE_TIERS:
         raise _unsupported(
@@ -439,14 +452,14 @@ def _check_accepted(body: Mapping[str, Any]) -> None:
         if not isinstance(include, list):
             raise _bad("include", "Invalid type for 'include': expected an array of strings.")
         for i, value in enumerate(include):
-            if value not in ACCEPTED_INCLUDES:
+            if not isinstance(value, str) or value not in ACCEPTED_INCLUDES:
                 shown = value if isinstance(value, str) else json.dumps(value)
                 raise _unsupported(
                     f"include[{i}]",
                     f"Unsupported value: include[{i}]={shown} is not supported by the AI Horde.",
                 )
     truncation = body.get("truncation")
-    if truncation is not None and truncation not in TRUNCATION_CONTEXT_FIT:
+    if truncation is not None and (not isinstance(truncation, str) or truncation not in TRUNCATION_CONTEXT_FIT):
         raise _bad("truncation", "Invalid value for 'truncation': expected 'auto' or 'disabled'.")
 
 
@@ -496,6 +509,21 @@ def chat_body_from_responses(
     return chat, translation
 
 
+# The chat route's names a refusal's message may still hold (past its param), as the client sent them.
+MESSAGE_NAMES = (
+    ("'messages'", "'input'"),
+    ("max_completion_tokens", "max_output_tokens"),
+    ("response_format", "text.format"),
+    ("reasoning_effort", "reasoning.effort"),
+)
+
+
+def _responses_names(message: str) -> str:
+    for chat, responses in MESSAGE_NAMES:
+        message = message.replace(chat, responses)
+    return message
+
+
 def _echo(body: Mapping[str, Any], request: ChatCompletionRequest, *, keeps_items: bool) -> dict[str, Any]:
     """What the `response` object echoes: the client's own values, in the Responses shape; `store`
     says whether its output items are kept for item_reference (the client's store, default true,
@@ -514,7 +542,11 @@ def _echo(body: Mapping[str, Any], request: ChatCompletionRequest, *, keeps_item
         "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
         "previous_response_id": body.get("previous_response_id"),
         "prompt_cache_key": body.get("prompt_cache_key"),
-        "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
+        # `generate_summary` is the deprecated name of `summary`: the response echoes it as `summary`.
+        "reasoning": {
+            "effort": reasoning.get("effort"),
+            "summary": reasoning.get("summary") or reasoning.get("generate_summary"),
+        },
         "safety_identifier": body.get("safety_identifier"),
         "store": keeps_items and body.get("store") is not False,
         "temperature": body.get("temperature", 1.0),
@@ -541,6 +573,7 @@ def screen_responses_request(prepared: PreparedBody, *, keeps_items: bool = Fals
         if param != error.param and error.param:
             error.message = error.message.replace(error.param, param or "")
             error.param = param
+        error.message = _responses_names(error.message)
         raise
     return ResponsesRequest(
         **dict(request),
