@@ -79,8 +79,16 @@ class ResponseEvents:
             self._event("response.in_progress", response=in_progress),
         ]
 
-    def feed(self, chat_event: bytes) -> list[bytes]:
-        """The Responses events of one chat route event (a keepalive passes as it is)."""
+    def feed(self, chat_events: bytes) -> list[bytes]:
+        """The Responses events of one write of the chat route: one event or several (the relayed
+        chunks read together are one write); a keepalive passes as it is."""
+        events: list[bytes] = []
+        for chat_event in chat_events.split(b"\n\n"):
+            if chat_event.strip():
+                events += self._feed_one(chat_event + b"\n\n")
+        return events
+
+    def _feed_one(self, chat_event: bytes) -> list[bytes]:
         if self.ended:
             return []
         if not chat_event.startswith(b"data: "):
@@ -277,8 +285,17 @@ class ResponseEvents:
 
     def _fail(self, error: dict[str, Any]) -> list[bytes]:
         self.ended = True
-        code, message = error.get("code"), error.get("message") or "The AI Horde could not finish this response."
-        failed = self._response("failed", output=self.output, error={"code": code, "message": message})
+        code, message = (
+            error.get("code"),
+            error.get("message") or "The AI Horde could not finish this response.",
+        )
+        # The `error` event carries the horde's own code; the response's error.code is one of the
+        # Responses API's codes (an enumeration typed clients check): a horde failure is a server_error.
+        failed = self._response(
+            "failed",
+            output=self.output,
+            error={"code": "server_error", "message": message, "type": error.get("type")},
+        )
         return [
             self._event("error", code=code, message=message, param=error.get("param")),
             self._event("response.failed", response=failed),
@@ -289,7 +306,7 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     details = usage.get("completion_tokens_details") or {}
     return {
         "input_tokens": usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)},
         "total_tokens": usage["total_tokens"],

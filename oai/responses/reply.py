@@ -70,7 +70,7 @@ def build_usage(completion: Completion) -> dict[str, Any]:
     details = usage.completion_tokens_details
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": details.reasoning_tokens if details else 0},
         "total_tokens": usage.total_tokens,
