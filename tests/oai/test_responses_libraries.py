@@ -9,9 +9,11 @@ strict mode: a field of a wrong type or a missing required one is what a typed c
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -54,7 +56,10 @@ def lib_horde(front, live_horde, make_user) -> Iterator[tuple[str, str, FakeLlam
     owner = make_user(f"rlib-owner-{uuid.uuid4().hex[:6]}", trusted=True)
     requester = make_user(f"rlib-req-{uuid.uuid4().hex[:6]}", kudos=100_000)
     bridge_horde = BridgeHorde(live_horde.url, owner.key, requester.key)
-    with running_bridge(bridge_horde, fake_backend.url, progress_interval=0.05, pop_wait=0):
+    bridge = running_bridge(
+        bridge_horde, fake_backend.url, progress_interval=0.05, pop_wait=0, add_features={"reasoning_effort"}
+    )
+    with bridge:
         yield front.live.v1, requester.key, fake_backend
     bridge_horde.client.close()
     fake_backend.stop()
@@ -241,11 +246,12 @@ def test_langchain_responses_structured_output(lib_horde, method):
 def test_langchain_responses_reasoning_is_a_reasoning_block(lib_horde):
     v1, key, fake_backend = lib_horde
     reasoning_backend(fake_backend)
-    model = chat_model(v1, key, output_version="responses/v1", reasoning={"summary": "auto"})
+    model = chat_model(v1, key, output_version="responses/v1", reasoning={"effort": "low", "summary": "auto"})
     message = model.invoke("Say hello.")
     reasoning, text = message.content
     assert reasoning["type"] == "reasoning" and reasoning["summary"][0]["text"] == REASONING
     assert text["type"] == "text" and text["text"] == DEFAULT_REPLY
+    assert fake_backend.chat_requests()[-1]["reasoning_effort"] == "low"
 
     chunks = list(model.stream("Say hello."))
     whole = chunks[0]
@@ -315,3 +321,116 @@ def test_openai_responses_create_stream_with_reasoning(lib_horde):
     assert reasoning.type == "reasoning" and reasoning.summary[0].text == REASONING
     assert message.type == "message" and final.response.output_text == DEFAULT_REPLY
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+# --- openai-agents' own requests, replayed -------------------------------------------------------
+# What openai-agents 0.24 (unchanged, with its default Responses model) sent to a horde started as a
+# user starts one (scripts/run.py web and the reference worker): its tool loop, streamed and not,
+# structured output, reasoning. Its Runner needs back: a completed response with output, each
+# function_call item with its call_id, and on a failure the error event's code and message.
+
+AGENTS = json.loads((Path(__file__).parent / "data" / "agents_responses_requests.json").read_text())["cases"]
+
+
+def agents_request(case: str, index: int) -> bytes:
+    """The exact bytes openai-agents sent, but for the model's name (the recorded horde's)."""
+    raw = base64.b64decode(AGENTS[case]["requests"][index])
+    return raw.replace(b'"helper-c/qwen3-8b"', json.dumps(MODEL).encode())
+
+
+def replay(v1: str, key: str, raw: bytes) -> Any:
+    """The whole `response` of a replayed request, or its stream's events; each strictly typed."""
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    if not json.loads(raw).get("stream"):
+        answer = httpx.post(f"{v1}/responses", content=raw, headers=headers, timeout=30)
+        assert answer.status_code == 200, answer.text
+        assert strict_errors(answer.json()) == []
+        return answer.json()
+    events: list[dict[str, Any]] = []
+    with httpx.stream("POST", f"{v1}/responses", content=raw, headers=headers, timeout=30) as answer:
+        assert answer.status_code == 200, answer.read()
+        for line in answer.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+    assert [error for event in events for error in strict_errors(event, event=True)] == []
+    return events
+
+
+def completed(events: list[dict[str, Any]]) -> dict[str, Any]:
+    assert events[-1]["type"] == "response.completed", events[-1]
+    return events[-1]["response"]
+
+
+def test_agents_tool_loop_gets_a_function_call_with_its_call_id_then_the_reply(lib_horde):
+    v1, key, fake_backend = lib_horde
+    first = replay(v1, key, agents_request("run_tool", 0))
+    assert first["status"] == "completed"
+    (call,) = first["output"]
+    assert call["type"] == "function_call" and call["status"] == "completed" and call["name"] == "get_weather"
+    assert call["call_id"] and json.loads(call["arguments"]) == {"city": "Paris"}
+    second = replay(v1, key, agents_request("run_tool", 1))
+    assert second["status"] == "completed"
+    assert [item["type"] for item in second["output"]] == ["message"]
+    assert second["output"][0]["content"][0]["text"] == DEFAULT_REPLY
+    messages = fake_backend.chat_requests()[-1]["messages"]
+    recorded_call = json.loads(agents_request("run_tool", 1))["input"][1]["call_id"]
+    assert messages[-2]["tool_calls"][0]["id"] == recorded_call
+    assert messages[-1] == {"role": "tool", "tool_call_id": recorded_call, "content": "21.5C in Paris"}
+
+
+def test_agents_streamed_tool_loop_gets_the_call_items_and_a_completed_response(lib_horde):
+    v1, key, _ = lib_horde
+    events = replay(v1, key, agents_request("streamed_tool", 0))
+    (done,) = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert done["type"] == "function_call" and done["call_id"] and done["name"] == "get_weather"
+    assert completed(events)["output"] == [done]
+    events = replay(v1, key, agents_request("streamed_tool", 1))
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == DEFAULT_REPLY
+    assert completed(events)["output"][0]["content"][0]["text"] == DEFAULT_REPLY
+
+
+def test_agents_structured_output_is_json_of_its_schema(lib_horde):
+    v1, key, _ = lib_horde
+    response = replay(v1, key, agents_request("structured", 0))
+    answer = json.loads(response["output"][0]["content"][0]["text"])
+    assert set(answer) == {"city", "temp"} and response["text"]["format"]["name"] == "final_output"
+
+
+def test_agents_reasoning_model_gets_reasoning_items_and_takes_them_back(lib_horde):
+    v1, key, fake_backend = lib_horde
+    reasoning_backend(fake_backend)
+    first = replay(v1, key, agents_request("reasoning", 0))
+    assert [item["type"] for item in first["output"]] == ["reasoning", "message"]
+    assert first["output"][0]["summary"][0]["text"] == REASONING
+    second = replay(v1, key, agents_request("reasoning", 1))  # its reasoning item among the input
+    assert [item["type"] for item in second["output"]] == ["reasoning", "message"]
+    assert fake_backend.chat_requests()[-1]["reasoning_effort"] == "low"
+    events = replay(v1, key, agents_request("reasoning_streamed", 0))
+    summary = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_summary_text.delta")
+    assert summary == REASONING
+    assert [item["type"] for item in completed(events)["output"]] == ["reasoning", "message"]
+
+
+def test_agents_second_turn_from_its_input_list(lib_horde):
+    v1, key, _ = lib_horde
+    answers = [
+        replay(v1, key, agents_request("second_turn", i))
+        for i in range(len(AGENTS["second_turn"]["requests"]))
+    ]
+    assert all(answer["status"] == "completed" for answer in answers)
+    assert answers[-1]["output"][-1]["content"][0]["text"] == DEFAULT_REPLY
+
+
+def test_agents_stream_that_fails_ends_in_an_error_event_then_response_failed(lib_horde):
+    v1, key, fake_backend = lib_horde
+    fake_backend.fail_with = (500, {"error": {"code": 500, "message": "boom", "type": "server_error"}})
+    events = replay(v1, key, agents_request("streamed_plain", 0))
+    error, failed = events[-2:]
+    assert error["type"] == "error" and error["code"] and error["message"]
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"] == {
+        "code": "server_error",
+        "message": error["message"],
+        "type": failed["response"]["error"]["type"],
+    }
