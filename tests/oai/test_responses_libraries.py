@@ -434,3 +434,56 @@ def test_agents_stream_that_fails_ends_in_an_error_event_then_response_failed(li
         "message": error["message"],
         "type": failed["response"]["error"]["type"],
     }
+
+
+def test_agents_previous_response_id_continues_the_kept_conversation(lib_horde):
+    """Its second run names the first's last response; the ids it names (the responses', the calls')
+    are the recorded horde's, so each is replaced by the one this horde answered in its place."""
+    v1, key, fake_backend = lib_horde
+    case = AGENTS["previous_response_id"]
+    live: dict[str, str] = {}
+    answers = []
+    for index, recorded in enumerate(case["answers"]):
+        raw = agents_request("previous_response_id", index)
+        for old, new in live.items():
+            raw = raw.replace(old.encode(), new.encode())
+        answer = replay(v1, key, raw)
+        answers.append(answer)
+        live[recorded["id"]] = answer["id"]
+        calls = [item["call_id"] for item in answer["output"] if item["type"] == "function_call"]
+        live.update(zip(recorded["call_ids"], calls, strict=True))
+    assert [answer["status"] for answer in answers] == ["completed"] * 4
+    assert answers[-1]["output"][0]["content"][0]["text"] == DEFAULT_REPLY
+    assert answers[-1]["previous_response_id"] == answers[-2]["id"]
+    # The last turn's chat request holds the whole conversation: both runs' turns.
+    messages = fake_backend.chat_requests()[-1]["messages"]
+    assert [m["role"] for m in messages] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+        "assistant",
+        "tool",
+    ]
+
+
+def test_langchain_use_previous_response_id_sends_only_the_new_turn(lib_horde):
+    import httpx2  # the openai SDK's own HTTP client; its hook only records what LangChain sends
+    from langchain_core.messages import HumanMessage
+
+    v1, key, fake_backend = lib_horde
+    sent: list[dict[str, Any]] = []
+    recorder = httpx2.Client(
+        event_hooks={"request": [lambda request: sent.append(json.loads(request.read()))]}
+    )
+    model = chat_model(v1, key, use_previous_response_id=True, http_client=recorder)
+    first = model.invoke([HumanMessage("Say hello.")])
+    second = model.invoke([HumanMessage("Say hello."), first, HumanMessage("Again.")])
+    assert second.text == DEFAULT_REPLY
+    assert sent[1]["previous_response_id"] == first.response_metadata["id"]
+    assert [item.get("role") for item in sent[1]["input"]] == ["user"]
+    messages = fake_backend.chat_requests()[-1]["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[-1]["content"] == "Again."
