@@ -144,18 +144,24 @@ def raw_events(v1: str, key: str, body: dict[str, Any]) -> list[dict[str, Any]]:
         ),
         pytest.param({"input": "Say hello.", "reasoning": {"summary": "auto"}}, id="reasoning"),
         pytest.param({"input": "Say hello.", "max_output_tokens": 16, "store": False}, id="options"),
+        pytest.param({"input": "Say hello.", "max_output_tokens": 17}, id="incomplete"),
     ],
 )
 def test_every_event_and_response_is_valid_for_openais_types_in_strict_mode(lib_horde, body):
     v1, key, fake_backend = lib_horde
     if "reasoning" in body:
         reasoning_backend(fake_backend)
+    terminal = "response.completed"
+    if body.get("max_output_tokens") == 17:  # the reply is cut at its length
+        terminal = "response.incomplete"
+        message = {"role": "assistant", "content": "Hello from"}
+        fake_backend.chat_handler = lambda _: chat_completion(message, "length", model=fake_backend.model)
     body = {"model": MODEL, **body}
     whole = httpx.post(f"{v1}/responses", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
     assert whole.status_code == 200, whole.text
     errors = strict_errors(whole.json())
     events = raw_events(v1, key, body)
-    assert events[-1]["type"] == "response.completed"
+    assert events[-1]["type"] == terminal
     for event in events:
         errors += strict_errors(event, event=True)
     assert errors == []
