@@ -206,10 +206,16 @@ def test_langchain_responses_stream_yields_the_workers_tokens_in_order(lib_horde
 
 
 def test_langchain_responses_astream_adds_up_to_the_reply(lib_horde):
+    import httpx2
+
     v1, key, _ = lib_horde
 
     async def texts() -> list[str]:
-        return [chunk.text async for chunk in chat_model(v1, key).astream("Say hello.") if chunk.text]
+        # Its own client: langchain-openai's default async client is one per process, bound to the
+        # event loop of its first use, which asyncio.run closes (a later asyncio.run fails with it).
+        async with httpx2.AsyncClient() as http:
+            model = chat_model(v1, key, http_async_client=http)
+            return [chunk.text async for chunk in model.astream("Say hello.") if chunk.text]
 
     assert "".join(asyncio.run(texts())) == DEFAULT_REPLY
 
