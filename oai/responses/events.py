@@ -312,7 +312,7 @@ class ResponseEvents:
         # code stays on the error event, whose code is any string.
         failed_code = "rate_limit_exceeded" if error.get("type") == "rate_limit_error" else "server_error"
         done = [item for index, item in enumerate(self.output) if index in self.done_indexes]
-        failed = self._response("failed", output=done, error={"code": failed_code, "message": message})
+        failed = self._response("failed", output=done, error={"code": failed_code, "message": message, "type": error.get("type")})
         return [
             self._event("error", code=code, message=message, param=error.get("param")),
             self._event("response.failed", response=failed),

@@ -76,7 +76,7 @@ def test_a_failed_response_carries_an_sdk_error_code_and_the_error_event_the_hor
     error, failed = events[-2:]
     assert error["type"] == "error" and error["code"] == "RelayDiverged"
     assert failed["type"] == "response.failed"
-    assert failed["response"]["error"] == {"code": "server_error", "message": "The reply diverged."}
+    assert failed["response"]["error"] == {"code": "server_error", "message": "The reply diverged.", "type": "server_error"}
 
 
 def test_usage_has_the_sdks_required_details() -> None:
