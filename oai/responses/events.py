@@ -78,7 +78,16 @@ class ResponseEvents:
             self._event("response.in_progress", response=in_progress),
         ]
 
-    def feed(self, chat_event: bytes) -> list[bytes]:
+    def feed(self, chat_write: bytes) -> list[bytes]:
+        """The Responses events of one write of the chat route's stream: one event, or the relayed
+        chunks read together, which the relay sends as one write (oai.deltas.pending_events)."""
+        events: list[bytes] = []
+        for chat_event in chat_write.split(b"\n\n"):
+            if chat_event:
+                events += self._feed_event(chat_event + b"\n\n")
+        return events
+
+    def _feed_event(self, chat_event: bytes) -> list[bytes]:
         """The Responses events of one chat route event (a keepalive passes as it is)."""
         if self.ended:
             return []
@@ -310,9 +319,10 @@ async def stream_response(
     try:
         for event in writer.start():
             yield event
-        async for chat_event in chat_events:
-            for event in writer.feed(chat_event):
-                yield event
+        async for chat_write in chat_events:
+            events = writer.feed(chat_write)
+            if events:  # what was read together goes out together, as on the chat route
+                yield b"".join(events)
     finally:
         await chat_events.aclose()
     if keep is not None and writer.delivered:
