@@ -391,6 +391,37 @@ def test_vercel_multi_turn_from_response_messages(front, requester, scripted_wor
     }
 
 
+@pytest.mark.redis_only
+def test_vercel_multi_turn_after_a_relayed_stream_references_its_message(front, requester, relaying_worker):
+    """streamText's reply, relayed token by token, is kept once completed: the next turn's
+    item_reference to it is its whole text."""
+    replay = Replay(front, requester, "vercel/multiturn-streamed-first-relayed")
+    events: list[dict[str, Any]] = []
+    thread = threading.Thread(target=lambda: events.extend(replay.stream(0)))
+    thread.start()
+    job = relaying_worker.pop()
+    for seq, token in enumerate(["Hel", "lo."], start=1):
+        relaying_worker.post(job, seq, token)
+    relaying_worker.submit(job, message={"role": "assistant", "content": "Hello."}, finish_reason="stop")
+    thread.join(5)
+    assert not thread.is_alive() and events[-1]["type"] == "response.completed"
+    answers: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: answers.append(replay.whole(1)))
+    thread.start()
+    job = relaying_worker.pop()
+    assert '"type":"item_reference"' in replay.body(1).decode()
+    assert job["payload"]["messages"] == [
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "And again"},
+    ]
+    relaying_worker.submit(
+        job, message={"role": "assistant", "content": "Hello again."}, finish_reason="stop"
+    )
+    thread.join(5)
+    assert message_text(answers[0].json()) == "Hello again."
+
+
 def test_vercel_multi_turn_with_a_tool_step_and_a_referenced_message(front, requester, scripted_worker):
     replay = Replay(front, requester, "vercel/multiturn-store-default-tools")
     replay.whole(0)
