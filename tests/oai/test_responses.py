@@ -231,6 +231,30 @@ def test_a_streamed_reply_delivered_whole_is_the_responses_event_sequence(front,
     assert completed["output"][0]["arguments"] == '{"city": "Oslo"}'
 
 
+@pytest.mark.redis_only
+def test_a_relayed_streams_tokens_are_each_an_output_text_delta(front, requester, streaming_worker):
+    """The tokens the worker posts reach the client as they come, each an output_text.delta (the
+    relay sends the chunks it read together as one write: each of them is rewritten)."""
+    events: list[dict[str, Any]] = []
+    body = {"model": MODEL, "input": "Say hi", "stream": True}
+    thread = threading.Thread(target=lambda: events.extend(d for _, d in _events(front, requester, body)))
+    thread.start()
+    job = streaming_worker.pop()
+    tokens = ["Hel", "lo", ", wor", "ld."]
+    for seq, token in enumerate(tokens, start=1):
+        assert streaming_worker.post(job, seq, token) == {"accepted_seq": seq, "cancelled": False}
+    streaming_worker.submit(job, "".join(tokens), completion_tokens=4, prompt_tokens=7)
+    thread.join(10)
+    assert not thread.is_alive()
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert "".join(deltas) == "Hello, world." and len(deltas) >= 2
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    completed = events[-1]
+    assert completed["type"] == "response.completed"
+    assert completed["response"]["output"][0]["content"][0]["text"] == "Hello, world."
+    assert completed["response"]["usage"]["output_tokens"] == 4
+
+
 def test_the_sdks_stream_helper_gives_the_text_and_the_final_response(client, start_worker):
     start_worker(reply=text_reply("Hello there."))
     with client.responses.stream(model=MODEL, input="Hi", tools=[WEATHER]) as stream:
