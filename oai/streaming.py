@@ -6,6 +6,7 @@ arrives (oai.deltas); an error after the headers is an SSE error event."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator
 
@@ -16,6 +17,8 @@ from oai.mapping import Completion
 from oai.run import ChatRun, Delivered
 from oai.text_reply import TextCompletion, build_text_completion_events
 from oai.waiter import WakeSource
+
+log = logging.getLogger("oai")
 
 
 async def stream_completion(
@@ -84,8 +87,25 @@ async def stream_completion(
     except (asyncio.CancelledError, GeneratorExit):
         run.client_closed()
         raise
+    except Exception:  # a defect: the client gets an error event, not a stream left open
+        log.exception("the stream of request %s failed after its headers", run.request_id)
+        crashed = stream_crashed()
+        run.trace.fail(crashed, after_headers=True)
+        metrics.stream_failures.add(1, {"horde.code": crashed.code or ""})
+        run.cancel_in_background()  # the reply cannot reach its client; a done request is unchanged
+        for event in sse.build_error_events(crashed, run.request_id):
+            yield event
     finally:
         await run.finish()
+
+
+def stream_crashed() -> ChatFrontError:
+    return ChatFrontError(
+        500,
+        "InternalError",
+        "The AI Horde front failed while streaming this request, which it cancelled; send it again.",
+        type="api_error",
+    )
 
 
 def pending_events(run: ChatRun, relayed: RelayedStream) -> list[bytes]:

@@ -19,6 +19,7 @@ events is rewritten here into the Responses API's typed events, each with its `s
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -33,6 +34,15 @@ from oai.responses.reply import (
     response_id,
 )
 from oai.responses.request import ResponsesRequest
+
+log = logging.getLogger("oai")
+
+# What a stream that failed here ends with (its `error` event and `response.failed`).
+INTERNAL_ERROR = {
+    "code": "InternalError",
+    "type": "api_error",
+    "message": "The AI Horde front failed while streaming this response, which it cancelled; send it again.",
+}
 
 
 def _sse(data: dict[str, Any]) -> bytes:
@@ -107,7 +117,7 @@ class ResponseEvents:
             return self._finish()
         data = json.loads(payload)
         if "error" in data:
-            return self._fail(data["error"])
+            return self.fail(data["error"])
         events: list[bytes] = []
         if data.get("model"):
             self.model = data["model"]
@@ -305,7 +315,7 @@ class ResponseEvents:
         self.ended = self.delivered = True
         return events
 
-    def _fail(self, error: dict[str, Any]) -> list[bytes]:
+    def fail(self, error: dict[str, Any]) -> list[bytes]:
         self.ended = True
         code, message = error.get("code"), error.get("message") or "The AI Horde could not finish this response."
         # The response's error.code is one of OpenAI's own codes (the SDK types it so); the horde's
@@ -346,7 +356,13 @@ async def stream_response(
         for event in writer.start():
             yield event
         async for chat_write in chat_events:
-            events = writer.feed(chat_write)
+            try:
+                events = writer.feed(chat_write)
+            except Exception:  # a defect: the client gets an error, not a stream left open
+                log.exception("rewriting the stream of request %s failed", request_id)
+                events = writer.fail(INTERNAL_ERROR)
+                yield b"".join(events)
+                break  # closing the chat stream cancels its request (ChatRun.finish)
             if events:
                 yield b"".join(events)  # one write in, one write out: a relayed batch stays one send
     finally:

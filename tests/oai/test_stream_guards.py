@@ -1,0 +1,89 @@
+"""A defect inside a stream after its headers went out ends the stream with an error event (and, on
+/v1/responses, `response.failed`), and the chat stream below it is closed, so its request is
+cancelled: the client is never left waiting on a connection nothing will write to again. Pure: the
+generators run on their own, with a run that records what the stream did."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+from typing import Any
+
+from oai.metrics import FrontMetrics
+from oai.responses.events import stream_response
+from oai.responses.references import PreparedBody
+from oai.responses.request import screen_responses_request
+from oai.streaming import stream_completion
+
+
+def _collect(stream) -> list[bytes]:
+    async def run() -> list[bytes]:
+        return [event async for event in stream]
+
+    return asyncio.run(run())
+
+
+def test_a_responses_stream_that_cannot_be_rewritten_ends_failed_and_closes_the_chat_stream():
+    closed: list[bool] = []
+
+    async def chat_events():
+        try:
+            yield b": keepalive\n\n"
+            yield b"data: {not json\n\n"
+            yield b'data: {"never": "read"}\n\n'
+        finally:
+            closed.append(True)
+
+    request = screen_responses_request(PreparedBody({"model": "m", "input": "hi", "stream": True}))
+    sent = b"".join(_collect(stream_response(request, "0a1b-2c3d", 1, chat_events())))
+    events = [json.loads(line[len(b"data: ") :]) for line in sent.split(b"\n") if line.startswith(b"data: ")]
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error", "response.failed"]
+    assert events[2]["code"] == "InternalError"
+    assert events[3]["response"]["status"] == "failed" and events[3]["response"]["error"]["code"] == "server_error"
+    assert b": keepalive" in sent and closed == [True]
+
+
+class _RecordingRun:
+    """What stream_completion reads of a ChatRun, for a reply already decided."""
+
+    def __init__(self) -> None:
+        self.state = SimpleNamespace(metrics=FrontMetrics())
+        self.settings = SimpleNamespace(keepalive_seconds=10.0)
+        self.relayed = None
+        self.watcher = object()
+        self.not_after = None
+        self.request = SimpleNamespace(include_usage=False)
+        self.request_id = "req-1"
+        self.failures: list[Any] = []
+        self.cancelled = False
+        self.finished = False
+        self.trace = SimpleNamespace(fail=lambda error, after_headers: self.failures.append(error))
+
+    def delivered(self, completion: Any) -> None:
+        pass
+
+    def first_content_sent(self) -> None:
+        pass
+
+    def client_closed(self) -> None:
+        pass
+
+    def cancel_in_background(self) -> None:
+        self.cancelled = True
+
+    async def finish(self) -> None:
+        self.finished = True
+
+
+def test_a_chat_stream_that_fails_after_its_headers_ends_with_an_error_event_and_cancels():
+    run = _RecordingRun()
+    # A reply whose tool call lacks its function: building its chunks raises, as a defect would.
+    broken = SimpleNamespace(
+        id="chatcmpl-1", created=1, model="m", fingerprint=None, content="Hi", reasoning=None, tool_calls=[{"id": "c"}]
+    )
+    sent = _collect(stream_completion(run, broken))  # type: ignore[arg-type]
+    assert sent[0].startswith(b":") and sent[-1] == b"data: [DONE]\n\n"
+    error = json.loads(sent[-2][len(b"data: ") :])["error"]
+    assert error["code"] == "InternalError" and error["type"] == "api_error"
+    assert run.cancelled and run.finished and [e.code for e in run.failures] == ["InternalError"]
