@@ -140,6 +140,7 @@ class _Translation:
         self.call_paths: dict[tuple[int, int], str] = {}
         # The chat name of each function of a namespace tool -> (its namespace, its own name).
         self.namespaced: dict[str, tuple[str, str]] = {}
+        self.tool_paths: list[str] = []  # the Responses path of each chat tool
 
     def add(self, message: dict[str, Any], path: str) -> None:
         self.messages.append(message)
@@ -194,7 +195,9 @@ class _Translation:
                 return responses + param[len(chat) :]
         tool = re.match(r"tools\[(\d+)\]\.function(.*)$", param)
         if tool:
-            return f"tools[{tool[1]}]{tool[2]}"
+            index = int(tool[1])
+            path = self.tool_paths[index] if index < len(self.tool_paths) else f"tools[{index}]"
+            return path + tool[2]
         return param
 
 
@@ -384,12 +387,14 @@ def _translate_tools(body: Mapping[str, Any], chat: dict[str, Any], translation:
                     raise _unsupported_tool(function, inner_path)
                 name = namespaced_name(namespace, _string(function, "name", inner_path))
                 translation.namespaced[name] = (namespace, function["name"])
+                translation.tool_paths.append(inner_path)
                 chat_tools.append(_function_tool(function, name))
             continue
         if tool.get("type") != "function":
             raise _unsupported_tool(tool, path)
         if isinstance(tool.get("name"), str):
             flat_paths.setdefault(tool["name"], path)
+        translation.tool_paths.append(path)
         chat_tools.append(_function_tool(tool))
     for name, (namespace, inner_name) in translation.namespaced.items():
         if name in flat_paths:

@@ -289,6 +289,7 @@ _NS_TOOL = {"type": "namespace", "name": "ns", "description": "d", "tools": [{"t
         ({"tools": [_NS_TOOL, {"type": "function", "name": "ns__f"}]}, "tools[1].name", "ChatRequestConflict"),
         ({"tools": [{**_NS_TOOL, "tools": [{"type": "custom", "name": "g"}]}]}, "tools[0].tools[0].type", "UnsupportedChatParameter"),
         ({"client_metadata": {"turn": 1}}, "client_metadata", "BadRequest"),
+        ({"tools": [_NS_TOOL, {**_NS_TOOL, "name": "n2", "tools": [{"type": "function", "name": "g", "parameters": "x"}]}]}, "tools[1].tools[0].parameters", "BadRequest"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].id", "item_not_found"),
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type", "UnsupportedChatParameter"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "input[0].content[0].file_id", "UnsupportedChatParameter"),
