@@ -70,7 +70,7 @@ def codex_horde(front, live_horde, make_user) -> Iterator[tuple[str, str, FakeLl
     """(the front's /v1 URL, a requester's key, the fake llama-server), with the reference worker
     serving MODEL from the fake (a context large enough for Codex's ~10k-token prompt)."""
     fake_backend = FakeLlamaCpp(n_ctx=131072, n_ctx_train=131072)
-    fake_backend.chunk_chars, fake_backend.chunk_delay = 3, 0.01
+    fake_backend.chunk_chars, fake_backend.chunk_delay = 3, 0.03
     scripted_model(fake_backend)
     fake_backend.start()
     owner = make_user(f"codex-owner-{uuid.uuid4().hex[:6]}", trusted=True)
@@ -195,3 +195,46 @@ def test_codex_default_web_search_tool_is_refused_naming_it(codex_horde):
     error = response.json()["error"]
     assert error["param"] == "tools[8].type" and error["code"] == "UnsupportedChatParameter"
     assert "tools[8].type=web_search" in error["message"] and "function tools" in error["message"]
+
+
+def test_codex_sends_a_reasoning_item_back_in_its_tool_loop(codex_horde):
+    """With a thinking model: the first turn's reasoning is a reasoning item with its summary
+    (Codex prints it), and Codex's next turn sends it back with `content` and `encrypted_content`
+    null beside the call and its output: accepted, and the reasoning is not shown to the model."""
+    v1, key, fake_backend = codex_horde
+    scripted = fake_backend.chat_handler
+    assert scripted is not None
+
+    def thinking(body: dict[str, Any]) -> dict[str, Any]:
+        reply = scripted(body)
+        reply["choices"][0]["message"]["reasoning_content"] = "I should list the files."
+        return reply
+
+    fake_backend.chat_handler = thinking
+    first = completed(post(v1, key, codex_body("reasoning_tool_first")))
+    reasoning, call = first["output"]
+    assert reasoning["type"] == "reasoning"
+    assert reasoning["summary"] == [{"type": "summary_text", "text": "I should list the files."}]
+    assert call["name"] == "exec_command"
+
+    second_body = codex_body("reasoning_tool_second")
+    (sent_back,) = [item for item in json.loads(second_body)["input"] if item["type"] == "reasoning"]
+    assert sent_back["encrypted_content"] is None and sent_back["content"] is None
+    second = completed(post(v1, key, second_body))
+    assert second["output"][-1]["content"][0]["text"] == "The directory holds: notes.txt"
+    sent = fake_backend.chat_requests()[-1]["messages"]
+    assert "I should list the files." not in json.dumps(sent)
+
+
+@pytest.mark.redis_only
+@pytest.mark.parametrize("relay_with_tools", [False, True])
+def test_codex_answer_streams_in_deltas_only_when_the_front_relays_with_tools(front, codex_horde, relay_with_tools):
+    """Codex sends tools on every turn: its answer is one delta at the end on a default front, and
+    the worker's deltas as they come on a front set to relay requests with tools (ADR 0098)."""
+    v1, key, _ = codex_horde
+    front.configure(relay_with_tools=relay_with_tools)
+    response = post(v1, key, codex_body("question"))
+    assert completed(response)["output"][0]["content"][0]["text"] == ANSWER
+    deltas = [e["delta"] for e in events(response) if e["type"] == "response.output_text.delta"]
+    assert "".join(deltas) == ANSWER
+    assert (len(deltas) > 1) is relay_with_tools, deltas
