@@ -4,7 +4,8 @@
 keeps its role, its `input_text`/`output_text` parts become text and `input_image` an image part;
 `function_call` items become the assistant's tool calls (consecutive calls share one message) and a
 `function_call_output` item a tool message; reasoning items are dropped, as chat messages carry no
-reasoning. The flat function tools, `tool_choice`, `text.format`, `reasoning`, `max_output_tokens`
+reasoning. The flat function tools (and the functions of a namespace tool, each named
+`<namespace>__<name>`), `tool_choice`, `text.format`, `reasoning`, `max_output_tokens`
 and `truncation` take their chat form. The chat route's screening and the contract then check the
 result; a refusal names the path the client sent (`input[2].content`, not `messages[3].content`).
 `previous_response_id` and `item_reference` items are resolved before (oai.responses.references)
