@@ -272,11 +272,12 @@ class ResponseEvents:
         item_id = f"{self.call_prefix}_{self.calls}"
         self.calls += 1
         arguments = call["function"]["arguments"]
+        item = function_call_item(item_id, call, namespaced=self.request.namespaced)
         events.append(
             self._event(
                 "response.output_item.added",
                 output_index=index,
-                item=function_call_item(item_id, call, status="in_progress"),
+                item=function_call_item(item_id, call, status="in_progress", namespaced=self.request.namespaced),
             )
         )
         events.append(
@@ -289,11 +290,10 @@ class ResponseEvents:
                 "response.function_call_arguments.done",
                 item_id=item_id,
                 output_index=index,
-                name=call["function"]["name"],
+                name=item["name"],
                 arguments=arguments,
             )
         )
-        item = function_call_item(item_id, call)
         events.append(self._event("response.output_item.done", output_index=index, item=item))
         self.output.append(item)
         self.done_indexes.add(index)

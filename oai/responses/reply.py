@@ -8,6 +8,7 @@ item per tool call. A reply cut at its length is `incomplete` with reason `max_o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from oai.mapping import Completion
@@ -42,18 +43,32 @@ def reasoning_item(item_id: str, text: str | None) -> dict[str, Any]:
     return {"id": item_id, "type": "reasoning", "summary": summary}
 
 
-def function_call_item(item_id: str, call: dict[str, Any], *, status: str = "completed") -> dict[str, Any]:
-    return {
+def function_call_item(
+    item_id: str,
+    call: dict[str, Any],
+    *,
+    status: str = "completed",
+    namespaced: Mapping[str, tuple[str, str]] | None = None,
+) -> dict[str, Any]:
+    """A chat tool call as a `function_call` item; the call of a function of a namespace tool (its
+    chat name in `namespaced`) is named as in its namespace, which the item carries."""
+    name = call["function"]["name"]
+    item = {
         "id": item_id,
         "type": "function_call",
         "status": status,
         "call_id": call["id"],
-        "name": call["function"]["name"],
+        "name": name,
         "arguments": call["function"]["arguments"] if status == "completed" else "",
     }
+    if namespaced and name in namespaced:
+        item["namespace"], item["name"] = namespaced[name]
+    return item
 
 
-def build_output(completion: Completion, request_id: str) -> list[dict[str, Any]]:
+def build_output(
+    completion: Completion, request_id: str, namespaced: Mapping[str, tuple[str, str]] | None = None
+) -> list[dict[str, Any]]:
     reasoning_id, message_id, call_prefix = item_ids(request_id)
     output: list[dict[str, Any]] = []
     if completion.reasoning:
@@ -61,7 +76,7 @@ def build_output(completion: Completion, request_id: str) -> list[dict[str, Any]
     if completion.content or not completion.tool_calls:
         output.append(message_item(message_id, completion.content or ""))
     for i, call in enumerate(completion.tool_calls or ()):
-        output.append(function_call_item(f"{call_prefix}_{i}", call))
+        output.append(function_call_item(f"{call_prefix}_{i}", call, namespaced=namespaced))
     return output
 
 
@@ -127,7 +142,7 @@ def build_response(completion: Completion, request: ResponsesRequest, request_id
         created=completion.created,
         model=completion.model,
         status=status,
-        output=build_output(completion, request_id),
+        output=build_output(completion, request_id, request.namespaced),
         usage=build_usage(completion),
         incomplete_reason=reason,
         x_horde=completion.x_horde,

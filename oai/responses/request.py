@@ -4,7 +4,8 @@
 keeps its role, its `input_text`/`output_text` parts become text and `input_image` an image part;
 `function_call` items become the assistant's tool calls (consecutive calls share one message) and a
 `function_call_output` item a tool message; reasoning items are dropped, as chat messages carry no
-reasoning. The flat function tools, `tool_choice`, `text.format`, `reasoning`, `max_output_tokens`
+reasoning. The flat function tools (and the functions of a namespace tool, each named
+`<namespace>__<name>`), `tool_choice`, `text.format`, `reasoning`, `max_output_tokens`
 and `truncation` take their chat form. The chat route's screening and the contract then check the
 result; a refusal names the path the client sent (`input[2].content`, not `messages[3].content`).
 `previous_response_id` and `item_reference` items are resolved before (oai.responses.references)
@@ -43,6 +44,7 @@ RESPONSES_KEYS = frozenset(
         "stream_options",
         "store",
         "metadata",
+        "client_metadata",
         "user",
         "safety_identifier",
         "prompt_cache_key",
@@ -79,6 +81,9 @@ REASONING_SUMMARIES = ("auto", "concise", "detailed")
 TEXT_VERBOSITY = ("medium",)
 TRUNCATION_CONTEXT_FIT = {"auto": "truncate_oldest", "disabled": "reject"}
 FUNCTION_TOOL_KEYS = ("name", "description", "parameters", "strict")
+# A function `f` of a namespace tool `ns` is the chat function `ns__f`; its calls come back as `f`
+# with `namespace: "ns"` (ADR 0101, "Namespace tools").
+NAMESPACE_SEPARATOR = "__"
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 # Content part types of a message item -> what the chat message holds.
 TEXT_PART_TYPES = ("input_text", "output_text", "text", "refusal")
@@ -123,6 +128,8 @@ class ResponsesRequest(ChatCompletionRequest):
     echo: dict[str, Any]
     turn_input: list[dict[str, Any]]
     previous_response_id: str | None = None
+    # The chat name of each function of a namespace tool -> (its namespace, its own name).
+    namespaced: dict[str, tuple[str, str]] = {}
 
 
 class _Translation:
@@ -132,6 +139,9 @@ class _Translation:
         self.messages: list[dict[str, Any]] = []
         self.message_paths: list[str] = []
         self.call_paths: dict[tuple[int, int], str] = {}
+        # The chat name of each function of a namespace tool -> (its namespace, its own name).
+        self.namespaced: dict[str, tuple[str, str]] = {}
+        self.tool_paths: list[str] = []  # the Responses path of each chat tool
 
     def add(self, message: dict[str, Any], path: str) -> None:
         self.messages.append(message)
@@ -186,7 +196,9 @@ class _Translation:
                 return responses + param[len(chat) :]
         tool = re.match(r"tools\[(\d+)\]\.function(.*)$", param)
         if tool:
-            return f"tools[{tool[1]}]{tool[2]}"
+            index = int(tool[1])
+            path = self.tool_paths[index] if index < len(self.tool_paths) else f"tools[{index}]"
+            return path + tool[2]
         return param
 
 
@@ -273,10 +285,13 @@ def _translate_item(raw: Any, path: str, translation: _Translation) -> None:
     if kind == "message":
         translation.add(_message_item(item, path), path)
     elif kind == "function_call":
+        name = _string(item, "name", path)
+        if item.get("namespace") is not None:
+            name = namespaced_name(_string(item, "namespace", path), name)
         call = {
             "id": _string(item, "call_id", path),
             "type": "function",
-            "function": {"name": _string(item, "name", path), "arguments": _string(item, "arguments", path)},
+            "function": {"name": name, "arguments": _string(item, "arguments", path)},
         }
         translation.add_call(call, path)
     elif kind == "function_call_output":
@@ -330,22 +345,65 @@ def _translate_input(body: Mapping[str, Any], history: list[dict[str, Any]], tra
         raise _bad("input", "Invalid 'input': no message to answer. Expected at least one message item.")
 
 
-def _translate_tools(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
+def namespaced_name(namespace: str, name: str) -> str:
+    """The chat function name of a function in a namespace tool (ADR 0101, "Namespace tools")."""
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
+def _function_tool(tool: Mapping[str, Any], name: str | None = None) -> dict[str, Any]:
+    function = {k: tool[k] for k in FUNCTION_TOOL_KEYS if k in tool}
+    if name is not None:
+        function["name"] = name
+    return {"type": "function", "function": function}
+
+
+def _unsupported_tool(tool: Mapping[str, Any], path: str) -> ChatFrontError:
+    kind = tool.get("type")
+    shown = kind if isinstance(kind, str) else json.dumps(kind)
+    return _unsupported(
+        f"{path}.type",
+        f"Unsupported value: {path}.type={shown}; the AI Horde serves function tools only "
+        "(and namespaces of function tools).",
+    )
+
+
+def _translate_tools(body: Mapping[str, Any], chat: dict[str, Any], translation: _Translation) -> None:
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise _bad("tools", "Invalid type for 'tools': expected an array of tools.")
     chat_tools = []
+    flat_paths: dict[str, str] = {}  # the name of each function tool outside a namespace -> its path
     for i, raw in enumerate(tools or ()):
         path = f"tools[{i}]"
         tool = _object(raw, path)
+        if tool.get("type") == "namespace":
+            namespace = _string(tool, "name", path)
+            inner = tool.get("tools")
+            if not isinstance(inner, list):
+                raise _bad(f"{path}.tools", f"Invalid type for '{path}.tools': expected an array of tools.")
+            for j, raw_inner in enumerate(inner):
+                inner_path = f"{path}.tools[{j}]"
+                function = _object(raw_inner, inner_path)
+                if function.get("type") != "function":
+                    raise _unsupported_tool(function, inner_path)
+                name = namespaced_name(namespace, _string(function, "name", inner_path))
+                translation.namespaced[name] = (namespace, function["name"])
+                translation.tool_paths.append(inner_path)
+                chat_tools.append(_function_tool(function, name))
+            continue
         if tool.get("type") != "function":
-            kind = tool.get("type")
-            shown = kind if isinstance(kind, str) else json.dumps(kind)
-            raise _unsupported(
-                f"{path}.type",
-                f"Unsupported value: {path}.type={shown}; the AI Horde serves function tools only.",
+            raise _unsupported_tool(tool, path)
+        if isinstance(tool.get("name"), str):
+            flat_paths.setdefault(tool["name"], path)
+        translation.tool_paths.append(path)
+        chat_tools.append(_function_tool(tool))
+    for name, (namespace, inner_name) in translation.namespaced.items():
+        if name in flat_paths:
+            raise _conflict(
+                f"{flat_paths[name]}.name",
+                f"The function '{name}' has the name the AI Horde gives the function '{inner_name}' of "
+                f"namespace '{namespace}'; rename one of them.",
             )
-        chat_tools.append({"type": "function", "function": {k: tool[k] for k in FUNCTION_TOOL_KEYS if k in tool}})
     if chat_tools:
         chat["tools"] = chat_tools
     choice = body.get("tool_choice")
@@ -423,6 +481,11 @@ def _check_accepted(body: Mapping[str, Any]) -> None:
     for key in ("safety_identifier", "prompt_cache_key", "prompt_cache_retention"):
         if body.get(key) is not None and not isinstance(body[key], str):
             raise _bad(key, f"Invalid type for '{key}': expected a string.")
+    client_metadata = body.get("client_metadata")
+    if client_metadata is not None and not (
+        isinstance(client_metadata, Mapping) and all(isinstance(v, str) for v in client_metadata.values())
+    ):
+        raise _bad("client_metadata", "Invalid type for 'client_metadata': expected an object of strings.")
     options = body.get("stream_options")
     if options is not None:
         options = _object(options, "stream_options")
@@ -491,7 +554,7 @@ def chat_body_from_responses(
         chat["max_completion_tokens"] = body["max_output_tokens"]
     if body.get("stream") is True:
         chat["stream_options"] = {"include_usage": True}  # response.completed carries the usage
-    _translate_tools(body, chat)
+    _translate_tools(body, chat, translation)
     _translate_text(body, chat)
     _translate_reasoning(body, chat)
     truncation = body.get("truncation")
@@ -524,14 +587,22 @@ def _responses_names(message: str) -> str:
     return message
 
 
+def _echo_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
+    if tool.get("type") == "namespace":
+        return {
+            "type": "namespace",
+            "name": tool["name"],
+            "description": tool.get("description") or "",
+            "tools": [_echo_tool(inner) for inner in tool["tools"]],
+        }
+    return {"type": "function", "strict": None, **{k: tool[k] for k in FUNCTION_TOOL_KEYS if k in tool}}
+
+
 def _echo(body: Mapping[str, Any], request: ChatCompletionRequest, *, keeps_items: bool) -> dict[str, Any]:
     """What the `response` object echoes: the client's own values, in the Responses shape; `store`
     says whether its output items are kept for item_reference (the client's store, default true,
     on a front that keeps items)."""
-    tools = [
-        {"type": "function", "strict": None, **{k: tool[k] for k in FUNCTION_TOOL_KEYS if k in tool}}
-        for tool in body.get("tools") or ()
-    ]
+    tools = [_echo_tool(tool) for tool in body.get("tools") or ()]
     fmt = (body.get("text") or {}).get("format") or {"type": "text"}
     reasoning = body.get("reasoning") or {}
     horde = request.chat.horde
@@ -580,4 +651,5 @@ def screen_responses_request(prepared: PreparedBody, *, keeps_items: bool = Fals
         echo=_echo(raw_body, request, keeps_items=keeps_items),
         turn_input=turn_input(raw_body),
         previous_response_id=prepared.previous_response_id,
+        namespaced=translation.namespaced,
     )

@@ -276,6 +276,9 @@ def test_the_sdks_stream_helper_gives_the_text_and_the_final_response(client, st
 # --- refusals --------------------------------------------------------------------------------------
 
 
+_NS_TOOL = {"type": "namespace", "name": "ns", "description": "d", "tools": [{"type": "function", "name": "f"}]}
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "code"),
     [
@@ -283,6 +286,10 @@ def test_the_sdks_stream_helper_gives_the_text_and_the_final_response(client, st
         ({"conversation": "conv_1"}, "conversation", "UnsupportedChatParameter"),
         ({"background": True}, "background", "UnsupportedChatParameter"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type", "UnsupportedChatParameter"),
+        ({"tools": [_NS_TOOL, {"type": "function", "name": "ns__f"}]}, "tools[1].name", "ChatRequestConflict"),
+        ({"tools": [{**_NS_TOOL, "tools": [{"type": "custom", "name": "g"}]}]}, "tools[0].tools[0].type", "UnsupportedChatParameter"),
+        ({"client_metadata": {"turn": 1}}, "client_metadata", "BadRequest"),
+        ({"tools": [_NS_TOOL, {**_NS_TOOL, "name": "n2", "tools": [{"type": "function", "name": "g", "parameters": "x"}]}]}, "tools[1].tools[0].parameters", "BadRequest"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].id", "item_not_found"),
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type", "UnsupportedChatParameter"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "input[0].content[0].file_id", "UnsupportedChatParameter"),
