@@ -182,7 +182,7 @@ class _Translation:
             ("tool_choice.function", "tool_choice"),
             ("horde.context_fit", "truncation"),
         ):
-            if param == chat or param.startswith(chat + "."):
+            if param == chat or param.startswith((chat + ".", chat + "[")):
                 return responses + param[len(chat) :]
         tool = re.match(r"tools\[(\d+)\]\.function(.*)$", param)
         if tool:

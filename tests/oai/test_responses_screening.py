@@ -239,6 +239,8 @@ STRICT_SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}}
         ({"model": "m", "input": "hi", "stream_options": [1]}, "stream_options"),
         ({"model": "m", "input": "hi", "stream_options": {"include_usage": True}}, "stream_options.include_usage"),
         ({"model": "m", "input": "hi", "stream_options": {"include_obfuscation": "no"}}, "stream_options.include_obfuscation"),
+        # a chat param indexed past its name is renamed too (hypothesis found reasoning_effort[0])
+        ({"model": "m", "input": "hi", "reasoning": {"effort": ["\ud800"]}}, "reasoning.effort[0]"),
     ],
 )
 def test_refusals_name_what_the_client_sent(body: dict[str, Any], param: str) -> None:
