@@ -299,13 +299,37 @@ def _translate_item(raw: Any, path: str, translation: _Translation) -> None:
         )
 
 
+# What a kept turn holds of each input item and content part: the keys the translation reads. The
+# others (what clients echo, or anything else) were never screened, and reasoning items are never
+# sent again: kept, they would let one request park up to its whole body in the store for hours.
+KEPT_ITEM_KEYS = {
+    "message": ("role", "content"),
+    "function_call": ("call_id", "name", "arguments"),
+    "function_call_output": ("call_id", "output"),
+}
+KEPT_PART_KEYS = ("type", "text", "refusal", "image_url", "detail")
+
+
+def _kept_item(item: Mapping[str, Any]) -> dict[str, Any] | None:
+    kind = item.get("type", "message")
+    keys = KEPT_ITEM_KEYS.get(kind)
+    if keys is None:
+        return None
+    kept = {"type": kind, **{key: item[key] for key in keys if key in item}}
+    for key in ("content", "output"):
+        if isinstance(kept.get(key), list):
+            kept[key] = [{k: part[k] for k in KEPT_PART_KEYS if k in part} for part in kept[key]]
+    return kept
+
+
 def turn_input(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """This request's own input as items (a string is one user message): what its response keeps
-    for a later previous_response_id."""
+    """This request's own input as items (a string is one user message), screened: what its
+    response keeps for a later previous_response_id."""
     value = body.get("input")
     if isinstance(value, str):
         return [{"type": "message", "role": "user", "content": value}]
-    return [dict(item) for item in value or () if isinstance(item, Mapping)]
+    kept = (_kept_item(item) for item in value or () if isinstance(item, Mapping))
+    return [item for item in kept if item is not None]
 
 
 def _translate_input(body: Mapping[str, Any], history: list[dict[str, Any]], translation: _Translation) -> None:
