@@ -44,6 +44,10 @@ class ResponseItemsUnavailable(Exception):
     """Redis did not answer a recall: the references cannot be told found or not."""
 
 
+class ResponseChainTooLong(Exception):
+    """The conversation of a previous_response_id is more than MAX_RESPONSE_CHAIN responses long."""
+
+
 def response_item_key(item_id: str) -> str:
     return RESPONSE_ITEM_KEY_PREFIX + item_id
 
@@ -151,15 +155,15 @@ class ResponseItems:
 
     async def conversation(self, api_key: str, response_id: str) -> list[dict[str, Any]] | None:
         """The items of the conversation that ends with `response_id`, oldest first (each response's
-        turn input, then its output); None when a response of the chain is not kept for this key,
-        or the chain is longer than MAX_RESPONSE_CHAIN."""
+        turn input, then its output); None when a response of the chain is not kept for this key.
+        Raises ResponseChainTooLong past MAX_RESPONSE_CHAIN responses."""
         if not self.enabled:
             return None
         turns: list[dict[str, Any]] = []
         next_id: str | None = response_id
         while next_id is not None:
             if len(turns) == MAX_RESPONSE_CHAIN:
-                return None
+                raise ResponseChainTooLong(response_id)
             (record,) = await self._read(api_key, [response_key(next_id)])
             if record is None:
                 return None

@@ -13,6 +13,7 @@ import pytest
 from oai.response_items import (
     MAX_RESPONSE_CHAIN,
     RESPONSE_ITEMS_BACKOFF_SECONDS,
+    ResponseChainTooLong,
     ResponseItems,
     ResponseItemsUnavailable,
 )
@@ -131,7 +132,29 @@ def test_a_chain_longer_than_the_bound_is_not_followed():
         for n in range(MAX_RESPONSE_CHAIN + 1):
             await _keep(items, "key-a", {**ITEM, "id": f"msg_{n}"}, response=f"resp_{n}", previous=previous)
             previous = f"resp_{n}"
-        return await items.conversation("key-a", previous), await items.conversation("key-a", f"resp_{MAX_RESPONSE_CHAIN - 1}")
+        with pytest.raises(ResponseChainTooLong):
+            await items.conversation("key-a", previous)
+        return await items.conversation("key-a", f"resp_{MAX_RESPONSE_CHAIN - 1}")
 
-    too_long, longest = _run(scenario())
-    assert too_long is None and len(longest) == MAX_RESPONSE_CHAIN
+    longest = _run(scenario())
+    assert len(longest) == MAX_RESPONSE_CHAIN
+
+
+def test_a_chain_longer_than_the_front_continues_is_refused_as_such_not_as_not_found():
+    from oai.errors import ChatFrontError
+    from oai.responses.references import resolve_references
+
+    async def scenario():
+        items = ResponseItems(None, keep_seconds=60)
+        previous = None
+        for n in range(MAX_RESPONSE_CHAIN + 1):
+            await _keep(items, "key-a", {**ITEM, "id": f"msg_{n}"}, response=f"resp_{n}", previous=previous)
+            previous = f"resp_{n}"
+        with pytest.raises(ChatFrontError) as caught:
+            await resolve_references({"input": "Go on.", "previous_response_id": previous}, "key-a", items)
+        return caught.value
+
+    error = _run(scenario())
+    assert error.status == 400 and error.param == "previous_response_id"
+    assert error.code == "ConversationTooLong" and "not found" not in error.message
+    assert f"{MAX_RESPONSE_CHAIN} responses" in error.message
