@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.oai.conftest import MODEL, text_reply, wait_for
+from tests.oai.conftest import MODEL, responses_sse, text_reply, wait_for
 from tests.oai.test_completions import calls_reply
 from tests.oai.test_images import image_store, png_data_url  # noqa: F401 (image_store: a fixture)
 
@@ -41,14 +41,7 @@ def _events(front, requester, body: dict[str, Any]) -> list[tuple[str, dict[str,
     with httpx.stream("POST", f"{front.live.v1}/responses", json=body, headers=headers, timeout=30) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
-        name = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line[len("event: ") :]
-            elif line.startswith("data: "):
-                data = json.loads(line[len("data: ") :])
-                assert data["type"] == name, (name, data)
-                events.append((name, data))
+        events.extend(responses_sse(r))
     return events
 
 
