@@ -158,3 +158,22 @@ def test_a_chain_longer_than_the_front_continues_is_refused_as_such_not_as_not_f
     assert error.status == 400 and error.param == "previous_response_id"
     assert error.code == "ConversationTooLong" and "not found" not in error.message
     assert f"{MAX_RESPONSE_CHAIN} responses" in error.message
+
+
+def test_a_hung_redis_costs_the_keep_a_bounded_wait_and_a_recall_is_retryable():
+    """A Redis that accepts connections and never answers (stopped, or its host gone quiet)."""
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)
+
+        async def scenario():
+            items = ResponseItems(f"redis://127.0.0.1:{hung.getsockname()[1]}/0", keep_seconds=60)
+            started = time.monotonic()
+            await _keep(items, "key-a", ITEM)  # logged, not raised
+            kept_in = time.monotonic() - started
+            with pytest.raises(ResponseItemsUnavailable):
+                await items.recall("key-a", ["msg_abc"])
+            await items.close()
+            return kept_in
+
+        assert _run(scenario()) < 3
