@@ -177,3 +177,27 @@ def test_a_hung_redis_costs_the_keep_a_bounded_wait_and_a_recall_is_retryable():
             return kept_in
 
         assert _run(scenario()) < 3
+
+
+@pytest.mark.parametrize("redis", [False, pytest.param(True, marks=pytest.mark.redis_only)])
+def test_a_conversation_that_goes_on_is_kept_from_its_last_turn_not_its_first(redis):
+    """Each continuation reads the responses and items it names, and each read keeps them its whole
+    time again: a conversation continued within that time is never cut at its oldest turn."""
+
+    async def scenario():
+        items = ResponseItems(os.environ["REDIS_URL"] if redis else None, keep_seconds=2)
+        suffix = os.urandom(4).hex()
+        first, second = f"resp_1{suffix}", f"resp_2{suffix}"
+        await _keep(items, "key-a", {**ITEM, "id": f"msg_1{suffix}"}, response=first)
+        await asyncio.sleep(1.2)
+        assert await items.conversation("key-a", first) and await items.recall("key-a", [f"msg_1{suffix}"])
+        await _keep(items, "key-a", {**ITEM, "id": f"msg_2{suffix}"}, response=second, previous=first)
+        await asyncio.sleep(1.2)  # 2.4 s after the first turn was kept, 1.2 s after it was read
+        conversation = await items.conversation("key-a", second)
+        recalled = await items.recall("key-a", [f"msg_1{suffix}"])
+        await items.close()
+        return conversation, recalled
+
+    conversation, recalled = _run(scenario())
+    assert conversation is not None and [item["id"] for item in conversation][0].startswith("msg_1")
+    assert list(recalled) and list(recalled)[0].startswith("msg_1")
