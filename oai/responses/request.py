@@ -170,6 +170,9 @@ class _Translation:
                 return path
             if rest == ".tool_call_id":
                 rest = ".call_id"
+            image = re.match(r"(\.content\[\d+\])\.image_url\.(url|detail)$", rest)
+            if image:  # an input_image part holds its URL as image_url, and its detail itself
+                rest = image[1] + (".image_url" if image[2] == "url" else ".detail")
             elif rest.startswith(".content") and self.messages[index]["role"] == "tool":
                 rest = ".output" + rest[len(".content") :]
             return path + rest

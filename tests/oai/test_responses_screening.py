@@ -215,6 +215,10 @@ TOOLS = [{"type": "function", "name": "f", "parameters": {"type": "object", "pro
 STRICT_SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}}
 
 
+def _image_part(url: str) -> dict[str, Any]:
+    return {"type": "input_image", "image_url": url}
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -241,6 +245,12 @@ STRICT_SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}}
         ({"model": "m", "input": "hi", "stream_options": {"include_obfuscation": "no"}}, "stream_options.include_obfuscation"),
         # a chat param indexed past its name is renamed too (hypothesis found reasoning_effort[0])
         ({"model": "m", "input": "hi", "reasoning": {"effort": ["\ud800"]}}, "reasoning.effort[0]"),
+        # an input_image's image_url is the URL itself, and its detail is the part's own
+        ({"model": "m", "input": [{"role": "user", "content": [_image_part("ftp://x")]}]}, "input[0].content[0].image_url"),
+        (
+            {"model": "m", "input": [{"role": "user", "content": [{**_image_part("https://x/a.png"), "detail": "max"}]}]},
+            "input[0].content[0].detail",
+        ),
     ],
 )
 def test_refusals_name_what_the_client_sent(body: dict[str, Any], param: str) -> None:
