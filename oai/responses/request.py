@@ -175,6 +175,10 @@ class _Translation:
                 rest = image[1] + (".image_url" if image[2] == "url" else ".detail")
             elif rest.startswith(".content") and self.messages[index]["role"] == "tool":
                 rest = ".output" + rest[len(".content") :]
+            elif rest == ".role" and self.messages[index]["role"] == "tool":
+                rest = ".call_id"  # a function_call_output without its call: it has no role
+            elif rest == ".tool_calls":
+                rest = ""  # the function_call items that make this assistant message
             return path + rest
         for chat, responses in (
             ("max_completion_tokens", "max_output_tokens"),
@@ -183,7 +187,6 @@ class _Translation:
             ("reasoning_effort", "reasoning.effort"),
             ("tool_choice.function.name", "tool_choice.name"),
             ("tool_choice.function", "tool_choice"),
-            ("horde.context_fit", "truncation"),
         ):
             if param == chat or param.startswith((chat + ".", chat + "[")):
                 return responses + param[len(chat) :]
@@ -545,9 +548,36 @@ MESSAGE_NAMES = (
 )
 
 
+# The chat route's tool history rules (contract.chat_policy), in the Responses API's items.
+TOOL_HISTORY_MESSAGES = (
+    (
+        re.compile(
+            r"An assistant message with 'tool_calls' must be followed by tool \w+ responding to each "
+            r"'tool_call_id'\. The following tool_call_ids did not have response \w+: "
+        ),
+        "Each function_call item must be followed by a function_call_output item with its call_id. The "
+        "following call_ids have none: ",
+    ),
+    (
+        re.compile(r"messages with role 'tool' must be a response to a preceding message with 'tool_calls'\."),
+        "a function_call_output item must follow the function_call item with its call_id.",
+    ),
+    (
+        re.compile(r"'tool_call_id' of '(.*)' not found in 'tool_calls' of previous message\."),
+        r"'call_id' of '\1' not found in the function_call items before it.",
+    ),
+    (
+        re.compile(r"the tool call id '(.*)' is repeated in 'tool_calls'\."),
+        r"the call_id '\1' is repeated in the function_call items.",
+    ),
+)
+
+
 def _responses_names(message: str) -> str:
     for chat, responses in MESSAGE_NAMES:
         message = message.replace(chat, responses)
+    for pattern, responses in TOOL_HISTORY_MESSAGES:
+        message = pattern.sub(responses, message)
     return message
 
 
