@@ -5,9 +5,10 @@ assistant turn unless its app sets `store: false`) or continue one (`previous_re
 of its turn's input, its output and the response before it: a conversation is walked back record by
 record, so none holds the conversation before it.
 
-A response is kept `HORDE_OAI_RESPONSE_ITEMS_SECONDS` (0: none), only for the API key whose request
-made it (a reference from another key is not found), in Redis when the front has one (every front
-process reads what any of them kept) and else in the process (the embedded default's one process).
+A response is kept `HORDE_OAI_RESPONSE_ITEMS_SECONDS` (0: none) from when it was made or last read
+(continued or referred to), only for the API key whose request made it (a reference from another
+key is not found), in Redis when the front has one (every front process reads what any of them
+kept) and else in the process (the embedded default's one process).
 Keeping is never worth a reply: a Redis that fails to keep them drops the items with a warning; one
 that fails to read them makes the referring request a retryable 503.
 """
@@ -42,6 +43,10 @@ RESPONSE_ITEMS_MAX_LOCAL_ENTRIES = 20_000
 
 class ResponseItemsUnavailable(Exception):
     """Redis did not answer a recall: the references cannot be told found or not."""
+
+
+class ResponseChainTooLong(Exception):
+    """The conversation of a previous_response_id is more than MAX_RESPONSE_CHAIN responses long."""
 
 
 def response_item_key(item_id: str) -> str:
@@ -126,9 +131,16 @@ class ResponseItems:
             await self._failed()
 
     async def _read(self, api_key: str, keys: list[str]) -> list[dict[str, Any] | None]:
-        """The kept values under `keys` that `api_key` made (None where none is)."""
+        """The kept values under `keys` that `api_key` made (None where none is). Each one found is
+        kept its whole time again from this read: a conversation that goes on is not cut at its
+        oldest turn, `keep_seconds` after it was made."""
+        owner = _owner(api_key)
         if self.redis_url is None:
-            raw = [entry[1] if entry else None for entry in (self._local.get(key) for key in keys)]
+            entries = [self._local.get(key) for key in keys]
+            for key, entry in zip(keys, entries, strict=True):
+                if entry is not None and entry[0] == owner:
+                    self._local.set(key, entry)
+            raw = [entry[1] if entry else None for entry in entries]
         else:
             if monotonic() < self._down_until:
                 raise ResponseItemsUnavailable("Redis failed moments ago")
@@ -138,9 +150,25 @@ class ResponseItems:
                 log.warning("reading %d response items from Redis failed: %s", len(keys), error)
                 await self._failed()
                 raise ResponseItemsUnavailable(str(error)) from None
-        owner = _owner(api_key)
         kept = [json.loads(value) if value is not None else None for value in raw]
-        return [value if value is not None and value["owner"] == owner else None for value in kept]
+        found = [value if value is not None and value["owner"] == owner else None for value in kept]
+        if self.redis_url is not None:
+            await self._refresh([key for key, value in zip(keys, found, strict=True) if value is not None])
+        return found
+
+    async def _refresh(self, keys: list[str]) -> None:
+        """Keeps `keys` (read, and this key's) their whole time again; a failure is logged: what was
+        read is still used."""
+        if not keys:
+            return
+        try:
+            pipe = self._redis().pipeline(transaction=False)
+            for key in keys:
+                pipe.expire(key, self.keep_seconds)
+            await asyncio.wait_for(pipe.execute(), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
+        except Exception as error:
+            log.warning("keeping %d read response items longer failed: %s", len(keys), error)
+            await self._failed()
 
     async def recall(self, api_key: str, item_ids: list[str]) -> dict[str, dict[str, Any]]:
         """The kept items among `item_ids` that `api_key` made: id -> item."""
@@ -151,15 +179,15 @@ class ResponseItems:
 
     async def conversation(self, api_key: str, response_id: str) -> list[dict[str, Any]] | None:
         """The items of the conversation that ends with `response_id`, oldest first (each response's
-        turn input, then its output); None when a response of the chain is not kept for this key,
-        or the chain is longer than MAX_RESPONSE_CHAIN."""
+        turn input, then its output); None when a response of the chain is not kept for this key.
+        Raises ResponseChainTooLong past MAX_RESPONSE_CHAIN responses."""
         if not self.enabled:
             return None
         turns: list[dict[str, Any]] = []
         next_id: str | None = response_id
         while next_id is not None:
             if len(turns) == MAX_RESPONSE_CHAIN:
-                return None
+                raise ResponseChainTooLong(response_id)
             (record,) = await self._read(api_key, [response_key(next_id)])
             if record is None:
                 return None

@@ -290,7 +290,7 @@ class TextCompletionsView(FrontView):
 
 
 class ResponsesView(FrontView):
-    """POST /v1/responses (OpenAI's Responses API, stateless, whole or streamed) over a chat request."""
+    """POST /v1/responses (OpenAI's Responses API, whole or streamed) over a chat request."""
 
     @extend_schema(
         operation_id="oai_responses",
@@ -326,7 +326,8 @@ class ResponsesView(FrontView):
             503: OpenApiResponse(
                 response=_ERROR,
                 description="no_eligible_worker, queue_unavailable, HordeUnavailable, FrontAtCapacity, FrontStopping, or "
-                "ResponseItemsUnavailable: the items an item_reference names could not be read just now",
+                "ResponseItemsUnavailable: the kept responses that previous_response_id or an item_reference names could "
+                "not be read just now",
             ),
         },
         examples=[

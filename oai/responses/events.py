@@ -350,7 +350,8 @@ async def stream_response(
 ) -> AsyncIterator[bytes]:
     """The Responses stream of the chat route's stream `chat_events` (which ends the run: closing
     this stream closes it). `keep` is given the id and the output items of a completed or incomplete
-    response, once sent."""
+    response before its last event is sent: a client that stops reading there, or continues the
+    response at once, finds it kept."""
     writer = ResponseEvents(request, request_id, created=created, model=request.requested_models[0])
     try:
         for event in writer.start():
@@ -363,9 +364,10 @@ async def stream_response(
                 events = writer.fail(INTERNAL_ERROR)
                 yield b"".join(events)
                 break  # closing the chat stream cancels its request (ChatRun.finish)
+            if keep is not None and writer.delivered:
+                await keep(response_id(request_id), writer.output)
+                keep = None
             if events:
                 yield b"".join(events)  # one write in, one write out: a relayed batch stays one send
     finally:
         await chat_events.aclose()
-    if keep is not None and writer.delivered:
-        await keep(response_id(request_id), writer.output)

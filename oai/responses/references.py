@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from oai.errors import ChatFrontError
-from oai.response_items import ResponseItems, ResponseItemsUnavailable
+from oai.response_items import (
+    MAX_RESPONSE_CHAIN,
+    ResponseChainTooLong,
+    ResponseItems,
+    ResponseItemsUnavailable,
+)
 
 KEPT_HINT = (
     "This AI Horde front keeps a response for {seconds} s, for the API key that made it, unless it was "
@@ -84,6 +89,15 @@ async def resolve_references(body: Any, api_key: str, items: ResponseItems) -> P
         found = await items.recall(api_key, sorted({item_id for _, item_id in references}))
     except ResponseItemsUnavailable:
         raise _unavailable() from None
+    except ResponseChainTooLong:
+        raise ChatFrontError(
+            400,
+            "ConversationTooLong",
+            f"The conversation of previous response '{previous}' is more than {MAX_RESPONSE_CHAIN} responses "
+            "long, the most this AI Horde front continues: send the conversation in 'input' instead.",
+            param="previous_response_id",
+            should_retry=False,
+        ) from None
     if references:
         resolved = list(body["input"])
         for index, item_id in references:

@@ -180,8 +180,15 @@ class _Translation:
                 return path
             if rest == ".tool_call_id":
                 rest = ".call_id"
+            image = re.match(r"(\.content\[\d+\])\.image_url\.(url|detail)$", rest)
+            if image:  # an input_image part holds its URL as image_url, and its detail itself
+                rest = image[1] + (".image_url" if image[2] == "url" else ".detail")
             elif rest.startswith(".content") and self.messages[index]["role"] == "tool":
                 rest = ".output" + rest[len(".content") :]
+            elif rest == ".role" and self.messages[index]["role"] == "tool":
+                rest = ".call_id"  # a function_call_output without its call: it has no role
+            elif rest == ".tool_calls":
+                rest = ""  # the function_call items that make this assistant message
             return path + rest
         for chat, responses in (
             ("max_completion_tokens", "max_output_tokens"),
@@ -190,9 +197,8 @@ class _Translation:
             ("reasoning_effort", "reasoning.effort"),
             ("tool_choice.function.name", "tool_choice.name"),
             ("tool_choice.function", "tool_choice"),
-            ("horde.context_fit", "truncation"),
         ):
-            if param == chat or param.startswith(chat + "."):
+            if param == chat or param.startswith((chat + ".", chat + "[")):
                 return responses + param[len(chat) :]
         tool = re.match(r"tools\[(\d+)\]\.function(.*)$", param)
         if tool:
@@ -314,13 +320,37 @@ def _translate_item(raw: Any, path: str, translation: _Translation) -> None:
         )
 
 
+# What a kept turn holds of each input item and content part: the keys the translation reads. The
+# others (what clients echo, or anything else) were never screened, and reasoning items are never
+# sent again: kept, they would let one request park up to its whole body in the store for hours.
+KEPT_ITEM_KEYS = {
+    "message": ("role", "content"),
+    "function_call": ("call_id", "name", "arguments"),
+    "function_call_output": ("call_id", "output"),
+}
+KEPT_PART_KEYS = ("type", "text", "refusal", "image_url", "detail")
+
+
+def _kept_item(item: Mapping[str, Any]) -> dict[str, Any] | None:
+    kind = item.get("type", "message")
+    keys = KEPT_ITEM_KEYS.get(kind)
+    if keys is None:
+        return None
+    kept = {"type": kind, **{key: item[key] for key in keys if key in item}}
+    for key in ("content", "output"):
+        if isinstance(kept.get(key), list):
+            kept[key] = [{k: part[k] for k in KEPT_PART_KEYS if k in part} for part in kept[key]]
+    return kept
+
+
 def turn_input(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """This request's own input as items (a string is one user message): what its response keeps
-    for a later previous_response_id."""
+    """This request's own input as items (a string is one user message), screened: what its
+    response keeps for a later previous_response_id."""
     value = body.get("input")
     if isinstance(value, str):
         return [{"type": "message", "role": "user", "content": value}]
-    return [dict(item) for item in value or () if isinstance(item, Mapping)]
+    kept = (_kept_item(item) for item in value or () if isinstance(item, Mapping))
+    return [item for item in kept if item is not None]
 
 
 def _translate_input(body: Mapping[str, Any], history: list[dict[str, Any]], translation: _Translation) -> None:
@@ -581,9 +611,36 @@ MESSAGE_NAMES = (
 )
 
 
+# The chat route's tool history rules (contract.chat_policy), in the Responses API's items.
+TOOL_HISTORY_MESSAGES = (
+    (
+        re.compile(
+            r"An assistant message with 'tool_calls' must be followed by tool \w+ responding to each "
+            r"'tool_call_id'\. The following tool_call_ids did not have response \w+: "
+        ),
+        "Each function_call item must be followed by a function_call_output item with its call_id. The "
+        "following call_ids have none: ",
+    ),
+    (
+        re.compile(r"messages with role 'tool' must be a response to a preceding message with 'tool_calls'\."),
+        "a function_call_output item must follow the function_call item with its call_id.",
+    ),
+    (
+        re.compile(r"'tool_call_id' of '(.*)' not found in 'tool_calls' of previous message\."),
+        r"'call_id' of '\1' not found in the function_call items before it.",
+    ),
+    (
+        re.compile(r"the tool call id '(.*)' is repeated in 'tool_calls'\."),
+        r"the call_id '\1' is repeated in the function_call items.",
+    ),
+)
+
+
 def _responses_names(message: str) -> str:
     for chat, responses in MESSAGE_NAMES:
         message = message.replace(chat, responses)
+    for pattern, responses in TOOL_HISTORY_MESSAGES:
+        message = pattern.sub(responses, message)
     return message
 
 

@@ -14,11 +14,12 @@ meter) is rebuilt per test on the server's event loop.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,6 +217,19 @@ async def _shutdown_states() -> None:
     for state in current_states():
         await state.shutdown()
     configure_front()
+
+
+def responses_sse(answer: httpx.Response) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The (event name, data) pairs of a /v1/responses stream as they arrive, each data checked to
+    be named by its type (openai-node's and the Vercel SDK's parsers read the name)."""
+    name = None
+    for line in answer.iter_lines():
+        if line.startswith("event: "):
+            name = line[len("event: ") :]
+        elif line.startswith("data: "):
+            data = json.loads(line[len("data: ") :])
+            assert data["type"] == name, (name, data)
+            yield name, data
 
 
 # --- the test worker --------------------------------------------------------------------------------

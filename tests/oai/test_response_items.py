@@ -13,6 +13,7 @@ import pytest
 from oai.response_items import (
     MAX_RESPONSE_CHAIN,
     RESPONSE_ITEMS_BACKOFF_SECONDS,
+    ResponseChainTooLong,
     ResponseItems,
     ResponseItemsUnavailable,
 )
@@ -131,7 +132,72 @@ def test_a_chain_longer_than_the_bound_is_not_followed():
         for n in range(MAX_RESPONSE_CHAIN + 1):
             await _keep(items, "key-a", {**ITEM, "id": f"msg_{n}"}, response=f"resp_{n}", previous=previous)
             previous = f"resp_{n}"
-        return await items.conversation("key-a", previous), await items.conversation("key-a", f"resp_{MAX_RESPONSE_CHAIN - 1}")
+        with pytest.raises(ResponseChainTooLong):
+            await items.conversation("key-a", previous)
+        return await items.conversation("key-a", f"resp_{MAX_RESPONSE_CHAIN - 1}")
 
-    too_long, longest = _run(scenario())
-    assert too_long is None and len(longest) == MAX_RESPONSE_CHAIN
+    longest = _run(scenario())
+    assert len(longest) == MAX_RESPONSE_CHAIN
+
+
+def test_a_chain_longer_than_the_front_continues_is_refused_as_such_not_as_not_found():
+    from oai.errors import ChatFrontError
+    from oai.responses.references import resolve_references
+
+    async def scenario():
+        items = ResponseItems(None, keep_seconds=60)
+        previous = None
+        for n in range(MAX_RESPONSE_CHAIN + 1):
+            await _keep(items, "key-a", {**ITEM, "id": f"msg_{n}"}, response=f"resp_{n}", previous=previous)
+            previous = f"resp_{n}"
+        with pytest.raises(ChatFrontError) as caught:
+            await resolve_references({"input": "Go on.", "previous_response_id": previous}, "key-a", items)
+        return caught.value
+
+    error = _run(scenario())
+    assert error.status == 400 and error.param == "previous_response_id"
+    assert error.code == "ConversationTooLong" and "not found" not in error.message
+    assert f"{MAX_RESPONSE_CHAIN} responses" in error.message
+
+
+def test_a_hung_redis_costs_the_keep_a_bounded_wait_and_a_recall_is_retryable():
+    """A Redis that accepts connections and never answers (stopped, or its host gone quiet)."""
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)
+
+        async def scenario():
+            items = ResponseItems(f"redis://127.0.0.1:{hung.getsockname()[1]}/0", keep_seconds=60)
+            started = time.monotonic()
+            await _keep(items, "key-a", ITEM)  # logged, not raised
+            kept_in = time.monotonic() - started
+            with pytest.raises(ResponseItemsUnavailable):
+                await items.recall("key-a", ["msg_abc"])
+            await items.close()
+            return kept_in
+
+        assert _run(scenario()) < 3
+
+
+@pytest.mark.parametrize("redis", [False, pytest.param(True, marks=pytest.mark.redis_only)])
+def test_a_conversation_that_goes_on_is_kept_from_its_last_turn_not_its_first(redis):
+    """Each continuation reads the responses and items it names, and each read keeps them its whole
+    time again: a conversation continued within that time is never cut at its oldest turn."""
+
+    async def scenario():
+        items = ResponseItems(os.environ["REDIS_URL"] if redis else None, keep_seconds=2)
+        suffix = os.urandom(4).hex()
+        first, second = f"resp_1{suffix}", f"resp_2{suffix}"
+        await _keep(items, "key-a", {**ITEM, "id": f"msg_1{suffix}"}, response=first)
+        await asyncio.sleep(1.2)
+        assert await items.conversation("key-a", first) and await items.recall("key-a", [f"msg_1{suffix}"])
+        await _keep(items, "key-a", {**ITEM, "id": f"msg_2{suffix}"}, response=second, previous=first)
+        await asyncio.sleep(1.2)  # 2.4 s after the first turn was kept, 1.2 s after it was read
+        conversation = await items.conversation("key-a", second)
+        recalled = await items.recall("key-a", [f"msg_1{suffix}"])
+        await items.close()
+        return conversation, recalled
+
+    conversation, recalled = _run(scenario())
+    assert conversation is not None and [item["id"] for item in conversation][0].startswith("msg_1")
+    assert list(recalled) and list(recalled)[0].startswith("msg_1")

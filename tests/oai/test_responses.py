@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.oai.conftest import MODEL, text_reply, wait_for
+from tests.oai.conftest import MODEL, responses_sse, text_reply, wait_for
 from tests.oai.test_completions import calls_reply
 from tests.oai.test_images import image_store, png_data_url  # noqa: F401 (image_store: a fixture)
 
@@ -41,14 +41,7 @@ def _events(front, requester, body: dict[str, Any]) -> list[tuple[str, dict[str,
     with httpx.stream("POST", f"{front.live.v1}/responses", json=body, headers=headers, timeout=30) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
-        name = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line[len("event: ") :]
-            elif line.startswith("data: "):
-                data = json.loads(line[len("data: ") :])
-                assert data["type"] == name, (name, data)
-                events.append((name, data))
+        events.extend(responses_sse(r))
     return events
 
 
@@ -501,3 +494,36 @@ def test_a_previous_response_of_another_key_or_not_stored_is_not_found(front, cl
         assert caught.value.body["param"] == "previous_response_id"
     stranger.close()
     assert len(_requests()) == 2
+
+
+def test_a_kept_turn_holds_what_its_items_say_not_the_keys_the_front_ignores(front, client, start_worker):
+    """Keys that an input item may carry and the front ignores (clients echo `id`, `status`...) are
+    not kept: else one request could park its whole body (36 MiB) in the store for hours, and a
+    chain of them would be read whole into the front by each continuation."""
+    from oai.response_items import response_key
+    from oai.state import get_front_state
+
+    worker = start_worker(reply=text_reply("One."))
+    padding = "x" * 1_000_000
+    first = client.responses.create(
+        model=MODEL,
+        input=[
+            {
+                "role": "user",
+                "id": "msg_client",
+                "padding": padding,
+                "content": [{"type": "input_text", "text": "Hi", "padding": padding}],
+            },
+            {"type": "reasoning", "id": "rs_client", "summary": [{"type": "summary_text", "text": padding}]},
+        ],
+    )
+    state = front.live.run(get_front_state())
+    (record,) = front.live.run(state.response_items._read(client.api_key, [response_key(first.id)]))
+    assert len(json.dumps(record)) < 2_000
+    worker.reply = text_reply("Two.")
+    client.responses.create(model=MODEL, input="Go on.", previous_response_id=first.id)
+    assert worker.jobs[1]["payload"]["messages"] == [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "One."},
+        {"role": "user", "content": "Go on."},
+    ]

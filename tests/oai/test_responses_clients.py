@@ -37,7 +37,7 @@ import httpx
 import pytest
 
 from contract.chat_progress import PROGRESS_ROUTE
-from tests.oai.conftest import HordeTestWorker
+from tests.oai.conftest import HordeTestWorker, responses_sse
 from workers.bridge.scripted import minimal_instance
 
 pytestmark = pytest.mark.slow
@@ -183,14 +183,8 @@ def read_stream(
     with httpx.stream("POST", f"{v1}/responses", content=body, headers=headers, timeout=10) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
-        name = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line[len("event: ") :]
-            elif line.startswith("data: "):
-                data = json.loads(line[len("data: ") :])
-                assert data["type"] == name, (name, data)  # openai-node's and Vercel's parsers
-                events.append(data)
+        for _, data in responses_sse(r):
+            events.append(data)  # appended as they arrive: `into` is read while the stream runs
     return events
 
 

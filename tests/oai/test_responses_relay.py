@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.oai.conftest import MODEL
+from tests.oai.conftest import MODEL, responses_sse
 from tests.oai.test_relay import _cancels, _outcomes, _request_id, _wait
 
 pytestmark = pytest.mark.redis_only
@@ -31,14 +31,8 @@ class ResponsesSseClient(threading.Thread):
         headers = {"Authorization": f"Bearer {self.key}"}
         with httpx.stream("POST", f"{self.url}/responses", json=self.body, headers=headers, timeout=30) as r:
             self.status = r.status_code
-            name = None
-            for line in r.iter_lines():
-                if line.startswith("event: "):
-                    name = line[len("event: ") :]
-                elif line.startswith("data: "):
-                    data = json.loads(line[len("data: ") :])
-                    assert data["type"] == name, (name, data)
-                    self.events.append((name, data))
+            for event in responses_sse(r):
+                self.events.append(event)
 
     def names(self) -> list[str]:
         return [name for name, _ in self.events]

@@ -158,7 +158,7 @@ def _at(body: Any, path: tuple[Any, ...]) -> Any:
 
 random_bodies = st.dictionaries(st.sampled_from(TOP_KEYS) | text, json_values, max_size=6) | json_values
 
-CHAT_NAMES = re.compile(r"max_completion_tokens|response_format|reasoning_effort")
+CHAT_NAMES = re.compile(r"max_completion_tokens|response_format|reasoning_effort|'tool_calls'|tool_call_id|role 'tool'")
 
 
 def _check(body: Any) -> None:
@@ -215,6 +215,10 @@ TOOLS = [{"type": "function", "name": "f", "parameters": {"type": "object", "pro
 STRICT_SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}}
 
 
+def _image_part(url: str) -> dict[str, Any]:
+    return {"type": "input_image", "image_url": url}
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -239,6 +243,39 @@ STRICT_SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}}
         ({"model": "m", "input": "hi", "stream_options": [1]}, "stream_options"),
         ({"model": "m", "input": "hi", "stream_options": {"include_usage": True}}, "stream_options.include_usage"),
         ({"model": "m", "input": "hi", "stream_options": {"include_obfuscation": "no"}}, "stream_options.include_obfuscation"),
+        # a chat param indexed past its name is renamed too (hypothesis found reasoning_effort[0])
+        ({"model": "m", "input": "hi", "reasoning": {"effort": ["\ud800"]}}, "reasoning.effort[0]"),
+        # the client's own horde.context_fit is named as sent (truncation is another key)
+        ({"model": "m", "input": "hi", "horde": {"context_fit": "bogus"}}, "horde.context_fit"),
+        # a function_call_output without its call is named by its call_id, in the Responses terms
+        ({"model": "m", "input": [{"type": "function_call_output", "call_id": "c", "output": "r"}]}, "input[0].call_id"),
+        (
+            {
+                "model": "m",
+                "input": [
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c2", "output": "r"},
+                ],
+            },
+            "input[1].call_id",
+        ),
+        (
+            {
+                "model": "m",
+                "input": [
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c1", "output": "r"},
+                ],
+            },
+            "input[0]",
+        ),
+        # an input_image's image_url is the URL itself, and its detail is the part's own
+        ({"model": "m", "input": [{"role": "user", "content": [_image_part("ftp://x")]}]}, "input[0].content[0].image_url"),
+        (
+            {"model": "m", "input": [{"role": "user", "content": [{**_image_part("https://x/a.png"), "detail": "max"}]}]},
+            "input[0].content[0].detail",
+        ),
     ],
 )
 def test_refusals_name_what_the_client_sent(body: dict[str, Any], param: str) -> None:

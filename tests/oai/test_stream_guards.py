@@ -87,3 +87,28 @@ def test_a_chat_stream_that_fails_after_its_headers_ends_with_an_error_event_and
     error = json.loads(sent[-2][len(b"data: ") :])["error"]
     assert error["code"] == "InternalError" and error["type"] == "api_error"
     assert run.cancelled and run.finished and [e.code for e in run.failures] == ["InternalError"]
+
+
+def test_a_streamed_response_is_kept_before_its_client_reads_it_completed():
+    """A client may stop reading at response.completed (and continue the response at once): what it
+    read completed has to be kept by then, not after the rest of the stream."""
+    kept: list[str] = []
+
+    async def keep(response_id: str, output: list[dict[str, Any]]) -> None:
+        kept.append(response_id)
+
+    async def chat_events():
+        yield b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+        yield b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+        await asyncio.sleep(0)  # what follows [DONE]: the run's finish
+
+    async def read_until_completed() -> None:
+        request = screen_responses_request(PreparedBody({"model": "m", "input": "hi", "stream": True}))
+        stream = stream_response(request, "0a1b-2c3d", 1, chat_events(), keep=keep)
+        async for write in stream:
+            if b"event: response.completed" in write:
+                break
+        await stream.aclose()  # the client went away, as Django closes a stream
+
+    asyncio.run(read_until_completed())
+    assert kept == ["resp_0a1b2c3d"]
