@@ -28,7 +28,7 @@ from oai.responses.request import ResponsesRequest, screen_responses_request
 from oai.run import ANONYMOUS_API_KEY, ChatRun
 from oai.schema import model_not_found, parse_body, screen_request
 from oai.state import get_front_state
-from oai.streaming import stream_completion
+from oai.streaming import start_stream, stream_completion
 from oai.text_completions import TextCompletionRequest, screen_text_request
 from oai.text_reply import TextCompletion, build_text_completion
 from oai.trace import RequestTrace
@@ -164,7 +164,8 @@ async def _completions(
         completion = await run.first_decision()
         if request.stream:
             streaming_started = True
-            chat_events = stream_completion(run, completion)
+            # Started here: an answer dropped before its first read still finishes its run.
+            chat_events = await start_stream(stream_completion(run, completion))
             if not isinstance(request, ResponsesRequest):
                 return StreamAnswer(chat_events, {})
             keep = partial(keep_response, state, api_key, request) if request.echo["store"] else None

@@ -99,6 +99,35 @@ async def stream_completion(
         await run.finish()
 
 
+class StartedStream:
+    """A stream whose first event was already taken, so that the generator has started: its `finally`
+    (the run's finish: the cancel of an undelivered request, the in-flight slot) then runs however
+    the answer ends, whether it is read to the end, closed, or dropped unread (the event loop closes
+    a started generator that is dropped; an unstarted one would end without running anything)."""
+
+    def __init__(self, first: bytes, events: AsyncGenerator[bytes, None]) -> None:
+        self._first: bytes | None = first
+        self._events = events
+
+    def __aiter__(self) -> StartedStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        self._first = None
+        await self._events.aclose()
+
+
+async def start_stream(events: AsyncGenerator[bytes, None]) -> StartedStream:
+    """`events` started (stream_completion yields its first comment at once)."""
+    return StartedStream(await events.__anext__(), events)
+
+
 def stream_crashed() -> ChatFrontError:
     return ChatFrontError(
         500,

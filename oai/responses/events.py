@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from oai.responses.reply import (
@@ -34,6 +34,7 @@ from oai.responses.reply import (
     response_id,
 )
 from oai.responses.request import ResponsesRequest
+from oai.streaming import StartedStream
 
 log = logging.getLogger("oai")
 
@@ -344,7 +345,7 @@ async def stream_response(
     request: ResponsesRequest,
     request_id: str,
     created: int,
-    chat_events: AsyncGenerator[bytes, None],
+    chat_events: StartedStream,
     *,
     keep: Callable[[str, list[dict[str, Any]]], Awaitable[None]] | None = None,
 ) -> AsyncIterator[bytes]:

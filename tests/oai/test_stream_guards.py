@@ -6,15 +6,18 @@ generators run on their own, with a run that records what the stream did."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from oai.metrics import FrontMetrics
 from oai.responses.events import stream_response
 from oai.responses.references import PreparedBody
 from oai.responses.request import screen_responses_request
-from oai.streaming import stream_completion
+from oai.streaming import start_stream, stream_completion
 
 
 def _collect(stream) -> list[bytes]:
@@ -58,6 +61,7 @@ class _RecordingRun:
         self.failures: list[Any] = []
         self.cancelled = False
         self.finished = False
+        self.closed_by_client = False
         self.trace = SimpleNamespace(fail=lambda error, after_headers: self.failures.append(error))
 
     def delivered(self, completion: Any) -> None:
@@ -67,7 +71,7 @@ class _RecordingRun:
         pass
 
     def client_closed(self) -> None:
-        pass
+        self.closed_by_client = True
 
     def cancel_in_background(self) -> None:
         self.cancelled = True
@@ -112,3 +116,24 @@ def test_a_streamed_response_is_kept_before_its_client_reads_it_completed():
 
     asyncio.run(read_until_completed())
     assert kept == ["resp_0a1b2c3d"]
+
+
+@pytest.mark.parametrize("ending", ["closed", "dropped"])
+def test_a_stream_answer_never_read_still_finishes_its_run(ending):
+    """An answer the server closes, or drops, before reading it (a client gone before the first
+    send) still runs the stream's finish: its request is cancelled and its slot released. A
+    generator never started would end without running its `finally`."""
+    run = _RecordingRun()
+
+    async def scenario() -> None:
+        stream = await start_stream(stream_completion(run, None))  # type: ignore[arg-type]
+        if ending == "closed":
+            await stream.aclose()
+        else:
+            del stream
+            gc.collect()
+        for _ in range(5):  # the event loop closes a dropped generator in a task of its own
+            await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    assert run.closed_by_client and run.finished
