@@ -31,10 +31,11 @@ USER = [{"role": "user", "content": "Say hello."}]
 
 
 class StreamingWorker:
-    def __init__(self, live, key: str):
+    def __init__(self, live, key: str, model: str = MODEL):
         self.live = live
         self.key = key
-        self.shape = HordeTestWorker(live=live, key=key)
+        self.model = model
+        self.shape = HordeTestWorker(live=live, key=key, model=model)
         self.http = httpx.Client(base_url=live.url, headers={"apikey": key}, timeout=10)
 
     def pop(self, timeout: float = 10) -> dict[str, Any]:
@@ -60,12 +61,12 @@ class StreamingWorker:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning is not None:
             message["reasoning_content"] = reasoning
-        body = {"id": job["id"], "model_id": MODEL, "message": message, "finish_reason": "stop", **extra}
+        body = {"id": job["id"], "model_id": self.model, "message": message, "finish_reason": "stop", **extra}
         answer = self.http.post("/api/v2/generate/text/submit", json=body)
         assert answer.status_code == 200, answer.text
 
     def fault(self, job: dict[str, Any]) -> None:
-        body = {"id": job["id"], "state": "faulted", "model_id": MODEL, "fault_reason": "generation_error"}
+        body = {"id": job["id"], "state": "faulted", "model_id": self.model, "fault_reason": "generation_error"}
         assert self.http.post("/api/v2/generate/text/submit", json=body).status_code == 200
 
     def close(self) -> None:

@@ -36,8 +36,8 @@ from typing import Any
 import httpx
 import pytest
 
-from contract.chat_progress import PROGRESS_ROUTE
-from tests.oai.conftest import HordeTestWorker, responses_sse
+from tests.oai.conftest import responses_sse
+from tests.oai.test_relay import StreamingWorker
 from workers.bridge.scripted import minimal_instance
 
 pytestmark = pytest.mark.slow
@@ -93,41 +93,13 @@ def scripted_worker(start_worker):
     return start_worker(model=SCRIPTED, reply=scripted_reply)
 
 
-class RelayingWorker:
-    """The reference worker streaming a reply: its tokens posted as progress, then the reply."""
-
-    def __init__(self, live, key: str):
-        self.shape = HordeTestWorker(live=live, key=key, model=STREAMED)
-        self.http = httpx.Client(base_url=live.url, headers={"apikey": key}, timeout=10)
-        self.shape.check_in()
-
-    def pop(self, timeout: float = 5) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            job = self.http.post("/api/v2/generate/text/pop", json=self.shape.pop_body()).json()
-            if job.get("id"):
-                return job
-            time.sleep(0.02)
-        raise AssertionError("no job popped")
-
-    def post(self, job: dict[str, Any], seq: int, token: str) -> None:
-        answer = self.http.post(
-            PROGRESS_ROUTE, json={"id": job["id"], "seq": seq, "delta": {"content": token}}
-        )
-        assert answer.status_code == 200 and answer.json()["cancelled"] is False, answer.text
-
-    def submit(self, job: dict[str, Any], **body: Any) -> None:
-        answer = self.http.post(
-            "/api/v2/generate/text/submit", json={"id": job["id"], "model_id": STREAMED, **body}
-        )
-        assert answer.status_code == 200, answer.text
-
-
 @pytest.fixture
 def relaying_worker(live_horde, worker_owner):
-    worker = RelayingWorker(live_horde, worker_owner.key)
+    """The reference worker streaming a reply: its tokens posted as progress, then the reply."""
+    worker = StreamingWorker(live_horde, worker_owner.key, model=STREAMED)
+    worker.shape.check_in()
     yield worker
-    worker.http.close()
+    worker.close()
 
 
 # --- the client: the captured requests, replayed -----------------------------------------------------
@@ -301,13 +273,7 @@ def test_vercel_stream_text_receives_the_workers_tokens_as_they_come(front, requ
     for seq, token in enumerate(tokens, start=1):
         relaying_worker.post(job, seq, token)
         _wait(lambda n=seq: len(texts(events)) >= n, token)
-    relaying_worker.submit(
-        job,
-        message={"role": "assistant", "content": "".join(tokens)},
-        finish_reason="stop",
-        prompt_tokens=14,
-        completion_tokens=36,
-    )
+    relaying_worker.submit(job, "".join(tokens), prompt_tokens=14, completion_tokens=36)
     thread.join(5)
     assert not thread.is_alive()
     check_stream(events)
@@ -327,7 +293,7 @@ def test_vercel_stream_text_failing_after_its_tokens_ends_failed(front, requeste
     job = relaying_worker.pop()
     relaying_worker.post(job, 1, "Hell")
     _wait(lambda: len(texts(events)) == 1, "the first token")
-    relaying_worker.submit(job, state="faulted", fault_reason="generation_error")
+    relaying_worker.fault(job)
     thread.join(5)
     assert not thread.is_alive()
     check_stream(events)
@@ -399,7 +365,7 @@ def test_vercel_multi_turn_after_a_relayed_stream_references_its_message(front, 
     job = relaying_worker.pop()
     for seq, token in enumerate(["Hel", "lo."], start=1):
         relaying_worker.post(job, seq, token)
-    relaying_worker.submit(job, message={"role": "assistant", "content": "Hello."}, finish_reason="stop")
+    relaying_worker.submit(job, "Hello.")
     thread.join(5)
     assert not thread.is_alive() and events[-1]["type"] == "response.completed"
     answers: list[httpx.Response] = []
@@ -412,9 +378,7 @@ def test_vercel_multi_turn_after_a_relayed_stream_references_its_message(front, 
         {"role": "assistant", "content": "Hello."},
         {"role": "user", "content": "And again"},
     ]
-    relaying_worker.submit(
-        job, message={"role": "assistant", "content": "Hello again."}, finish_reason="stop"
-    )
+    relaying_worker.submit(job, "Hello again.")
     thread.join(5)
     assert message_text(answers[0].json()) == "Hello again."
 
@@ -500,7 +464,7 @@ def test_openai_node_stream_receives_the_workers_tokens(front, requester, relayi
     for seq, token in enumerate(["Hel", "lo."], start=1):
         relaying_worker.post(job, seq, token)
         _wait(lambda n=seq: len(texts(events)) >= n, token)
-    relaying_worker.submit(job, message={"role": "assistant", "content": "Hello."}, finish_reason="stop")
+    relaying_worker.submit(job, "Hello.")
     thread.join(5)
     assert not thread.is_alive()
     check_stream(events)
