@@ -499,3 +499,25 @@ def test_langchain_use_previous_response_id_sends_only_the_new_turn(lib_horde):
     messages = fake_backend.chat_requests()[-1]["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant", "user"]
     assert messages[-1]["content"] == "Again."
+
+
+# --- LiteLLM's Responses client ---------------------------------------------------------------------
+
+
+@pytest.mark.redis_only
+def test_litellm_responses_whole_streamed_and_continued(lib_horde):
+    """`litellm.responses` with an OpenAI-compatible base URL calls /v1/responses itself."""
+    import litellm
+
+    v1, key, _ = lib_horde
+    call = {"model": f"openai/{MODEL}", "api_base": v1, "api_key": key}
+    whole = litellm.responses(input="Say hello.", **call)
+    assert whole.id.startswith("resp_") and whole.output[0].content[0].text == DEFAULT_REPLY
+    deltas = [
+        event.delta
+        for event in litellm.responses(input="Say hello.", stream=True, **call)
+        if event.type == "response.output_text.delta"
+    ]
+    assert "".join(deltas) == DEFAULT_REPLY and len(deltas) > 1  # the worker's tokens, relayed
+    continued = litellm.responses(input="Again.", previous_response_id=whole.id, **call)
+    assert continued.output[0].content[0].text == DEFAULT_REPLY
