@@ -118,6 +118,12 @@ class StartedStream:
             return first
         return await self._events.__anext__()
 
+    async def athrow(self, error: BaseException) -> bytes:
+        """`error` raised in the stream where it waits (its own guard records it, cancels the
+        request and answers with its error event, which is returned)."""
+        self._first = None
+        return await self._events.athrow(error)
+
     async def aclose(self) -> None:
         self._first = None
         await self._events.aclose()

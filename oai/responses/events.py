@@ -18,8 +18,8 @@ events is rewritten here into the Responses API's typed events, each with its `s
 
 from __future__ import annotations
 
+import contextlib
 import json
-import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -35,8 +35,6 @@ from oai.responses.reply import (
 )
 from oai.responses.request import ResponsesRequest
 from oai.streaming import StartedStream
-
-log = logging.getLogger("oai")
 
 # What a stream that failed here ends with (its `error` event and `response.failed`).
 INTERNAL_ERROR = {
@@ -360,11 +358,12 @@ async def stream_response(
         async for chat_write in chat_events:
             try:
                 events = writer.feed(chat_write)
-            except Exception:  # a defect: the client gets an error, not a stream left open
-                log.exception("rewriting the stream of request %s failed", request_id)
-                events = writer.fail(INTERNAL_ERROR)
-                yield b"".join(events)
-                break  # closing the chat stream cancels its request (ChatRun.finish)
+            except Exception as defect:  # the client gets an error, not a stream left open
+                # Raised in the chat stream, whose guard logs it, counts it and cancels the request.
+                with contextlib.suppress(Exception, StopAsyncIteration):
+                    await chat_events.athrow(defect)
+                yield b"".join(writer.fail(INTERNAL_ERROR))
+                break
             if keep is not None and writer.delivered:
                 await keep(response_id(request_id), writer.output)
                 keep = None

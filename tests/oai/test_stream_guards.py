@@ -29,22 +29,28 @@ def _collect(stream) -> list[bytes]:
 
 def test_a_responses_stream_that_cannot_be_rewritten_ends_failed_and_closes_the_chat_stream():
     closed: list[bool] = []
+    thrown: list[BaseException] = []
 
     async def chat_events():
         try:
             yield b": keepalive\n\n"
             yield b"data: {not json\n\n"
             yield b'data: {"never": "read"}\n\n'
+        except ValueError as defect:  # as stream_completion's guard: recorded, then its error event
+            thrown.append(defect)
+            yield b'data: {"error": {"code": "InternalError", "message": "failed"}}\n\n'
         finally:
             closed.append(True)
 
     request = screen_responses_request(PreparedBody({"model": "m", "input": "hi", "stream": True}))
-    sent = b"".join(_collect(stream_response(request, "0a1b-2c3d", 1, chat_events())))
+    sent = b"".join(_collect(stream_response(request, "0a1b-2c3d", 1, chat_events())))  # type: ignore[arg-type]
     events = [json.loads(line[len(b"data: ") :]) for line in sent.split(b"\n") if line.startswith(b"data: ")]
     assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error", "response.failed"]
     assert events[2]["code"] == "InternalError"
     assert events[3]["response"]["status"] == "failed" and events[3]["response"]["error"]["code"] == "server_error"
     assert b": keepalive" in sent and closed == [True]
+    # The defect reached the chat stream, whose guard cancels the request and counts the failure.
+    assert [type(error).__name__ for error in thrown] == ["JSONDecodeError"]
 
 
 class _RecordingRun:
