@@ -21,6 +21,8 @@ from oai.admission import front_at_capacity
 from oai.errors import ChatFrontError, front_stopping, invalid_api_key
 from oai.horde_client import NativeUnreachable
 from oai.mapping import build_completion, build_model_card
+from oai.response_items import ResponseItemsUnavailable
+from oai.responses import background
 from oai.responses.events import stream_response
 from oai.responses.references import PreparedBody, resolve_references
 from oai.responses.reply import build_response
@@ -156,10 +158,14 @@ async def _completions(
         requested_model=",".join(request.requested_models),
         kind="Text" if isinstance(request, TextCompletionRequest) else "Chat",
     )
-    run = ChatRun(state, request, trace, slot, disconnected)
+    in_background = isinstance(request, ResponsesRequest) and request.background
+    run = ChatRun(state, request, trace, slot, disconnected, leased=not in_background)
     streaming_started = False
     try:
         await run.submit(api_key, headers)
+        if in_background:
+            assert isinstance(request, ResponsesRequest)
+            return JsonAnswer(200, await _start_background(state, api_key, request, run), {})
         await run.start_wait()
         completion = await run.first_decision()
         if request.stream:
@@ -195,6 +201,16 @@ async def _completions(
             await run.finish()
 
 
+async def _start_background(state: Any, api_key: str, request: ResponsesRequest, run: ChatRun) -> dict[str, Any]:
+    """A submitted background request answered at once, queued (docs/adr/0102-responses-background.md);
+    one whose record cannot be kept is cancelled: its id would name nothing."""
+    try:
+        return await background.start(state, api_key, request, run.submitted_id(), run.created)
+    except ResponseItemsUnavailable:
+        await run.cancel()
+        raise background.unavailable() from None
+
+
 async def keep_response(
     state: Any, api_key: str, request: ResponsesRequest, response_id: str, output: list[dict[str, Any]]
 ) -> None:
@@ -210,6 +226,28 @@ async def keep_response(
 
 def _json_error(error: ChatFrontError, request_id: str | None = None) -> JsonAnswer:
     return JsonAnswer(error.status, error.body(request_id), error.headers())
+
+
+async def retrieve_response(response_id: str, api_key: str | None) -> JsonAnswer:
+    """GET /v1/responses/{id}: a response this key made, kept; a background one as it is now."""
+    return await _kept_response(background.retrieve, response_id, api_key)
+
+
+async def cancel_response(response_id: str, api_key: str | None) -> JsonAnswer:
+    """POST /v1/responses/{id}/cancel: a background response of this key, cancelled unless finished."""
+    return await _kept_response(background.cancel, response_id, api_key)
+
+
+async def _kept_response(serve: Any, response_id: str, api_key: str | None) -> JsonAnswer:
+    state = await get_front_state()
+    if api_key is None:
+        if not state.settings.allow_anonymous:
+            return _json_error(invalid_api_key("This AI Horde front needs an API key: send it as a Bearer token."))
+        api_key = ANONYMOUS_API_KEY
+    try:
+        return JsonAnswer(200, await serve(state, api_key, response_id), {})
+    except ChatFrontError as error:
+        return _json_error(error)
 
 
 # --- /v1/models ------------------------------------------------------------------------------------

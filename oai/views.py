@@ -342,6 +342,47 @@ class ResponsesView(FrontView):
         return await _completions_answer(app.responses, request)
 
 
+_KEPT_RESPONSE_ERRORS = {
+    401: OpenApiResponse(response=_ERROR, description="invalid_api_key: no key where the front needs one"),
+    404: OpenApiResponse(response=_ERROR, description="not_found: no response with this id kept for this key"),
+    503: OpenApiResponse(
+        response=_ERROR,
+        description="ResponseItemsUnavailable or HordeUnavailable: the kept response or its request's status could "
+        "not be read just now",
+    ),
+}
+
+
+class ResponseView(FrontView):
+    """GET /v1/responses/{id}: a kept response of this key; a background one as it is now
+    (docs/adr/0102-responses-background.md)."""
+
+    @extend_schema(
+        operation_id="oai_response",
+        tags=["openai"],
+        responses={200: OpenApiResponse(description="response"), **_KEPT_RESPONSE_ERRORS},
+    )
+    async def get(self, request, response_id: str, *args: Any, **kwargs: Any):
+        return _response(await app.retrieve_response(response_id, request.auth))
+
+
+class ResponseCancelView(FrontView):
+    """POST /v1/responses/{id}/cancel: a background response not finished is cancelled."""
+
+    @extend_schema(
+        operation_id="oai_response_cancel",
+        tags=["openai"],
+        request=None,
+        responses={
+            200: OpenApiResponse(description="response: cancelled, or as it finished"),
+            400: OpenApiResponse(response=_ERROR, description="the response was not made with background=true"),
+            **_KEPT_RESPONSE_ERRORS,
+        },
+    )
+    async def post(self, request, response_id: str, *args: Any, **kwargs: Any):
+        return _response(await app.cancel_response(response_id, request.auth))
+
+
 # What app.list_models answers when it cannot read the horde's model list (ADR 0085).
 MODEL_LIST_UNAVAILABLE = {
     502: OpenApiResponse(description="HordeUnavailable: the horde's model list could not be read"),
