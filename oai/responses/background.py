@@ -238,6 +238,13 @@ async def cancel(state: Any, api_key: str, kept_id: str) -> dict[str, Any]:
     return cancelled
 
 
+async def cancel_before_delete(state: Any, record: Mapping[str, Any]) -> None:
+    """DELETE /v1/responses/{id} of a background response not finished: its request is cancelled
+    first (settled as the native cancel), as nobody could read its reply any more."""
+    if pending(record):
+        await state.cancels.cancel_within_budget(record["background"]["request_id"])
+
+
 async def collect(state: Any, api_key: str, kept_id: str, request_id: str) -> None:
     """Watch a background request from the process that submitted it until it ends, and keep its
     finished record: woken by its completion signal when the listener is healthy, else polling."""

@@ -9,8 +9,9 @@ reasoning. The flat function tools (and the functions of a namespace tool, each 
 and `truncation` take their chat form. The chat route's screening and the contract then check the
 result; a refusal names the path the client sent (`input[2].content`, not `messages[3].content`).
 `previous_response_id` and `item_reference` items are resolved before (oai.responses.references)
-from the responses the front keeps; what needs more stored state (`conversation`, `prompt`,
-`background`) and every built-in tool is refused with 400.
+from the responses the front keeps; what needs more stored state (`conversation`, `prompt`) and
+every built-in tool is refused with 400. `background: true` is answered at once and read later
+(oai.responses.background, docs/adr/0102-responses-background.md).
 """
 
 from __future__ import annotations

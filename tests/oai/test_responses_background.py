@@ -162,7 +162,7 @@ def test_a_background_response_may_continue_a_previous_one(client, start_worker)
     assert roles == ["user", "assistant", "user"]
 
 
-def test_cancel_before_a_worker_pops_it_charges_nothing(client, requester, live_horde, worker_owner, workers):
+def test_cancel_before_a_worker_pops_it_charges_nothing(front, client, requester, live_horde, worker_owner, workers):
     from chat.models import Generation
     from chat.services.admission import HORDE_TAX
 
@@ -181,6 +181,7 @@ def test_cancel_before_a_worker_pops_it_charges_nothing(client, requester, live_
     assert _charges() == 0
     assert client.responses.retrieve(created.id).status == "cancelled"
     assert client.responses.cancel(created.id).status == "cancelled"  # as it is, once finished
+    _typed(_raw(front, requester.key, "POST", f"/responses/{created.id}/cancel").json())
 
 
 def test_cancel_while_a_worker_holds_it_settles_as_the_native_cancel(client, live_horde, worker_owner, workers):
@@ -206,12 +207,13 @@ def test_cancel_while_a_worker_holds_it_settles_as_the_native_cancel(client, liv
     assert client.responses.retrieve(created.id).status == "cancelled"
 
 
-def test_a_faulted_request_is_failed_with_its_error(client, start_worker):
+def test_a_faulted_request_is_failed_with_its_error(front, client, requester, start_worker):
     start_worker(reply=lambda job: {"message": {"role": "assistant", "content": "not json"}, "finish_reason": "stop"})
     created = client.responses.create(model=MODEL, input="Colour?", text={"format": COLOUR_FORMAT}, background=True)
     failed = _poll(client, created.id, ("failed",))
     assert failed.status == "failed" and failed.output == []
     assert failed.error is not None and failed.error.code == "server_error" and failed.error.message
+    _typed(_raw(front, requester.key, "GET", f"/responses/{created.id}").json())
 
 
 def test_a_request_the_horde_deleted_unread_is_kept_by_the_front_that_sent_it(front, client, requester, start_worker):
