@@ -21,8 +21,10 @@ from oai.admission import front_at_capacity
 from oai.errors import ChatFrontError, front_stopping, invalid_api_key
 from oai.horde_client import NativeUnreachable
 from oai.mapping import build_completion, build_model_card
+from oai.response_items import ResponseItems, ResponseItemsUnavailable
 from oai.responses.events import stream_response
-from oai.responses.references import PreparedBody, resolve_references
+from oai.responses.kept import deleted_response, input_items_page, kept_response, response_not_found
+from oai.responses.references import KEPT_HINT, PreparedBody, items_unavailable, resolve_references
 from oai.responses.reply import build_response
 from oai.responses.request import ResponsesRequest, screen_responses_request
 from oai.run import ANONYMOUS_API_KEY, ChatRun
@@ -129,12 +131,11 @@ async def _completions(
     retry_count = headers.get("x-stainless-retry-count", "0")
     if retry_count.isdigit() and int(retry_count) > 0:
         metrics.client_retry_hints.add(1)
-    if api_key is None:
-        if not state.settings.allow_anonymous:
-            error = invalid_api_key("This AI Horde front needs an API key: send it as a Bearer token.")
-            metrics.refused(401, error.code)
-            return _json_error(error)
-        api_key = ANONYMOUS_API_KEY
+    try:
+        api_key = _caller_key(state, api_key)
+    except ChatFrontError as error:
+        metrics.refused(error.status, error.code)
+        return _json_error(error)
     try:
         body = parse_body(raw_body)
         if prepare is not None:
@@ -179,7 +180,7 @@ async def _completions(
         elif isinstance(request, ResponsesRequest):
             body = build_response(completion, request, run.submitted_id())
             if request.echo["store"]:
-                await keep_response(state, api_key, request, body["id"], body["output"])
+                await keep_response(state, api_key, request, body)
         else:
             body = build_completion(completion)
         return JsonAnswer(200, body, {})
@@ -195,17 +196,88 @@ async def _completions(
             await run.finish()
 
 
-async def keep_response(
-    state: Any, api_key: str, request: ResponsesRequest, response_id: str, output: list[dict[str, Any]]
-) -> None:
-    """A delivered response kept for later references to it (its items, previous_response_id)."""
+async def keep_response(state: Any, api_key: str, request: ResponsesRequest, response: dict[str, Any]) -> None:
+    """A delivered response kept for later references to it (its items, previous_response_id) and
+    reads of it."""
     await state.response_items.keep(
         api_key,
-        response_id=response_id,
+        response=response,
         previous_response_id=request.previous_response_id,
         turn_input=request.turn_input,
-        output=output,
     )
+
+
+# --- a kept response: GET /v1/responses/{id}, its input items, DELETE ------------------------------
+
+
+async def retrieve_response(response_id: str, api_key: str | None, *, stream: bool = False) -> JsonAnswer:
+    """GET /v1/responses/{id}: the kept response as it was delivered (whole: its events are not kept)."""
+    if stream:
+        return _json_error(
+            ChatFrontError(
+                400,
+                "UnsupportedChatParameter",
+                "This AI Horde front does not stream a kept response again: read it without stream=true.",
+                param="stream",
+                should_retry=False,
+            )
+        )
+    return await _with_kept_response(response_id, api_key, kept_response)
+
+
+async def list_input_items(response_id: str, api_key: str | None, query: dict[str, str]) -> JsonAnswer:
+    """GET /v1/responses/{id}/input_items: a page of the kept response's own input items."""
+    return await _with_kept_response(response_id, api_key, partial(input_items_page, response_id=response_id, query=query))
+
+
+async def delete_response(response_id: str, api_key: str | None) -> JsonAnswer:
+    """DELETE /v1/responses/{id}: the kept response and its output items forgotten."""
+
+    async def forget(items: ResponseItems, key: str) -> dict[str, Any] | None:
+        return deleted_response(response_id) if await items.forget(key, response_id) else None
+
+    return await _kept_response_answer(response_id, api_key, forget)
+
+
+async def _with_kept_response(
+    response_id: str, api_key: str | None, answer: Callable[[dict[str, Any]], dict[str, Any]]
+) -> JsonAnswer:
+    """`answer` of the record of the response `response_id` kept for the caller's key."""
+
+    async def read(items: ResponseItems, key: str) -> dict[str, Any] | None:
+        record = await items.record(key, response_id)
+        return None if record is None else answer(record)
+
+    return await _kept_response_answer(response_id, api_key, read)
+
+
+async def _kept_response_answer(
+    response_id: str,
+    api_key: str | None,
+    serve: Callable[[ResponseItems, str], Awaitable[dict[str, Any] | None]],
+) -> JsonAnswer:
+    """What `serve` answers for the caller's key, None meaning no such response is kept: 404; 401
+    as a completion would get; 503 when Redis cannot tell."""
+    state = await get_front_state()
+    try:
+        body = await serve(state.response_items, _caller_key(state, api_key))
+        if body is None:
+            raise response_not_found(response_id, KEPT_HINT.format(seconds=state.response_items.keep_seconds))
+    except ResponseItemsUnavailable:
+        return _json_error(items_unavailable())
+    except ChatFrontError as error:
+        return _json_error(error)
+    return JsonAnswer(200, body, {})
+
+
+def _caller_key(state: Any, api_key: str | None) -> str:
+    """The key a request is made with: its own, or the anonymous key where anonymous requests are
+    served; else 401."""
+    if api_key is not None:
+        return api_key
+    if not state.settings.allow_anonymous:
+        raise invalid_api_key("This AI Horde front needs an API key: send it as a Bearer token.")
+    return ANONYMOUS_API_KEY
 
 
 def _json_error(error: ChatFrontError, request_id: str | None = None) -> JsonAnswer:

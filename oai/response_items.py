@@ -1,7 +1,8 @@
 """Delivered Responses API replies, kept for a while so that a later request may name their output
 items (`{"type": "item_reference", "id": "msg_..."}`, what the Vercel AI SDK sends for an earlier
-assistant turn unless its app sets `store: false`) or continue one (`previous_response_id`)
-(docs/adr/0101-responses-api.md). Each output item is kept by its id, and each response as a record
+assistant turn unless its app sets `store: false`) or continue one (`previous_response_id`), and
+its client read it again (`GET /v1/responses/{id}`, its input items) or delete it
+(docs/adr/0101-responses-api.md, docs/adr/0103-kept-responses-read-and-deleted.md). Each output item is kept by its id, and each response as a record
 of its turn's input, its output and the response before it: a conversation is walked back record by
 record, so none holds the conversation before it.
 
@@ -91,25 +92,30 @@ class ResponseItems:
         self,
         api_key: str,
         *,
-        response_id: str,
+        response: dict[str, Any],
         previous_response_id: str | None,
         turn_input: list[dict[str, Any]],
-        output: list[dict[str, Any]],
     ) -> None:
-        """Keep a delivered response for `api_key`: each output item by its id, and the response's
-        record (its turn's input, its output, the response before it). A failure is logged, never
-        raised."""
+        """Keep a delivered `response` for `api_key`: each output item by its id, and the response's
+        record (the response object, its turn's input, its output, the response before it). A
+        failure is logged, never raised."""
         if not self.enabled:
             return
         owner = _owner(api_key)
+        output = response["output"]
         values = {
             response_item_key(item["id"]): json.dumps({"owner": owner, "item": item}, separators=(",", ":"))
             for item in output
         }
-        values[response_key(response_id)] = json.dumps(
-            {"owner": owner, "previous": previous_response_id, "input": turn_input, "output": output},
-            separators=(",", ":"),
-        )
+        record = {
+            "owner": owner,
+            "previous": previous_response_id,
+            "input": turn_input,
+            "output": output,
+            # The object GET /v1/responses/{id} answers, but its output (kept once, above).
+            "response": {key: value for key, value in response.items() if key != "output"},
+        }
+        values[response_key(response["id"])] = json.dumps(record, separators=(",", ":"))
         if self.redis_url is None:
             for key, value in values.items():
                 self._local.set(key, (owner, value))
@@ -176,6 +182,35 @@ class ResponseItems:
             return {}
         values = await self._read(api_key, [response_item_key(i) for i in item_ids])
         return {i: value["item"] for i, value in zip(item_ids, values, strict=True) if value is not None}
+
+    async def record(self, api_key: str, response_id: str) -> dict[str, Any] | None:
+        """The record of the response `response_id` that `api_key` made (None when none is kept):
+        `response` (the object, but its output), `output`, `input` (its turn's input items) and
+        `previous`."""
+        if not self.enabled:
+            return None
+        (record,) = await self._read(api_key, [response_key(response_id)])
+        return record
+
+    async def forget(self, api_key: str, response_id: str) -> bool:
+        """Deletes the response `response_id` that `api_key` made, with its output items: false when
+        none is kept. A later reference to it or to its items is not found, nor is the conversation
+        of a response that continued it."""
+        record = await self.record(api_key, response_id)
+        if record is None:
+            return False
+        keys = [response_key(response_id), *(response_item_key(item["id"]) for item in record["output"])]
+        if self.redis_url is None:
+            for key in keys:
+                self._local.forget(key)
+            return True
+        try:
+            await asyncio.wait_for(self._redis().delete(*keys), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
+        except Exception as error:
+            log.warning("deleting response %s from Redis failed: %s", response_id, error)
+            await self._failed()
+            raise ResponseItemsUnavailable(str(error)) from None
+        return True
 
     async def conversation(self, api_key: str, response_id: str) -> list[dict[str, Any]] | None:
         """The items of the conversation that ends with `response_id`, oldest first (each response's

@@ -8,7 +8,9 @@ from oai.views import (
     ChatCompletionsView,
     ModelsView,
     ModelView,
+    ResponseInputItemsView,
     ResponsesView,
+    ResponseView,
     TextCompletionsView,
     unknown_path,
 )
@@ -17,6 +19,8 @@ urlpatterns = [
     path("chat/completions", ChatCompletionsView.as_view()),
     path("completions", TextCompletionsView.as_view()),
     path("responses", ResponsesView.as_view()),
+    path("responses/<str:response_id>", ResponseView.as_view()),
+    path("responses/<str:response_id>/input_items", ResponseInputItemsView.as_view()),
     path("models", ModelsView.as_view()),
     path("models/<path:model_id>", ModelView.as_view()),
     # Last: every other /v1/ path is 404 in OpenAI's error shape.

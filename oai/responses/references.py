@@ -45,7 +45,7 @@ def _references(body: Any) -> list[tuple[int, str]]:
     ]
 
 
-def _unavailable() -> ChatFrontError:
+def items_unavailable() -> ChatFrontError:
     return ChatFrontError(
         503,
         "ResponseItemsUnavailable",
@@ -88,7 +88,7 @@ async def resolve_references(body: Any, api_key: str, items: ResponseItems) -> P
             history = conversation
         found = await items.recall(api_key, sorted({item_id for _, item_id in references}))
     except ResponseItemsUnavailable:
-        raise _unavailable() from None
+        raise items_unavailable() from None
     except ResponseChainTooLong:
         raise ChatFrontError(
             400,
