@@ -24,7 +24,7 @@ from oai.mapping import build_completion, build_model_card
 from oai.response_items import ResponseItems, ResponseItemsUnavailable
 from oai.responses.events import stream_response
 from oai.responses.kept import deleted_response, input_items_page, kept_response, response_not_found
-from oai.responses.references import KEPT_HINT, PreparedBody, items_unavailable, resolve_references
+from oai.responses.references import KEPT_FOR, PreparedBody, items_unavailable, resolve_references
 from oai.responses.reply import build_response
 from oai.responses.request import ResponsesRequest, screen_responses_request
 from oai.run import ANONYMOUS_API_KEY, ChatRun
@@ -262,7 +262,7 @@ async def _kept_response_answer(
     try:
         body = await serve(state.response_items, _caller_key(state, api_key))
         if body is None:
-            raise response_not_found(response_id, KEPT_HINT.format(seconds=state.response_items.keep_seconds))
+            raise response_not_found(response_id, KEPT_FOR.format(seconds=state.response_items.keep_seconds) + ".")
     except ResponseItemsUnavailable:
         return _json_error(items_unavailable())
     except ChatFrontError as error:

@@ -17,10 +17,13 @@ from oai.response_items import (
     ResponseItemsUnavailable,
 )
 
-KEPT_HINT = (
+KEPT_FOR = (
     "This AI Horde front keeps a response for {seconds} s, for the API key that made it, unless it was "
-    "sent with store: false; send the whole conversation in 'input' instead (the Vercel AI SDK does "
-    "with providerOptions.openai.store = false)."
+    "sent with store: false"
+)
+KEPT_HINT = (
+    KEPT_FOR + "; send the whole conversation in 'input' instead (the Vercel AI SDK does with "
+    "providerOptions.openai.store = false)."
 )
 
 

@@ -113,7 +113,10 @@ def test_a_deleted_response_is_gone_with_its_items(client, start_worker):
     with pytest.raises(openai.NotFoundError) as caught:
         client.responses.retrieve(first.id)
     assert caught.value.body["code"] == "not_found"
-    assert caught.value.body["message"].startswith(f"Response with id '{first.id}' not found.")
+    assert caught.value.body["message"] == (
+        f"Response with id '{first.id}' not found. This AI Horde front keeps a response for 21600 s, for "
+        "the API key that made it, unless it was sent with store: false."
+    )
     with pytest.raises(openai.BadRequestError) as continued:
         client.responses.create(model=MODEL, input="Again", previous_response_id=first.id)
     assert continued.value.body["code"] == "previous_response_not_found"
