@@ -212,62 +212,57 @@ async def keep_response(state: Any, api_key: str, request: ResponsesRequest, res
 
 async def retrieve_response(response_id: str, api_key: str | None, *, stream: bool = False) -> JsonAnswer:
     """GET /v1/responses/{id}: the kept response as it was delivered (whole: its events are not kept)."""
-    if stream:
-        return _json_error(
-            ChatFrontError(
+    try:
+        if stream:
+            raise ChatFrontError(
                 400,
                 "UnsupportedChatParameter",
                 "This AI Horde front does not stream a kept response again: read it without stream=true.",
                 param="stream",
                 should_retry=False,
             )
-        )
-    return await _with_kept_response(response_id, api_key, kept_response)
+        return JsonAnswer(200, kept_response(await _kept_record(response_id, api_key)), {})
+    except ChatFrontError as error:
+        return _json_error(error)
 
 
 async def list_input_items(response_id: str, api_key: str | None, query: dict[str, str]) -> JsonAnswer:
     """GET /v1/responses/{id}/input_items: a page of the kept response's own input items."""
-    return await _with_kept_response(response_id, api_key, partial(input_items_page, response_id=response_id, query=query))
+    try:
+        record = await _kept_record(response_id, api_key)
+        return JsonAnswer(200, input_items_page(record, response_id, query), {})
+    except ChatFrontError as error:
+        return _json_error(error)
 
 
 async def delete_response(response_id: str, api_key: str | None) -> JsonAnswer:
     """DELETE /v1/responses/{id}: the kept response and its output items forgotten."""
-
-    async def forget(items: ResponseItems, key: str) -> dict[str, Any] | None:
-        return deleted_response(response_id) if await items.forget(key, response_id) else None
-
-    return await _kept_response_answer(response_id, api_key, forget)
-
-
-async def _with_kept_response(
-    response_id: str, api_key: str | None, answer: Callable[[dict[str, Any]], dict[str, Any]]
-) -> JsonAnswer:
-    """`answer` of the record of the response `response_id` kept for the caller's key."""
-
-    async def read(items: ResponseItems, key: str) -> dict[str, Any] | None:
-        record = await items.record(key, response_id)
-        return None if record is None else answer(record)
-
-    return await _kept_response_answer(response_id, api_key, read)
-
-
-async def _kept_response_answer(
-    response_id: str,
-    api_key: str | None,
-    serve: Callable[[ResponseItems, str], Awaitable[dict[str, Any] | None]],
-) -> JsonAnswer:
-    """What `serve` answers for the caller's key, None meaning no such response is kept: 404; 401
-    as a completion would get; 503 when Redis cannot tell."""
     state = await get_front_state()
     try:
-        body = await serve(state.response_items, _caller_key(state, api_key))
-        if body is None:
-            raise response_not_found(response_id, KEPT_FOR.format(seconds=state.response_items.keep_seconds) + ".")
+        if not await state.response_items.forget(_caller_key(state, api_key), response_id):
+            raise _not_kept(state.response_items, response_id)
     except ResponseItemsUnavailable:
         return _json_error(items_unavailable())
     except ChatFrontError as error:
         return _json_error(error)
-    return JsonAnswer(200, body, {})
+    return JsonAnswer(200, deleted_response(response_id), {})
+
+
+async def _kept_record(response_id: str, api_key: str | None) -> dict[str, Any]:
+    """The record of the response `response_id` kept for the caller's key; raises ChatFrontError:
+    401 as a completion would get, 404 when none is kept, 503 when Redis cannot tell."""
+    state = await get_front_state()
+    try:
+        record = await state.response_items.record(_caller_key(state, api_key), response_id)
+    except ResponseItemsUnavailable:
+        raise items_unavailable() from None
+    if record is None:
+        raise _not_kept(state.response_items, response_id)
+    return record
+
+
+def _not_kept(items: ResponseItems, response_id: str) -> ChatFrontError:
+    return response_not_found(response_id, KEPT_FOR.format(seconds=items.keep_seconds) + ".")
 
 
 def _caller_key(state: Any, api_key: str | None) -> str:
