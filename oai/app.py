@@ -21,10 +21,11 @@ from oai.admission import front_at_capacity
 from oai.errors import ChatFrontError, front_stopping, invalid_api_key
 from oai.horde_client import NativeUnreachable
 from oai.mapping import build_completion, build_model_card
-from oai.response_items import ResponseItemsUnavailable
+from oai.response_items import ResponseItems, ResponseItemsUnavailable
 from oai.responses import background
 from oai.responses.events import stream_response
-from oai.responses.references import PreparedBody, resolve_references
+from oai.responses.kept import deleted_response, input_items_page, kept_response, response_not_found
+from oai.responses.references import KEPT_FOR, PreparedBody, items_unavailable, resolve_references
 from oai.responses.reply import build_response
 from oai.responses.request import ResponsesRequest, screen_responses_request
 from oai.run import ANONYMOUS_API_KEY, ChatRun
@@ -131,12 +132,11 @@ async def _completions(
     retry_count = headers.get("x-stainless-retry-count", "0")
     if retry_count.isdigit() and int(retry_count) > 0:
         metrics.client_retry_hints.add(1)
-    if api_key is None:
-        if not state.settings.allow_anonymous:
-            error = invalid_api_key("This AI Horde front needs an API key: send it as a Bearer token.")
-            metrics.refused(401, error.code)
-            return _json_error(error)
-        api_key = ANONYMOUS_API_KEY
+    try:
+        api_key = _caller_key(state, api_key)
+    except ChatFrontError as error:
+        metrics.refused(error.status, error.code)
+        return _json_error(error)
     try:
         body = parse_body(raw_body)
         if prepare is not None:
@@ -185,7 +185,7 @@ async def _completions(
         elif isinstance(request, ResponsesRequest):
             body = build_response(completion, request, run.submitted_id())
             if request.echo["store"]:
-                await keep_response(state, api_key, request, body["id"], body["output"])
+                await keep_response(state, api_key, request, body)
         else:
             body = build_completion(completion)
         return JsonAnswer(200, body, {})
@@ -208,46 +208,110 @@ async def _start_background(state: Any, api_key: str, request: ResponsesRequest,
         return await background.start(state, api_key, request, run.submitted_id(), run.created)
     except ResponseItemsUnavailable:
         await run.cancel()
-        raise background.unavailable() from None
+        raise items_unavailable() from None
 
 
-async def keep_response(
-    state: Any, api_key: str, request: ResponsesRequest, response_id: str, output: list[dict[str, Any]]
-) -> None:
-    """A delivered response kept for later references to it (its items, previous_response_id)."""
+async def keep_response(state: Any, api_key: str, request: ResponsesRequest, response: dict[str, Any]) -> None:
+    """A delivered response kept for later references to it (its items, previous_response_id) and
+    reads of it."""
     await state.response_items.keep(
         api_key,
-        response_id=response_id,
+        response=response,
         previous_response_id=request.previous_response_id,
         turn_input=request.turn_input,
-        output=output,
     )
+
+
+# --- a kept response: GET /v1/responses/{id}, its input items, DELETE ------------------------------
+
+
+async def retrieve_response(response_id: str, api_key: str | None, *, stream: bool = False) -> JsonAnswer:
+    """GET /v1/responses/{id}: the kept response as it was delivered (whole: its events are not kept)."""
+    try:
+        if stream:
+            raise ChatFrontError(
+                400,
+                "UnsupportedChatParameter",
+                "This AI Horde front does not stream a kept response again: read it without stream=true.",
+                param="stream",
+                should_retry=False,
+            )
+        state = await get_front_state()
+        record = await _kept_record(response_id, api_key)
+        if background.pending(record):  # as it is now, read from the horde (ADR 0102)
+            return JsonAnswer(200, await background.current(state, _caller_key(state, api_key), response_id, record), {})
+        return JsonAnswer(200, kept_response(record), {})
+    except ChatFrontError as error:
+        return _json_error(error)
+
+
+async def cancel_response(response_id: str, api_key: str | None) -> JsonAnswer:
+    """POST /v1/responses/{id}/cancel: a background response of this key, cancelled unless it
+    finished (docs/adr/0102-responses-background.md)."""
+    try:
+        state = await get_front_state()
+        record = await _kept_record(response_id, api_key)
+        return JsonAnswer(200, await background.cancel(state, _caller_key(state, api_key), response_id, record), {})
+    except ChatFrontError as error:
+        return _json_error(error)
+
+
+async def list_input_items(response_id: str, api_key: str | None, query: dict[str, str]) -> JsonAnswer:
+    """GET /v1/responses/{id}/input_items: a page of the kept response's own input items."""
+    try:
+        record = await _kept_record(response_id, api_key)
+        return JsonAnswer(200, input_items_page(record, response_id, query), {})
+    except ChatFrontError as error:
+        return _json_error(error)
+
+
+async def delete_response(response_id: str, api_key: str | None) -> JsonAnswer:
+    """DELETE /v1/responses/{id}: the kept response and its output items forgotten; a background
+    response not finished is cancelled first (docs/adr/0102-responses-background.md)."""
+    state = await get_front_state()
+    try:
+        key = _caller_key(state, api_key)
+        record = await state.response_items.record(key, response_id)
+        if record is not None and background.pending(record):
+            await background.cancel_before_delete(state, record)
+        if not await state.response_items.forget(key, response_id):
+            raise _not_kept(state.response_items, response_id)
+    except ResponseItemsUnavailable:
+        return _json_error(items_unavailable())
+    except ChatFrontError as error:
+        return _json_error(error)
+    return JsonAnswer(200, deleted_response(response_id), {})
+
+
+async def _kept_record(response_id: str, api_key: str | None) -> dict[str, Any]:
+    """The record of the response `response_id` kept for the caller's key; raises ChatFrontError:
+    401 as a completion would get, 404 when none is kept, 503 when Redis cannot tell."""
+    state = await get_front_state()
+    try:
+        record = await state.response_items.record(_caller_key(state, api_key), response_id)
+    except ResponseItemsUnavailable:
+        raise items_unavailable() from None
+    if record is None:
+        raise _not_kept(state.response_items, response_id)
+    return record
+
+
+def _not_kept(items: ResponseItems, response_id: str) -> ChatFrontError:
+    return response_not_found(response_id, KEPT_FOR.format(seconds=items.keep_seconds) + ".")
+
+
+def _caller_key(state: Any, api_key: str | None) -> str:
+    """The key a request is made with: its own, or the anonymous key where anonymous requests are
+    served; else 401."""
+    if api_key is not None:
+        return api_key
+    if not state.settings.allow_anonymous:
+        raise invalid_api_key("This AI Horde front needs an API key: send it as a Bearer token.")
+    return ANONYMOUS_API_KEY
 
 
 def _json_error(error: ChatFrontError, request_id: str | None = None) -> JsonAnswer:
     return JsonAnswer(error.status, error.body(request_id), error.headers())
-
-
-async def retrieve_response(response_id: str, api_key: str | None) -> JsonAnswer:
-    """GET /v1/responses/{id}: a response this key made, kept; a background one as it is now."""
-    return await _kept_response(background.retrieve, response_id, api_key)
-
-
-async def cancel_response(response_id: str, api_key: str | None) -> JsonAnswer:
-    """POST /v1/responses/{id}/cancel: a background response of this key, cancelled unless finished."""
-    return await _kept_response(background.cancel, response_id, api_key)
-
-
-async def _kept_response(serve: Any, response_id: str, api_key: str | None) -> JsonAnswer:
-    state = await get_front_state()
-    if api_key is None:
-        if not state.settings.allow_anonymous:
-            return _json_error(invalid_api_key("This AI Horde front needs an API key: send it as a Bearer token."))
-        api_key = ANONYMOUS_API_KEY
-    try:
-        return JsonAnswer(200, await serve(state, api_key, response_id), {})
-    except ChatFrontError as error:
-        return _json_error(error)
 
 
 # --- /v1/models ------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Delivered Responses API replies, kept for a while so that a later request may name their output
 items (`{"type": "item_reference", "id": "msg_..."}`, what the Vercel AI SDK sends for an earlier
-assistant turn unless its app sets `store: false`) or continue one (`previous_response_id`)
-(docs/adr/0101-responses-api.md). Each output item is kept by its id, and each response as a record
+assistant turn unless its app sets `store: false`) or continue one (`previous_response_id`), and
+its client read it again (`GET /v1/responses/{id}`, its input items) or delete it
+(docs/adr/0101-responses-api.md, docs/adr/0103-kept-responses-read-and-deleted.md). Each output item is kept by its id, and each response as a record
 of its turn's input, its output and the response before it: a conversation is walked back record by
 record, so none holds the conversation before it.
 
@@ -51,7 +52,7 @@ class ResponseChainTooLong(Exception):
 
 class ResponseInProgress(Exception):
     """A response of the conversation is a background response not finished yet (its output is not
-    known)."""
+    known: docs/adr/0102-responses-background.md)."""
 
     def __init__(self, response_id: str):
         super().__init__(response_id)
@@ -100,26 +101,30 @@ class ResponseItems:
         self,
         api_key: str,
         *,
-        response_id: str,
+        response: dict[str, Any],
         previous_response_id: str | None,
         turn_input: list[dict[str, Any]],
-        output: list[dict[str, Any]],
-        response: dict[str, Any] | None = None,
     ) -> None:
-        """Keep a delivered response for `api_key`: each output item by its id, and the response's
-        record (its turn's input, its output, the response before it, and the `response` object
-        without its output when given). A failure is logged, never raised."""
+        """Keep a delivered `response` for `api_key`: each output item by its id, and the response's
+        record (the response object, its turn's input, its output, the response before it). A
+        failure is logged, never raised."""
         if not self.enabled:
             return
         owner = _owner(api_key)
+        output = response["output"]
         values = {
             response_item_key(item["id"]): json.dumps({"owner": owner, "item": item}, separators=(",", ":"))
             for item in output
         }
-        record: dict[str, Any] = {"owner": owner, "previous": previous_response_id, "input": turn_input, "output": output}
-        if response is not None:
-            record["response"] = response
-        values[response_key(response_id)] = json.dumps(record, separators=(",", ":"))
+        record = {
+            "owner": owner,
+            "previous": previous_response_id,
+            "input": turn_input,
+            "output": output,
+            # The object GET /v1/responses/{id} answers, but its output (kept once, above).
+            "response": {key: value for key, value in response.items() if key != "output"},
+        }
+        values[response_key(response["id"])] = json.dumps(record, separators=(",", ":"))
         try:
             await self._write(values)
         except ResponseItemsUnavailable as error:  # the reply is delivered; only a later reference to it fails
@@ -129,24 +134,24 @@ class ResponseItems:
         self,
         api_key: str,
         *,
-        response_id: str,
+        response: dict[str, Any],
         previous_response_id: str | None,
         turn_input: list[dict[str, Any]],
-        response: dict[str, Any],
         background: dict[str, Any],
     ) -> None:
-        """Keep the record of a background response not finished yet (oai.responses.background): no
-        output, and what reading its progress needs under `background`. Raises
-        ResponseItemsUnavailable when it could not be kept: its id would name nothing."""
+        """Keep the record of a background response not finished yet (oai.responses.background): the
+        `response` object (queued, no output) and what reading its progress needs under
+        `background`. Raises ResponseItemsUnavailable when it could not be kept: its id would name
+        nothing."""
         record = {
             "owner": _owner(api_key),
             "previous": previous_response_id,
             "input": turn_input,
             "output": [],
-            "response": response,
+            "response": {key: value for key, value in response.items() if key != "output"},
             "background": background,
         }
-        await self._write({response_key(response_id): json.dumps(record, separators=(",", ":"))})
+        await self._write({response_key(response["id"]): json.dumps(record, separators=(",", ":"))})
 
     async def _write(self, values: dict[str, str]) -> None:
         """Set `values` for keep_seconds; raises ResponseItemsUnavailable when Redis did not take them."""
@@ -164,14 +169,6 @@ class ResponseItems:
         except Exception as error:
             await self._failed()
             raise ResponseItemsUnavailable(str(error)) from None
-
-    async def record(self, api_key: str, response_id: str) -> dict[str, Any] | None:
-        """The kept record of `response_id` if `api_key` made it (None otherwise); raises
-        ResponseItemsUnavailable when Redis cannot tell."""
-        if not self.enabled:
-            return None
-        (found,) = await self._read(api_key, [response_key(response_id)])
-        return found
 
     async def _read(self, api_key: str, keys: list[str]) -> list[dict[str, Any] | None]:
         """The kept values under `keys` that `api_key` made (None where none is). Each one found is
@@ -219,6 +216,35 @@ class ResponseItems:
             return {}
         values = await self._read(api_key, [response_item_key(i) for i in item_ids])
         return {i: value["item"] for i, value in zip(item_ids, values, strict=True) if value is not None}
+
+    async def record(self, api_key: str, response_id: str) -> dict[str, Any] | None:
+        """The record of the response `response_id` that `api_key` made (None when none is kept):
+        `response` (the object, but its output), `output`, `input` (its turn's input items) and
+        `previous`."""
+        if not self.enabled:
+            return None
+        (record,) = await self._read(api_key, [response_key(response_id)])
+        return record
+
+    async def forget(self, api_key: str, response_id: str) -> bool:
+        """Deletes the response `response_id` that `api_key` made, with its output items: false when
+        none is kept. A later reference to it or to its items is not found, nor is the conversation
+        of a response that continued it."""
+        record = await self.record(api_key, response_id)
+        if record is None:
+            return False
+        keys = [response_key(response_id), *(response_item_key(item["id"]) for item in record["output"])]
+        if self.redis_url is None:
+            for key in keys:
+                self._local.forget(key)
+            return True
+        try:
+            await asyncio.wait_for(self._redis().delete(*keys), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
+        except Exception as error:
+            log.warning("deleting response %s from Redis failed: %s", response_id, error)
+            await self._failed()
+            raise ResponseItemsUnavailable(str(error)) from None
+        return True
 
     async def conversation(self, api_key: str, response_id: str) -> list[dict[str, Any]] | None:
         """The items of the conversation that ends with `response_id`, oldest first (each response's

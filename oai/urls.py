@@ -9,6 +9,7 @@ from oai.views import (
     ModelsView,
     ModelView,
     ResponseCancelView,
+    ResponseInputItemsView,
     ResponsesView,
     ResponseView,
     TextCompletionsView,
@@ -21,6 +22,7 @@ urlpatterns = [
     path("responses", ResponsesView.as_view()),
     path("responses/<str:response_id>", ResponseView.as_view()),
     path("responses/<str:response_id>/cancel", ResponseCancelView.as_view()),
+    path("responses/<str:response_id>/input_items", ResponseInputItemsView.as_view()),
     path("models", ModelsView.as_view()),
     path("models/<path:model_id>", ModelView.as_view()),
     # Last: every other /v1/ path is 404 in OpenAI's error shape.

@@ -1,5 +1,5 @@
 """DRF (adrf async) views of the OpenAI routes: POST /v1/chat/completions, POST /v1/completions,
-POST /v1/responses and GET /v1/models; every other /v1/ path is `unknown_path`'s 404 in OpenAI's error shape.
+POST /v1/responses (and GET, DELETE and the input items of a kept response) and GET /v1/models; every other /v1/ path is `unknown_path`'s 404 in OpenAI's error shape.
 
 DRF runs authentication (the Bearer key is the horde API key), the error envelope (OpenAI's, through
 `openai_exception_handler`) and the OpenAPI schema for them. A streamed answer is Django's async
@@ -17,7 +17,13 @@ from adrf.views import APIView
 from django.core.exceptions import DisallowedHost
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
-from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema, inline_serializer
+from drf_spectacular.utils import (
+    OpenApiExample,
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    inline_serializer,
+)
 from rest_framework import exceptions, serializers
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.negotiation import DefaultContentNegotiation
@@ -343,27 +349,66 @@ class ResponsesView(FrontView):
 
 
 _KEPT_RESPONSE_ERRORS = {
-    401: OpenApiResponse(response=_ERROR, description="invalid_api_key: no key where the front needs one"),
-    404: OpenApiResponse(response=_ERROR, description="not_found: no response with this id kept for this key"),
+    401: OpenApiResponse(response=_ERROR, description="invalid_api_key: no key, where anonymous requests are not served"),
+    404: OpenApiResponse(
+        response=_ERROR, description="not_found: no response with this id is kept for this key (ADR 0103)"
+    ),
     503: OpenApiResponse(
         response=_ERROR,
-        description="ResponseItemsUnavailable or HordeUnavailable: the kept response or its request's status could "
-        "not be read just now",
+        description="ResponseItemsUnavailable: the kept responses could not be read just now; HordeUnavailable: the "
+        "status of a background response's request could not be read (ADR 0102)",
     ),
 }
 
 
 class ResponseView(FrontView):
-    """GET /v1/responses/{id}: a kept response of this key; a background one as it is now
-    (docs/adr/0102-responses-background.md)."""
+    """GET /v1/responses/{id}: a kept response as it was delivered, a background one as it is now
+    (ADR 0102); DELETE /v1/responses/{id}: it and its output items forgotten
+    (docs/adr/0103-kept-responses-read-and-deleted.md), a background one not finished cancelled first."""
 
     @extend_schema(
         operation_id="oai_response",
         tags=["openai"],
-        responses={200: OpenApiResponse(description="response"), **_KEPT_RESPONSE_ERRORS},
+        parameters=[OpenApiParameter("stream", bool, description="refused when true: a kept response is read whole")],
+        responses={
+            200: OpenApiResponse(description="the response object"),
+            400: OpenApiResponse(response=_ERROR, description="UnsupportedChatParameter: stream=true"),
+            **_KEPT_RESPONSE_ERRORS,
+        },
     )
     async def get(self, request, response_id: str, *args: Any, **kwargs: Any):
-        return _response(await app.retrieve_response(response_id, request.auth))
+        stream = request.query_params.get("stream", "").lower() in ("true", "1")
+        return _response(await app.retrieve_response(response_id, request.auth, stream=stream))
+
+    @extend_schema(
+        operation_id="oai_response_delete",
+        tags=["openai"],
+        responses={200: OpenApiResponse(description='{"id", "object": "response", "deleted": true}'), **_KEPT_RESPONSE_ERRORS},
+    )
+    async def delete(self, request, response_id: str, *args: Any, **kwargs: Any):
+        return _response(await app.delete_response(response_id, request.auth))
+
+
+class ResponseInputItemsView(FrontView):
+    """GET /v1/responses/{id}/input_items: a page of a kept response's own input items."""
+
+    @extend_schema(
+        operation_id="oai_response_input_items",
+        tags=["openai"],
+        parameters=[
+            OpenApiParameter("limit", int, description="1-100, default 20"),
+            OpenApiParameter("order", str, enum=["asc", "desc"], description="default desc"),
+            OpenApiParameter("after", str, description="the id of the item the page starts after"),
+        ],
+        responses={
+            200: OpenApiResponse(description="list of input items"),
+            400: OpenApiResponse(response=_ERROR, description="BadRequest: limit, order or after not valid"),
+            **_KEPT_RESPONSE_ERRORS,
+        },
+    )
+    async def get(self, request, response_id: str, *args: Any, **kwargs: Any):
+        query = {key: request.query_params[key] for key in ("limit", "order", "after") if key in request.query_params}
+        return _response(await app.list_input_items(response_id, request.auth, query))
 
 
 class ResponseCancelView(FrontView):
@@ -429,7 +474,7 @@ async def unknown_path(request, *args: Any, **kwargs: Any) -> JsonResponse:
         404,
         "unknown_url",
         f"Invalid URL ({request.method} {request.path}): the AI Horde serves /v1/chat/completions, "
-        "/v1/completions and /v1/models.",
+        "/v1/completions, /v1/responses and /v1/models.",
         should_retry=False,
     )
     return JsonResponse(error.body(), status=404, headers=error.headers())

@@ -25,6 +25,7 @@ from oai.errors import ChatFrontError
 from oai.horde_client import NativeAnswer, NativeUnreachable
 from oai.mapping import Completion
 from oai.response_items import ResponseItemsUnavailable
+from oai.responses.kept import kept_response
 from oai.responses.reply import build_finished_response, build_response_object, response_id
 from oai.responses.request import ResponsesRequest
 
@@ -57,36 +58,6 @@ def pending(record: Mapping[str, Any]) -> bool:
     return "background" in record
 
 
-def delivered(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The response object of a finished record."""
-    return {**record["response"], "output": record["output"]}
-
-
-def _without_output(response: Mapping[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in response.items() if key != "output"}
-
-
-def not_found(response_id: str) -> ChatFrontError:
-    return ChatFrontError(
-        404,
-        "not_found",
-        f"Response with id '{response_id}' not found.",
-        param="response_id",
-        should_retry=False,
-    )
-
-
-def unavailable() -> ChatFrontError:
-    return ChatFrontError(
-        503,
-        "ResponseItemsUnavailable",
-        "The kept responses could not be read or written just now; send the request again.",
-        type="api_error",
-        retry_after=1,
-        should_retry=True,
-    )
-
-
 async def start(state: Any, api_key: str, request: ResponsesRequest, request_id: str, created: int) -> dict[str, Any]:
     """The `queued` response object of a submitted background request, once its record is kept.
     Raises ResponseItemsUnavailable when it could not be kept (the caller cancels the request)."""
@@ -105,10 +76,9 @@ async def start(state: Any, api_key: str, request: ResponsesRequest, request_id:
     kept_id = response_id(request_id)
     await state.response_items.keep_pending(
         api_key,
-        response_id=kept_id,
+        response=queued,
         previous_response_id=request.previous_response_id,
         turn_input=request.turn_input,
-        response=_without_output(queued),
         background=background,
     )
     state.spawn_collector(collect(state, api_key, kept_id, request_id))
@@ -177,63 +147,34 @@ async def _keep_finished(
     state: Any, api_key: str, kept_id: str, record: Mapping[str, Any], finished: dict[str, Any]
 ) -> dict[str, Any]:
     """Keep a background response's finished record, unless another read (a cancel) finished it
-    first: then that one is the response."""
+    first: then that one is the response; or it was deleted meanwhile: then nothing is kept."""
     items = state.response_items
     with contextlib.suppress(ResponseItemsUnavailable):
         again = await items.record(api_key, kept_id)
-        if again is not None and not pending(again):
-            return delivered(again)
-    await items.keep(
-        api_key,
-        response_id=kept_id,
-        previous_response_id=record["previous"],
-        turn_input=record["input"],
-        output=finished["output"],
-        response=_without_output(finished),
-    )
+        if again is None:
+            return finished
+        if not pending(again):
+            return kept_response(again)
+    await items.keep(api_key, response=finished, previous_response_id=record["previous"], turn_input=record["input"])
     return finished
 
 
-async def retrieve(state: Any, api_key: str, kept_id: str) -> dict[str, Any]:
-    """GET /v1/responses/{id} of a background response: its response object now. Raises ChatFrontError."""
-    try:
-        record = await state.response_items.record(api_key, kept_id)
-    except ResponseItemsUnavailable:
-        raise unavailable() from None
-    if record is None or "response" not in record:
-        raise not_found(kept_id)
-    if pending(record):
-        return await current(state, api_key, kept_id, record)
-    return delivered(record)
-
-
-async def cancel(state: Any, api_key: str, kept_id: str) -> dict[str, Any]:
-    """POST /v1/responses/{id}/cancel: a background response not finished is cancelled on the horde
-    (settled as the native cancel: a job a worker holds is still paid for what it does) and is
-    `cancelled`; a finished one is answered as it is. Raises ChatFrontError: 404 for an id this key
-    did not make, 400 for a response not made with background."""
-    try:
-        record = await state.response_items.record(api_key, kept_id)
-    except ResponseItemsUnavailable:
-        raise unavailable() from None
-    if record is None:
-        raise not_found(kept_id)
+async def cancel(state: Any, api_key: str, kept_id: str, record: Mapping[str, Any]) -> dict[str, Any]:
+    """POST /v1/responses/{id}/cancel of a kept record of this key: a background response not
+    finished is cancelled on the horde (settled as the native cancel: a job a worker holds is still
+    paid for what it does) and is `cancelled`; a finished one is answered as it is. Raises
+    ChatFrontError 400 for a response not made with background."""
     if not pending(record) and not (record.get("response") or {}).get("background"):
         raise ChatFrontError(400, None, CANCEL_ONLY_BACKGROUND, should_retry=False)
     if not pending(record):
-        return delivered(record)
+        return kept_response(record)
     now = await current(state, api_key, kept_id, record)
     if now["status"] not in ACTIVE_STATUSES:  # it ended on its own meanwhile
         return now
     await state.cancels.cancel_within_budget(record["background"]["request_id"])
     cancelled = {**now, "status": "cancelled", "output": []}
     await state.response_items.keep(
-        api_key,
-        response_id=kept_id,
-        previous_response_id=record["previous"],
-        turn_input=record["input"],
-        output=[],
-        response=_without_output(cancelled),
+        api_key, response=cancelled, previous_response_id=record["previous"], turn_input=record["input"]
     )
     return cancelled
 

@@ -31,7 +31,6 @@ from oai.responses.reply import (
     message_item,
     output_text_part,
     reasoning_item,
-    response_id,
 )
 from oai.responses.request import ResponsesRequest
 from oai.streaming import StartedStream
@@ -78,7 +77,8 @@ class ResponseEvents:
         self.usage: dict[str, Any] | None = None
         self.x_horde: dict[str, Any] | None = None
         self.ended = False
-        self.delivered = False  # ended in response.completed or response.incomplete
+        # The response of response.completed or response.incomplete, once sent.
+        self.delivered: dict[str, Any] | None = None
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -311,7 +311,8 @@ class ResponseEvents:
             status, output=self.output, usage=self.usage, incomplete_reason=reason, x_horde=self.x_horde
         )
         events.append(self._event(f"response.{status}", response=response))
-        self.ended = self.delivered = True
+        self.ended = True
+        self.delivered = response
         return events
 
     def fail(self, error: dict[str, Any]) -> list[bytes]:
@@ -345,11 +346,11 @@ async def stream_response(
     created: int,
     chat_events: StartedStream,
     *,
-    keep: Callable[[str, list[dict[str, Any]]], Awaitable[None]] | None = None,
+    keep: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
 ) -> AsyncIterator[bytes]:
     """The Responses stream of the chat route's stream `chat_events` (which ends the run: closing
-    this stream closes it). `keep` is given the id and the output items of a completed or incomplete
-    response before its last event is sent: a client that stops reading there, or continues the
+    this stream closes it). `keep` is given the completed or incomplete response before its last
+    event is sent: a client that stops reading there, or continues the
     response at once, finds it kept."""
     writer = ResponseEvents(request, request_id, created=created, model=request.requested_models[0])
     try:
@@ -364,8 +365,8 @@ async def stream_response(
                     await chat_events.athrow(defect)
                 yield b"".join(writer.fail(INTERNAL_ERROR))
                 break
-            if keep is not None and writer.delivered:
-                await keep(response_id(request_id), writer.output)
+            if keep is not None and writer.delivered is not None:
+                await keep(writer.delivered)
                 keep = None
             if events:
                 yield b"".join(events)  # one write in, one write out: a relayed batch stays one send

@@ -18,10 +18,13 @@ from oai.response_items import (
     ResponseItemsUnavailable,
 )
 
-KEPT_HINT = (
+KEPT_FOR = (
     "This AI Horde front keeps a response for {seconds} s, for the API key that made it, unless it was "
-    "sent with store: false; send the whole conversation in 'input' instead (the Vercel AI SDK does "
-    "with providerOptions.openai.store = false)."
+    "sent with store: false"
+)
+KEPT_HINT = (
+    KEPT_FOR + "; send the whole conversation in 'input' instead (the Vercel AI SDK does with "
+    "providerOptions.openai.store = false)."
 )
 
 
@@ -46,7 +49,7 @@ def _references(body: Any) -> list[tuple[int, str]]:
     ]
 
 
-def _unavailable() -> ChatFrontError:
+def items_unavailable() -> ChatFrontError:
     return ChatFrontError(
         503,
         "ResponseItemsUnavailable",
@@ -89,7 +92,7 @@ async def resolve_references(body: Any, api_key: str, items: ResponseItems) -> P
             history = conversation
         found = await items.recall(api_key, sorted({item_id for _, item_id in references}))
     except ResponseItemsUnavailable:
-        raise _unavailable() from None
+        raise items_unavailable() from None
     except ResponseInProgress as error:
         raise ChatFrontError(
             400,

@@ -329,7 +329,7 @@ def _translate_item(raw: Any, path: str, translation: _Translation) -> None:
 # sent again: kept, they would let one request park up to its whole body in the store for hours.
 KEPT_ITEM_KEYS = {
     "message": ("role", "content"),
-    "function_call": ("call_id", "name", "arguments"),
+    "function_call": ("call_id", "name", "namespace", "arguments"),
     "function_call_output": ("call_id", "output"),
 }
 KEPT_PART_KEYS = ("type", "text", "refusal", "image_url", "detail")

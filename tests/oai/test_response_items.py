@@ -33,7 +33,10 @@ def _run(coro):
 
 async def _keep(items: ResponseItems, key: str, item: dict, *, response: str = "resp_1", previous=None, turn=None):
     await items.keep(
-        key, response_id=response, previous_response_id=previous, turn_input=turn or [], output=[item]
+        key,
+        response={"id": response, "object": "response", "status": "completed", "output": [item]},
+        previous_response_id=previous,
+        turn_input=turn or [],
     )
 
 
@@ -201,3 +204,38 @@ def test_a_conversation_that_goes_on_is_kept_from_its_last_turn_not_its_first(re
     conversation, recalled = _run(scenario())
     assert conversation is not None and [item["id"] for item in conversation][0].startswith("msg_1")
     assert list(recalled) and list(recalled)[0].startswith("msg_1")
+
+
+@pytest.mark.parametrize("redis", [False, pytest.param(True, marks=pytest.mark.redis_only)])
+def test_a_record_is_read_by_its_key_and_forgotten_with_its_items(redis):
+    async def scenario():
+        items = ResponseItems(os.environ["REDIS_URL"] if redis else None, keep_seconds=60)
+        suffix = os.urandom(4).hex()
+        item = {**ITEM, "id": f"msg_{suffix}"}
+        await _keep(items, "key-a", item, response=f"resp_{suffix}", turn=[{"type": "message", "role": "user", "content": "hi"}])
+        record = await items.record("key-a", f"resp_{suffix}")
+        theirs = await items.record("key-b", f"resp_{suffix}")
+        not_theirs_to_forget = await items.forget("key-b", f"resp_{suffix}")
+        forgotten = await items.forget("key-a", f"resp_{suffix}")
+        after = (
+            await items.record("key-a", f"resp_{suffix}"),
+            await items.recall("key-a", [item["id"]]),
+            await items.forget("key-a", f"resp_{suffix}"),
+        )
+        await items.close()
+        return suffix, record, theirs, not_theirs_to_forget, forgotten, after
+
+    suffix, record, theirs, not_theirs_to_forget, forgotten, after = _run(scenario())
+    assert record["response"] == {"id": f"resp_{suffix}", "object": "response", "status": "completed"}
+    assert record["output"] == [{**ITEM, "id": f"msg_{suffix}"}] and record["input"][0]["content"] == "hi"
+    assert theirs is None and not_theirs_to_forget is False and forgotten is True
+    assert after == (None, {}, False)
+
+
+def test_a_forget_that_redis_cannot_answer_is_retryable():
+    async def scenario():
+        items = ResponseItems(f"redis://127.0.0.1:{_closed_port()}/0", keep_seconds=60)
+        with pytest.raises(ResponseItemsUnavailable):
+            await items.forget("key-a", "resp_1")
+
+    _run(scenario())

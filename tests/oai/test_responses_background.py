@@ -280,7 +280,7 @@ def test_another_keys_read_and_cancel_are_not_found(front, client, requester, ma
     for method, path in (("GET", f"/responses/{created.id}"), ("POST", f"/responses/{created.id}/cancel")):
         answer = _raw(front, other.key, method, path)
         assert answer.status_code == 404, answer.text
-        assert answer.json()["error"]["message"] == f"Response with id '{created.id}' not found."
+        assert answer.json()["error"]["message"].startswith(f"Response with id '{created.id}' not found.")
     (row,) = _requests()
     assert not row.cancelled
     unknown = _raw(front, requester.key, "GET", "/responses/resp_0123")
@@ -293,3 +293,23 @@ def test_cancelling_a_response_not_made_in_background_is_refused(client, start_w
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.cancel(whole.id)
     assert caught.value.body["message"] == "Only responses created with background=true can be cancelled."
+
+
+def test_deleting_an_unfinished_background_response_cancels_its_request(
+    client, requester, live_horde, worker_owner, workers
+):
+    from chat.services.admission import HORDE_TAX
+
+    kudos = requester.refresh().kudos
+    worker = _idle_worker(live_horde, worker_owner)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    assert [item.content[0].text for item in client.responses.input_items.list(created.id).data] == ["Hi"]
+    client.responses.delete(created.id)
+    (row,) = _requests()
+    assert row.cancelled
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(created.id)
+    workers.append(worker.start())
+    time.sleep(0.5)
+    assert worker.jobs == [] and _charges() == 0
+    assert requester.refresh().kudos == kudos - HORDE_TAX

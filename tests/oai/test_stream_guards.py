@@ -71,10 +71,10 @@ class _RecordingRun:
         self.trace = SimpleNamespace(fail=lambda error, after_headers: self.failures.append(error))
 
     def delivered(self, completion: Any) -> None:
-        pass
+        """Counted by a real run; these tests read the cancel and the failures."""
 
     def first_content_sent(self) -> None:
-        pass
+        """Timed by a real run; these tests read the cancel and the failures."""
 
     def client_closed(self) -> None:
         self.closed_by_client = True
@@ -104,8 +104,8 @@ def test_a_streamed_response_is_kept_before_its_client_reads_it_completed():
     read completed has to be kept by then, not after the rest of the stream."""
     kept: list[str] = []
 
-    async def keep(response_id: str, output: list[dict[str, Any]]) -> None:
-        kept.append(response_id)
+    async def keep(response: dict[str, Any]) -> None:
+        kept.append(response["id"])
 
     async def chat_events():
         yield b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'

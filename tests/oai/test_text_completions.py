@@ -323,8 +323,8 @@ def test_unknown_v1_paths_are_404_in_openai_shape(front, client):
         response = httpx.request(method, f"{front.live.url}{path}", timeout=10)
         assert response.status_code == 404
         assert response.json()["error"]["message"] == (
-            f"Invalid URL ({method} {path}): the AI Horde serves /v1/chat/completions, /v1/completions and "
-            "/v1/models."
+            f"Invalid URL ({method} {path}): the AI Horde serves /v1/chat/completions, /v1/completions, "
+            "/v1/responses and /v1/models."
         )
         assert response.headers["access-control-allow-origin"] == "*"
     # A known path with another method keeps its 405, in the same shape, typed as OpenAI types a
