@@ -314,6 +314,7 @@ class ResponsesView(FrontView):
                 "stream": serializers.BooleanField(required=False),
                 "stream_options": serializers.DictField(required=False),
                 "store": serializers.BooleanField(required=False),
+                "background": serializers.BooleanField(required=False),
                 "tools": serializers.ListField(child=serializers.DictField(), required=False),
                 "tool_choice": serializers.JSONField(required=False),
                 "parallel_tool_calls": serializers.BooleanField(required=False),
