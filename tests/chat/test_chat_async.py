@@ -265,6 +265,23 @@ def test_a_non_finite_number_is_a_validation_failure_and_queues_nothing(horde, m
             "'messages[3].tool_call_id': Invalid parameter: 'tool_call_id' of 'call_9' not found in 'tool_calls' "
             "of previous message.",
         ),
+        # A content part outside its role's types names the role with its article.
+        (
+            chat_body(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                              {"type": "input_audio", "input_audio": {}}]}]),
+            400,
+            "UnsupportedChatParameter",
+            "'messages[0].content[1].type': Unsupported value: messages[0].content[1].type=input_audio is not "
+            "supported on a user message.",
+        ),
+        (
+            chat_body(messages=[{"role": "user", "content": "Hi"},
+                                {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "https://example.org/a.png"}}]}]),
+            400,
+            "UnsupportedChatParameter",
+            "'messages[1].content[0].type': Unsupported value: messages[1].content[0].type=image_url is not "
+            "supported on an assistant message.",
+        ),
     ],
 )
 def test_contract_refusals_use_the_native_body(horde, make_user, served, body, status, rc, message):
