@@ -155,6 +155,55 @@ def test_lost_submit_is_recovered_with_its_operation_key(front, client, start_wo
     assert ({"horde.existing_claim": True}, 1) in front.metrics()["horde.oai.submit.recoveries"]
 
 
+class _GatewayTimeoutProxy(BaseHTTPRequestHandler):
+    """A gateway in front of the horde that gives up on a slow upstream: it forwards a chat submit to
+    the real horde, which queues the request, then answers 504 with its own HTML page, as nginx does."""
+
+    target = ""
+    seen: list[dict] = []
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        headers = {
+            k: v for k, v in self.headers.items() if k.lower() in ("apikey", "client-agent", "content-type")
+        }
+        httpx.post(self.target + self.path.removeprefix("/api/v2"), content=body, headers=headers, timeout=10)
+        _GatewayTimeoutProxy.seen.append(json.loads(body))
+        page = b"<html><body><h1>504 Gateway Time-out</h1></body></html>"
+        self.send_response(504)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        self.wfile.write(page)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_gateways_error_page_for_the_submit_is_a_lost_answer_and_recovered(front, client, start_worker, live_horde):
+    """A 5xx answer that is not the horde's (no JSON error body) says nothing of whether the submit
+    landed: the front re-sends it with its operation key, as for an answer lost on the way, instead of
+    answering an error the SDK retries as a second request while the first is served and charged."""
+    _GatewayTimeoutProxy.target = f"{live_horde.url}/api/v2"
+    _GatewayTimeoutProxy.seen = []
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _GatewayTimeoutProxy)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        front.configure(
+            native_roots=[f"http://127.0.0.1:{proxy.server_address[1]}/api/v2", f"{live_horde.url}/api/v2"]
+        )
+        start_worker()
+        completion = client.chat.completions.create(model=MODEL, messages=USER)
+        assert completion.choices[0].message.content
+    finally:
+        proxy.shutdown()
+    requests = _requests()
+    assert len(requests) == 1  # one request, one charge
+    assert str(requests[0].operation_key) == _GatewayTimeoutProxy.seen[0]["horde"]["operation_key"]
+    assert completion.id == f"chatcmpl-{requests[0].id}"
+    assert ({"horde.existing_claim": True}, 1) in front.metrics()["horde.oai.submit.recoveries"]
+
+
 def test_native_root_rotation_on_connection_failure(front, client, start_worker, live_horde):
     dead = f"http://127.0.0.1:{_free_port()}/api/v2"
     front.configure(native_roots=[dead, f"{live_horde.url}/api/v2"])
