@@ -161,20 +161,45 @@ class _GatewayTimeoutProxy(BaseHTTPRequestHandler):
 
     target = ""
     seen: list[dict] = []
+    # How many submits it answers with its page; after them it passes the horde's answers on.
+    pages = 1_000_000
 
     def do_POST(self):  # noqa: N802
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         headers = {
             k: v for k, v in self.headers.items() if k.lower() in ("apikey", "client-agent", "content-type")
         }
-        httpx.post(self.target + self.path.removeprefix("/api/v2"), content=body, headers=headers, timeout=10)
+        answer = httpx.post(
+            self.target + self.path.removeprefix("/api/v2"), content=body, headers=headers, timeout=10
+        )
         _GatewayTimeoutProxy.seen.append(json.loads(body))
+        if len(_GatewayTimeoutProxy.seen) > _GatewayTimeoutProxy.pages:
+            self.send_response(answer.status_code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer.content)))
+            self.end_headers()
+            self.wfile.write(answer.content)
+            return
         page = b"<html><body><h1>504 Gateway Time-out</h1></body></html>"
         self.send_response(504)
         self.send_header("Content-Type", "text/html")
         self.send_header("Content-Length", str(len(page)))
         self.end_headers()
         self.wfile.write(page)
+
+    def _forward(self) -> None:
+        """Status reads and cancels pass through."""
+        headers = {k: v for k, v in self.headers.items() if k.lower() in ("apikey", "client-agent")}
+        answer = httpx.request(
+            self.command, self.target + self.path.removeprefix("/api/v2"), headers=headers, timeout=10
+        )
+        self.send_response(answer.status_code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer.content)))
+        self.end_headers()
+        self.wfile.write(answer.content)
+
+    do_GET = do_DELETE = _forward  # noqa: N815
 
     def log_message(self, *args):
         pass
@@ -186,6 +211,7 @@ def test_a_gateways_error_page_for_the_submit_is_a_lost_answer_and_recovered(fro
     answering an error the SDK retries as a second request while the first is served and charged."""
     _GatewayTimeoutProxy.target = f"{live_horde.url}/api/v2"
     _GatewayTimeoutProxy.seen = []
+    _GatewayTimeoutProxy.pages = 1_000_000
     proxy = ThreadingHTTPServer(("127.0.0.1", 0), _GatewayTimeoutProxy)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
@@ -202,6 +228,34 @@ def test_a_gateways_error_page_for_the_submit_is_a_lost_answer_and_recovered(fro
     assert str(requests[0].operation_key) == _GatewayTimeoutProxy.seen[0]["horde"]["operation_key"]
     assert completion.id == f"chatcmpl-{requests[0].id}"
     assert ({"horde.existing_claim": True}, 1) in front.metrics()["horde.oai.submit.recoveries"]
+
+
+def test_a_given_up_submit_whose_search_meets_a_gateways_page_is_searched_again(
+    front, client, live_horde, worker_owner
+):
+    """The submit and its re-send both meet the gateway's page: the front answers 502 with the
+    outcome unknown and looks the key's request up to cancel it. That look-up meeting the page too
+    is not the horde saying it holds nothing: it is sent again with the cancel retries, and once the
+    gateway passes the horde's answer on, the request the first submit created is cancelled."""
+    _GatewayTimeoutProxy.target = f"{live_horde.url}/api/v2"
+    _GatewayTimeoutProxy.seen = []
+    _GatewayTimeoutProxy.pages = 3  # the submit, its re-send and the first look-up
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _GatewayTimeoutProxy)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        front.configure(
+            native_roots=[f"http://127.0.0.1:{proxy.server_address[1]}/api/v2"], cancel_retry_seconds=0.3
+        )
+        HordeTestWorker(live=live_horde, key=worker_owner.key).check_in()
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.chat.completions.create(model=MODEL, messages=USER)
+        assert caught.value.status_code == 502 and caught.value.body["metadata"] == {"submit_outcome": "unknown"}
+        assert caught.value.response.headers["x-should-retry"] == "false"
+        (request,) = _requests()
+        assert wait_for(lambda: _requests()[0].cancelled, 5), "the request the first submit created was left queued"
+    finally:
+        proxy.shutdown()
+    assert {body["horde"]["operation_key"] for body in _GatewayTimeoutProxy.seen} == {str(request.operation_key)}
 
 
 def test_native_root_rotation_on_connection_failure(front, client, start_worker, live_horde):
