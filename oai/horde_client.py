@@ -452,7 +452,7 @@ class HordeClient:
             return "failed"
         finally:
             self._cancel_slots.release()
-        if answer.status == 404:
+        if answer.status == 404 and isinstance(answer.body, dict):  # the horde's, not a gateway's page
             return "already_gone"
         return "acknowledged" if answer.ok else "failed"
 

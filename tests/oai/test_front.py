@@ -258,6 +258,65 @@ def test_a_given_up_submit_whose_search_meets_a_gateways_page_is_searched_again(
     assert {body["horde"]["operation_key"] for body in _GatewayTimeoutProxy.seen} == {str(request.operation_key)}
 
 
+class _GatewayNotFoundProxy(BaseHTTPRequestHandler):
+    """A gateway in front of the horde that answers its first status reads with its own 404 page (a
+    route it has not loaded yet), then passes everything through."""
+
+    target = ""
+    pages = 0
+    reads = 0
+
+    def _forward(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+        if self.command == "GET" and "/status/" in self.path:
+            type(self).reads += 1
+            if type(self).reads <= type(self).pages:
+                page = b"<html><body><h1>404 Not Found</h1></body></html>"
+                self.send_response(404)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(page)))
+                self.end_headers()
+                self.wfile.write(page)
+                return
+        headers = {
+            k: v for k, v in self.headers.items() if k.lower() in ("apikey", "client-agent", "content-type")
+        }
+        answer = httpx.request(
+            self.command, self.target + self.path.removeprefix("/api/v2"), content=body, headers=headers, timeout=10
+        )
+        self.send_response(answer.status_code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer.content)))
+        self.end_headers()
+        self.wfile.write(answer.content)
+
+    do_GET = do_POST = do_DELETE = _forward  # noqa: N815
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_gateways_404_page_for_a_status_read_is_not_the_request_gone(front, client, start_worker, live_horde):
+    """Only the horde's own 404 says the request no longer exists: a gateway's page in its place is a
+    failed read, read again, and the request is delivered, not answered ChatRequestFaulted and left
+    queued for a worker to serve and the requester to pay."""
+    _GatewayNotFoundProxy.target = f"{live_horde.url}/api/v2"
+    _GatewayNotFoundProxy.pages = 2
+    _GatewayNotFoundProxy.reads = 0
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _GatewayNotFoundProxy)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        front.configure(native_roots=[f"http://127.0.0.1:{proxy.server_address[1]}/api/v2"])
+        start_worker(delay=0.5)
+        completion = client.chat.completions.create(model=MODEL, messages=USER)
+        assert completion.choices[0].message.content
+    finally:
+        proxy.shutdown()
+    assert _GatewayNotFoundProxy.reads > 2
+    (request,) = _requests()
+    assert completion.id == f"chatcmpl-{request.id}"
+
+
 def test_native_root_rotation_on_connection_failure(front, client, start_worker, live_horde):
     dead = f"http://127.0.0.1:{_free_port()}/api/v2"
     front.configure(native_roots=[dead, f"{live_horde.url}/api/v2"])
