@@ -222,6 +222,50 @@ def test_empty_reply_carries_the_notice(client, start_worker):
     assert completion.model_extra["x_horde"]["notice"]
 
 
+def test_unserved_keys_of_tools_and_tool_choice_are_dropped(client, start_worker):
+    """A tools entry keeps type and function, its function name, description, parameters and strict,
+    with the parameters schema forwarded unchanged (its own keys included); a tool_choice object keeps
+    type and function, and its function name. What clients add beside them (Anthropic-style
+    cache_control, a function's examples) is dropped as OpenAI ignores it, not refused."""
+    worker = start_worker(reply=calls_reply("get_weather"))
+    parameters = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "examples": ["Oslo"], "x-unit": "none"}},
+        "additionalProperties": False,
+    }
+    tool = {
+        "type": "function",
+        "cache_control": {"type": "ephemeral"},
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": parameters,
+            "strict": False,
+            "examples": [{"city": "Oslo"}],
+        },
+    }
+    completion = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        extra_body={
+            "tools": [tool],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather", "x": 1}, "cache_control": {}},
+        },
+    )
+    assert completion.choices[0].message.tool_calls[0].function.name == "get_weather"
+    assert worker.jobs[0]["payload"]["tools"] == [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather for a city",
+                "parameters": parameters,
+                "strict": False,
+            },
+        }
+    ]
+
+
 # --- streaming -----------------------------------------------------------------------------------
 
 

@@ -9,12 +9,22 @@ import httpx
 import openai
 import pytest
 
+from contract.chat_limits import MAX_CHAT_SCHEMA_NESTING, MAX_CHAT_TOOL_COUNT
 from tests.oai.conftest import MODEL, OTHER_MODEL
 
 pytestmark = pytest.mark.slow
 
 USER = [{"role": "user", "content": "Hello?"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def _nested(levels: int) -> dict:
+    """An object schema nesting `levels` levels below its root."""
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
 
 REFUSALS = [
     # (request keys, SDK exception, param, code)
@@ -127,6 +137,44 @@ REFUSALS = [
         "messages",
         "ChatRequestConflict",
     ),
+    (
+        {"response_format": {"type": "json_object", "strict": True}},
+        openai.BadRequestError,
+        "response_format.strict",
+        "UnsupportedChatParameter",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "c"}}},
+        openai.BadRequestError,
+        "response_format.json_schema.schema",
+        "BadRequest",
+    ),
+    # Schemas nested deeper than MAX_CHAT_SCHEMA_NESTING, refused at their path.
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(MAX_CHAT_SCHEMA_NESTING + 1)}}]},
+        openai.BadRequestError,
+        "tools[0].function.parameters",
+        "UnsupportedChatParameter",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "c", "schema": _nested(MAX_CHAT_SCHEMA_NESTING + 1)},
+            }
+        },
+        openai.BadRequestError,
+        "response_format.json_schema.schema",
+        "UnsupportedChatParameter",
+    ),
+    # More tools than MAX_CHAT_TOOL_COUNT: a value outside the service contract.
+    (
+        {"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(MAX_CHAT_TOOL_COUNT + 1)]},
+        openai.BadRequestError,
+        "tools",
+        "UnsupportedChatParameter",
+    ),
+    ({"max_tokens": 100, "max_completion_tokens": 200}, openai.BadRequestError, "max_completion_tokens", "ChatRequestConflict"),
     ({"horde": {"nope": True}}, openai.BadRequestError, "horde.nope", "UnsupportedChatParameter"),
     # The keys the front applies itself are typed as OpenAI types them, not served as if omitted.
     ({"stream": "true"}, openai.BadRequestError, "stream", "BadRequest"),
