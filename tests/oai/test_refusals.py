@@ -506,3 +506,20 @@ def test_kudos_cap(client, start_worker):
     assert error.body["metadata"]["max_kudos"] == 1
     assert error.body["metadata"]["kudos_estimate"] > 1
     assert _pending_requests() == []
+
+
+@pytest.mark.parametrize(
+    ("message", "said"),
+    [
+        ({"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}, "a user message."),
+        ({"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "an assistant message."),
+    ],
+)
+def test_a_refused_content_part_names_its_role_with_its_article(message, said):
+    from oai.errors import ChatFrontError
+    from oai.schema import screen_request
+
+    with pytest.raises(ChatFrontError) as caught:
+        screen_request({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}, message]})
+    assert caught.value.message.endswith(f"is not supported on {said}")
+    assert caught.value.param.startswith("messages[1].content[0].type=")
