@@ -303,3 +303,27 @@ def test_the_oldest_failed_cancels_are_dropped_over_the_cap(front, network, monk
     time.sleep(0.2)
     assert _deletes(network)[:3] == ids[1:]
     assert ids[0] not in _deletes(network)
+
+
+def test_a_defect_before_a_whole_answer_is_a_500_and_its_request_is_cancelled(front, client, start_worker, monkeypatch):
+    """A fault injected in the front's own code after the submit (the first read raises): the client
+    gets OpenAI's 500 shape, and the request it will never receive does not stay queued to be
+    served and charged."""
+    import openai
+
+    from chat.models import GenerationRequest
+    from oai.run import ChatRun
+
+    start_worker(reply=lambda job: None)  # a worker is online; its jobs are never answered
+    first_decision = ChatRun.first_decision
+
+    async def defective(self):
+        await first_decision(self)
+        raise RuntimeError("a defect in the front")
+
+    monkeypatch.setattr(ChatRun, "first_decision", defective)
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    assert caught.value.body["code"] == "InternalError" and caught.value.body["type"] == "api_error"
+    assert "cancelled" in caught.value.body["message"]
+    assert wait_for(lambda: [r.cancelled for r in GenerationRequest.objects.all()] == [True], 5)
