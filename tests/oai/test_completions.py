@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.oai.conftest import MODEL, OTHER_MODEL
+from tests.oai.conftest import MODEL, OTHER_MODEL, text_reply
 
 pytestmark = pytest.mark.slow
 
@@ -443,6 +443,17 @@ def test_tool_history_round_trip(client, start_worker):
     ]
     completion = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
     assert completion.choices[0].message.content == "It is sunny."
+
+
+def test_an_assistant_message_of_tool_calls_alone_reaches_the_worker_with_null_content(client, start_worker):
+    """chat_front.md, Messages: an assistant's content "null or omitted only with tool_calls, and
+    then forwarded as null" (omitted, as the Vercel AI SDK sends it, or null)."""
+    worker = start_worker(reply=text_reply("It is sunny."))
+    call = {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    for assistant in ({"role": "assistant", "tool_calls": [call]}, {"role": "assistant", "content": None, "tool_calls": [call]}):
+        messages = [*USER, assistant, {"role": "tool", "tool_call_id": "call_0", "content": "sunny"}]
+        client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+        assert worker.jobs[-1]["payload"]["messages"][1] == {"role": "assistant", "content": None, "tool_calls": [call]}
 
 
 COLOUR = {
