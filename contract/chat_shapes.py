@@ -579,7 +579,7 @@ def _check_content(message: Mapping[str, Any], role: str, path: str) -> int:
             raise _unsupported(
                 _join(part_path, "type"),
                 f"Unsupported value: {_join(part_path, 'type')}={shown} is not supported on "
-                f"{'an' if role[0] in 'aeiou' else 'a'} {role} message.",
+                f"{'an' if role == 'assistant' else 'a'} {role} message.",  # "a user", not "an user"
             )
         if kind == "text":
             _check_keys(part, {"type", "text"}, part_path)

@@ -12,13 +12,14 @@ streamed, the first status read decides the HTTP answer and the stream carries t
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from oai.admission import front_at_capacity
-from oai.errors import ChatFrontError, front_stopping, invalid_api_key
+from oai.errors import ChatFrontError, front_stopping, invalid_api_key, request_crashed
 from oai.horde_client import NativeUnreachable
 from oai.mapping import build_completion, build_model_card
 from oai.response_items import ResponseItems, ResponseItemsUnavailable
@@ -35,6 +36,8 @@ from oai.streaming import start_stream, stream_completion
 from oai.text_completions import TextCompletionRequest, screen_text_request
 from oai.text_reply import TextCompletion, build_text_completion
 from oai.trace import RequestTrace
+
+log = logging.getLogger("oai")
 
 
 @dataclass
@@ -196,6 +199,13 @@ async def _completions(
     except asyncio.CancelledError:
         run.client_closed()
         raise
+    except Exception:  # a defect: the client gets a 500 and its request is cancelled, not left queued
+        log.exception("request %s failed before its answer", run.request_id)
+        crashed = request_crashed()
+        trace.fail(crashed)
+        metrics.error(crashed.status, crashed.code, request.stream, crashed.reason)
+        run.cancel_in_background()  # a done request is unchanged
+        return _json_error(crashed, run.request_id)
     finally:
         if not streaming_started:
             await run.finish()

@@ -100,6 +100,15 @@ def sse_error_event(error: ChatFrontError, request_id: str | None = None) -> byt
 FRONT_STOPPING_RETRY_AFTER_SECONDS = 5
 
 
+def request_crashed() -> ChatFrontError:
+    return ChatFrontError(
+        500,
+        "InternalError",
+        "The AI Horde front failed to handle this request, which it cancelled; send it again.",
+        type="api_error",
+    )
+
+
 def front_stopping() -> ChatFrontError:
     """The answer of a request its front process could not finish before it stops (SIGTERM): the
     horde request is cancelled first, so the client's retry is the only one that runs."""

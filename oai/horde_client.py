@@ -374,6 +374,12 @@ class HordeClient:
         while True:
             # A lost answer already moved the current root on: the recovery goes to the next root.
             answer = await self._send("POST", path, call_type=call_type, json=body, headers=headers, timeout=timeout)
+            if not_the_hordes_answer(answer):
+                # A gateway's error page (a 504 while the horde still creates the request): in doubt,
+                # as a lost answer; the recovery goes to the next root (docs/adr/0105).
+                if self.roots and not self.in_process:
+                    self._current = (self._current + 1) % len(self.roots)
+                raise SubmitAnswerLost(f"the native root answered {answer.status} without the AI Horde's body")
             pause = rate_limit_pause(answer)
             if pause is None or time.monotonic() + pause > deadline:
                 return answer
@@ -446,9 +452,16 @@ class HordeClient:
             return "failed"
         finally:
             self._cancel_slots.release()
-        if answer.status == 404:
+        if answer.status == 404 and isinstance(answer.body, dict):  # the horde's, not a gateway's page
             return "already_gone"
         return "acknowledged" if answer.ok else "failed"
+
+
+def not_the_hordes_answer(answer: NativeAnswer) -> bool:
+    """A 5xx whose body is not the horde's JSON error: an intermediary's (a gateway's timeout or
+    error page), which does not tell whether the call reached the horde. Every error the horde
+    itself answers is a JSON object with its message."""
+    return answer.status >= 500 and not isinstance(answer.body, dict)
 
 
 def rate_limit_pause(answer: NativeAnswer) -> float | None:

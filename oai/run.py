@@ -373,7 +373,8 @@ class ChatRun:
             self.lease_renewed_at = time.monotonic()
         status = answer.body if isinstance(answer.body, dict) else {}
         self.generating = answer.ok and int(status.get("processing") or 0) > 0
-        if answer.status == 404:
+        if answer.status == 404 and isinstance(answer.body, dict):
+            # The horde's own 404 (a gateway's page in its place is a failed read: docs/adr/0105).
             self.state.metrics.wake(source, False, False)
             raise self._faulted(status, gone=True)
         if not answer.ok:

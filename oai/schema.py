@@ -147,7 +147,7 @@ def find_refused_parameter(body: Mapping[str, Any]) -> ChatFrontError | None:
                     return _unsupported(
                         f"messages[{i}].content[{j}].type={kind}",
                         f"Unsupported value: messages[{i}].content[{j}].type={kind} is not supported on "
-                        f"a {role} message.",
+                        f"{'an' if role == 'assistant' else 'a'} {role} message.",  # "a user", not "an user"
                     )
     return None
 

@@ -21,12 +21,13 @@ def pytest_configure(config) -> None:
     concurrently, which SQLite's shared cache refuses ("database table is locked", "no such
     savepoint") where a file database in WAL mode waits for its busy timeout. pytest-django adds
     the xdist worker suffix to the name. Here, not beside one of those tests: any subset of the
-    suite gets it."""
+    suite gets it. Named after the database's own file, so that runs given different files never
+    share a test database."""
     database = settings.DATABASES["default"]
     if database["ENGINE"] == "django.db.backends.sqlite3" and not database.get("TEST", {}).get("NAME"):
         folder = Path(settings.BASE_DIR) / "var"
         folder.mkdir(exist_ok=True)
-        database.setdefault("TEST", {})["NAME"] = str(folder / "test-live.sqlite3")
+        database.setdefault("TEST", {})["NAME"] = str(folder / f"test-{Path(database['NAME']).stem}.sqlite3")
 
 
 @pytest.fixture

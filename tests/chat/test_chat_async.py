@@ -265,6 +265,23 @@ def test_a_non_finite_number_is_a_validation_failure_and_queues_nothing(horde, m
             "'messages[3].tool_call_id': Invalid parameter: 'tool_call_id' of 'call_9' not found in 'tool_calls' "
             "of previous message.",
         ),
+        # A content part outside its role's types names the role with its article.
+        (
+            chat_body(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                              {"type": "input_audio", "input_audio": {}}]}]),
+            400,
+            "UnsupportedChatParameter",
+            "'messages[0].content[1].type': Unsupported value: messages[0].content[1].type=input_audio is not "
+            "supported on a user message.",
+        ),
+        (
+            chat_body(messages=[{"role": "user", "content": "Hi"},
+                                {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "https://example.org/a.png"}}]}]),
+            400,
+            "UnsupportedChatParameter",
+            "'messages[1].content[0].type': Unsupported value: messages[1].content[0].type=image_url is not "
+            "supported on an assistant message.",
+        ),
     ],
 )
 def test_contract_refusals_use_the_native_body(horde, make_user, served, body, status, rc, message):
@@ -811,6 +828,58 @@ def test_max_kudos_caps_the_estimate(horde, make_user, served):
     assert requester.refresh().kudos_held == 0
     allowed = chat_async(horde.client, requester.key, max_tokens=1024, horde={"max_kudos": int(kudos) + 1})
     assert allowed.status_code == 202
+
+
+def test_openai_guards_refuse_a_json_object_format_without_json_in_the_messages(horde, make_user, served):
+    """horde.openai_guards (spec: Request body): OpenAI's refusal of a json_object format when no
+    message text says "json" (any case), on admission only, dry runs included; off by default."""
+    requester = make_user("r", kudos=1000)
+    json_object = {"type": "json_object"}
+    plain = [{"role": "user", "content": "An object, please."}]
+    refusal = {
+        "message": "'messages': 'messages' must contain the word 'json' in some form, to use 'response_format' "
+        "of type 'json_object'.",
+        "rc": "ChatRequestConflict",
+    }
+    for horde_options in ({"openai_guards": True}, {"openai_guards": True, "dry_run": True}):
+        refused = chat_async(
+            horde.client, requester.key, messages=plain, response_format=json_object, horde=horde_options
+        )
+        assert refused.status_code == 400 and refused.json() == refusal
+    assert not GenerationRequest.objects.exists()
+    said_in_a_part = [{"role": "user", "content": [{"type": "text", "text": "Answer in Json."}]}]
+    guarded = chat_async(
+        horde.client, requester.key, messages=said_in_a_part, response_format=json_object,
+        horde={"openai_guards": True},
+    )
+    assert guarded.status_code == 202, guarded.json()
+    unguarded = chat_async(horde.client, requester.key, messages=plain, response_format=json_object)
+    assert unguarded.status_code == 202, unguarded.json()
+    # Not stored: the request keeps only what it applies.
+    request = GenerationRequest.objects.get(pk=guarded.json()["id"])
+    assert request.chat_extras == {"response_format": json_object}
+
+
+def test_front_options_are_accepted_and_not_stored_and_reasoning_shows_either_way(horde, make_user, owner):
+    """include_reasoning and availability_mode are the front's (spec: Request body): the native route
+    accepts them and stores neither, and its status shows a submitted reasoning_content even when
+    include_reasoning is false."""
+    requester = make_user("r", kudos=1000)
+    chat_pop(horde, owner.key)  # a chat worker, registered by its (empty) pop
+    created = chat_async(
+        horde.client, requester.key, horde={"include_reasoning": False, "availability_mode": "fail_fast"}
+    )
+    assert created.status_code == 202, created.json()
+    request = GenerationRequest.objects.get(pk=created.json()["id"])
+    assert request.chat_extras is None and "include_reasoning" not in request.params
+    job = chat_pop(horde, owner.key).json()
+    assert job["id"], job
+    reply = {"role": "assistant", "content": "Hi.", "reasoning_content": "They greeted me."}
+    submitted = horde.chat_submit(owner.key, job["id"], message=reply, finish_reason="stop", model_id=MODEL)
+    assert submitted.status_code == 200, submitted.json()
+    status = chat_status(horde.client, request.pk, requester.key).json()
+    assert status["done"] is True
+    assert status["generations"][0]["message"] == reply
 
 
 def test_a_lone_surrogate_escape_is_400_and_queues_nothing(horde, make_user):

@@ -28,7 +28,7 @@ HOP_HEADERS = {"host", "content-length", "connection", "accept-encoding", "trans
 
 class FaultyNetwork(BaseHTTPRequestHandler):
     """Forwards to the horde (mode forward), or: answers 502 as a load balancer whose upstream is
-    down (bad_gateway), closes the connection without an answer (reset), sends a status line
+    down (bad_gateway), its own 404 page as a gateway without the route (not_found_page), closes the connection without an answer (reset), sends a status line
     without a status code, as a broken middlebox might (garbled), answers after `delay`
     seconds (slow), or forwards and sends the answer's first line a byte at a time over `delay`
     seconds, each byte within any read timeout (dribble)."""
@@ -51,6 +51,9 @@ class FaultyNetwork(BaseHTTPRequestHandler):
             return
         if mode == "bad_gateway":
             self._answer(502, b"<html>502 Bad Gateway</html>", {"Content-Type": "text/html"})
+            return
+        if mode == "not_found_page":
+            self._answer(404, b"<html>404 Not Found</html>", {"Content-Type": "text/html"})
             return
         if mode == "slow":
             time.sleep(type(self).delay)
@@ -181,6 +184,28 @@ def test_an_error_answer_or_a_dropped_connection_is_failed(front, network, mode)
     assert _outcomes(front) == {"failed": 1}
 
 
+def test_a_gateways_404_page_is_failed_and_sent_again_not_already_gone(front, network, requester, live_horde, worker_owner):
+    """Only the horde's own 404 says the request is gone: a gateway's 404 page in its place is a
+    failed cancel, sent again until the horde answers, not a request dropped from the retries while
+    it stays queued."""
+    from chat.models import GenerationRequest
+
+    front.configure(native_roots=front.state().settings.native_roots, cancel_retry_seconds=0.3)
+    HordeTestWorker(live=live_horde, key=worker_owner.key).check_in()
+    submitted = httpx.post(
+        f"{live_horde.url}/api/v2/generate/chat/async",
+        json={"model": MODEL, "messages": USER},
+        headers={"apikey": requester.key},
+        timeout=10,
+    )
+    request_id = submitted.json()["id"]
+    network.mode = "not_found_page"
+    assert _cancel(front, request_id) == ["failed"]
+    network.mode = "forward"
+    assert wait_for(lambda: GenerationRequest.objects.get(pk=request_id).cancelled, 5)
+    assert wait_for(lambda: _outcomes(front).get("acknowledged") == 1, 2), _outcomes(front)
+
+
 def test_an_unreachable_horde_is_failed(front, live_horde):
     front.configure(native_roots=[f"http://127.0.0.1:{_free_port()}/api/v2"])
     assert _cancel(front, str(uuid.uuid4())) == ["failed"]
@@ -278,3 +303,27 @@ def test_the_oldest_failed_cancels_are_dropped_over_the_cap(front, network, monk
     time.sleep(0.2)
     assert _deletes(network)[:3] == ids[1:]
     assert ids[0] not in _deletes(network)
+
+
+def test_a_defect_before_a_whole_answer_is_a_500_and_its_request_is_cancelled(front, client, start_worker, monkeypatch):
+    """A fault injected in the front's own code after the submit (the first read raises): the client
+    gets OpenAI's 500 shape, and the request it will never receive does not stay queued to be
+    served and charged."""
+    import openai
+
+    from chat.models import GenerationRequest
+    from oai.run import ChatRun
+
+    start_worker(reply=lambda job: None)  # a worker is online; its jobs are never answered
+    first_decision = ChatRun.first_decision
+
+    async def defective(self):
+        await first_decision(self)
+        raise RuntimeError("a defect in the front")
+
+    monkeypatch.setattr(ChatRun, "first_decision", defective)
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    assert caught.value.body["code"] == "InternalError" and caught.value.body["type"] == "api_error"
+    assert "cancelled" in caught.value.body["message"]
+    assert wait_for(lambda: [r.cancelled for r in GenerationRequest.objects.all()] == [True], 5)

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.oai.conftest import MODEL, OTHER_MODEL
+from tests.oai.conftest import MODEL, OTHER_MODEL, text_reply
 
 pytestmark = pytest.mark.slow
 
@@ -222,6 +222,50 @@ def test_empty_reply_carries_the_notice(client, start_worker):
     assert completion.model_extra["x_horde"]["notice"]
 
 
+def test_unserved_keys_of_tools_and_tool_choice_are_dropped(client, start_worker):
+    """A tools entry keeps type and function, its function name, description, parameters and strict,
+    with the parameters schema forwarded unchanged (its own keys included); a tool_choice object keeps
+    type and function, and its function name. What clients add beside them (Anthropic-style
+    cache_control, a function's examples) is dropped as OpenAI ignores it, not refused."""
+    worker = start_worker(reply=calls_reply("get_weather"))
+    parameters = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "examples": ["Oslo"], "x-unit": "none"}},
+        "additionalProperties": False,
+    }
+    tool = {
+        "type": "function",
+        "cache_control": {"type": "ephemeral"},
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": parameters,
+            "strict": False,
+            "examples": [{"city": "Oslo"}],
+        },
+    }
+    completion = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        extra_body={
+            "tools": [tool],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather", "x": 1}, "cache_control": {}},
+        },
+    )
+    assert completion.choices[0].message.tool_calls[0].function.name == "get_weather"
+    assert worker.jobs[0]["payload"]["tools"] == [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather for a city",
+                "parameters": parameters,
+                "strict": False,
+            },
+        }
+    ]
+
+
 # --- streaming -----------------------------------------------------------------------------------
 
 
@@ -399,6 +443,17 @@ def test_tool_history_round_trip(client, start_worker):
     ]
     completion = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
     assert completion.choices[0].message.content == "It is sunny."
+
+
+def test_an_assistant_message_of_tool_calls_alone_reaches_the_worker_with_null_content(client, start_worker):
+    """chat_front.md, Messages: an assistant's content "null or omitted only with tool_calls, and
+    then forwarded as null" (omitted, as the Vercel AI SDK sends it, or null)."""
+    worker = start_worker(reply=text_reply("It is sunny."))
+    call = {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    for assistant in ({"role": "assistant", "tool_calls": [call]}, {"role": "assistant", "content": None, "tool_calls": [call]}):
+        messages = [*USER, assistant, {"role": "tool", "tool_call_id": "call_0", "content": "sunny"}]
+        client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+        assert worker.jobs[-1]["payload"]["messages"][1] == {"role": "assistant", "content": None, "tool_calls": [call]}
 
 
 COLOUR = {

@@ -155,6 +155,168 @@ def test_lost_submit_is_recovered_with_its_operation_key(front, client, start_wo
     assert ({"horde.existing_claim": True}, 1) in front.metrics()["horde.oai.submit.recoveries"]
 
 
+class _GatewayTimeoutProxy(BaseHTTPRequestHandler):
+    """A gateway in front of the horde that gives up on a slow upstream: it forwards a chat submit to
+    the real horde, which queues the request, then answers 504 with its own HTML page, as nginx does."""
+
+    target = ""
+    seen: list[dict] = []
+    # How many submits it answers with its page; after them it passes the horde's answers on.
+    pages = 1_000_000
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        headers = {
+            k: v for k, v in self.headers.items() if k.lower() in ("apikey", "client-agent", "content-type")
+        }
+        answer = httpx.post(
+            self.target + self.path.removeprefix("/api/v2"), content=body, headers=headers, timeout=10
+        )
+        _GatewayTimeoutProxy.seen.append(json.loads(body))
+        if len(_GatewayTimeoutProxy.seen) > _GatewayTimeoutProxy.pages:
+            self.send_response(answer.status_code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer.content)))
+            self.end_headers()
+            self.wfile.write(answer.content)
+            return
+        page = b"<html><body><h1>504 Gateway Time-out</h1></body></html>"
+        self.send_response(504)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        self.wfile.write(page)
+
+    def _forward(self) -> None:
+        """Status reads and cancels pass through."""
+        headers = {k: v for k, v in self.headers.items() if k.lower() in ("apikey", "client-agent")}
+        answer = httpx.request(
+            self.command, self.target + self.path.removeprefix("/api/v2"), headers=headers, timeout=10
+        )
+        self.send_response(answer.status_code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer.content)))
+        self.end_headers()
+        self.wfile.write(answer.content)
+
+    do_GET = do_DELETE = _forward  # noqa: N815
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_gateways_error_page_for_the_submit_is_a_lost_answer_and_recovered(front, client, start_worker, live_horde):
+    """A 5xx answer that is not the horde's (no JSON error body) says nothing of whether the submit
+    landed: the front re-sends it with its operation key, as for an answer lost on the way, instead of
+    answering an error the SDK retries as a second request while the first is served and charged."""
+    _GatewayTimeoutProxy.target = f"{live_horde.url}/api/v2"
+    _GatewayTimeoutProxy.seen = []
+    _GatewayTimeoutProxy.pages = 1_000_000
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _GatewayTimeoutProxy)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        front.configure(
+            native_roots=[f"http://127.0.0.1:{proxy.server_address[1]}/api/v2", f"{live_horde.url}/api/v2"]
+        )
+        start_worker()
+        completion = client.chat.completions.create(model=MODEL, messages=USER)
+        assert completion.choices[0].message.content
+    finally:
+        proxy.shutdown()
+    requests = _requests()
+    assert len(requests) == 1  # one request, one charge
+    assert str(requests[0].operation_key) == _GatewayTimeoutProxy.seen[0]["horde"]["operation_key"]
+    assert completion.id == f"chatcmpl-{requests[0].id}"
+    assert ({"horde.existing_claim": True}, 1) in front.metrics()["horde.oai.submit.recoveries"]
+
+
+def test_a_given_up_submit_whose_search_meets_a_gateways_page_is_searched_again(
+    front, client, live_horde, worker_owner
+):
+    """The submit and its re-send both meet the gateway's page: the front answers 502 with the
+    outcome unknown and looks the key's request up to cancel it. That look-up meeting the page too
+    is not the horde saying it holds nothing: it is sent again with the cancel retries, and once the
+    gateway passes the horde's answer on, the request the first submit created is cancelled."""
+    _GatewayTimeoutProxy.target = f"{live_horde.url}/api/v2"
+    _GatewayTimeoutProxy.seen = []
+    _GatewayTimeoutProxy.pages = 3  # the submit, its re-send and the first look-up
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _GatewayTimeoutProxy)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        front.configure(
+            native_roots=[f"http://127.0.0.1:{proxy.server_address[1]}/api/v2"], cancel_retry_seconds=0.3
+        )
+        HordeTestWorker(live=live_horde, key=worker_owner.key).check_in()
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.chat.completions.create(model=MODEL, messages=USER)
+        assert caught.value.status_code == 502 and caught.value.body["metadata"] == {"submit_outcome": "unknown"}
+        assert caught.value.response.headers["x-should-retry"] == "false"
+        (request,) = _requests()
+        assert wait_for(lambda: _requests()[0].cancelled, 5), "the request the first submit created was left queued"
+    finally:
+        proxy.shutdown()
+    assert {body["horde"]["operation_key"] for body in _GatewayTimeoutProxy.seen} == {str(request.operation_key)}
+
+
+class _GatewayNotFoundProxy(BaseHTTPRequestHandler):
+    """A gateway in front of the horde that answers its first status reads with its own 404 page (a
+    route it has not loaded yet), then passes everything through."""
+
+    target = ""
+    pages = 0
+    reads = 0
+
+    def _forward(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+        if self.command == "GET" and "/status/" in self.path:
+            type(self).reads += 1
+            if type(self).reads <= type(self).pages:
+                page = b"<html><body><h1>404 Not Found</h1></body></html>"
+                self.send_response(404)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(page)))
+                self.end_headers()
+                self.wfile.write(page)
+                return
+        headers = {
+            k: v for k, v in self.headers.items() if k.lower() in ("apikey", "client-agent", "content-type")
+        }
+        answer = httpx.request(
+            self.command, self.target + self.path.removeprefix("/api/v2"), content=body, headers=headers, timeout=10
+        )
+        self.send_response(answer.status_code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer.content)))
+        self.end_headers()
+        self.wfile.write(answer.content)
+
+    do_GET = do_POST = do_DELETE = _forward  # noqa: N815
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_gateways_404_page_for_a_status_read_is_not_the_request_gone(front, client, start_worker, live_horde):
+    """Only the horde's own 404 says the request no longer exists: a gateway's page in its place is a
+    failed read, read again, and the request is delivered, not answered ChatRequestFaulted and left
+    queued for a worker to serve and the requester to pay."""
+    _GatewayNotFoundProxy.target = f"{live_horde.url}/api/v2"
+    _GatewayNotFoundProxy.pages = 2
+    _GatewayNotFoundProxy.reads = 0
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _GatewayNotFoundProxy)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        front.configure(native_roots=[f"http://127.0.0.1:{proxy.server_address[1]}/api/v2"])
+        start_worker(delay=0.5)
+        completion = client.chat.completions.create(model=MODEL, messages=USER)
+        assert completion.choices[0].message.content
+    finally:
+        proxy.shutdown()
+    assert _GatewayNotFoundProxy.reads > 2
+    (request,) = _requests()
+    assert completion.id == f"chatcmpl-{request.id}"
+
+
 def test_native_root_rotation_on_connection_failure(front, client, start_worker, live_horde):
     dead = f"http://127.0.0.1:{_free_port()}/api/v2"
     front.configure(native_roots=[dead, f"{live_horde.url}/api/v2"])

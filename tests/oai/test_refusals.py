@@ -9,12 +9,22 @@ import httpx
 import openai
 import pytest
 
+from contract.chat_limits import MAX_CHAT_SCHEMA_NESTING, MAX_CHAT_TOOL_COUNT
 from tests.oai.conftest import MODEL, OTHER_MODEL
 
 pytestmark = pytest.mark.slow
 
 USER = [{"role": "user", "content": "Hello?"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def _nested(levels: int) -> dict:
+    """An object schema nesting `levels` levels below its root."""
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
 
 REFUSALS = [
     # (request keys, SDK exception, param, code)
@@ -127,6 +137,44 @@ REFUSALS = [
         "messages",
         "ChatRequestConflict",
     ),
+    (
+        {"response_format": {"type": "json_object", "strict": True}},
+        openai.BadRequestError,
+        "response_format.strict",
+        "UnsupportedChatParameter",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "c"}}},
+        openai.BadRequestError,
+        "response_format.json_schema.schema",
+        "BadRequest",
+    ),
+    # Schemas nested deeper than MAX_CHAT_SCHEMA_NESTING, refused at their path.
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(MAX_CHAT_SCHEMA_NESTING + 1)}}]},
+        openai.BadRequestError,
+        "tools[0].function.parameters",
+        "UnsupportedChatParameter",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "c", "schema": _nested(MAX_CHAT_SCHEMA_NESTING + 1)},
+            }
+        },
+        openai.BadRequestError,
+        "response_format.json_schema.schema",
+        "UnsupportedChatParameter",
+    ),
+    # More tools than MAX_CHAT_TOOL_COUNT: a value outside the service contract.
+    (
+        {"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(MAX_CHAT_TOOL_COUNT + 1)]},
+        openai.BadRequestError,
+        "tools",
+        "UnsupportedChatParameter",
+    ),
+    ({"max_tokens": 100, "max_completion_tokens": 200}, openai.BadRequestError, "max_completion_tokens", "ChatRequestConflict"),
     ({"horde": {"nope": True}}, openai.BadRequestError, "horde.nope", "UnsupportedChatParameter"),
     # The keys the front applies itself are typed as OpenAI types them, not served as if omitted.
     ({"stream": "true"}, openai.BadRequestError, "stream", "BadRequest"),
@@ -458,3 +506,20 @@ def test_kudos_cap(client, start_worker):
     assert error.body["metadata"]["max_kudos"] == 1
     assert error.body["metadata"]["kudos_estimate"] > 1
     assert _pending_requests() == []
+
+
+@pytest.mark.parametrize(
+    ("message", "said"),
+    [
+        ({"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}, "a user message."),
+        ({"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "an assistant message."),
+    ],
+)
+def test_a_refused_content_part_names_its_role_with_its_article(message, said):
+    from oai.errors import ChatFrontError
+    from oai.schema import screen_request
+
+    with pytest.raises(ChatFrontError) as caught:
+        screen_request({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}, message]})
+    assert caught.value.message.endswith(f"is not supported on {said}")
+    assert caught.value.param.startswith("messages[1].content[0].type=")

@@ -521,3 +521,25 @@ def test_litellm_responses_whole_streamed_and_continued(lib_horde):
     assert "".join(deltas) == DEFAULT_REPLY and len(deltas) > 1  # the worker's tokens, relayed
     continued = litellm.responses(input="Again.", previous_response_id=whole.id, **call)
     assert continued.output[0].content[0].text == DEFAULT_REPLY
+
+
+def test_litellm_reads_lists_and_deletes_a_kept_response(lib_horde):
+    """`litellm.get_responses`, `list_input_items` and `delete_responses` on the id that
+    `litellm.responses` gave (ADR 0103)."""
+    import litellm
+
+    v1, key, _ = lib_horde
+    call = {"custom_llm_provider": "openai", "api_base": v1, "api_key": key}
+    created = litellm.responses(input="Say hello.", model=f"openai/{MODEL}", api_base=v1, api_key=key)
+    read = litellm.get_responses(response_id=created.id, **call)
+    assert read.id == created.id and read.output[0].content[0].text == DEFAULT_REPLY
+    listed = litellm.list_input_items(response_id=created.id, **call)
+    assert [item["content"][0]["text"] for item in listed["data"]] == ["Say hello."]
+    deleted = litellm.delete_responses(response_id=created.id, **call)
+    # LiteLLM hands out its own encoding of the horde's id, and answers the delete with the horde's.
+    from litellm.responses.utils import ResponsesAPIRequestUtils
+
+    horde_id = ResponsesAPIRequestUtils.decode_responses_api_response_id(created.id)["response_id"]
+    assert deleted.deleted is True and deleted.id == horde_id and horde_id.startswith("resp_")
+    with pytest.raises(litellm.NotFoundError):
+        litellm.get_responses(response_id=created.id, **call)
