@@ -96,7 +96,8 @@ async def current(state: Any, api_key: str, kept_id: str, record: Mapping[str, A
         raise ChatFrontError(
             503, "HordeUnavailable", f"The AI Horde could not be reached: {error}", type="api_error", retry_after=1
         ) from None
-    if answer.status != 404 and not answer.ok:
+    gone = answer.status == 404 and isinstance(answer.body, dict)  # the horde's own 404, not a gateway's page (ADR 0105)
+    if not gone and not answer.ok:
         raise ChatFrontError(
             503,
             "HordeUnavailable",
@@ -121,7 +122,7 @@ def _finished(background: Mapping[str, Any], answer: NativeAnswer) -> dict[str, 
         model=background["models"][0],
         status="queued",
     )
-    if answer.status == 404:
+    if answer.status == 404 and isinstance(answer.body, dict):
         return {**queued, "status": "failed", "error": {"code": "server_error", "message": GONE_MESSAGE}}
     status = answer.body if isinstance(answer.body, dict) else {}
     if status.get("generations"):

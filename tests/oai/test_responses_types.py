@@ -169,7 +169,8 @@ GENERATION = {
 def test_every_finished_background_response_is_the_sdks_response(answer: dict[str, Any] | None, status: str) -> None:
     from oai.responses.background import _finished
 
-    finished = _finished(_background_record(), _native(404) if answer is None else _native(200, answer))
+    gone = _native(404, {"message": "Request not found", "rc": "RequestNotFound"})
+    finished = _finished(_background_record(), gone if answer is None else _native(200, answer))
     assert finished is not None and finished["status"] == status and finished["background"] is True
     Response.model_validate(finished)
     if status == "failed":
@@ -178,7 +179,8 @@ def test_every_finished_background_response_is_the_sdks_response(answer: dict[st
         assert finished["output"][0]["content"][0]["text"] == "Hello." and finished["usage"]["total_tokens"] == 5
 
 
-def test_a_background_request_still_running_is_not_finished() -> None:
+def test_a_background_request_still_running_or_read_through_a_gateways_404_page_is_not_finished() -> None:
     from oai.responses.background import _finished
 
     assert _finished(_background_record(), _native(200, {"generations": [], "done": False, "processing": 1})) is None
+    assert _finished(_background_record(), _native(404, None)) is None  # not the horde's answer (ADR 0105)
