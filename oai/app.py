@@ -23,6 +23,7 @@ from oai.errors import ChatFrontError, front_stopping, invalid_api_key, request_
 from oai.horde_client import NativeUnreachable
 from oai.mapping import build_completion, build_model_card
 from oai.response_items import ResponseItems, ResponseItemsUnavailable
+from oai.responses import background
 from oai.responses.events import stream_response
 from oai.responses.kept import deleted_response, input_items_page, kept_response, response_not_found
 from oai.responses.references import KEPT_FOR, PreparedBody, items_unavailable, resolve_references
@@ -160,10 +161,14 @@ async def _completions(
         requested_model=",".join(request.requested_models),
         kind="Text" if isinstance(request, TextCompletionRequest) else "Chat",
     )
-    run = ChatRun(state, request, trace, slot, disconnected)
+    in_background = isinstance(request, ResponsesRequest) and request.background
+    run = ChatRun(state, request, trace, slot, disconnected, leased=not in_background)
     streaming_started = False
     try:
         await run.submit(api_key, headers)
+        if in_background:
+            assert isinstance(request, ResponsesRequest)
+            return JsonAnswer(200, await _start_background(state, api_key, request, run), {})
         await run.start_wait()
         completion = await run.first_decision()
         if request.stream:
@@ -206,6 +211,16 @@ async def _completions(
             await run.finish()
 
 
+async def _start_background(state: Any, api_key: str, request: ResponsesRequest, run: ChatRun) -> dict[str, Any]:
+    """A submitted background request answered at once, queued (docs/adr/0102-responses-background.md);
+    one whose record cannot be kept is cancelled: its id would name nothing."""
+    try:
+        return await background.start(state, api_key, request, run.submitted_id(), run.created)
+    except ResponseItemsUnavailable:
+        await run.cancel()
+        raise items_unavailable() from None
+
+
 async def keep_response(state: Any, api_key: str, request: ResponsesRequest, response: dict[str, Any]) -> None:
     """A delivered response kept for later references to it (its items, previous_response_id) and
     reads of it."""
@@ -231,7 +246,22 @@ async def retrieve_response(response_id: str, api_key: str | None, *, stream: bo
                 param="stream",
                 should_retry=False,
             )
-        return JsonAnswer(200, kept_response(await _kept_record(response_id, api_key)), {})
+        state = await get_front_state()
+        record = await _kept_record(response_id, api_key)
+        if background.pending(record):  # as it is now, read from the horde (ADR 0102)
+            return JsonAnswer(200, await background.current(state, _caller_key(state, api_key), response_id, record), {})
+        return JsonAnswer(200, kept_response(record), {})
+    except ChatFrontError as error:
+        return _json_error(error)
+
+
+async def cancel_response(response_id: str, api_key: str | None) -> JsonAnswer:
+    """POST /v1/responses/{id}/cancel: a background response of this key, cancelled unless it
+    finished (docs/adr/0102-responses-background.md)."""
+    try:
+        state = await get_front_state()
+        record = await _kept_record(response_id, api_key)
+        return JsonAnswer(200, await background.cancel(state, _caller_key(state, api_key), response_id, record), {})
     except ChatFrontError as error:
         return _json_error(error)
 
@@ -246,10 +276,15 @@ async def list_input_items(response_id: str, api_key: str | None, query: dict[st
 
 
 async def delete_response(response_id: str, api_key: str | None) -> JsonAnswer:
-    """DELETE /v1/responses/{id}: the kept response and its output items forgotten."""
+    """DELETE /v1/responses/{id}: the kept response and its output items forgotten; a background
+    response not finished is cancelled first (docs/adr/0102-responses-background.md)."""
     state = await get_front_state()
     try:
-        if not await state.response_items.forget(_caller_key(state, api_key), response_id):
+        key = _caller_key(state, api_key)
+        record = await state.response_items.record(key, response_id)
+        if record is not None and background.pending(record):
+            await background.cancel_before_delete(state, record)
+        if not await state.response_items.forget(key, response_id):
             raise _not_kept(state.response_items, response_id)
     except ResponseItemsUnavailable:
         return _json_error(items_unavailable())

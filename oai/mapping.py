@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, Field
@@ -94,8 +94,9 @@ class RepliedRequest(Protocol):
     """What a reply reads of its request (oai.schema.ChatCompletionRequest): the reply side imports
     nothing of the request side."""
 
-    @property
-    def chat(self) -> Any: ...
+    def prompt_estimate(self) -> int:
+        """The prompt's tokens as estimated when its worker reports none."""
+        ...
 
     @property
     def include_reasoning(self) -> bool: ...
@@ -128,7 +129,7 @@ def _message_text(message: Mapping[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def estimate_prompt_tokens(messages: list[Mapping[str, Any]]) -> int:
+def estimate_prompt_tokens(messages: Sequence[Mapping[str, Any]]) -> int:
     return estimate_tokens("\n".join(f"{m.get('role')}: {_message_text(m)}" for m in messages))
 
 
@@ -158,7 +159,7 @@ def build_usage(
     estimated = False
     prompt_tokens = generation.get("prompt_tokens")
     if prompt_tokens is None:
-        prompt_tokens = estimate_prompt_tokens(request.chat.stored_messages())
+        prompt_tokens = request.prompt_estimate()
         estimated = True
     completion_tokens = generation.get("completion_tokens")
     if completion_tokens is None:

@@ -50,6 +50,15 @@ class ResponseChainTooLong(Exception):
     """The conversation of a previous_response_id is more than MAX_RESPONSE_CHAIN responses long."""
 
 
+class ResponseInProgress(Exception):
+    """A response of the conversation is a background response not finished yet (its output is not
+    known: docs/adr/0102-responses-background.md)."""
+
+    def __init__(self, response_id: str):
+        super().__init__(response_id)
+        self.response_id = response_id
+
+
 def response_item_key(item_id: str) -> str:
     return RESPONSE_ITEM_KEY_PREFIX + item_id
 
@@ -116,25 +125,50 @@ class ResponseItems:
             "response": {key: value for key, value in response.items() if key != "output"},
         }
         values[response_key(response["id"])] = json.dumps(record, separators=(",", ":"))
+        try:
+            await self._write(values)
+        except ResponseItemsUnavailable as error:  # the reply is delivered; only a later reference to it fails
+            log.warning("keeping %d response items failed: %s", len(values), error)
+
+    async def keep_pending(
+        self,
+        api_key: str,
+        *,
+        response: dict[str, Any],
+        previous_response_id: str | None,
+        turn_input: list[dict[str, Any]],
+        background: dict[str, Any],
+    ) -> None:
+        """Keep the record of a background response not finished yet (oai.responses.background): the
+        `response` object (queued, no output) and what reading its progress needs under
+        `background`. Raises ResponseItemsUnavailable when it could not be kept: its id would name
+        nothing."""
+        record = {
+            "owner": _owner(api_key),
+            "previous": previous_response_id,
+            "input": turn_input,
+            "output": [],
+            "response": {key: value for key, value in response.items() if key != "output"},
+            "background": background,
+        }
+        await self._write({response_key(response["id"]): json.dumps(record, separators=(",", ":"))})
+
+    async def _write(self, values: dict[str, str]) -> None:
+        """Set `values` for keep_seconds; raises ResponseItemsUnavailable when Redis did not take them."""
         if self.redis_url is None:
             for key, value in values.items():
-                self._local.set(key, (owner, value))
+                self._local.set(key, (json.loads(value)["owner"], value))
             return
         if monotonic() < self._down_until:
-            log.warning(
-                "not keeping %d response items: Redis failed less than %g s ago",
-                len(values),
-                RESPONSE_ITEMS_BACKOFF_SECONDS,
-            )
-            return
+            raise ResponseItemsUnavailable(f"Redis failed less than {RESPONSE_ITEMS_BACKOFF_SECONDS:g} s ago")
         try:
             pipe = self._redis().pipeline(transaction=False)
             for key, value in values.items():
                 pipe.set(key, value, ex=self.keep_seconds)
             await asyncio.wait_for(pipe.execute(), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
-        except Exception as error:  # the reply is delivered; only a later reference to it fails
-            log.warning("keeping %d response items in Redis failed: %s", len(values), error)
+        except Exception as error:
             await self._failed()
+            raise ResponseItemsUnavailable(str(error)) from None
 
     async def _read(self, api_key: str, keys: list[str]) -> list[dict[str, Any] | None]:
         """The kept values under `keys` that `api_key` made (None where none is). Each one found is
@@ -215,7 +249,8 @@ class ResponseItems:
     async def conversation(self, api_key: str, response_id: str) -> list[dict[str, Any]] | None:
         """The items of the conversation that ends with `response_id`, oldest first (each response's
         turn input, then its output); None when a response of the chain is not kept for this key.
-        Raises ResponseChainTooLong past MAX_RESPONSE_CHAIN responses."""
+        Raises ResponseChainTooLong past MAX_RESPONSE_CHAIN responses, ResponseInProgress at a
+        background response not finished yet."""
         if not self.enabled:
             return None
         turns: list[dict[str, Any]] = []
@@ -226,6 +261,8 @@ class ResponseItems:
             (record,) = await self._read(api_key, [response_key(next_id)])
             if record is None:
                 return None
+            if "background" in record:
+                raise ResponseInProgress(next_id)
             turns.append(record)
             next_id = record["previous"]
         return [item for turn in reversed(turns) for item in (*turn["input"], *turn["output"])]

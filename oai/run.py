@@ -77,8 +77,13 @@ class ChatRun:
         trace: RequestTrace,
         slot: InflightSlot,
         disconnected: asyncio.Event | None,
+        *,
+        leased: bool = True,
     ):
         self.state = state
+        # False for a background response (docs/adr/0102): no client waits on it, so no front lease,
+        # and it is not among the process's open requests (which a stopping front cancels).
+        self.leased = leased
         self.settings = state.settings
         self.request = request
         self.trace = trace
@@ -134,7 +139,7 @@ class ChatRun:
             )
         native_headers = {
             "Client-Agent": build_client_agent(headers),
-            **lease_header(self.settings.front_lease_seconds),
+            **(lease_header(self.settings.front_lease_seconds) if self.leased else {}),
         }
         if api_key != ANONYMOUS_API_KEY:  # no key: the horde's anonymous user
             native_headers["apikey"] = api_key
@@ -184,6 +189,8 @@ class ChatRun:
         self.trace.request_id = self.request_id
         self.trace.submitted_at = time.time()
         self.trace.submitted_mono = time.monotonic()
+        if not self.leased:
+            return
         self.state.cancels.open_requests[self.request_id] = (time.monotonic(), self.is_text)
         if self.settings.front_lease_seconds > 0:
             self.lease_renewed_at = time.monotonic()  # the submit took the lease

@@ -38,6 +38,7 @@ from contract.chat_shapes import (
 )
 from contract.strict_json import loads_strict
 from oai.errors import ChatFrontError
+from oai.mapping import estimate_prompt_tokens
 
 # Keys the front validates and forwards, or applies itself (stream, stream_options, user, metadata):
 # the native route's keys, one list in the contract.
@@ -437,6 +438,10 @@ class ChatCompletionRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def prompt_estimate(self) -> int:
+        """The prompt's tokens as estimated when its worker reports none (oai.mapping.build_usage)."""
+        return estimate_prompt_tokens(self.chat.stored_messages())
 
     @property
     def include_reasoning(self) -> bool:

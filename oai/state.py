@@ -53,6 +53,9 @@ class FrontState:
         self.delta_reader = build_delta_reader(settings.redis_url, settings.stream_redis_db)
         self.response_items = ResponseItems(settings.redis_url, keep_seconds=settings.response_items_seconds)
         self._tasks: set[asyncio.Task] = set()
+        # The watchers of the background responses this process submitted (oai.responses.background):
+        # ended at shutdown, as any front process reads those responses from the horde.
+        self._collectors: set[asyncio.Task] = set()
         self.started = False
         # Set when the process stops (stop_fronts): each waiting request wakes, and those not
         # delivered by stop_deadline (monotonic) are cancelled and answered FrontStopping.
@@ -75,6 +78,12 @@ class FrontState:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    def spawn_collector(self, coro: Any) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._collectors.add(task)
+        task.add_done_callback(self._collectors.discard)
+        return task
+
     def stop(self, deadline: float) -> None:
         """The process stops at `deadline` (monotonic): new requests are refused, and a waiting one
         ends its wait in time to cancel its horde request and send its answer before it."""
@@ -87,6 +96,10 @@ class FrontState:
         Every step is bounded: a shutdown must end even when Redis or a native root stops answering
         (closing a pub/sub connection can wait on its reader)."""
         bound = self.settings.cancel_timeout_seconds + 0.5
+        for task in list(self._collectors):
+            task.cancel()
+        if self._collectors:
+            await asyncio.wait(list(self._collectors), timeout=bound)
         if self.leases is not None:
             await _bounded(self.leases.close(), bound)
         await _bounded(self.cancels.cancel_open_requests(), bound)

@@ -314,6 +314,7 @@ class ResponsesView(FrontView):
                 "stream": serializers.BooleanField(required=False),
                 "stream_options": serializers.DictField(required=False),
                 "store": serializers.BooleanField(required=False),
+                "background": serializers.BooleanField(required=False),
                 "tools": serializers.ListField(child=serializers.DictField(), required=False),
                 "tool_choice": serializers.JSONField(required=False),
                 "parallel_tool_calls": serializers.BooleanField(required=False),
@@ -354,14 +355,17 @@ _KEPT_RESPONSE_ERRORS = {
         response=_ERROR, description="not_found: no response with this id is kept for this key (ADR 0103)"
     ),
     503: OpenApiResponse(
-        response=_ERROR, description="ResponseItemsUnavailable: the kept responses could not be read just now"
+        response=_ERROR,
+        description="ResponseItemsUnavailable: the kept responses could not be read just now; HordeUnavailable: the "
+        "status of a background response's request could not be read (ADR 0102)",
     ),
 }
 
 
 class ResponseView(FrontView):
-    """GET /v1/responses/{id}: a kept response as it was delivered; DELETE /v1/responses/{id}: it
-    and its output items forgotten (docs/adr/0103-kept-responses-read-and-deleted.md)."""
+    """GET /v1/responses/{id}: a kept response as it was delivered, a background one as it is now
+    (ADR 0102); DELETE /v1/responses/{id}: it and its output items forgotten
+    (docs/adr/0103-kept-responses-read-and-deleted.md), a background one not finished cancelled first."""
 
     @extend_schema(
         operation_id="oai_response",
@@ -406,6 +410,23 @@ class ResponseInputItemsView(FrontView):
     async def get(self, request, response_id: str, *args: Any, **kwargs: Any):
         query = {key: request.query_params[key] for key in ("limit", "order", "after") if key in request.query_params}
         return _response(await app.list_input_items(response_id, request.auth, query))
+
+
+class ResponseCancelView(FrontView):
+    """POST /v1/responses/{id}/cancel: a background response not finished is cancelled."""
+
+    @extend_schema(
+        operation_id="oai_response_cancel",
+        tags=["openai"],
+        request=None,
+        responses={
+            200: OpenApiResponse(description="response: cancelled, or as it finished"),
+            400: OpenApiResponse(response=_ERROR, description="the response was not made with background=true"),
+            **_KEPT_RESPONSE_ERRORS,
+        },
+    )
+    async def post(self, request, response_id: str, *args: Any, **kwargs: Any):
+        return _response(await app.cancel_response(response_id, request.auth))
 
 
 # What app.list_models answers when it cannot read the horde's model list (ADR 0085).

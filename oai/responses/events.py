@@ -87,7 +87,7 @@ class ResponseEvents:
 
     def _response(self, status: str, **fields: Any) -> dict[str, Any]:
         return build_response_object(
-            self.request, self.request_id, created=self.created, model=self.model, status=status, **fields
+            self.request.echo, self.request_id, created=self.created, model=self.model, status=status, **fields
         )
 
     def start(self) -> list[bytes]:

@@ -13,6 +13,7 @@ from oai.errors import ChatFrontError
 from oai.response_items import (
     MAX_RESPONSE_CHAIN,
     ResponseChainTooLong,
+    ResponseInProgress,
     ResponseItems,
     ResponseItemsUnavailable,
 )
@@ -92,6 +93,15 @@ async def resolve_references(body: Any, api_key: str, items: ResponseItems) -> P
         found = await items.recall(api_key, sorted({item_id for _, item_id in references}))
     except ResponseItemsUnavailable:
         raise items_unavailable() from None
+    except ResponseInProgress as error:
+        raise ChatFrontError(
+            400,
+            "previous_response_in_progress",
+            f"Previous response with id '{error.response_id}' is a background response that has not finished: "
+            "read it with GET /v1/responses/{id} until its status is final, then continue it.",
+            param="previous_response_id",
+            should_retry=False,
+        ) from None
     except ResponseChainTooLong:
         raise ChatFrontError(
             400,

@@ -93,7 +93,7 @@ def build_usage(completion: Completion) -> dict[str, Any]:
 
 
 def build_response_object(
-    request: ResponsesRequest,
+    echo: Mapping[str, Any],
     request_id: str,
     *,
     created: int,
@@ -111,7 +111,6 @@ def build_response_object(
         "object": "response",
         "created_at": created,
         "status": status,
-        "background": False,
         "error": error,
         "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None,
         "model": model,
@@ -120,7 +119,7 @@ def build_response_object(
         "top_logprobs": 0,
         "max_tool_calls": None,
         "usage": usage,
-        **request.echo,
+        **echo,
     }
     if x_horde:
         body["x_horde"] = x_horde
@@ -135,14 +134,26 @@ def completion_status(completion: Completion) -> tuple[str, str | None]:
 
 def build_response(completion: Completion, request: ResponsesRequest, request_id: str) -> dict[str, Any]:
     """The whole `response` object of a delivered reply."""
+    return build_finished_response(completion, echo=request.echo, namespaced=request.namespaced, request_id=request_id)
+
+
+def build_finished_response(
+    completion: Completion,
+    *,
+    echo: Mapping[str, Any],
+    namespaced: Mapping[str, tuple[str, str]],
+    request_id: str,
+) -> dict[str, Any]:
+    """The whole `response` object of a delivered reply, from what its request echoes and its
+    namespaced functions (a background response's, read back from its kept record)."""
     status, reason = completion_status(completion)
     return build_response_object(
-        request,
+        echo,
         request_id,
         created=completion.created,
         model=completion.model,
         status=status,
-        output=build_output(completion, request_id, request.namespaced),
+        output=build_output(completion, request_id, namespaced),
         usage=build_usage(completion),
         incomplete_reason=reason,
         x_horde=completion.x_horde,

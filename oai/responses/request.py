@@ -9,8 +9,9 @@ reasoning. The flat function tools (and the functions of a namespace tool, each 
 and `truncation` take their chat form. The chat route's screening and the contract then check the
 result; a refusal names the path the client sent (`input[2].content`, not `messages[3].content`).
 `previous_response_id` and `item_reference` items are resolved before (oai.responses.references)
-from the responses the front keeps; what needs more stored state (`conversation`, `prompt`,
-`background`) and every built-in tool is refused with 400.
+from the responses the front keeps; what needs more stored state (`conversation`, `prompt`) and
+every built-in tool is refused with 400. `background: true` is answered at once and read later
+(oai.responses.background, docs/adr/0102-responses-background.md).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ RESPONSES_KEYS = frozenset(
         "stream",
         "stream_options",
         "store",
+        "background",
         "metadata",
         "client_metadata",
         "user",
@@ -57,7 +59,7 @@ RESPONSES_KEYS = frozenset(
         "previous_response_id",
     }
 )
-STATEFUL_KEYS = ("conversation", "prompt", "background", "max_tool_calls", "context_management")
+STATEFUL_KEYS = ("conversation", "prompt", "max_tool_calls", "context_management")
 STATELESS_HINT = (
     "This AI Horde front keeps no conversations: send the whole conversation in 'input', or continue "
     "a response with 'previous_response_id'."
@@ -130,6 +132,8 @@ class ResponsesRequest(ChatCompletionRequest):
     previous_response_id: str | None = None
     # The chat name of each function of a namespace tool -> (its namespace, its own name).
     namespaced: dict[str, tuple[str, str]] = {}
+    # Answered at once as queued, and read later (oai.responses.background).
+    background: bool = False
 
 
 class _Translation:
@@ -505,7 +509,7 @@ def _translate_reasoning(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
 
 def _check_accepted(body: Mapping[str, Any]) -> None:
     """The keys accepted without a chat form: typed, and at a value the front can honour."""
-    for key in ("store", "parallel_tool_calls"):
+    for key in ("store", "parallel_tool_calls", "background"):
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise _bad(key, f"Invalid type for '{key}': expected a boolean.")
     for key in ("safety_identifier", "prompt_cache_key", "prompt_cache_retention"):
@@ -562,6 +566,27 @@ def _refuse_stateful(body: Mapping[str, Any]) -> None:
         if value is None or value is False:
             continue
         raise _unsupported(key, f"Unsupported parameter: '{key}'. {STATELESS_HINT}")
+
+
+def _check_background(body: Mapping[str, Any], *, keeps_items: bool) -> None:
+    """`background: true` (docs/adr/0102-responses-background.md): kept, so never with store false,
+    and answered whole (a background stream, which OpenAI lets a client resume, is not served)."""
+    if body.get("background") is not True:
+        return
+    if body.get("store") is False:
+        raise _bad("store", "Background mode requires 'store' to be true; this request sent store: false.")
+    if not keeps_items:
+        raise _unsupported(
+            "background",
+            "Unsupported parameter: 'background'. This AI Horde front keeps no responses "
+            "(HORDE_OAI_RESPONSE_ITEMS_SECONDS is 0), and a background response is read from what it keeps.",
+        )
+    if body.get("stream") is True:
+        raise _unsupported(
+            "stream",
+            "Unsupported value: 'stream' with 'background': this AI Horde front answers a background "
+            "response whole: send stream: false and read it with GET /v1/responses/{id}.",
+        )
 
 
 def chat_body_from_responses(
@@ -664,6 +689,7 @@ def _echo(body: Mapping[str, Any], request: ChatCompletionRequest, *, keeps_item
     reasoning = body.get("reasoning") or {}
     horde = request.chat.horde
     return {
+        "background": body.get("background") is True,
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
         "metadata": body.get("metadata") or {},
@@ -694,6 +720,7 @@ def screen_responses_request(prepared: PreparedBody, *, keeps_items: bool = Fals
     if not isinstance(raw_body, Mapping):
         raise _bad(None, "The request body has to be a JSON object.")
     chat, translation = chat_body_from_responses(raw_body, prepared.history)
+    _check_background(raw_body, keeps_items=keeps_items)
     try:
         request = screen_request(chat)
     except ChatFrontError as error:
@@ -709,4 +736,5 @@ def screen_responses_request(prepared: PreparedBody, *, keeps_items: bool = Fals
         turn_input=turn_input(raw_body),
         previous_response_id=prepared.previous_response_id,
         namespaced=translation.namespaced,
+        background=raw_body.get("background") is True,
     )

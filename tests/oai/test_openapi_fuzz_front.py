@@ -50,6 +50,7 @@ def test_the_front_schema_lists_the_front_routes():
         "/v1/models/{model_id}",
         "/v1/responses",
         "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/cancel",
         "/v1/responses/{response_id}/input_items",
     }
 

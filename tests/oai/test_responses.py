@@ -277,7 +277,7 @@ _NS_TOOL = {"type": "namespace", "name": "ns", "description": "d", "tools": [{"t
     [
         ({"previous_response_id": "resp_123"}, "previous_response_id", "previous_response_not_found"),
         ({"conversation": "conv_1"}, "conversation", "UnsupportedChatParameter"),
-        ({"background": True}, "background", "UnsupportedChatParameter"),
+        ({"background": "yes"}, "background", "BadRequest"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type", "UnsupportedChatParameter"),
         ({"tools": [_NS_TOOL, {"type": "function", "name": "ns__f"}]}, "tools[1].name", "ChatRequestConflict"),
         ({"tools": [{**_NS_TOOL, "tools": [{"type": "custom", "name": "g"}]}]}, "tools[0].tools[0].type", "UnsupportedChatParameter"),

@@ -118,3 +118,69 @@ def test_reasoning_relayed_after_the_text_began_stays_in_its_item() -> None:
     assert output[1]["content"][0]["text"] == "42."
     done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
     assert done == [0, 1]
+
+
+# --- background responses (docs/adr/0102-responses-background.md) ------------------------------------
+
+
+def _background_record() -> dict[str, Any]:
+    """What oai.responses.background.start keeps under `background` for a request with tools."""
+    request = screen_responses_request(
+        PreparedBody({"model": "m", "input": "hi", "tools": TOOLS, "background": True}), keeps_items=True
+    )
+    return {
+        "request_id": "0a1b-2c3d",
+        "created": 1,
+        "echo": request.echo,
+        "namespaced": {},
+        "models": request.requested_models,
+        "include_reasoning": request.include_reasoning,
+        "prompt_estimate": request.prompt_estimate(),
+    }
+
+
+def _native(status: int, body: dict[str, Any] | None = None) -> Any:
+    import httpx
+
+    from oai.horde_client import NativeAnswer
+
+    return NativeAnswer(status, body, httpx.Headers())
+
+
+GENERATION = {
+    "message": {"role": "assistant", "content": "Hello."},
+    "finish_reason": "stop",
+    "model": "m1",
+    "prompt_tokens": 3,
+    "completion_tokens": 2,
+}
+
+
+@pytest.mark.parametrize(
+    ("answer", "status"),
+    [
+        ({"generations": [GENERATION], "done": True}, "completed"),
+        ({"generations": [{**GENERATION, "finish_reason": "length"}], "done": True}, "incomplete"),
+        ({"generations": [], "done": True, "faulted": True, "fault_reason": "The worker failed."}, "failed"),
+        ({"generations": [], "done": True, "faulted": False, "waiting": 0, "processing": 0}, "cancelled"),
+        (None, "failed"),  # the horde no longer has the request
+    ],
+)
+def test_every_finished_background_response_is_the_sdks_response(answer: dict[str, Any] | None, status: str) -> None:
+    from oai.responses.background import _finished
+
+    gone = _native(404, {"message": "Request not found", "rc": "RequestNotFound"})
+    finished = _finished(_background_record(), gone if answer is None else _native(200, answer))
+    assert finished is not None and finished["status"] == status and finished["background"] is True
+    Response.model_validate(finished)
+    if status == "failed":
+        assert finished["error"]["code"] == "server_error" and finished["error"]["message"]
+    if status in ("completed", "incomplete"):
+        assert finished["output"][0]["content"][0]["text"] == "Hello." and finished["usage"]["total_tokens"] == 5
+
+
+def test_a_background_request_still_running_or_read_through_a_gateways_404_page_is_not_finished() -> None:
+    from oai.responses.background import _finished
+
+    assert _finished(_background_record(), _native(200, {"generations": [], "done": False, "processing": 1})) is None
+    assert _finished(_background_record(), _native(404, None)) is None  # not the horde's answer (ADR 0105)

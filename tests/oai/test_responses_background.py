@@ -1,0 +1,315 @@
+"""Background responses (`background: true`, docs/adr/0102-responses-background.md) against the live
+horde and its mounted front, read with the real openai SDK: answered at once `queued`, read by GET
+while the horde works (`queued`, `in_progress`), then finished as the whole reply would have been;
+cancelled before a worker pops it (nothing charged) or while one holds it (settled as the native
+cancel); a faulted job is `failed`; what another key, `store: false` and a stream get."""
+
+from __future__ import annotations
+
+import threading
+import time
+from decimal import Decimal
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai.types.responses import Response
+
+from tests.oai.conftest import MODEL, HordeTestWorker, text_reply, wait_for
+
+pytestmark = pytest.mark.slow
+
+COLOUR_FORMAT = {
+    "type": "json_schema",
+    "name": "colour",
+    "strict": True,
+    "schema": {
+        "type": "object",
+        "properties": {"shade": {"type": "string"}},
+        "required": ["shade"],
+        "additionalProperties": False,
+    },
+}
+
+
+def _requests():
+    from chat.models import GenerationRequest
+
+    return list(GenerationRequest.objects.filter(is_chat=True))
+
+
+def _charges() -> int:
+    from accounts.models import KudosTransaction
+
+    return KudosTransaction.objects.filter(kind=KudosTransaction.Kind.GENERATION_CHARGE).count()
+
+
+def _raw(front, key: str, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    return httpx.request(
+        method, f"{front.live.v1}{path}", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30
+    )
+
+
+def _typed(body: dict[str, Any]) -> Response:
+    """The body read by the SDK's own type, validated (the SDK itself builds without validating)."""
+    return Response.model_validate(body)
+
+
+def _idle_worker(live_horde, worker_owner, **kwargs: Any) -> HordeTestWorker:
+    """A chat worker that checked in (the model is served) and pops nothing until started."""
+    worker = HordeTestWorker(live=live_horde, key=worker_owner.key, **kwargs)
+    worker.check_in()
+    return worker
+
+
+def _poll(client, response_id: str, until: tuple[str, ...], seconds: float = 15) -> Any:
+    deadline = time.monotonic() + seconds
+    while True:
+        response = client.responses.retrieve(response_id)
+        if response.status in until or time.monotonic() > deadline:
+            return response
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def workers():
+    started: list[HordeTestWorker] = []
+    yield started
+    for worker in started:
+        worker.stop()
+
+
+def test_a_background_response_is_queued_then_reads_as_the_whole_reply(
+    front, client, requester, live_horde, worker_owner, workers
+):
+    worker = _idle_worker(live_horde, worker_owner)
+    created = client.responses.create(model=MODEL, input="Hello?", instructions="Be brief.", background=True)
+    assert (created.status, created.background, created.output, created.usage) == ("queued", True, [], None)
+    assert created.id.startswith("resp_") and created.instructions == "Be brief." and created.store is True
+    raw = _raw(front, requester.key, "GET", f"/responses/{created.id}")
+    assert raw.status_code == 200 and raw.json()["status"] == "queued"
+    _typed(raw.json())
+    (row,) = _requests()
+    assert row.front_lease_expires_at is None  # no client waits on it: never cancelled for want of one
+
+    workers.append(worker.start())
+    done = _poll(client, created.id, ("completed",))
+    assert done.status == "completed" and done.output_text == "Hello from the horde."
+    assert done.usage.output_tokens > 0 and done.background is True
+    body = _raw(front, requester.key, "GET", f"/responses/{created.id}").json()
+    _typed(body)
+
+    # The same request, not in background: the same reply but for its id, time and `background`.
+    whole = _raw(
+        front, requester.key, "POST", "/responses", {"model": MODEL, "input": "Hello?", "instructions": "Be brief."}
+    ).json()
+
+    def same_part(response: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in response.items() if k not in ("id", "created_at", "background", "output")}
+
+    assert same_part(body) == same_part(whole)
+    assert (body["background"], whole["background"]) == (True, False)
+    assert [item | {"id": ""} for item in body["output"]] == [item | {"id": ""} for item in whole["output"]]
+    assert body["output"][0]["id"] == "msg_" + body["id"][len("resp_") :]
+
+    # Finished, it is kept as any response: continued, and its message referred to.
+    second = client.responses.create(model=MODEL, input="Go on.", previous_response_id=created.id)
+    assert second.status == "completed"
+    messages = worker.jobs[-1]["payload"]["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[1]["content"] == "Hello from the horde."
+    reference = {"type": "item_reference", "id": done.output[0].id}
+    client.responses.create(
+        model=MODEL, input=[{"role": "user", "content": "Hello?"}, reference, {"role": "user", "content": "And?"}]
+    )
+    assert worker.jobs[-1]["payload"]["messages"][1]["content"] == "Hello from the horde."
+
+
+def test_a_response_a_worker_is_generating_is_in_progress(client, live_horde, worker_owner, workers):
+    release = threading.Event()
+
+    def reply(job: dict[str, Any]) -> dict[str, Any]:
+        release.wait(20)
+        return text_reply("Done.")(job)
+
+    worker = _idle_worker(live_horde, worker_owner, reply=reply)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    workers.append(worker.start())
+    assert wait_for(lambda: worker.jobs, 10)
+    assert _poll(client, created.id, ("in_progress",)).status == "in_progress"
+    release.set()
+    done = _poll(client, created.id, ("completed",))
+    assert done.output_text == "Done."
+
+
+def test_an_unfinished_background_response_is_not_continued(client, live_horde, worker_owner):
+    _idle_worker(live_horde, worker_owner)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input="Go on.", previous_response_id=created.id)
+    assert caught.value.body["code"] == "previous_response_in_progress"
+    assert caught.value.body["param"] == "previous_response_id"
+
+
+def test_a_background_response_may_continue_a_previous_one(client, start_worker):
+    worker = start_worker()
+    first = client.responses.create(model=MODEL, input="Hello?")
+    created = client.responses.create(model=MODEL, input="Again?", previous_response_id=first.id, background=True)
+    assert created.previous_response_id == first.id
+    assert _poll(client, created.id, ("completed",)).status == "completed"
+    roles = [m["role"] for m in worker.jobs[-1]["payload"]["messages"]]
+    assert roles == ["user", "assistant", "user"]
+
+
+def test_cancel_before_a_worker_pops_it_charges_nothing(front, client, requester, live_horde, worker_owner, workers):
+    from chat.models import Generation
+    from chat.services.admission import HORDE_TAX
+
+    kudos = requester.refresh().kudos
+    worker = _idle_worker(live_horde, worker_owner)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    cancelled = client.responses.cancel(created.id)
+    assert (cancelled.id, cancelled.status, cancelled.output, cancelled.background) == (created.id, "cancelled", [], True)
+    (row,) = _requests()
+    assert row.cancelled and row.jobs_waiting == 0 and row.kudos_held == 0
+    workers.append(worker.start())
+    time.sleep(0.5)
+    assert worker.jobs == [] and not Generation.objects.exists()
+    user = requester.refresh()
+    assert (user.kudos, user.kudos_held) == (kudos - HORDE_TAX, Decimal("0"))
+    assert _charges() == 0
+    assert client.responses.retrieve(created.id).status == "cancelled"
+    assert client.responses.cancel(created.id).status == "cancelled"  # as it is, once finished
+    _typed(_raw(front, requester.key, "POST", f"/responses/{created.id}/cancel").json())
+
+
+def test_cancel_while_a_worker_holds_it_settles_as_the_native_cancel(client, live_horde, worker_owner, workers):
+    release = threading.Event()
+
+    def reply(job: dict[str, Any]) -> dict[str, Any]:
+        release.wait(20)
+        return text_reply("Late.")(job)
+
+    worker = _idle_worker(live_horde, worker_owner, reply=reply)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    workers.append(worker.start())
+    assert wait_for(lambda: worker.jobs, 10)
+    assert client.responses.cancel(created.id).status == "cancelled"
+    (row,) = _requests()
+    assert row.cancelled
+    release.set()
+    # The native cancel's rule: a job handed out before the cancel still submits, and is paid.
+    assert wait_for(lambda: worker.submits, 10)
+    assert worker.submits[0].status_code == 200
+    assert wait_for(lambda: _charges() == 1, 5)
+    time.sleep(0.3)
+    assert client.responses.retrieve(created.id).status == "cancelled"
+
+
+def test_a_faulted_request_is_failed_with_its_error(front, client, requester, start_worker):
+    start_worker(reply=lambda job: {"message": {"role": "assistant", "content": "not json"}, "finish_reason": "stop"})
+    created = client.responses.create(model=MODEL, input="Colour?", text={"format": COLOUR_FORMAT}, background=True)
+    failed = _poll(client, created.id, ("failed",))
+    assert failed.status == "failed" and failed.output == []
+    assert failed.error is not None and failed.error.code == "server_error" and failed.error.message
+    _typed(_raw(front, requester.key, "GET", f"/responses/{created.id}").json())
+
+
+def test_a_request_the_horde_deleted_unread_is_kept_by_the_front_that_sent_it(front, client, requester, start_worker):
+    """The submitting process watches its background requests: a reply read after the horde deleted
+    its request (past its time to live) is still there."""
+    from chat.models import GenerationRequest
+
+    start_worker()
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    assert wait_for(lambda: _charges() == 1, 10)
+    time.sleep(1.5)  # the watcher's next read (signal_recheck_seconds 0.5 in these tests)
+    GenerationRequest.objects.all().delete()
+    done = client.responses.retrieve(created.id)
+    assert done.status == "completed" and done.output_text == "Hello from the horde."
+
+
+@pytest.mark.redis_only
+def test_a_new_front_state_reads_a_background_response_from_redis(front, client, live_horde, worker_owner, workers):
+    """What a restarted front process knows of a background response is what Redis holds."""
+    worker = _idle_worker(live_horde, worker_owner)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    front.configure()  # a new front state: the old one's watcher is gone
+    assert client.responses.retrieve(created.id).status == "queued"
+    workers.append(worker.start())
+    assert _poll(client, created.id, ("completed",)).output_text == "Hello from the horde."
+
+
+def test_a_request_nobody_reads_is_not_cancelled_by_the_front_lease(front, client, live_horde, worker_owner, workers):
+    from chat.services.front_lease import cancel_lapsed_front_leases
+
+    front.configure(front_lease_seconds=1)
+    worker = _idle_worker(live_horde, worker_owner)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    time.sleep(1.5)  # a lease taken with the submit would have lapsed
+    assert cancel_lapsed_front_leases() == 0
+    (row,) = _requests()
+    assert not row.cancelled
+    workers.append(worker.start())
+    assert _poll(client, created.id, ("completed",)).status == "completed"
+
+
+# --- refusals ----------------------------------------------------------------------------------------
+
+
+def test_background_with_store_false_is_refused(client, start_worker):
+    start_worker()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input="Hi", background=True, store=False)
+    assert caught.value.body["param"] == "store"
+    assert _requests() == []
+
+
+def test_a_background_stream_is_refused(front, requester, start_worker):
+    start_worker()
+    answer = _raw(front, requester.key, "POST", "/responses", {"model": MODEL, "input": "Hi", "background": True, "stream": True})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "stream"
+    assert _requests() == []
+
+
+def test_another_keys_read_and_cancel_are_not_found(front, client, requester, make_user, live_horde, worker_owner):
+    _idle_worker(live_horde, worker_owner)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    other = make_user("other-reader", kudos=100)
+    for method, path in (("GET", f"/responses/{created.id}"), ("POST", f"/responses/{created.id}/cancel")):
+        answer = _raw(front, other.key, method, path)
+        assert answer.status_code == 404, answer.text
+        assert answer.json()["error"]["message"].startswith(f"Response with id '{created.id}' not found.")
+    (row,) = _requests()
+    assert not row.cancelled
+    unknown = _raw(front, requester.key, "GET", "/responses/resp_0123")
+    assert unknown.status_code == 404
+
+
+def test_cancelling_a_response_not_made_in_background_is_refused(client, start_worker):
+    start_worker()
+    whole = client.responses.create(model=MODEL, input="Hi")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.cancel(whole.id)
+    assert caught.value.body["message"] == "Only responses created with background=true can be cancelled."
+
+
+def test_deleting_an_unfinished_background_response_cancels_its_request(
+    client, requester, live_horde, worker_owner, workers
+):
+    from chat.services.admission import HORDE_TAX
+
+    kudos = requester.refresh().kudos
+    worker = _idle_worker(live_horde, worker_owner)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    assert [item.content[0].text for item in client.responses.input_items.list(created.id).data] == ["Hi"]
+    client.responses.delete(created.id)
+    (row,) = _requests()
+    assert row.cancelled
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(created.id)
+    workers.append(worker.start())
+    time.sleep(0.5)
+    assert worker.jobs == [] and _charges() == 0
+    assert requester.refresh().kudos == kudos - HORDE_TAX
