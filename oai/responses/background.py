@@ -211,6 +211,12 @@ async def collect(state: Any, api_key: str, kept_id: str, request_id: str) -> No
                     return
             except (ChatFrontError, ResponseItemsUnavailable) as error:
                 log.info("background response %s not read this time: %s", kept_id, error)
+    except asyncio.CancelledError:
+        # The process stops. Without Redis the record goes with it and nobody could read the reply:
+        # the request is ended as a stopping front's, not run and charged (a record in Redis stays).
+        if state.response_items.redis_url is None:
+            await state.cancels.cancel_within_budget(request_id, undelivered=True)
+        raise
     finally:
         if wake is not None and listener is not None:
             with contextlib.suppress(Exception):

@@ -379,3 +379,22 @@ def test_a_reply_finished_while_the_cancel_was_on_its_way_is_answered_as_it_fini
         assert client.responses.retrieve(created.id).output_text == "Finished first."
     finally:
         gateway.shutdown()
+
+
+def test_a_front_without_redis_cancels_its_background_requests_when_it_stops(
+    front, client, live_horde, worker_owner, workers
+):
+    """Without Redis a background response's record lives in the process that kept it: once that
+    process stops nobody can read its reply, so its request is cancelled, not left to a worker to
+    serve and its requester to pay for a reply no GET can return."""
+    front.configure(redis_url=None)
+    worker = _idle_worker(live_horde, worker_owner)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    front.configure(redis_url=None)  # the process stops (its state shuts down); a new one starts
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(created.id)
+    (row,) = _requests()
+    assert row.cancelled
+    workers.append(worker.start())
+    time.sleep(0.5)
+    assert worker.jobs == [] and _charges() == 0
