@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from decimal import Decimal
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -18,6 +18,7 @@ import pytest
 from openai.types.responses import Response
 
 from tests.oai.conftest import MODEL, HordeTestWorker, text_reply, wait_for
+from tests.oai.test_front import _GatewayNotFoundProxy
 
 pytestmark = pytest.mark.slow
 
@@ -316,33 +317,20 @@ def test_deleting_an_unfinished_background_response_cancels_its_request(
     assert requester.refresh().kudos == kudos - HORDE_TAX
 
 
-class _LateCancelGateway(BaseHTTPRequestHandler):
-    """A gateway in front of the horde that passes everything on, but holds a cancel until the
-    request's worker has submitted its reply: the reply finishes while the cancel is on its way."""
+class _LateCancelGateway(_GatewayNotFoundProxy):
+    """A gateway in front of the horde that passes everything on (it serves no 404 page of its own),
+    but holds a cancel until the request's worker has submitted its reply: the reply finishes while
+    the cancel is on its way."""
 
-    target = ""
+    pages = 0
     before_cancel: Any = None
 
     def _forward(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
         if self.command == "DELETE":
             type(self).before_cancel()
-        headers = {
-            k: v for k, v in self.headers.items() if k.lower() in ("apikey", "client-agent", "content-type")
-        }
-        answer = httpx.request(
-            self.command, self.target + self.path.removeprefix("/api/v2"), content=body, headers=headers, timeout=10
-        )
-        self.send_response(answer.status_code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(answer.content)))
-        self.end_headers()
-        self.wfile.write(answer.content)
+        super()._forward()
 
     do_GET = do_POST = do_DELETE = _forward  # noqa: N815
-
-    def log_message(self, *args):
-        pass
 
 
 def test_a_reply_finished_while_the_cancel_was_on_its_way_is_answered_as_it_finished(
