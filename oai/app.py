@@ -250,6 +250,8 @@ async def retrieve_response(response_id: str, api_key: str | None, *, stream: bo
         record = await _kept_record(response_id, api_key)
         if background.pending(record):  # as it is now, read from the horde (ADR 0102)
             return JsonAnswer(200, await background.current(state, _caller_key(state, api_key), response_id, record), {})
+        if "response" not in record:  # kept before its object was (ADR 0103): continued, not read
+            raise _not_kept(state.response_items, response_id)
         return JsonAnswer(200, kept_response(record), {})
     except ChatFrontError as error:
         return _json_error(error)

@@ -71,6 +71,27 @@ def _owner(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
 
 
+def _record(
+    owner: str,
+    response: dict[str, Any],
+    previous_response_id: str | None,
+    turn_input: list[dict[str, Any]],
+    output: list[dict[str, Any]],
+    **extra: Any,
+) -> str:
+    """A response's record, as kept: its turn's input, its output, the response before it, and the
+    object GET /v1/responses/{id} answers but its output (kept once, under `output`)."""
+    record = {
+        "owner": owner,
+        "previous": previous_response_id,
+        "input": turn_input,
+        "output": output,
+        "response": {key: value for key, value in response.items() if key != "output"},
+        **extra,
+    }
+    return json.dumps(record, separators=(",", ":"))
+
+
 class ResponseItems:
     def __init__(self, redis_url: str | None, *, keep_seconds: int):
         self.redis_url = redis_url
@@ -116,15 +137,7 @@ class ResponseItems:
             response_item_key(item["id"]): json.dumps({"owner": owner, "item": item}, separators=(",", ":"))
             for item in output
         }
-        record = {
-            "owner": owner,
-            "previous": previous_response_id,
-            "input": turn_input,
-            "output": output,
-            # The object GET /v1/responses/{id} answers, but its output (kept once, above).
-            "response": {key: value for key, value in response.items() if key != "output"},
-        }
-        values[response_key(response["id"])] = json.dumps(record, separators=(",", ":"))
+        values[response_key(response["id"])] = _record(owner, response, previous_response_id, turn_input, output)
         try:
             await self._write(values)
         except ResponseItemsUnavailable as error:  # the reply is delivered; only a later reference to it fails
@@ -143,15 +156,8 @@ class ResponseItems:
         `response` object (queued, no output) and what reading its progress needs under
         `background`. Raises ResponseItemsUnavailable when it could not be kept: its id would name
         nothing."""
-        record = {
-            "owner": _owner(api_key),
-            "previous": previous_response_id,
-            "input": turn_input,
-            "output": [],
-            "response": {key: value for key, value in response.items() if key != "output"},
-            "background": background,
-        }
-        await self._write({response_key(response["id"]): json.dumps(record, separators=(",", ":"))})
+        record = _record(_owner(api_key), response, previous_response_id, turn_input, [], background=background)
+        await self._write({response_key(response["id"]): record})
 
     async def _write(self, values: dict[str, str]) -> None:
         """Set `values` for keep_seconds; raises ResponseItemsUnavailable when Redis did not take them."""

@@ -147,8 +147,9 @@ def _finished(background: Mapping[str, Any], answer: NativeAnswer) -> dict[str, 
 async def _keep_finished(
     state: Any, api_key: str, kept_id: str, record: Mapping[str, Any], finished: dict[str, Any]
 ) -> dict[str, Any]:
-    """Keep a background response's finished record, unless another read (a cancel) finished it
-    first: then that one is the response; or it was deleted meanwhile: then nothing is kept."""
+    """Keep a background response's finished record, unless another read (a cancel, the watcher)
+    finished it first: then that one is the response; or it was deleted meanwhile: then nothing is
+    kept."""
     items = state.response_items
     with contextlib.suppress(ResponseItemsUnavailable):
         again = await items.record(api_key, kept_id)
@@ -173,11 +174,9 @@ async def cancel(state: Any, api_key: str, kept_id: str, record: Mapping[str, An
     if now["status"] not in ACTIVE_STATUSES:  # it ended on its own meanwhile
         return now
     await state.cancels.cancel_within_budget(record["background"]["request_id"])
-    cancelled = {**now, "status": "cancelled", "output": []}
-    await state.response_items.keep(
-        api_key, response=cancelled, previous_response_id=record["previous"], turn_input=record["input"]
-    )
-    return cancelled
+    # Kept unless the reply finished (and the watcher or a GET kept it) while the cancel was on its
+    # way, or the response was deleted meanwhile: as the watcher keeps a finished record.
+    return await _keep_finished(state, api_key, kept_id, record, {**now, "status": "cancelled", "output": []})
 
 
 async def cancel_before_delete(state: Any, record: Mapping[str, Any]) -> None:
@@ -212,6 +211,12 @@ async def collect(state: Any, api_key: str, kept_id: str, request_id: str) -> No
                     return
             except (ChatFrontError, ResponseItemsUnavailable) as error:
                 log.info("background response %s not read this time: %s", kept_id, error)
+    except asyncio.CancelledError:
+        # The process stops. Without Redis the record goes with it and nobody could read the reply:
+        # the request is ended as a stopping front's, not run and charged (a record in Redis stays).
+        if state.response_items.redis_url is None:
+            await state.cancels.cancel_within_budget(request_id, undelivered=True)
+        raise
     finally:
         if wake is not None and listener is not None:
             with contextlib.suppress(Exception):

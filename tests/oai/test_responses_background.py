@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from decimal import Decimal
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -17,6 +18,7 @@ import pytest
 from openai.types.responses import Response
 
 from tests.oai.conftest import MODEL, HordeTestWorker, text_reply, wait_for
+from tests.oai.test_front import _GatewayNotFoundProxy
 
 pytestmark = pytest.mark.slow
 
@@ -313,3 +315,74 @@ def test_deleting_an_unfinished_background_response_cancels_its_request(
     time.sleep(0.5)
     assert worker.jobs == [] and _charges() == 0
     assert requester.refresh().kudos == kudos - HORDE_TAX
+
+
+class _LateCancelGateway(_GatewayNotFoundProxy):
+    """A gateway in front of the horde that passes everything on (it serves no 404 page of its own),
+    but holds a cancel until the request's worker has submitted its reply: the reply finishes while
+    the cancel is on its way."""
+
+    pages = 0
+    before_cancel: Any = None
+
+    def _forward(self) -> None:
+        if self.command == "DELETE":
+            type(self).before_cancel()
+        super()._forward()
+
+    do_GET = do_POST = do_DELETE = _forward  # noqa: N815
+
+
+def test_a_reply_finished_while_the_cancel_was_on_its_way_is_answered_as_it_finished(
+    front, client, live_horde, worker_owner, workers
+):
+    """The cancel read the response in progress, but its worker's reply was submitted (and paid)
+    before the cancel reached the horde, and the watcher kept it: the cancel answers the response as
+    it finished, as for one finished before the cancel, and does not overwrite it with `cancelled`."""
+    release = threading.Event()
+
+    def reply(job: dict[str, Any]) -> dict[str, Any]:
+        release.wait(20)
+        return text_reply("Finished first.")(job)
+
+    worker = _idle_worker(live_horde, worker_owner, reply=reply)
+
+    def before_cancel() -> None:
+        release.set()
+        wait_for(lambda: worker.submits, 5)
+        time.sleep(0.5)  # the watcher's read after the completion signal (or its recheck)
+
+    _LateCancelGateway.target = f"{live_horde.url}/api/v2"
+    _LateCancelGateway.before_cancel = before_cancel
+    gateway = ThreadingHTTPServer(("127.0.0.1", 0), _LateCancelGateway)
+    threading.Thread(target=gateway.serve_forever, daemon=True).start()
+    try:
+        front.configure(native_roots=[f"http://127.0.0.1:{gateway.server_address[1]}/api/v2"], cancel_timeout_seconds=5)
+        created = client.responses.create(model=MODEL, input="Hi", background=True)
+        workers.append(worker.start())
+        assert wait_for(lambda: worker.jobs, 10)
+        answered = client.responses.cancel(created.id)
+        assert worker.submits[0].status_code == 200 and wait_for(lambda: _charges() == 1, 5)
+        assert (answered.status, answered.output_text) == ("completed", "Finished first.")
+        assert client.responses.retrieve(created.id).output_text == "Finished first."
+    finally:
+        gateway.shutdown()
+
+
+def test_a_front_without_redis_cancels_its_background_requests_when_it_stops(
+    front, client, live_horde, worker_owner, workers
+):
+    """Without Redis a background response's record lives in the process that kept it: once that
+    process stops nobody can read its reply, so its request is cancelled, not left to a worker to
+    serve and its requester to pay for a reply no GET can return."""
+    front.configure(redis_url=None)
+    worker = _idle_worker(live_horde, worker_owner)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    front.configure(redis_url=None)  # the process stops (its state shuts down); a new one starts
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(created.id)
+    (row,) = _requests()
+    assert row.cancelled
+    workers.append(worker.start())
+    time.sleep(0.5)
+    assert worker.jobs == [] and _charges() == 0

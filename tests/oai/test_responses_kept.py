@@ -169,3 +169,36 @@ def test_a_namespaced_call_in_a_kept_turn_stays_in_its_namespace(client, start_w
     assert call["function"]["name"] == "agents__spawn"
     listed = client.responses.input_items.list(first.id, order="asc").data[1]
     assert (listed.type, listed.namespace, listed.name) == ("function_call", "agents", "spawn")
+
+
+def test_a_response_kept_before_its_object_was_kept_is_not_found_but_still_continued(front, client, start_worker):
+    """A record the previous release kept (its turn and output, no response object): GET is 404, as
+    ADR 0103 says, not a 500; a continuation still reads it."""
+    import json
+
+    from oai.response_items import _owner, response_key
+
+    worker = start_worker()
+    old_id = "resp_00000000000000000000000000000001"
+    output = [
+        {
+            "id": "msg_00000000000000000000000000000001",
+            "type": "message",
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "Kept before.", "annotations": []}],
+        }
+    ]
+    record = {
+        "owner": _owner(client.api_key),
+        "previous": None,
+        "input": [{"type": "message", "role": "user", "content": "Hi"}],
+        "output": output,
+    }
+    items = front.state().response_items
+    front.live.run(items._write({response_key(old_id): json.dumps(record)}))
+    answer = _get(front, client.api_key, old_id)
+    assert answer.status_code == 404, answer.text
+    assert answer.json()["error"]["code"] == "not_found"
+    client.responses.create(model=MODEL, input="Go on.", previous_response_id=old_id)
+    assert worker.jobs[-1]["payload"]["messages"][1]["content"] == "Kept before."
