@@ -42,6 +42,19 @@ RESPONSE_ITEMS_BACKOFF_SECONDS = 5.0
 RESPONSE_ITEMS_MAX_LOCAL_ENTRIES = 20_000
 
 
+# Sets KEYS (the record, then its output items) to ARGV[3:] for ARGV[2] seconds only while the
+# record is the pending one of a background response made by ARGV[1]: the check and the write in
+# one step, against a cancel, a GET or a DELETE of the same response.
+KEEP_FINISHED_SCRIPT = """
+local current = redis.call('GET', KEYS[1])
+if not current then return 0 end
+local ok, record = pcall(cjson.decode, current)
+if not ok or record['owner'] ~= ARGV[1] or record['background'] == nil then return 0 end
+for i = 1, #KEYS do redis.call('SET', KEYS[i], ARGV[i + 2], 'EX', tonumber(ARGV[2])) end
+return 1
+"""
+
+
 class ResponseItemsUnavailable(Exception):
     """Redis did not answer a recall: the references cannot be told found or not."""
 
@@ -158,6 +171,47 @@ class ResponseItems:
         nothing."""
         record = _record(_owner(api_key), response, previous_response_id, turn_input, [], background=background)
         await self._write({response_key(response["id"]): record})
+
+    async def keep_finished(
+        self,
+        api_key: str,
+        *,
+        response: dict[str, Any],
+        previous_response_id: str | None,
+        turn_input: list[dict[str, Any]],
+    ) -> bool:
+        """Keep the finished record of a background response, as `keep` keeps a delivered one, only
+        while its kept record is still the pending one: false when another read (a cancel, the
+        watcher, a GET) finished it first or it was deleted meanwhile, so that neither a finished
+        reply is overwritten nor a deleted record brought back. Raises ResponseItemsUnavailable."""
+        owner = _owner(api_key)
+        output = response["output"]
+        record_key = response_key(response["id"])
+        values = {record_key: _record(owner, response, previous_response_id, turn_input, output)}
+        values.update(
+            (response_item_key(item["id"]), json.dumps({"owner": owner, "item": item}, separators=(",", ":")))
+            for item in output
+        )
+        if self.redis_url is None:  # no await between the check and the write: one step of the loop
+            entry = self._local.get(record_key)
+            if entry is None or entry[0] != owner or "background" not in json.loads(entry[1]):
+                return False
+            for key, value in values.items():
+                self._local.set(key, (owner, value))
+            return True
+        if monotonic() < self._down_until:
+            raise ResponseItemsUnavailable(f"Redis failed less than {RESPONSE_ITEMS_BACKOFF_SECONDS:g} s ago")
+        try:
+            kept = await asyncio.wait_for(
+                self._redis().eval(
+                    KEEP_FINISHED_SCRIPT, len(values), *values, owner, self.keep_seconds, *values.values()
+                ),
+                RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS,
+            )
+        except Exception as error:
+            await self._failed()
+            raise ResponseItemsUnavailable(str(error)) from None
+        return bool(kept)
 
     async def _write(self, values: dict[str, str]) -> None:
         """Set `values` for keep_seconds; raises ResponseItemsUnavailable when Redis did not take them."""

@@ -239,3 +239,39 @@ def test_a_forget_that_redis_cannot_answer_is_retryable():
             await items.forget("key-a", "resp_1")
 
     _run(scenario())
+
+
+@pytest.mark.parametrize("redis", [False, pytest.param(True, marks=pytest.mark.redis_only)])
+def test_a_finished_background_record_is_kept_only_over_its_pending_one(redis):
+    """The watcher, a GET and a cancel may each find a background response ended: the first keeps
+    it; a later one, or one after a DELETE, writes nothing (no finished reply overwritten, no
+    deleted record brought back)."""
+
+    async def scenario():
+        items = ResponseItems(os.environ["REDIS_URL"] if redis else None, keep_seconds=60)
+        suffix = os.urandom(4).hex()
+        rid, item = f"resp_{suffix}", {**ITEM, "id": f"msg_{suffix}"}
+        queued = {"id": rid, "object": "response", "status": "queued", "output": []}
+        await items.keep_pending("key-a", response=queued, previous_response_id=None, turn_input=[], background={"request_id": "r"})
+
+        async def finish(status: str, key: str = "key-a") -> bool:
+            response = {**queued, "status": status, "output": [item] if status == "completed" else []}
+            return await items.keep_finished(key, response=response, previous_response_id=None, turn_input=[])
+
+        theirs = await finish("completed", key="key-b")
+        first, second = await finish("completed"), await finish("cancelled")
+        kept = await items.record("key-a", rid)
+        await items.forget("key-a", rid)
+        await items.keep_pending("key-a", response={**queued, "id": f"{rid}x"}, previous_response_id=None, turn_input=[], background={})
+        await items.forget("key-a", f"{rid}x")
+        after_delete = await items.keep_finished(
+            "key-a", response={**queued, "id": f"{rid}x", "status": "cancelled"}, previous_response_id=None, turn_input=[]
+        )
+        gone = await items.record("key-a", f"{rid}x")
+        await items.close()
+        return theirs, first, second, kept, after_delete, gone
+
+    theirs, first, second, kept, after_delete, gone = _run(scenario())
+    assert (theirs, first, second) == (False, True, False)
+    assert kept["response"]["status"] == "completed" and "background" not in kept
+    assert after_delete is False and gone is None
