@@ -149,16 +149,18 @@ async def _keep_finished(
 ) -> dict[str, Any]:
     """Keep a background response's finished record, unless another read (a cancel, the watcher)
     finished it first: then that one is the response; or it was deleted meanwhile: then nothing is
-    kept."""
+    kept (the check and the write are one step: ResponseItems.keep_finished)."""
     items = state.response_items
-    with contextlib.suppress(ResponseItemsUnavailable):
-        again = await items.record(api_key, kept_id)
-        if again is None:
+    try:
+        if await items.keep_finished(
+            api_key, response=finished, previous_response_id=record["previous"], turn_input=record["input"]
+        ):
             return finished
-        if not pending(again):
-            return kept_response(again)
-    await items.keep(api_key, response=finished, previous_response_id=record["previous"], turn_input=record["input"])
-    return finished
+        again = await items.record(api_key, kept_id)
+    except ResponseItemsUnavailable as error:
+        log.warning("keeping finished background response %s failed: %s", kept_id, error)
+        return finished
+    return kept_response(again) if again is not None and not pending(again) else finished
 
 
 async def cancel(state: Any, api_key: str, kept_id: str, record: Mapping[str, Any]) -> dict[str, Any]:
@@ -190,8 +192,10 @@ async def collect(state: Any, api_key: str, kept_id: str, request_id: str) -> No
     """Watch a background request from the process that submitted it until it ends, and keep its
     finished record: woken by its completion signal when the listener is healthy, else polling."""
     settings = state.settings
-    listener = await state.ensure_listener()
-    wake = await listener.register(request_id) if listener is not None else None
+    # Shielded: a stop that cancels this watcher at its start must not cut a Redis subscribe in
+    # half, which can leave the shared listener's connection waiting on a reply it never reads.
+    listener = await asyncio.shield(state.ensure_listener())
+    wake = await asyncio.shield(listener.register(request_id)) if listener is not None else None
     deadline = time.monotonic() + COLLECT_SECONDS
     try:
         while time.monotonic() < deadline:
