@@ -105,6 +105,19 @@ def _record(
     return json.dumps(record, separators=(",", ":"))
 
 
+def _delivered(
+    owner: str, response: dict[str, Any], previous_response_id: str | None, turn_input: list[dict[str, Any]]
+) -> dict[str, str]:
+    """What a delivered response keeps: its record (first), then each output item by its id."""
+    output = response["output"]
+    values = {response_key(response["id"]): _record(owner, response, previous_response_id, turn_input, output)}
+    values.update(
+        (response_item_key(item["id"]), json.dumps({"owner": owner, "item": item}, separators=(",", ":")))
+        for item in output
+    )
+    return values
+
+
 class ResponseItems:
     def __init__(self, redis_url: str | None, *, keep_seconds: int):
         self.redis_url = redis_url
@@ -144,13 +157,7 @@ class ResponseItems:
         failure is logged, never raised."""
         if not self.enabled:
             return
-        owner = _owner(api_key)
-        output = response["output"]
-        values = {
-            response_item_key(item["id"]): json.dumps({"owner": owner, "item": item}, separators=(",", ":"))
-            for item in output
-        }
-        values[response_key(response["id"])] = _record(owner, response, previous_response_id, turn_input, output)
+        values = _delivered(_owner(api_key), response, previous_response_id, turn_input)
         try:
             await self._write(values)
         except ResponseItemsUnavailable as error:  # the reply is delivered; only a later reference to it fails
@@ -185,13 +192,8 @@ class ResponseItems:
         watcher, a GET) finished it first or it was deleted meanwhile, so that neither a finished
         reply is overwritten nor a deleted record brought back. Raises ResponseItemsUnavailable."""
         owner = _owner(api_key)
-        output = response["output"]
         record_key = response_key(response["id"])
-        values = {record_key: _record(owner, response, previous_response_id, turn_input, output)}
-        values.update(
-            (response_item_key(item["id"]), json.dumps({"owner": owner, "item": item}, separators=(",", ":")))
-            for item in output
-        )
+        values = _delivered(owner, response, previous_response_id, turn_input)
         if self.redis_url is None:  # no await between the check and the write: one step of the loop
             entry = self._local.get(record_key)
             if entry is None or entry[0] != owner or "background" not in json.loads(entry[1]):
