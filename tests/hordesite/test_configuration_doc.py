@@ -269,3 +269,28 @@ def test_the_default_scan_sees_each_kind_of_default():
     assert front["HORDE_OAI_STREAM_REDIS_DB"] == 7 and front["HORDE_OAI_RELAY_WITH_TOOLS"] is False
     assert _bridge_defaults()["BRIDGE_PROGRESS_INTERVAL"] == 0.25
     assert not _shown(5.0, {"10"}, booleans=("false", "true")) and not _shown(True, {"false"}, booleans=("false", "true"))
+
+
+def _integer_durations(path: Path) -> set[str]:
+    """Durations (`..._SECONDS`, `..._TIMEOUT`) read as integers: `env.int("NAME")`."""
+    return {
+        node.args[0].value
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "int"
+        and _dotted(node.func.value) in ENVIRONMENT_OBJECTS
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and re.search(r"_(SECONDS|TIMEOUT)$", node.args[0].value)
+    }
+
+
+def test_the_whole_second_durations_are_the_ones_read_as_integers():
+    """The doc says which durations take whole seconds: a `1.5` there stops the process."""
+    sentence = re.search(r"which take whole seconds[^:]*:(.*?)\.\n", DOC.read_text(), re.S)
+    assert sentence is not None
+    documented = set(re.findall(r"`([A-Z][A-Z0-9_]+)`", sentence.group(1)))
+    read = _integer_durations(ROOT / "hordesite" / "settings.py") | _integer_durations(ROOT / "oai" / "settings.py")
+    assert "HORDE_TEXT_JOB_LEASE_SECONDS" in read
+    assert documented == read
