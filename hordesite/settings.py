@@ -6,6 +6,7 @@ With no environment at all the horde runs on the embedded default: SQLite under 
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Any
 
@@ -290,6 +291,11 @@ HORDE_PUBLIC_URL = env.str("HORDE_PUBLIC_URL", default="")
 # Networks an image URL may point into although they are private (CIDRs, comma separated): an
 # operator's own image host. Empty: every private, loopback and link-local address is refused.
 HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS = env.list("HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS", default=[])
+for _network in HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS:  # fail closed: a typo must not 500 every image fetch
+    try:
+        ipaddress.ip_network(_network, strict=False)
+    except ValueError as error:
+        raise ImproperlyConfigured(f"HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS: {error}") from None
 # Messages offload (chat_requests.md): a request whose messages, as a base64 worker receives them,
 # pass HORDE_CHAT_MESSAGES_OFFLOAD_BYTES is also stored as one JSON object, which a worker that
 # declares messages_url fetches instead of receiving the messages in its pop.

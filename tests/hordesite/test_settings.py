@@ -101,6 +101,16 @@ def test_a_negative_dropped_jobs_bound_does_not_start(clone):
     assert _settings(clone, HORDE_WORKER_DROPPED_JOBS_PER_HOUR="0")
 
 
+def test_an_unreadable_image_network_does_not_start(clone):
+    """A mistyped operator network stops the process at its start, as a mistyped rate limit does,
+    rather than answering 500 to every chat request with a URL image."""
+    assert _refusal(clone, HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS="10.0.0.0/8,images.internal") == (
+        "django.core.exceptions.ImproperlyConfigured: HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS: "
+        "'images.internal' does not appear to be an IPv4 or IPv6 network"
+    )
+    assert _settings(clone, HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS="10.0.0.0/8,fd00::/8")
+
+
 def test_importing_the_settings_creates_no_directory(clone):
     _settings(clone)
     _settings(clone, DATABASE_URL=DEPLOYED_DATABASE, SECRET_KEY=STRONG_KEY, ALLOWED_HOSTS="horde.example")
