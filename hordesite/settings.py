@@ -13,6 +13,7 @@ from typing import Any
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
+from contract.env import SettingsEnv
 from contract.text import (
     ABORTED_JOBS_PER_HOUR_LIMIT,
     STALE_GENERATION_SWEEP_SECONDS,
@@ -23,7 +24,7 @@ from contract.text import (
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = BASE_DIR / "var"
 
-env = environ.Env()
+env = SettingsEnv()
 env_file = BASE_DIR / ".env"
 if env_file.exists():
     environ.Env.read_env(str(env_file))

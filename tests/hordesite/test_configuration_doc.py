@@ -19,6 +19,7 @@ DOC = ROOT / "docs" / "configuration.md"
 
 # Where the project's programs read their environment.
 READERS = [
+    "contract/env.py",  # the reader's class; it names no variable
     "hordesite/settings.py",
     "oai/settings.py",
     "oai/django_settings.py",
@@ -144,7 +145,7 @@ def test_the_scan_sees_each_kind_of_read():
 
 def reads_environment(path: Path) -> bool:
     """Whether a module reads the environment: `os.environ`, `os.getenv` or django-environ's `Env`
-    anywhere but `os.environ.setdefault("DJANGO_SETTINGS_MODULE", ...)`, which only names the
+    (or the project's SettingsEnv over it) anywhere but `os.environ.setdefault("DJANGO_SETTINGS_MODULE", ...)`, which only names the
     settings module."""
     tree = ast.parse(path.read_text())
     naming_the_settings: set[int] = set()
@@ -160,7 +161,7 @@ def reads_environment(path: Path) -> bool:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module == "os" and {"environ", "getenv"} & {a.name for a in node.names}:
             return True
-        if _dotted(node) in ("os.environ", "os.getenv", "environ.Env") and id(node) not in naming_the_settings:
+        if _dotted(node) in ("os.environ", "os.getenv", "environ.Env", "SettingsEnv") and id(node) not in naming_the_settings:
             return True
     return False
 

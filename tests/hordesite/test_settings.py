@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 
 from oai.settings import load_settings
 from tests.hordesite.clone import clean_env, clone_like_copy, run_python
@@ -143,12 +144,20 @@ def test_the_front_reads_a_boolean_as_the_horde_does(clone):
 
 
 def test_the_front_reads_numbers_and_lists_as_the_horde_does(clone):
-    """One reader (django-environ's) on both sides: an empty number stops both with the same error,
-    a list is split on commas alike."""
-    horde = _refusal(clone, HORDE_DEFAULT_CONCURRENCY="")
-    with pytest.raises(ValueError) as front:
+    """One reader (django-environ's) on both sides: a number that is not one stops both with an
+    error naming the variable, a list is split on commas alike."""
+    assert _refusal(clone, HORDE_DEFAULT_CONCURRENCY="") == (
+        "django.core.exceptions.ImproperlyConfigured: HORDE_DEFAULT_CONCURRENCY='' cannot be read: "
+        "invalid literal for int() with base 10: ''"
+    )
+    assert _refusal(clone, HORDE_TEXT_JOB_LEASE_SECONDS="ten") == (
+        "django.core.exceptions.ImproperlyConfigured: HORDE_TEXT_JOB_LEASE_SECONDS='ten' cannot be read: "
+        "invalid literal for int() with base 10: 'ten'"
+    )
+    with pytest.raises(ImproperlyConfigured, match=r"^HORDE_OAI_MAX_INFLIGHT='' cannot be read: invalid literal for int\(\) with base 10: ''$"):
         load_settings({"HORDE_OAI_MAX_INFLIGHT": ""})
-    assert horde == f"ValueError: {front.value}"
+    with pytest.raises(ImproperlyConfigured, match=r"^HORDE_OAI_POLL_SECONDS='one' cannot be read: could not convert"):
+        load_settings({"HORDE_OAI_POLL_SECONDS": "one"})
     roots = load_settings({"HORDE_OAI_NATIVE_ROOTS": "http://horde-a:8000/api/v2/, http://horde-b:8000/api/v2,"})
     assert roots.native_roots == ["http://horde-a:8000/api/v2", "http://horde-b:8000/api/v2"]
     # An empty list of roots is the default root, as unset (the front has no other way to reach the horde).
