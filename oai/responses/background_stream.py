@@ -37,7 +37,7 @@ NOT_BACKGROUND = "This response cannot be streamed because it was not created wi
 
 
 @dataclass
-class _Replayed:
+class ReplayedRequest:
     """The events' view of a background response's request: what they read of it comes from its
     response objects (ResponseEvents.replay names the namespaced calls from the output)."""
 
@@ -103,7 +103,7 @@ async def _stream(
     disconnected: Any,
 ) -> AsyncGenerator[bytes, None]:
     kept_id = queued["id"]
-    writer = ResponseEvents(_Replayed(), kept_id.removeprefix("resp_"), created=queued["created_at"], model=queued["model"])
+    writer = ResponseEvents(ReplayedRequest(), kept_id.removeprefix("resp_"), created=queued["created_at"], model=queued["model"])
     state.background_streams += 1
     try:
         # The headers go out at once, with the start or, when the reader has it, a comment.

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.oai.conftest import MODEL, HordeTestWorker, wait_for
+from tests.oai.conftest import MODEL, HordeTestWorker, text_reply, wait_for
 from tests.oai.test_responses_libraries import strict_errors
 
 pytestmark = pytest.mark.slow
@@ -264,6 +264,47 @@ def test_a_failed_response_stream_ends_with_response_failed(front, client, reque
     assert failed.model_dump() == client.responses.retrieve(failed.id).model_dump()
 
 
+def test_a_reply_cut_at_its_length_ends_with_response_incomplete(client, start_worker):
+    start_worker(reply=text_reply("Once upon a", finish_reason="length"))
+    created = client.responses.create(model=MODEL, input="A story.", max_output_tokens=16, background=True)
+    assert _poll(client, created.id, ("incomplete",)).status == "incomplete"
+    events = list(client.responses.retrieve(created.id, stream=True))
+    assert [event.type for event in events[-4:]] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    incomplete = events[-1].response
+    assert incomplete.incomplete_details.reason == "max_output_tokens" and incomplete.output_text == "Once upon a"
+
+
+def test_a_stopping_front_ends_its_waiting_readers_and_the_request_runs_on(
+    front, client, requester, live_horde, worker_owner
+):
+    """A process that stops ends the streams waiting on it (their clients resume elsewhere), without
+    an end event and without cancelling the request."""
+    _idle_worker(live_horde, worker_owner)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+
+    async def stop() -> None:
+        from oai.state import get_front_state
+
+        (await get_front_state()).stop(time.monotonic() + 10)
+
+    with httpx.stream(
+        "GET", f"{front.live.v1}/responses/{created.id}", params={"stream": "true"}, headers=_headers(requester.key), timeout=30
+    ) as answer:
+        lines = answer.iter_lines()
+        assert "event: response.queued" in (next(lines), next(lines), next(lines), next(lines))
+        started = time.monotonic()
+        front.live.run(stop())
+        rest = [line for line in lines if line.startswith("event: ")]
+    assert rest == [] and time.monotonic() - started < 5
+    (row,) = _requests()
+    assert not row.cancelled
+
+
 # --- refusals ----------------------------------------------------------------------------------------
 
 
@@ -334,3 +375,16 @@ def test_waiting_readers_notice_a_disconnect(front, client, requester, live_hord
     assert wait_for(lambda: front.state().background_streams == 0, 5)
     (row,) = _requests()
     assert not row.cancelled
+
+
+@pytest.mark.redis_only
+def test_a_stream_whose_record_redis_cannot_read_is_the_retryable_503(front, client, requester, live_horde, worker_owner):
+    _idle_worker(live_horde, worker_owner)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    front.configure(redis_url="redis://127.0.0.1:1/0")
+    answer = httpx.get(
+        f"{front.live.v1}/responses/{created.id}", params={"stream": "true"}, headers=_headers(requester.key), timeout=30
+    )
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "ResponseItemsUnavailable"
+    assert answer.headers["x-should-retry"] == "true"
