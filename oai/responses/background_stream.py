@@ -51,14 +51,14 @@ def streamable(record: Mapping[str, Any]) -> bool:
 
 
 def stream_created(
-    state: Any, api_key: str, request_id: str, queued: dict[str, Any], *, disconnected: Any
+    state: Any, api_key: str, request_id: str, queued: dict[str, Any], *, disconnected: asyncio.Event | None
 ) -> AsyncGenerator[bytes, None]:
     """The stream of a background response just created (its `queued` object)."""
     return _stream(state, api_key, queued, request_id=request_id, finished=None, starting_after=None, disconnected=disconnected)
 
 
 def stream_kept(
-    state: Any, api_key: str, record: Mapping[str, Any], *, starting_after: int | None, disconnected: Any
+    state: Any, api_key: str, record: Mapping[str, Any], *, starting_after: int | None, disconnected: asyncio.Event | None
 ) -> AsyncGenerator[bytes, None]:
     """The stream of a kept background response (streamable), its events after `starting_after`."""
     if pending(record):
@@ -100,7 +100,7 @@ async def _stream(
     request_id: str | None,
     finished: dict[str, Any] | None,
     starting_after: int | None,
-    disconnected: Any,
+    disconnected: asyncio.Event | None,
 ) -> AsyncGenerator[bytes, None]:
     kept_id = queued["id"]
     writer = ResponseEvents(ReplayedRequest(), kept_id.removeprefix("resp_"), created=queued["created_at"], model=queued["model"])
@@ -125,7 +125,7 @@ async def _stream(
 
 
 async def _wait(
-    state: Any, api_key: str, kept_id: str, request_id: str, disconnected: Any, ended: _Ended
+    state: Any, api_key: str, kept_id: str, request_id: str, disconnected: asyncio.Event | None, ended: _Ended
 ) -> AsyncGenerator[bytes, None]:
     """Keepalive comments until the background response ended, then `ended` holds its finished
     response. Ends without it when the client left, the process stops (the reader resumes
