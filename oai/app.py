@@ -257,8 +257,8 @@ async def retrieve_response(
     `starting_after`), a background response's events (docs/adr/0106-resumable-background-streams.md)."""
     try:
         state = await get_front_state()
+        record = await _kept_record(response_id, api_key)  # the key first, then the query, as every kept-response route
         stream, starting_after = stream_query(query or {})
-        record = await _kept_record(response_id, api_key)
         if stream:
             if not streamable(record):  # its events were not the background sequence (OpenAI refuses it too)
                 raise ChatFrontError(400, "BadRequest", NOT_BACKGROUND, param="stream", should_retry=False)

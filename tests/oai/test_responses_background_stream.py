@@ -388,3 +388,11 @@ def test_a_stream_whose_record_redis_cannot_read_is_the_retryable_503(front, cli
     assert answer.status_code == 503, answer.text
     assert answer.json()["error"]["code"] == "ResponseItemsUnavailable"
     assert answer.headers["x-should-retry"] == "true"
+
+
+def test_a_caller_without_a_key_is_401_before_its_stream_parameters_are_read(front):
+    """As every kept-response route: the key first, then the query (a bad one is not told to a stranger)."""
+    front.configure(allow_anonymous=False)
+    answer = httpx.get(f"{front.live.v1}/responses/resp_unknown", params={"stream": "maybe"}, timeout=30)
+    assert answer.status_code == 401, answer.text
+    assert answer.json()["error"]["code"] == "invalid_api_key"
