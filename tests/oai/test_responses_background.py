@@ -243,6 +243,43 @@ def test_a_new_front_state_reads_a_background_response_from_redis(front, client,
     assert _poll(client, created.id, ("completed",)).output_text == "Hello from the horde."
 
 
+@pytest.mark.redis_only
+def test_a_background_record_redis_lost_is_kept_again_by_the_front_that_sent_it(
+    front, client, requester, redis_url, live_horde, worker_owner, workers
+):
+    """Redis restarted without its data (no persistence) while a background request waits: the
+    submitting process's watcher keeps its record again, so its reply is read, not run and charged
+    for a client that can no longer find it (the drills' Redis fault, docs/reliability.md)."""
+    import redis
+
+    worker = _idle_worker(live_horde, worker_owner)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    redis.Redis.from_url(redis_url).flushdb()  # what a Redis restarted without persistence holds
+
+    def status() -> str:
+        raw = _raw(front, requester.key, "GET", f"/responses/{created.id}")
+        return raw.json()["status"] if raw.status_code == 200 else str(raw.status_code)
+
+    assert wait_for(lambda: status() == "queued", 5), status()
+    workers.append(worker.start())
+    done = _poll(client, created.id, ("completed",))
+    assert done.status == "completed" and done.output_text == "Hello from the horde."
+
+
+@pytest.mark.redis_only
+def test_a_deleted_background_response_is_not_kept_again(front, client, requester, live_horde, worker_owner, workers):
+    """A record a DELETE forgot is not one Redis lost: the watcher does not bring it back, even when
+    the job a worker held is paid after the cancel."""
+    worker = _idle_worker(live_horde, worker_owner, delay=1.0)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    workers.append(worker.start())
+    assert wait_for(lambda: client.responses.retrieve(created.id).status == "in_progress", 10)
+    client.responses.delete(created.id)
+    assert wait_for(lambda: _charges() == 1, 10)
+    time.sleep(1.5)  # past the watcher's next reads (signal_recheck_seconds 0.5 in these tests)
+    assert _raw(front, requester.key, "GET", f"/responses/{created.id}").status_code == 404
+
+
 def test_a_request_nobody_reads_is_not_cancelled_by_the_front_lease(front, client, live_horde, worker_owner, workers):
     from chat.services.front_lease import cancel_lapsed_front_leases
 
