@@ -1021,6 +1021,10 @@ def print_report(results: list[DrillResult], args: argparse.Namespace, total: fl
         if rec.paid_at_cancel:
             print(f"- cancelled background responses paid for the job a worker held before the cancel "
                   f"(ADR 0102, as the native cancel): {len(rec.paid_at_cancel)}")
+        if rec.unkept_paid:
+            print(f"- background creates answered 503 as Redis failed between their check and their record's keep, "
+                  f"the job a worker popped meanwhile paid at the front's cancel (a limit, docs/adr/0107): "
+                  f"{len(rec.unkept_paid)}")
         if rec.lost_after_read:
             print(f"- background responses whose end the client read, their kept record then lost with Redis's "
                   f"data (a limit, docs/adr/0107): {len(rec.lost_after_read)}")

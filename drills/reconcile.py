@@ -133,6 +133,9 @@ class Reconciliation:
     # A limit, not a finding: a background response whose end its client read, its kept record then
     # lost with Redis's data (docs/adr/0107).
     lost_after_read: list[str] = field(default_factory=list)
+    # A limit: a background create answered 503 because Redis failed between its check and its
+    # record's keep, whose job a worker popped in that moment, paid at the front's cancel (ADR 0107).
+    unkept_paid: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
@@ -246,6 +249,12 @@ def reconcile(
                     and own.cancel_sent_at is not None and popped[rid] \
                     and max(popped[rid]) <= own.cancel_sent_at + CANCEL_GRACE_SECONDS:
                 result.paid_at_cancel.append(rid)  # its job was held before the cancel (ADR 0102)
+            elif not answered and own is not None and own.kind == "bg" and not own.ids and row["cancelled"] \
+                    and any(e.startswith("create 503 ResponseItemsUnavailable") for e in own.errors) \
+                    and own.ended_at is not None and popped[rid] and max(popped[rid]) <= own.ended_at:
+                # Redis failed between the create's check and its record's keep (ADR 0107): the
+                # front's cancel, the native one, pays the job a worker popped in between.
+                result.unkept_paid.append(rid)
             elif not answered:
                 result.charged_for_nothing.append(rid)
                 seen = [f"{by_tag[t].kind} call, client {by_tag[t].outcome}" for t in row["tags"] if t in by_tag]

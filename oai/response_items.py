@@ -188,6 +188,20 @@ class ResponseItems:
         mark = json.dumps({"owner": owner})
         await self._write({response_key(response["id"]): record, response_mark_key(response["id"]): mark})
 
+    async def reachable(self) -> None:
+        """Raises ResponseItemsUnavailable when Redis does not answer now (or failed moments ago): a
+        background create asks before it submits, so that a record it could not keep leaves no
+        request behind that a worker might pop meanwhile and its requester pay for."""
+        if self.redis_url is None:
+            return
+        if monotonic() < self._down_until:
+            raise ResponseItemsUnavailable(f"Redis failed less than {RESPONSE_ITEMS_BACKOFF_SECONDS:g} s ago")
+        try:
+            await asyncio.wait_for(self._redis().ping(), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
+        except Exception as error:
+            await self._failed()
+            raise ResponseItemsUnavailable(str(error)) from None
+
     async def lost(self, api_key: str, response_id: str) -> bool:
         """Whether Redis lost the record of the background response `response_id` (its record and
         the mark kept beside it are both gone: Redis restarted without its data), rather than a

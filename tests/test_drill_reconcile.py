@@ -177,3 +177,17 @@ def test_reconciliation_of_responses_calls(horde, make_user):
     assert result.lost_after_read == [read_id]
     assert result.background_unsettled == [f"{never_read_id}: the GET after the load read 404"]
     assert result.charged_for_nothing == [never_read_id]
+
+    # A background create answered 503 as Redis failed between its check and its record's keep, its
+    # job popped in that moment and paid at the front's cancel: a limit (docs/adr/0107).
+    unkept = Call(kind="bg", tag=new_tag(), outcome="error", errors=["create 503 ResponseItemsUnavailable"])
+    unkept_id = _queue(horde, requester.key, unkept)
+    unkept.ids.clear()  # the client was answered 503, no id
+    job = horde.pop(volunteer.key).json()
+    assert horde.cancel(unkept_id).status_code == 200
+    assert horde.submit(volunteer.key, job["id"], " A drill reply.", state="ok").status_code == 200
+    unkept.ended_at = time.time() + 0.01
+    result = reconcile(_query, [unkept], only_tags={unkept.tag})
+    assert result.unkept_paid == [unkept_id] and result.charged_for_nothing == [] and result.clean
+    unkept.errors = ["create APIConnectionError"]
+    assert reconcile(_query, [unkept], only_tags={unkept.tag}).charged_for_nothing == [unkept_id]

@@ -266,6 +266,23 @@ def test_a_background_record_redis_lost_is_kept_again_by_the_front_that_sent_it(
     assert done.status == "completed" and done.output_text == "Hello from the horde."
 
 
+def test_a_background_create_while_redis_is_down_submits_nothing(front, requester, live_horde, worker_owner, workers):
+    """Its record could not be kept, so nobody could read the reply: 503 ResponseItemsUnavailable,
+    and no request queued that a worker could pop and its requester pay for (the drills' hung Redis
+    found one popped while the record's write timed out, then paid at the front's cancel)."""
+    from accounts.models import KudosTransaction
+
+    _idle_worker(live_horde, worker_owner)
+    kudos = requester.refresh().kudos
+    front.configure(redis_url="redis://127.0.0.1:1/0")  # nothing listens there: Redis down
+    answer = _raw(front, requester.key, "POST", "/responses", {"model": MODEL, "input": "Hi", "background": True})
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "ResponseItemsUnavailable"
+    assert _requests() == []
+    assert requester.refresh().kudos == kudos
+    assert not KudosTransaction.objects.filter(user_id=requester.user.pk).exclude(kind="grant").exists()
+
+
 @pytest.mark.redis_only
 def test_a_deleted_background_response_is_not_kept_again(front, client, requester, live_horde, worker_owner, workers):
     """A record a DELETE forgot is not one Redis lost: the watcher does not bring it back, even when
