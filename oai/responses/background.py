@@ -176,6 +176,12 @@ async def cancel(state: Any, api_key: str, kept_id: str, record: Mapping[str, An
     if now["status"] not in ACTIVE_STATUSES:  # it ended on its own meanwhile
         return now
     await state.cancels.cancel_within_budget(record["background"]["request_id"])
+    # A reply that finished while the cancel was on its way is done and paid (a cancel of a done
+    # request changes nothing, ADR 0064): the status read again answers and keeps it as it finished.
+    with contextlib.suppress(ChatFrontError):  # unread: answered cancelled, as before the read
+        after = await current(state, api_key, kept_id, record)
+        if after["status"] not in ACTIVE_STATUSES:
+            return after
     # Kept unless the reply finished (and the watcher or a GET kept it) while the cancel was on its
     # way, or the response was deleted meanwhile: as the watcher keeps a finished record.
     return await _keep_finished(state, api_key, kept_id, record, {**now, "status": "cancelled", "output": []})
