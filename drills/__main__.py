@@ -11,7 +11,9 @@ Processes per drill: PostgreSQL (a copy of a cluster initdb'd and migrated once,
 folder, on a free loopback port), redis-server (free loopback port, no persistence), daphne serving
 hordesite.asgi (the native API and the mounted /v1 front), `celery worker -B` (sweeps every 2 s, job
 lease 10 s, front lease 10 s). Load, in this process: requesters on text/async, chat/async (polling
-their status) and /v1/chat/completions (the openai client, its default retries), and workers looping
+their status), /v1/chat/completions and /v1/responses (the openai client, its default retries; whole,
+streamed, continued by previous_response_id), background responses (created, polled with GET, a third
+cancelled; each read once more after the load), and workers looping
 pop / generate (a short sleep) / submit over HTTP, retrying a submit on a lost connection or a 5xx as
 a real worker does. Nothing outside the temporary folder is touched.
 """
