@@ -6,12 +6,14 @@ With no environment at all the horde runs on the embedded default: SQLite under 
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Any
 
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
+from contract.env import SettingsEnv
 from contract.text import (
     ABORTED_JOBS_PER_HOUR_LIMIT,
     STALE_GENERATION_SWEEP_SECONDS,
@@ -22,7 +24,7 @@ from contract.text import (
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = BASE_DIR / "var"
 
-env = environ.Env()
+env = SettingsEnv()
 env_file = BASE_DIR / ".env"
 if env_file.exists():
     environ.Env.read_env(str(env_file))
@@ -290,6 +292,11 @@ HORDE_PUBLIC_URL = env.str("HORDE_PUBLIC_URL", default="")
 # Networks an image URL may point into although they are private (CIDRs, comma separated): an
 # operator's own image host. Empty: every private, loopback and link-local address is refused.
 HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS = env.list("HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS", default=[])
+for _network in HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS:  # fail closed: a typo must not 500 every image fetch
+    try:
+        ipaddress.ip_network(_network, strict=False)
+    except ValueError as error:
+        raise ImproperlyConfigured(f"HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS: {error}") from None
 # Messages offload (chat_requests.md): a request whose messages, as a base64 worker receives them,
 # pass HORDE_CHAT_MESSAGES_OFFLOAD_BYTES is also stored as one JSON object, which a worker that
 # declares messages_url fetches instead of receiving the messages in its pop.

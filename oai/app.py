@@ -24,8 +24,15 @@ from oai.horde_client import NativeUnreachable
 from oai.mapping import build_completion, build_model_card
 from oai.response_items import ResponseItems, ResponseItemsUnavailable
 from oai.responses import background
+from oai.responses.background_stream import NOT_BACKGROUND, stream_created, stream_kept, streamable
 from oai.responses.events import stream_response
-from oai.responses.kept import deleted_response, input_items_page, kept_response, response_not_found
+from oai.responses.kept import (
+    deleted_response,
+    input_items_page,
+    kept_response,
+    response_not_found,
+    stream_query,
+)
 from oai.responses.references import KEPT_FOR, PreparedBody, items_unavailable, resolve_references
 from oai.responses.reply import build_response
 from oai.responses.request import ResponsesRequest, screen_responses_request
@@ -170,7 +177,11 @@ async def _completions(
         await run.submit(api_key, headers)
         if in_background:
             assert isinstance(request, ResponsesRequest)
-            return JsonAnswer(200, await _start_background(state, api_key, request, run), {})
+            queued = await _start_background(state, api_key, request, run)
+            if request.stream:  # its events from its state: a client that leaves cancels nothing (ADR 0106)
+                stream = stream_created(state, api_key, run.submitted_id(), queued, disconnected=disconnected)
+                return StreamAnswer(stream, {})
+            return JsonAnswer(200, queued, {})
         await run.start_wait()
         completion = await run.first_decision()
         if request.stream:
@@ -247,19 +258,26 @@ async def keep_response(state: Any, api_key: str, request: ResponsesRequest, res
 # --- a kept response: GET /v1/responses/{id}, its input items, DELETE ------------------------------
 
 
-async def retrieve_response(response_id: str, api_key: str | None, *, stream: bool = False) -> JsonAnswer:
-    """GET /v1/responses/{id}: the kept response as it was delivered (whole: its events are not kept)."""
+async def retrieve_response(
+    response_id: str,
+    api_key: str | None,
+    query: dict[str, str] | None = None,
+    *,
+    disconnected: asyncio.Event | None = None,
+) -> JsonAnswer | StreamAnswer:
+    """GET /v1/responses/{id}: the kept response as it was delivered; with `stream=true` (and
+    `starting_after`), a background response's events (docs/adr/0106-resumable-background-streams.md)."""
     try:
-        if stream:
-            raise ChatFrontError(
-                400,
-                "UnsupportedChatParameter",
-                "This AI Horde front does not stream a kept response again: read it without stream=true.",
-                param="stream",
-                should_retry=False,
-            )
         state = await get_front_state()
+        stream, starting_after = stream_query(query or {})
         record = await _kept_record(response_id, api_key)
+        if stream:
+            if not streamable(record):  # its events were not the background sequence (OpenAI refuses it too)
+                raise ChatFrontError(400, "BadRequest", NOT_BACKGROUND, param="stream", should_retry=False)
+            events = stream_kept(
+                state, _caller_key(state, api_key), record, starting_after=starting_after, disconnected=disconnected
+            )
+            return StreamAnswer(events, {})
         if background.pending(record):  # as it is now, read from the horde (ADR 0102)
             return JsonAnswer(200, await background.current(state, _caller_key(state, api_key), response_id, record), {})
         if "response" not in record:  # kept before its object was (ADR 0103): continued, not read

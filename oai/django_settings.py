@@ -3,9 +3,9 @@ DRF with the front's views only. The front's own settings come from oai.settings
 
 from __future__ import annotations
 
-import environ
+from contract.env import SettingsEnv
 
-env = environ.Env()  # the reader hordesite/settings.py and oai.settings use
+env = SettingsEnv()  # the reader hordesite/settings.py and oai.settings use
 
 SECRET_KEY = env.str("SECRET_KEY", default="") or "oai-front-has-no-sessions"
 DEBUG = False

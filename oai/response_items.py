@@ -113,11 +113,16 @@ def _record(
 
 
 def _delivered(
-    owner: str, response: dict[str, Any], previous_response_id: str | None, turn_input: list[dict[str, Any]]
+    owner: str,
+    response: dict[str, Any],
+    previous_response_id: str | None,
+    turn_input: list[dict[str, Any]],
+    **extra: Any,
 ) -> dict[str, str]:
     """What a delivered response keeps: its record (first), then each output item by its id."""
     output = response["output"]
-    values = {response_key(response["id"]): _record(owner, response, previous_response_id, turn_input, output)}
+    record = _record(owner, response, previous_response_id, turn_input, output, **extra)
+    values = {response_key(response["id"]): record}
     values.update(
         (response_item_key(item["id"]), json.dumps({"owner": owner, "item": item}, separators=(",", ":")))
         for item in output
@@ -218,14 +223,17 @@ class ResponseItems:
         response: dict[str, Any],
         previous_response_id: str | None,
         turn_input: list[dict[str, Any]],
+        queued_model: str,
     ) -> bool:
         """Keep the finished record of a background response, as `keep` keeps a delivered one, only
         while its kept record is still the pending one: false when another read (a cancel, the
         watcher, a GET) finished it first or it was deleted meanwhile, so that neither a finished
-        reply is overwritten nor a deleted record brought back. Raises ResponseItemsUnavailable."""
+        reply is overwritten nor a deleted record brought back. `queued_model` is the model its
+        queued object named, which its stream's first events show (ADR 0106). Raises
+        ResponseItemsUnavailable."""
         owner = _owner(api_key)
         record_key = response_key(response["id"])
-        values = _delivered(owner, response, previous_response_id, turn_input)
+        values = _delivered(owner, response, previous_response_id, turn_input, queued_model=queued_model)
         if self.redis_url is None:  # no await between the check and the write: one step of the loop
             entry = self._local.get(record_key)
             if entry is None or entry[0] != owner or "background" not in json.loads(entry[1]):

@@ -112,8 +112,10 @@ class ChatRun:
         # When this request's front lease was last renewed through the database (monotonic).
         self.lease_renewed_at: float | None = None
         # Relayed deltas (chat only): the stream hint is forwarded, and the stream subscribed after the submit.
+        # A background request relays none: its stream is built from its state (ADR 0106).
         self.relays = (
-            isinstance(request, ChatCompletionRequest)
+            leased
+            and isinstance(request, ChatCompletionRequest)
             and state.delta_reader is not None
             and relays_deltas(request, with_tools=self.settings.relay_with_tools)
         )

@@ -13,6 +13,7 @@ import environ
 
 from contract.chat_limits import MAX_CHAT_BODY_BYTES
 from contract.chat_signal import CHAT_SIGNAL_DB
+from contract.env import SettingsEnv
 from contract.front_lease import FRONT_LEASE_RENEW_SECONDS, FRONT_LEASE_TTL_SECONDS
 
 
@@ -21,7 +22,7 @@ def _reader(env: Mapping[str, str]) -> environ.Env:
     horde's settings (hordesite/settings.py), so it reads the same on both sides (booleans:
     true/on/ok/y/yes/1, or a non-zero number, are true, anything else, an empty value included,
     false; an empty number is an error, as it is for the horde; lists are comma-separated)."""
-    reader = environ.Env()
+    reader = SettingsEnv()
     reader.ENVIRON = env
     return reader
 

@@ -56,6 +56,8 @@ class FrontState:
         # The watchers of the background responses this process submitted (oai.responses.background):
         # ended at shutdown, as any front process reads those responses from the horde.
         self._collectors: set[asyncio.Task] = set()
+        # The streams of background responses being read now (oai.responses.background_stream).
+        self.background_streams = 0
         self.started = False
         # Set when the process stops (stop_fronts): each waiting request wakes, and those not
         # delivered by stop_deadline (monotonic) are cancelled and answered FrontStopping.

@@ -245,6 +245,11 @@ async def _completions_answer(serve: Any, request) -> HttpResponse | StreamingHt
         source=client_source(django_request, state.settings.trusted_proxy_count),
         disconnected=getattr(django_request, "scope", {}).get("oai.disconnected"),
     )
+    return _answer(answer)
+
+
+def _answer(answer: app.JsonAnswer | app.StreamAnswer) -> HttpResponse | StreamingHttpResponse:
+    """A JSON answer, or an event stream."""
     if isinstance(answer, app.StreamAnswer):
         response = StreamingHttpResponse(answer.events, content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
@@ -370,16 +375,28 @@ class ResponseView(FrontView):
     @extend_schema(
         operation_id="oai_response",
         tags=["openai"],
-        parameters=[OpenApiParameter("stream", bool, description="refused when true: a kept response is read whole")],
+        parameters=[
+            OpenApiParameter(
+                "stream", bool, description="true: a background response's events, from the first (ADR 0106)"
+            ),
+            OpenApiParameter("starting_after", int, description="with stream: the events after this sequence number"),
+        ],
         responses={
-            200: OpenApiResponse(description="the response object"),
-            400: OpenApiResponse(response=_ERROR, description="UnsupportedChatParameter: stream=true"),
+            200: OpenApiResponse(
+                description="the response object, or text/event-stream of a background response's events"
+            ),
+            400: OpenApiResponse(
+                response=_ERROR,
+                description="BadRequest: stream or starting_after not valid, or stream=true for a response not "
+                "created with background=true",
+            ),
             **_KEPT_RESPONSE_ERRORS,
         },
     )
     async def get(self, request, response_id: str, *args: Any, **kwargs: Any):
-        stream = request.query_params.get("stream", "").lower() in ("true", "1")
-        return _response(await app.retrieve_response(response_id, request.auth, stream=stream))
+        query = {key: request.query_params[key] for key in ("stream", "starting_after") if key in request.query_params}
+        disconnected = getattr(request._request, "scope", {}).get("oai.disconnected")
+        return _answer(await app.retrieve_response(response_id, request.auth, query, disconnected=disconnected))
 
     @extend_schema(
         operation_id="oai_response_delete",

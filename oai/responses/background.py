@@ -153,7 +153,11 @@ async def _keep_finished(
     items = state.response_items
     try:
         if await items.keep_finished(
-            api_key, response=finished, previous_response_id=record["previous"], turn_input=record["input"]
+            api_key,
+            response=finished,
+            previous_response_id=record["previous"],
+            turn_input=record["input"],
+            queued_model=record["response"]["model"],
         ):
             return finished
         again = await items.record(api_key, kept_id)

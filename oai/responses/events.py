@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from oai.responses.reply import (
     INCOMPLETE_REASONS,
@@ -32,7 +32,7 @@ from oai.responses.reply import (
     output_text_part,
     reasoning_item,
 )
-from oai.responses.request import ResponsesRequest
+from oai.responses.request import ResponsesRequest, namespaced_name
 from oai.streaming import StartedStream
 
 # What a stream that failed here ends with (its `error` event and `response.failed`).
@@ -57,11 +57,22 @@ class _OpenItem:
         self.text = ""
 
 
-class ResponseEvents:
-    """One streamed response: feed it the chat route's events in order, send what it returns."""
+class EchoedRequest(Protocol):
+    """What the events read of their request: the fields the `response` echoes, and the chat names of
+    the functions of namespace tools (a ResponsesRequest, or a background response's kept record)."""
 
-    def __init__(self, request: ResponsesRequest, request_id: str, *, created: int, model: str) -> None:
+    echo: dict[str, Any]
+    namespaced: dict[str, tuple[str, str]]
+
+
+class ResponseEvents:
+    """One streamed response: feed it the chat route's events in order, send what it returns; or, for
+    a background response (ADR 0106), its start, then its finished `response` replayed."""
+
+    def __init__(self, request: EchoedRequest, request_id: str, *, created: int, model: str) -> None:
         self.request = request
+        # The chat names of namespaced functions; a replay adds those of the finished output's calls.
+        self.namespaced = dict(request.namespaced)
         self.request_id = request_id
         self.created = created
         self.model = model
@@ -271,12 +282,12 @@ class ResponseEvents:
         item_id = f"{self.call_prefix}_{self.calls}"
         self.calls += 1
         arguments = call["function"]["arguments"]
-        item = function_call_item(item_id, call, namespaced=self.request.namespaced)
+        item = function_call_item(item_id, call, namespaced=self.namespaced)
         events.append(
             self._event(
                 "response.output_item.added",
                 output_index=index,
-                item=function_call_item(item_id, call, status="in_progress", namespaced=self.request.namespaced),
+                item=function_call_item(item_id, call, status="in_progress", namespaced=self.namespaced),
             )
         )
         events.append(
@@ -300,11 +311,15 @@ class ResponseEvents:
 
     # --- the end -------------------------------------------------------------------------------
 
-    def _finish(self) -> list[bytes]:
+    def _close_output(self) -> list[bytes]:
         events = self._close_items()
         if not self.sent_message and not self.calls:
             # A reply with neither text nor tool calls is one empty message, as the whole response.
             events += self._open_item("message") + self._close_items()
+        return events
+
+    def _finish(self) -> list[bytes]:
+        events = self._close_output()
         reason = INCOMPLETE_REASONS.get(self.finish_reason or "")
         status = "incomplete" if reason else "completed"
         response = self._response(
@@ -327,6 +342,53 @@ class ResponseEvents:
             self._event("error", code=code, message=message, param=error.get("param")),
             self._event("response.failed", response=failed),
         ]
+
+    # --- a background response (docs/adr/0106-resumable-background-streams.md) -------------------
+
+    def start_queued(self, queued: dict[str, Any]) -> list[bytes]:
+        """A background response's first events, sent at once: `response.created` and
+        `response.queued`, each with its `queued` response object."""
+        return [self._event("response.created", response=queued), self._event("response.queued", response=queued)]
+
+    def replay(self, queued: dict[str, Any], finished: dict[str, Any]) -> list[bytes]:
+        """The events after a background response's start, once it ended: `response.in_progress`,
+        then its output's events as a whole reply's stream sends them (built here from the finished
+        output: what the chat stream's chunks of the same reply would feed), then its end with the
+        `finished` response itself: `response.completed` or `response.incomplete`; a failed one
+        `error` and `response.failed`, as a stream that failed; a cancelled one `response.failed` with
+        the cancelled response (openai's event types have no cancelled event)."""
+        events = [self._event("response.in_progress", response={**queued, "status": "in_progress"})]
+        status = finished["status"]
+        if status in ("completed", "incomplete"):
+            for item in finished["output"]:
+                events += self._replay_item(item)
+            events += self._close_output()
+            events.append(self._event(f"response.{status}", response=finished))
+        elif status == "failed":
+            error = finished.get("error") or {}
+            events.append(self._event("error", code=error.get("code"), message=error.get("message") or "", param=None))
+            events.append(self._event("response.failed", response=finished))
+        else:
+            events.append(self._event("response.failed", response=finished))
+        self.ended = True
+        self.delivered = finished
+        return events
+
+    def _replay_item(self, item: dict[str, Any]) -> list[bytes]:
+        """One finished output item fed as the chat stream's whole reply feeds it: the reasoning and
+        the text each as one delta, a tool call whole."""
+        if item["type"] == "reasoning":
+            text = "".join(part["text"] for part in item.get("summary") or ())
+            return self._delta("reasoning", text) if text else []
+        if item["type"] == "message":
+            text = "".join(part.get("text", "") for part in item.get("content") or ())
+            return self._delta("message", text) if text else []
+        name = item["name"]
+        if item.get("namespace"):  # the chat name the namespaced item was made from (ADR 0101)
+            name = namespaced_name(item["namespace"], name)
+            self.namespaced.setdefault(name, (item["namespace"], item["name"]))
+        call = {"id": item["call_id"], "function": {"name": name, "arguments": item["arguments"]}}
+        return self._call(call)
 
 
 def _usage(usage: dict[str, Any]) -> dict[str, Any]:

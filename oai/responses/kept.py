@@ -68,6 +68,20 @@ def _query_error(param: str, message: str) -> ChatFrontError:
     return ChatFrontError(400, "BadRequest", message, param=param, should_retry=False)
 
 
+def stream_query(query: Mapping[str, str]) -> tuple[bool, int | None]:
+    """(stream, starting_after) of GET /v1/responses/{id}: `stream` true or false, `starting_after`
+    a sequence number (an integer from 0)."""
+    raw_stream = query.get("stream", "false")
+    if raw_stream.lower() not in ("true", "false"):
+        raise _query_error("stream", f"Invalid value for 'stream': '{raw_stream}'; expected true or false.")
+    raw_after = query.get("starting_after")
+    if raw_after is not None and not (raw_after.isascii() and raw_after.isdigit()):
+        raise _query_error(
+            "starting_after", f"Invalid value for 'starting_after': '{raw_after}'; expected an integer from 0."
+        )
+    return raw_stream.lower() == "true", int(raw_after) if raw_after is not None else None
+
+
 def input_items_page(record: Mapping[str, Any], response_id: str, query: Mapping[str, str]) -> dict[str, Any]:
     """One page of the response's own input items (this turn's, not the conversation it continues),
     in OpenAI's list shape: `order` desc (the default, last first) or asc, at most `limit` (1-100,

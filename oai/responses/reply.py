@@ -126,6 +126,35 @@ def build_response_object(
     return body
 
 
+# The keys of a `response` object that build_response_object sets itself; the others are its
+# request's echo.
+RESPONSE_OWN_KEYS = frozenset(
+    {
+        "id",
+        "object",
+        "created_at",
+        "status",
+        "error",
+        "incomplete_details",
+        "model",
+        "output",
+        "service_tier",
+        "top_logprobs",
+        "max_tool_calls",
+        "usage",
+        "x_horde",
+    }
+)
+
+
+def queued_response(response: Mapping[str, Any], *, model: str) -> dict[str, Any]:
+    """A background response's `queued` object as its create answered it (`model`: the one it was
+    answered with), from any of its response objects, queued or finished."""
+    echo = {key: value for key, value in response.items() if key not in RESPONSE_OWN_KEYS}
+    request_id = response["id"].removeprefix("resp_")
+    return build_response_object(echo, request_id, created=response["created_at"], model=model, status="queued")
+
+
 def completion_status(completion: Completion) -> tuple[str, str | None]:
     """(status, incomplete reason) of a delivered reply."""
     reason = INCOMPLETE_REASONS.get(completion.finish_reason)

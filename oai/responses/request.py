@@ -569,8 +569,8 @@ def _refuse_stateful(body: Mapping[str, Any]) -> None:
 
 
 def _check_background(body: Mapping[str, Any], *, keeps_items: bool) -> None:
-    """`background: true` (docs/adr/0102-responses-background.md): kept, so never with store false,
-    and answered whole (a background stream, which OpenAI lets a client resume, is not served)."""
+    """`background: true` (docs/adr/0102-responses-background.md): kept, so never with store false. With
+    `stream: true` it is streamed as oai.responses.background_stream builds it (ADR 0106)."""
     if body.get("background") is not True:
         return
     if body.get("store") is False:
@@ -580,12 +580,6 @@ def _check_background(body: Mapping[str, Any], *, keeps_items: bool) -> None:
             "background",
             "Unsupported parameter: 'background'. This AI Horde front keeps no responses "
             "(HORDE_OAI_RESPONSE_ITEMS_SECONDS is 0), and a background response is read from what it keeps.",
-        )
-    if body.get("stream") is True:
-        raise _unsupported(
-            "stream",
-            "Unsupported value: 'stream' with 'background': this AI Horde front answers a background "
-            "response whole: send stream: false and read it with GET /v1/responses/{id}.",
         )
 
 

@@ -10,6 +10,7 @@ test database.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -188,3 +189,45 @@ def test_a_make_run_without_the_key_file_renews_the_demo_workers_owner_key(make_
         cwd=ROOT, env={**env, "K": renewed}, capture_output=True, text=True, check=True,
     )
     assert owner.stdout.split() == ["True", "1"]
+
+
+README = ROOT / "README.md"
+README_URL = "http://127.0.0.1:8000"  # where the README's examples reach `make run`
+
+
+def _readme_blocks(section: str, language: str) -> list[str]:
+    """The code blocks of one README section, as written."""
+    text = README.read_text()
+    start = text.index(f"\n## {section}\n")
+    end = text.find("\n## ", start + 1)
+    return re.findall(rf"```{language}\n(.*?)```", text[start:end if end != -1 else None], re.S)
+
+
+def _spaced(text: str) -> str:
+    """JSON as the README writes it (`"a": 1, "b"`) and as the horde sends it (`"a":1,"b"`) alike."""
+    return re.sub(r"([:,]) ", r"\1", text)
+
+
+def test_the_readme_openai_examples_run_as_written(make_run):
+    """README, "Chat through the OpenAI front": its curl examples answer what their comments show,
+    and every print of its Python examples prints what its comment starts with, against `make run`."""
+    section = "Chat through the OpenAI front"
+    env = {**make_run.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    shell = "\n".join(_readme_blocks(section, "sh")).replace(README_URL, make_run.url)
+    ran = subprocess.run(["bash", "-euo", "pipefail", "-c", shell], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    shown = re.findall(r"^# \.\.\. (.+?) \.\.\.?$", shell, re.M)
+    assert len(shown) == 2  # the chat completion's message, the text completion's text
+    for fragment in shown:
+        assert _spaced(fragment.rstrip(",")) in _spaced(ran.stdout), (fragment, ran.stdout)
+
+    python = "\n".join(_readme_blocks(section, "python"))
+    expected = re.findall(r"^print\(.*\)\s+# (.+)$", python, re.M)
+    program = "import os\nKEY = os.environ['KEY']\n" + python.replace(README_URL, make_run.url)
+    ran = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env={**env, "KEY": make_run.key},
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    printed = ran.stdout.splitlines()
+    assert len(printed) == len(expected) >= 5, (printed, expected)
+    for line, comment in zip(printed, expected, strict=True):
+        assert line and comment.startswith(line), (line, comment)

@@ -23,7 +23,7 @@ from workers.bridge.backends import (
     classify_backend_error,
     normalise_base_url,
 )
-from workers.bridge.config import ConfigError, load_config
+from workers.bridge.config import _ENV, ConfigError, build_parser, load_config
 from workers.bridge.jobs import (
     chat_backend_request,
     chat_submit_body,
@@ -82,6 +82,15 @@ def test_a_flag_given_wins_over_the_environment_even_at_its_default():
     assert (config.threads, config.horde_url, config.pop_wait, config.backend) == (1, "http://127.0.0.1:8000", 10, "scripted")
     # Not given: the environment, then the default.
     assert load_config([], env).threads == 4 and load_config([], {"BRIDGE_API_KEY": "k"}).threads == 1
+
+
+def test_every_option_has_a_variable_named_in_its_help():
+    """README and docs/configuration.md promise it: every flag also reads a BRIDGE_* variable, named
+    in `python -m workers.bridge --help`."""
+    options = {action.dest: action for action in build_parser()._actions if action.dest != "help"}
+    assert set(options) == set(_ENV)
+    unnamed = {dest: variable for dest, (variable, _convert) in _ENV.items() if variable not in (options[dest].help or "")}
+    assert unnamed == {}
 
 
 def test_a_key_that_starts_with_a_dash_is_the_flags_value():

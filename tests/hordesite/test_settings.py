@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 
 from oai.settings import load_settings
 from tests.hordesite.clone import clean_env, clone_like_copy, run_python
@@ -101,6 +102,16 @@ def test_a_negative_dropped_jobs_bound_does_not_start(clone):
     assert _settings(clone, HORDE_WORKER_DROPPED_JOBS_PER_HOUR="0")
 
 
+def test_an_unreadable_image_network_does_not_start(clone):
+    """A mistyped operator network stops the process at its start, as a mistyped rate limit does,
+    rather than answering 500 to every chat request with a URL image."""
+    assert _refusal(clone, HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS="10.0.0.0/8,images.internal") == (
+        "django.core.exceptions.ImproperlyConfigured: HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS: "
+        "'images.internal' does not appear to be an IPv4 or IPv6 network"
+    )
+    assert _settings(clone, HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS="10.0.0.0/8,fd00::/8")
+
+
 def test_importing_the_settings_creates_no_directory(clone):
     _settings(clone)
     _settings(clone, DATABASE_URL=DEPLOYED_DATABASE, SECRET_KEY=STRONG_KEY, ALLOWED_HOSTS="horde.example")
@@ -133,12 +144,20 @@ def test_the_front_reads_a_boolean_as_the_horde_does(clone):
 
 
 def test_the_front_reads_numbers_and_lists_as_the_horde_does(clone):
-    """One reader (django-environ's) on both sides: an empty number stops both with the same error,
-    a list is split on commas alike."""
-    horde = _refusal(clone, HORDE_DEFAULT_CONCURRENCY="")
-    with pytest.raises(ValueError) as front:
+    """One reader (django-environ's) on both sides: a number that is not one stops both with an
+    error naming the variable, a list is split on commas alike."""
+    assert _refusal(clone, HORDE_DEFAULT_CONCURRENCY="") == (
+        "django.core.exceptions.ImproperlyConfigured: HORDE_DEFAULT_CONCURRENCY='' cannot be read: "
+        "invalid literal for int() with base 10: ''"
+    )
+    assert _refusal(clone, HORDE_TEXT_JOB_LEASE_SECONDS="ten") == (
+        "django.core.exceptions.ImproperlyConfigured: HORDE_TEXT_JOB_LEASE_SECONDS='ten' cannot be read: "
+        "invalid literal for int() with base 10: 'ten'"
+    )
+    with pytest.raises(ImproperlyConfigured, match=r"^HORDE_OAI_MAX_INFLIGHT='' cannot be read: invalid literal for int\(\) with base 10: ''$"):
         load_settings({"HORDE_OAI_MAX_INFLIGHT": ""})
-    assert horde == f"ValueError: {front.value}"
+    with pytest.raises(ImproperlyConfigured, match=r"^HORDE_OAI_POLL_SECONDS='one' cannot be read: could not convert"):
+        load_settings({"HORDE_OAI_POLL_SECONDS": "one"})
     roots = load_settings({"HORDE_OAI_NATIVE_ROOTS": "http://horde-a:8000/api/v2/, http://horde-b:8000/api/v2,"})
     assert roots.native_roots == ["http://horde-a:8000/api/v2", "http://horde-b:8000/api/v2"]
     # An empty list of roots is the default root, as unset (the front has no other way to reach the horde).

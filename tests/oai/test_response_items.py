@@ -256,7 +256,9 @@ def test_a_finished_background_record_is_kept_only_over_its_pending_one(redis):
 
         async def finish(status: str, key: str = "key-a") -> bool:
             response = {**queued, "status": status, "output": [item] if status == "completed" else []}
-            return await items.keep_finished(key, response=response, previous_response_id=None, turn_input=[])
+            return await items.keep_finished(
+                key, response=response, previous_response_id=None, turn_input=[], queued_model="m"
+            )
 
         theirs = await finish("completed", key="key-b")
         first, second = await finish("completed"), await finish("cancelled")
@@ -265,7 +267,11 @@ def test_a_finished_background_record_is_kept_only_over_its_pending_one(redis):
         await items.keep_pending("key-a", response={**queued, "id": f"{rid}x"}, previous_response_id=None, turn_input=[], background={})
         await items.forget("key-a", f"{rid}x")
         after_delete = await items.keep_finished(
-            "key-a", response={**queued, "id": f"{rid}x", "status": "cancelled"}, previous_response_id=None, turn_input=[]
+            "key-a",
+            response={**queued, "id": f"{rid}x", "status": "cancelled"},
+            previous_response_id=None,
+            turn_input=[],
+            queued_model="m",
         )
         gone = await items.record("key-a", f"{rid}x")
         await items.close()

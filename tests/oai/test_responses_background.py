@@ -2,7 +2,8 @@
 horde and its mounted front, read with the real openai SDK: answered at once `queued`, read by GET
 while the horde works (`queued`, `in_progress`), then finished as the whole reply would have been;
 cancelled before a worker pops it (nothing charged) or while one holds it (settled as the native
-cancel); a faulted job is `failed`; what another key, `store: false` and a stream get."""
+cancel); a faulted job is `failed`; what another key and `store: false` get. Their streams:
+tests/oai/test_responses_background_stream.py."""
 
 from __future__ import annotations
 
@@ -319,13 +320,6 @@ def test_background_with_store_false_is_refused(client, start_worker):
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=MODEL, input="Hi", background=True, store=False)
     assert caught.value.body["param"] == "store"
-    assert _requests() == []
-
-
-def test_a_background_stream_is_refused(front, requester, start_worker):
-    start_worker()
-    answer = _raw(front, requester.key, "POST", "/responses", {"model": MODEL, "input": "Hi", "background": True, "stream": True})
-    assert answer.status_code == 400 and answer.json()["error"]["param"] == "stream"
     assert _requests() == []
 
 

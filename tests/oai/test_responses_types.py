@@ -184,3 +184,33 @@ def test_a_background_request_still_running_or_read_through_a_gateways_404_page_
 
     assert _finished(_background_record(), _native(200, {"generations": [], "done": False, "processing": 1})) is None
     assert _finished(_background_record(), _native(404, None)) is None  # not the horde's answer (ADR 0105)
+
+
+@pytest.mark.parametrize(
+    ("answer", "ends"),
+    [
+        ({"generations": [GENERATION], "done": True}, ["response.output_item.added", "response.completed"]),
+        ({"generations": [{**GENERATION, "finish_reason": "length"}], "done": True}, ["response.incomplete"]),
+        ({"generations": [], "done": True, "faulted": True, "fault_reason": "The worker failed."}, ["error", "response.failed"]),
+        ({"generations": [], "done": True, "faulted": False, "waiting": 0, "processing": 0}, ["response.failed"]),
+    ],
+)
+def test_every_background_stream_event_is_one_of_the_sdks_types(answer: dict[str, Any], ends: list[str]) -> None:
+    """A background response's stream (docs/adr/0106-resumable-background-streams.md), whatever its end."""
+    from oai.responses.background import _finished
+    from oai.responses.background_stream import ReplayedRequest
+    from oai.responses.reply import queued_response
+
+    finished = _finished(_background_record(), _native(200, answer))
+    assert finished is not None
+    queued = queued_response(finished, model="m")
+    writer = ResponseEvents(ReplayedRequest(), "0a1b-2c3d", created=1, model="m")
+    sent = writer.start_queued(queued) + writer.replay(queued, finished)
+    events = [json.loads(raw.split(b"data: ", 1)[1]) for raw in sent]
+    for data in events:
+        EVENTS.validate_python(data)
+    assert [e["type"] for e in events[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert [e["type"] for e in events if e["type"] in ends] == ends
+    assert events[0]["response"]["status"] == "queued" and events[2]["response"]["status"] == "in_progress"
+    assert events[-1]["response"] == finished and events[-1]["response"]["status"] == finished["status"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))

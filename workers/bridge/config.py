@@ -82,7 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--horde-url", default=d.horde_url, help="the horde's root (BRIDGE_HORDE_URL)")
     add("--api-key", default=None, help="the worker owner's horde API key (BRIDGE_API_KEY)")
-    add("--name", dest="worker_name", default=None, help="worker name (BRIDGE_WORKER_NAME); default: horde-bridge@host")
+    add(
+        "--name",
+        dest="worker_name",
+        default=None,
+        help=f"worker name, 1 to {MAX_WORKER_NAME_LENGTH} characters (BRIDGE_WORKER_NAME); default: horde-bridge@host",
+    )
     add(
         "--backend",
         default=d.backend,
@@ -98,13 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(its file name when the id is a path)",
     )
     add("--threads", type=int, default=d.threads,
-        help="jobs at once (BRIDGE_THREADS); never more than the backend's slots")
-    add("--max-length", type=int, default=d.max_length, help="largest reply in tokens (BRIDGE_MAX_LENGTH)")
+        help=f"jobs at once, 1 to {TEXT_POP_MAX_THREADS} (BRIDGE_THREADS); never more than the backend's slots")
+    add("--max-length", type=int, default=d.max_length, help="largest reply in tokens, at least 16 (BRIDGE_MAX_LENGTH)")
     add(
         "--max-context-length",
         type=int,
         default=None,
-        help="context in tokens of each job (BRIDGE_MAX_CONTEXT_LENGTH); default: what the backend reports "
+        help="context in tokens of each job, at least 80 (BRIDGE_MAX_CONTEXT_LENGTH); default: what the backend reports "
         "(divided among --threads where the slots may share it; Ollama: the context it loaded the model with, "
         "else its smallest default), else 4096",
     )
@@ -157,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress-interval",
         type=float,
         default=d.progress_interval,
-        help="streamed jobs: seconds between progress posts, 0 posts each backend delta (BRIDGE_PROGRESS_INTERVAL)",
+        help="streamed jobs: seconds between progress posts, 0 to 60; 0 posts each backend delta (BRIDGE_PROGRESS_INTERVAL)",
     )
     add("--max-jobs", type=int, default=None, help="stop after this many jobs (BRIDGE_MAX_JOBS)")
     add("--quiet", action="store_true", default=None, help="no progress line per job (BRIDGE_QUIET)")
