@@ -563,23 +563,37 @@ class Load:
 
     def background_call(self, key: str) -> Call:
         """A background response (ADR 0102): created, polled with GET until it ends; a third are
-        cancelled 0-3 s after the create, and one not ended in 90 s is cancelled as given up."""
+        cancelled 0-3 s after the create, and one not ended in 90 s is cancelled as given up. A third
+        are streamed (background and stream, ADR 0106) and read to their end; one whose stream is
+        lost is polled as the others."""
         import openai
 
         call = self.record(Call(kind="bg", tag=new_tag()))
         client = openai.OpenAI(base_url=f"{self.horde.base_url}/v1", api_key=key, timeout=30)
+        body = {"model": MODEL, "input": f"Drill drill-{call.tag}", "max_output_tokens": 64, "background": True}
+        created = ended = None
+        # A third are streamed (ADR 0106): the events read to the end, or, the stream lost, polled.
+        streamed = random.random() < 1 / 3
         try:
-            created = client.responses.create(model=MODEL, input=f"Drill drill-{call.tag}", max_output_tokens=64,
-                                              background=True)
+            if streamed:
+                self.shapes["background streamed"] += 1
+                for event in client.responses.create(**body, stream=True):
+                    if event.type == "response.created":
+                        created = event.response
+                    elif getattr(event, "response", None) is not None and event.response.status in (
+                            "completed", "incomplete", "failed", "cancelled"):
+                        ended = event.response
+                if created is None:
+                    raise openai.APIError("the stream had no response.created", request=None, body=None)
+            else:
+                created = client.responses.create(**body)
         except openai.APIStatusError as exc:
-            call.outcome = "error"
             code = (exc.body or {}).get("code") if isinstance(exc.body, dict) else None
-            call.errors.append(f"create {exc.status_code} {code or type(exc).__name__}")
-            client.close()
-            return call
+            call.errors.append(f"{'stream' if created else 'create'} {exc.status_code} {code or type(exc).__name__}")
         except (openai.APIError, httpx.HTTPError) as exc:
+            call.errors.append(f"{'stream' if created else 'create'} {type(exc).__name__}")
+        if created is None:
             call.outcome = "error"
-            call.errors.append(f"create {type(exc).__name__}")
             client.close()
             return call
         request_id = str(uuid.UUID(created.id.removeprefix("resp_")))
@@ -587,30 +601,29 @@ class Load:
         self.ok("submit")
         started = time.monotonic()
         cancel_at = started + random.uniform(0, 3) if random.random() < 1 / 3 else started + 90
-        response = created
+        response = ended or created
         try:
             while response.status not in ("completed", "incomplete", "failed", "cancelled"):
                 time.sleep(0.5)
+                # A cancel not answered (a 5xx, a lost connection) is sent again at the next turn.
+                doing = "cancel" if time.monotonic() >= cancel_at and call.cancelled_at is None else "retrieve"
                 try:
-                    if time.monotonic() >= cancel_at and call.cancel_sent_at is None:
-                        call.cancel_sent_at = time.time()
-                        self.shapes["background cancel sent"] += 1
+                    if doing == "cancel":
+                        if call.cancel_tries == 0:
+                            self.shapes["background cancel sent"] += 1
+                        call.cancel_tries += 1
                         response = client.responses.cancel(created.id)
+                        call.cancelled_at = time.time()  # answered: its native cancel was done before this
                     else:
                         response = client.responses.retrieve(created.id)
                 except openai.APIStatusError as exc:
                     code = (exc.body or {}).get("code") if isinstance(exc.body, dict) else None
-                    call.errors.append(f"{'cancel' if call.cancel_sent_at and response.status != 'cancelled' else 'retrieve'}"
-                                       f" {exc.status_code} {code or type(exc).__name__}")
+                    call.errors.append(f"{doing} {exc.status_code} {code or type(exc).__name__}")
                     if exc.status_code == 404:
                         call.outcome = "gone"
                         return call
-                    if call.cancel_sent_at is not None and time.monotonic() < cancel_at + 1:
-                        call.cancel_sent_at = None  # not sent: try again
                 except (openai.APIError, httpx.HTTPError) as exc:
-                    call.errors.append(f"poll {type(exc).__name__}")
-                    if call.cancel_sent_at is not None and time.monotonic() < cancel_at + 1:
-                        call.cancel_sent_at = None
+                    call.errors.append(f"{doing} {type(exc).__name__}")
                 if time.monotonic() - started > 120:
                     call.outcome = "timeout"
                     return call

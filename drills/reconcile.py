@@ -39,7 +39,8 @@ class Call:
     errors: list[str] = field(default_factory=list)
     output: str | None = None  # the reply's text the client read (/v1/responses), checked against the worker's
     ended_at: float | None = None  # epoch seconds: when the client's call ended
-    cancel_sent_at: float | None = None  # epoch seconds: a background response's cancel, when sent
+    cancelled_at: float | None = None  # epoch seconds: a background response's cancel, when answered
+    cancel_tries: int = 0
     final_status: str | None = None  # a background response's status read after the load ended (or "404")
 
     @property
@@ -81,8 +82,9 @@ def _epoch(value) -> float:
     return value.timestamp()
 
 
-# A pop answered as the cancel was sent (clocks of one machine; the cancel's request in flight).
-CANCEL_GRACE_SECONDS = 1.0
+# A job popped before the cancel's answer may have been held before its native cancel (the client
+# knows no closer bound); clocks of one machine, a little slack for the answer's own write.
+CANCEL_GRACE_SECONDS = 0.2
 BACKGROUND_ENDS = ("completed", "incomplete", "failed", "cancelled")
 
 
@@ -246,8 +248,8 @@ def reconcile(
         if rid in settled:
             answered = any(by_tag.get(tag) and by_tag[tag].answered_id == rid for tag in row["tags"])
             if not answered and own is not None and own.kind == "bg" and row["cancelled"] \
-                    and own.cancel_sent_at is not None and popped[rid] \
-                    and max(popped[rid]) <= own.cancel_sent_at + CANCEL_GRACE_SECONDS:
+                    and own.cancelled_at is not None and popped[rid] \
+                    and max(popped[rid]) <= own.cancelled_at + CANCEL_GRACE_SECONDS:
                 result.paid_at_cancel.append(rid)  # its job was held before the cancel (ADR 0102)
             elif not answered and own is not None and own.kind == "bg" and not own.ids and row["cancelled"] \
                     and any(e.startswith("create 503 ResponseItemsUnavailable") for e in own.errors) \

@@ -127,8 +127,8 @@ def test_reconciliation_of_responses_calls(horde, make_user):
     held_id = _queue(horde, requester.key, held_at_cancel)
     job = horde.pop(volunteer.key).json()
     assert job["id"], job
-    held_at_cancel.cancel_sent_at = time.time() + 0.01
     assert horde.cancel(held_id).status_code == 200
+    held_at_cancel.cancelled_at = time.time()
     assert horde.submit(volunteer.key, job["id"], " A drill reply.", state="ok").status_code == 200
     held_at_cancel.outcome, held_at_cancel.final_status = "cancelled", "cancelled"
 
@@ -158,8 +158,8 @@ def test_reconciliation_of_responses_calls(horde, make_user):
     assert result.clean, result
     assert result.summary()["cancelled"] == 3
 
-    # A job popped after the cancel was sent is no held job of the cancel: charged for nothing.
-    held_at_cancel.cancel_sent_at -= 60
+    # A job popped after the cancel was answered is no held job of the cancel: charged for nothing.
+    held_at_cancel.cancelled_at -= 60
     result = reconcile(_query, [misread, held_at_cancel, left, unsettled])
     assert result.charged_for_nothing == [held_id] and result.paid_at_cancel == []
 
@@ -172,7 +172,7 @@ def test_reconciliation_of_responses_calls(horde, make_user):
     never_read = Call(kind="bg", tag=new_tag(), outcome="gone", final_status="404")
     never_read_id = _queue(horde, requester.key, never_read)
     _serve(horde, volunteer.key)
-    held_at_cancel.cancel_sent_at += 60
+    held_at_cancel.cancelled_at += 60
     result = reconcile(_query, [misread, held_at_cancel, left, unsettled, read_then_lost, never_read])
     assert result.lost_after_read == [read_id]
     assert result.background_unsettled == [f"{never_read_id}: the GET after the load read 404"]
