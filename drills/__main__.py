@@ -11,7 +11,9 @@ Processes per drill: PostgreSQL (a copy of a cluster initdb'd and migrated once,
 folder, on a free loopback port), redis-server (free loopback port, no persistence), daphne serving
 hordesite.asgi (the native API and the mounted /v1 front), `celery worker -B` (sweeps every 2 s, job
 lease 10 s, front lease 10 s). Load, in this process: requesters on text/async, chat/async (polling
-their status) and /v1/chat/completions (the openai client, its default retries), and workers looping
+their status), /v1/chat/completions and /v1/responses (the openai client, its default retries; whole,
+streamed, continued by previous_response_id), background responses (created, polled with GET, a third
+cancelled; each read once more after the load), and workers looping
 pop / generate (a short sleep) / submit over HTTP, retrying a submit on a lost connection or a 5xx as
 a real worker does. Nothing outside the temporary folder is touched.
 """
@@ -398,6 +400,9 @@ class Load:
         self.threads: list[threading.Thread] = []
         self.successes: list[tuple[float, str]] = []  # (monotonic, what): submits accepted, answers read
         self.worker_errors: list[str] = []
+        self.keys: dict[str, str] = {}  # each kind's requester's key (the last of its kind)
+        self.shapes: Counter = Counter()  # how the /v1/responses calls were made
+        self.requesters = 0
 
     def ok(self, what: str) -> None:
         with self.lock:
@@ -411,9 +416,10 @@ class Load:
     def start(self) -> None:
         self.requesting.set()
         self.working.set()
-        kinds = ["text", "chat"] + ["v1"] * self.v1_clients
+        kinds = ["text", "chat"] + ["v1"] * self.v1_clients + ["resp", "bg"]
+        self.requesters = len(kinds)
         for i, kind in enumerate(kinds):
-            key = self.template.requesters[i % len(self.template.requesters)]
+            key = self.keys[kind] = self.template.requesters[i % len(self.template.requesters)]
             self.threads.append(threading.Thread(target=self.requester, args=(kind, key), daemon=True))
         for i, key in enumerate(self.template.workers[:-1]):
             self.threads.append(threading.Thread(target=self.worker, args=(f"drill-worker-{i}", key), daemon=True))
@@ -424,7 +430,7 @@ class Load:
         """Stop new calls, let the calls in flight end (bounded by their own deadlines), stop workers."""
         self.requesting.clear()
         deadline = time.monotonic() + timeout
-        requesters = self.threads[: 2 + self.v1_clients]
+        requesters = self.threads[: self.requesters]
         for thread in requesters:
             thread.join(max(0.1, deadline - time.monotonic()))
         self.working.clear()
@@ -435,14 +441,23 @@ class Load:
 
     def requester(self, kind: str, key: str) -> None:
         client = httpx.Client(base_url=f"{self.horde.base_url}/api/v2/", timeout=15, headers={"apikey": key})
+        conversation: list[str] = []  # this requester's last responses, continued now and then
         while self.requesting.is_set():
+            call = None
             try:
                 if kind == "v1":
-                    self.v1_call(key)
+                    call = self.v1_call(key)
+                elif kind == "resp":
+                    call = self.responses_call(key, conversation)
+                elif kind == "bg":
+                    call = self.background_call(key)
                 else:
                     self.native_call(client, kind)
             except Exception as exc:  # noqa: BLE001  (a drill reports, it does not stop)
                 log(f"requester {kind}: {type(exc).__name__}: {exc}")
+            finally:
+                if call is not None:
+                    call.ended_at = time.time()
             time.sleep(random.uniform(0.5, 1.5) * self.think)
 
     def native_call(self, client: httpx.Client, kind: str) -> None:
@@ -469,7 +484,7 @@ class Load:
             if r.status_code == 200 and r.json().get("generations"):
                 call.outcome, call.answered_id = "answered", request_id
 
-    def v1_call(self, key: str) -> None:
+    def v1_call(self, key: str) -> Call:
         import openai
 
         call = self.record(Call(kind="v1", tag=new_tag()))
@@ -481,16 +496,167 @@ class Load:
             call.outcome = "error"
             code = (exc.body or {}).get("code") if isinstance(exc.body, dict) else None
             call.errors.append(f"{exc.status_code} {code or type(exc).__name__}")
-            return
+            return call
         except openai.APIError as exc:
             call.outcome = "error"
             call.errors.append(type(exc).__name__)
-            return
+            return call
         finally:
             client.close()
         call.outcome, call.answered_id = "answered", reply.id.removeprefix("chatcmpl-")
         self.ok("v1 answer")
+        return call
 
+
+    def responses_call(self, key: str, conversation: list[str]) -> Call:
+        """/v1/responses through the openai client (its default retries): whole or streamed, and now
+        and then the continuation of this requester's last response by `previous_response_id`."""
+        import openai
+
+        call = self.record(Call(kind="resp", tag=new_tag()))
+        client = openai.OpenAI(base_url=f"{self.horde.base_url}/v1", api_key=key, timeout=100)
+        body: dict = {"model": MODEL, "input": f"Drill drill-{call.tag}", "max_output_tokens": 64}
+        if conversation and len(conversation) < 4 and random.random() < 0.4:
+            body["previous_response_id"] = conversation[-1]
+        else:
+            conversation.clear()
+        streamed = random.random() < 0.5
+        self.shapes[f"{'streamed' if streamed else 'whole'}{', continued' if 'previous_response_id' in body else ''}"] += 1
+        try:
+            if streamed:
+                response, deltas = None, []
+                for event in client.responses.create(**body, stream=True):
+                    if event.type == "response.output_text.delta":
+                        deltas.append(event.delta)
+                    elif event.type in ("response.completed", "response.incomplete"):
+                        response = event.response
+                    elif event.type in ("error", "response.failed"):
+                        error = event.response.error if event.type == "response.failed" else event
+                        call.errors.append(f"stream {event.type} {getattr(error, 'code', '')}")
+                if response is None:
+                    call.outcome = "error"
+                    if not call.errors:
+                        call.errors.append("stream ended without response.completed")
+                    return call
+                if "".join(deltas) != response.output_text:
+                    call.errors.append("stream deltas differ from response.completed's text")
+            else:
+                response = client.responses.create(**body)
+        except openai.APIStatusError as exc:
+            call.outcome = "error"
+            code = (exc.body or {}).get("code") if isinstance(exc.body, dict) else None
+            call.errors.append(f"{exc.status_code} {code or type(exc).__name__}")
+            if code == "previous_response_not_found":  # its record went with Redis's data
+                conversation.clear()
+            return call
+        except (openai.APIError, httpx.HTTPError) as exc:
+            call.outcome = "error"
+            call.errors.append(type(exc).__name__)
+            return call
+        finally:
+            client.close()
+        call.outcome, call.answered_id = "answered", str(uuid.UUID(response.id.removeprefix("resp_")))
+        call.output = response.output_text
+        conversation.append(response.id)
+        self.ok("resp answer")
+        return call
+
+    def background_call(self, key: str) -> Call:
+        """A background response (ADR 0102): created, polled with GET until it ends; a third are
+        cancelled 0-3 s after the create, and one not ended in 90 s is cancelled as given up. A third
+        are streamed (background and stream, ADR 0106) and read to their end; one whose stream is
+        lost is polled as the others."""
+        import openai
+
+        call = self.record(Call(kind="bg", tag=new_tag()))
+        client = openai.OpenAI(base_url=f"{self.horde.base_url}/v1", api_key=key, timeout=30)
+        body = {"model": MODEL, "input": f"Drill drill-{call.tag}", "max_output_tokens": 64, "background": True}
+        created = ended = None
+        # A third are streamed (ADR 0106): the events read to the end, or, the stream lost, polled.
+        streamed = random.random() < 1 / 3
+        try:
+            if streamed:
+                self.shapes["background streamed"] += 1
+                for event in client.responses.create(**body, stream=True):
+                    if event.type == "response.created":
+                        created = event.response
+                    elif getattr(event, "response", None) is not None and event.response.status in (
+                            "completed", "incomplete", "failed", "cancelled"):
+                        ended = event.response
+                if created is None:
+                    raise openai.APIError("the stream had no response.created", request=None, body=None)
+            else:
+                created = client.responses.create(**body)
+        except openai.APIStatusError as exc:
+            code = (exc.body or {}).get("code") if isinstance(exc.body, dict) else None
+            call.errors.append(f"{'stream' if created else 'create'} {exc.status_code} {code or type(exc).__name__}")
+        except (openai.APIError, httpx.HTTPError) as exc:
+            call.errors.append(f"{'stream' if created else 'create'} {type(exc).__name__}")
+        if created is None:
+            call.outcome = "error"
+            client.close()
+            return call
+        request_id = str(uuid.UUID(created.id.removeprefix("resp_")))
+        call.ids.add(request_id)
+        self.ok("submit")
+        started = time.monotonic()
+        cancel_at = started + random.uniform(0, 3) if random.random() < 1 / 3 else started + 90
+        response = ended or created
+        try:
+            while response.status not in ("completed", "incomplete", "failed", "cancelled"):
+                time.sleep(0.5)
+                # A cancel not answered (a 5xx, a lost connection) is sent again at the next turn.
+                doing = "cancel" if time.monotonic() >= cancel_at and call.cancelled_at is None else "retrieve"
+                try:
+                    if doing == "cancel":
+                        if call.cancel_tries == 0:
+                            self.shapes["background cancel sent"] += 1
+                        call.cancel_tries += 1
+                        response = client.responses.cancel(created.id)
+                        call.cancelled_at = time.time()  # answered: its native cancel was done before this
+                    else:
+                        response = client.responses.retrieve(created.id)
+                except openai.APIStatusError as exc:
+                    code = (exc.body or {}).get("code") if isinstance(exc.body, dict) else None
+                    call.errors.append(f"{doing} {exc.status_code} {code or type(exc).__name__}")
+                    if exc.status_code == 404:
+                        call.outcome = "gone"
+                        return call
+                except (openai.APIError, httpx.HTTPError) as exc:
+                    call.errors.append(f"{doing} {type(exc).__name__}")
+                if time.monotonic() - started > 120:
+                    call.outcome = "timeout"
+                    return call
+        finally:
+            client.close()
+        call.outcome = {"completed": "answered", "incomplete": "answered", "failed": "faulted"}.get(
+            response.status, response.status)
+        if call.outcome == "answered":
+            call.answered_id, call.output = request_id, response.output_text
+            self.ok("bg answer")
+        return call
+
+    def read_background(self) -> None:
+        """After the load: each background response a client saw created, read once more with GET
+        (the reconciliation checks its status against its request's state)."""
+        import openai
+
+        for call in [c for c in self.calls if c.kind == "bg" and c.ids]:
+            (request_id,) = call.ids
+            client = openai.OpenAI(base_url=f"{self.horde.base_url}/v1", api_key=self.keys["bg"], timeout=15,
+                                   max_retries=5)
+            try:
+                response = client.responses.retrieve("resp_" + request_id.replace("-", ""))
+                call.final_status = response.status
+                if response.status in ("completed", "incomplete"):
+                    # Readable: the client may still read what it pays for.
+                    call.answered_id, call.output = request_id, response.output_text
+            except openai.APIStatusError as exc:
+                call.final_status = str(exc.status_code)
+            except (openai.APIError, httpx.HTTPError) as exc:
+                call.final_status = type(exc).__name__
+            finally:
+                client.close()
 
     # workers
 
@@ -563,6 +729,7 @@ class DrillResult:
     recoveries: list[tuple[str, float]] = field(default_factory=list)  # (fault, when it cleared), read at the end
     notes: list[str] = field(default_factory=list)
     reconciliation: Reconciliation | None = None
+    calls: list[Call] = field(default_factory=list)
     worker_errors: dict = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -605,14 +772,19 @@ class Drills:
             time.sleep(self.s(10, 4))
             log(f"drill {name}: load stopping, calls in flight finishing")
             load.finish()
-            time.sleep(2 * SWEEP_SECONDS + 1)
+            # A /v1 request its client left waits for its front lease to lapse and the sweep after it.
+            ended = max((c.ended_at or 0 for c in load.calls if c.front and c.outcome != "answered"), default=0)
+            time.sleep(max(2 * SWEEP_SECONDS + 1, ended + FRONT_LEASE_SECONDS + 2 * SWEEP_SECONDS - time.time()))
+            load.read_background()
             # On shared services only this drill's calls are its own; the ledger checks cover all.
             tags = {call.tag for call in load.calls} if self.short else None
             result.reconciliation = reconcile(horde.query(), load.calls, only_tags=tags)
+            result.calls = list(load.calls)
             result.faults += [f"{fault}: {load.recovery(since)}" for fault, since in result.recoveries]
             outcomes = Counter(f"{call.kind} {call.outcome}" for call in load.calls)
             result.notes.append("client calls: " + ", ".join(f"{what} {n}" for what, n in sorted(outcomes.items())))
             result.worker_errors = dict(Counter(load.worker_errors))
+            result.notes.append("/v1/responses calls: " + ", ".join(f"{what} {n}" for what, n in sorted(load.shapes.items())))
         finally:
             load.requesting.clear()
             load.working.clear()
@@ -828,7 +1000,8 @@ def print_report(results: list[DrillResult], args: argparse.Namespace, total: fl
     processes = f"; {args.web_processes} web processes" if args.web_processes > 1 else ""
     print(f"## Drill report ({'--short' if args.short else 'full'}{processes}; {total:.0f} s in all)")
     header = ["drill", "accepted", "completed", "cancelled", "faulted", "waiting", "lost", "double-charged",
-              "charged for nothing", "held by two", "balance != ledger", "holds != open holds"]
+              "charged for nothing", "held by two", "balance != ledger", "holds != open holds", "wrong output",
+              "left for nobody", "background unsettled"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     clean = True
@@ -853,9 +1026,27 @@ def print_report(results: list[DrillResult], args: argparse.Namespace, total: fl
         for label, items in (("lost", rec.lost), ("charged for nothing", charged),
                              ("double-charged", rec.double_charged), ("held by two", rec.two_workers),
                              ("conflicting states", rec.conflicting_states),
-                             ("balance != ledger", rec.balance_mismatch), ("holds", rec.hold_mismatch)):
+                             ("balance != ledger", rec.balance_mismatch), ("holds", rec.hold_mismatch),
+                             ("a reply read that is not its worker's", rec.wrong_output),
+                             ("queued or held with no client to receive it",
+                              [f"{rid} ({rec.details.get(rid, '')})" for rid in rec.unreceivable]),
+                             ("background responses not ended as their GET shows", rec.background_unsettled)):
             if items:
                 print(f"- {label}: {', '.join(items[:8])}{' ...' if len(items) > 8 else ''}")
+        if rec.paid_at_cancel:
+            print(f"- cancelled background responses paid for the job a worker held before the cancel "
+                  f"(ADR 0102, as the native cancel): {len(rec.paid_at_cancel)}")
+        if rec.unkept_paid:
+            print(f"- background creates answered 503 as Redis failed between their check and their record's keep, "
+                  f"the job a worker popped meanwhile paid at the front's cancel (a limit, docs/adr/0107): "
+                  f"{len(rec.unkept_paid)}")
+        if rec.lost_after_read:
+            print(f"- background responses whose end the client read, their kept record then lost with Redis's "
+                  f"data (a limit, docs/adr/0107): {len(rec.lost_after_read)}")
+        finals = Counter(call.final_status for call in result.calls if call.kind == "bg" and call.ids)
+        if finals:
+            print("- background responses created, read by GET after the load: "
+                  + ", ".join(f"{status} {n}" for status, n in sorted(finals.items(), key=str)))
     print(f"\n{'ALL CLEAN' if clean else 'FINDINGS: see the rows above'}")
     return clean
 

@@ -178,6 +178,8 @@ async def _completions(
     run = ChatRun(state, request, trace, slot, disconnected, leased=not in_background)
     streaming_started = False
     try:
+        if in_background:
+            await _record_keepable(state)
         await run.submit(api_key, headers)
         if in_background:
             assert isinstance(request, ResponsesRequest)
@@ -226,6 +228,16 @@ async def _completions(
     finally:
         if not streaming_started:
             await run.finish()
+
+
+async def _record_keepable(state: Any) -> None:
+    """Before a background request is submitted: a Redis that cannot keep its record is 503 with
+    nothing queued (docs/adr/0107); only a Redis failing between this and the keep is left to the
+    cancel below."""
+    try:
+        await state.response_items.reachable()
+    except ResponseItemsUnavailable:
+        raise items_unavailable() from None
 
 
 async def _start_background(state: Any, api_key: str, request: ResponsesRequest, run: ChatRun) -> dict[str, Any]:

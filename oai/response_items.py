@@ -35,6 +35,9 @@ RESPONSE_KEY_PREFIX = "horde:oai:response:"
 # The longest chain of previous responses a request may continue.
 MAX_RESPONSE_CHAIN = 200
 RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS = 1.0
+# Beside a background response's record from its create, kept as long, which a DELETE leaves: a record
+# gone with its mark went with Redis's data (a restart without persistence), not by a DELETE.
+RESPONSE_MARK_KEY_PREFIX = "horde:oai:response_mark:"
 # After a Redis failure, this long without trying again: a hung Redis costs one reply a timeout, not
 # every reply.
 RESPONSE_ITEMS_BACKOFF_SECONDS = 5.0
@@ -78,6 +81,10 @@ def response_item_key(item_id: str) -> str:
 
 def response_key(response_id: str) -> str:
     return RESPONSE_KEY_PREFIX + response_id
+
+
+def response_mark_key(response_id: str) -> str:
+    return RESPONSE_MARK_KEY_PREFIX + response_id
 
 
 def _owner(api_key: str) -> str:
@@ -181,8 +188,33 @@ class ResponseItems:
         `response` object (queued, no output) and what reading its progress needs under
         `background`. Raises ResponseItemsUnavailable when it could not be kept: its id would name
         nothing."""
-        record = _record(_owner(api_key), response, previous_response_id, turn_input, [], background=background)
-        await self._write({response_key(response["id"]): record})
+        owner = _owner(api_key)
+        record = _record(owner, response, previous_response_id, turn_input, [], background=background)
+        mark = json.dumps({"owner": owner})
+        await self._write({response_key(response["id"]): record, response_mark_key(response["id"]): mark})
+
+    async def reachable(self) -> None:
+        """Raises ResponseItemsUnavailable when Redis does not answer now (or failed moments ago): a
+        background create asks before it submits, so that a record it could not keep leaves no
+        request behind that a worker might pop meanwhile and its requester pay for."""
+        if self.redis_url is None:
+            return
+        if monotonic() < self._down_until:
+            raise ResponseItemsUnavailable(f"Redis failed less than {RESPONSE_ITEMS_BACKOFF_SECONDS:g} s ago")
+        try:
+            await asyncio.wait_for(self._redis().ping(), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
+        except Exception as error:
+            await self._failed()
+            raise ResponseItemsUnavailable(str(error)) from None
+
+    async def lost(self, api_key: str, response_id: str) -> bool:
+        """Whether Redis lost the record of the background response `response_id` (its record and
+        the mark kept beside it are both gone: Redis restarted without its data), rather than a
+        DELETE forgetting it. Never without Redis. Raises ResponseItemsUnavailable."""
+        if self.redis_url is None:
+            return False
+        (mark,) = await self._read(api_key, [response_mark_key(response_id)])
+        return mark is None
 
     async def keep_finished(
         self,

@@ -4,6 +4,7 @@ error, a lost request, a generation paid twice and a balance that left its ledge
 
 from __future__ import annotations
 
+import time
 import uuid
 
 from django.db import connection
@@ -62,7 +63,7 @@ def test_reconciliation_counts_states_and_finds_what_went_wrong(horde, make_user
     assert result.summary() | {} == {
         "accepted": 3, "completed": 1, "cancelled": 1, "faulted": 0, "waiting": 1, "lost": 0,
         "double-charged": 0, "charged for nothing": 0, "held by two": 0, "balance != ledger": 0,
-        "holds != open holds": 0,
+        "holds != open holds": 0, "wrong output": 0, "left for nobody": 0, "background unsettled": 0,
     }
 
     # Served and charged, but its client saw an error (an answer lost on the way): charged for nothing.
@@ -106,3 +107,87 @@ def test_reconciliation_counts_states_and_finds_what_went_wrong(horde, make_user
     assert len(result.balance_mismatch) == 1 and result.balance_mismatch[0].startswith(f"user {volunteer.user.pk}:")
     assert not result.clean
     assert generation_id != errored_generation
+
+
+def test_reconciliation_of_responses_calls(horde, make_user):
+    """The /v1/responses checks: a reply read that is not its worker's, a request left queued whose
+    client ended without its id, a background response not ended as its GET shows, and a cancelled
+    background response paid for the job a worker held before the cancel (accepted, ADR 0102)."""
+    requester = make_user(kudos=1000)
+    volunteer = make_user(trusted=True)
+
+    misread = Call(kind="resp", tag=new_tag())
+    misread_id = _queue(horde, requester.key, misread)
+    _serve(horde, volunteer.key)
+    misread.ids.clear()  # a /v1 client never sees the request id, only the response's
+    misread.outcome, misread.answered_id, misread.output = "answered", misread_id, "Not its reply."
+    misread.ended_at = time.time()
+
+    held_at_cancel = Call(kind="bg", tag=new_tag())
+    held_id = _queue(horde, requester.key, held_at_cancel)
+    job = horde.pop(volunteer.key).json()
+    assert job["id"], job
+    assert horde.cancel(held_id).status_code == 200
+    held_at_cancel.cancelled_at = time.time()
+    assert horde.submit(volunteer.key, job["id"], " A drill reply.", state="ok").status_code == 200
+    held_at_cancel.outcome, held_at_cancel.final_status = "cancelled", "cancelled"
+
+    left = Call(kind="resp", tag=new_tag(), outcome="error", errors=["APIConnectionError"])
+    left_id = _queue(horde, requester.key, left)
+    left.ids.clear()
+    left.ended_at = time.time()
+
+    unsettled = Call(kind="bg", tag=new_tag(), outcome="timeout", final_status="in_progress")
+    unsettled_id = _queue(horde, requester.key, unsettled)
+    unsettled.ended_at = time.time()
+
+    result = reconcile(_query, [misread, held_at_cancel, left, unsettled])
+    assert result.wrong_output == [
+        f"resp {misread_id}: read 'Not its reply.', worker's [' A drill reply.']"]
+    assert result.paid_at_cancel == [held_id]
+    assert result.charged_for_nothing == []
+    assert result.unreceivable == [left_id]
+    assert result.background_unsettled == [f"{unsettled_id}: the GET after the load read in_progress"]
+    assert not result.clean
+
+    misread.output = " A drill reply."
+    unsettled.final_status = "cancelled"
+    assert horde.cancel(unsettled_id).status_code == 200
+    assert horde.cancel(left_id).status_code == 200
+    result = reconcile(_query, [misread, held_at_cancel, left, unsettled])
+    assert result.clean, result
+    assert result.summary()["cancelled"] == 3
+
+    # A job popped after the cancel was answered is no held job of the cancel: charged for nothing.
+    held_at_cancel.cancelled_at -= 60
+    result = reconcile(_query, [misread, held_at_cancel, left, unsettled])
+    assert result.charged_for_nothing == [held_id] and result.paid_at_cancel == []
+
+    # A background response whose end its client read, its kept record then lost with Redis's data: a
+    # limit (docs/adr/0107), not a finding; one whose client never read its end is a finding.
+    read_then_lost = Call(kind="bg", tag=new_tag(), outcome="answered", final_status="404")
+    read_id = _queue(horde, requester.key, read_then_lost)
+    _serve(horde, volunteer.key)
+    read_then_lost.answered_id = read_id
+    never_read = Call(kind="bg", tag=new_tag(), outcome="gone", final_status="404")
+    never_read_id = _queue(horde, requester.key, never_read)
+    _serve(horde, volunteer.key)
+    held_at_cancel.cancelled_at += 60
+    result = reconcile(_query, [misread, held_at_cancel, left, unsettled, read_then_lost, never_read])
+    assert result.lost_after_read == [read_id]
+    assert result.background_unsettled == [f"{never_read_id}: the GET after the load read 404"]
+    assert result.charged_for_nothing == [never_read_id]
+
+    # A background create answered 503 as Redis failed between its check and its record's keep, its
+    # job popped in that moment and paid at the front's cancel: a limit (docs/adr/0107).
+    unkept = Call(kind="bg", tag=new_tag(), outcome="error", errors=["create 503 ResponseItemsUnavailable"])
+    unkept_id = _queue(horde, requester.key, unkept)
+    unkept.ids.clear()  # the client was answered 503, no id
+    job = horde.pop(volunteer.key).json()
+    assert horde.cancel(unkept_id).status_code == 200
+    assert horde.submit(volunteer.key, job["id"], " A drill reply.", state="ok").status_code == 200
+    unkept.ended_at = time.time() + 0.01
+    result = reconcile(_query, [unkept], only_tags={unkept.tag})
+    assert result.unkept_paid == [unkept_id] and result.charged_for_nothing == [] and result.clean
+    unkept.errors = ["create APIConnectionError"]
+    assert reconcile(_query, [unkept], only_tags={unkept.tag}).charged_for_nothing == [unkept_id]

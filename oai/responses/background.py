@@ -74,14 +74,14 @@ async def start(state: Any, api_key: str, request: ResponsesRequest, request_id:
         "prompt_estimate": request.prompt_estimate(),
     }
     kept_id = response_id(request_id)
-    await state.response_items.keep_pending(
-        api_key,
-        response=queued,
-        previous_response_id=request.previous_response_id,
-        turn_input=request.turn_input,
-        background=background,
-    )
-    state.spawn_collector(collect(state, api_key, kept_id, request_id))
+    pending_record = {
+        "response": queued,
+        "previous_response_id": request.previous_response_id,
+        "turn_input": request.turn_input,
+        "background": background,
+    }
+    await state.response_items.keep_pending(api_key, **pending_record)
+    state.spawn_collector(collect(state, api_key, kept_id, request_id, pending_record))
     return queued
 
 
@@ -180,6 +180,12 @@ async def cancel(state: Any, api_key: str, kept_id: str, record: Mapping[str, An
     if now["status"] not in ACTIVE_STATUSES:  # it ended on its own meanwhile
         return now
     await state.cancels.cancel_within_budget(record["background"]["request_id"])
+    # A reply that finished while the cancel was on its way is done and paid (a cancel of a done
+    # request changes nothing, ADR 0064): the status read again answers and keeps it as it finished.
+    with contextlib.suppress(ChatFrontError):  # unread: answered cancelled, as before the read
+        after = await current(state, api_key, kept_id, record)
+        if after["status"] not in ACTIVE_STATUSES:
+            return after
     # Kept unless the reply finished (and the watcher or a GET kept it) while the cancel was on its
     # way, or the response was deleted meanwhile: as the watcher keeps a finished record.
     return await _keep_finished(state, api_key, kept_id, record, {**now, "status": "cancelled", "output": []})
@@ -192,9 +198,13 @@ async def cancel_before_delete(state: Any, record: Mapping[str, Any]) -> None:
         await state.cancels.cancel_within_budget(record["background"]["request_id"])
 
 
-async def collect(state: Any, api_key: str, kept_id: str, request_id: str) -> None:
+async def collect(
+    state: Any, api_key: str, kept_id: str, request_id: str, pending_record: Mapping[str, Any] | None = None
+) -> None:
     """Watch a background request from the process that submitted it until it ends, and keep its
-    finished record: woken by its completion signal when the listener is healthy, else polling."""
+    finished record: woken by its completion signal when the listener is healthy, else polling. A
+    record Redis lost (restarted without its data) is kept again from `pending_record`, the one kept
+    at the create, so that its reply is read, not run and charged for a client that cannot find it."""
     settings = state.settings
     # Shielded: a stop that cancels this watcher at its start must not cut a Redis subscribe in
     # half, which can leave the shared listener's connection waiting on a reply it never reads.
@@ -213,6 +223,10 @@ async def collect(state: Any, api_key: str, kept_id: str, request_id: str) -> No
                 await asyncio.sleep(seconds)
             try:
                 record = await state.response_items.record(api_key, kept_id)
+                if record is None and pending_record is not None and await state.response_items.lost(api_key, kept_id):
+                    log.warning("background response %s: Redis lost its record; kept again", kept_id)
+                    await state.response_items.keep_pending(api_key, **pending_record)
+                    continue
                 if record is None or not pending(record):
                     return
                 if (await current(state, api_key, kept_id, record))["status"] not in ACTIVE_STATUSES:

@@ -244,6 +244,60 @@ def test_a_new_front_state_reads_a_background_response_from_redis(front, client,
     assert _poll(client, created.id, ("completed",)).output_text == "Hello from the horde."
 
 
+@pytest.mark.redis_only
+def test_a_background_record_redis_lost_is_kept_again_by_the_front_that_sent_it(
+    front, client, requester, redis_url, live_horde, worker_owner, workers
+):
+    """Redis restarted without its data (no persistence) while a background request waits: the
+    submitting process's watcher keeps its record again, so its reply is read, not run and charged
+    for a client that can no longer find it (the drills' Redis fault, docs/reliability.md)."""
+    import redis
+
+    worker = _idle_worker(live_horde, worker_owner)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    redis.Redis.from_url(redis_url).flushdb()  # what a Redis restarted without persistence holds
+
+    def status() -> str:
+        raw = _raw(front, requester.key, "GET", f"/responses/{created.id}")
+        return raw.json()["status"] if raw.status_code == 200 else str(raw.status_code)
+
+    assert wait_for(lambda: status() == "queued", 5), status()
+    workers.append(worker.start())
+    done = _poll(client, created.id, ("completed",))
+    assert done.status == "completed" and done.output_text == "Hello from the horde."
+
+
+def test_a_background_create_while_redis_is_down_submits_nothing(front, requester, live_horde, worker_owner, workers):
+    """Its record could not be kept, so nobody could read the reply: 503 ResponseItemsUnavailable,
+    and no request queued that a worker could pop and its requester pay for (the drills' hung Redis
+    found one popped while the record's write timed out, then paid at the front's cancel)."""
+    from accounts.models import KudosTransaction
+
+    _idle_worker(live_horde, worker_owner)
+    kudos = requester.refresh().kudos
+    front.configure(redis_url="redis://127.0.0.1:1/0")  # nothing listens there: Redis down
+    answer = _raw(front, requester.key, "POST", "/responses", {"model": MODEL, "input": "Hi", "background": True})
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "ResponseItemsUnavailable"
+    assert _requests() == []
+    assert requester.refresh().kudos == kudos
+    assert not KudosTransaction.objects.filter(user_id=requester.user.pk).exclude(kind="grant").exists()
+
+
+@pytest.mark.redis_only
+def test_a_deleted_background_response_is_not_kept_again(front, client, requester, live_horde, worker_owner, workers):
+    """A record a DELETE forgot is not one Redis lost: the watcher does not bring it back, even when
+    the job a worker held is paid after the cancel."""
+    worker = _idle_worker(live_horde, worker_owner, delay=1.0)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    workers.append(worker.start())
+    assert wait_for(lambda: client.responses.retrieve(created.id).status == "in_progress", 10)
+    client.responses.delete(created.id)
+    assert wait_for(lambda: _charges() == 1, 10)
+    time.sleep(1.5)  # past the watcher's next reads (signal_recheck_seconds 0.5 in these tests)
+    assert _raw(front, requester.key, "GET", f"/responses/{created.id}").status_code == 404
+
+
 def test_a_request_nobody_reads_is_not_cancelled_by_the_front_lease(front, client, live_horde, worker_owner, workers):
     from chat.services.front_lease import cancel_lapsed_front_leases
 
@@ -352,6 +406,44 @@ def test_a_reply_finished_while_the_cancel_was_on_its_way_is_answered_as_it_fini
     threading.Thread(target=gateway.serve_forever, daemon=True).start()
     try:
         front.configure(native_roots=[f"http://127.0.0.1:{gateway.server_address[1]}/api/v2"], cancel_timeout_seconds=5)
+        created = client.responses.create(model=MODEL, input="Hi", background=True)
+        workers.append(worker.start())
+        assert wait_for(lambda: worker.jobs, 10)
+        answered = client.responses.cancel(created.id)
+        assert worker.submits[0].status_code == 200 and wait_for(lambda: _charges() == 1, 5)
+        assert (answered.status, answered.output_text) == ("completed", "Finished first.")
+        assert client.responses.retrieve(created.id).output_text == "Finished first."
+    finally:
+        gateway.shutdown()
+
+
+def test_a_reply_finished_while_the_cancel_was_on_its_way_and_not_yet_kept_is_answered_as_it_finished(
+    front, client, live_horde, worker_owner, workers
+):
+    """As above, but nothing kept the finished reply before the cancel's answer (the watcher had not
+    read it yet): the cancel changed nothing on the horde (the request was done, and paid), so it
+    answers the reply, not a `cancelled` response with no output for a reply its requester paid
+    (found by the drills: a background cancel 0-3 s after the create meets the worker's submit)."""
+    release = threading.Event()
+
+    def reply(job: dict[str, Any]) -> dict[str, Any]:
+        release.wait(20)
+        return text_reply("Finished first.")(job)
+
+    worker = _idle_worker(live_horde, worker_owner, reply=reply)
+
+    def before_cancel() -> None:
+        release.set()
+        wait_for(lambda: worker.submits, 5)
+
+    _LateCancelGateway.target = f"{live_horde.url}/api/v2"
+    _LateCancelGateway.before_cancel = before_cancel
+    gateway = ThreadingHTTPServer(("127.0.0.1", 0), _LateCancelGateway)
+    threading.Thread(target=gateway.serve_forever, daemon=True).start()
+    try:
+        # The watcher reads the status every 30 s: it keeps nothing before the cancel answers.
+        front.configure(native_roots=[f"http://127.0.0.1:{gateway.server_address[1]}/api/v2"], cancel_timeout_seconds=5,
+                        redis_url=None, poll_seconds=30, signal_recheck_seconds=30)
         created = client.responses.create(model=MODEL, input="Hi", background=True)
         workers.append(worker.start())
         assert wait_for(lambda: worker.jobs, 10)
