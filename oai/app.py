@@ -24,7 +24,13 @@ from oai.horde_client import NativeUnreachable
 from oai.mapping import build_completion, build_model_card
 from oai.response_items import ResponseItems, ResponseItemsUnavailable
 from oai.responses import background
-from oai.responses.background_stream import NOT_BACKGROUND, stream_created, stream_kept, streamable
+from oai.responses.background_stream import (
+    NOT_BACKGROUND,
+    STREAM_STOPPING,
+    stream_created,
+    stream_kept,
+    streamable,
+)
 from oai.responses.events import stream_response
 from oai.responses.kept import (
     deleted_response,
@@ -269,11 +275,13 @@ async def retrieve_response(
     `starting_after`), a background response's events (docs/adr/0106-resumable-background-streams.md)."""
     try:
         state = await get_front_state()
+        record = await _kept_record(response_id, api_key)  # the key first, then the query, as every kept-response route
         stream, starting_after = stream_query(query or {})
-        record = await _kept_record(response_id, api_key)
         if stream:
             if not streamable(record):  # its events were not the background sequence (OpenAI refuses it too)
                 raise ChatFrontError(400, "BadRequest", NOT_BACKGROUND, param="stream", should_retry=False)
+            if state.stopping.is_set():
+                raise front_stopping(STREAM_STOPPING)
             events = stream_kept(
                 state, _caller_key(state, api_key), record, starting_after=starting_after, disconnected=disconnected
             )

@@ -109,14 +109,19 @@ def request_crashed() -> ChatFrontError:
     )
 
 
-def front_stopping() -> ChatFrontError:
+FRONT_STOPPING_MESSAGE = (
+    "This AI Horde front is restarting and cancelled this request, which it could not finish before stopping; "
+    "send it again."
+)
+
+
+def front_stopping(message: str = FRONT_STOPPING_MESSAGE) -> ChatFrontError:
     """The answer of a request its front process could not finish before it stops (SIGTERM): the
     horde request is cancelled first, so the client's retry is the only one that runs."""
     return ChatFrontError(
         503,
         "FrontStopping",
-        "This AI Horde front is restarting and cancelled this request, which it could not finish before "
-        "stopping; send it again.",
+        message,
         type="api_error",
         retry_after=FRONT_STOPPING_RETRY_AFTER_SECONDS,
         should_retry=True,

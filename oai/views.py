@@ -391,6 +391,11 @@ class ResponseView(FrontView):
                 "created with background=true",
             ),
             **_KEPT_RESPONSE_ERRORS,
+            503: OpenApiResponse(
+                response=_ERROR,
+                description=f"{_KEPT_RESPONSE_ERRORS[503].description}; FrontStopping: stream=true asked of a "
+                "process that is stopping (ADR 0106)",
+            ),
         },
     )
     async def get(self, request, response_id: str, *args: Any, **kwargs: Any):

@@ -34,6 +34,8 @@ log = logging.getLogger("oai")
 # The sequence number of the first event after the start (response.created, response.queued).
 AFTER_START = 2
 NOT_BACKGROUND = "This response cannot be streamed because it was not created with background=true."
+# A stream asked of a stopping process would end at once, without its end: read it from one that stays.
+STREAM_STOPPING = "This AI Horde front is restarting; read this response's stream again (its request runs on)."
 
 
 @dataclass

@@ -143,6 +143,20 @@ def test_the_front_reads_a_boolean_as_the_horde_does(clone):
             assert horde[name] is (value.lower() in {"true", "on", "ok", "y", "yes", "1", "2"})
 
 
+def test_a_decimal_that_is_not_one_is_not_read_as_another(clone):
+    """A decimal setting reads as Python reads a number: a typo ("1,000", "ten5") stops the process
+    rather than running it on another value (django-environ drops what is not a digit: 1.0, 5.0)."""
+    assert _refusal(clone, HORDE_SWEEP_INTERVAL_SECONDS="ten5") == (
+        "django.core.exceptions.ImproperlyConfigured: HORDE_SWEEP_INTERVAL_SECONDS='ten5' cannot be read: "
+        "could not convert string to float: 'ten5'"
+    )
+    for typo in ("1,000", "2O"):
+        with pytest.raises(ImproperlyConfigured, match=rf"^HORDE_OAI_POLL_SECONDS='{typo}' cannot be read"):
+            load_settings({"HORDE_OAI_POLL_SECONDS": typo})
+    assert load_settings({"HORDE_OAI_POLL_SECONDS": "1e-3"}).poll_seconds == 0.001
+    assert _settings(clone, HORDE_SWEEP_INTERVAL_SECONDS="0.5")  # a decimal still starts
+
+
 def test_the_front_reads_numbers_and_lists_as_the_horde_does(clone):
     """One reader (django-environ's) on both sides: a number that is not one stops both with an
     error naming the variable, a list is split on commas alike."""

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from tests.oai.conftest import MODEL, HordeTestWorker, text_reply, wait_for
+from tests.oai.test_responses_background import _idle_worker, _poll, _requests
 from tests.oai.test_responses_libraries import strict_errors
 
 pytestmark = pytest.mark.slow
@@ -31,19 +32,6 @@ OUTPUT_KINDS = [
     "response.content_part.done",
     "response.output_item.done",
 ]
-
-
-def _requests():
-    from chat.models import GenerationRequest
-
-    return list(GenerationRequest.objects.filter(is_chat=True))
-
-
-def _idle_worker(live_horde, worker_owner, **kwargs: Any) -> HordeTestWorker:
-    """A chat worker that checked in (the model is served) and pops nothing until started."""
-    worker = HordeTestWorker(live=live_horde, key=worker_owner.key, **kwargs)
-    worker.check_in()
-    return worker
 
 
 @pytest.fixture
@@ -77,15 +65,6 @@ def _read_stream(front, key: str, path: str, **params: Any) -> list[dict[str, An
         assert answer.status_code == 200, answer.read()
         assert answer.headers["content-type"].startswith("text/event-stream")
         return list(_sse_data(answer.iter_lines()))
-
-
-def _poll(client, response_id: str, until: tuple[str, ...], seconds: float = 15) -> Any:
-    deadline = time.monotonic() + seconds
-    while True:
-        response = client.responses.retrieve(response_id)
-        if response.status in until or time.monotonic() > deadline:
-            return response
-        time.sleep(0.05)
 
 
 def test_a_background_stream_is_queued_then_the_whole_reply_in_order(client, live_horde, worker_owner, workers):
@@ -388,3 +367,34 @@ def test_a_stream_whose_record_redis_cannot_read_is_the_retryable_503(front, cli
     assert answer.status_code == 503, answer.text
     assert answer.json()["error"]["code"] == "ResponseItemsUnavailable"
     assert answer.headers["x-should-retry"] == "true"
+
+
+def test_a_caller_without_a_key_is_401_before_its_stream_parameters_are_read(front):
+    """As every kept-response route: the key first, then the query (a bad one is not told to a stranger)."""
+    front.configure(allow_anonymous=False)
+    answer = httpx.get(f"{front.live.v1}/responses/resp_unknown", params={"stream": "maybe"}, timeout=30)
+    assert answer.status_code == 401, answer.text
+    assert answer.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_a_stopping_front_refuses_a_new_stream_with_the_retryable_503(front, client, requester, live_horde, worker_owner):
+    """A reader that came during the stop would get the start and then an end without its end; the
+    503 sends the SDK's own retry (and a resume) to a process that stays."""
+    _idle_worker(live_horde, worker_owner)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+
+    async def stop() -> None:
+        from oai.state import get_front_state
+
+        (await get_front_state()).stop(time.monotonic() + 10)
+
+    front.live.run(stop())
+    answer = httpx.get(
+        f"{front.live.v1}/responses/{created.id}", params={"stream": "true"}, headers=_headers(requester.key), timeout=30
+    )
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "FrontStopping"
+    assert "cancelled" not in answer.json()["error"]["message"]  # nothing was: the request runs on
+    assert answer.headers["x-should-retry"] == "true"
+    (row,) = _requests()
+    assert not row.cancelled
