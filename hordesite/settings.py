@@ -291,7 +291,9 @@ STORAGES = {
 HORDE_PUBLIC_URL = env.str("HORDE_PUBLIC_URL", default="")
 # Networks an image URL may point into although they are private (CIDRs, comma separated): an
 # operator's own image host. Empty: every private, loopback and link-local address is refused.
-HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS = env.list("HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS", default=[])
+HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS = [
+    network.strip() for network in env.list("HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS", default=[]) if network.strip()
+]
 for _network in HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS:  # fail closed: a typo must not 500 every image fetch
     try:
         ipaddress.ip_network(_network, strict=False)

@@ -170,6 +170,17 @@ def load_telemetry_settings(env: Mapping[str, str] | None = None) -> TelemetrySe
     )
 
 
+# The front's intervals that pace a loop: each must be above 0.
+LOOP_INTERVALS = (
+    "HORDE_OAI_SIGNAL_RECHECK_SECONDS",
+    "HORDE_OAI_POLL_SECONDS",
+    "HORDE_OAI_SIGNAL_PING_SECONDS",
+    "HORDE_OAI_KEEPALIVE_SECONDS",
+    "HORDE_OAI_CANCEL_RETRY_SECONDS",
+    "HORDE_OAI_FRONT_LEASE_RENEW_SECONDS",
+)
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> FrontSettings:
     """The one reader of the front's environment."""
     env = os.environ if env is None else env
@@ -178,6 +189,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> FrontSettings:
     redis_url = read.str("HORDE_OAI_REDIS_URL", default=None)
     if redis_url is None:  # unset: the horde's own Redis, where the completion signal is published
         redis_url = read.str("HORDE_CHAT_SIGNAL_REDIS_URL", default="") or read.str("REDIS_URL", default="")
+    for name in LOOP_INTERVALS:  # a zero would spin a loop: a waiter, a stream's keepalive, the retries
+        if read.float(name, default=1.0) <= 0:
+            raise environ.ImproperlyConfigured(f"{name} must be a number of seconds above 0")
     return FrontSettings(
         # Empty: the default root, as unset.
         native_roots=(

@@ -8,7 +8,7 @@ import json
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from oai.settings import load_settings
+from oai.settings import LOOP_INTERVALS, load_settings
 from tests.hordesite.clone import clean_env, clone_like_copy, run_python
 
 DEPLOYED_DATABASE = "postgres://horde:secret@db.invalid:5432/horde"
@@ -110,6 +110,18 @@ def test_an_unreadable_image_network_does_not_start(clone):
         "'images.internal' does not appear to be an IPv4 or IPv6 network"
     )
     assert _settings(clone, HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS="10.0.0.0/8,fd00::/8")
+    # Written as a list is often written, with a space after each comma.
+    assert _settings(clone, HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS="10.0.0.0/8, 192.168.0.0/16 ,")
+
+
+@pytest.mark.parametrize("name", LOOP_INTERVALS)
+def test_the_front_refuses_an_interval_that_would_spin_its_loop(name):
+    """A keepalive, poll or retry interval of 0 or less would send keepalives or reads as fast as
+    the process runs: the front does not start on it."""
+    for value in ("0", "-1"):
+        with pytest.raises(ImproperlyConfigured, match=rf"^{name} must be a number of seconds above 0$"):
+            load_settings({name: value})
+    assert load_settings({name: "0.05"})
 
 
 def test_importing_the_settings_creates_no_directory(clone):
