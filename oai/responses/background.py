@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,40 +206,55 @@ async def collect(
     record Redis lost (restarted without its data) is kept again from `pending_record`, the one kept
     at the create, so that its reply is read, not run and charged for a client that cannot find it."""
     settings = state.settings
-    # Shielded: a stop that cancels this watcher at its start must not cut a Redis subscribe in
-    # half, which can leave the shared listener's connection waiting on a reply it never reads.
-    listener = await asyncio.shield(state.ensure_listener())
-    wake = await asyncio.shield(listener.register(request_id)) if listener is not None else None
-    deadline = time.monotonic() + COLLECT_SECONDS
     try:
-        while time.monotonic() < deadline:
-            listening = wake is not None and wake.listening
-            seconds = settings.signal_recheck_seconds if listening else settings.poll_seconds
-            if wake is not None:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.event.wait(), seconds)
-                wake.event.clear()
-            else:
-                await asyncio.sleep(seconds)
-            try:
-                record = await state.response_items.record(api_key, kept_id)
-                if record is None and pending_record is not None and await state.response_items.lost(api_key, kept_id):
-                    log.warning("background response %s: Redis lost its record; kept again", kept_id)
-                    await state.response_items.keep_pending(api_key, **pending_record)
-                    continue
-                if record is None or not pending(record):
-                    return
-                if (await current(state, api_key, kept_id, record))["status"] not in ACTIVE_STATUSES:
-                    return
-            except (ChatFrontError, ResponseItemsUnavailable) as error:
-                log.info("background response %s not read this time: %s", kept_id, error)
+        async with completion_wake(state, request_id) as wake:
+            deadline = time.monotonic() + COLLECT_SECONDS
+            while time.monotonic() < deadline:
+                listening = wake is not None and wake.listening
+                seconds = settings.signal_recheck_seconds if listening else settings.poll_seconds
+                if wake is not None:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(wake.event.wait(), seconds)
+                    wake.event.clear()
+                else:
+                    await asyncio.sleep(seconds)
+                try:
+                    record = await state.response_items.record(api_key, kept_id)
+                    if (
+                        record is None
+                        and pending_record is not None
+                        and await state.response_items.lost(api_key, kept_id)
+                    ):
+                        log.warning("background response %s: Redis lost its record; kept again", kept_id)
+                        await state.response_items.keep_pending(api_key, **pending_record)
+                        continue
+                    if record is None or not pending(record):
+                        return
+                    if (await current(state, api_key, kept_id, record))["status"] not in ACTIVE_STATUSES:
+                        return
+                except (ChatFrontError, ResponseItemsUnavailable) as error:
+                    log.info("background response %s not read this time: %s", kept_id, error)
     except asyncio.CancelledError:
         # The process stops. Without Redis the record goes with it and nobody could read the reply:
         # the request is ended as a stopping front's, not run and charged (a record in Redis stays).
         if state.response_items.redis_url is None:
             await state.cancels.cancel_within_budget(request_id, undelivered=True)
         raise
+
+
+@contextlib.asynccontextmanager
+async def completion_wake(state: Any, request_id: str) -> AsyncIterator[Any]:
+    """The completion signal's wake of `request_id` for the block (None without a listener), always
+    unregistered after it. The listener's start and the register are shielded: a cancel (a stop, a
+    client that leaves) must not cut a Redis subscribe in half, which can leave the shared
+    connection waiting on a reply it never reads; a register a cancel overtook is undone once done."""
+    listener = await asyncio.shield(state.ensure_listener())
+    if listener is None:
+        yield None
+        return
+    registering = asyncio.ensure_future(listener.register(request_id))
+    try:
+        yield await asyncio.shield(registering)
     finally:
-        if wake is not None and listener is not None:
-            with contextlib.suppress(Exception):
-                await listener.unregister(request_id, wake)
+        with contextlib.suppress(Exception):  # a register that failed has nothing to undo
+            await listener.unregister(request_id, await asyncio.shield(registering))

@@ -23,7 +23,7 @@ from typing import Any
 from oai import sse
 from oai.errors import ChatFrontError
 from oai.response_items import ResponseItemsUnavailable
-from oai.responses.background import ACTIVE_STATUSES, COLLECT_SECONDS, current, pending
+from oai.responses.background import ACTIVE_STATUSES, COLLECT_SECONDS, completion_wake, current, pending
 from oai.responses.events import ResponseEvents
 from oai.responses.kept import kept_response
 from oai.responses.reply import queued_response
@@ -133,37 +133,32 @@ async def _wait(
     response. Ends without it when the client left, the process stops (the reader resumes
     elsewhere), the response was deleted, or COLLECT_SECONDS passed."""
     settings = state.settings
-    # Shielded, as the watcher's: a client that leaves must not cut a Redis subscribe in half.
-    listener = await asyncio.shield(state.ensure_listener())
-    wake = await asyncio.shield(listener.register(request_id)) if listener is not None else None
-    watcher = ChatRequestWatcher(
-        wake=wake,
-        budget=WaitBudget(time.monotonic(), COLLECT_SECONDS),
-        recheck_seconds=settings.signal_recheck_seconds,
-        poll_seconds=settings.poll_seconds,
-        disconnected=disconnected,
-        stopping=state.stopping,
-    )
-    next_keepalive = time.monotonic() + settings.keepalive_seconds
-    try:
-        while True:
-            try:
-                record = await state.response_items.record(api_key, kept_id)
-                if record is None:  # deleted meanwhile
+    async with completion_wake(state, request_id) as wake:
+        watcher = ChatRequestWatcher(
+            wake=wake,
+            budget=WaitBudget(time.monotonic(), COLLECT_SECONDS),
+            recheck_seconds=settings.signal_recheck_seconds,
+            poll_seconds=settings.poll_seconds,
+            disconnected=disconnected,
+            stopping=state.stopping,
+        )
+        next_keepalive = time.monotonic() + settings.keepalive_seconds
+        try:
+            while True:
+                try:
+                    record = await state.response_items.record(api_key, kept_id)
+                    if record is None:  # deleted meanwhile
+                        return
+                    now = await current(state, api_key, kept_id, record) if pending(record) else kept_response(record)
+                    if now["status"] not in ACTIVE_STATUSES:
+                        ended.response = now
+                        return
+                except (ChatFrontError, ResponseItemsUnavailable) as error:  # read again at the next wake
+                    log.info("background response %s not read this time: %s", kept_id, error)
+                while (source := await watcher.next_wake(keepalive_at=next_keepalive)) is None:
+                    yield sse.build_keepalive_event()
+                    next_keepalive = time.monotonic() + settings.keepalive_seconds
+                if source in (WakeSource.DISCONNECT, WakeSource.STOPPING, WakeSource.DEADLINE):
                     return
-                now = await current(state, api_key, kept_id, record) if pending(record) else kept_response(record)
-                if now["status"] not in ACTIVE_STATUSES:
-                    ended.response = now
-                    return
-            except (ChatFrontError, ResponseItemsUnavailable) as error:  # read again at the next wake
-                log.info("background response %s not read this time: %s", kept_id, error)
-            while (source := await watcher.next_wake(keepalive_at=next_keepalive)) is None:
-                yield sse.build_keepalive_event()
-                next_keepalive = time.monotonic() + settings.keepalive_seconds
-            if source in (WakeSource.DISCONNECT, WakeSource.STOPPING, WakeSource.DEADLINE):
-                return
-    finally:
-        watcher.close()
-        if wake is not None and listener is not None:
-            with contextlib.suppress(Exception):
-                await listener.unregister(request_id, wake)
+        finally:
+            watcher.close()
