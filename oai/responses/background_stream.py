@@ -4,7 +4,8 @@
 
 The sequence is built from the response's state alone, so every reader, live or resuming, sees the
 same events under the same sequence numbers: `response.created` and `response.queued` (its queued
-object), then, once its request ended, `response.in_progress`, its output's events and its end
+object), `response.in_progress` once a worker took its request (or with the rest), then, once its
+request ended, its output's events and its end
 (oai.responses.events, ResponseEvents.replay). A reader waits for the end as the watcher does
 (oai.responses.background: the completion signal, else polling; keepalive comments meanwhile), and
 stops at once when its client leaves: the request is a background one, so nothing is cancelled.
@@ -106,6 +107,7 @@ async def _stream(
 ) -> AsyncGenerator[bytes, None]:
     kept_id = queued["id"]
     writer = ResponseEvents(ReplayedRequest(), kept_id.removeprefix("resp_"), created=queued["created_at"], model=queued["model"])
+    in_progress_sent = False
     state.background_streams += 1
     try:
         # The headers go out at once, with the start or, when the reader has it, a comment.
@@ -115,11 +117,18 @@ async def _stream(
             ended = _Ended()
             async with contextlib.aclosing(_wait(state, api_key, kept_id, request_id, disconnected, ended)) as waiting:
                 async for keepalive in waiting:
-                    yield keepalive
+                    if keepalive is not None:
+                        yield keepalive
+                    elif not in_progress_sent:  # a worker took it: the third event now, not at the end
+                        in_progress_sent = True
+                        event = _after([writer.in_progress(queued)], AFTER_START, starting_after)
+                        if event:
+                            yield event
             if ended.response is None:  # the reader left, the process stops, or the response was deleted
                 return
             finished = ended.response
-        events = _after(writer.replay(queued, finished), AFTER_START, starting_after)
+        first = AFTER_START + 1 if in_progress_sent else AFTER_START
+        events = _after(writer.replay(queued, finished, in_progress_sent=in_progress_sent), first, starting_after)
         if events:
             yield events
     finally:
@@ -128,8 +137,9 @@ async def _stream(
 
 async def _wait(
     state: Any, api_key: str, kept_id: str, request_id: str, disconnected: asyncio.Event | None, ended: _Ended
-) -> AsyncGenerator[bytes, None]:
-    """Keepalive comments until the background response ended, then `ended` holds its finished
+) -> AsyncGenerator[bytes | None, None]:
+    """Keepalive comments (and None each time it reads the request taken by a worker) until the
+    background response ended, then `ended` holds its finished
     response. Ends without it when the client left, the process stops (the reader resumes
     elsewhere), the response was deleted, or COLLECT_SECONDS passed."""
     settings = state.settings
@@ -153,9 +163,15 @@ async def _wait(
                     if now["status"] not in ACTIVE_STATUSES:
                         ended.response = now
                         return
+                    if now["status"] == "in_progress":
+                        yield None  # a worker took it
                 except (ChatFrontError, ResponseItemsUnavailable) as error:  # read again at the next wake
                     log.info("background response %s not read this time: %s", kept_id, error)
-                while (source := await watcher.next_wake(keepalive_at=next_keepalive)) is None:
+                # The next read is due at a time of its own: a keepalive due first must not put it off
+                # again (with keepalives as often as the rechecks, nothing but a signal would read).
+                listening = wake is not None and wake.listening
+                read_at = time.monotonic() + (settings.signal_recheck_seconds if listening else settings.poll_seconds)
+                while (source := await watcher.next_wake(not_after=read_at, keepalive_at=next_keepalive)) is None:
                     yield sse.build_keepalive_event()
                     next_keepalive = time.monotonic() + settings.keepalive_seconds
                 if source in (WakeSource.DISCONNECT, WakeSource.STOPPING, WakeSource.DEADLINE):

@@ -350,14 +350,19 @@ class ResponseEvents:
         `response.queued`, each with its `queued` response object."""
         return [self._event("response.created", response=queued), self._event("response.queued", response=queued)]
 
-    def replay(self, queued: dict[str, Any], finished: dict[str, Any]) -> list[bytes]:
-        """The events after a background response's start, once it ended: `response.in_progress`,
-        then its output's events as a whole reply's stream sends them (built here from the finished
+    def in_progress(self, queued: dict[str, Any]) -> bytes:
+        """A background response's third event, `response.in_progress`: sent once a worker took its
+        request, or with the rest when a reader first sees it ended (the same event either way)."""
+        return self._event("response.in_progress", response={**queued, "status": "in_progress"})
+
+    def replay(self, queued: dict[str, Any], finished: dict[str, Any], *, in_progress_sent: bool = False) -> list[bytes]:
+        """The events after a background response's start, once it ended: `response.in_progress`
+        (unless `in_progress_sent`), then its output's events as a whole reply's stream sends them (built here from the finished
         output: what the chat stream's chunks of the same reply would feed), then its end with the
         `finished` response itself: `response.completed` or `response.incomplete`; a failed one
         `error` and `response.failed`, as a stream that failed; a cancelled one `response.failed` with
         the cancelled response (openai's event types have no cancelled event)."""
-        events = [self._event("response.in_progress", response={**queued, "status": "in_progress"})]
+        events = [] if in_progress_sent else [self.in_progress(queued)]
         status = finished["status"]
         if status in ("completed", "incomplete"):
             for item in finished["output"]:

@@ -1,8 +1,8 @@
 """Background streams (`background: true, stream: true`) and their resumption by
 `GET /v1/responses/{id}?stream=true&starting_after=N` (docs/adr/0106-resumable-background-streams.md),
 against the live horde and its mounted front, read with the real openai SDK: the sequence is
-`response.created` (queued), `response.queued`, then once the request ended `response.in_progress`,
-the output's events and the terminal event, numbered 0, 1, 2, ... the same for every reader; a
+`response.created` (queued), `response.queued`, `response.in_progress` once a worker took the
+request (or with the rest), then the output's events and the terminal event, numbered 0, 1, 2, ... the same for every reader; a
 client that leaves does not cancel the request; a reader resumes after any sequence number."""
 
 from __future__ import annotations
@@ -125,6 +125,38 @@ def test_a_client_that_leaves_does_not_cancel_it_and_resumes_after_a_sequence_nu
     assert resumed[0].type == "response.in_progress" and resumed[-1].type == "response.completed"
     assert resumed[-1].response.model_dump() == client.responses.retrieve(response_id).model_dump()
     assert _read_stream(front, requester.key, f"/responses/{response_id}", stream="true", starting_after=len(full) - 1) == []
+
+
+def test_in_progress_is_sent_once_a_worker_took_the_request_and_a_later_reader_sees_the_same(
+    front, client, requester, live_horde, worker_owner, workers
+):
+    """`response.in_progress` comes while the worker still generates (at the reader's next wake), not
+    with the reply; it is event 2 either way, so a reader after the end gets the same sequence."""
+    release = threading.Event()
+
+    def reply(job: dict[str, Any]) -> dict[str, Any]:
+        release.wait(20)
+        return text_reply("Worth the wait.")(job)
+
+    worker = _idle_worker(live_horde, worker_owner, reply=reply)
+    body = {"model": MODEL, "input": "Hello?", "background": True, "stream": True}
+    live: list[dict[str, Any]] = []
+    with httpx.stream("POST", f"{front.live.v1}/responses", json=body, headers=_headers(requester.key), timeout=30) as answer:
+        assert answer.status_code == 200
+        for data in _sse_data(answer.iter_lines()):
+            live.append(data)
+            if data["type"] == "response.queued":
+                workers.append(worker.start())
+            if data["type"] == "response.in_progress":
+                assert worker.jobs and not worker.submits  # taken, not answered yet
+                assert data["sequence_number"] == 2 and data["response"]["status"] == "in_progress"
+                release.set()
+    assert [event["type"] for event in live] == [
+        "response.created", "response.queued", "response.in_progress", *OUTPUT_KINDS, "response.completed"
+    ]
+    assert [event["sequence_number"] for event in live] == list(range(len(live)))
+    assert live[-1]["response"]["output"][0]["content"][0]["text"] == "Worth the wait."
+    assert _read_stream(front, requester.key, f"/responses/{live[0]['response']['id']}", stream="true") == live
 
 
 def test_the_sdks_stream_helper_resumes_a_pending_response(client, live_horde, worker_owner, workers):
