@@ -28,6 +28,7 @@ import io
 import json
 import logging
 import select
+import sqlite3
 import threading
 import time
 from dataclasses import dataclass
@@ -222,6 +223,24 @@ def _lost_by_its_error(exc: BaseException) -> bool:
     sqlstate = cause.sqlstate
     # Without SQLSTATE the error is psycopg's or libpq's own: the socket closed, the connection lost.
     return sqlstate is None or sqlstate.startswith("08") or sqlstate in _SESSION_ENDED_SQLSTATES
+
+
+# SQLite's primary result codes of a file the process cannot use now: busy or locked past the
+# timeout, an I/O error, a full disk, a file it cannot open. Each fails its statement (and rolls
+# back its transaction): the request may be sent again.
+_SQLITE_UNAVAILABLE_CODES = frozenset({
+    sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_FULL, sqlite3.SQLITE_CANTOPEN,
+})
+
+
+def is_database_file_unavailable(exc: BaseException) -> bool:
+    """The embedded default's SQLite file out of reach (moved, full, locked past the busy timeout)."""
+    cause = exc.__cause__
+    return (
+        isinstance(exc, OperationalError)
+        and isinstance(cause, sqlite3.Error)
+        and (getattr(cause, "sqlite_errorcode", 0) & 0xFF) in _SQLITE_UNAVAILABLE_CODES
+    )
 
 
 DATABASE_CONFLICT_RC = "DatabaseConflict"

@@ -78,6 +78,9 @@ def horde_exception_handler(exc, context):
         # nothing was written (hordesite/db_guard.py).
         retry = db_guard.on_connection_failure(exc)
         return Response(db_guard.unavailable_body(), status=503, headers=db_guard.unavailable_headers(retry=retry))
+    if db_guard.is_database_file_unavailable(exc):
+        log.warning("%s: the database file is out of reach: %s", context.get("view"), exc)
+        return Response(db_guard.unavailable_body(), status=503, headers=db_guard.unavailable_headers())
     if db_guard.is_transaction_conflict(exc):
         log.warning("%s rolled back at the database: %s", context.get("view"), exc)
         return Response(

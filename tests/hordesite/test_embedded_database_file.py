@@ -1,0 +1,127 @@
+"""The embedded default's SQLite file, out of reach: a request answers 503 DatabaseUnavailable with
+Retry-After (as a lost PostgreSQL does), never a 500, and the horde serves again once the file is
+back. A real web process (`scripts/run.py web`) on its own database file, whose folder the test
+moves away and back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Horde:
+    url: str
+    key: str
+    folder: Path  # holds the database file
+
+
+@pytest.fixture(scope="module")
+def horde(tmp_path_factory) -> Iterator[Horde]:
+    tmp_path = tmp_path_factory.mktemp("embedded-file")
+    folder = tmp_path / "db"
+    folder.mkdir()
+    port = _free_port()
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"sqlite:///{folder / 'horde.sqlite3'}",
+        "REDIS_URL": "",
+        "CELERY_BROKER_URL": "",
+        "PYTHONUNBUFFERED": "1",
+        "HORDE_API_KEY_CACHE_SECONDS": "0",
+    }
+
+    def manage(*args: str) -> str:
+        return subprocess.run(
+            [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+        ).stdout
+
+    manage("migrate", "--noinput", "-v0")
+    key = manage("horde_user", "create", "file-requester", "--kudos", "1000").strip().splitlines()[-1]
+    log = (tmp_path / "web.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "scripts/run.py", "web", "-b", "127.0.0.1", "-p", str(port), "hordesite.asgi:application"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/api/v2/status/heartbeat", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, (tmp_path / "web.log").read_text()
+            assert time.monotonic() < deadline, "the web process did not answer within 60 s"
+            time.sleep(0.2)
+        yield Horde(url=url, key=key, folder=folder)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def _ask(horde: Horde) -> httpx.Response:
+    return httpx.post(
+        f"{horde.url}/api/v2/generate/text/async",
+        headers={"apikey": horde.key, "Client-Agent": "file-test:1:test"},
+        json={"prompt": "Once upon a time", "params": {"max_length": 16}, "models": ["any-model"]},
+        timeout=30,
+    )
+
+
+def _requests_stored(folder: Path) -> int:
+    with sqlite3.connect(folder / "horde.sqlite3") as db:
+        return db.execute("select count(*) from horde_requests").fetchone()[0]
+
+
+def test_a_database_file_out_of_reach_answers_503_and_the_horde_serves_again(horde: Horde) -> None:
+    first = _ask(horde)
+    assert first.status_code == 202, first.text
+    request_id = first.json()["id"]
+
+    away = horde.folder.with_name("db-away")
+    horde.folder.rename(away)
+    try:
+        refused = _ask(horde)
+        status = httpx.get(f"{horde.url}/api/v2/generate/text/status/{request_id}", timeout=30)
+    finally:
+        away.rename(horde.folder)
+
+    for answer in (refused, status):
+        assert answer.status_code == 503, answer.text
+        assert answer.json() == {"message": "The database is unavailable; try again shortly.", "rc": "DatabaseUnavailable"}
+        assert int(answer.headers["Retry-After"]) >= 1
+
+    again = _ask(horde)
+    assert again.status_code == 202, again.text
+    read = httpx.get(f"{horde.url}/api/v2/generate/text/status/{request_id}", timeout=30)
+    assert read.status_code == 200 and read.json()["done"] is False
+    assert _requests_stored(horde.folder) == 2  # the refused one wrote nothing
