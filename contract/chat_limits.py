@@ -77,6 +77,9 @@ OPENAI_SAMPLING_RANGES: MappingProxyType[str, tuple[float, float]] = MappingProx
 
 # The native route's penalty range (the text params bound temperature and top_p).
 CHAT_PENALTY_RANGE = (-2.0, 2.0)
+# A seed is a 64-bit signed integer, as OpenAI types it (and backends read it: llama.cpp, vLLM).
+CHAT_SEED_MIN = -(2**63)
+CHAT_SEED_MAX = 2**63 - 1
 
 # Every sampling field a chat job carries; the client's value or this default, so a worker's
 # own defaults never apply to a chat job.

@@ -32,6 +32,8 @@ from contract.chat_errors import ChatRefusal
 from contract.chat_limits import (
     CHAT_MAX_TOKENS_DEFAULT,
     CHAT_PENALTY_RANGE,
+    CHAT_SEED_MAX,
+    CHAT_SEED_MIN,
     MAX_CHAT_IMAGE_BYTES,
     MAX_CHAT_IMAGE_COUNT,
     MAX_CHAT_IMAGE_TOTAL_BYTES,
@@ -323,7 +325,7 @@ class ChatRequest(ChatShape):
     top_p: float | None = None
     frequency_penalty: float | None = _documented(minimum=CHAT_PENALTY_RANGE[0], maximum=CHAT_PENALTY_RANGE[1])
     presence_penalty: float | None = _documented(minimum=CHAT_PENALTY_RANGE[0], maximum=CHAT_PENALTY_RANGE[1])
-    seed: int | None = None
+    seed: int | None = _documented(minimum=CHAT_SEED_MIN, maximum=CHAT_SEED_MAX)
     reasoning_effort: ChatReasoningEffort | None = None
     stop: StrictStr | list[StrictStr] | None = None
     n: int | None = _documented(minimum=1, maximum=1)
@@ -719,8 +721,12 @@ def _check_scalars(body: Mapping[str, Any]) -> None:
     _check_number(body, "top_p")
     _check_number(body, "frequency_penalty", CHAT_PENALTY_RANGE)
     _check_number(body, "presence_penalty", CHAT_PENALTY_RANGE)
-    if body.get("seed") is not None and _as_int(body["seed"]) is None:
-        raise _wrong_type("seed", "an integer")
+    if body.get("seed") is not None:
+        seed = _as_int(body["seed"])
+        if seed is None:
+            raise _wrong_type("seed", "an integer")
+        if not CHAT_SEED_MIN <= seed <= CHAT_SEED_MAX:
+            raise _bad("seed", f"Invalid value for 'seed': expected an integer from {CHAT_SEED_MIN} to {CHAT_SEED_MAX}.")
     effort = body.get("reasoning_effort")
     if effort is not None and effort not in ChatReasoningEffort.__members__.values():
         raise _bad(

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from contract.chat_limits import CHAT_MAX_TOKENS_DEFAULT
+from contract.chat_limits import CHAT_MAX_TOKENS_DEFAULT, CHAT_SEED_MAX, CHAT_SEED_MIN
 from contract.text import (
     TEXT_BOOLEAN_PARAMS,
     TEXT_MAX_CONTEXT_LENGTH_RANGE,
@@ -286,6 +286,8 @@ def _check_types(body: Mapping[str, Any]) -> None:
     for key in ("max_tokens", "n", "seed"):
         if key in body and not _is_int(body[key]):
             raise _type_error(key, "an integer")
+    if body.get("seed") is not None and not CHAT_SEED_MIN <= body["seed"] <= CHAT_SEED_MAX:
+        raise _bad("seed", f"Invalid value for 'seed': expected an integer from {CHAT_SEED_MIN} to {CHAT_SEED_MAX}.")
     for key in ("temperature", "top_p", "frequency_penalty", "presence_penalty"):
         if key in body and not _is_number(body[key]):
             raise _type_error(key, "a number")

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from contract.chat_declaration import parse_chat_declaration
 from contract.chat_errors import ChatDeclarationInvalid, ChatRefusal
+from contract.chat_limits import CHAT_SEED_MAX, CHAT_SEED_MIN
 from contract.chat_policy import (
     chat_request_requirements,
     check_tool_history,
@@ -95,7 +96,7 @@ def valid_bodies(draw):
         "top_p": st.floats(0, 1),
         "frequency_penalty": st.floats(-2, 2),
         "presence_penalty": st.floats(-2, 2),
-        "seed": st.integers(),
+        "seed": st.integers(CHAT_SEED_MIN, CHAT_SEED_MAX),
         "reasoning_effort": st.sampled_from(["none", "minimal", "low", "medium", "high", "xhigh"]),
         "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=4),
         "n": st.just(1),

@@ -185,6 +185,10 @@ REFUSALS = [
     ({"temperature": 10**400}, openai.BadRequestError, "temperature", "UnsupportedChatParameter"),
     ({"max_tokens": 10**400}, openai.BadRequestError, "max_tokens", "BadRequest"),
     ({"n": 10**400}, openai.BadRequestError, "n", "UnsupportedChatParameter"),
+    # A seed is a 64-bit signed integer, as OpenAI types it; a larger one is not forwarded to a worker.
+    ({"seed": 2**63}, openai.BadRequestError, "seed", "BadRequest"),
+    ({"seed": -(2**63) - 1}, openai.BadRequestError, "seed", "BadRequest"),
+    ({"seed": 2**70}, openai.BadRequestError, "seed", "BadRequest"),
     # Forwarded to the native route, which types it (ChatReasoningEffort).
     ({"reasoning_effort": "extreme"}, openai.BadRequestError, "reasoning_effort", "BadRequest"),
     # OpenRouter's reasoning object (ADR 0087): typed at its own paths, contradictions refused.

@@ -210,6 +210,7 @@ REFUSALS = [
     ({"suffix": "The end."}, openai.BadRequestError, "suffix", "UnsupportedChatParameter"),
     ({"logit_bias": {"50256": -100}}, openai.BadRequestError, "logit_bias", "UnsupportedChatParameter"),
     ({"max_tokens": 8}, openai.BadRequestError, "max_tokens", "UnsupportedChatParameter"),
+    ({"seed": 2**63}, openai.BadRequestError, "seed", "BadRequest"),
     # The native text route's bound, said in OpenAI's words before the request is sent on.
     ({"max_tokens": 5000}, openai.BadRequestError, "max_tokens", "UnsupportedChatParameter"),
     ({"temperature": 2.5}, openai.BadRequestError, "temperature", "UnsupportedChatParameter"),
