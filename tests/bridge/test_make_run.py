@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,17 +22,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = "scripted"  # scripts/run.py DEMO_MODEL
 FRONT_POLL_SECONDS = 30
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -48,7 +43,7 @@ class MakeRun:
 def make_run(tmp_path_factory) -> Iterator[MakeRun]:
     """scripts/run.py (what `make run` starts after migrating) on a free port."""
     tmp_path = tmp_path_factory.mktemp("make-run")
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "DATABASE_URL": f"sqlite:///{tmp_path / 'run.sqlite3'}",

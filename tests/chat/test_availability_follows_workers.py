@@ -12,7 +12,6 @@ hold it.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from chat.selectors.status import request_get
 from contract.process_cache import ProcessCache
 from contract.text import WORKER_ONLINE_SECONDS
 from tests.chat.chat_route_helpers import ALL_DECLARATIONS, MODEL, chat_async, chat_status
+from tests.ports import free_port
 from workers.models import Worker
 from workers.services import worker_rows, worker_update
 from workers.serving_version import current_serving_version
@@ -60,12 +60,6 @@ def people(make_user):
     return make_user("client", kudos=10_000), make_user("volunteer")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _database_url() -> str:
     db = connection.settings_dict
     auth = db["USER"] + (f":{db['PASSWORD']}" if db.get("PASSWORD") else "")
@@ -75,7 +69,7 @@ def _database_url() -> str:
 @pytest.fixture
 def second_process(transactional_db, tmp_path):
     """Another web process of the same horde: daphne on the test database and Redis."""
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "hordesite.settings",

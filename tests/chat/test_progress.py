@@ -6,7 +6,6 @@ cancel) and the cancel's settlement on posted content (chat_requests.md, "Stream
 from __future__ import annotations
 
 import math
-import socket
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -36,6 +35,7 @@ from contract.chat_progress import (
 from contract.text import TEXT_JOB_LEASE_SECONDS
 from tests.chat.pop_helpers import MODEL, chat_pop, queue_chat
 from tests.chat.test_chat_submit import counter_points, metric_reader  # noqa: F401  (fixture)
+from tests.ports import free_port
 from workers.models import Worker
 
 PROGRESS = "generate/text/progress"
@@ -414,11 +414,7 @@ def test_the_sweep_keeps_the_step_rule_when_redis_cannot_be_read(horde, streamed
     assert post(horde, owner.key, job_id, 1, "Hi").status_code == 200
     lapsed = timezone.now() - timedelta(seconds=JOB_LEASE_WRITE_STEP_SECONDS - 5)
     Generation.objects.filter(pk=job_id).update(lease_expires_at=lapsed)
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    port = closed.getsockname()[1]
-    closed.close()  # nothing listens there: every read is refused
-    settings.HORDE_CHAT_SIGNAL_REDIS_URL = f"redis://127.0.0.1:{port}/0"
+    settings.HORDE_CHAT_SIGNAL_REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"  # every read is refused
     assert progress.leased_deadlines([job_id]) is None
     assert abort_stale_generations() == 0
     Generation.objects.filter(pk=job_id).update(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -20,15 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -43,7 +38,7 @@ def horde(tmp_path_factory) -> Iterator[Horde]:
     tmp_path = tmp_path_factory.mktemp("embedded-file")
     folder = tmp_path / "db"
     folder.mkdir()
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "DATABASE_URL": f"sqlite:///{folder / 'horde.sqlite3'}",

@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.ports import free_port
 
 pytestmark = pytest.mark.postgres_only
 
@@ -43,12 +44,6 @@ def _bin(name: str) -> str | None:
         if (folder / name).exists():
             return str(folder / name)
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class OwnPostgres:
@@ -84,7 +79,7 @@ def horde_on_own_postgres():
         pytest.fail("initdb and pg_ctl are needed for this test")
     folder = Path(tempfile.mkdtemp(prefix="horde-own-pg-"))
     folder.chmod(0o755)
-    postgres = OwnPostgres(folder, _free_port())
+    postgres = OwnPostgres(folder, free_port())
     postgres.create()
     web = None
     try:
@@ -107,7 +102,7 @@ def horde_on_own_postgres():
                 cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=120,
             )
             keys[name] = out.stdout.strip().splitlines()[-1]
-        port = _free_port()
+        port = free_port()
         log = open(folder / "daphne.log", "wb")  # noqa: SIM115  (closed with the process)
         web = subprocess.Popen(
             [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "hordesite.asgi:application"],

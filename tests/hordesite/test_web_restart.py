@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ import httpx
 import pytest
 from django.conf import settings
 from django.db import connection
+
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT_MODEL = "koboldcpp/Llama-3-8B"
@@ -35,12 +36,6 @@ CHAT_DECLARATION = {
 }
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _database_url(tmp_path: Path) -> str:
@@ -103,7 +98,7 @@ class WebProcess:
 
 @pytest.fixture
 def web(tmp_path) -> Iterator[WebProcess]:
-    process = WebProcess(web_env(tmp_path), _free_port(), tmp_path / "daphne.log")
+    process = WebProcess(web_env(tmp_path), free_port(), tmp_path / "daphne.log")
     process.start()
     yield process
     if process.proc and process.proc.poll() is None:

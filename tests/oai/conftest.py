@@ -28,6 +28,7 @@ import pytest
 from django.conf import settings as django_settings
 
 from oai.settings import FrontSettings
+from tests.ports import free_port
 
 MODEL = "Gryphe/MythoMax-L2-13b"
 OTHER_MODEL = "koboldcpp/Marx-3B-V3"
@@ -46,12 +47,6 @@ ALL_DECLARATIONS = [
     "structured_output_enforced",
     "prompt_overflow_refused",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(predicate, timeout: float = 5.0):
@@ -90,7 +85,7 @@ def live_horde(django_db_setup, django_db_blocker) -> LiveHorde:
     from hordesite.asgi import application
     from hordesite.web_server import HordeServer
 
-    port = _free_port()
+    port = free_port()
     server = HordeServer(
         application=application,
         endpoints=[f"tcp:port={port}:interface=127.0.0.1"],

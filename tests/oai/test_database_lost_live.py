@@ -11,7 +11,6 @@ must serve again once the server is back.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import uuid
@@ -23,6 +22,7 @@ import pytest
 from django.db import connection
 
 from tests.oai.conftest import MODEL, _restore_anonymous_user
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres_only]
 
@@ -46,12 +46,6 @@ def terminate_other_backends() -> int:
             " WHERE datname = current_database() AND pid <> pg_backend_pid()"
         ).fetchall()
     return sum(1 for (ended,) in rows if ended)
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]  # closed again when the block ends: connections are refused
 
 
 @pytest.fixture
@@ -128,7 +122,7 @@ def test_an_unreachable_database_answers_503_with_retry_after_at_once(loop_calls
     params = connection.settings_dict
     real_port = params["PORT"]
     try:
-        params["PORT"] = str(_closed_port())  # new connections (the probe's) are refused
+        params["PORT"] = str(free_port())  # new connections (the probe's) are refused
         terminate_other_backends_on(real_port)
         connection.close()
         for _round in range(3):

@@ -13,7 +13,6 @@ import copy
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -24,6 +23,7 @@ import redis
 from django.conf import settings as django_settings
 
 from tests.oai.conftest import MODEL, _restore_anonymous_user
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis_only]
 
@@ -32,18 +32,12 @@ MARGIN_SECONDS = 0.6
 BRIDGE = "KoboldCppEmbedWorker:2:https://github.com/LostRuins/koboldcpp"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def own_redis():
     """A redis-server of this test on a free loopback port; resumed and stopped at the end."""
     server = shutil.which("redis-server")
     assert server, "redis-server is not installed"
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL,

@@ -17,14 +17,9 @@ from oai.response_items import (
     ResponseItems,
     ResponseItemsUnavailable,
 )
+from tests.ports import free_port
 
 ITEM = {"id": "msg_abc", "type": "message", "role": "assistant", "status": "completed", "content": []}
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _run(coro):
@@ -79,7 +74,7 @@ def test_in_redis_an_item_expires_after_its_time():
 
 def test_a_redis_that_refuses_connections_costs_the_keep_nothing_and_a_recall_is_retryable():
     async def scenario():
-        items = ResponseItems(f"redis://127.0.0.1:{_closed_port()}/0", keep_seconds=60)
+        items = ResponseItems(f"redis://127.0.0.1:{free_port()}/0", keep_seconds=60)
         started = time.monotonic()
         await _keep(items, "key-a", ITEM)  # logged, not raised
         kept_in = time.monotonic() - started
@@ -234,7 +229,7 @@ def test_a_record_is_read_by_its_key_and_forgotten_with_its_items(redis):
 
 def test_a_forget_that_redis_cannot_answer_is_retryable():
     async def scenario():
-        items = ResponseItems(f"redis://127.0.0.1:{_closed_port()}/0", keep_seconds=60)
+        items = ResponseItems(f"redis://127.0.0.1:{free_port()}/0", keep_seconds=60)
         with pytest.raises(ResponseItemsUnavailable):
             await items.forget("key-a", "resp_1")
 

@@ -13,6 +13,7 @@ import pytest
 
 from chat.models import GenerationRequest
 from tests.oai.conftest import MODEL
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -525,14 +526,11 @@ def test_fail_fast_is_served_by_an_idle_worker_and_refused_without_one(client, s
 def standalone_front(live_horde):
     """`python -m oai` in its own process, over HTTP to the live horde."""
     import os
-    import socket
     import subprocess
     import sys
     import time
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
     env.update(
         HORDE_OAI_PORT=str(port),
