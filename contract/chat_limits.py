@@ -19,6 +19,8 @@ MAX_CHAT_MODEL_COUNT = 5
 
 # Token limit: max_tokens / max_completion_tokens map to the text max_length.
 MIN_CHAT_MAX_TOKENS = 16  # the native text API's minimum generation length
+# The horde's character-based token estimate (pricing, context sizing): a token is about four characters.
+CHARS_PER_TOKEN_ESTIMATE = 4
 MAX_CHAT_MAX_TOKENS = 16384
 CHAT_MAX_TOKENS_DEFAULT = 512  # OpenAI clients usually omit it; the text default of 80 is too short
 

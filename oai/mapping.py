@@ -11,11 +11,10 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, Field
 
+from contract.chat_limits import CHARS_PER_TOKEN_ESTIMATE
 from contract.chat_shapes import ChatContextAdjustmentReason
 
 EMPTY_REPLY_NOTICE = "The worker returned neither text nor tool calls."
-# The horde's own character-based token estimate: about four characters a token.
-CHARS_PER_TOKEN = 4
 BASE_SUPPORTED_PARAMETERS = ("max_tokens", "temperature", "top_p", "stop")
 SAME_NAME_FEATURES = ("seed", "frequency_penalty", "presence_penalty")
 
@@ -113,7 +112,15 @@ def build_system_fingerprint(worker_id: str | None, model: str | None) -> str | 
 
 
 def estimate_tokens(text: str) -> int:
-    return math.ceil(len(text) / CHARS_PER_TOKEN) if text else 0
+    return math.ceil(len(text) / CHARS_PER_TOKEN_ESTIMATE) if text else 0
+
+
+def estimate_context_tokens(text: str) -> int:
+    """The tokens a text prompt is asked a context for: an estimate that errs high (three ASCII
+    characters a token, a token for each other character). A text worker cuts a prompt from its
+    start to its job's context, and four characters a token is English's average (ADR 0111)."""
+    ascii_characters = len(text.encode("ascii", "ignore"))
+    return math.ceil(ascii_characters / 3) + len(text) - ascii_characters
 
 
 def _message_text(message: Mapping[str, Any]) -> str:

@@ -28,7 +28,7 @@ from contract.text import (
     TEXT_SAMPLER_ORDER_RANGE,
 )
 from oai.errors import ChatFrontError
-from oai.mapping import estimate_tokens
+from oai.mapping import estimate_context_tokens
 from oai.schema import _bad, _check_models, _check_ranges, _is_number, _shown, _unsupported
 
 # Keys validated and forwarded, or applied by the front (stream, stream_options, user, echo, seed).
@@ -457,10 +457,11 @@ def screen_text_request(raw_body: Any) -> TextCompletionRequest:
     models = list(body["models"]) if "models" in body else [] if any_model else [body["model"]]
 
     params: dict[str, Any] = {"n": 1, "max_length": max_tokens}
-    # The context the request needs: its prompt (the horde's own estimate) and its completion, unless
-    # the client says; a worker with a smaller context cannot take it.
+    # The context the request needs: its prompt (an estimate that errs high) and its completion,
+    # unless the client says. A worker with a smaller context cannot take it; the horde lowers it to
+    # the largest an online worker declares (lower_max_length_to_workers, ADR 0111).
     params["max_context_length"] = horde.get(
-        "max_context_length", max(TEXT_MAX_CONTEXT_LENGTH_RANGE[0], estimate_tokens(prompt) + max_tokens)
+        "max_context_length", max(TEXT_MAX_CONTEXT_LENGTH_RANGE[0], estimate_context_tokens(prompt) + max_tokens)
     )
     for key in ("temperature", "top_p"):
         if key in body:

@@ -140,7 +140,10 @@ class TextAsyncInputSerializer(serializers.Serializer):
     # Not upstream's: the OpenAI front's legacy completions ask for the chat route's lowering (ADR 0095).
     lower_max_length_to_workers = StrictBooleanField(
         default=False,
-        help_text="a max_length above every online worker's serving the models is lowered to the largest",
+        help_text=(
+            "a max_length above every online worker's serving the models is lowered to the largest; a "
+            "max_context_length too, not below the prompt's estimate (four characters a token) and the max_length"
+        ),
     )
 
     NOT_APPLIED = ("extra_slow_workers", "webhook", "style", "proxied_account", "extra_source_images")

@@ -64,11 +64,14 @@ def text_models_status() -> list[dict]:
     return result
 
 
-def text_workers_max_length(models: list[str]) -> int | None:
-    """The largest max_length among the online text workers serving any of `models` (any text
-    model when empty), from the process's snapshot; None when none is online."""
+def text_workers_largest_limits(models: list[str]) -> tuple[int, int] | None:
+    """The largest max_length and the largest max_context_length among the online text workers
+    serving any of `models` (any text model when empty), from the process's snapshot; None when
+    none is online."""
     candidates = online_worker_facts().text_candidates(models, any_model=not models)
-    return max((w.max_length for w in candidates), default=None)
+    if not candidates:
+        return None
+    return max(w.max_length for w in candidates), max(w.max_context_length for w in candidates)
 
 
 def chat_model_offers() -> dict[str, dict]:

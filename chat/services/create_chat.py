@@ -46,7 +46,7 @@ from chat.services.chat_images import (
 )
 from chat.services.front_lease import front_lease_until
 from contract.chat_errors import ChatRefusal
-from contract.chat_limits import CHAT_IMAGE_PLACEHOLDER, CHAT_IMAGE_PROMPT_TOKENS
+from contract.chat_limits import CHARS_PER_TOKEN_ESTIMATE, CHAT_IMAGE_PLACEHOLDER, CHAT_IMAGE_PROMPT_TOKENS
 from contract.chat_policy import chat_request_requirements, kudos_cap_message
 from contract.chat_progress import CHAT_STREAM_PROGRESS_KEY
 from contract.chat_shapes import ChatContextAdjustmentReason, ChatContextFit, ChatRequest
@@ -64,8 +64,6 @@ OPERATION_FINGERPRINT_EXCLUDED_HORDE_KEYS = frozenset(
 )
 # A chat request without horde.max_context_length starts from the text default.
 CHAT_MAX_CONTEXT_LENGTH_DEFAULT = TEXT_MAX_CONTEXT_LENGTH_DEFAULT
-# The text path's character-based estimate: a token is about four characters.
-CHARS_PER_TOKEN_ESTIMATE = 4
 
 # Upstream's WarningMessage.NoAvailableWorker, word for word ("confider" included).
 NO_AVAILABLE_WORKER_WARNING = (

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal
@@ -20,7 +21,7 @@ from accounts.selectors import anonymous_user_get
 from chat.model_reference import dearest_known_text_model
 from chat.models import GenerationRequest
 from chat.pricing import text_request_quote
-from chat.selectors.models import text_workers_max_length
+from chat.selectors.models import text_workers_largest_limits
 from chat.services.admission import (
     HORDE_TAX,
     AllowanceOutcome,
@@ -39,6 +40,7 @@ from chat.services.admission import (
     shared_key_reserve_per_job,
     shared_key_unusable,
 )
+from contract.chat_limits import CHARS_PER_TOKEN_ESTIMATE
 from contract.chat_shapes import ChatContextAdjustmentReason
 from contract.errors import HordeError
 from contract.text import TEXT_MAX_CONTEXT_LENGTH_RANGE, TEXT_MAX_LENGTH_RANGE, text_params_refusal
@@ -222,20 +224,31 @@ def text_request_create(
 
 
 def _lowered_to_workers(data: TextRequestInput) -> list[dict] | None:
-    """Lower data.max_length to the largest max_length of the online text workers serving its
-    models, when it is above it (OpenAI's max_tokens is an upper bound): the chat route's
-    worker_max_length adjustment, for the front's legacy completions. None when not lowered."""
-    largest = text_workers_max_length(data.models)
-    if largest is None or data.max_length <= largest or largest < TEXT_MAX_LENGTH_RANGE[0]:
+    """Fit data to the online text workers serving its models (the front's legacy completions,
+    lower_max_length_to_workers). A max_length above the largest worker's is lowered to it (OpenAI's
+    max_tokens is an upper bound): the chat route's worker_max_length adjustment, returned. A context
+    above the largest worker's (the front asks for one that errs high, ADR 0111) is lowered to it, not
+    below the prompt's four-characters-a-token estimate and the completion. None when max_length was
+    not lowered."""
+    largest = text_workers_largest_limits(data.models)
+    if largest is None:
         return None
-    adjustment = {"from": data.max_length, "to": largest, "reason": ChatContextAdjustmentReason.WORKER_MAX_LENGTH.value}
-    # The context it needs is its prompt and its completion (the front sends their sum), as a chat
-    # request is sized after its lowering: kept, it could still exceed every worker's context.
-    data.max_context_length = max(
-        largest, TEXT_MAX_CONTEXT_LENGTH_RANGE[0], data.max_context_length - (data.max_length - largest)
-    )
-    data.max_length = largest
-    return [adjustment]
+    largest_length, largest_context = largest
+    adjustments = None
+    if largest_length < data.max_length and largest_length >= TEXT_MAX_LENGTH_RANGE[0]:
+        adjustments = [
+            {"from": data.max_length, "to": largest_length, "reason": ChatContextAdjustmentReason.WORKER_MAX_LENGTH.value}
+        ]
+        # The context it needs is its prompt and its completion (the front sends their sum), as a
+        # chat request is sized after its lowering: kept, it could still exceed every worker's context.
+        data.max_context_length = max(
+            largest_length, TEXT_MAX_CONTEXT_LENGTH_RANGE[0], data.max_context_length - (data.max_length - largest_length)
+        )
+        data.max_length = largest_length
+    if data.max_context_length > largest_context:
+        needed = math.ceil(len(data.prompt) / CHARS_PER_TOKEN_ESTIMATE) + data.max_length
+        data.max_context_length = max(largest_context, needed, TEXT_MAX_CONTEXT_LENGTH_RANGE[0])
+    return adjustments
 
 
 def _text_request_rows(

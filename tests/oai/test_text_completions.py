@@ -40,6 +40,41 @@ def test_whole_completion_through_the_openai_client(client, start_text_worker):
     assert payload["prompt"] == PROMPT and payload["max_length"] == 64
 
 
+# A story opening beyond ASCII: four characters a token (English's average) would ask for a third of
+# the context its tokens take, and the worker would cut the prompt from its start to fit (ADR 0111).
+CYRILLIC_PROMPT = "Жили-были старик со старухой у самого синего моря. " * 8
+
+
+def _asked_context(prompt: str, max_tokens: int) -> int:
+    ascii_characters = sum(1 for c in prompt if c < "\x80")
+    return -(-ascii_characters // 3) + (len(prompt) - ascii_characters) + max_tokens
+
+
+def test_a_prompt_is_asked_a_context_that_errs_high(client, start_text_worker):
+    """Three ASCII characters a token and a token for each other character: the job's context
+    holds the prompt as a real tokenizer counts it, so the worker does not cut its start."""
+    worker = start_text_worker(max_context_length=4096)
+    client.completions.create(model=MODEL, prompt=CYRILLIC_PROMPT, max_tokens=100)
+    payload = worker.jobs[0]["payload"]
+    assert payload["prompt"] == CYRILLIC_PROMPT
+    assert payload["max_context_length"] == _asked_context(CYRILLIC_PROMPT, 100)
+    assert payload["max_context_length"] > len(CYRILLIC_PROMPT) // 4 + 100 + 200
+
+    client.completions.create(model=MODEL, prompt=PROMPT * 30, max_tokens=64)
+    assert worker.jobs[1]["payload"]["max_context_length"] == _asked_context(PROMPT * 30, 64)
+
+
+def test_a_context_above_every_workers_is_lowered_to_the_largest(client, start_text_worker):
+    """Asked more context than any online worker serving the model declares, the request asks for
+    the largest one (a worker that fits the prompt by four characters a token still takes it)."""
+    needed = len(CYRILLIC_PROMPT) // 4 + 100 + 20
+    assert needed < _asked_context(CYRILLIC_PROMPT, 100)
+    small = start_text_worker(max_context_length=needed + 10)
+    completion = client.completions.create(model=MODEL, prompt=CYRILLIC_PROMPT, max_tokens=100)
+    assert completion.choices[0].text == " there was a horde."
+    assert small.jobs[0]["payload"]["max_context_length"] == needed + 10
+
+
 def test_a_text_completion_is_woken_by_its_submit_not_by_the_next_poll(front, client, start_text_worker):
     """The text submit of a request a front waits on publishes the completion signal (over Redis,
     or in process without it), so the reply comes before a poll 30 s away (docs/adr/0055)."""
