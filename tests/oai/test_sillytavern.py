@@ -1,8 +1,8 @@
-"""SillyTavern 1.12.6 (its server, unchanged) against the horde: the exchanges its server sent, captured
-on the wire and replayed here byte for byte against the live horde: the body's bytes (the model name
+"""SillyTavern 1.12.6 and 1.19.0 (each server unchanged) against the horde: the exchanges each server sent,
+captured on the wire and replayed here byte for byte against the live horde: the body's bytes (the model name
 aside), the headers in their order and casing (but Host, which httpx writes first and node-fetch last).
 
-Two ways its users reach a horde:
+Two ways 1.12.6's users reach a horde:
 
 - Chat Completion, source "Custom (OpenAI-compatible)", the custom URL being the horde's /v1. Its server
   (src/endpoints/backends/chat-completions.js, node-fetch 2) checks the status with GET {url}/models and
@@ -16,6 +16,19 @@ Two ways its users reach a horde:
   so the capture redirected that host to this horde at the TLS layer; the requests are the program's.
   The page polls the status every 2.5 s through its server, which sends only `Client-Agent` (no key),
   and cancels with DELETE on the same URL.
+
+1.19.0, the newest release (docs/adr/0108, which says how it was run), below 1.12.6's tests:
+
+- Its server's fetches are node-fetch 3's (headers lower-cased and sorted, `accept-encoding: gzip,
+  deflate, br`, `user-agent: node-fetch`); the ai_horde library's stay undici's.
+- Custom: the body no longer carries an empty `logit_bias`, and carries `reasoning_effort` for a
+  koboldcpp/ model when an effort other than Auto is picked. Its page shows the reasoning: a stream's
+  `delta.reasoning_content` (else `delta.reasoning`), a whole reply's `message.reasoning_content`
+  (else `message.reasoning`), with `choices` read through optional chaining. Stop is as in 1.12.6.
+- Text Completion "Generic (OpenAI-compatible)": GET {url}/v1/models (with a JSON content type) and
+  POST {url}/v1/completions with OpenAI's keys only, in the page's order; `choices[0].text` is read.
+- The AI Horde mode: the same routes; "show kudos" now asks GET /sharedkeys/<the API key> first
+  (read as no shared key when refused), then /find_user. The GUI preset is refused by the page itself.
 """
 
 from __future__ import annotations
