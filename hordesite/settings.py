@@ -346,6 +346,9 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s [%(process)d] %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
+    # A 4xx warning names the path; a shared key's id in it is a credential (hordesite/log_redaction.py).
+    "filters": {"secret_paths": {"()": "hordesite.log_redaction.RedactSecretPaths"}},
+    "loggers": {"django.request": {"filters": ["secret_paths"]}},
 }
 
 # --- Horde behaviour (HORDE_*) ----------------------------------------------------------------

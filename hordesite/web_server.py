@@ -15,6 +15,8 @@ with their answers sent, for at most STOP_DRAIN_SECONDS, and answers a held pop 
 (oai.asgi.drain_fronts, docs/adr/0076). Stock daphne cancelled them at once: a submit whose view was
 running committed on its serving thread and its client got a closed connection, so a text request
 was queued, and charged, under an id its client never learnt.
+
+Its access log names `/api/v2/sharedkeys/<id>` without the id, a credential (docs/adr/0108).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 from daphne.cli import CommandLineInterface
 from daphne.http_protocol import HTTPFactory, WebRequest
 
+from hordesite.log_redaction import redacting_action_logger
 from hordesite.wsgi_pool import drain_layers
 from oai.asgi import drain_fronts
 from oai.server import FrontServer
@@ -52,7 +55,13 @@ class HordeServer(FrontServer):
     """daphne's Server with JsonHTTPFactory (daphne's CommandLineInterface takes it as
     `server_class`), draining the native API and the front at a stop. `Server.run` assigns
     `self.http_factory` before it listens; this class keeps a JsonHTTPFactory in its place, since
-    daphne offers no other way to choose the factory."""
+    daphne offers no other way to choose the factory. Its access log names a shared key's path
+    without the id (hordesite.log_redaction)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("action_logger") is not None:
+            kwargs["action_logger"] = redacting_action_logger(kwargs["action_logger"])
+        super().__init__(*args, **kwargs)
 
     @property
     def http_factory(self) -> HTTPFactory:
