@@ -472,3 +472,22 @@ def test_a_front_without_redis_cancels_its_background_requests_when_it_stops(
     workers.append(worker.start())
     time.sleep(0.5)
     assert worker.jobs == [] and _charges() == 0
+
+
+@pytest.mark.redis_only
+def test_a_background_response_deleted_after_its_keep_time_is_not_kept_again(
+    front, client, requester, live_horde, worker_owner, workers
+):
+    """The mark that tells a DELETE from Redis's data loss lives as long as the record the watcher
+    keeps reading: a response deleted while its job runs, later than HORDE_OAI_RESPONSE_ITEMS_SECONDS
+    after its create, stays deleted; its job paid after the cancel is not brought back (docs/adr/0110)."""
+    front.configure(response_items_seconds=2)
+    worker = _idle_worker(live_horde, worker_owner, delay=3.0)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    workers.append(worker.start())
+    assert wait_for(lambda: client.responses.retrieve(created.id).status == "in_progress", 10)
+    time.sleep(2.5)  # the create was over 2 s ago; the watcher read the record every 0.5 s since
+    client.responses.delete(created.id)
+    assert wait_for(lambda: _charges() == 1, 10)
+    time.sleep(1.5)  # past the watcher's next reads (signal_recheck_seconds 0.5 in these tests)
+    assert _raw(front, requester.key, "GET", f"/responses/{created.id}").status_code == 404
