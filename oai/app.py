@@ -244,7 +244,9 @@ async def _start_background(state: Any, api_key: str, request: ResponsesRequest,
     """A submitted background request answered at once, queued (docs/adr/0102-responses-background.md);
     one whose record cannot be kept is cancelled: its id would name nothing."""
     try:
-        return await background.start(state, api_key, request, run.submitted_id(), run.created)
+        return await background.start(
+            state, api_key, request, run.submitted_id(), run.created, submitted_at=run.trace.submitted_at
+        )
     except ResponseItemsUnavailable:
         await run.cancel()
         raise items_unavailable() from None

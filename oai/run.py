@@ -589,22 +589,9 @@ class ChatRun:
             not_after = outcome.not_after
 
     def delivered(self, completion: Completion | TextCompletion) -> None:
-        metrics = self.state.metrics
         self.trace.estimated_usage = completion.estimated_usage
         self.trace.served_model = completion.model
-        metrics.completions.add(
-            1,
-            {
-                "horde.model": completion.model,
-                "horde.estimated_usage": completion.estimated_usage,
-                "horde.finish_reason": completion.finish_reason,
-                "horde.max_length_lowered": completion.max_length_lowered,
-            },
-        )
-        if completion.empty:
-            metrics.completions_empty.add(1, {"horde.model": completion.model})
-        if isinstance(completion.queue_wait, int | float):
-            metrics.queue_wait.record(completion.queue_wait, {"horde.model": completion.model})
+        self.state.metrics.delivered(completion)
         if not self.request.stream:
             self.first_content_sent()  # the body; a stream records it as it sends (oai.streaming)
         self.state.cancels.open_requests.pop(self.request_id or "", None)

@@ -491,3 +491,30 @@ def test_a_background_response_deleted_after_its_keep_time_is_not_kept_again(
     assert wait_for(lambda: _charges() == 1, 10)
     time.sleep(1.5)  # past the watcher's next reads (signal_recheck_seconds 0.5 in these tests)
     assert _raw(front, requester.key, "GET", f"/responses/{created.id}").status_code == 404
+
+
+def test_a_background_reply_is_counted_once_when_it_is_delivered(front, client, live_horde, worker_owner, workers):
+    """horde.oai.completions, queue_wait and first_content.duration count a background reply as a
+    foreground one: once, when its finished record is kept, not at each read (docs/adr/0110)."""
+    worker = _idle_worker(live_horde, worker_owner)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    assert client.responses.retrieve(created.id).status == "queued"
+    workers.append(worker.start())
+    assert _poll(client, created.id, ("completed",)).status == "completed"
+    with client.responses.create(model=MODEL, input="Hi", background=True, stream=True) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.completed"
+    for response_id in (created.id, created.id, events[-1].response.id):
+        assert client.responses.retrieve(response_id).status == "completed"
+    metrics = front.metrics()
+    delivered = {
+        "horde.model": MODEL,
+        "horde.estimated_usage": True,
+        "horde.finish_reason": "stop",
+        "horde.max_length_lowered": False,
+    }
+    assert metrics["horde.oai.completions"] == [(delivered, 2)]
+    assert [value[0] for _, value in metrics["horde.oai.queue_wait"]] == [2]
+    first = {attributes["horde.streamed"]: value[0] for attributes, value in metrics["horde.oai.first_content.duration"]}
+    assert first == {False: 1, True: 1}
+    assert all(attributes["horde.relayed"] is False for attributes, _ in metrics["horde.oai.first_content.duration"])
