@@ -18,7 +18,7 @@ from oai.attribution import build_client_agent
 from oai.cancels import LostSubmit
 from oai.deltas import RelayedStream
 from oai.errors import ChatFrontError, front_stopping
-from oai.front_lease import lease_header
+from oai.front_lease import front_id_header, lease_header
 from oai.horde_client import NativeAnswer, NativeUnreachable, SubmitAnswerLost, rate_limit_pause
 from oai.mapping import Completion
 from oai.native_errors import (
@@ -141,7 +141,7 @@ class ChatRun:
             )
         native_headers = {
             "Client-Agent": build_client_agent(headers),
-            **(lease_header(self.settings.front_lease_seconds) if self.leased else {}),
+            **(lease_header(self.settings.front_lease_seconds) if self.leased else front_id_header()),
         }
         if api_key != ANONYMOUS_API_KEY:  # no key: the horde's anonymous user
             native_headers["apikey"] = api_key

@@ -146,14 +146,15 @@ def cancel_for_dead_front(request_id: UUID, *, front_id: str | None = None) -> b
     """Cancel a request whose front is gone: no more jobs, the hold released, `cancelled` published,
     and its jobs in flight ended unpaid (their submits answer AbortedGen). A job whose submit holds
     its row meanwhile is left to that submit; a request cancelled already has its jobs in flight
-    ended alike. `front_id`: only a request leased under that front id (a stopping front's own,
-    cancel_undelivered). Returns whether this call cancelled it or ended its jobs."""
+    ended alike. `front_id`: only a request submitted under that front id, leased or not (a front's
+    own, cancel_undelivered: a background response's request holds no lease, docs/adr/0110). Returns
+    whether this call cancelled it or ended its jobs."""
     with transaction.atomic():
         lock_jobs_in_flight(request_id)  # before the request: see there
-        leased = GenerationRequest.objects.select_for_update().filter(
-            pk=request_id, front_lease_expires_at__isnull=False
-        )
-        if front_id is not None:
+        leased = GenerationRequest.objects.select_for_update().filter(pk=request_id)
+        if front_id is None:
+            leased = leased.filter(front_lease_expires_at__isnull=False)
+        else:
             leased = leased.filter(front_id=front_id)
         request = leased.only("id", "is_chat", "cancelled", "faulted").first()
         if request is None:  # handled already
