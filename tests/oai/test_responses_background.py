@@ -614,18 +614,21 @@ class _CuttableRedisRelay:
 
 
 @pytest.mark.redis_only
+@pytest.mark.parametrize("front_lease_seconds", [None, 0])
 def test_a_record_redis_fails_to_keep_after_the_submit_leaves_the_held_job_unpaid(
-    front, requester, redis_url, live_horde, worker_owner, workers
+    front, requester, redis_url, live_horde, worker_owner, workers, front_lease_seconds
 ):
     """Redis answers the create's PING, then fails before the record is kept, while a worker pops the
     job: the client gets the retryable 503 and nobody could ever read the reply, so the request is
     ended as a front's undelivered one: the job in flight unpaid, its late submit refused, the
-    requester charged the horde tax alone (docs/adr/0110; ADR 0107 left it paid)."""
+    requester charged the horde tax alone (docs/adr/0110; ADR 0107 left it paid). The same with the
+    front lease off: a background request names its front without one."""
     from chat.services.admission import HORDE_TAX
 
     relay = _CuttableRedisRelay(redis_url)
     try:
-        front.configure(redis_url=relay.url)
+        lease = {} if front_lease_seconds is None else {"front_lease_seconds": front_lease_seconds}
+        front.configure(redis_url=relay.url, **lease)
         release = threading.Event()
 
         def reply(job: dict[str, Any]) -> dict[str, Any]:
