@@ -19,9 +19,10 @@ jobs in flight end unpaid and their submits are refused `AbortedGen`; nobody is 
 
 A front that stops with a request still generating (docs/adr/0076) cannot deliver its reply either:
 its cancel asks for the same settlement (`Horde-Front-Undelivered`), which the horde grants only to a
-front it knows by its proxy passkey and only for a request leased under the front id it sends
-(`stopping_front`, `cancel_undelivered`; docs/adr/0086-a-stopping-front-ends-undelivered-requests-unpaid.md).
-Any other cancel is the spec's.
+front it knows by its proxy passkey and only for a request submitted under the front id it sends
+(`stopping_front`, `cancel_undelivered`; docs/adr/0086-a-stopping-front-ends-undelivered-requests-unpaid.md):
+leased, or a chat request named without a lease, a background response's, whose record its front
+could not keep (docs/adr/0110). Any other cancel is the spec's.
 """
 
 from __future__ import annotations
@@ -214,10 +215,10 @@ def stopping_front(meta: Mapping[str, object]) -> str | None:
 
 
 def cancel_undelivered(*, request_id: UUID, front_id: str) -> bool:
-    """A stopping front's cancel of a request it cannot deliver: ended as a dead front's
+    """A front's cancel of a request it cannot deliver: ended as a dead front's
     (cancel_for_dead_front: the generations in flight unpaid, nobody charged for them; the horde
-    tax taken at the submit stays), when the request is leased under `front_id`. Returns whether it
-    was; else the caller cancels as the spec does."""
+    tax taken at the submit stays), when the request was submitted under `front_id`. Returns whether
+    it was; else the caller cancels as the spec does."""
     return cancel_for_dead_front(request_id, front_id=front_id)
 
 
