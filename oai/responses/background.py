@@ -1,14 +1,16 @@
 """Background responses (`background: true`, docs/adr/0102-responses-background.md).
 
 The request is screened, admitted and submitted as any other, without a front lease (no client
-waits on it), and answered at once with the `response` object in status `queued`. Its record is
+waits on it; the front's id alone, so that a record it cannot keep ends it undelivered,
+docs/adr/0110), and answered at once with the `response` object in status `queued`. Its record is
 kept (oai.response_items) with what reading its progress needs under `background`: the horde
 request's id and what the reply is built from. Nothing else lives in the process: any front
 process with the same Redis reads the native status (`current`) and builds the response object of
 that moment; the first read that finds the request ended keeps the finished record (the whole
 response, its output items kept by id), after which the record is an ordinary kept response. The
 process that submitted it also watches it (`collect`), so that a reply nobody reads before the
-horde deletes its request (its time to live) is kept all the same.
+horde deletes its request (its time to live) is kept all the same. The read that keeps the
+finished record counts the delivery's metrics, once (docs/adr/0110).
 """
 
 from __future__ import annotations
