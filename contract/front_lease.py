@@ -48,6 +48,8 @@ def parse_front_lease_header(value: str | None) -> int | None:
 
 # Sent beside the lease header: the front process that took the lease. Its host part lets a horde
 # process on the same host tell at once that this front process is gone (a kill -9, a restart).
+# Sent alone with a background response's chat submit: no lease, so the process's end cancels
+# nothing, but that front may end the request as undelivered (docs/adr/0110).
 FRONT_ID_HEADER = "Horde-Front-Id"
 FRONT_ID_MAX_LENGTH = 320
 # <32 hex, the process's own>[/<host>/<boot id>/<pid namespace>/<pid>/<start time in clock ticks>]

@@ -1038,7 +1038,8 @@ def print_report(results: list[DrillResult], args: argparse.Namespace, total: fl
                   f"(ADR 0102, as the native cancel): {len(rec.paid_at_cancel)}")
         if rec.unkept_paid:
             print(f"- background creates answered 503 as Redis failed between their check and their record's keep, "
-                  f"the job a worker popped meanwhile paid at the front's cancel (a limit, docs/adr/0107): "
+                  f"the job a worker popped meanwhile paid at the front's cancel (a limit of a front without a known "
+                  f"passkey since docs/adr/0110; ADR 0107): "
                   f"{len(rec.unkept_paid)}")
         if rec.lost_after_read:
             print(f"- background responses whose end the client read, their kept record then lost with Redis's "

@@ -136,7 +136,8 @@ class Reconciliation:
     # lost with Redis's data (docs/adr/0107).
     lost_after_read: list[str] = field(default_factory=list)
     # A limit: a background create answered 503 because Redis failed between its check and its
-    # record's keep, whose job a worker popped in that moment, paid at the front's cancel (ADR 0107).
+    # record's keep, whose job a worker popped in that moment, paid at the front's cancel (ADR 0107);
+    # since ADR 0110 only where the horde grants the front no undelivered cancel (no known passkey).
     unkept_paid: list[str] = field(default_factory=list)
 
     @property

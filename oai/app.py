@@ -242,11 +242,14 @@ async def _record_keepable(state: Any) -> None:
 
 async def _start_background(state: Any, api_key: str, request: ResponsesRequest, run: ChatRun) -> dict[str, Any]:
     """A submitted background request answered at once, queued (docs/adr/0102-responses-background.md);
-    one whose record cannot be kept is cancelled: its id would name nothing."""
+    one whose record cannot be kept is cancelled as undelivered: its id would name nothing, so nobody
+    could read its reply, and a job a worker popped meanwhile ends unpaid (docs/adr/0110)."""
     try:
-        return await background.start(state, api_key, request, run.submitted_id(), run.created)
+        return await background.start(
+            state, api_key, request, run.submitted_id(), run.created, submitted_at=run.trace.submitted_at
+        )
     except ResponseItemsUnavailable:
-        await run.cancel()
+        await run.cancel(undelivered=True)
         raise items_unavailable() from None
 
 

@@ -49,6 +49,13 @@ def lease_header(seconds: int) -> dict[str, str]:
     return {FRONT_LEASE_HEADER: str(seconds), FRONT_ID_HEADER: front_id()} if seconds > 0 else {}
 
 
+def front_id_header() -> dict[str, str]:
+    """This process named without a lease (a background response's submit, docs/adr/0110): the
+    horde does not cancel the request when the process goes, and grants this process the undelivered
+    cancel of it (docs/adr/0086), for a reply it then knows nobody can read."""
+    return {FRONT_ID_HEADER: front_id()}
+
+
 class FrontLeaseRenewer:
     """Renews the Redis lease key of every open request, one pipeline per period."""
 

@@ -338,9 +338,11 @@ class HordeClient:
 
     def undelivered_headers(self, front_id: str) -> dict[str, str] | None:
         """The headers of a stopping front's cancel of a request it cannot deliver (docs/adr/0086):
-        the horde ends it unpaid when it knows the passkey and the request is leased under
-        `front_id`. None without a passkey or a front lease: then only the spec's cancel."""
-        if not self.proxy_passkey or self.settings.front_lease_seconds <= 0:
+        the horde ends it unpaid when it knows the passkey and the request was submitted under
+        `front_id` (with a front lease, or a background response's without one: docs/adr/0110).
+        None without a passkey: then only the spec's cancel. (With the front lease off, a request
+        waited on names no front, and the horde answers the spec's cancel.)"""
+        if not self.proxy_passkey:
             return None
         return {
             PROXY_PASSKEY_HEADER: self.proxy_passkey,

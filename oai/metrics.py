@@ -151,6 +151,24 @@ class FrontMetrics:
             },
         )
 
+    def delivered(self, completion: Any) -> None:
+        """A delivered completion (oai.mapping.Completion or oai.text_reply.TextCompletion): counted
+        once per request, by the answer that delivers it, or a background response's finished
+        record (docs/adr/0110)."""
+        self.completions.add(
+            1,
+            {
+                "horde.model": completion.model,
+                "horde.estimated_usage": completion.estimated_usage,
+                "horde.finish_reason": completion.finish_reason,
+                "horde.max_length_lowered": completion.max_length_lowered,
+            },
+        )
+        if completion.empty:
+            self.completions_empty.add(1, {"horde.model": completion.model})
+        if isinstance(completion.queue_wait, int | float):
+            self.queue_wait.record(completion.queue_wait, {"horde.model": completion.model})
+
     def native(self, call_type: str, outcome: str, seconds: float) -> None:
         self.native_duration.record(seconds, {"horde.call_type": call_type, "horde.outcome": outcome})
 

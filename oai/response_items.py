@@ -130,6 +130,15 @@ def _delivered(
     return values
 
 
+def _held_keys(response_id: str, record: dict[str, Any]) -> list[str]:
+    """The keys a record holds beside it, kept as long as it is: its output items, and the mark of a
+    pending background response (docs/adr/0110)."""
+    keys = [response_item_key(item["id"]) for item in record.get("output") or []]
+    if "background" in record:
+        keys.append(response_mark_key(response_id))
+    return keys
+
+
 class ResponseItems:
     def __init__(self, redis_url: str | None, *, keep_seconds: int):
         self.redis_url = redis_url
@@ -275,14 +284,13 @@ class ResponseItems:
     async def _read(self, api_key: str, keys: list[str]) -> list[dict[str, Any] | None]:
         """The kept values under `keys` that `api_key` made (None where none is). Each one found is
         kept its whole time again from this read: a conversation that goes on is not cut at its
-        oldest turn, `keep_seconds` after it was made."""
+        oldest turn, `keep_seconds` after it was made. A record found keeps what it holds as long:
+        its output items (written with it, an `item_reference` reads them by id) and a pending
+        background response's mark, so that none of them lapses while its response is still read."""
         owner = _owner(api_key)
         if self.redis_url is None:
             entries = [self._local.get(key) for key in keys]
-            for key, entry in zip(keys, entries, strict=True):
-                if entry is not None and entry[0] == owner:
-                    self._local.set(key, entry)
-            raw = [entry[1] if entry else None for entry in entries]
+            raw = [entry[1] if entry is not None and entry[0] == owner else None for entry in entries]
         else:
             if monotonic() < self._down_until:
                 raise ResponseItemsUnavailable("Redis failed moments ago")
@@ -294,8 +302,20 @@ class ResponseItems:
                 raise ResponseItemsUnavailable(str(error)) from None
         kept = [json.loads(value) if value is not None else None for value in raw]
         found = [value if value is not None and value["owner"] == owner else None for value in kept]
-        if self.redis_url is not None:
-            await self._refresh([key for key, value in zip(keys, found, strict=True) if value is not None])
+        held = [
+            held_key
+            for key, value in zip(keys, found, strict=True)
+            if value is not None and key.startswith(RESPONSE_KEY_PREFIX)
+            for held_key in _held_keys(key.removeprefix(RESPONSE_KEY_PREFIX), value)
+        ]
+        refreshed = [key for key, value in zip(keys, found, strict=True) if value is not None] + held
+        if self.redis_url is None:
+            for key in refreshed:
+                entry = self._local.get(key)
+                if entry is not None and entry[0] == owner:
+                    self._local.set(key, entry)
+        else:
+            await self._refresh(refreshed)
         return found
 
     async def _refresh(self, keys: list[str]) -> None:

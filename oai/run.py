@@ -18,7 +18,7 @@ from oai.attribution import build_client_agent
 from oai.cancels import LostSubmit
 from oai.deltas import RelayedStream
 from oai.errors import ChatFrontError, front_stopping
-from oai.front_lease import lease_header
+from oai.front_lease import front_id_header, lease_header
 from oai.horde_client import NativeAnswer, NativeUnreachable, SubmitAnswerLost, rate_limit_pause
 from oai.mapping import Completion
 from oai.native_errors import (
@@ -141,7 +141,7 @@ class ChatRun:
             )
         native_headers = {
             "Client-Agent": build_client_agent(headers),
-            **(lease_header(self.settings.front_lease_seconds) if self.leased else {}),
+            **(lease_header(self.settings.front_lease_seconds) if self.leased else front_id_header()),
         }
         if api_key != ANONYMOUS_API_KEY:  # no key: the horde's anonymous user
             native_headers["apikey"] = api_key
@@ -589,22 +589,9 @@ class ChatRun:
             not_after = outcome.not_after
 
     def delivered(self, completion: Completion | TextCompletion) -> None:
-        metrics = self.state.metrics
         self.trace.estimated_usage = completion.estimated_usage
         self.trace.served_model = completion.model
-        metrics.completions.add(
-            1,
-            {
-                "horde.model": completion.model,
-                "horde.estimated_usage": completion.estimated_usage,
-                "horde.finish_reason": completion.finish_reason,
-                "horde.max_length_lowered": completion.max_length_lowered,
-            },
-        )
-        if completion.empty:
-            metrics.completions_empty.add(1, {"horde.model": completion.model})
-        if isinstance(completion.queue_wait, int | float):
-            metrics.queue_wait.record(completion.queue_wait, {"horde.model": completion.model})
+        self.state.metrics.delivered(completion)
         if not self.request.stream:
             self.first_content_sent()  # the body; a stream records it as it sends (oai.streaming)
         self.state.cancels.open_requests.pop(self.request_id or "", None)

@@ -639,7 +639,9 @@ def chat_request_create(
         "chat_tools_temperature": requirements.tools_temperature,
         "chat_has_images": requirements.has_images,
         "front_lease_expires_at": front_lease_until(front_lease_seconds),
-        "front_id": front_id if front_lease_seconds else None,
+        # Named without a lease too: a background response's front, which may end it undelivered
+        # (docs/adr/0110); only a lease makes its process's end cancel it (front_gone).
+        "front_id": front_id,
     }
     # The free output allowance, from the queue ahead on the workers eligible for the request.
     allowance = admission.free_output_allowance_for(user=user, fields=fields, models=submission.models, workers=worker_ids)

@@ -19,9 +19,10 @@ jobs in flight end unpaid and their submits are refused `AbortedGen`; nobody is 
 
 A front that stops with a request still generating (docs/adr/0076) cannot deliver its reply either:
 its cancel asks for the same settlement (`Horde-Front-Undelivered`), which the horde grants only to a
-front it knows by its proxy passkey and only for a request leased under the front id it sends
-(`stopping_front`, `cancel_undelivered`; docs/adr/0086-a-stopping-front-ends-undelivered-requests-unpaid.md).
-Any other cancel is the spec's.
+front it knows by its proxy passkey and only for a request submitted under the front id it sends
+(`stopping_front`, `cancel_undelivered`; docs/adr/0086-a-stopping-front-ends-undelivered-requests-unpaid.md):
+leased, or a chat request named without a lease, a background response's, whose record its front
+could not keep (docs/adr/0110). Any other cancel is the spec's.
 """
 
 from __future__ import annotations
@@ -146,14 +147,15 @@ def cancel_for_dead_front(request_id: UUID, *, front_id: str | None = None) -> b
     """Cancel a request whose front is gone: no more jobs, the hold released, `cancelled` published,
     and its jobs in flight ended unpaid (their submits answer AbortedGen). A job whose submit holds
     its row meanwhile is left to that submit; a request cancelled already has its jobs in flight
-    ended alike. `front_id`: only a request leased under that front id (a stopping front's own,
-    cancel_undelivered). Returns whether this call cancelled it or ended its jobs."""
+    ended alike. `front_id`: only a request submitted under that front id, leased or not (a front's
+    own, cancel_undelivered: a background response's request holds no lease, docs/adr/0110). Returns
+    whether this call cancelled it or ended its jobs."""
     with transaction.atomic():
         lock_jobs_in_flight(request_id)  # before the request: see there
-        leased = GenerationRequest.objects.select_for_update().filter(
-            pk=request_id, front_lease_expires_at__isnull=False
-        )
-        if front_id is not None:
+        leased = GenerationRequest.objects.select_for_update().filter(pk=request_id)
+        if front_id is None:
+            leased = leased.filter(front_lease_expires_at__isnull=False)
+        else:
             leased = leased.filter(front_id=front_id)
         request = leased.only("id", "is_chat", "cancelled", "faulted").first()
         if request is None:  # handled already
@@ -213,10 +215,10 @@ def stopping_front(meta: Mapping[str, object]) -> str | None:
 
 
 def cancel_undelivered(*, request_id: UUID, front_id: str) -> bool:
-    """A stopping front's cancel of a request it cannot deliver: ended as a dead front's
+    """A front's cancel of a request it cannot deliver: ended as a dead front's
     (cancel_for_dead_front: the generations in flight unpaid, nobody charged for them; the horde
-    tax taken at the submit stays), when the request is leased under `front_id`. Returns whether it
-    was; else the caller cancels as the spec does."""
+    tax taken at the submit stays), when the request was submitted under `front_id`. Returns whether
+    it was; else the caller cancels as the spec does."""
     return cancel_for_dead_front(request_id, front_id=front_id)
 
 

@@ -1,14 +1,16 @@
 """Background responses (`background: true`, docs/adr/0102-responses-background.md).
 
 The request is screened, admitted and submitted as any other, without a front lease (no client
-waits on it), and answered at once with the `response` object in status `queued`. Its record is
+waits on it; the front's id alone, so that a record it cannot keep ends it undelivered,
+docs/adr/0110), and answered at once with the `response` object in status `queued`. Its record is
 kept (oai.response_items) with what reading its progress needs under `background`: the horde
 request's id and what the reply is built from. Nothing else lives in the process: any front
 process with the same Redis reads the native status (`current`) and builds the response object of
 that moment; the first read that finds the request ended keeps the finished record (the whole
 response, its output items kept by id), after which the record is an ordinary kept response. The
 process that submitted it also watches it (`collect`), so that a reply nobody reads before the
-horde deletes its request (its time to live) is kept all the same.
+horde deletes its request (its time to live) is kept all the same. The read that keeps the
+finished record counts the delivery's metrics, once (docs/adr/0110).
 """
 
 from __future__ import annotations
@@ -58,9 +60,13 @@ def pending(record: Mapping[str, Any]) -> bool:
     return "background" in record
 
 
-async def start(state: Any, api_key: str, request: ResponsesRequest, request_id: str, created: int) -> dict[str, Any]:
+async def start(
+    state: Any, api_key: str, request: ResponsesRequest, request_id: str, created: int, *, submitted_at: float | None
+) -> dict[str, Any]:
     """The `queued` response object of a submitted background request, once its record is kept.
-    Raises ResponseItemsUnavailable when it could not be kept (the caller cancels the request)."""
+    `submitted_at`: when the horde acknowledged its submit (wall clock), from which its delivery's
+    first_content.duration is measured. Raises ResponseItemsUnavailable when it could not be kept
+    (the caller cancels the request)."""
     queued = build_response_object(
         request.echo, request_id, created=created, model=request.requested_models[0], status="queued"
     )
@@ -72,6 +78,8 @@ async def start(state: Any, api_key: str, request: ResponsesRequest, request_id:
         "models": request.requested_models,
         "include_reasoning": request.include_reasoning,
         "prompt_estimate": request.prompt_estimate(),
+        "submitted_at": submitted_at,
+        "stream": request.stream,
     }
     kept_id = response_id(request_id)
     pending_record = {
@@ -105,16 +113,24 @@ async def current(state: Any, api_key: str, kept_id: str, record: Mapping[str, A
             type="api_error",
             retry_after=1,
         )
-    finished = _finished(background, answer)
+    finished, completion = _ended(background, answer)
     if finished is None:
         status = answer.body if isinstance(answer.body, dict) else {}
         progress = "in_progress" if int(status.get("processing") or 0) > 0 else "queued"
         return {**record["response"], "status": progress, "output": []}
-    return await _keep_finished(state, api_key, kept_id, record, finished)
+    return await _keep_finished(state, api_key, kept_id, record, finished, completion)
 
 
 def _finished(background: Mapping[str, Any], answer: NativeAnswer) -> dict[str, Any] | None:
     """The finished response object of a native status, None while the request may still run."""
+    return _ended(background, answer)[0]
+
+
+def _ended(
+    background: Mapping[str, Any], answer: NativeAnswer
+) -> tuple[dict[str, Any], Completion | None] | tuple[None, None]:
+    """The finished response object of a native status, with the completion it delivers when the
+    request ended with a reply; (None, None) while the request may still run."""
     queued = build_response_object(
         background["echo"],
         background["request_id"],
@@ -123,7 +139,7 @@ def _finished(background: Mapping[str, Any], answer: NativeAnswer) -> dict[str, 
         status="queued",
     )
     if answer.status == 404 and isinstance(answer.body, dict):
-        return {**queued, "status": "failed", "error": {"code": "server_error", "message": GONE_MESSAGE}}
+        return {**queued, "status": "failed", "error": {"code": "server_error", "message": GONE_MESSAGE}}, None
     status = answer.body if isinstance(answer.body, dict) else {}
     if status.get("generations"):
         request = KeptRequest(
@@ -133,23 +149,31 @@ def _finished(background: Mapping[str, Any], answer: NativeAnswer) -> dict[str, 
         )
         completion = Completion(request, background["request_id"], background["created"], status)
         namespaced = {name: (pair[0], pair[1]) for name, pair in background["namespaced"].items()}
-        return build_finished_response(
+        finished = build_finished_response(
             completion, echo=background["echo"], namespaced=namespaced, request_id=background["request_id"]
         )
+        return finished, completion
     if status.get("faulted"):
         message = status.get("fault_reason") or "The request faulted on the AI Horde."
-        return {**queued, "status": "failed", "error": {"code": "server_error", "message": message}}
+        return {**queued, "status": "failed", "error": {"code": "server_error", "message": message}}, None
     if status.get("done") and not status.get("waiting") and not status.get("processing"):
-        return {**queued, "status": "cancelled"}  # ended without a reply: cancelled on the horde
-    return None
+        return {**queued, "status": "cancelled"}, None  # ended without a reply: cancelled on the horde
+    return None, None
 
 
 async def _keep_finished(
-    state: Any, api_key: str, kept_id: str, record: Mapping[str, Any], finished: dict[str, Any]
+    state: Any,
+    api_key: str,
+    kept_id: str,
+    record: Mapping[str, Any],
+    finished: dict[str, Any],
+    completion: Completion | None = None,
 ) -> dict[str, Any]:
     """Keep a background response's finished record, unless another read (a cancel, the watcher)
     finished it first: then that one is the response; or it was deleted meanwhile: then nothing is
-    kept (the check and the write are one step: ResponseItems.keep_finished)."""
+    kept (the check and the write are one step: ResponseItems.keep_finished). The read that keeps
+    it delivers `completion`, counted then as a foreground reply is at its answer: once per
+    response, whichever process or read keeps it (docs/adr/0110)."""
     items = state.response_items
     try:
         if await items.keep_finished(
@@ -159,12 +183,27 @@ async def _keep_finished(
             turn_input=record["input"],
             queued_model=record["response"]["model"],
         ):
+            if completion is not None:
+                _count_delivered(state, record["background"], completion)
             return finished
         again = await items.record(api_key, kept_id)
     except ResponseItemsUnavailable as error:
         log.warning("keeping finished background response %s failed: %s", kept_id, error)
         return finished
     return kept_response(again) if again is not None and not pending(again) else finished
+
+
+def _count_delivered(state: Any, background: Mapping[str, Any], completion: Completion) -> None:
+    """The delivery metrics of a background reply (chat_front.md, Metrics): its completion, and its
+    first content, readable from the moment its record is kept (a record from before this has no
+    submit time, and records none)."""
+    state.metrics.delivered(completion)
+    submitted_at = background.get("submitted_at")
+    if isinstance(submitted_at, int | float):
+        state.metrics.first_content.record(
+            max(0.0, time.time() - submitted_at),
+            {"horde.streamed": bool(background.get("stream")), "horde.relayed": False},
+        )
 
 
 async def cancel(state: Any, api_key: str, kept_id: str, record: Mapping[str, Any]) -> dict[str, Any]:

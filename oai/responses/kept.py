@@ -12,6 +12,8 @@ from oai.responses.reply import output_text_part
 
 INPUT_ITEMS_DEFAULT_LIMIT = 20
 INPUT_ITEMS_MAX_LIMIT = 100
+# GET /v1/responses/{id}?stream=: what each accepted value (any case) means.
+STREAM_QUERY_VALUES = {"true": True, "1": True, "false": False, "0": False}
 # The id prefix of a listed input item, by its type (an input item keeps no id of its own).
 INPUT_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 
@@ -69,17 +71,20 @@ def _query_error(param: str, message: str) -> ChatFrontError:
 
 
 def stream_query(query: Mapping[str, str]) -> tuple[bool, int | None]:
-    """(stream, starting_after) of GET /v1/responses/{id}: `stream` true or false, `starting_after`
-    a sequence number (an integer from 0)."""
+    """(stream, starting_after) of GET /v1/responses/{id}: `stream` true or false (any case, as the
+    openai SDKs send a boolean) or 1 or 0 (as a hand-written query or a form may: docs/adr/0110),
+    `starting_after` a sequence number (an integer from 0)."""
     raw_stream = query.get("stream", "false")
-    if raw_stream.lower() not in ("true", "false"):
-        raise _query_error("stream", f"Invalid value for 'stream': '{raw_stream}'; expected true or false.")
+    if raw_stream.lower() not in STREAM_QUERY_VALUES:
+        raise _query_error(
+            "stream", f"Invalid value for 'stream': '{raw_stream}'; expected true or false (or 1 or 0)."
+        )
     raw_after = query.get("starting_after")
     if raw_after is not None and not (raw_after.isascii() and raw_after.isdigit()):
         raise _query_error(
             "starting_after", f"Invalid value for 'starting_after': '{raw_after}'; expected an integer from 0."
         )
-    return raw_stream.lower() == "true", int(raw_after) if raw_after is not None else None
+    return STREAM_QUERY_VALUES[raw_stream.lower()], int(raw_after) if raw_after is not None else None
 
 
 def input_items_page(record: Mapping[str, Any], response_id: str, query: Mapping[str, str]) -> dict[str, Any]:

@@ -59,6 +59,8 @@ def charges() -> int:
 
 
 def test_the_front_id_is_stored_with_a_lease_only(horde, make_user, dead_front):
+    """A text request's; a chat request's without one too (a background response's, docs/adr/0110),
+    which a dead front does not cancel: only a lease asks for that."""
     requester = make_user("r", kudos=1000)
     chat_worker(make_user("owner"))
     alive = new_front_id()
@@ -66,10 +68,13 @@ def test_the_front_id_is_stored_with_a_lease_only(horde, make_user, dead_front):
     without_lease = text_async(horde, requester.key, {FRONT_KEY: alive}).json()["id"]
     malformed = text_async(horde, requester.key, {**leased(None), FRONT_KEY: "front; rm -rf /"}).json()["id"]
     chat = chat_async(horde.client, requester.key, **leased(dead_front)).json()["id"]
+    background = chat_async(horde.client, requester.key, **{FRONT_KEY: dead_front}).json()["id"]
     fronts = dict(GenerationRequest.objects.values_list("id", "front_id"))
     assert fronts[uuid.UUID(with_lease)] == alive
     assert fronts[uuid.UUID(without_lease)] is None and fronts[uuid.UUID(malformed)] is None
-    assert fronts[uuid.UUID(chat)] == dead_front
+    assert fronts[uuid.UUID(chat)] == dead_front and fronts[uuid.UUID(background)] == dead_front
+    assert cancel_lapsed_front_leases() == 1  # the leased chat request; the background one runs on
+    assert not GenerationRequest.objects.get(pk=background).cancelled
 
 
 def test_the_sweep_cancels_a_dead_fronts_requests_before_their_lease_lapses(horde, make_user, dead_front):

@@ -20,7 +20,14 @@ from contract.front_lease import (
 )
 from contract.rate_limits import PROXY_PASSKEY_HEADER
 from tests.chat.chat_route_helpers import MODEL
-from tests.chat.test_dead_front import _late_submit_ends_unpaid, _queued_and_popped, charges
+from tests.chat.test_dead_front import (
+    CHAT_DECLARATION,
+    FRONT_KEY,
+    _late_submit_ends_unpaid,
+    _queued_and_popped,
+    charges,
+    chat_async,
+)
 
 PASSKEY = "the-fronts-passkey"
 
@@ -99,3 +106,25 @@ def test_anyone_else_asking_gets_the_specs_cancel_and_the_job_is_paid(horde, mak
     assert submitted.status_code == 200 and submitted.json()["reward"] > 0, submitted.content
     assert Generation.objects.get(pk=job["id"]).state == Generation.State.OK
     assert requester.refresh().kudos < taxed and charges() == 2
+
+
+def test_a_background_request_named_without_a_lease_ends_unpaid_at_its_fronts_undelivered_cancel(
+    horde, make_user, known_front
+):
+    """A background response's request is submitted under the front's id without a lease (nobody
+    waits on it): the front that could not keep its record, so nobody can read its reply, ends it as
+    undelivered (docs/adr/0110). Another front's id still gets the spec's cancel."""
+    requester = make_user("r", kudos=1000)
+    owner = make_user("owner", trusted=True)
+    front = new_front_id()
+    assert horde.pop(owner.key, models=[MODEL], **CHAT_DECLARATION).json()["id"] is None
+    created = chat_async(horde.client, requester.key, **{FRONT_KEY: front}).json()["id"]
+    job = horde.pop(owner.key, models=[MODEL], **CHAT_DECLARATION).json()
+    assert job["id"] and GenerationRequest.objects.get(pk=created).front_lease_expires_at is None
+    taxed = requester.refresh().kudos
+    undelivered_cancel(horde, "chat", created, front_id=new_front_id(), passkey=PASSKEY)
+    assert Generation.objects.get(pk=job["id"]).state == Generation.State.PROCESSING  # not this front's
+    undelivered_cancel(horde, "chat", created, front_id=front, passkey=PASSKEY)
+    _late_submit_ends_unpaid(horde, requester, owner, created, job, "chat")
+    assert requester.refresh().kudos == taxed
+    assert not KudosTransaction.objects.filter(user=owner.user).exists()

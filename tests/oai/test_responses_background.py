@@ -7,6 +7,7 @@ tests/oai/test_responses_background_stream.py."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from decimal import Decimal
@@ -472,3 +473,185 @@ def test_a_front_without_redis_cancels_its_background_requests_when_it_stops(
     workers.append(worker.start())
     time.sleep(0.5)
     assert worker.jobs == [] and _charges() == 0
+
+
+def test_a_front_without_redis_that_stops_ends_a_held_background_job_unpaid(
+    front, client, requester, live_horde, worker_owner, workers
+):
+    """The stop's cancel of a background request whose record dies with the process is the
+    undelivered one: a job a worker holds then ends unpaid, its submit refused (docs/adr/0110; ADR
+    0107 left it paid)."""
+    from chat.services.admission import HORDE_TAX
+
+    front.configure(redis_url=None)
+    release = threading.Event()
+
+    def reply(job: dict[str, Any]) -> dict[str, Any]:
+        release.wait(20)
+        return text_reply("Nobody reads this.")(job)
+
+    worker = _idle_worker(live_horde, worker_owner, reply=reply)
+    kudos = requester.refresh().kudos
+    client.responses.create(model=MODEL, input="Hi", background=True)
+    workers.append(worker.start())
+    assert wait_for(lambda: worker.jobs, 10)
+    front.configure(redis_url=None)  # the process stops (its state shuts down); a new one starts
+    release.set()
+    assert wait_for(lambda: worker.submits, 10)
+    assert worker.submits[0].status_code == 400 and worker.submits[0].json()["rc"] == "AbortedGen"
+    time.sleep(0.3)
+    assert _charges() == 0
+    user = requester.refresh()
+    assert (user.kudos, user.kudos_held) == (kudos - HORDE_TAX, Decimal("0"))
+
+
+@pytest.mark.redis_only
+def test_a_background_response_deleted_after_its_keep_time_is_not_kept_again(
+    front, client, requester, live_horde, worker_owner, workers
+):
+    """The mark that tells a DELETE from Redis's data loss lives as long as the record the watcher
+    keeps reading: a response deleted while its job runs, later than HORDE_OAI_RESPONSE_ITEMS_SECONDS
+    after its create, stays deleted; its job paid after the cancel is not brought back (docs/adr/0110)."""
+    front.configure(response_items_seconds=2)
+    worker = _idle_worker(live_horde, worker_owner, delay=3.0)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    workers.append(worker.start())
+    assert wait_for(lambda: client.responses.retrieve(created.id).status == "in_progress", 10)
+    time.sleep(2.5)  # the create was over 2 s ago; the watcher read the record every 0.5 s since
+    client.responses.delete(created.id)
+    assert wait_for(lambda: _charges() == 1, 10)
+    time.sleep(1.5)  # past the watcher's next reads (signal_recheck_seconds 0.5 in these tests)
+    assert _raw(front, requester.key, "GET", f"/responses/{created.id}").status_code == 404
+
+
+def test_a_background_reply_is_counted_once_when_it_is_delivered(front, client, live_horde, worker_owner, workers):
+    """horde.oai.completions, queue_wait and first_content.duration count a background reply as a
+    foreground one: once, when its finished record is kept, not at each read (docs/adr/0110)."""
+    worker = _idle_worker(live_horde, worker_owner)
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    assert client.responses.retrieve(created.id).status == "queued"
+    workers.append(worker.start())
+    assert _poll(client, created.id, ("completed",)).status == "completed"
+    with client.responses.create(model=MODEL, input="Hi", background=True, stream=True) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.completed"
+    for response_id in (created.id, created.id, events[-1].response.id):
+        assert client.responses.retrieve(response_id).status == "completed"
+    metrics = front.metrics()
+    delivered = {
+        "horde.model": MODEL,
+        "horde.estimated_usage": True,
+        "horde.finish_reason": "stop",
+        "horde.max_length_lowered": False,
+    }
+    assert metrics["horde.oai.completions"] == [(delivered, 2)]
+    assert [value[0] for _, value in metrics["horde.oai.queue_wait"]] == [2]
+    first = {attributes["horde.streamed"]: value[0] for attributes, value in metrics["horde.oai.first_content.duration"]}
+    assert first == {False: 1, True: 1}
+    assert all(attributes["horde.relayed"] is False for attributes, _ in metrics["horde.oai.first_content.duration"])
+
+
+class _CuttableRedisRelay:
+    """A TCP relay in front of the test's Redis that stops answering, on every connection, the moment
+    it is armed and the front writes a response record: Redis failing between a background create's
+    PING (answered) and its record's keep (never answered)."""
+
+    def __init__(self, redis_url: str):
+        import socket
+        from urllib.parse import urlsplit
+
+        target = urlsplit(redis_url)
+        self.target = (target.hostname or "127.0.0.1", target.port or 6379)
+        self.armed = threading.Event()
+        self.cut = threading.Event()
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        for port in range(8630, 8640):  # this helper's ports
+            try:
+                self.listener.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                continue
+        self.listener.listen(16)
+        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}{target.path}"
+        self.sockets: list[Any] = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            self.sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, source: Any, sink: Any, from_front: bool) -> None:
+        while True:
+            try:
+                data = source.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            if from_front and self.armed.is_set() and b"horde:oai:response:" in data:
+                self.cut.set()
+            if self.cut.is_set():
+                continue  # swallowed: Redis does not answer
+            try:
+                sink.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+@pytest.mark.redis_only
+@pytest.mark.parametrize("front_lease_seconds", [None, 0])
+def test_a_record_redis_fails_to_keep_after_the_submit_leaves_the_held_job_unpaid(
+    front, requester, redis_url, live_horde, worker_owner, workers, front_lease_seconds
+):
+    """Redis answers the create's PING, then fails before the record is kept, while a worker pops the
+    job: the client gets the retryable 503 and nobody could ever read the reply, so the request is
+    ended as a front's undelivered one: the job in flight unpaid, its late submit refused, the
+    requester charged the horde tax alone (docs/adr/0110; ADR 0107 left it paid). The same with the
+    front lease off: a background request names its front without one."""
+    from chat.services.admission import HORDE_TAX
+
+    relay = _CuttableRedisRelay(redis_url)
+    try:
+        lease = {} if front_lease_seconds is None else {"front_lease_seconds": front_lease_seconds}
+        front.configure(redis_url=relay.url, **lease)
+        release = threading.Event()
+
+        def reply(job: dict[str, Any]) -> dict[str, Any]:
+            release.wait(20)
+            return text_reply("Nobody reads this.")(job)
+
+        worker = _idle_worker(live_horde, worker_owner, reply=reply)
+        workers.append(worker.start())
+        kudos = requester.refresh().kudos
+        relay.armed.set()
+        answer = _raw(front, requester.key, "POST", "/responses", {"model": MODEL, "input": "Hi", "background": True})
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "ResponseItemsUnavailable"
+        assert relay.cut.is_set() and worker.jobs  # the job was popped while the keep waited
+        release.set()
+        assert wait_for(lambda: worker.submits, 10)
+        assert worker.submits[0].status_code == 400, worker.submits[0].text
+        assert worker.submits[0].json()["rc"] == "AbortedGen"
+        time.sleep(0.3)
+        (row,) = _requests()
+        assert row.cancelled
+        assert _charges() == 0
+        user = requester.refresh()
+        assert (user.kudos, user.kudos_held) == (kudos - HORDE_TAX, Decimal("0"))
+    finally:
+        relay.close()

@@ -337,6 +337,8 @@ def test_another_keys_stream_is_not_found(front, client, make_user, live_horde, 
         ({"stream": "true", "starting_after": "two"}, "starting_after"),
         ({"stream": "true", "starting_after": "1.5"}, "starting_after"),
         ({"stream": "maybe"}, "stream"),
+        ({"stream": "2"}, "stream"),
+        ({"stream": ""}, "stream"),
     ],
 )
 def test_a_bad_stream_parameter_is_refused(front, client, requester, live_horde, worker_owner, params, param):
@@ -347,6 +349,20 @@ def test_a_bad_stream_parameter_is_refused(front, client, requester, live_horde,
     error = answer.json()["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", param)
     assert answer.headers["x-should-retry"] == "false"
+
+
+def test_stream_one_and_zero_read_as_true_and_false(front, client, requester, start_worker):
+    """The openai SDKs send `true`/`false`; a hand-written query or a form sends `1`/`0` (docs/adr/0110)."""
+    start_worker()
+    created = client.responses.create(model=MODEL, input="Hi", background=True)
+    assert _poll(client, created.id, ("completed",)).status == "completed"
+    path = f"/responses/{created.id}"
+    assert _read_stream(front, requester.key, path, stream="1") == _read_stream(front, requester.key, path, stream="true")
+    assert _read_stream(front, requester.key, path, stream="1", starting_after="3")[0]["sequence_number"] == 4
+    whole = httpx.get(f"{front.live.v1}{path}", params={"stream": "0"}, headers=_headers(requester.key), timeout=30)
+    plain = httpx.get(f"{front.live.v1}{path}", headers=_headers(requester.key), timeout=30)
+    assert whole.status_code == 200 and whole.headers["content-type"] == "application/json"
+    assert whole.json() == plain.json() and whole.json()["status"] == "completed"
 
 
 def test_a_response_not_made_in_background_is_not_streamed_again(client, start_worker):

@@ -202,3 +202,30 @@ def test_a_response_kept_before_its_object_was_kept_is_not_found_but_still_conti
     assert answer.json()["error"]["code"] == "not_found"
     client.responses.create(model=MODEL, input="Go on.", previous_response_id=old_id)
     assert worker.jobs[-1]["payload"]["messages"][1]["content"] == "Kept before."
+
+
+@pytest.mark.parametrize("read", ["get", "continue"])
+def test_a_responses_items_live_as_long_as_the_response_that_holds_them(front, client, start_worker, read):
+    """Reading a kept response (GET, or continuing it) keeps its output items as long as it: an
+    `item_reference` to one resolves while the response is still readable; unread, all of it lapses
+    (docs/adr/0110)."""
+    import time
+
+    front.configure(response_items_seconds=3)
+    worker = start_worker(reply=text_reply("Kept."))
+    created = client.responses.create(model=MODEL, input="Hi")
+    time.sleep(2)
+    if read == "get":
+        assert client.responses.retrieve(created.id).id == created.id
+    else:
+        client.responses.create(model=MODEL, input="Go on.", previous_response_id=created.id)
+    time.sleep(2)  # 4 s after the keep, 2 s after the read: the response is kept, and so is its message
+    reference = {"type": "item_reference", "id": created.output[0].id}
+    referred = client.responses.create(model=MODEL, input=[reference, {"role": "user", "content": "And?"}])
+    assert referred.status == "completed"
+    assert worker.jobs[-1]["payload"]["messages"][0] == {"role": "assistant", "content": "Kept."}
+    time.sleep(3.5)  # nothing read since: the response and its items lapse
+    assert _get(front, client.api_key, created.id).status_code == 404
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input=[reference])
+    assert caught.value.body["code"] == "item_not_found"
