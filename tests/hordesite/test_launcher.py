@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.hordesite.clone import ROOT, clean_env, clone_like_copy, run_python
-from tests.oai.conftest import _free_port
+from tests.ports import free_port
 
 SHOW = "import gc, sys; {}; print(sys.getswitchinterval(), gc.get_freeze_count())"
 
@@ -54,7 +54,7 @@ def test_the_launchers_daphne_hands_a_multipart_post_to_the_api(tmp_path):
     with a bare 400; the launcher's daphne (hordesite/web_server.py) gives it to the route, which
     answers its JSON 415 with the CORS headers (docs/adr/0043)."""
     clone = clone_like_copy(tmp_path / "clone")
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "web.log"
     with log.open("w") as output:
         web = subprocess.Popen(
@@ -126,7 +126,7 @@ def test_the_launchers_processes_stop_when_the_launcher_is_killed(tmp_path):
     left running, the web process would keep the port, so the next `make run` fails with "Address
     already in use", and an orphaned Celery and demo worker would keep serving beside the new ones."""
     clone = clone_like_copy(tmp_path / "clone")
-    port = _free_port()
+    port = free_port()
     env = clean_env(PORT=str(port))
     migrated = run_python(clone, env, "manage.py", "migrate", "--noinput", "-v0")
     assert migrated.returncode == 0, migrated.stderr
@@ -172,7 +172,7 @@ def test_a_ctrl_c_lets_the_demo_worker_submit_the_job_it_holds(tmp_path):
     its request answered, instead of its submits failing against a stopped web process until the
     launcher kills it (a Ctrl-C that took STOP_TIMEOUT seconds and lost the job)."""
     clone = clone_like_copy(tmp_path / "clone")
-    port = _free_port()
+    port = free_port()
     env = clean_env(PORT=str(port))
     migrated = run_python(clone, env, "manage.py", "migrate", "--noinput", "-v0")
     assert migrated.returncode == 0, migrated.stderr

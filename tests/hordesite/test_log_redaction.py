@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.hordesite.test_web_restart import ROOT, WebProcess, _free_port, web_env
+from tests.hordesite.test_web_restart import ROOT, WebProcess, web_env
+from tests.ports import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -58,7 +59,7 @@ class LaunchedWeb(WebProcess):
 @pytest.mark.slow
 def test_the_access_log_names_a_shared_key_path_without_its_id(tmp_path: Path, make_user):
     user = make_user("kudos-checker")
-    web = LaunchedWeb(web_env(tmp_path), _free_port(), tmp_path / "web.log")
+    web = LaunchedWeb(web_env(tmp_path), free_port(), tmp_path / "web.log")
     web.start()
     try:
         answer = httpx.get(f"{web.url}sharedkeys/{user.key}?fields=kudos", headers={"Client-Agent": "x:1:y"})

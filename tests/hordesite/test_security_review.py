@@ -28,9 +28,9 @@ from tests.hordesite.test_web_restart import (
     CHAT_MODEL,
     SCRIBE_AGENT,
     WebProcess,
-    _free_port,
     web_env,
 )
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -92,7 +92,7 @@ def drip_host() -> Iterator[DripHost]:
 
 def _web(tmp_path: Path, **values: str) -> WebProcess:
     env = web_env(tmp_path, HORDE_WEB_THREADS=str(WEB_THREADS), **GENEROUS_LIMITS, **values)
-    process = WebProcess(env, _free_port(), tmp_path / "daphne.log")
+    process = WebProcess(env, free_port(), tmp_path / "daphne.log")
     process.start()
     return process
 
@@ -199,7 +199,7 @@ def test_the_admin_logs_in_behind_a_tls_proxy_from_its_trusted_origin_only(web_f
     admin's cookies are secure-only there: a browser's login then comes with `Origin: https://...`
     to a process that sees plain HTTP. Django's CSRF check refused it (403) with no setting to name
     the proxy's origin; CSRF_TRUSTED_ORIGINS names it, and any other origin is still refused."""
-    port = _free_port()
+    port = free_port()
     web = web_factory(CSRF_TRUSTED_ORIGINS=f"https://127.0.0.1:{port}", DJANGO_SUPERUSER_PASSWORD="a-Long-pass-4321")
     web.manage("createsuperuser", "--noinput", "--username", "root", "--email", "root@example.org")
     admin = httpx.Client(base_url=f"http://127.0.0.1:{web.port}", timeout=30)

@@ -29,7 +29,8 @@ from oai import state as front_state
 from oai.metrics import BUCKETS_REQUEST_LIFECYCLE_SECONDS, FrontMetrics
 from tests.hordesite.clone import ROOT
 from tests.hordesite.test_web_processes import _children, _listening, _start, _until_serving, call
-from tests.hordesite.test_web_restart import TEXT_MODEL, _free_port, web_env
+from tests.hordesite.test_web_restart import TEXT_MODEL, web_env
+from tests.ports import free_port
 from tests.telemetry_support import fresh_otel_globals, otlp_collector
 
 # No periodic export while a test runs: what the collector gets, a stop flushed.
@@ -128,7 +129,7 @@ def test_each_web_process_exports_its_metrics_and_spans_when_it_stops(tmp_path):
             OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
             **NO_PERIODIC_EXPORT,
         )
-        port, log = _free_port(), tmp_path / "web.log"
+        port, log = free_port(), tmp_path / "web.log"
         launcher = _start(env, port, log)
         try:
             deadline = time.monotonic() + 60
@@ -232,7 +233,7 @@ def test_the_launcher_serves_and_exports_nothing_with_telemetry_off(tmp_path):
         env.update(DATABASE_URL=f"sqlite:///{tmp_path / 'off.sqlite3'}", REDIS_URL="", CELERY_BROKER_URL="",
                    PYTHONUNBUFFERED="1", HORDE_TELEMETRY_ENABLED="false", OTEL_EXPORTER_OTLP_ENDPOINT=collector.url)
         _manage(env, "migrate", "--noinput", "-v0")
-        port, log = _free_port(), tmp_path / "web.log"
+        port, log = free_port(), tmp_path / "web.log"
         launcher = _start(env, port, log)
         try:
             _until_serving(launcher, port, log)

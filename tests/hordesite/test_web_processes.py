@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from tests.hordesite.clone import ROOT, clean_env, run_python
-from tests.hordesite.test_web_restart import TEXT_MODEL, _free_port, web_env
+from tests.hordesite.test_web_restart import TEXT_MODEL, web_env
+from tests.ports import free_port
 
 LAUNCH = [sys.executable, "scripts/run.py", "web"]
 
@@ -148,7 +149,7 @@ def _until_serving(launcher: subprocess.Popen[bytes], port: int, log: Path) -> N
 def web_processes(tmp_path) -> Iterator[WebProcesses]:
     # A held pop re-checks the queue only after the test is over: what wakes it is the signal.
     env = web_env(tmp_path, HORDE_WEB_PROCESSES="2", HORDE_POP_WAIT_RECHECK_SECONDS="60")
-    port, log = _free_port(), tmp_path / "web.log"
+    port, log = free_port(), tmp_path / "web.log"
     launcher = _start(env, port, log)
     web = WebProcesses(launcher, port, env, log)
     try:
@@ -167,7 +168,7 @@ def test_more_than_one_web_process_needs_postgres_and_redis(tmp_path):
     for processes in ("2", "0"):
         started = run_python(
             ROOT, clean_env(HORDE_WEB_PROCESSES=processes),
-            *LAUNCH[1:], "-b", "127.0.0.1", "-p", str(_free_port()), "hordesite.asgi:application",
+            *LAUNCH[1:], "-b", "127.0.0.1", "-p", str(free_port()), "hordesite.asgi:application",
         )
         assert started.returncode == 2, started.stderr
         expected = "needs DATABASE_URL (PostgreSQL) and REDIS_URL" if processes == "2" else "at least 1"
@@ -263,7 +264,7 @@ def test_a_second_launcher_does_not_share_the_port_and_the_processes_die_with_a_
 @live
 def test_processes_that_cannot_start_stop_the_launcher_instead_of_looping(tmp_path):
     started = run_python(ROOT, web_env(tmp_path, HORDE_WEB_PROCESSES="2"), *LAUNCH[1:], "-b", "127.0.0.1",
-                         "-p", str(_free_port()), "no_such_module:application", timeout=120)
+                         "-p", str(free_port()), "no_such_module:application", timeout=120)
     assert started.returncode != 0
     assert "at its start, 3 times in a row: stopping" in started.stderr, started.stderr[-3000:]
 
@@ -272,9 +273,9 @@ def test_processes_that_cannot_start_stop_the_launcher_instead_of_looping(tmp_pa
 def test_more_than_one_web_process_listens_on_one_ipv4_port_only(tmp_path):
     env = web_env(tmp_path, HORDE_WEB_PROCESSES="2")
     for listen, expected in (
-        (["-b", "::1", "-p", str(_free_port())], "listens on an IPv4 address"),
+        (["-b", "::1", "-p", str(free_port())], "listens on an IPv4 address"),
         (["-u", str(tmp_path / "web.sock")], "serves one TCP port"),
-        (["-b", "127.0.0.1", "-p", str(_free_port()), "-e", "tcp:port=0"], "serves one TCP port"),
+        (["-b", "127.0.0.1", "-p", str(free_port()), "-e", "tcp:port=0"], "serves one TCP port"),
     ):
         started = run_python(ROOT, env, *LAUNCH[1:], *listen, "hordesite.asgi:application")
         assert started.returncode == 2 and expected in started.stderr, (listen, started.stderr)

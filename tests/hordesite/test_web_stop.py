@@ -28,7 +28,8 @@ from accounts.models import HordeUser, KudosTransaction
 from chat.models import Generation, GenerationRequest
 from tests.hordesite.clone import ROOT
 from tests.hordesite.test_web_processes import TEXT_MODEL, _start, _until_serving, call
-from tests.hordesite.test_web_restart import CHAT_DECLARATION, CHAT_MODEL, SCRIBE_AGENT, _free_port, web_env
+from tests.hordesite.test_web_restart import CHAT_DECLARATION, CHAT_MODEL, SCRIBE_AGENT, web_env
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
@@ -42,7 +43,7 @@ def _blocked_on_a_lock() -> bool:
 def test_sigterm_answers_the_requests_in_flight_before_the_process_exits(tmp_path):
     # A held pop re-checks the queue only after the test: what ends its wait is the stop.
     env = web_env(tmp_path, HORDE_WEB_PROCESSES="1", HORDE_POP_WAIT_RECHECK_SECONDS="60")
-    port, log = _free_port(), tmp_path / "web.log"
+    port, log = free_port(), tmp_path / "web.log"
     launcher = _start(env, port, log)
     try:
         _until_serving(launcher, port, log)
@@ -108,7 +109,7 @@ CHAT_POP = {"models": [CHAT_MODEL], "max_length": 512, "max_context_length": 409
 def _serving(tmp_path, **values: str):
     """The launcher (one web process) on this test's database and Redis, answering; its env, port, log."""
     env = web_env(tmp_path, HORDE_WEB_PROCESSES="1", **values)
-    port, log = _free_port(), tmp_path / "web.log"
+    port, log = free_port(), tmp_path / "web.log"
     launcher = _start(env, port, log)
     _until_serving(launcher, port, log)
     return launcher, env, port, log
@@ -235,7 +236,7 @@ def test_sigterm_answers_the_fronts_waiting_requests_and_cancels_their_horde_req
 
 def _standalone_front(tmp_path, env: dict, port: int, **values: str):
     """`python -m oai` over the web process on `port`, serving: (its process, its port, its log)."""
-    front_port, front_log = _free_port(), tmp_path / "front.log"
+    front_port, front_log = free_port(), tmp_path / "front.log"
     front_env = {**env, "HORDE_OAI_NATIVE_ROOTS": f"http://127.0.0.1:{port}/api/v2", "HORDE_OAI_PORT": str(front_port),
                  **values}
     front_env.pop("DJANGO_SETTINGS_MODULE", None)

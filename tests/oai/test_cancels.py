@@ -18,7 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from tests.oai.conftest import MODEL, HordeTestWorker, _free_port, wait_for
+from tests.oai.conftest import MODEL, HordeTestWorker, wait_for
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -207,7 +208,7 @@ def test_a_gateways_404_page_is_failed_and_sent_again_not_already_gone(front, ne
 
 
 def test_an_unreachable_horde_is_failed(front, live_horde):
-    front.configure(native_roots=[f"http://127.0.0.1:{_free_port()}/api/v2"])
+    front.configure(native_roots=[f"http://127.0.0.1:{free_port()}/api/v2"])
     assert _cancel(front, str(uuid.uuid4())) == ["failed"]
 
 

@@ -25,9 +25,9 @@ from tests.hordesite.test_web_restart import (
     CHAT_MODEL,
     SCRIBE_AGENT,
     WebProcess,
-    _free_port,
     web_env,
 )
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -47,7 +47,7 @@ def _web_process(tmp_path, lease_seconds: int):
         HORDE_OAI_NONSTREAM_TIMEOUT_SECONDS="120",
         HORDE_OAI_STREAM_TIMEOUT_SECONDS="120",
     )
-    process = WebProcess(env, _free_port(), tmp_path / "daphne.log")
+    process = WebProcess(env, free_port(), tmp_path / "daphne.log")
     process.start()
     return process
 

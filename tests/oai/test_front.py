@@ -20,7 +20,8 @@ import httpx
 import openai
 import pytest
 
-from tests.oai.conftest import MODEL, OTHER_MODEL, HordeTestWorker, _free_port, wait_for
+from tests.oai.conftest import MODEL, OTHER_MODEL, HordeTestWorker, wait_for
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -318,7 +319,7 @@ def test_a_gateways_404_page_for_a_status_read_is_not_the_request_gone(front, cl
 
 
 def test_native_root_rotation_on_connection_failure(front, client, start_worker, live_horde):
-    dead = f"http://127.0.0.1:{_free_port()}/api/v2"
+    dead = f"http://127.0.0.1:{free_port()}/api/v2"
     front.configure(native_roots=[dead, f"{live_horde.url}/api/v2"])
     start_worker()
     assert client.chat.completions.create(model=MODEL, messages=USER).choices[0].message.content
@@ -326,7 +327,7 @@ def test_native_root_rotation_on_connection_failure(front, client, start_worker,
 
 
 def test_unreachable_horde_is_503(front, client):
-    front.configure(native_roots=[f"http://127.0.0.1:{_free_port()}/api/v2"])
+    front.configure(native_roots=[f"http://127.0.0.1:{free_port()}/api/v2"])
     with pytest.raises(openai.InternalServerError) as caught:
         client.chat.completions.create(model=MODEL, messages=USER)
     assert caught.value.status_code == 503 and caught.value.code == "HordeUnavailable"
@@ -797,7 +798,7 @@ def test_queue_unavailable_line_and_unsubmitted_line(front, client, start_worker
 
 def test_python_m_oai_serves_the_front_alone(front, client, start_worker, live_horde, requester):
     start_worker()
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "HORDE_OAI_NATIVE_ROOTS": f"{live_horde.url}/api/v2",
@@ -829,8 +830,8 @@ def test_python_m_oai_serves_the_front_alone(front, client, start_worker, live_h
 def test_python_m_oai_logs_in_utc_as_the_horde_does():
     # Django sets the process's TZ from TIME_ZONE, whose default is America/Chicago: the standalone
     # front's log lines were six hours off the horde's (UTC) in the same log collector.
-    env = {**os.environ, "HORDE_OAI_NATIVE_ROOTS": f"http://127.0.0.1:{_free_port()}/api/v2",
-           "HORDE_OAI_PORT": str(_free_port())}
+    env = {**os.environ, "HORDE_OAI_NATIVE_ROOTS": f"http://127.0.0.1:{free_port()}/api/v2",
+           "HORDE_OAI_PORT": str(free_port())}
     for name in ("DJANGO_SETTINGS_MODULE", "TZ"):
         env.pop(name, None)
     process = subprocess.Popen(

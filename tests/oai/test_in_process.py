@@ -16,7 +16,8 @@ from oai import horde_client
 from oai.horde_client import HordeClient, NativeUnreachable, SubmitAnswerLost
 from oai.metrics import FrontMetrics
 from oai.settings import FrontSettings, load_settings
-from tests.oai.conftest import MODEL, _free_port
+from tests.oai.conftest import MODEL
+from tests.ports import free_port
 
 USER = [{"role": "user", "content": "Hello?"}]
 
@@ -217,7 +218,7 @@ def test_the_mounted_body_bound_is_the_native_routes(mounted):
 
 def test_mounted_front_serves_in_process_without_its_roots(front, client, start_worker):
     """The native root is a closed port: only the in-process call can reach the horde."""
-    front.configure(native_roots=[f"http://127.0.0.1:{_free_port()}/api/v2"], native_in_process=True)
+    front.configure(native_roots=[f"http://127.0.0.1:{free_port()}/api/v2"], native_in_process=True)
     assert front.state().client.in_process
     start_worker()
     completion = client.chat.completions.create(model=MODEL, messages=USER)

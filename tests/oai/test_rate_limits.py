@@ -24,7 +24,8 @@ import openai
 import pytest
 
 from oai.settings import load_settings
-from tests.oai.conftest import MODEL, _free_port
+from tests.oai.conftest import MODEL
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -546,7 +547,7 @@ def test_python_m_oai_forwards_its_clients_addresses(live_horde, front, requeste
     _hourly_chat_limit(settings)
     settings.HORDE_PROXY_PASSKEYS = [PASSKEY]
     start_worker()
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "HORDE_OAI_NATIVE_ROOTS": f"{live_horde.url}/api/v2",
