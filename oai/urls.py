@@ -20,6 +20,9 @@ urlpatterns = [
     path("chat/completions", ChatCompletionsView.as_view()),
     path("completions", TextCompletionsView.as_view()),
     path("responses", ResponsesView.as_view()),
+    # OpenAI's endpoints under /responses/ that the front does not serve: not response ids (ADR 0109).
+    path("responses/compact", unknown_path),
+    path("responses/input_tokens", unknown_path),
     path("responses/<str:response_id>", ResponseView.as_view()),
     path("responses/<str:response_id>/cancel", ResponseCancelView.as_view()),
     path("responses/<str:response_id>/input_items", ResponseInputItemsView.as_view()),

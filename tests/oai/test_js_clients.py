@@ -2,12 +2,17 @@
 horde (daphne, the mounted /v1 front, Redis) and the reference worker on its scripted backend, the
 demo worker `make run` starts.
 
-The Vercel AI SDK (`ai` 6 with `@ai-sdk/openai-compatible` 2) posts from Node or an edge runtime:
-`Authorization`, `Content-Type`, its own `User-Agent`, and the keys of `providerOptions.<provider
-name>` merged into the body ahead of the messages (here `reasoningEffort` as `reasoning_effort` and
-the horde's own object). `streamText` always asks for `stream_options.include_usage`, reads
-`delta.reasoning_content` as reasoning and `delta.content` as text, and shows the text as it is:
-a `<think>` block in it would reach the user.
+The Vercel AI SDK (`ai` 6 with `@ai-sdk/openai-compatible` 2.0.92, and `ai` 7.0.185 with
+`@ai-sdk/openai-compatible` 3.0.97) posts from Node or an edge runtime: `Authorization`,
+`Content-Type`, its own `User-Agent`, and the keys of `providerOptions.<provider name>` merged into
+the body ahead of the messages (here `reasoningEffort` as `reasoning_effort` and the horde's own
+object). With the provider's `includeUsage: true`, `streamText` asks for
+`stream_options.include_usage`; it reads `delta.reasoning_content` as reasoning and `delta.content`
+as text, and shows the text as it is: a `<think>` block in it would reach the user. Both versions
+send the same bytes but for the user agent (ADR 0109).
+
+The openai Node SDK 6.49.0 and 7.60.0 (the newest on 2026-12-07) send the same bodies; 7 sends
+x-stainless-helper-method before authorization.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ VERCEL_HEADERS = {
     "accept-language": "*",
     "sec-fetch-mode": "cors",
 }
+VERCEL_3_USER_AGENT = "ai-sdk-openai-compatible/3.0.97 ai-sdk-provider-utils/5.0.86 node.js/v20.20.2"
 
 
 @pytest.fixture
@@ -48,8 +54,10 @@ def scripted_horde(front, live_horde, make_user) -> Iterator[tuple[str, str, str
     bridge_horde.client.close()
 
 
-def vercel_stream(v1: str, key: str, body: dict) -> list[dict]:
+def vercel_stream(v1: str, key: str, body: dict, user_agent: str | None = None) -> list[dict]:
     headers = {name: value.format(key=key) for name, value in VERCEL_HEADERS.items()}
+    if user_agent:
+        headers["user-agent"] = user_agent
     with httpx.stream("POST", f"{v1}/chat/completions", content=json.dumps(body, separators=(",", ":")),
                       headers=headers, timeout=30) as response:
         assert response.status_code == 200, response.read()
@@ -58,7 +66,8 @@ def vercel_stream(v1: str, key: str, body: dict) -> list[dict]:
     return lite_events(text)
 
 
-def test_vercel_stream_text_with_reasoning_keeps_the_think_block_out_of_the_text(scripted_horde):
+@pytest.mark.parametrize("user_agent", [None, VERCEL_3_USER_AGENT])
+def test_vercel_stream_text_with_reasoning_keeps_the_think_block_out_of_the_text(scripted_horde, user_agent):
     v1, key, model = scripted_horde
     body = {
         "model": model,
@@ -68,7 +77,7 @@ def test_vercel_stream_text_with_reasoning_keeps_the_think_block_out_of_the_text
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    events = vercel_stream(v1, key, body)
+    events = vercel_stream(v1, key, body, user_agent)
     deltas = [event["choices"][0]["delta"] for event in events if event["choices"]]
     text = "".join(delta.get("content") or "" for delta in deltas)
     reasoning = "".join(delta.get("reasoning_content") or "" for delta in deltas)
@@ -100,6 +109,23 @@ OPENAI_NODE_HEADERS = {
     "accept-language": "*",
     "sec-fetch-mode": "cors",
 }
+# openai-node 7.60.0: the same headers, x-stainless-helper-method before authorization.
+OPENAI_NODE_7_HEADERS = {
+    "accept": "application/json",
+    "user-agent": "OpenAI/JS 7.60.0",
+    "x-stainless-retry-count": "0",
+    "x-stainless-lang": "js",
+    "x-stainless-package-version": "7.60.0",
+    "x-stainless-os": "Linux",
+    "x-stainless-arch": "x64",
+    "x-stainless-runtime": "node",
+    "x-stainless-runtime-version": "v20.20.2",
+    "x-stainless-helper-method": "stream",
+    "authorization": "Bearer {key}",
+    "content-type": "application/json",
+    "accept-language": "*",
+    "sec-fetch-mode": "cors",
+}
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -115,12 +141,13 @@ WEATHER_TOOL = {
 }
 
 
-def test_openai_node_history_of_accumulated_stream_messages_is_served(scripted_horde):
+@pytest.mark.parametrize("node_headers", [OPENAI_NODE_HEADERS, OPENAI_NODE_7_HEADERS], ids=["6.49", "7.60"])
+def test_openai_node_history_of_accumulated_stream_messages_is_served(scripted_horde, node_headers):
     """openai-node's `chat.completions.stream(...).finalChatCompletion()` returns messages carrying
     `refusal`, `parsed`, `function.parsed_arguments` and the reasoning; an app pushes them back
     as history, and the next turn must be served like any other."""
     v1, key, model = scripted_horde
-    headers = {name: value.format(key=key) for name, value in OPENAI_NODE_HEADERS.items()}
+    headers = {name: value.format(key=key) for name, value in node_headers.items()}
     call_id = "call_2ba1013ff711b6559ee0aa95"
     body = {
         "model": model,

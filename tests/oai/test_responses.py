@@ -352,6 +352,25 @@ def test_responses_route_answers_only_post(front, requester):
     assert answer.status_code == 405 and answer.json()["error"]["code"] == "method_not_allowed"
 
 
+@pytest.mark.parametrize("call", ["compact", "input_tokens"])
+def test_the_sdks_responses_endpoints_the_front_does_not_serve_are_unknown_urls(client, call):
+    """`responses.compact` (openai 3.63 adds its safety_identifier) and `responses.input_tokens.count`
+    post to /v1/responses/compact and /v1/responses/input_tokens: not response ids, so the client
+    gets the 404 every endpoint the front does not serve gets, not a 405 saying POST is not allowed
+    on a response (docs/adr/0109-client-versions-and-unserved-response-endpoints.md)."""
+    with pytest.raises(openai.NotFoundError) as caught:
+        if call == "compact":
+            client.responses.compact(model=MODEL, input="Hi", safety_identifier="user-1")
+        else:
+            client.responses.input_tokens.count(model=MODEL, input="Hi")
+    assert caught.value.body["code"] == "unknown_url"
+    assert caught.value.body["message"] == (
+        f"Invalid URL (POST /v1/responses/{call}): the AI Horde serves /v1/chat/completions, "
+        "/v1/completions, /v1/responses and /v1/models."
+    )
+    assert caught.value.response.headers["x-should-retry"] == "false"
+
+
 def test_many_streams_at_once_each_get_their_own_response(front, requester, start_worker):
     start_worker(reply=text_reply("Same."))
     results: list[list[tuple[str, dict[str, Any]]]] = []

@@ -3,6 +3,13 @@
 3.0.141, whose default `openai(model)` is the Responses API) and the openai Node SDK 6.49.0
 (`responses.create`, `.stream`, `.parse`).
 
+The `vercel7/` and `openai-node7/` cases are the same calls from `ai` 7.0.185 with `@ai-sdk/openai`
+4.0.126 and from openai-node 7.60.0, the newest on 2026-12-07 (ADR 0109), kept where their wire
+differs from the older versions': ai 7's user agent (`ai/7.0.185 ai-sdk-provider-utils/5.0.86
+node.js/v20.20.2`), `"strict": false` on each function tool, a store-false history's assistant
+message as a plain string without its id; openai-node 7's x-stainless-helper-method before
+authorization. Their other requests are the older versions' bodies, byte for byte.
+
 The bodies and headers in data/responses_clients.json are what these clients sent, unchanged, to a
 horde started as `make run` starts it (the demo worker on the scripted backend serves `scripted`;
 the reference worker in front of a streaming llama-server serves `qwen-stream`), captured by a
@@ -246,8 +253,9 @@ def job_messages(worker, index: int) -> list[dict[str, Any]]:
 # --- Vercel AI SDK -------------------------------------------------------------------------------------
 
 
-def test_vercel_generate_text(front, requester, scripted_worker):
-    answer = Replay(front, requester, "vercel/generateText").whole()
+@pytest.mark.parametrize("case", ["vercel/generateText", "vercel7/generateText"])
+def test_vercel_generate_text(front, requester, scripted_worker, case):
+    answer = Replay(front, requester, case).whole()
     assert message_text(answer.json()) == "Scripted reply to: Say hi"
     assert job_messages(scripted_worker, 0) == [
         {"role": "system", "content": "Be brief."},
@@ -302,7 +310,15 @@ def test_vercel_stream_text_failing_after_its_tokens_ends_failed(front, requeste
     assert texts(events) == ["Hell"]
 
 
-@pytest.mark.parametrize("case", ["vercel/tool-generateText-2steps", "vercel/tool-streamText-2steps"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "vercel/tool-generateText-2steps",
+        "vercel/tool-streamText-2steps",
+        "vercel7/tool-generateText-2steps",  # ai 7: each function tool carries "strict": false
+        "vercel7/tool-streamText-2steps",
+    ],
+)
 def test_vercel_tool_call_and_the_step_after_its_result(front, requester, scripted_worker, case):
     replay = Replay(front, requester, case)
     streamed = "stream" in case
@@ -336,7 +352,13 @@ def test_vercel_stream_text_with_output_object(front, requester, scripted_worker
 
 
 @pytest.mark.parametrize(
-    ("case", "kept"), [("vercel/multiturn-store-default", True), ("vercel/multiturn-store-false", False)]
+    ("case", "kept"),
+    [
+        ("vercel/multiturn-store-default", True),
+        ("vercel/multiturn-store-false", False),
+        # ai 7 sends the earlier answer back as {"role": "assistant", "content": "<text>"}, without its id
+        ("vercel7/multiturn-store-false", False),
+    ],
 )
 def test_vercel_multi_turn_from_response_messages(front, requester, scripted_worker, case, kept):
     """store left at its default: the SDK sends the first answer back as an item_reference, which the
@@ -437,7 +459,9 @@ def test_openai_node_create(front, requester, scripted_worker):
     assert answer.json()["instructions"] == "Be brief."
 
 
-@pytest.mark.parametrize("case", ["openai-node/create-stream", "openai-node/stream-helper"])
+@pytest.mark.parametrize(
+    "case", ["openai-node/create-stream", "openai-node/stream-helper", "openai-node7/stream-helper"]
+)
 def test_openai_node_streams(front, requester, scripted_worker, case):
     events = Replay(front, requester, case).stream()
     assert [e["type"] for e in events] == [
@@ -479,8 +503,9 @@ def test_openai_node_tool_turns(front, requester, scripted_worker):
     assert message_text(replay.whole(1).json()) == "The tool answered: 21.5C"
 
 
-def test_openai_node_tool_call_streamed(front, requester, scripted_worker):
-    events = Replay(front, requester, "openai-node/tools-stream-helper").stream()
+@pytest.mark.parametrize("case", ["openai-node/tools-stream-helper", "openai-node7/tools-stream-helper"])
+def test_openai_node_tool_call_streamed(front, requester, scripted_worker, case):
+    events = Replay(front, requester, case).stream()
     assert [e["type"] for e in events[2:]] == [
         "response.output_item.added",
         "response.function_call_arguments.delta",
