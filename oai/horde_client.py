@@ -454,9 +454,16 @@ class HordeClient:
             return "failed"
         finally:
             self._cancel_slots.release()
-        if answer.status == 404 and isinstance(answer.body, dict):  # the horde's, not a gateway's page
+        if request_gone(answer):
             return "already_gone"
         return "acknowledged" if answer.ok else "failed"
+
+
+def request_gone(answer: NativeAnswer) -> bool:
+    """The horde's own 404 for a request it no longer holds (`RequestNotFound`). A gateway's 404 in
+    its place, a page or a JSON body of its own (Kong's "no Route matched"), is a failed call that
+    says nothing of the request (docs/adr/0105)."""
+    return answer.status == 404 and isinstance(answer.body, dict) and answer.body.get("rc") == "RequestNotFound"
 
 
 def not_the_hordes_answer(answer: NativeAnswer) -> bool:

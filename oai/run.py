@@ -19,7 +19,7 @@ from oai.cancels import LostSubmit
 from oai.deltas import RelayedStream
 from oai.errors import ChatFrontError, front_stopping
 from oai.front_lease import front_id_header, lease_header
-from oai.horde_client import NativeAnswer, NativeUnreachable, SubmitAnswerLost, rate_limit_pause
+from oai.horde_client import NativeAnswer, NativeUnreachable, SubmitAnswerLost, rate_limit_pause, request_gone
 from oai.mapping import Completion
 from oai.native_errors import (
     declaration_gap_error,
@@ -375,8 +375,8 @@ class ChatRun:
             self.lease_renewed_at = time.monotonic()
         status = answer.body if isinstance(answer.body, dict) else {}
         self.generating = answer.ok and int(status.get("processing") or 0) > 0
-        if answer.status == 404 and isinstance(answer.body, dict):
-            # The horde's own 404 (a gateway's page in its place is a failed read: docs/adr/0105).
+        if request_gone(answer):
+            # The horde's own 404 (a gateway's in its place is a failed read: docs/adr/0105).
             self.state.metrics.wake(source, False, False)
             raise self._faulted(status, gone=True)
         if not answer.ok:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oai.errors import ChatFrontError
-from oai.horde_client import NativeAnswer, NativeUnreachable
+from oai.horde_client import NativeAnswer, NativeUnreachable, request_gone
 from oai.mapping import Completion
 from oai.response_items import ResponseItemsUnavailable
 from oai.responses.kept import kept_response
@@ -104,7 +104,7 @@ async def current(state: Any, api_key: str, kept_id: str, record: Mapping[str, A
         raise ChatFrontError(
             503, "HordeUnavailable", f"The AI Horde could not be reached: {error}", type="api_error", retry_after=1
         ) from None
-    gone = answer.status == 404 and isinstance(answer.body, dict)  # the horde's own 404, not a gateway's page (ADR 0105)
+    gone = request_gone(answer)
     if not gone and not answer.ok:
         raise ChatFrontError(
             503,
@@ -138,7 +138,7 @@ def _ended(
         model=background["models"][0],
         status="queued",
     )
-    if answer.status == 404 and isinstance(answer.body, dict):
+    if request_gone(answer):
         return {**queued, "status": "failed", "error": {"code": "server_error", "message": GONE_MESSAGE}}, None
     status = answer.body if isinstance(answer.body, dict) else {}
     if status.get("generations"):

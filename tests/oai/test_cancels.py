@@ -29,7 +29,7 @@ HOP_HEADERS = {"host", "content-length", "connection", "accept-encoding", "trans
 
 class FaultyNetwork(BaseHTTPRequestHandler):
     """Forwards to the horde (mode forward), or: answers 502 as a load balancer whose upstream is
-    down (bad_gateway), its own 404 page as a gateway without the route (not_found_page), closes the connection without an answer (reset), sends a status line
+    down (bad_gateway), its own 404 page as a gateway without the route (not_found_page) or its JSON 404 (not_found_json), closes the connection without an answer (reset), sends a status line
     without a status code, as a broken middlebox might (garbled), answers after `delay`
     seconds (slow), or forwards and sends the answer's first line a byte at a time over `delay`
     seconds, each byte within any read timeout (dribble)."""
@@ -55,6 +55,9 @@ class FaultyNetwork(BaseHTTPRequestHandler):
             return
         if mode == "not_found_page":
             self._answer(404, b"<html>404 Not Found</html>", {"Content-Type": "text/html"})
+            return
+        if mode == "not_found_json":  # Kong's answer for a route it does not hold
+            self._answer(404, b'{"message":"no Route matched with those values"}', {"Content-Type": "application/json"})
             return
         if mode == "slow":
             time.sleep(type(self).delay)
@@ -185,7 +188,10 @@ def test_an_error_answer_or_a_dropped_connection_is_failed(front, network, mode)
     assert _outcomes(front) == {"failed": 1}
 
 
-def test_a_gateways_404_page_is_failed_and_sent_again_not_already_gone(front, network, requester, live_horde, worker_owner):
+@pytest.mark.parametrize("page", ["not_found_page", "not_found_json"])
+def test_a_gateways_404_page_is_failed_and_sent_again_not_already_gone(
+    front, network, requester, live_horde, worker_owner, page
+):
     """Only the horde's own 404 says the request is gone: a gateway's 404 page in its place is a
     failed cancel, sent again until the horde answers, not a request dropped from the retries while
     it stays queued."""
@@ -200,7 +206,7 @@ def test_a_gateways_404_page_is_failed_and_sent_again_not_already_gone(front, ne
         timeout=10,
     )
     request_id = submitted.json()["id"]
-    network.mode = "not_found_page"
+    network.mode = page
     assert _cancel(front, request_id) == ["failed"]
     network.mode = "forward"
     assert wait_for(lambda: GenerationRequest.objects.get(pk=request_id).cancelled, 5)

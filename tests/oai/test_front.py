@@ -266,15 +266,16 @@ class _GatewayNotFoundProxy(BaseHTTPRequestHandler):
     target = ""
     pages = 0
     reads = 0
+    page = (b"<html><body><h1>404 Not Found</h1></body></html>", "text/html")
 
     def _forward(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
         if self.command == "GET" and "/status/" in self.path:
             type(self).reads += 1
             if type(self).reads <= type(self).pages:
-                page = b"<html><body><h1>404 Not Found</h1></body></html>"
+                page, content_type = type(self).page
                 self.send_response(404)
-                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(page)))
                 self.end_headers()
                 self.wfile.write(page)
@@ -297,10 +298,18 @@ class _GatewayNotFoundProxy(BaseHTTPRequestHandler):
         pass
 
 
-def test_a_gateways_404_page_for_a_status_read_is_not_the_request_gone(front, client, start_worker, live_horde):
-    """Only the horde's own 404 says the request no longer exists: a gateway's page in its place is a
-    failed read, read again, and the request is delivered, not answered ChatRequestFaulted and left
-    queued for a worker to serve and the requester to pay."""
+@pytest.mark.parametrize(
+    "page",
+    [
+        (b"<html><body><h1>404 Not Found</h1></body></html>", "text/html"),
+        (b'{"message":"no Route matched with those values"}', "application/json"),  # Kong's
+    ],
+)
+def test_a_gateways_404_page_for_a_status_read_is_not_the_request_gone(front, client, start_worker, live_horde, page):
+    """Only the horde's own 404 (RequestNotFound) says the request no longer exists: a gateway's page
+    or JSON in its place is a failed read, read again, and the request is delivered, not answered
+    ChatRequestFaulted and left queued for a worker to serve and the requester to pay."""
+    _GatewayNotFoundProxy.page = page
     _GatewayNotFoundProxy.target = f"{live_horde.url}/api/v2"
     _GatewayNotFoundProxy.pages = 2
     _GatewayNotFoundProxy.reads = 0

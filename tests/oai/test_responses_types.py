@@ -184,6 +184,8 @@ def test_a_background_request_still_running_or_read_through_a_gateways_404_page_
 
     assert _finished(_background_record(), _native(200, {"generations": [], "done": False, "processing": 1})) is None
     assert _finished(_background_record(), _native(404, None)) is None  # not the horde's answer (ADR 0105)
+    kong = _native(404, {"message": "no Route matched with those values"})  # a gateway's JSON 404
+    assert _finished(_background_record(), kong) is None
 
 
 @pytest.mark.parametrize(
