@@ -15,16 +15,9 @@ from openai.types.responses.response_item_list import ResponseItemList
 
 from tests.oai.conftest import MODEL, responses_sse, text_reply
 from tests.oai.test_completions import calls_reply
+from tests.oai.test_responses import WEATHER
 
 pytestmark = pytest.mark.slow
-
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-}
-
 
 def _get(front, key: str, path: str, **params: Any) -> httpx.Response:
     return httpx.get(
