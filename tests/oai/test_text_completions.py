@@ -75,6 +75,20 @@ def test_a_context_above_every_workers_is_lowered_to_the_largest(client, start_t
     assert small.jobs[0]["payload"]["max_context_length"] == needed + 10
 
 
+def test_a_context_the_client_asks_is_not_lowered(client, start_text_worker):
+    """`horde.max_context_length`, when the client sends it, decides (ADR 0111): above every online
+    worker's context it waits for a worker that has it, as before, and is not lowered to a context
+    in which the worker would cut the prompt the client sized it for."""
+    worker = start_text_worker(max_context_length=2048)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=64, extra_body={"horde": {"max_context_length": 4096}}
+        )
+    assert caught.value.status_code == 503 and "No online worker could take this request" in caught.value.message
+    assert worker.jobs == []
+    assert GenerationRequest.objects.get().max_context_length == 4096
+
+
 def test_a_text_completion_is_woken_by_its_submit_not_by_the_next_poll(front, client, start_text_worker):
     """The text submit of a request a front waits on publishes the completion signal (over Redis,
     or in process without it), so the reply comes before a poll 30 s away (docs/adr/0055)."""
