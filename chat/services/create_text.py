@@ -21,7 +21,7 @@ from accounts.selectors import anonymous_user_get
 from chat.model_reference import dearest_known_text_model
 from chat.models import GenerationRequest
 from chat.pricing import text_request_quote
-from chat.selectors.models import text_workers_largest_limits
+from chat.selectors.models import text_workers_limits
 from chat.services.admission import (
     HORDE_TAX,
     AllowanceOutcome,
@@ -232,13 +232,14 @@ def _lowered_to_workers(data: TextRequestInput) -> list[dict] | None:
     """Fit data to the online text workers serving its models (the front's legacy completions).
     lower_max_length_to_workers: a max_length above the largest worker's is lowered to it (OpenAI's
     max_tokens is an upper bound), the chat route's worker_max_length adjustment, returned.
-    lower_max_context_length_to_workers: a context above the largest worker's (the front's own ask,
-    which errs high, ADR 0111; never a client's) is lowered to it, not below the prompt's
-    four-characters-a-token estimate and the completion. None when max_length was not lowered."""
-    largest = text_workers_largest_limits(data.models)
-    if largest is None:
+    lower_max_context_length_to_workers: a context above the largest of the workers that could take
+    the request (its worker list, its completion) is lowered to it (the front's own ask, which errs
+    high, ADR 0111; never a client's), not below the prompt's four-characters-a-token estimate and
+    the completion. None when max_length was not lowered."""
+    limits = text_workers_limits(data.models)
+    if not limits:
         return None
-    largest_length, largest_context = largest
+    largest_length = max(length for _id, length, _context in limits)
     adjustments = None
     if data.lower_max_length_to_workers and TEXT_MAX_LENGTH_RANGE[0] <= largest_length < data.max_length:
         adjustments = [
@@ -250,9 +251,18 @@ def _lowered_to_workers(data: TextRequestInput) -> list[dict] | None:
             largest_length, TEXT_MAX_CONTEXT_LENGTH_RANGE[0], data.max_context_length - (data.max_length - largest_length)
         )
         data.max_length = largest_length
-    if data.lower_max_context_length_to_workers and data.max_context_length > largest_context:
+    if not data.lower_max_context_length_to_workers:
+        return adjustments
+    # A worker that cannot take the request anyway must not hold the ask above one that can.
+    listed = {str(worker_id) for worker_id in data.workers}
+    contexts = [
+        context
+        for worker_id, length, context in limits
+        if length >= data.max_length and (not listed or (str(worker_id) in listed) != data.worker_blacklist)
+    ]
+    if contexts and data.max_context_length > max(contexts):
         needed = math.ceil(len(data.prompt) / CHARS_PER_TOKEN_ESTIMATE) + data.max_length
-        data.max_context_length = max(largest_context, needed, TEXT_MAX_CONTEXT_LENGTH_RANGE[0])
+        data.max_context_length = max(max(contexts), needed, TEXT_MAX_CONTEXT_LENGTH_RANGE[0])
     return adjustments
 
 
