@@ -146,8 +146,9 @@ class TextAsyncInputSerializer(serializers.Serializer):
     lower_max_context_length_to_workers = StrictBooleanField(
         default=False,
         help_text=(
-            "a max_context_length above every online worker's serving the models is lowered to the largest, "
-            "not below the prompt's estimate (four characters a token) and the max_length"
+            "a max_context_length above that of every online worker that could take the request (its models, "
+            "max_length and worker list) is lowered to the largest, not below the prompt's estimate (four "
+            "characters a token) and the max_length"
         ),
     )
 
