@@ -459,7 +459,8 @@ def screen_text_request(raw_body: Any) -> TextCompletionRequest:
     params: dict[str, Any] = {"n": 1, "max_length": max_tokens}
     # The context the request needs: its prompt (an estimate that errs high) and its completion,
     # unless the client says. A worker with a smaller context cannot take it; the horde lowers it to
-    # the largest an online worker declares (lower_max_length_to_workers, ADR 0111).
+    # the largest an online worker declares (lower_max_context_length_to_workers, ADR 0111); the
+    # client's own horde.max_context_length is not lowered.
     params["max_context_length"] = horde.get(
         "max_context_length", max(TEXT_MAX_CONTEXT_LENGTH_RANGE[0], estimate_context_tokens(prompt) + max_tokens)
     )
@@ -483,6 +484,7 @@ def screen_text_request(raw_body: Any) -> TextCompletionRequest:
         # OpenAI's max_tokens is an upper bound: above every serving worker's limit it is lowered,
         # as the chat route does, instead of waiting for a worker that never comes (docs/adr/0095).
         "lower_max_length_to_workers": True,
+        **({} if "max_context_length" in horde else {"lower_max_context_length_to_workers": True}),
     }
     worker_list_key = "only" if "only" in horde else "ignore" if "ignore" in horde else None
     if worker_list_key is not None:

@@ -140,9 +140,15 @@ class TextAsyncInputSerializer(serializers.Serializer):
     # Not upstream's: the OpenAI front's legacy completions ask for the chat route's lowering (ADR 0095).
     lower_max_length_to_workers = StrictBooleanField(
         default=False,
+        help_text="a max_length above every online worker's serving the models is lowered to the largest",
+    )
+    # The front's own context sizing, not a client's (ADR 0111): a context the client chose decides.
+    lower_max_context_length_to_workers = StrictBooleanField(
+        default=False,
         help_text=(
-            "a max_length above every online worker's serving the models is lowered to the largest; a "
-            "max_context_length too, not below the prompt's estimate (four characters a token) and the max_length"
+            "a max_context_length above that of every online worker that could take the request (its models, "
+            "max_length and worker list) is lowered to the largest, not below the prompt's estimate (four "
+            "characters a token) and the max_length"
         ),
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from datetime import timedelta
+from uuid import UUID
 
 from django.core.cache import cache
 from django.db.models import Count, F, IntegerField, Sum, Value
@@ -64,14 +65,11 @@ def text_models_status() -> list[dict]:
     return result
 
 
-def text_workers_largest_limits(models: list[str]) -> tuple[int, int] | None:
-    """The largest max_length and the largest max_context_length among the online text workers
-    serving any of `models` (any text model when empty), from the process's snapshot; None when
-    none is online."""
+def text_workers_limits(models: list[str]) -> list[tuple[UUID, int, int]]:
+    """(id, max_length, max_context_length) of each online text worker serving any of `models` (any
+    text model when empty), from the process's snapshot."""
     candidates = online_worker_facts().text_candidates(models, any_model=not models)
-    if not candidates:
-        return None
-    return max(w.max_length for w in candidates), max(w.max_context_length for w in candidates)
+    return [(w.id, w.max_length, w.max_context_length) for w in candidates]
 
 
 def chat_model_offers() -> dict[str, dict]:

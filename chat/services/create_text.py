@@ -21,7 +21,7 @@ from accounts.selectors import anonymous_user_get
 from chat.model_reference import dearest_known_text_model
 from chat.models import GenerationRequest
 from chat.pricing import text_request_quote
-from chat.selectors.models import text_workers_largest_limits
+from chat.selectors.models import text_workers_limits
 from chat.services.admission import (
     HORDE_TAX,
     AllowanceOutcome,
@@ -72,6 +72,9 @@ class TextRequestInput:
     # Sent by the OpenAI front (/v1/completions): a max_length above every online worker's serving
     # the models is lowered to the largest, as a chat request's is (docs/adr/0095).
     lower_max_length_to_workers: bool = False
+    # Sent by the front when it sized max_context_length itself (an estimate that errs high, not the
+    # client's horde.max_context_length): above every online worker's it is lowered (ADR 0111).
+    lower_max_context_length_to_workers: bool = False
 
 
 # Upstream's text async answer when no worker can serve the request (it is still queued).
@@ -113,6 +116,7 @@ def text_operation_fingerprint(data: TextRequestInput) -> str:
         "softprompt": data.softprompt,
         # Only when asked: the fingerprints stored before the option existed stay the same.
         **({"lower_max_length_to_workers": True} if data.lower_max_length_to_workers else {}),
+        **({"lower_max_context_length_to_workers": True} if data.lower_max_context_length_to_workers else {}),
     }
     canonical = json.dumps(defining, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
@@ -165,7 +169,8 @@ def text_request_create(
     refusal = text_params_refusal(data.params, max_length=data.max_length, max_context_length=data.max_context_length)
     if refusal is not None:
         raise HordeError(*refusal)
-    adjustments = _lowered_to_workers(data) if data.lower_max_length_to_workers else None
+    lowering = data.lower_max_length_to_workers or data.lower_max_context_length_to_workers
+    adjustments = _lowered_to_workers(data) if lowering else None
     downgraded_priority = False
     if shared_key is not None:
         unusable = shared_key_unusable(shared_key)
@@ -224,18 +229,19 @@ def text_request_create(
 
 
 def _lowered_to_workers(data: TextRequestInput) -> list[dict] | None:
-    """Fit data to the online text workers serving its models (the front's legacy completions,
-    lower_max_length_to_workers). A max_length above the largest worker's is lowered to it (OpenAI's
-    max_tokens is an upper bound): the chat route's worker_max_length adjustment, returned. A context
-    above the largest worker's (the front asks for one that errs high, ADR 0111) is lowered to it, not
-    below the prompt's four-characters-a-token estimate and the completion. None when max_length was
-    not lowered."""
-    largest = text_workers_largest_limits(data.models)
-    if largest is None:
+    """Fit data to the online text workers serving its models (the front's legacy completions).
+    lower_max_length_to_workers: a max_length above the largest worker's is lowered to it (OpenAI's
+    max_tokens is an upper bound), the chat route's worker_max_length adjustment, returned.
+    lower_max_context_length_to_workers: a context above the largest of the workers that could take
+    the request (its worker list, its completion) is lowered to it (the front's own ask, which errs
+    high, ADR 0111; never a client's), not below the prompt's four-characters-a-token estimate and
+    the completion. None when max_length was not lowered."""
+    limits = text_workers_limits(data.models)
+    if not limits:
         return None
-    largest_length, largest_context = largest
+    largest_length = max(length for _id, length, _context in limits)
     adjustments = None
-    if largest_length < data.max_length and largest_length >= TEXT_MAX_LENGTH_RANGE[0]:
+    if data.lower_max_length_to_workers and TEXT_MAX_LENGTH_RANGE[0] <= largest_length < data.max_length:
         adjustments = [
             {"from": data.max_length, "to": largest_length, "reason": ChatContextAdjustmentReason.WORKER_MAX_LENGTH.value}
         ]
@@ -245,9 +251,18 @@ def _lowered_to_workers(data: TextRequestInput) -> list[dict] | None:
             largest_length, TEXT_MAX_CONTEXT_LENGTH_RANGE[0], data.max_context_length - (data.max_length - largest_length)
         )
         data.max_length = largest_length
-    if data.max_context_length > largest_context:
+    if not data.lower_max_context_length_to_workers:
+        return adjustments
+    # A worker that cannot take the request anyway must not hold the ask above one that can.
+    listed = {str(worker_id) for worker_id in data.workers}
+    contexts = [
+        context
+        for worker_id, length, context in limits
+        if length >= data.max_length and (not listed or (str(worker_id) in listed) != data.worker_blacklist)
+    ]
+    if contexts and data.max_context_length > max(contexts):
         needed = math.ceil(len(data.prompt) / CHARS_PER_TOKEN_ESTIMATE) + data.max_length
-        data.max_context_length = max(largest_context, needed, TEXT_MAX_CONTEXT_LENGTH_RANGE[0])
+        data.max_context_length = max(max(contexts), needed, TEXT_MAX_CONTEXT_LENGTH_RANGE[0])
     return adjustments
 
 

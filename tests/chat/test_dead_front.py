@@ -58,7 +58,7 @@ def charges() -> int:
     return KudosTransaction.objects.filter(kind__in=kinds).count()
 
 
-def test_the_front_id_is_stored_with_a_lease_only(horde, make_user, dead_front):
+def test_the_front_id_is_stored_with_a_lease_or_on_a_chat_request(horde, make_user, dead_front):
     """A text request's; a chat request's without one too (a background response's, docs/adr/0110),
     which a dead front does not cancel: only a lease asks for that."""
     requester = make_user("r", kudos=1000)

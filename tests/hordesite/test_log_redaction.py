@@ -11,15 +11,13 @@ path with the id replaced.
 from __future__ import annotations
 
 import logging
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.hordesite.test_web_restart import ROOT, WebProcess, web_env
+from tests.hordesite.test_web_restart import WebProcess, web_env
 from tests.ports import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -38,22 +36,9 @@ class LaunchedWeb(WebProcess):
     """The web process as `make run` starts it (scripts/run.py web: daphne with HordeServer), its
     access log on its standard output."""
 
-    def start(self) -> None:
-        out = self.log.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "scripts/run.py", "web", "-b", "127.0.0.1", "-p", str(self.port),
-             "hordesite.asgi:application"],
-            cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, process_group=0,
-        )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(self.url + "status/heartbeat", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()
-            time.sleep(0.2)
+    def command(self) -> list[str]:
+        return [sys.executable, "scripts/run.py", "web", "-b", "127.0.0.1", "-p", str(self.port),
+                "hordesite.asgi:application"]
 
 
 @pytest.mark.slow

@@ -68,12 +68,14 @@ class WebProcess:
         self.url = f"http://127.0.0.1:{port}/api/v2/"
         self.proc: subprocess.Popen[bytes] | None = None
 
+    def command(self) -> list[str]:
+        return [str(Path(sys.executable).parent / "daphne"), "-b", "127.0.0.1", "-p", str(self.port),
+                "hordesite.asgi:application"]
+
     def start(self) -> None:
         out = self.log.open("ab")
         self.proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "daphne"), "-b", "127.0.0.1", "-p", str(self.port),
-             "hordesite.asgi:application"],
-            cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, process_group=0,
+            self.command(), cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, process_group=0
         )
         deadline = time.monotonic() + 60
         while True:

@@ -565,13 +565,7 @@ class _CuttableRedisRelay:
         self.armed = threading.Event()
         self.cut = threading.Event()
         self.listener = socket.socket()
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        for port in range(8630, 8640):  # this helper's ports
-            try:
-                self.listener.bind(("127.0.0.1", port))
-                break
-            except OSError:
-                continue
+        self.listener.bind(("127.0.0.1", 0))  # a port of the system's choosing, as tests.ports does
         self.listener.listen(16)
         self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}{target.path}"
         self.sockets: list[Any] = [self.listener]

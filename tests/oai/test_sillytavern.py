@@ -117,13 +117,17 @@ class StPage:
                 continue
             parsed = json.loads(data)
             self.events.append(parsed)
-            assert not parsed.get("error") and not parsed.get("message"), parsed  # shown as an error
-            # data.choices[0]?.delta?.content: `choices` must be there, or the page throws.
-            choice = parsed["choices"][0] if parsed["choices"] else None
-            if choice is not None:
-                delta, message = choice.get("delta") or {}, choice.get("message") or {}
-                self.text += delta.get("content") or message.get("content") or choice.get("text") or ""
+            self.show(parsed)
             self.shown.append(self.text)
+
+    def show(self, parsed: dict[str, Any]) -> None:
+        """One parsed event, as the page shows it."""
+        assert not parsed.get("error") and not parsed.get("message"), parsed  # shown as an error
+        # data.choices[0]?.delta?.content: `choices` must be there, or the page throws.
+        choice = parsed["choices"][0] if parsed["choices"] else None
+        if choice is not None:
+            delta, message = choice.get("delta") or {}, choice.get("message") or {}
+            self.text += delta.get("content") or message.get("content") or choice.get("text") or ""
 
 
 class StStream(threading.Thread):
@@ -139,12 +143,15 @@ class StStream(threading.Thread):
         self.first_bytes = b""
         self.closed = threading.Event()
 
-    def run(self) -> None:
+    def request(self) -> tuple[bytes, list[tuple[str, str]]]:
+        """The body and headers SillyTavern's server posts."""
         body = st_chat_body(stream=True)
+        return body, st_post_headers(self.key, body, self.host)
+
+    def run(self) -> None:
+        body, headers = self.request()
         with httpx.Client(timeout=30) as http:
-            request = http.build_request(
-                "POST", self.url, content=body, headers=st_post_headers(self.key, body, self.host)
-            )
+            request = http.build_request("POST", self.url, content=body, headers=headers)
             response = http.send(request, stream=True)
             try:
                 self.status, self.headers = response.status_code, response.headers
@@ -434,37 +441,24 @@ class St119Page(StPage):
         super().__init__()
         self.reasoning = ""
 
-    def feed(self, chunk: str) -> None:
-        self.buffer += chunk
-        events = re.split(r"\r\n\r\n|\r\r|\n\n", self.buffer)
-        self.buffer = events.pop()
-        for event in events:
-            data = st_event_data(event)
-            if data is None:
-                continue
-            if data == "[DONE]":
-                self.done = True
-                continue
-            parsed = json.loads(data)
-            self.events.append(parsed)
-            assert not any(parsed.get(key) for key in ("error", "message", "detail")), parsed
-            choices = parsed.get("choices") or []
-            with_reasoning = [c for c in choices if (c.get("delta") or {}).get("reasoning_content")]
-            with_alias = [c for c in choices if (c.get("delta") or {}).get("reasoning")]
-            if with_reasoning:
-                self.reasoning += with_reasoning[0]["delta"]["reasoning_content"]
-            elif with_alias:
-                self.reasoning += with_alias[0]["delta"]["reasoning"]
-            first = choices[0] if choices else {}
-            for value in (
-                (first.get("delta") or {}).get("content"),
-                (first.get("message") or {}).get("content"),
-                first.get("text"),
-            ):
-                if value is not None:
-                    self.text += value
-                    break
-            self.shown.append(self.text)
+    def show(self, parsed: dict[str, Any]) -> None:
+        assert not any(parsed.get(key) for key in ("error", "message", "detail")), parsed
+        choices = parsed.get("choices") or []
+        with_reasoning = [c for c in choices if (c.get("delta") or {}).get("reasoning_content")]
+        with_alias = [c for c in choices if (c.get("delta") or {}).get("reasoning")]
+        if with_reasoning:
+            self.reasoning += with_reasoning[0]["delta"]["reasoning_content"]
+        elif with_alias:
+            self.reasoning += with_alias[0]["delta"]["reasoning"]
+        first = choices[0] if choices else {}
+        for value in (
+            (first.get("delta") or {}).get("content"),
+            (first.get("message") or {}).get("content"),
+            first.get("text"),
+        ):
+            if value is not None:
+                self.text += value
+                break
 
 
 class St119Stream(StStream):
@@ -475,22 +469,8 @@ class St119Stream(StStream):
         self.body = body
         self.page = St119Page()
 
-    def run(self) -> None:
-        with httpx.Client(timeout=30) as http:
-            request = http.build_request(
-                "POST", self.url, content=self.body, headers=st119_post_headers(self.key, self.body, self.host)
-            )
-            response = http.send(request, stream=True)
-            try:
-                self.status, self.headers = response.status_code, response.headers
-                for chunk in response.iter_raw():
-                    self.first_bytes = self.first_bytes or chunk
-                    self.page.feed(chunk.decode())
-                    if self.stop_at is not None and self.page.text == self.stop_at:
-                        break
-            finally:
-                response.close()
-                self.closed.set()
+    def request(self) -> tuple[bytes, list[tuple[str, str]]]:
+        return self.body, st119_post_headers(self.key, self.body, self.host)
 
 
 @pytest.mark.parametrize("source", ["custom", "generic"])

@@ -14,6 +14,7 @@ import pytest
 from chat.models import GenerationRequest
 from tests.oai.conftest import MODEL
 from tests.ports import free_port
+from workers.models import Worker
 
 pytestmark = pytest.mark.slow
 
@@ -73,6 +74,37 @@ def test_a_context_above_every_workers_is_lowered_to_the_largest(client, start_t
     completion = client.completions.create(model=MODEL, prompt=CYRILLIC_PROMPT, max_tokens=100)
     assert completion.choices[0].text == " there was a horde."
     assert small.jobs[0]["payload"]["max_context_length"] == needed + 10
+
+
+@pytest.mark.parametrize("why", ["completion", "worker_list"])
+def test_a_worker_that_cannot_take_the_request_does_not_hold_the_context_up(client, start_text_worker, why):
+    """The context is lowered to the largest of the workers that could take the request: one with a
+    larger context but too small a completion limit, or left out by the request's worker list,
+    would keep the ask above the worker that can serve it, which the old four-characters-a-token ask
+    let take it (ADR 0111)."""
+    prompt = PROMPT * 30
+    old_ask = len(prompt) // 4 + 512
+    assert old_ask < _asked_context(prompt, 512)
+    start_text_worker(max_context_length=8192, max_length=256 if why == "completion" else 1024)
+    serving = start_text_worker(max_context_length=old_ask + 10, max_length=1024)
+    horde = {"only": [str(Worker.objects.get(name=serving.name).id)]} if why == "worker_list" else {}
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=512, extra_body={"horde": horde})
+    assert completion.choices[0].text == " there was a horde."
+    assert serving.jobs[0]["payload"]["max_context_length"] == old_ask + 10
+
+
+def test_a_context_the_client_asks_is_not_lowered(client, start_text_worker):
+    """`horde.max_context_length`, when the client sends it, decides (ADR 0111): above every online
+    worker's context it waits for a worker that has it, as before, and is not lowered to a context
+    in which the worker would cut the prompt the client sized it for."""
+    worker = start_text_worker(max_context_length=2048)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=64, extra_body={"horde": {"max_context_length": 4096}}
+        )
+    assert caught.value.status_code == 503 and "No online worker could take this request" in caught.value.message
+    assert worker.jobs == []
+    assert GenerationRequest.objects.get().max_context_length == 4096
 
 
 def test_a_text_completion_is_woken_by_its_submit_not_by_the_next_poll(front, client, start_text_worker):
