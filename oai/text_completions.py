@@ -461,8 +461,9 @@ def screen_text_request(raw_body: Any) -> TextCompletionRequest:
     # unless the client says. A worker with a smaller context cannot take it; the horde lowers it to
     # the largest an online worker declares (lower_max_context_length_to_workers, ADR 0111); the
     # client's own horde.max_context_length is not lowered.
+    low, high = TEXT_MAX_CONTEXT_LENGTH_RANGE  # within the native range: a client never sent this
     params["max_context_length"] = horde.get(
-        "max_context_length", max(TEXT_MAX_CONTEXT_LENGTH_RANGE[0], estimate_context_tokens(prompt) + max_tokens)
+        "max_context_length", min(high, max(low, estimate_context_tokens(prompt) + max_tokens))
     )
     for key in ("temperature", "top_p"):
         if key in body:

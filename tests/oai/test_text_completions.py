@@ -658,3 +658,15 @@ def test_max_tokens_above_the_text_bound_is_refused_in_openai_words(front, reque
         "code": "UnsupportedChatParameter",
     }
     assert not GenerationRequest.objects.exists()  # refused before anything was queued
+
+
+def test_a_prompt_too_long_for_the_native_range_is_asked_the_ranges_largest_context(client, start_text_worker):
+    """A prompt whose high estimate passes the native route's largest context (1,048,576) asks for
+    that, and no worker can take it: answered as any request no worker takes, not with a range
+    error on a horde.max_context_length the client never sent."""
+    start_text_worker(max_context_length=4096)
+    prompt = "ж" * (1048576 + 100)  # a token a character; 2 MiB of UTF-8, under the route's 2.5 MiB body limit
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=16)
+    error = caught.value
+    assert (error.status_code, error.body["code"]) == (503, "no_eligible_worker"), error.body
