@@ -74,7 +74,9 @@ LLAMA_CONTEXT_OVERFLOW = (
 )
 LLAMA_GRAMMAR_ERROR = (
     400,
-    {"error": {"code": 400, "message": "Failed to parse grammar: JSON schema conversion failed", "type": "invalid_request_error"}},
+    # As b1-0c1e570 refuses a schema it cannot compile (ADR 0112).
+    {"error": {"code": 400, "message": "Unable to generate parser for this template. Automatic parser generation failed: "
+               "JSON schema error at #/properties/a: minimum must be a number", "type": "invalid_request_error"}},
 )
 LLAMA_SERVER_ERROR = (500, {"error": {"code": 500, "message": "llama_decode failed: KV cache full", "type": "server_error"}})
 LLAMA_KV_CACHE_EXCEEDED = (500, {"error": {"code": 500, "message": "Context size has been exceeded.", "type": "server_error"}})
@@ -198,7 +200,16 @@ class FakeLlamaCpp:
 
             def _stream(self, body: dict[str, Any]) -> None:
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                events = stream_chunks(fake.generate("/v1/chat/completions", body), fake.chunk_chars, include_usage=include_usage)
+                try:
+                    events = stream_chunks(fake.generate("/v1/chat/completions", body), fake.chunk_chars,
+                                           include_usage=include_usage)
+                except FakeError as error:
+                    if error.status < 500:
+                        raise  # refused before its slot ran it (exceed_context_size_error): a JSON answer
+                    # A generation that failed in its slot (the shared cache overflowed) is streamed as
+                    # llama-server streams it: 200, then an SSE error event and no [DONE].
+                    fake.errors.append((self.path, error.status, str(error)))
+                    events = [error.body]
                 record = StreamRecord(total=len(events))
                 fake.streams.append(record)
                 self.send_response(200)
@@ -214,6 +225,8 @@ class FakeLlamaCpp:
                         record.sent += 1
                         if fake.chunk_delay:
                             time.sleep(fake.chunk_delay)
+                        if isinstance(event, dict) and "error" in event:
+                            break
                     self.wfile.write(b"0\r\n\r\n")
                     self.wfile.flush()
                     record.finished = True

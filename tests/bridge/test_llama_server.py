@@ -155,6 +155,25 @@ def test_a_full_shared_cache_is_not_taken_for_an_overflowing_prompt(live_horde):
     assert all(s["done"] or s["fault_reason"] == generation_error for s in statuses), statuses
 
 
+def test_a_full_shared_cache_met_while_streaming_is_a_generation_error(live_horde):
+    """A streamed generation that fails in its slot is answered 200 text/event-stream, then
+    `data: {"error": {"code": 500, "message": "Context size has been exceeded.", ...}}` and no
+    [DONE] (llama-server b1-0c1e570, ADR 0112): the bridge faults it as the backend's error, not
+    as a stream that ended early nor as a prompt too long."""
+    with llama_server(n_ctx=2048, total_slots=4) as fake:
+        fake.delay = 1.5
+        with running_bridge(live_horde, fake.url, threads=2, context_split=False) as (bridge, out):
+            ids = [live_horde.chat(messages=[{"role": "user", "content": _words(1200) + f"q{i}"}], max_tokens=64,
+                                   stream=True) for i in range(2)]
+            statuses = [live_horde.wait(request_id, timeout=30) for request_id in ids]
+    assert any(record.total == 1 and record.finished for record in fake.streams)  # the error event alone
+    log = out.text()
+    assert "chat faulted (generation_error)" in log and "the KV cache the slots share was full" in log
+    assert "ended before the reply finished" not in log and "chat faulted (prompt_overflow)" not in log
+    generation_error = CHAT_WORKER_FAULT_MESSAGES[ChatFaultReason.GENERATION_ERROR]
+    assert all(s["done"] or s["fault_reason"] == generation_error for s in statuses), statuses
+
+
 def test_never_more_jobs_at_once_than_the_backend_has_slots(live_horde):
     with llama_server(n_ctx=8192, total_slots=2) as fake:
         fake.delay = 1.0
