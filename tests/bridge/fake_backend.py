@@ -10,7 +10,8 @@ template and its caps, modalities), GET /slots, GET /health, POST /tokenize, POS
   llama-server defers a task. `max_in_flight` records the most that ran at once.
 - Context: with `kv_unified` (llama-server's default when -np is not given) every slot reports the
   whole cache, `n_ctx`, and the slots share it: a request whose prompt and reply do not fit in
-  what the running ones leave gets 500 "Context size has been exceeded."; without it each slot
+  what the running ones leave gets 500 "Context size has been exceeded.", and so does every
+  generation running then (the server fails each processing slot); without it each slot
   has n_ctx / total_slots of its own and /props reports that. A prompt of at least a slot's
   context is refused 400 exceed_context_size_error.
 - Tokens: a deterministic tokenizer (up to 4 ASCII letters a token, 2 tokens a non-ASCII
@@ -24,7 +25,9 @@ template and its caps, modalities), GET /slots, GET /health, POST /tokenize, POS
   "Invalid tool_choice: ...". Under "auto" the tool grammar is lazy (it starts at the call's
   trigger), so a model that would rather answer in text (`model_prefers_text`) does; under
   "required" the grammar constrains the reply from its first token and holds it open until one
-  call is complete, so the reply carries a call (content "", finish_reason "tool_calls"), unless
+  call is complete, text allowed before it, so the reply carries a call (content "", or the
+  `text_before_call` the model writes first; finish_reason "tool_calls"; a max_tokens reached
+  before the call ends the reply there, at "length" with no call), unless
   `tool_grammar` is False: a template whose tool-call format llama.cpp's parser generator does
   not recognise gets no grammar at all, and the model answers as it likes.
 - response_format: a json_schema (or a json_object carrying "schema") is compiled to a grammar
@@ -36,8 +39,9 @@ anything else a text reply; `chat_handler` / `completion_handler` replace the re
 holds each generation (in its slot), `fail_with` answers an error instead. A chat request with
 stream: true is answered as llama-server streams it: SSE `data: {chat.completion.chunk}` events
 (role first, then reasoning_content, content and tool call deltas of `chunk_chars` characters,
-`chunk_delay` apart, a final chunk with finish_reason, the usage chunk under
-stream_options.include_usage, then `data: [DONE]`), chunked over HTTP/1.1; a client that closes
+a call's first delta carrying its id, name and first arguments piece, `chunk_delay` apart, a
+final chunk with finish_reason, the usage chunk under stream_options.include_usage, `timings` on
+the last of them, then `data: [DONE]`), chunked over HTTP/1.1; a client that closes
 the stream stops the generation (`streams` records what each stream sent). Every request body is
 kept in `requests`, and the client address it came from in `peers`.
 """
@@ -70,7 +74,9 @@ LLAMA_CONTEXT_OVERFLOW = (
 )
 LLAMA_GRAMMAR_ERROR = (
     400,
-    {"error": {"code": 400, "message": "Failed to parse grammar: JSON schema conversion failed", "type": "invalid_request_error"}},
+    # As b1-0c1e570 refuses a schema it cannot compile (ADR 0112).
+    {"error": {"code": 400, "message": "Unable to generate parser for this template. Automatic parser generation failed: "
+               "JSON schema error at #/properties/a: minimum must be a number", "type": "invalid_request_error"}},
 )
 LLAMA_SERVER_ERROR = (500, {"error": {"code": 500, "message": "llama_decode failed: KV cache full", "type": "server_error"}})
 LLAMA_KV_CACHE_EXCEEDED = (500, {"error": {"code": 500, "message": "Context size has been exceeded.", "type": "server_error"}})
@@ -135,6 +141,10 @@ class FakeLlamaCpp:
         self.vision = False
         self.tool_grammar = True  # the template's tool-call format is recognised: "required" is a grammar
         self.model_prefers_text = False  # the model answers in text unless a grammar forces the call
+        # Under "required", what the model writes before the call: llama-server's grammar allows
+        # any text before it (root ::= until-<tool_call>? tool-calls), and max_tokens may end the
+        # reply there, at finish_reason "length" with no call (seen on the real server, ADR 0112).
+        self.text_before_call = ""
         self.delay = 0.0
         self.fail_with: tuple[int, dict[str, Any]] | None = None
         self.chat_handler: Callable[[dict[str, Any]], dict[str, Any]] | None = None
@@ -148,6 +158,9 @@ class FakeLlamaCpp:
         self._arrived = 0  # generation requests received and not answered (waiting ones too)
         self.max_requests_at_once = 0
         self._kv_used = 0  # tokens the running generations hold in a unified cache
+        # Times the shared cache overflowed: llama-server then fails every slot processing, not
+        # only the one that did not fit (seen on b1-0c1e570, ADR 0112).
+        self._kv_overflows = 0
         self._slots_free: threading.Semaphore | None = None
         self._state = threading.Lock()
         self.chunk_chars = 4
@@ -187,7 +200,16 @@ class FakeLlamaCpp:
 
             def _stream(self, body: dict[str, Any]) -> None:
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                events = stream_chunks(fake.generate("/v1/chat/completions", body), fake.chunk_chars, include_usage=include_usage)
+                try:
+                    events = stream_chunks(fake.generate("/v1/chat/completions", body), fake.chunk_chars,
+                                           include_usage=include_usage)
+                except FakeError as error:
+                    if error.status < 500:
+                        raise  # refused before its slot ran it (exceed_context_size_error): a JSON answer
+                    # A generation that failed in its slot (the shared cache overflowed) is streamed as
+                    # llama-server streams it: 200, then an SSE error event and no [DONE].
+                    fake.errors.append((self.path, error.status, str(error)))
+                    events = [error.body]
                 record = StreamRecord(total=len(events))
                 fake.streams.append(record)
                 self.send_response(200)
@@ -203,6 +225,8 @@ class FakeLlamaCpp:
                         record.sent += 1
                         if fake.chunk_delay:
                             time.sleep(fake.chunk_delay)
+                        if isinstance(event, dict) and "error" in event:
+                            break
                     self.wfile.write(b"0\r\n\r\n")
                     self.wfile.flush()
                     record.finished = True
@@ -280,10 +304,12 @@ class FakeLlamaCpp:
             "data": [
                 {
                     "id": self.alias or self.model,
+                    "aliases": [self.alias or self.model],
                     "object": "model",
                     "created": 1700000000,
                     "owned_by": "llamacpp",
-                    "meta": {"vocab_type": 2, "n_vocab": 151936, "n_ctx_train": self.n_ctx_train, "n_embd": 4096},
+                    "meta": {"vocab_type": 2, "n_vocab": 151936, "n_ctx": self.slot_n_ctx, "n_ctx_train": self.n_ctx_train,
+                             "n_embd": 4096},
                 }
             ],
         }
@@ -295,7 +321,7 @@ class FakeLlamaCpp:
                 "params": {"n_predict": -1, "seed": 4294967295, "temperature": 0.8, "top_k": 40, "top_p": 0.95},
             },
             "total_slots": self.total_slots,
-            "model_alias": self.alias or "",
+            "model_alias": self.alias or self.model,  # the model's id, with or without --alias
             "model_path": self.model,
             "modalities": {"vision": self.vision, "audio": False},
             "endpoint_slots": self.endpoint_slots,
@@ -315,15 +341,16 @@ class FakeLlamaCpp:
         with self._state:
             busy = self.in_flight
         return [
-            {"id": i, "id_task": -1, "n_ctx": self.slot_n_ctx, "speculative": False, "is_processing": i < busy,
-             "params": {"n_predict": -1, "temperature": 0.8}, "next_token": {"has_next_token": True, "n_decoded": 0}}
+            {"id": i, "n_ctx": self.slot_n_ctx, "speculative": False, "is_processing": i < busy}
             for i in range(self.total_slots)
         ]
 
     def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         content = body.get("content")
         if not isinstance(content, str):
-            raise FakeError(500, "\"content\" must be a string", "server_error")
+            kind = {type(None): "null", bool: "boolean", int: "number", float: "number", list: "array", dict: "object"}
+            raise FakeError(500, f"[json.exception.type_error.302] type must be string, but is {kind.get(type(content), 'object')}",
+                            "server_error")
         ids = fake_tokenize(content, add_special=bool(body.get("add_special", False)),
                             parse_special=bool(body.get("parse_special", True)))
         return {"tokens": ids}
@@ -392,7 +419,9 @@ class FakeLlamaCpp:
         try:
             with self._state:
                 if self.kv_unified and self._kv_used + n_prompt + n_reply > self.n_ctx:
+                    self._kv_overflows += 1
                     raise FakeError(500, "Context size has been exceeded.", "server_error")
+                overflows = self._kv_overflows
                 self._kv_used += n_prompt + n_reply if self.kv_unified else 0
                 self.in_flight += 1
                 self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -405,8 +434,12 @@ class FakeLlamaCpp:
                     self._kv_used -= n_prompt + n_reply if self.kv_unified else 0
         finally:
             self._slots_free.release()
+        if self._kv_overflows != overflows:
+            raise FakeError(500, "Context size has been exceeded.", "server_error")
         if (self.chat_handler is None or not chat) and (self.completion_handler is None or chat):
-            answer["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": n_reply, "total_tokens": n_prompt + n_reply}
+            answer["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": n_reply, "total_tokens": n_prompt + n_reply,
+                               "prompt_tokens_details": {"cached_tokens": 0}}
+            answer["timings"] = {"prompt_n": n_prompt, "predicted_n": n_reply}
         return answer
 
     def chat(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -421,9 +454,17 @@ class FakeLlamaCpp:
         choice = tool_choice(body)
         forced = choice == "required" and self.tool_grammar
         if tools and choice != "none" and last.get("role") != "tool" and (forced or not self.model_prefers_text):
+            said = self.text_before_call if forced else ""
+            name = tools[0]["function"]["name"]
+            call_text = f'<tool_call>\n{{"name": "{name}", "arguments": {{"city":"Paris"}}}}\n</tool_call>'
+            budget = body.get("max_tokens")
+            if said and isinstance(budget, int) and len(fake_tokenize(said + call_text)) > budget:
+                # The grammar lets text come first; max_tokens ends the reply before the call.
+                cut = "".join(_PIECE.findall(said)[:budget])
+                return chat_completion({"role": "assistant", "content": cut}, "length", model=self.alias or self.model)
             message = {
                 "role": "assistant",
-                "content": "" if forced else None,
+                "content": said if forced else None,
                 "tool_calls": [
                     {
                         "type": "function",
@@ -505,18 +546,19 @@ def stream_chunks(completion: dict[str, Any], size: int, *, include_usage: bool)
     events += [chunk({"reasoning_content": piece}) for piece in _pieces(message.get("reasoning_content") or "", size)]
     events += [chunk({"content": piece}) for piece in _pieces(message.get("content") or "", size)]
     for index, call in enumerate(message.get("tool_calls") or []):
-        head = {"index": index, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"], "arguments": ""}}
+        # The call's first delta carries its id, name and the first piece of its arguments.
+        pieces = _pieces(call["function"]["arguments"], size) or [""]
+        head = {"index": index, "id": call["id"], "type": "function",
+                "function": {"name": call["function"]["name"], "arguments": pieces[0]}}
         events.append(chunk({"tool_calls": [head]}))
-        events += [
-            chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
-            for piece in _pieces(call["function"]["arguments"], size)
-        ]
+        events += [chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]}) for piece in pieces[1:]]
     usage = completion.get("usage")
-    events.append(chunk({}, choice["finish_reason"], timings={"predicted_n": len(events)}))
+    events.append(chunk({}, choice["finish_reason"]))
     if include_usage and usage:
         usage_chunk = chunk({}, usage=usage)
         usage_chunk["choices"] = []
         events.append(usage_chunk)
+    events[-1]["timings"] = {"predicted_n": len(events)}  # on the last chunk: the usage one when asked
     events.append("[DONE]")
     return events
 

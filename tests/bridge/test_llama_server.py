@@ -142,13 +142,34 @@ def test_a_full_shared_cache_is_not_taken_for_an_overflowing_prompt(live_horde):
             ids = [live_horde.chat(messages=[{"role": "user", "content": _words(1200) + f"q{i}"}], max_tokens=64)
                    for i in range(2)]
             statuses = [live_horde.wait(request_id, timeout=30) for request_id in ids]
-    assert ("/v1/chat/completions", 500, "Context size has been exceeded.") in fake.errors
+    # llama-server fails every slot processing when the shared cache overflows, the job that was
+    # running as well as the one that did not fit (ADR 0112).
+    overflows = [e for e in fake.errors if e == ("/v1/chat/completions", 500, "Context size has been exceeded.")]
+    assert len(overflows) >= 2
     log = out.text()
     assert "chat faulted (generation_error)" in log and "the KV cache the slots share was full" in log
     assert "chat faulted (prompt_overflow)" not in log
-    # The job that fit was served; the other was handed out again, and if it kept meeting a full
-    # cache it failed as a backend error, not as a prompt too long for the worker.
-    assert any(s["done"] for s in statuses), log
+    # Each was handed out again, and if it kept meeting a full cache it failed as a backend error,
+    # not as a prompt too long for the worker.
+    generation_error = CHAT_WORKER_FAULT_MESSAGES[ChatFaultReason.GENERATION_ERROR]
+    assert all(s["done"] or s["fault_reason"] == generation_error for s in statuses), statuses
+
+
+def test_a_full_shared_cache_met_while_streaming_is_a_generation_error(live_horde):
+    """A streamed generation that fails in its slot is answered 200 text/event-stream, then
+    `data: {"error": {"code": 500, "message": "Context size has been exceeded.", ...}}` and no
+    [DONE] (llama-server b1-0c1e570, ADR 0112): the bridge faults it as the backend's error, not
+    as a stream that ended early nor as a prompt too long."""
+    with llama_server(n_ctx=2048, total_slots=4) as fake:
+        fake.delay = 1.5
+        with running_bridge(live_horde, fake.url, threads=2, context_split=False) as (bridge, out):
+            ids = [live_horde.chat(messages=[{"role": "user", "content": _words(1200) + f"q{i}"}], max_tokens=64,
+                                   stream=True) for i in range(2)]
+            statuses = [live_horde.wait(request_id, timeout=30) for request_id in ids]
+    assert any(record.total == 1 and record.finished for record in fake.streams)  # the error event alone
+    log = out.text()
+    assert "chat faulted (generation_error)" in log and "the KV cache the slots share was full" in log
+    assert "ended before the reply finished" not in log and "chat faulted (prompt_overflow)" not in log
     generation_error = CHAT_WORKER_FAULT_MESSAGES[ChatFaultReason.GENERATION_ERROR]
     assert all(s["done"] or s["fault_reason"] == generation_error for s in statuses), statuses
 
@@ -432,6 +453,44 @@ def test_a_reply_without_the_required_call_is_faulted_and_the_guarantee_withdraw
         assert bridge.stats.ok == 0
     assert len(fake.chat_requests()) == 1  # generated once, not submitted, not handed back to it
     assert not Generation.objects.filter(chat_refusal_rc__isnull=False).exists()
+
+
+def test_a_reply_cut_at_max_tokens_before_the_required_call_keeps_the_guarantee(live_horde):
+    """Seen on the real llama-server (ADR 0112): under tool_choice required its grammar lets the
+    model write text before the call, so a model that talks first and a small max_tokens end the
+    reply at "length" with text and no call. The grammar held; the budget ran out. The job is
+    faulted (a reply without the required call is never submitted), but the guarantee stays, so
+    a strict request with room for the call is still served here."""
+    with llama_server() as fake, running_bridge(live_horde, fake.url) as (bridge, out):
+        fake.text_before_call = "I will look that up with the weather tool for you now. " * 3
+        cut = live_horde.wait(live_horde.chat(tools=[WEATHER_TOOL], tool_choice="required", max_tokens=16),
+                              until=lambda s: s["faulted"] or s["done"])
+        assert cut["faulted"] and not cut["generations"]
+        assert "the reply was cut at max_tokens before the required call" in out.text()
+        assert "withdrawn" not in out.text()
+        assert "tool_choice_enforced" in bridge.declaration.chat_features
+        served = live_horde.wait(live_horde.chat(tools=[WEATHER_TOOL], tool_choice="required", max_tokens=200))
+        assert served["done"] and not served["faulted"], served
+        reply = served["generations"][0]
+        assert reply["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        assert reply["message"]["content"].startswith("I will look that up")
+    cut_answers = [body for body in fake.chat_requests() if body.get("max_tokens") == 16]
+    assert cut_answers and all(body["tool_choice"] == "required" for body in cut_answers)
+
+
+def test_the_fake_cuts_a_required_call_as_llama_server_does():
+    """The wire seen on llama-server b1-0c1e570 (ADR 0112): text before the call, cut by max_tokens,
+    is a 200 with that text, no tool_calls and finish_reason "length"."""
+    with llama_server() as fake:
+        fake.text_before_call = "I will look that up with the weather tool for you now. " * 3
+        body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER_TOOL],
+                "tool_choice": "required", "max_tokens": 8}
+        choice = httpx.post(f"{fake.url}/chat/completions", json=body).json()["choices"][0]
+        assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+        assert choice["message"]["content"] == "I will look that "  # 8 tokens of the fake's tokenizer
+        whole = httpx.post(f"{fake.url}/chat/completions", json={**body, "max_tokens": 200}).json()["choices"][0]
+        assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] == fake.text_before_call
+        assert whole["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
 def test_a_guarantee_the_volunteer_asserted_stays_after_a_violation(live_horde):

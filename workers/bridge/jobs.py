@@ -307,6 +307,16 @@ def forces_a_tool_call(payload: dict[str, Any]) -> bool:
     return bool(payload.get("tools")) and (choice == "required" or isinstance(choice, dict))
 
 
+# llama-server's grammar under tool_choice required lets text come before the call, so a model that
+# talks first can reach max_tokens before it (ADR 0112): the grammar held, the budget ran out.
+CUT_BEFORE_THE_CALL = "tool_choice required, and the reply was cut at max_tokens before the required call"
+
+
+def reply_was_cut(reply: ChatReply) -> bool:
+    """Whether the reply ended at its token budget (finish_reason length)."""
+    return str(reply.finish_reason) == "length"
+
+
 def enforce_tool_controls(payload: dict[str, Any], reply: ChatReply) -> str | None:
     """Hold the reply to the job's tool controls (as the horde narrowed them); the violation, or None.
 
@@ -326,6 +336,8 @@ def enforce_tool_controls(payload: dict[str, Any], reply: ChatReply) -> str | No
         return "the model repeated a tool call id"
     choice = payload.get("tool_choice")
     if forces_a_tool_call(payload) and not calls:
+        if reply_was_cut(reply):
+            return CUT_BEFORE_THE_CALL
         return "tool_choice required, and the model answered without a call"
     if isinstance(choice, dict):
         forced = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None

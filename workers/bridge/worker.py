@@ -49,6 +49,7 @@ from workers.bridge.jobs import (
     forces_a_tool_call,
     parse_chat_response,
     parse_text_response,
+    reply_was_cut,
     text_backend_request,
     text_fault_body,
     text_submit_body,
@@ -642,7 +643,9 @@ class Bridge:
         violation = enforce_tool_controls(payload, reply)
         if violation:
             self._fault(held, ChatFaultReason.TOOL_VIOLATION, violation)
-            if forces_a_tool_call(payload):
+            # A reply cut at max_tokens before the call does not show the backend broke the
+            # guarantee: its grammar allows text first (ADR 0112). Faulted, never submitted.
+            if forces_a_tool_call(payload) and not reply_was_cut(reply):
                 self._withdraw_probed_guarantee(G.TOOL_CHOICE_ENFORCED, violation)
             return
         outcome = self._submit(held, chat_submit_body(held.id, held.model_id, reply))
