@@ -32,6 +32,15 @@ from tests.ports import free_port
 
 MODEL = "Gryphe/MythoMax-L2-13b"
 OTHER_MODEL = "koboldcpp/Marx-3B-V3"
+# A Responses API stream's events for one output text, between its start and its end.
+TEXT_OUTPUT_EVENTS = [
+    "response.output_item.added",
+    "response.content_part.added",
+    "response.output_text.delta",
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+]
 ALL_DECLARATIONS = [
     "seed",
     "reasoning_effort",
@@ -438,6 +447,15 @@ class ScribeTextWorker:
                 self.jobs.append(job)
                 body = {"id": job["id"], "generation": self.generation(job), "seed": 0}
                 self.submits.append(client.post("/generate/text/submit", json=body))
+
+
+@pytest.fixture
+def workers():
+    """Test workers a test starts itself, stopped at its end."""
+    started: list[HordeTestWorker] = []
+    yield started
+    for worker in started:
+        worker.stop()
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.oai.conftest import MODEL, responses_sse, text_reply, wait_for
+from tests.oai.conftest import MODEL, TEXT_OUTPUT_EVENTS, responses_sse, text_reply, wait_for
 from tests.oai.test_completions import calls_reply
 from tests.oai.test_images import image_store, png_data_url  # noqa: F401 (image_store: a fixture)
 
@@ -255,14 +255,7 @@ def test_the_sdks_stream_helper_gives_the_text_and_the_final_response(client, st
         final = stream.get_final_response()
     assert final.output_text == "Hello there." and final.status == "completed"
     assert kinds[:2] == ["response.created", "response.in_progress"]
-    assert kinds[2:8] == [
-        "response.output_item.added",
-        "response.content_part.added",
-        "response.output_text.delta",
-        "response.output_text.done",
-        "response.content_part.done",
-        "response.output_item.done",
-    ]
+    assert kinds[2:8] == TEXT_OUTPUT_EVENTS
     assert kinds[-1] == "response.completed"
 
 

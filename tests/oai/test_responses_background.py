@@ -76,14 +76,6 @@ def _poll(client, response_id: str, until: tuple[str, ...], seconds: float = 15)
         time.sleep(0.05)
 
 
-@pytest.fixture
-def workers():
-    started: list[HordeTestWorker] = []
-    yield started
-    for worker in started:
-        worker.stop()
-
-
 def test_a_background_response_is_queued_then_reads_as_the_whole_reply(
     front, client, requester, live_horde, worker_owner, workers
 ):

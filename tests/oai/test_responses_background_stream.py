@@ -17,29 +17,13 @@ import httpx
 import openai
 import pytest
 
-from tests.oai.conftest import MODEL, HordeTestWorker, text_reply, wait_for
+from tests.oai.conftest import MODEL, TEXT_OUTPUT_EVENTS, text_reply, wait_for
 from tests.oai.test_responses_background import _idle_worker, _poll, _requests
 from tests.oai.test_responses_libraries import strict_errors
 
 pytestmark = pytest.mark.slow
 
 NAMESPACE_TOOL = {"type": "namespace", "name": "ns", "description": "d", "tools": [{"type": "function", "name": "f"}]}
-OUTPUT_KINDS = [
-    "response.output_item.added",
-    "response.content_part.added",
-    "response.output_text.delta",
-    "response.output_text.done",
-    "response.content_part.done",
-    "response.output_item.done",
-]
-
-
-@pytest.fixture
-def workers():
-    started: list[HordeTestWorker] = []
-    yield started
-    for worker in started:
-        worker.stop()
 
 
 def _headers(key: str) -> dict[str, str]:
@@ -82,7 +66,7 @@ def test_a_background_stream_is_queued_then_the_whole_reply_in_order(client, liv
         "response.created",
         "response.queued",
         "response.in_progress",
-        *OUTPUT_KINDS,
+        *TEXT_OUTPUT_EVENTS,
         "response.completed",
     ]
     assert [event.sequence_number for event in sent] == list(range(len(sent)))
@@ -152,7 +136,7 @@ def test_in_progress_is_sent_once_a_worker_took_the_request_and_a_later_reader_s
                 assert data["sequence_number"] == 2 and data["response"]["status"] == "in_progress"
                 release.set()
     assert [event["type"] for event in live] == [
-        "response.created", "response.queued", "response.in_progress", *OUTPUT_KINDS, "response.completed"
+        "response.created", "response.queued", "response.in_progress", *TEXT_OUTPUT_EVENTS, "response.completed"
     ]
     assert [event["sequence_number"] for event in live] == list(range(len(live)))
     assert live[-1]["response"]["output"][0]["content"][0]["text"] == "Worth the wait."

@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.oai.conftest import responses_sse
+from tests.oai.conftest import TEXT_OUTPUT_EVENTS, responses_sse
 from tests.oai.test_relay import StreamingWorker
 from workers.bridge.scripted import minimal_instance
 
@@ -467,12 +467,7 @@ def test_openai_node_streams(front, requester, scripted_worker, case):
     assert [e["type"] for e in events] == [
         "response.created",
         "response.in_progress",
-        "response.output_item.added",
-        "response.content_part.added",
-        "response.output_text.delta",
-        "response.output_text.done",
-        "response.content_part.done",
-        "response.output_item.done",
+        *TEXT_OUTPUT_EVENTS,
         "response.completed",
     ]
     assert events[5]["text"] == "Scripted reply to: Hi"
