@@ -374,12 +374,16 @@ class _LateCancelGateway(_GatewayNotFoundProxy):
     do_GET = do_POST = do_DELETE = _forward  # noqa: N815
 
 
+@pytest.mark.parametrize("kept_first", [True, False], ids=["kept", "not_yet_kept"])
 def test_a_reply_finished_while_the_cancel_was_on_its_way_is_answered_as_it_finished(
-    front, client, live_horde, worker_owner, workers
+    front, client, live_horde, worker_owner, workers, kept_first
 ):
     """The cancel read the response in progress, but its worker's reply was submitted (and paid)
-    before the cancel reached the horde, and the watcher kept it: the cancel answers the response as
-    it finished, as for one finished before the cancel, and does not overwrite it with `cancelled`."""
+    before the cancel reached the horde: the cancel answers the response as it finished, as for one
+    finished before the cancel, and does not overwrite it with `cancelled`. Kept: the watcher kept
+    the reply before the cancel's answer. Not yet kept: nothing had (the watcher reads every 30 s),
+    and the cancel changed nothing on the horde, the request being done and paid (found by the
+    drills: a background cancel 0-3 s after the create meets the worker's submit)."""
     release = threading.Event()
 
     def reply(job: dict[str, Any]) -> dict[str, Any]:
@@ -391,52 +395,20 @@ def test_a_reply_finished_while_the_cancel_was_on_its_way_is_answered_as_it_fini
     def before_cancel() -> None:
         release.set()
         wait_for(lambda: worker.submits, 5)
-        time.sleep(0.5)  # the watcher's read after the completion signal (or its recheck)
+        if kept_first:
+            time.sleep(0.5)  # the watcher's read after the completion signal (or its recheck)
 
     _LateCancelGateway.target = f"{live_horde.url}/api/v2"
     _LateCancelGateway.before_cancel = before_cancel
     gateway = ThreadingHTTPServer(("127.0.0.1", 0), _LateCancelGateway)
     threading.Thread(target=gateway.serve_forever, daemon=True).start()
     try:
-        front.configure(native_roots=[f"http://127.0.0.1:{gateway.server_address[1]}/api/v2"], cancel_timeout_seconds=5)
-        created = client.responses.create(model=MODEL, input="Hi", background=True)
-        workers.append(worker.start())
-        assert wait_for(lambda: worker.jobs, 10)
-        answered = client.responses.cancel(created.id)
-        assert worker.submits[0].status_code == 200 and wait_for(lambda: _charges() == 1, 5)
-        assert (answered.status, answered.output_text) == ("completed", "Finished first.")
-        assert client.responses.retrieve(created.id).output_text == "Finished first."
-    finally:
-        gateway.shutdown()
-
-
-def test_a_reply_finished_while_the_cancel_was_on_its_way_and_not_yet_kept_is_answered_as_it_finished(
-    front, client, live_horde, worker_owner, workers
-):
-    """As above, but nothing kept the finished reply before the cancel's answer (the watcher had not
-    read it yet): the cancel changed nothing on the horde (the request was done, and paid), so it
-    answers the reply, not a `cancelled` response with no output for a reply its requester paid
-    (found by the drills: a background cancel 0-3 s after the create meets the worker's submit)."""
-    release = threading.Event()
-
-    def reply(job: dict[str, Any]) -> dict[str, Any]:
-        release.wait(20)
-        return text_reply("Finished first.")(job)
-
-    worker = _idle_worker(live_horde, worker_owner, reply=reply)
-
-    def before_cancel() -> None:
-        release.set()
-        wait_for(lambda: worker.submits, 5)
-
-    _LateCancelGateway.target = f"{live_horde.url}/api/v2"
-    _LateCancelGateway.before_cancel = before_cancel
-    gateway = ThreadingHTTPServer(("127.0.0.1", 0), _LateCancelGateway)
-    threading.Thread(target=gateway.serve_forever, daemon=True).start()
-    try:
-        # The watcher reads the status every 30 s: it keeps nothing before the cancel answers.
-        front.configure(native_roots=[f"http://127.0.0.1:{gateway.server_address[1]}/api/v2"], cancel_timeout_seconds=5,
-                        redis_url=None, poll_seconds=30, signal_recheck_seconds=30)
+        native_roots = [f"http://127.0.0.1:{gateway.server_address[1]}/api/v2"]
+        if kept_first:
+            front.configure(native_roots=native_roots, cancel_timeout_seconds=5)
+        else:
+            front.configure(native_roots=native_roots, cancel_timeout_seconds=5,
+                            redis_url=None, poll_seconds=30, signal_recheck_seconds=30)
         created = client.responses.create(model=MODEL, input="Hi", background=True)
         workers.append(worker.start())
         assert wait_for(lambda: worker.jobs, 10)
