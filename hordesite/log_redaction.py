@@ -16,8 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 REDACTED = "<redacted>"
-# The id runs to the next slash, query, space or quote (an access line quotes the request).
-_SECRET_PATH = re.compile(r"(/api/v2/sharedkeys/)[^/?#\s\"]+")
+# The id runs to the next slash, query, space or quote (an access line quotes the request); any case,
+# since another spelling of the route is a 404 that logs its path too.
+_SECRET_PATH = re.compile(r"(/api/v2/sharedkeys/)[^/?#\s\"]+", re.IGNORECASE)
 
 
 def redact_path(text: str) -> str:

@@ -32,6 +32,16 @@ def test_the_request_warning_names_a_shared_key_path_without_its_id(client, make
     assert "Unauthorized: /api/v2/sharedkeys/<redacted>" in caplog.text
 
 
+def test_a_shared_key_path_in_other_case_is_logged_without_its_id(client, make_user, caplog):
+    """A client that spells the route in another case gets a 404, whose warning names the path."""
+    user = make_user("kudos-checker-case")
+    with caplog.at_level(logging.WARNING, logger="django.request"):
+        response = client.get(f"/api/v2/SharedKeys/{user.key}")
+        assert response.status_code == 404
+    assert user.key not in caplog.text
+    assert "/api/v2/SharedKeys/<redacted>" in caplog.text
+
+
 class LaunchedWeb(WebProcess):
     """The web process as `make run` starts it (scripts/run.py web: daphne with HordeServer), its
     access log on its standard output."""
