@@ -7,11 +7,7 @@ moves away and back.
 from __future__ import annotations
 
 import os
-import signal
 import sqlite3
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.hordesite.test_web_restart import LaunchedWeb
 from tests.ports import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 
@@ -38,49 +33,25 @@ def horde(tmp_path_factory) -> Iterator[Horde]:
     tmp_path = tmp_path_factory.mktemp("embedded-file")
     folder = tmp_path / "db"
     folder.mkdir()
-    port = free_port()
-    env = {
-        **os.environ,
-        "DATABASE_URL": f"sqlite:///{folder / 'horde.sqlite3'}",
-        "REDIS_URL": "",
-        "CELERY_BROKER_URL": "",
-        "PYTHONUNBUFFERED": "1",
-        "HORDE_API_KEY_CACHE_SECONDS": "0",
-    }
-
-    def manage(*args: str) -> str:
-        return subprocess.run(
-            [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, check=True
-        ).stdout
-
-    manage("migrate", "--noinput", "-v0")
-    key = manage("horde_user", "create", "file-requester", "--kudos", "1000").strip().splitlines()[-1]
-    log = (tmp_path / "web.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "scripts/run.py", "web", "-b", "127.0.0.1", "-p", str(port), "hordesite.asgi:application"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0,
+    web = LaunchedWeb(
+        {
+            **os.environ,
+            "DATABASE_URL": f"sqlite:///{folder / 'horde.sqlite3'}",
+            "REDIS_URL": "",
+            "CELERY_BROKER_URL": "",
+            "PYTHONUNBUFFERED": "1",
+            "HORDE_API_KEY_CACHE_SECONDS": "0",
+        },
+        free_port(),
+        tmp_path / "web.log",
     )
-    url = f"http://127.0.0.1:{port}"
+    web.manage("migrate", "--noinput", "-v0")
+    key = web.manage("horde_user", "create", "file-requester", "--kudos", "1000").strip().splitlines()[-1]
+    web.start()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/api/v2/status/heartbeat", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, (tmp_path / "web.log").read_text()
-            assert time.monotonic() < deadline, "the web process did not answer within 60 s"
-            time.sleep(0.2)
-        yield Horde(url=url, key=key, folder=folder)
+        yield Horde(url=f"http://127.0.0.1:{web.port}", key=key, folder=folder)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+        web.kill()
 
 
 def _ask(horde: Horde) -> httpx.Response:

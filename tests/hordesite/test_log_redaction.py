@@ -11,13 +11,12 @@ path with the id replaced.
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.hordesite.test_web_restart import WebProcess, web_env
+from tests.hordesite.test_web_restart import LaunchedWeb, web_env
 from tests.ports import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -40,15 +39,6 @@ def test_a_shared_key_path_in_other_case_is_logged_without_its_id(client, make_u
         assert response.status_code == 404
     assert user.key not in caplog.text
     assert "/api/v2/SharedKeys/<redacted>" in caplog.text
-
-
-class LaunchedWeb(WebProcess):
-    """The web process as `make run` starts it (scripts/run.py web: daphne with HordeServer), its
-    access log on its standard output."""
-
-    def command(self) -> list[str]:
-        return [sys.executable, "scripts/run.py", "web", "-b", "127.0.0.1", "-p", str(self.port),
-                "hordesite.asgi:application"]
 
 
 @pytest.mark.slow

@@ -98,6 +98,15 @@ class WebProcess:
         ).stdout
 
 
+class LaunchedWeb(WebProcess):
+    """The web process as `make run` starts it (scripts/run.py web: daphne with HordeServer), its
+    access log on its standard output."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "scripts/run.py", "web", "-b", "127.0.0.1", "-p", str(self.port),
+                "hordesite.asgi:application"]
+
+
 @pytest.fixture
 def web(tmp_path) -> Iterator[WebProcess]:
     process = WebProcess(web_env(tmp_path), free_port(), tmp_path / "daphne.log")
