@@ -13,8 +13,8 @@ from django.db.models.functions import Cast, Ceil, Coalesce, Length
 from django.utils import timezone
 
 from chat.model_reference import is_known_text_model
-from chat.models import Generation
-from chat.selectors.queue import waiting_requests
+from chat.models import Generation, GenerationRequest
+from chat.selectors.queue import waiting_requests, worker_passes_restrictions
 from chat.selectors.snapshots import online_worker_facts, online_workers
 from workers.selectors import chat_workers_online, worker_speed
 
@@ -65,10 +65,16 @@ def text_models_status() -> list[dict]:
     return result
 
 
-def text_workers_limits(models: list[str]) -> list[tuple[UUID, int, int]]:
+def text_workers_limits(
+    models: list[str], *, restrictions: GenerationRequest | None = None, listed_worker_ids: set[UUID] | None = None
+) -> list[tuple[UUID, int, int]]:
     """(id, max_length, max_context_length) of each online text worker serving any of `models` (any
-    text model when empty), from the process's snapshot."""
+    text model when empty), from the process's snapshot; with `restrictions`, an unsaved request
+    holding a request's worker rules, only of the workers those rules let take it."""
     candidates = online_worker_facts().text_candidates(models, any_model=not models)
+    if restrictions is not None:
+        listed = listed_worker_ids or set()
+        candidates = [w for w in candidates if worker_passes_restrictions(w, restrictions, listed)]
     return [(w.id, w.max_length, w.max_context_length) for w in candidates]
 
 

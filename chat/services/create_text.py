@@ -233,7 +233,7 @@ def _lowered_to_workers(data: TextRequestInput) -> list[dict] | None:
     lower_max_length_to_workers: a max_length above the largest worker's is lowered to it (OpenAI's
     max_tokens is an upper bound), the chat route's worker_max_length adjustment, returned.
     lower_max_context_length_to_workers: a context above the largest of the workers that could take
-    the request (its worker list, its completion) is lowered to it (the front's own ask, which errs
+    the request (its completion and worker rules) is lowered to it (the front's own ask, which errs
     high, ADR 0111; never a client's), not below the prompt's four-characters-a-token estimate and
     the completion. None when max_length was not lowered."""
     limits = text_workers_limits(data.models)
@@ -253,12 +253,21 @@ def _lowered_to_workers(data: TextRequestInput) -> list[dict] | None:
         data.max_length = largest_length
     if not data.lower_max_context_length_to_workers:
         return adjustments
-    # A worker that cannot take the request anyway must not hold the ask above one that can.
-    listed = {str(worker_id) for worker_id in data.workers}
+    # A worker that cannot take the request anyway (its completion limit, the worker list, the
+    # trusted-workers, validated-backends and slow-workers rules) must not hold the ask above one that can.
+    restrictions = GenerationRequest(
+        has_worker_list=bool(data.workers),
+        worker_blacklist=data.worker_blacklist,
+        trusted_workers=data.trusted_workers,
+        validated_backends=data.validated_backends,
+        slow_workers=data.slow_workers,
+    )
     contexts = [
         context
-        for worker_id, length, context in limits
-        if length >= data.max_length and (not listed or (str(worker_id) in listed) != data.worker_blacklist)
+        for _id, length, context in text_workers_limits(
+            data.models, restrictions=restrictions, listed_worker_ids=set(data.workers)
+        )
+        if length >= data.max_length
     ]
     if contexts and data.max_context_length > max(contexts):
         needed = math.ceil(len(data.prompt) / CHARS_PER_TOKEN_ESTIMATE) + data.max_length

@@ -394,6 +394,7 @@ class ScribeTextWorker:
         default_factory=lambda: lambda job: " there was a horde."
     )
     name: str = field(default_factory=lambda: f"scribe-{uuid.uuid4().hex[:6]}")
+    bridge_agent: str = SCRIBE_BRIDGE_AGENT
     jobs: list[dict[str, Any]] = field(default_factory=list)
     submits: list[httpx.Response] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -407,7 +408,7 @@ class ScribeTextWorker:
             "max_context_length": self.max_context_length,
             "priority_usernames": [],
             "softprompts": [],
-            "bridge_agent": SCRIBE_BRIDGE_AGENT,
+            "bridge_agent": self.bridge_agent,
             "threads": 1,
         }
 
@@ -463,7 +464,7 @@ def start_text_worker(live_horde, worker_owner):
     workers: list[ScribeTextWorker] = []
 
     def start(**kwargs: Any) -> ScribeTextWorker:
-        worker = ScribeTextWorker(live=live_horde, key=worker_owner.key, **kwargs)
+        worker = ScribeTextWorker(live=live_horde, **{"key": worker_owner.key, **kwargs})
         worker.check_in()
         workers.append(worker.start())
         return worker

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 import httpx
 import openai
@@ -76,18 +77,34 @@ def test_a_context_above_every_workers_is_lowered_to_the_largest(client, start_t
     assert small.jobs[0]["payload"]["max_context_length"] == needed + 10
 
 
-@pytest.mark.parametrize("why", ["completion", "worker_list"])
-def test_a_worker_that_cannot_take_the_request_does_not_hold_the_context_up(client, start_text_worker, why):
+# The aphrodite scribe is on the validated backends list (contract.text.VALIDATED_TEXT_BRIDGES).
+VALIDATED_BRIDGE_AGENT = "AI Horde Worker~aphrodite~kai:24:https://github.com/db0/AI-Horde-Worker"
+
+
+@pytest.mark.parametrize("why", ["completion", "worker_list", "trusted_workers", "validated_backends"])
+def test_a_worker_that_cannot_take_the_request_does_not_hold_the_context_up(
+    client, start_text_worker, make_user, why
+):
     """The context is lowered to the largest of the workers that could take the request: one with a
-    larger context but too small a completion limit, or left out by the request's worker list,
-    would keep the ask above the worker that can serve it, which the old four-characters-a-token ask
-    let take it (ADR 0111)."""
+    larger context but too small a completion limit, left out by the request's worker list, or
+    refused by its trusted-workers or validated-backends rule, would keep the ask above the worker
+    that can serve it, which the old four-characters-a-token ask let take it (ADR 0111)."""
     prompt = PROMPT * 30
     old_ask = len(prompt) // 4 + 512
     assert old_ask < _asked_context(prompt, 512)
     start_text_worker(max_context_length=8192, max_length=256 if why == "completion" else 1024)
-    serving = start_text_worker(max_context_length=old_ask + 10, max_length=1024)
-    horde = {"only": [str(Worker.objects.get(name=serving.name).id)]} if why == "worker_list" else {}
+    serving = start_text_worker(
+        max_context_length=old_ask + 10,
+        max_length=1024,
+        key=make_user(f"trusted-{uuid.uuid4().hex[:6]}", trusted=True).key,
+        bridge_agent=VALIDATED_BRIDGE_AGENT,
+    )
+    horde = {
+        "completion": {},
+        "worker_list": {"only": [str(Worker.objects.get(name=serving.name).id)]},
+        "trusted_workers": {"trusted_workers": True},
+        "validated_backends": {"validated_backends": True},
+    }[why]
     completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=512, extra_body={"horde": horde})
     assert completion.choices[0].text == " there was a horde."
     assert serving.jobs[0]["payload"]["max_context_length"] == old_ask + 10
