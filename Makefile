@@ -53,7 +53,7 @@ bench: venv var
 	$(PY) bench/text_queue.py $(ARGS)
 
 # The fault drills (docs/reliability.md): each on a PostgreSQL cluster and a Redis server of its own
-# (needs initdb/pg_ctl and redis-server); not part of `make test`. About 8-9 minutes;
+# (needs initdb/pg_ctl and redis-server); not part of `make test`. About 6-9 minutes;
 # make drill ARGS=--short (shorter faults), ARGS="--only redis,postgres".
 drill: venv-dev
 	$(PY) -m drills $(ARGS)
