@@ -1,5 +1,6 @@
-"""The hot path's SQL: the statements every pop and submit runs, prepared on each connection
-(PostgreSQL), and the one loader that turns their rows into models.
+"""The hot path's SQL: the statements every pop, submit and status poll runs (and their
+companions: the empty pop's counts, a finished request's generations, a streamed job's lease row),
+prepared on each connection (PostgreSQL), and the one loader that turns their rows into models.
 
 Django binds parameters on the client, so PostgreSQL parses and plans each pop and submit anew:
 measured on the bench queue, planning took 2-3 times as long as running them (pop 0.85 ms planned,

@@ -123,13 +123,14 @@ elif DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql"):
     }
     # Server settings for the horde's sessions, sent at connect (`-c name=value`).
     session_settings = []
-    # The pop's and submit's statements are prepared on each connection (chat/sql.py); no
-    # other statement is (a threshold never reached). Off (None) behind a transaction-mode pooler.
+    # The hot path's statements (chat/sql.py: the pop, the submit, the status read and their
+    # companions) are prepared on each connection; no other statement is (a threshold never
+    # reached). Off (None) behind a transaction-mode pooler.
     if env.bool("DATABASE_PREPARED_STATEMENTS", default=True):
         DATABASES["default"]["OPTIONS"].setdefault("prepare_threshold", 2**31 - 1)
         # Those statements keep one generic plan: planning a pop cost more than running it, and
         # its plan (walk the queue index) does not depend on the values. Only prepared statements
-        # read this setting, and no other statement is prepared.
+        # read this setting, and only chat/sql.py's statements are prepared.
         session_settings.append("plan_cache_mode=force_generic_plan")
     # Every query the horde runs is short, but the planner's estimate of one with correlated
     # subqueries (a chat worker's eligibility) passes jit_above_cost, and compiling it took 0.4-0.7 s
