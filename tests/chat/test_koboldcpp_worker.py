@@ -8,16 +8,26 @@ would end its worker thread), posts the whole `payload` to its own `/api/v1/gene
 each sampler value into a ctypes structure (a float refused for an int field, a null for a string),
 and submits `{id, generation, state: "ok"}`, reading `reply["reward"]` as a number. Any answer but a
 200 counts as an error: five of them pause it for minutes.
+
+Run for real (docs/adr/0113-koboldcpp-embedded-worker.md): koboldcpp 1.76 (2da346a5) on a tiny
+random GGUF, its hard-coded https://aihorde.net redirected to this horde through a local CA and a
+logging TLS relay. The bodies and answers below are the ones that relay logged.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
+from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+from django.utils import timezone
 
-from accounts.models import KudosTransaction
+from accounts.models import HordeUser, KudosTransaction
+from chat import tasks
+from chat.models import Generation
 from tests.chat.live_stack import LiveStack
 from tests.chat.test_scribe_worker import LITE_PARAMS
 from tests.chat.test_text_request_types import SILLYTAVERN_PARAMS
@@ -178,3 +188,197 @@ def test_koboldcpps_worker_is_refused_in_maintenance_with_a_json_body(live, make
     )
     assert refused.status_code == 403 and refused.headers["content-type"] == "application/json"
     assert refused.json()["rc"] == "WorkerMaintenance" and refused.json()["message"]
+
+
+# --- the run (ADR 0113): `--hordemodelname tiny --hordeworkername kcpp-tiny --hordegenlen 120
+# --hordemaxctx 1024`, its key a trusted user's ---------------------------------------------------
+
+RUN_MODEL = "koboldcpp/tiny"  # koboldcpp prefixes --hordemodelname with "koboldcpp/"
+RUN_POP_BYTES = (
+    b'{"name": "kcpp-tiny", "models": ["koboldcpp/tiny"], "max_length": 120, "max_context_length": 1024, '
+    b'"priority_usernames": [], "softprompts": [], '
+    b'"bridge_agent": "KoboldCppEmbedWorker:2:https://github.com/LostRuins/koboldcpp"}'
+)
+RUN_POP = {
+    "name": "kcpp-tiny", "models": [RUN_MODEL], "max_length": 120, "max_context_length": 1024,
+    "priority_usernames": [], "softprompts": [], "bridge_agent": BRIDGE_AGENT,
+}
+IDLE_ANSWER = {
+    "payload": {}, "id": None, "ids": [], "messages": None, "ttl": None, "extra_source_images": [], "skipped": {},
+    "softprompt": None, "model": None,
+}
+PROMPT = "User: Hello there\nAssistant:"
+# A random model's reply, control characters and all, as its submit carried it.
+GENERATION = "n&%#HV\u0015$\t0\rI\u0005W\u00d8pBKVm$VZEH"
+
+
+def run_pop(live: LiveStack, key: str) -> dict:
+    # LiveStack encodes as urllib's caller does (json.dumps' default separators): the relay's bytes.
+    assert json.dumps(RUN_POP).encode() == RUN_POP_BYTES
+    response = live.request(
+        "POST", "/api/v2/generate/text/pop", headers=kcpp_headers(key), body=RUN_POP, exact_headers=True
+    )
+    assert response.status_code == 200 and response.headers["content-type"] == "application/json", response.text
+    return response.json()
+
+
+def run_submit(live: LiveStack, key: str, job_id: str, generation: str = GENERATION):
+    return live.request(
+        "POST",
+        "/api/v2/generate/text/submit",
+        headers=kcpp_headers(key),
+        body={"id": job_id, "generation": generation, "state": "ok"},
+        exact_headers=True,
+    )
+
+
+def ask(live: LiveStack, key: str, params: dict) -> str:
+    created = live.request(
+        "POST",
+        "/api/v2/generate/text/async",
+        headers={"apikey": key, "Client-Agent": "kcpp-run:1"},
+        body={"prompt": PROMPT, "params": params, "models": [RUN_MODEL]},
+    )
+    assert created.status_code == 202, created.text
+    return created.json()["id"]
+
+
+def status(live: LiveStack, request_id: str) -> dict:
+    return live.request("GET", f"/api/v2/generate/text/status/{request_id}", headers={}).json()
+
+
+def test_the_runs_pop_job_and_submit_as_the_relay_logged_them(live, make_user):
+    """An idle pop, then a job: the answers it reads (`id`, then `payload`, whose `max_length` and
+    `max_context_length` it prints and whose keys it posts to its own generate), and the submit's
+    `{"reward":0.65}`, printed as "earned 1 kudos"."""
+    owner, requester = make_user("kcpp-owner", trusted=True), make_user("requester", kudos=1000)
+    assert run_pop(live, owner.key) == IDLE_ANSWER
+
+    request_id = ask(live, requester.key, {"max_length": 40, "max_context_length": 1024, "temperature": 0.7})
+    job = run_pop(live, owner.key)
+    assert job == {
+        "payload": {"temperature": 0.7, "prompt": PROMPT, "n": 1, "max_length": 40, "max_context_length": 1024},
+        "id": job["id"], "ids": [job["id"]], "messages": None, "ttl": 150, "extra_source_images": [],
+        "skipped": {}, "softprompt": None, "model": RUN_MODEL,
+    }
+    inputs = koboldcpp_generate_inputs({**job["payload"], "genkey": "HORDEREQ_123"})
+    assert (inputs.max_length, inputs.max_context_length, inputs.prompt) == (40, 1024, PROMPT.encode())
+
+    submitted = run_submit(live, owner.key, job["id"])
+    assert submitted.status_code == 200 and submitted.content == b'{"reward":0.65}'
+    assert f"{submitted.json()['reward']:.0f}" == "1"
+
+    done = status(live, request_id)
+    assert (done["done"], done["faulted"], done["kudos"]) == (True, False, 1.65)
+    assert [g["text"] for g in done["generations"]] == [GENERATION]
+    assert owner.refresh().kudos == Decimal("0.65")
+    assert requester.refresh().kudos == Decimal("1000") - Decimal("1.65")  # the reward and the horde tax
+
+
+def test_a_request_past_what_it_declared_never_reaches_it(live, make_user):
+    """It declared 120 tokens and a 1024 context: a request for more of either waits, is_possible
+    false, and its pops come back empty with the count of what was skipped."""
+    owner, requester = make_user("kcpp-owner", trusted=True), make_user("requester", kudos=1000)
+    run_pop(live, owner.key)
+    too_long = ask(live, requester.key, {"max_length": 200, "max_context_length": 1024})
+    too_wide = ask(live, requester.key, {"max_length": 100, "max_context_length": 2048})
+
+    answer = run_pop(live, owner.key)
+    assert answer == {**IDLE_ANSWER, "skipped": {"max_length": 1, "max_context_length": 1}}
+    for request_id in (too_long, too_wide):
+        waiting = status(live, request_id)
+        assert (waiting["waiting"], waiting["processing"], waiting["is_possible"]) == (1, 0, False)
+    assert not Generation.objects.exists()
+
+
+def test_a_cancel_while_it_generates_still_pays_its_submit(live, make_user):
+    """It never reads the status: it submits what it generated after the requester's DELETE, and
+    that submit is stored and paid (ADR 0003), not refused as an error it would count."""
+    owner, requester = make_user("kcpp-owner", trusted=True), make_user("requester", kudos=1000)
+    request_id = ask(live, requester.key, {"max_length": 100, "max_context_length": 1024})
+    job = run_pop(live, owner.key)
+    cancelled = live.request(
+        "DELETE", f"/api/v2/generate/text/status/{request_id}", headers={"apikey": requester.key}
+    )
+    assert cancelled.status_code == 200 and cancelled.json()["processing"] == 1 and not cancelled.json()["done"]
+
+    submitted = run_submit(live, owner.key, job["id"])
+    assert submitted.status_code == 200, submitted.text
+    reward = Decimal(str(submitted.json()["reward"]))
+    assert reward > 0
+    done = status(live, request_id)
+    assert done["done"] is True and [g["text"] for g in done["generations"]] == [GENERATION]
+    assert owner.refresh().kudos == reward
+    assert requester.refresh().kudos == Decimal("1000") - reward - 1
+
+
+def test_a_job_whose_submit_came_too_late_or_never_is_served_again(live, make_user):
+    """A slow CPU worker past the 150 s lease, or a submit lost to a gateway's 502 (both seen): the
+    sweep restarts the job; the late submit gets 400 AbortedGen with a JSON body (it prints it and
+    counts an error, nothing else); its next pop gets the request again, charged once."""
+    owner, requester = make_user("kcpp-owner", trusted=True), make_user("requester", kudos=1000)
+    request_id = ask(live, requester.key, {"max_length": 100, "max_context_length": 1024})
+    first = run_pop(live, owner.key)["id"]
+    Generation.objects.filter(pk=first).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    assert tasks.abort_stale_generations.apply().get() == 1
+    restarted = status(live, request_id)
+    assert (restarted["waiting"], restarted["processing"], restarted["restarted"]) == (1, 0, 1)
+
+    late = run_submit(live, owner.key, first)
+    assert late.status_code == 400 and late.headers["content-type"] == "application/json"
+    assert late.json() == {
+        "message": f"Processing Generation with ID {first} took too long to process and has been aborted! "
+        "Please check your worker's speed and make sure it can finish within the lease.",
+        "rc": "AbortedGen",
+    }
+
+    second = run_pop(live, owner.key)
+    assert second["id"] not in (None, first) and second["payload"]["prompt"] == PROMPT
+    assert run_submit(live, owner.key, second["id"]).status_code == 200
+    done = status(live, request_id)
+    assert (done["done"], done["finished"], done["restarted"], len(done["generations"])) == (True, 1, 1, 1)
+    assert requester.refresh().kudos == Decimal("1000") - owner.refresh().kudos - 1
+
+
+def test_in_maintenance_it_serves_its_owner_and_is_refused_the_rest(live, make_user):
+    """Seen: with the worker in maintenance its pops are 403 WorkerMaintenance carrying the owner's
+    message (it prints the body and waits 10 s), except when the owner's own request waits."""
+    owner, requester = make_user("kcpp-owner", trusted=True), make_user("requester", kudos=1000)
+    run_pop(live, owner.key)
+    worker_id = str(Worker.objects.get(name="kcpp-tiny").pk)
+    put = live.request(
+        "PUT", f"/api/v2/workers/{worker_id}", headers={"apikey": owner.key},
+        body={"maintenance": True, "maintenance_msg": "kcpp run: maintenance check"},
+    )
+    assert put.status_code == 200, put.text
+    others = ask(live, requester.key, {"max_length": 30, "max_context_length": 512})
+    refused = live.request(
+        "POST", "/api/v2/generate/text/pop", headers=kcpp_headers(owner.key), body=RUN_POP, exact_headers=True
+    )
+    assert refused.status_code == 403
+    assert refused.json() == {"message": "kcpp run: maintenance check", "rc": "WorkerMaintenance"}
+
+    owners = ask(live, owner.key, {"max_length": 30, "max_context_length": 512})
+    job = run_pop(live, owner.key)
+    assert str(Generation.objects.get(pk=job["id"]).request_id) == owners
+    assert run_submit(live, owner.key, job["id"]).status_code == 200
+    assert status(live, others)["waiting"] == 1
+
+
+@pytest.mark.parametrize(
+    ("key", "code", "rc"),
+    [("not-a-key-of-this-horde", 401, "InvalidAPIKey"), ("0000000000", 403, "AnonForbiddenWorker")],
+)
+def test_a_wrong_key_is_answered_with_a_json_body_it_prints(live, key, code, rc):
+    """`--hordekey` mistyped, or left as the anonymous key: it prints "Error: HTTP Error <code>: ...
+    - <body>" and "Make sure your Horde API key and worker name is valid!"."""
+    # The anonymous user comes from a data migration, which the transactional test's flush removes.
+    HordeUser.objects.get_or_create(
+        api_key_hash=hashlib.sha256(b"0000000000").hexdigest(),
+        defaults={"username": "Anonymous", "is_anonymous": True},
+    )
+    refused = live.request(
+        "POST", "/api/v2/generate/text/pop", headers=kcpp_headers(key), body=RUN_POP, exact_headers=True
+    )
+    assert refused.status_code == code and refused.headers["content-type"] == "application/json"
+    assert refused.json()["rc"] == rc and refused.json()["message"]
