@@ -339,6 +339,31 @@ def test_litellm_proxy_faulted_request_says_do_not_retry(front, requester, start
     assert answer.headers["x-should-retry"] == "false"
 
 
+def test_litellm_proxy_retries_of_a_concurrency_refusal_cost_nothing(front, requester, start_worker, live_horde):
+    """Over the requester's concurrency: 429 TooManyPrompts, which its router sends three times (no
+    Retry-After, about 1.2 s apart); each is refused before any row or charge."""
+    from accounts.models import HordeUser
+
+    worker = start_worker()
+    worker.paused.set()  # the first request waits
+    HordeUser.objects.filter(pk=requester.user.pk).update(concurrency=1)
+    first = httpx.post(
+        f"{live_horde.url}/api/v2/generate/chat/async",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story"}]},
+        headers={"apikey": requester.key},
+        timeout=10,
+    )
+    assert first.status_code == 202, first.text
+    kudos = HordeUser.objects.get(pk=requester.user.pk).kudos
+    body = _chat(HELLO)
+    for _ in range(3):
+        answer = post(live_horde, "/chat/completions", body, sdk_post_headers(requester.key, body, _host(live_horde)))
+        assert answer.status_code == 429
+        assert answer.json()["error"]["code"] == "TooManyPrompts"
+    assert GenerationRequest.objects.count() == 1
+    assert HordeUser.objects.get(pk=requester.user.pk).kudos == kudos
+
+
 # --- a cancel: its client goes away mid-stream -------------------------------------------------------------
 
 
