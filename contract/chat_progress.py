@@ -9,6 +9,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from contract.text import replace_nul
+
 # The stream hint, in a request's chat_extras and in its job payload.
 CHAT_STREAM_PROGRESS_KEY = "stream_progress"
 
@@ -122,10 +124,10 @@ def _text(value: Any, path: str, errors: dict[str, str]) -> str | None:
     except UnicodeEncodeError:
         errors[path] = "Surrogate characters are not allowed."
         return None
-    # NUL replaced as in the stored reply (chat.services.submit.NUL_REPLACEMENT): relayed as sent,
+    # NUL replaced as in the stored reply (contract.text.NUL_REPLACEMENT): relayed as sent,
     # the final reply would not start with the text relayed, and the front would end a faithful
     # stream with ChatStreamDiverged.
-    return value.replace("\x00", "\ufffd") if "\x00" in value else value
+    return replace_nul(value)
 
 
 def parse_progress_post(body: Any) -> ProgressPost:

@@ -10,6 +10,15 @@ from typing import Any
 
 ANONYMOUS_API_KEY = "0000000000"
 
+# PostgreSQL text and JSONB cannot hold NUL: every stored string of a worker's reply (text or chat)
+# gets this in its place, and a relayed delta too, so the stream and the stored reply agree.
+NUL_REPLACEMENT = "\ufffd"
+
+
+def replace_nul(value: str) -> str:
+    return value.replace("\x00", NUL_REPLACEMENT) if "\x00" in value else value
+
+
 # Request parameter bounds (upstream text params).
 TEXT_N_RANGE = (1, 20)
 TEXT_MAX_LENGTH_RANGE = (16, 4096)

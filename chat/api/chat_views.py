@@ -27,6 +27,7 @@ from contract.chat_shapes import ChatRequest, validate_chat_request
 from contract.chat_status import ChatStatus
 from contract.errors import HordeError, request_too_large_message
 from contract.strict_json import loads_strict
+from contract.text import replace_nul
 
 # Read a body without a declared length in pieces, to stop one byte past the limit.
 BODY_READ_CHUNK_BYTES = 1024 * 1024
@@ -65,7 +66,7 @@ def _clean_strings(value):
             value.encode("utf-8")
         except UnicodeEncodeError:
             raise HordeError("BadRequest", "The request body holds text that is not valid Unicode.") from None
-        return value.replace("\x00", "\ufffd") if "\x00" in value else value
+        return replace_nul(value)
     if isinstance(value, list):
         return [_clean_strings(item) for item in value]
     if isinstance(value, dict):

@@ -32,6 +32,7 @@ from rest_framework.utils import json as drf_json
 from rest_framework.validators import ProhibitSurrogateCharactersValidator
 
 from chat.api.strict_fields import (
+    NulReplacingCharField,
     StrictBooleanField,
     StrictCharField,
     StrictFloatField,
@@ -185,7 +186,7 @@ def _nested(serializer_class: type[serializers.Serializer]) -> Check | None:
 
 # Exact classes: a subclass may convert differently. The strict fields refuse what DRF would
 # coerce, which the checks here never take either.
-_STRINGS = (serializers.CharField, StrictCharField)
+_STRINGS = (serializers.CharField, StrictCharField, NulReplacingCharField)
 _INTEGERS = (serializers.IntegerField, StrictIntegerField)
 _NUMBERS = (serializers.FloatField, StrictFloatField)
 _BOOLEANS = (serializers.BooleanField, StrictBooleanField)

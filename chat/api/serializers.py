@@ -18,6 +18,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from chat.api.strict_fields import (
+    NulReplacingCharField,
     StrictBooleanField,
     StrictCharField,
     StrictFloatField,
@@ -347,7 +348,7 @@ class GenMetadataSerializer(serializers.Serializer):
 class TextSubmitInputSerializer(serializers.Serializer):
     id = serializers.UUIDField()
     # Required, as upstream's parser: a text submit without it is refused (spec: Structured submit).
-    generation = serializers.CharField(allow_blank=True, trim_whitespace=False)
+    generation = NulReplacingCharField(allow_blank=True, trim_whitespace=False)
     state = serializers.ChoiceField(choices=GENERATION_STATES, default="ok")
     seed = serializers.IntegerField(default=0, min_value=-(2**63), max_value=2**63 - 1)
     gen_metadata = GenMetadataSerializer(many=True, required=False, default=list)

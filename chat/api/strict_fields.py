@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.validators import ProhibitNullCharactersValidator
 from rest_framework import serializers
+
+from contract.text import replace_nul
 
 _SHOWN_CHARACTERS = 80
 
@@ -68,3 +71,17 @@ class WorkerIdField(serializers.UUIDField):
             raise serializers.ValidationError(
                 f"{_shown(data)} is not a worker id: workers are named by their id (a UUID).", code="invalid"
             ) from None
+
+
+class NulReplacingCharField(serializers.CharField):
+    """A worker's text: a NUL is replaced (contract.text.NUL_REPLACEMENT, as the chat submit stores
+    it) rather than refused, so a job the worker did is not dropped for it (docs/adr/0116). A lone
+    surrogate is still refused."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.validators = [v for v in self.validators if not isinstance(v, ProhibitNullCharactersValidator)]
+
+    def to_internal_value(self, data):
+        value = super().to_internal_value(data)
+        return replace_nul(value)

@@ -42,6 +42,7 @@ from contract.chat_limits import MAX_CHAT_FAULT_REASON_LENGTH
 from contract.chat_progress import streams_progress
 from contract.chat_verify import parse_chat_submit, verify_chat_reply
 from contract.errors import HordeError
+from contract.text import replace_nul
 from workers.services import worker_record_job
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,6 @@ log = logging.getLogger(__name__)
 CHAT_REFUSAL_RCS = frozenset({"ChatSubmitInvalid", "ChatSubmitNonconformant", "ChatModelMismatch"})
 # chat_fault_rc of a fault the worker explained with a known fault_reason.
 CHAT_WORKER_FAULT_RC = "ChatWorkerFault"
-# PostgreSQL text and JSONB cannot hold NUL; every stored reply string gets this in its place.
-NUL_REPLACEMENT = "\ufffd"
 
 
 @dataclass(frozen=True)
@@ -441,7 +440,7 @@ def _chat_fault(generation: Generation, body: Mapping[str, Any]) -> Decimal:
 def _clean(value: Any) -> Any:
     """NUL replaced in every string of a reply (build_stored_reply)."""
     if isinstance(value, str):
-        return value.replace("\x00", NUL_REPLACEMENT)
+        return replace_nul(value)
     if isinstance(value, Mapping):
         return {_clean(k): _clean(v) for k, v in value.items()}
     if isinstance(value, list):

@@ -150,3 +150,26 @@ def test_a_text_submit_is_one_statement_priced_from_its_pop(horde, make_user, dj
     assert generation.state == Generation.State.OK and generation.kudos == reward
     assert KudosTransaction.objects.filter(generation_id=generation.pk).count() == 2
     assert GenerationRequest.objects.get(pk=request_id).consumed_kudos == Decimal("1") + reward
+
+
+def test_a_nul_in_a_text_submit_is_replaced_and_the_job_is_paid(horde, make_user):
+    """A NUL in a worker's text (which PostgreSQL's text cannot hold) is stored as U+FFFD, as the chat
+    submit stores it (build_stored_reply): a 400 would make the scribe drop a job it has done
+    (docs/adr/0116). A lone surrogate, which no UTF-8 text holds, is still refused."""
+    requester, owner = make_user("r", kudos=1000), make_user("o")
+    horde.text_async(requester.key, models=[MODEL], params={"n": 2})
+    first, second = horde.pop(owner.key, amount=2).json()["ids"]
+
+    surrogate = horde.client.post(
+        "/api/v2/generate/text/submit",
+        '{"id": "' + second + '", "generation": "lone \\ud800"}',
+        content_type="application/json",
+        HTTP_APIKEY=owner.key,
+    )
+    assert surrogate.status_code == 400
+    assert surrogate.json()["errors"] == {"generation": "Surrogate characters are not allowed: U+D800."}
+
+    answer = horde.submit(owner.key, first, "once\x00upon\x00")
+    assert answer.status_code == 200 and answer.json()["reward"] > 0
+    assert Generation.objects.get(pk=first).text == "once\ufffdupon\ufffd"
+    assert Generation.objects.get(pk=first).state == Generation.State.OK
