@@ -209,3 +209,19 @@ def test_a_request_without_a_key_is_documented_as_the_anonymous_users(horde, ser
     refused = horde.client.post("/api/v2/generate/text/pop", {"name": "anon-worker"}, format="json")
     assert (refused.status_code, refused.json()["rc"]) == (403, "AnonForbiddenWorker")
     assert_documented(served, "POST", "/api/v2/generate/text/pop", refused)
+
+
+def test_the_modes_body_is_documented_as_the_route_reads_it(horde, served, make_user):
+    """schemathesis sent `PUT /api/v2/status/modes` `{}`, valid by a schema that said "any object":
+    the route refuses any body without a boolean `maintenance` (ADR 0114)."""
+    operation = served["paths"]["/api/v2/status/modes"]["put"]
+    body = _inline(served, operation["requestBody"]["content"]["application/json"]["schema"])
+    assert body["required"] == ["maintenance"] and body["properties"]["maintenance"]["type"] == "boolean"
+    moderator = make_user("schema-moderator", moderator=True)
+    for sent in ({}, {"maintenance": "yes"}):
+        refused = horde.client.put("/api/v2/status/modes", sent, format="json", HTTP_APIKEY=moderator.key)
+        assert (refused.status_code, refused.json()["rc"]) == (400, "BadRequest")
+        assert_documented(served, "PUT", "/api/v2/status/modes", refused)
+    switched = horde.client.put("/api/v2/status/modes", {"maintenance": False}, format="json", HTTP_APIKEY=moderator.key)
+    assert switched.status_code == 200 and switched.json() == {"maintenance_mode": False}
+    assert_documented(served, "PUT", "/api/v2/status/modes", switched)

@@ -6,7 +6,8 @@ wire body already."""
 from __future__ import annotations
 
 from django.conf import settings
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -204,8 +205,12 @@ class ModesView(APIView):
     """PUT /api/v2/status/modes: a moderator switches maintenance mode."""
 
     @extend_schema(
-        request=dict,
-        responses={200: dict, **refusals(s400=["BadRequest"], s403=["NotModerator", "AnonForbidden"])},
+        # As the route reads it: a body without a boolean `maintenance` is refused (ADR 0114).
+        request=inline_serializer("HordeModesInput", {"maintenance": serializers.BooleanField()}),
+        responses={
+            200: inline_serializer("HordeModesOutput", {"maintenance_mode": serializers.BooleanField()}),
+            **refusals(s400=["BadRequest"], s403=["NotModerator", "AnonForbidden"]),
+        },
     )
     def put(self, request):
         maintenance = request.data.get("maintenance") if isinstance(request.data, dict) else None
