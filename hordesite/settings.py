@@ -312,7 +312,9 @@ STATIC_ROOT = str(VAR_DIR / "static")
 # --- DRF ------------------------------------------------------------------------------------
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["accounts.api.authentication.ApiKeyAuthentication"],
-    "DEFAULT_PERMISSION_CLASSES": [],
+    # Views decide who may act (a request without a key is the anonymous user's); AllowAny, not an
+    # empty list, so that the schema documents the key as optional (ADR 0114).
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.AllowAny"],
     "UNAUTHENTICATED_USER": None,
     # DRF's, escaping a lone surrogate an answer echoes (hordesite/renderers.py).
     "DEFAULT_RENDERER_CLASSES": ["hordesite.renderers.JSONRenderer"],

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from django.http import JsonResponse
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView
+from drf_spectacular.views import SpectacularJSONAPIView
 
 urlpatterns = [
     # Before the OpenAI routes, whose last pattern answers every other /v1/ path with a 404.
-    path("v1/openapi.json", SpectacularAPIView.as_view(), name="oai-openapi-schema"),
+    path("v1/openapi.json", SpectacularJSONAPIView.as_view(), name="oai-openapi-schema"),
     path("v1/", include("oai.urls")),
 ]
 

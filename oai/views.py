@@ -27,6 +27,7 @@ from drf_spectacular.utils import (
 from rest_framework import exceptions, serializers
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.negotiation import DefaultContentNegotiation
+from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 
 from oai import app
@@ -141,7 +142,9 @@ class AnswerAsTheBodyAsks(DefaultContentNegotiation):
 
 class FrontView(APIView):
     authentication_classes = [BearerKeyAuthentication]
-    permission_classes: list = []
+    # A keyless request is the anonymous user's unless HORDE_OAI_ALLOW_ANONYMOUS is off (then 401):
+    # AllowAny documents the key as optional (ADR 0114).
+    permission_classes = [AllowAny]
     throttle_classes: list = []
     content_negotiation_class = AnswerAsTheBodyAsks
 
@@ -269,7 +272,8 @@ class TextCompletionsView(FrontView):
             {
                 "model": serializers.CharField(required=False),
                 "models": serializers.ListField(child=serializers.CharField(), required=False),
-                "prompt": serializers.CharField(),
+                # The horde refuses a blank prompt (ADR 0114).
+                "prompt": serializers.CharField(min_length=1),
                 "max_tokens": serializers.IntegerField(required=False),
                 "temperature": serializers.FloatField(required=False),
                 "top_p": serializers.FloatField(required=False),

@@ -172,3 +172,56 @@ def test_the_links_lead_to_operations_that_take_what_the_answer_names(served, ho
     status = horde.status(created.json()["id"])
     assert status.status_code == 200
     assert_documented(served, "GET", "/api/v2/generate/text/status/{request_id}", status)
+
+
+@pytest.mark.parametrize(
+    ("path", "name"),
+    [("/api/v2/status/models", "min_count"), ("/api/v2/status/models", "max_count"), ("/api/v2/users", "page")],
+)
+def test_a_whole_number_query_parameter_takes_every_value_its_schema_allows(horde, served, path, name):
+    """schemathesis (ADR 0114) sent `max_count=-610416108`, an integer as the schema documented it:
+    the route refused it as "not a whole number", its sign counted as a tenth digit. The schema now
+    bounds the parameter, and the route takes every value within the bounds."""
+    (parameter,) = [p for p in served["paths"][path]["get"]["parameters"] if p["name"] == name]
+    lowest, highest = parameter["schema"]["minimum"], parameter["schema"]["maximum"]
+    for value in (-610416108, lowest, highest, 0):
+        response = horde.client.get(f"{path}?type=text&{name}={value}")
+        assert response.status_code == 200, (name, value, response.content)
+        assert_documented(served, "GET", path, response)
+    for value in (lowest - 1, highest + 1, "1.5"):
+        response = horde.client.get(f"{path}?type=text&{name}={value}")
+        assert response.status_code == 400 and response.json()["rc"] == "BadRequest", (name, value)
+        assert f"from {lowest} to {highest}" in response.json()["message"]
+        assert_documented(served, "GET", path, response)
+
+
+def test_a_request_without_a_key_is_documented_as_the_anonymous_users(horde, served):
+    """Every native route takes a request without a key as the anonymous user's (the route may then
+    refuse the anonymous user, with its rc): the schema said a key was required, and schemathesis
+    flagged each answer to a keyless request (`ignored_auth`, `missing_required_header`; ADR 0114)."""
+    for path, operations in served["paths"].items():
+        for method, operation in operations.items():
+            if any("ApiKey" in scheme or "HordeBearerKey" in scheme for scheme in operation.get("security") or []):
+                assert {} in operation["security"], (method, path)
+    anonymous = horde.client.get("/api/v2/find_user")
+    assert anonymous.status_code == 200 and anonymous.json()["username"].startswith("Anonymous#")
+    assert_documented(served, "GET", "/api/v2/find_user", anonymous)
+    refused = horde.client.post("/api/v2/generate/text/pop", {"name": "anon-worker"}, format="json")
+    assert (refused.status_code, refused.json()["rc"]) == (403, "AnonForbiddenWorker")
+    assert_documented(served, "POST", "/api/v2/generate/text/pop", refused)
+
+
+def test_the_modes_body_is_documented_as_the_route_reads_it(horde, served, make_user):
+    """schemathesis sent `PUT /api/v2/status/modes` `{}`, valid by a schema that said "any object":
+    the route refuses any body without a boolean `maintenance` (ADR 0114)."""
+    operation = served["paths"]["/api/v2/status/modes"]["put"]
+    body = _inline(served, operation["requestBody"]["content"]["application/json"]["schema"])
+    assert body["required"] == ["maintenance"] and body["properties"]["maintenance"]["type"] == "boolean"
+    moderator = make_user("schema-moderator", moderator=True)
+    for sent in ({}, {"maintenance": "yes"}):
+        refused = horde.client.put("/api/v2/status/modes", sent, format="json", HTTP_APIKEY=moderator.key)
+        assert (refused.status_code, refused.json()["rc"]) == (400, "BadRequest")
+        assert_documented(served, "PUT", "/api/v2/status/modes", refused)
+    switched = horde.client.put("/api/v2/status/modes", {"maintenance": False}, format="json", HTTP_APIKEY=moderator.key)
+    assert switched.status_code == 200 and switched.json() == {"maintenance_mode": False}
+    assert_documented(served, "PUT", "/api/v2/status/modes", switched)

@@ -9,6 +9,7 @@ from rest_framework.views import APIView
 from accounts import services
 from accounts.api.callers import registered_caller, requester, shared_key_of
 from accounts.api.openapi_errors import refusals
+from accounts.api.query_params import whole_number_parameter, whole_number_query
 from accounts.models import (
     KUDOS_TRANSFER_DEFAULT_AMOUNT,
     KUDOS_TRANSFER_IDEMPOTENCY_KEY_MAX_LENGTH,
@@ -60,18 +61,16 @@ class UsersView(APIView):
 
     @extend_schema(
         parameters=[
-            OpenApiParameter("page", int, description="From 1; 25 users a page"),
+            whole_number_parameter("page", description="From 1 (a page below 1 is the first); 25 users a page"),
             OpenApiParameter("sort", str, enum=["kudos", "age"]),
         ],
         responses={200: FindUserView.OutputSerializer(many=True), **refusals(s400=["BadRequest (page)"])},
     )
     def get(self, request):
-        page = request.query_params.get("page", "1")
-        if not (page.isascii() and page.lstrip("-").isdigit()) or len(page) > 9:
-            raise HordeError("BadRequest", "page must be a whole number.")
+        page = whole_number_query(request, "page")
         sort = request.query_params.get("sort", "kudos")
         # Upstream's reading: an unknown sort is kudos, a page below 1 is the first.
-        return Response(users_page(sort="age" if sort == "age" else "kudos", page=max(int(page), 1)))
+        return Response(users_page(sort="age" if sort == "age" else "kudos", page=max(page or 1, 1)))
 
 
 class UserDetailView(APIView):

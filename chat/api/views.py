@@ -6,12 +6,14 @@ wire body already."""
 from __future__ import annotations
 
 from django.conf import settings
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.api.callers import registered_caller, requester, shared_key_of
 from accounts.api.openapi_errors import OBJECT_LIST, refusals
+from accounts.api.query_params import whole_number_parameter, whole_number_query
 from accounts.ratelimit import check_submit_rate_limits
 from chat import selectors, services
 from chat.api import serializers as s
@@ -112,15 +114,6 @@ class HeartbeatView(APIView):
 MODEL_STATES = ("known", "custom", "all")
 
 
-def _count_param(request, name: str) -> int | None:
-    value = request.query_params.get(name)
-    if value is None:
-        return None
-    if not (value.isascii() and value.removeprefix("-").isdigit()) or len(value) > 9:
-        raise HordeError("BadRequest", f"{name} must be a whole number.")
-    return int(value)
-
-
 class ModelsStatusView(APIView):
     """GET /api/v2/status/models[?type=text][&chat=true][&model_state=][&min_count=][&max_count=]: the
     text models the online workers serve; with chat=true only those an online chat worker serves,
@@ -133,8 +126,8 @@ class ModelsStatusView(APIView):
             OpenApiParameter(
                 "model_state", str, enum=list(MODEL_STATES), description="In the text model reference, out of it, or either"
             ),
-            OpenApiParameter("min_count", int, description="Only models served by at least this many threads"),
-            OpenApiParameter("max_count", int, description="Only models served by at most this many threads"),
+            whole_number_parameter("min_count", description="Only models served by at least this many threads"),
+            whole_number_parameter("max_count", description="Only models served by at most this many threads"),
         ],
         responses={200: MODEL_ENTRIES, **refusals(s400=["BadRequest"])},
     )
@@ -155,8 +148,8 @@ class ModelsStatusView(APIView):
                 kind=kind,
                 chat=chat == "true",
                 model_state=model_state,
-                min_count=_count_param(request, "min_count"),
-                max_count=_count_param(request, "max_count"),
+                min_count=whole_number_query(request, "min_count"),
+                max_count=whole_number_query(request, "max_count"),
             )
         )
 
@@ -212,8 +205,12 @@ class ModesView(APIView):
     """PUT /api/v2/status/modes: a moderator switches maintenance mode."""
 
     @extend_schema(
-        request=dict,
-        responses={200: dict, **refusals(s400=["BadRequest"], s403=["NotModerator", "AnonForbidden"])},
+        # As the route reads it: a body without a boolean `maintenance` is refused (ADR 0114).
+        request=inline_serializer("HordeModesInput", {"maintenance": serializers.BooleanField()}),
+        responses={
+            200: inline_serializer("HordeModesOutput", {"maintenance_mode": serializers.BooleanField()}),
+            **refusals(s400=["BadRequest"], s403=["NotModerator", "AnonForbidden"]),
+        },
     )
     def put(self, request):
         maintenance = request.data.get("maintenance") if isinstance(request.data, dict) else None

@@ -55,6 +55,21 @@ def test_the_front_schema_lists_the_front_routes():
     }
 
 
+def test_the_front_schema_documents_a_request_without_a_key():
+    # The front serves a keyless request as the anonymous user (HORDE_OAI_ALLOW_ANONYMOUS, on by
+    # default; off, it is the documented 401): the key is optional (ADR 0114).
+    for path, operations in _front_schema()["paths"].items():
+        for method, operation in operations.items():
+            assert operation["security"] == [{"HordeBearerKey": []}, {}], (method, path)
+
+
+def test_the_front_schema_documents_a_blank_prompt_as_refused():
+    # schemathesis sent {"prompt": ""} to /v1/completions, valid by the schema; the horde refuses a
+    # blank prompt (400 "This field may not be blank."), so the schema says minLength 1 (ADR 0114).
+    body = _front_schema()["components"]["schemas"]["TextCompletionRequest"]
+    assert body["properties"]["prompt"]["minLength"] == 1
+
+
 @schema.parametrize()
 @hypothesis_settings(
     max_examples=FRONT_FUZZ_EXAMPLES_PER_OPERATION,

@@ -432,7 +432,18 @@ def test_unknown_v1_paths_on_the_standalone_front(settings):
     response = Client().post("/v1/embeddings", data={}, content_type="application/json")
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "unknown_url"
-    assert Client().get("/v1/openapi.json").status_code == 200
+
+
+def test_the_standalone_fronts_openapi_json_is_json(settings):
+    # It answered YAML (application/vnd.oai.openapi), which schemathesis, pointed at the URL its
+    # name promises JSON from, could not load (ADR 0114).
+    from django.test import Client
+
+    settings.ROOT_URLCONF = "oai.standalone_urls"
+    response = Client().get("/v1/openapi.json")
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("application/vnd.oai.openapi+json")  # as /api/v2/openapi.json
+    assert "/v1/chat/completions" in response.json()["paths"]
 
 
 # --- metrics -------------------------------------------------------------------------------------------
