@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from contract.aio import within
 from oai.front_lease import front_id
 from oai.horde_client import HordeClient, NativeUnreachable, SubmitAnswerLost
 from oai.metrics import FrontMetrics
@@ -114,7 +115,7 @@ class Cancels:
         if lost is None:
             return True
         try:
-            answer = await asyncio.wait_for(
+            answer = await within(
                 self.client.submit(lost.body, lost.headers, call_type="recovery", text=lost.text),
                 self.settings.cancel_timeout_seconds,
             )

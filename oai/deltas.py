@@ -26,6 +26,7 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from contract.aio import cancel_and_wait
 from contract.chat_progress import chat_progress_stream_key
 from oai import sse
 from oai.errors import ChatFrontError
@@ -298,10 +299,7 @@ class DeltaStreamReader:
     async def close(self) -> None:
         self._closing = True
         for task in (self._unblocking, self._task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+            await cancel_and_wait(task)
         await self._drop()
         await self._drop_control()
 

@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from contract.aio import cancel_and_wait, within
 from contract.front_lease import (
     FRONT_ID_HEADER,
     FRONT_LEASE_HEADER,
@@ -76,10 +77,7 @@ class FrontLeaseRenewer:
             self._task = asyncio.create_task(self._run(), name="oai-front-lease")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
+        await cancel_and_wait(self._task)
         if self._client is not None:
             with contextlib.suppress(Exception):
                 await self._client.aclose()
@@ -103,7 +101,7 @@ class FrontLeaseRenewer:
             pipe = self._client.pipeline(transaction=False)
             for request_id in ids:
                 pipe.set(front_lease_key(request_id), b"1", ex=self.lease_seconds)
-            await asyncio.wait_for(pipe.execute(), FRONT_LEASE_REDIS_TIMEOUT_SECONDS * 2)
+            await within(pipe.execute(), FRONT_LEASE_REDIS_TIMEOUT_SECONDS * 2)
         except Exception as error:  # the database path takes over; nothing fails
             if self.healthy:
                 log.warning("front lease renewal in Redis failed (%s): renewing through status reads", error)

@@ -37,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from contract.aio import within
 from contract.chat_limits import CHAT_IMAGE_FETCH_TOTAL_SECONDS
 from contract.front_lease import FRONT_ID_HEADER, FRONT_UNDELIVERED_HEADER, FRONT_UNDELIVERED_VALUE
 from contract.rate_limits import PROXIED_FOR_HEADER, PROXY_PASSKEY_HEADER
@@ -263,7 +264,7 @@ class HordeClient:
         holds_slot = slots is self._app_slots  # a cancel already holds its cancel slot
         if holds_slot:
             try:
-                await asyncio.wait_for(slots.acquire(), timeout=budget)
+                await within(slots.acquire(), budget)
             except TimeoutError:
                 self.metrics.native(call_type, "unreachable", time.perf_counter() - started)
                 raise NativeUnreachable("no native call slot became free in time") from None
@@ -272,8 +273,8 @@ class HordeClient:
             environ = self._environ(method, path, body, self._headers(headers))
             loop = asyncio.get_running_loop()
             try:
-                status, response_headers, content = await asyncio.wait_for(
-                    loop.run_in_executor(self._executor(), _call_wsgi, self.app, environ), timeout=budget
+                status, response_headers, content = await within(
+                    loop.run_in_executor(self._executor(), _call_wsgi, self.app, environ), budget
                 )
             except TimeoutError as error:
                 self.metrics.native(call_type, "unreachable", time.perf_counter() - started)
@@ -436,7 +437,7 @@ class HordeClient:
         with an error status. `headers`: a stopping front's (undelivered_headers)."""
         budget = self.settings.cancel_timeout_seconds
         try:
-            await asyncio.wait_for(self._cancel_slots.acquire(), timeout=budget)
+            await within(self._cancel_slots.acquire(), budget)
         except TimeoutError:
             return "not_started"
         try:

@@ -16,7 +16,6 @@ that fails to read them makes the referring request a retryable 503.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import json
@@ -24,6 +23,7 @@ import logging
 from time import monotonic
 from typing import Any
 
+from contract.aio import within
 from contract.process_cache import ProcessCache
 
 log = logging.getLogger("oai")
@@ -211,7 +211,7 @@ class ResponseItems:
         if monotonic() < self._down_until:
             raise ResponseItemsUnavailable(f"Redis failed less than {RESPONSE_ITEMS_BACKOFF_SECONDS:g} s ago")
         try:
-            await asyncio.wait_for(self._redis().ping(), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
+            await within(self._redis().ping(), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
         except Exception as error:
             await self._failed()
             raise ResponseItemsUnavailable(str(error)) from None
@@ -253,7 +253,7 @@ class ResponseItems:
         if monotonic() < self._down_until:
             raise ResponseItemsUnavailable(f"Redis failed less than {RESPONSE_ITEMS_BACKOFF_SECONDS:g} s ago")
         try:
-            kept = await asyncio.wait_for(
+            kept = await within(
                 self._redis().eval(
                     KEEP_FINISHED_SCRIPT, len(values), *values, owner, self.keep_seconds, *values.values()
                 ),
@@ -276,7 +276,7 @@ class ResponseItems:
             pipe = self._redis().pipeline(transaction=False)
             for key, value in values.items():
                 pipe.set(key, value, ex=self.keep_seconds)
-            await asyncio.wait_for(pipe.execute(), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
+            await within(pipe.execute(), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
         except Exception as error:
             await self._failed()
             raise ResponseItemsUnavailable(str(error)) from None
@@ -295,7 +295,7 @@ class ResponseItems:
             if monotonic() < self._down_until:
                 raise ResponseItemsUnavailable("Redis failed moments ago")
             try:
-                raw = await asyncio.wait_for(self._redis().mget(keys), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
+                raw = await within(self._redis().mget(keys), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
             except Exception as error:
                 log.warning("reading %d response items from Redis failed: %s", len(keys), error)
                 await self._failed()
@@ -327,7 +327,7 @@ class ResponseItems:
             pipe = self._redis().pipeline(transaction=False)
             for key in keys:
                 pipe.expire(key, self.keep_seconds)
-            await asyncio.wait_for(pipe.execute(), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
+            await within(pipe.execute(), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
         except Exception as error:
             log.warning("keeping %d read response items longer failed: %s", len(keys), error)
             await self._failed()
@@ -361,7 +361,7 @@ class ResponseItems:
                 self._local.forget(key)
             return True
         try:
-            await asyncio.wait_for(self._redis().delete(*keys), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
+            await within(self._redis().delete(*keys), RESPONSE_ITEMS_REDIS_TIMEOUT_SECONDS)
         except Exception as error:
             log.warning("deleting response %s from Redis failed: %s", response_id, error)
             await self._failed()

@@ -170,14 +170,17 @@ def load_telemetry_settings(env: Mapping[str, str] | None = None) -> TelemetrySe
     )
 
 
-# The front's intervals that pace a loop: each must be above 0.
-LOOP_INTERVALS = (
+# The front's intervals that pace a loop, and its bounds on a native call and a cancel: each must be
+# above 0 (a zero bound would send a call and give it no time to answer).
+SECONDS_ABOVE_ZERO = (
     "HORDE_OAI_SIGNAL_RECHECK_SECONDS",
     "HORDE_OAI_POLL_SECONDS",
     "HORDE_OAI_SIGNAL_PING_SECONDS",
     "HORDE_OAI_KEEPALIVE_SECONDS",
     "HORDE_OAI_CANCEL_RETRY_SECONDS",
     "HORDE_OAI_FRONT_LEASE_RENEW_SECONDS",
+    "HORDE_OAI_NATIVE_TIMEOUT_SECONDS",
+    "HORDE_OAI_CANCEL_TIMEOUT_SECONDS",
 )
 
 
@@ -189,7 +192,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> FrontSettings:
     redis_url = read.str("HORDE_OAI_REDIS_URL", default=None)
     if redis_url is None:  # unset: the horde's own Redis, where the completion signal is published
         redis_url = read.str("HORDE_CHAT_SIGNAL_REDIS_URL", default="") or read.str("REDIS_URL", default="")
-    for name in LOOP_INTERVALS:  # a zero would spin a loop: a waiter, a stream's keepalive, the retries
+    for name in SECONDS_ABOVE_ZERO:  # a zero would spin a loop: a waiter, a stream's keepalive, the retries
         if read.float(name, default=1.0) <= 0:
             raise environ.ImproperlyConfigured(f"{name} must be a number of seconds above 0")
     return FrontSettings(

@@ -11,6 +11,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from contract.aio import within
 from oai.admission import InflightLimiter
 from oai.cancels import Cancels
 from oai.deltas import build_delta_reader
@@ -120,7 +121,7 @@ class FrontState:
 async def _bounded(step, seconds: float) -> None:
     """Run one shutdown step for at most `seconds`; a step that fails or overruns is logged."""
     try:
-        await asyncio.wait_for(step, timeout=seconds)
+        await within(step, seconds)
     except Exception as error:  # TimeoutError included
         log.warning("front shutdown step did not finish cleanly: %r", error)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, overload
 
+from contract.aio import cancel_and_wait, within
 from contract.chat_signal import CHAT_SIGNAL_CHANNEL_PREFIX
 
 log = logging.getLogger("oai.waiter")
@@ -110,14 +111,11 @@ class CompletionSignalListener:
         if self._task is None:
             await self.start()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ready.wait(), 0.5)
+                await within(self._ready.wait(), 0.5)
 
     async def close(self) -> None:
         self._closing = True
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
+        await cancel_and_wait(self._task)
         await self._drop()
 
     async def register(self, request_id: str) -> Wake:
@@ -130,13 +128,13 @@ class CompletionSignalListener:
             return wake
         try:
             if len(wakes) == 1:
-                await asyncio.wait_for(self._pubsub.subscribe(channel), SIGNAL_COMMAND_TIMEOUT_SECONDS)
+                await within(self._pubsub.subscribe(channel), SIGNAL_COMMAND_TIMEOUT_SECONDS)
             # Listening once Redis answered after the subscribe: a PONG, which the reader awaits.
             # (Queued before it is sent, so the queue keeps the order of the PINGs on the wire; on a
             # hung Redis no PONG comes at all, so an order off by one never confirms a request.)
             wake.listening = False
             self._pings.append((time.monotonic(), wake))
-            await asyncio.wait_for(self._pubsub.ping(), SIGNAL_COMMAND_TIMEOUT_SECONDS)
+            await within(self._pubsub.ping(), SIGNAL_COMMAND_TIMEOUT_SECONDS)
         except Exception as error:  # the reader reconnects; the request polls meanwhile
             log.warning("completion signal subscribe failed: %s", error)
             self._fail()
@@ -152,7 +150,7 @@ class CompletionSignalListener:
             del self._wakes[channel]
             if self._pubsub is not None and self.healthy:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._pubsub.unsubscribe(channel), SIGNAL_COMMAND_TIMEOUT_SECONDS)
+                    await within(self._pubsub.unsubscribe(channel), SIGNAL_COMMAND_TIMEOUT_SECONDS)
 
     def _fail(self) -> None:
         self.healthy = False
@@ -184,7 +182,7 @@ class CompletionSignalListener:
         if self._wakes:
             await self._pubsub.subscribe(*self._wakes)
         # A hung server still accepts the connection and the commands: only a PONG shows it answers.
-        await asyncio.wait_for(self._pubsub.ping(), SIGNAL_COMMAND_TIMEOUT_SECONDS)
+        await within(self._pubsub.ping(), SIGNAL_COMMAND_TIMEOUT_SECONDS)
         await self._await_pong(time.monotonic() + SIGNAL_COMMAND_TIMEOUT_SECONDS)
         self.healthy = True
         for wakes in self._wakes.values():
@@ -207,7 +205,7 @@ class CompletionSignalListener:
                     if self._pings:
                         timeout = min(timeout, self._pings[0][0] + SIGNAL_COMMAND_TIMEOUT_SECONDS - time.monotonic())
                     timeout = max(0.01, timeout)
-                    message = await asyncio.wait_for(
+                    message = await within(
                         self._pubsub.get_message(ignore_subscribe_messages=False, timeout=timeout),
                         timeout + 2.0,
                     )
@@ -225,7 +223,7 @@ class CompletionSignalListener:
                     if not self._pings and now - last_ping >= interval:
                         last_ping = now
                         self._pings.append((now, None))
-                        await asyncio.wait_for(self._pubsub.ping(), SIGNAL_COMMAND_TIMEOUT_SECONDS)
+                        await within(self._pubsub.ping(), SIGNAL_COMMAND_TIMEOUT_SECONDS)
             except asyncio.CancelledError:
                 raise
             except Exception as error:
@@ -241,7 +239,7 @@ class CompletionSignalListener:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no PONG within {SIGNAL_COMMAND_TIMEOUT_SECONDS} s")
-            message = await asyncio.wait_for(
+            message = await within(
                 self._pubsub.get_message(ignore_subscribe_messages=False, timeout=left), left + 1.0
             )
             if message is not None and message.get("type") == "pong":

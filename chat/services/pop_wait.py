@@ -33,6 +33,8 @@ import threading
 from django.conf import settings
 from django.core.cache import cache
 
+from contract.aio import cancel_and_wait, within
+
 logger = logging.getLogger(__name__)
 
 QUEUE_SIGNAL_CHANNEL = "horde:queue:grew"
@@ -146,7 +148,7 @@ class PopWaiter:
         if self.event.is_set():
             return True
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.event.wait(), max(0.0, seconds))
+            await within(self.event.wait(), max(0.0, seconds))
         return self.event.is_set()
 
 
@@ -175,7 +177,7 @@ class QueueSignalListener:
         """Wait (briefly) for the first subscription, so a first pop's signal is not missed."""
         if self._task is not None and not self._subscribed.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._subscribed.wait(), timeout)
+                await within(self._subscribed.wait(), timeout)
 
     @property
     def listening(self) -> bool:
@@ -200,10 +202,7 @@ class QueueSignalListener:
                 waiter.event.set()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _run(self, redis_url: str) -> None:
         import redis.asyncio as aioredis
@@ -219,7 +218,7 @@ class QueueSignalListener:
                 await pubsub.subscribe(channel)  # sent, not yet confirmed: nothing is heard yet
                 idle = 0.0
                 while True:
-                    message = await asyncio.wait_for(pubsub.get_message(timeout=1.0), 3.0)
+                    message = await within(pubsub.get_message(timeout=1.0), 3.0)
                     kind = message.get("type") if message is not None else None
                     if kind == "message":
                         tokens = signalled_tokens(message.get("data"))
@@ -236,7 +235,7 @@ class QueueSignalListener:
                         continue
                     idle += 1.0
                     if idle >= self.ping_seconds:
-                        await asyncio.wait_for(pubsub.ping(), self.ping_seconds)
+                        await within(pubsub.ping(), self.ping_seconds)
                         idle = 0.0
             except asyncio.CancelledError:
                 raise

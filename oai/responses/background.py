@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from contract.aio import within
 from oai.errors import ChatFrontError
 from oai.horde_client import NativeAnswer, NativeUnreachable, request_gone
 from oai.mapping import Completion
@@ -253,7 +254,7 @@ async def collect(
                 seconds = settings.signal_recheck_seconds if listening else settings.poll_seconds
                 if wake is not None:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(wake.event.wait(), seconds)
+                        await within(wake.event.wait(), seconds)
                     wake.event.clear()
                 else:
                     await asyncio.sleep(seconds)

@@ -8,7 +8,7 @@ import json
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from oai.settings import LOOP_INTERVALS, load_settings
+from oai.settings import SECONDS_ABOVE_ZERO, load_settings
 from tests.hordesite.clone import clean_env, clone_like_copy, run_python
 
 DEPLOYED_DATABASE = "postgres://horde:secret@db.invalid:5432/horde"
@@ -114,10 +114,11 @@ def test_an_unreadable_image_network_does_not_start(clone):
     assert _settings(clone, HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS="10.0.0.0/8, 192.168.0.0/16 ,")
 
 
-@pytest.mark.parametrize("name", LOOP_INTERVALS)
+@pytest.mark.parametrize("name", SECONDS_ABOVE_ZERO)
 def test_the_front_refuses_an_interval_that_would_spin_its_loop(name):
     """A keepalive, poll or retry interval of 0 or less would send keepalives or reads as fast as
-    the process runs: the front does not start on it."""
+    the process runs, and a native call's or a cancel's bound of 0 would send it with no time to
+    answer: the front does not start on it."""
     for value in ("0", "-1"):
         with pytest.raises(ImproperlyConfigured, match=rf"^{name} must be a number of seconds above 0$"):
             load_settings({name: value})
