@@ -9,8 +9,9 @@
 #        Redis database HORDE_TEST_REDIS_DB (default 15), which the suite flushes between tests
 #   4. pytest on the embedded default (SQLite, no Redis) over the tests that apply there:
 #        -m "not postgres_only and not redis_only"
-# Arguments are passed to both pytest runs. PYTEST_WORKERS (default 2) sets pytest-xdist's -n;
-# 0 runs in one process.
+# Arguments are passed to both pytest runs. PYTEST_WORKERS sets pytest-xdist's -n (default: twice the
+# CPUs, from 2 to 8: most tests wait on the processes and sockets they start, so two per CPU keep the
+# CPUs busy; on 2 CPUs 4 workers took a pass from 13.9 to 8.3 minutes); 0 runs in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,7 +32,11 @@ run_pytest() {
     return "$rc"
 }
 
-workers=${PYTEST_WORKERS:-2}
+cpus=$(nproc 2>/dev/null || echo 1)
+default_workers=$((2 * cpus))
+((default_workers > 8)) && default_workers=8
+((default_workers < 2)) && default_workers=2
+workers=${PYTEST_WORKERS:-$default_workers}
 XDIST=()
 if [ "$workers" != "0" ]; then
     XDIST=(-n "$workers")
