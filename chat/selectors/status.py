@@ -189,8 +189,6 @@ def request_status(
         processing=processing,
         finished=finished,
     )
-    if not request.is_chat:
-        done = done and not request.faulted
     availability = _DONE if done else chat_request_availability(request, processing=processing, read=read)
     queue_position, wait_time = request_queue_stats(request, read=read, eligible=availability.eligible)
     generations = []
