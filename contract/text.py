@@ -75,6 +75,10 @@ CHAT_MAPPED_MAX_STOP_SEQUENCES = 32
 CHAT_MAPPED_MAX_STOP_SEQUENCE_CHARS = 1000
 
 
+# Upstream's refusal of a text request whose prompt is "" (one of spaces is a prompt).
+TEXT_MISSING_PROMPT_MESSAGE = "You cannot specify an empty prompt."
+
+
 # Upstream's other refusals of a text request's params (its validate_text_params), each a 400 with
 # its own rc: a completion longer than the context, and a custom sampler order that leaves samplers out.
 TEXT_TOKEN_OVERFLOW_MESSAGE = "You cannot request more tokens than your context length."

@@ -111,7 +111,8 @@ class TextAsyncInputSerializer(serializers.Serializer):
     this horde does not apply (webhook, style, proxied_account, extra_slow_workers,
     extra_source_images) are accepted as upstream accepts them and dropped."""
 
-    prompt = StrictCharField(trim_whitespace=False, allow_blank=False, max_length=4_000_000)
+    # Blank is upstream's 400 MissingPrompt, refused by the service (text_request_create).
+    prompt = StrictCharField(trim_whitespace=False, allow_blank=True, max_length=4_000_000)
     params = TextParamsSerializer(required=False)
     softprompt = StrictCharField(required=False, allow_blank=True, allow_null=True, max_length=255)
     trusted_workers = StrictBooleanField(default=False)

@@ -43,7 +43,12 @@ from chat.services.admission import (
 from contract.chat_limits import CHARS_PER_TOKEN_ESTIMATE
 from contract.chat_shapes import ChatContextAdjustmentReason
 from contract.errors import HordeError
-from contract.text import TEXT_MAX_CONTEXT_LENGTH_RANGE, TEXT_MAX_LENGTH_RANGE, text_params_refusal
+from contract.text import (
+    TEXT_MAX_CONTEXT_LENGTH_RANGE,
+    TEXT_MAX_LENGTH_RANGE,
+    TEXT_MISSING_PROMPT_MESSAGE,
+    text_params_refusal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +164,8 @@ def text_request_create(
     key is answered first, before anything that could refuse or charge it, as on the chat route.
     `shared_key`: the key `user` (its owner) was authenticated by."""
 
+    if not data.prompt:
+        raise HordeError("MissingPrompt", TEXT_MISSING_PROMPT_MESSAGE)
     operation_key = None if data.dry_run else data.operation_key
     fingerprint = text_operation_fingerprint(data) if operation_key is not None else ""
     if operation_key is not None:

@@ -40,7 +40,6 @@ def test_kobold_lite_request_is_accepted_as_sent(horde, make_user):
 @pytest.mark.parametrize(
     ("body", "field"),
     [
-        ({"prompt": ""}, "prompt"),
         ({}, "prompt"),
         ({"prompt": "x", "params": {"n": 21}}, "params.n"),
         ({"prompt": "x", "params": {"max_length": 15}}, "params.max_length"),
@@ -60,6 +59,20 @@ def test_schema_failures_list_the_field(horde, make_user, body, field):
     assert response.json()["message"] == "Input payload validation failed"
     assert field in response.json()["errors"]
     assert not GenerationRequest.objects.exists()
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_an_empty_prompt_is_upstreams_missing_prompt(horde, make_user, dry_run):
+    """Upstream's answer to `"prompt": ""` (a whitespace prompt is a prompt, as upstream's)."""
+    requester = make_user("r")
+    body = {"prompt": "", "dry_run": dry_run}
+    response = horde.client.post("/api/v2/generate/text/async", body, format="json", HTTP_APIKEY=requester.key)
+    assert (response.status_code, response.json()) == (
+        400, {"message": "You cannot specify an empty prompt.", "rc": "MissingPrompt"}
+    )
+    assert not GenerationRequest.objects.exists()
+    spaces = horde.client.post("/api/v2/generate/text/async", {"prompt": " "}, format="json", HTTP_APIKEY=requester.key)
+    assert spaces.status_code == 202, spaces.content
 
 
 def test_unparseable_body_is_a_validation_failure(horde):
