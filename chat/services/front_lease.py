@@ -146,10 +146,10 @@ def front_gone(request: GenerationRequest) -> bool:
 def cancel_for_dead_front(request_id: UUID, *, front_id: str | None = None) -> bool:
     """Cancel a request whose front is gone: no more jobs, the hold released, `cancelled` published,
     and its jobs in flight ended unpaid (their submits answer AbortedGen). A job whose submit holds
-    its row meanwhile is left to that submit; a request cancelled already has its jobs in flight
-    ended alike. `front_id`: only a request submitted under that front id, leased or not (a front's
-    own, cancel_undelivered: a background response's request holds no lease, docs/adr/0110). Returns
-    whether this call cancelled it or ended its jobs."""
+    its row meanwhile is left to that submit; a request cancelled or faulted already has its jobs
+    in flight ended alike. `front_id`: only a request submitted under that front id, leased or not
+    (a front's own, cancel_undelivered: a background response's request holds no lease,
+    docs/adr/0110). Returns whether this call cancelled it or ended its jobs."""
     with transaction.atomic():
         lock_jobs_in_flight(request_id)  # before the request: see there
         leased = GenerationRequest.objects.select_for_update().filter(pk=request_id)
@@ -161,8 +161,9 @@ def cancel_for_dead_front(request_id: UUID, *, front_id: str | None = None) -> b
         if request is None:  # handled already
             return False
         GenerationRequest.objects.filter(pk=request_id).update(front_lease_expires_at=None)
-        # A request its front cancelled before it died still has jobs in flight nobody can receive.
-        if request.faulted or request_completed(request_id, is_chat=request.is_chat):
+        # A request its front cancelled, or that faulted, before its front died still has jobs in
+        # flight nobody can receive (a faulted request is done while its other jobs still run).
+        if not request.faulted and request_completed(request_id, is_chat=request.is_chat):
             return False
         in_flight = list(
             Generation.objects.select_for_update(skip_locked=True)
@@ -174,7 +175,7 @@ def cancel_for_dead_front(request_id: UUID, *, front_id: str | None = None) -> b
             ended = Generation.objects.filter(pk__in=in_flight, state=Generation.State.PROCESSING).update(
                 state=Generation.State.CANCELLED, finished_at=timezone.now(), kudos=0
             )
-        if not request.cancelled:
+        if not request.cancelled and not request.faulted:
             request_cancel(request=request, settle_streams=False)
         elif not ended:
             return False

@@ -185,3 +185,40 @@ def test_a_job_of_a_request_cancelled_before_its_front_died_is_refused_at_submit
     assert cancelled.status_code == 200, cancelled.content
     _late_submit_ends_unpaid(horde, requester, owner, created, job, kind)
     assert horde.client.get(f"/api/v2/generate/{route}/status/{created}").json()["done"] is True
+
+
+def test_a_job_of_a_request_faulted_before_its_front_died_is_refused_at_submit_and_nobody_pays(horde, make_user):
+    """A text request of two jobs whose other job faulted past the limit (the request faulted, one
+    job still in flight) and whose front then died: nobody can receive that job's reply, so it ends
+    unpaid and its submit is AbortedGen, as for a cancelled request. Before, the submit was answered
+    DuplicateGen with the job left processing and the lease cleared, so the worker's retry was paid
+    and the requester charged for a reply no client could receive."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        front_id = new_front_id(child.pid)
+        requester = make_user("r", kudos=1000)
+        owner = make_user("owner", trusted=True)
+        body = {"prompt": "Once upon a time", "params": {"max_length": 64, "n": 2}, "models": [MODEL]}
+        created = horde.client.post(
+            "/api/v2/generate/text/async", body, format="json", HTTP_APIKEY=requester.key, **leased(front_id)
+        ).json()["id"]
+        kept = horde.pop(owner.key, models=[MODEL]).json()
+        assert kept["id"], kept
+        for _ in range(3):  # FAULTED_GENERATIONS_LIMIT (2) exceeded: the request faults
+            job = horde.pop(owner.key, models=[MODEL]).json()
+            assert job["id"], job
+            assert horde.submit(owner.key, job["id"], "", state="faulted").status_code == 200
+        assert GenerationRequest.objects.get(pk=created).faulted
+    finally:
+        child.kill()
+        child.wait()
+    assert front_process_gone(front_id)
+    kudos = requester.refresh().kudos
+    for _ in range(2):  # the submit, then the worker's retry
+        late = horde.submit(owner.key, kept["id"], " Nobody reads this.")
+        assert late.status_code == 400 and late.json()["rc"] == "AbortedGen", late.content
+    generation = Generation.objects.get(pk=kept["id"])
+    assert generation.state == Generation.State.CANCELLED and generation.kudos == 0
+    assert requester.refresh().kudos == kudos and requester.refresh().kudos_held == 0
+    assert charges() == 0
+    assert GenerationRequest.objects.get(pk=created).faulted
