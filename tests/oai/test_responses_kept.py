@@ -89,7 +89,9 @@ def test_the_input_items_page_by_limit_and_after(front, client, start_worker):
 @pytest.mark.parametrize(
     ("params", "param"),
     [({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
-     ({"after": "msg_none"}, "after")],
+     ({"after": "msg_none"}, "after"),
+     # A digit str.isdigit takes and int() does not: a 400, not a 500 the SDKs would retry.
+     ({"limit": "\u00b2"}, "limit")],
 )
 def test_a_bad_input_items_query_is_a_400_naming_it(front, client, start_worker, params, param):
     start_worker()
