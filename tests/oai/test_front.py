@@ -650,6 +650,18 @@ def test_a_refused_request_carrying_a_retry_count_is_counted(front, client):
     assert front.metrics()["horde.oai.client_retry_hints"][0][1] == 1
 
 
+def test_a_retry_count_that_is_not_a_number_is_not_counted(front, requester):
+    """The header is the client's: a value str.isdigit takes and int() does not ("\u00b2", one latin-1
+    byte) leaves the request as it is, refused here for its empty messages, not a 500."""
+    response = httpx.post(
+        f"{front.live.v1}/chat/completions",
+        json={"model": MODEL, "messages": []},
+        headers={"Authorization": f"Bearer {requester.key}", "x-stainless-retry-count": b"\xb2"},
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    assert "horde.oai.client_retry_hints" not in front.metrics()
+
+
 def test_metrics_of_a_delivered_completion(front, client, start_worker):
     start_worker()
     client.chat.completions.with_raw_response.create(
