@@ -146,7 +146,7 @@ async def _completions(
     metrics = state.metrics
     # Counted for every request that carries it, refused ones included.
     retry_count = headers.get("x-stainless-retry-count", "0")
-    if retry_count.isdigit() and int(retry_count) > 0:
+    if retry_count.isascii() and retry_count.isdigit() and int(retry_count) > 0:  # isdigit alone takes "²"
         metrics.client_retry_hints.add(1)
     try:
         api_key = _caller_key(state, api_key)

@@ -38,7 +38,8 @@ ALLOWED_HEADERS = (
     "x-stainless-runtime-version, x-stainless-timeout, openai-organization, openai-project, http-referer, x-title"
 )
 EXPOSED_HEADERS = "Retry-After, x-should-retry"
-ALLOWED_METHODS = "GET, POST, OPTIONS"
+# DELETE: a kept response (DELETE /v1/responses/{id}, ADR 0103), not a CORS-safelisted method.
+ALLOWED_METHODS = "GET, POST, DELETE, OPTIONS"
 
 
 # --- CORS, for the front and the native API (hordesite.middleware) -----------------------------

@@ -19,8 +19,19 @@ DONE_EVENT = b"data: [DONE]\n\n"
 KEEPALIVE_EVENT = b": keepalive\n\n"
 
 
+# Characters JSON may leave unescaped in a string (NEL, LINE and PARAGRAPH SEPARATOR) that readers
+# splitting lines with str.splitlines() take for line ends (httpx's iter_lines, httpx-sse before 0.4.2):
+# escaped, a data line stays one line for them; the decoded text is the same.
+UNICODE_LINE_ENDS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def event_json(data: dict[str, Any]) -> bytes:
+    """`data` as one line of an event's data: compact JSON, UTF-8, those line ends escaped."""
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False).translate(UNICODE_LINE_ENDS).encode()
+
+
 def _event(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + event_json(data) + b"\n\n"
 
 
 def _chunk(completion: Completion, delta: dict[str, Any], **choice: Any) -> dict[str, Any]:

@@ -270,13 +270,14 @@ def _prompt(value: Any) -> str:
     if isinstance(value, list):
         if len(value) == 1 and isinstance(value[0], str):
             return value[0]
+        # OpenAI's token id forms, int[] (one prompt) and int[][]: told apart from several prompts first.
+        if value and (_is_int(value[0]) or (isinstance(value[0], list) and value[0] and _is_int(value[0][0]))):
+            raise _unsupported("prompt", "Token id prompts are not supported by the AI Horde: send text.")
         if len(value) > 1:
             raise _unsupported(
                 "prompt",
                 f"'prompt' holds {len(value)} prompts; the AI Horde serves one prompt per request.",
             )
-        if value and _is_int(value[0]):
-            raise _unsupported("prompt", "Token id prompts are not supported by the AI Horde: send text.")
     raise _type_error("prompt", "a string or an array of one string")
 
 

@@ -4,13 +4,12 @@ status, with the stop sequence cut off as OpenAI does. It imports nothing of the
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 from contract.chat_shapes import ChatContextAdjustmentReason
 from oai.mapping import build_system_fingerprint, estimate_tokens
-from oai.sse import DONE_EVENT
+from oai.sse import DONE_EVENT, event_json
 
 TEXT_COMPLETION_ID_PREFIX = "cmpl-"
 WORKER_MAX_LENGTH = ChatContextAdjustmentReason.WORKER_MAX_LENGTH.value
@@ -101,7 +100,7 @@ def build_text_completion(completion: TextCompletion) -> dict[str, Any]:
 
 
 def _event(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + event_json(data) + b"\n\n"
 
 
 def build_text_completion_events(completion: TextCompletion, *, include_usage: bool) -> list[bytes]:

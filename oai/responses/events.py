@@ -33,6 +33,7 @@ from oai.responses.reply import (
     reasoning_item,
 )
 from oai.responses.request import ResponsesRequest, namespaced_name
+from oai.sse import event_json
 from oai.streaming import StartedStream
 
 # What a stream that failed here ends with (its `error` event and `response.failed`).
@@ -44,7 +45,7 @@ INTERNAL_ERROR = {
 
 
 def _sse(data: dict[str, Any]) -> bytes:
-    payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+    payload = event_json(data)
     return b"event: " + data["type"].encode() + b"\ndata: " + payload + b"\n\n"
 
 

@@ -102,7 +102,7 @@ def input_items_page(record: Mapping[str, Any], response_id: str, query: Mapping
     if order == "desc":
         items.reverse()
     raw_limit = query.get("limit", str(INPUT_ITEMS_DEFAULT_LIMIT))
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= INPUT_ITEMS_MAX_LIMIT:
+    if not (raw_limit.isascii() and raw_limit.isdigit()) or not 1 <= int(raw_limit) <= INPUT_ITEMS_MAX_LIMIT:
         raise _query_error(
             "limit", f"Invalid value for 'limit': '{raw_limit}'; expected an integer from 1 to {INPUT_ITEMS_MAX_LIMIT}."
         )

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.oai.conftest import MODEL, OTHER_MODEL, HordeTestWorker, wait_for
+from tests.oai.conftest import MODEL, OTHER_MODEL, HordeTestWorker, text_reply, wait_for
 from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
@@ -578,6 +578,33 @@ def test_an_event_stream_accept_header_is_answered_as_the_body_asks(front, reque
     assert refused.headers["content-type"].startswith("application/json")
 
 
+# Characters JSON leaves unescaped in a string that str.splitlines() (httpx's iter_lines, httpx-sse
+# before 0.4.2, and the SSE readers built on them) takes for line ends: NEL, LINE and PARAGRAPH SEPARATOR.
+UNICODE_LINE_ENDS = "a\u0085b\u2028c\u2029d"
+
+
+def _data_lines(url: str, key: str, body: dict) -> list[dict]:
+    """Every data event of a stream, read as universal-newline line readers read it: each line is
+    whole JSON."""
+    with httpx.stream("POST", url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=20) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    return [json.loads(line[len("data: ") :]) for line in lines]
+
+
+def test_a_reply_with_unicode_line_separators_streams_one_json_per_line(front, requester, start_worker, start_text_worker):
+    start_worker(reply=text_reply(UNICODE_LINE_ENDS))
+    chunks = _data_lines(
+        f"{front.live.v1}/chat/completions", requester.key, {"model": MODEL, "messages": USER, "stream": True}
+    )
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == UNICODE_LINE_ENDS
+    events = _data_lines(f"{front.live.v1}/responses", requester.key, {"model": MODEL, "input": "Hi", "stream": True})
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == UNICODE_LINE_ENDS
+    start_text_worker(generation=lambda job: UNICODE_LINE_ENDS)
+    chunks = _data_lines(f"{front.live.v1}/completions", requester.key, {"model": MODEL, "prompt": "Hi", "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == UNICODE_LINE_ENDS
+
+
 # --- model cards ------------------------------------------------------------------------------------
 
 
@@ -648,6 +675,18 @@ def test_a_refused_request_carrying_a_retry_count_is_counted(front, client):
             model=MODEL, messages=[], extra_headers={"x-stainless-retry-count": "2"}
         )
     assert front.metrics()["horde.oai.client_retry_hints"][0][1] == 1
+
+
+def test_a_retry_count_that_is_not_a_number_is_not_counted(front, requester):
+    """The header is the client's: a value str.isdigit takes and int() does not ("\u00b2", one latin-1
+    byte) leaves the request as it is, refused here for its empty messages, not a 500."""
+    response = httpx.post(
+        f"{front.live.v1}/chat/completions",
+        json={"model": MODEL, "messages": []},
+        headers={"Authorization": f"Bearer {requester.key}", "x-stainless-retry-count": b"\xb2"},
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    assert "horde.oai.client_retry_hints" not in front.metrics()
 
 
 def test_metrics_of_a_delivered_completion(front, client, start_worker):

@@ -89,7 +89,9 @@ def test_the_input_items_page_by_limit_and_after(front, client, start_worker):
 @pytest.mark.parametrize(
     ("params", "param"),
     [({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
-     ({"after": "msg_none"}, "after")],
+     ({"after": "msg_none"}, "after"),
+     # A digit str.isdigit takes and int() does not: a 400, not a 500 the SDKs would retry.
+     ({"limit": "\u00b2"}, "limit")],
 )
 def test_a_bad_input_items_query_is_a_400_naming_it(front, client, start_worker, params, param):
     start_worker()
@@ -118,6 +120,29 @@ def test_a_deleted_response_is_gone_with_its_items(client, start_worker):
     assert referred.value.body["code"] == "item_not_found"
     with pytest.raises(openai.NotFoundError):
         client.responses.delete(first.id)
+
+
+def test_a_browser_may_delete_a_kept_response(front, client, requester, start_worker):
+    """openai-node in a browser (dangerouslyAllowBrowser) deletes with DELETE, which is not a
+    CORS-safelisted method: its preflight must allow DELETE, or the browser never sends it."""
+    start_worker()
+    created = client.responses.create(model=MODEL, input="Hi")
+    url = f"{front.live.v1}/responses/{created.id}"
+    preflight = httpx.options(
+        url,
+        headers={
+            "Origin": "http://localhost:5173",
+            "Access-Control-Request-Method": "DELETE",
+            "Access-Control-Request-Headers": "authorization",
+        },
+    )
+    assert preflight.status_code == 204
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    allowed = [method.strip() for method in preflight.headers["access-control-allow-methods"].split(",")]
+    assert "DELETE" in allowed
+    deleted = httpx.delete(url, headers={"Origin": "http://localhost:5173", "Authorization": f"Bearer {requester.key}"})
+    assert deleted.status_code == 200 and deleted.json() == {"id": created.id, "object": "response", "deleted": True}
+    assert deleted.headers["access-control-allow-origin"] == "*"
 
 
 def test_another_keys_response_is_not_found_nor_deleted(front, client, start_worker, make_user):

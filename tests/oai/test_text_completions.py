@@ -343,6 +343,25 @@ def test_refusals(front, requester, keys, exception, param, code):
     assert caught.value.body["param"] == param
 
 
+@pytest.mark.parametrize("prompt", [[1, 2, 3], [[1, 2, 3]], [[1, 2], [3]]])
+def test_a_token_id_prompt_is_refused_as_token_ids(front, requester, prompt):
+    """OpenAI's prompt may be token ids (int[] or int[][], as lm-evaluation-harness sends them): one
+    prompt of three tokens is refused as token ids, not as three prompts nor as a wrong type."""
+    response = httpx.post(
+        f"{front.live.v1}/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 32},
+        headers={"Authorization": f"Bearer {requester.key}"},
+        timeout=20,
+    )
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": "Token id prompts are not supported by the AI Horde: send text.",
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": "UnsupportedChatParameter",
+    }
+
+
 def test_chat_route_stop_refusal_names_the_openai_param(client, start_worker):
     start_worker()
     with pytest.raises(openai.BadRequestError) as caught:
