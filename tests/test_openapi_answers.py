@@ -213,15 +213,20 @@ def test_a_request_without_a_key_is_documented_as_the_anonymous_users(horde, ser
 
 def test_the_modes_body_is_documented_as_the_route_reads_it(horde, served, make_user):
     """schemathesis sent `PUT /api/v2/status/modes` `{}`, valid by a schema that said "any object":
-    the route refuses any body without a boolean `maintenance` (ADR 0114)."""
+    the route refuses any body without a boolean `maintenance_mode` (upstream's key; ADR 0114)."""
     operation = served["paths"]["/api/v2/status/modes"]["put"]
     body = _inline(served, operation["requestBody"]["content"]["application/json"]["schema"])
-    assert body["required"] == ["maintenance"] and body["properties"]["maintenance"]["type"] == "boolean"
+    assert body["required"] == ["maintenance_mode"] and body["properties"]["maintenance_mode"]["type"] == "boolean"
     moderator = make_user("schema-moderator", moderator=True)
-    for sent in ({}, {"maintenance": "yes"}):
+    for sent in ({}, {"maintenance_mode": "yes"}):
         refused = horde.client.put("/api/v2/status/modes", sent, format="json", HTTP_APIKEY=moderator.key)
         assert (refused.status_code, refused.json()["rc"]) == (400, "BadRequest")
         assert_documented(served, "PUT", "/api/v2/status/modes", refused)
-    switched = horde.client.put("/api/v2/status/modes", {"maintenance": False}, format="json", HTTP_APIKEY=moderator.key)
+    switched = horde.client.put(
+        "/api/v2/status/modes", {"maintenance_mode": False}, format="json", HTTP_APIKEY=moderator.key
+    )
     assert switched.status_code == 200 and switched.json() == {"maintenance_mode": False}
     assert_documented(served, "PUT", "/api/v2/status/modes", switched)
+    read = horde.client.get("/api/v2/status/modes")
+    assert read.json() == {"maintenance_mode": False, "invite_only_mode": False}
+    assert_documented(served, "GET", "/api/v2/status/modes", read)

@@ -202,19 +202,34 @@ class PerformanceView(APIView):
 
 
 class ModesView(APIView):
-    """PUT /api/v2/status/modes: a moderator switches maintenance mode."""
+    """GET /api/v2/status/modes: the horde's modes, as upstream's; PUT: a moderator switches
+    maintenance mode (upstream's key `maintenance_mode`, or `maintenance`)."""
 
     @extend_schema(
-        # As the route reads it: a body without a boolean `maintenance` is refused (ADR 0114).
-        request=inline_serializer("HordeModesInput", {"maintenance": serializers.BooleanField()}),
+        responses={
+            200: inline_serializer(
+                "HordeModes",
+                {"maintenance_mode": serializers.BooleanField(), "invite_only_mode": serializers.BooleanField()},
+            )
+        },
+    )
+    def get(self, request):
+        return Response(selectors.horde_modes())
+
+    @extend_schema(
+        # As the route reads it: a body without a boolean switch is refused (ADR 0114). The
+        # horde's first key, `maintenance`, is still read and left out of the schema.
+        request=inline_serializer("HordeModesInput", {"maintenance_mode": serializers.BooleanField()}),
         responses={
             200: inline_serializer("HordeModesOutput", {"maintenance_mode": serializers.BooleanField()}),
             **refusals(s400=["BadRequest"], s403=["NotModerator", "AnonForbidden"]),
         },
     )
     def put(self, request):
-        maintenance = request.data.get("maintenance") if isinstance(request.data, dict) else None
-        if not isinstance(maintenance, bool):
-            raise HordeError("BadRequest", "maintenance must be true or false.")
+        body = request.data if isinstance(request.data, dict) else {}
+        given = [body[key] for key in ("maintenance_mode", "maintenance") if key in body]
+        maintenance = given[0] if given else None
+        if not isinstance(maintenance, bool) or any(value is not maintenance for value in given):
+            raise HordeError("BadRequest", "maintenance_mode must be true or false.")
         services.horde_modes_set(actor=registered_caller(request, rc="NotModerator"), maintenance=maintenance)
         return Response({"maintenance_mode": maintenance})

@@ -20,8 +20,8 @@ from chat.metrics import free_allowance_decisions, free_allowance_estimated_wait
 from chat.models import Generation, GenerationRequest, RequestModel, RequestWorker
 from chat.pricing import context_multiplier
 from chat.selectors.allowance import QueueWait, estimate_queue_wait_seconds, free_output_allowance
+from chat.selectors.modes import horde_in_maintenance
 from chat.selectors.queue import request_queue_lists
-from chat.services.maintenance import horde_in_maintenance
 from chat.services.pop_cache import queue_grew
 from contract.errors import HordeError
 from contract.text import QUEUE_PRIORITY_STEP, QUEUE_PRIORITY_STEP_SECONDS, TEXT_HORDE_TAX

@@ -14,14 +14,6 @@ from contract.errors import HordeError
 log = logging.getLogger(__name__)
 
 
-def horde_in_maintenance() -> bool:
-    from django.conf import settings
-
-    if settings.HORDE_MAINTENANCE:
-        return True
-    return HordeModes.objects.filter(maintenance=True).exists()
-
-
 def horde_modes_set(*, actor: HordeUser, maintenance: bool) -> None:
     """A moderator switches maintenance mode; switching it on aborts every waiting request."""
     if not actor.moderator:

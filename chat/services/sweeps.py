@@ -18,9 +18,10 @@ from chat import metrics
 from chat.gate_shadow import record_aborted_outcome
 from chat.models import Generation, GenerationRequest
 from chat.object_store import chat_objects_delete, listed_chat_objects, retry_chat_object_deletes
+from chat.selectors.modes import horde_in_maintenance
 from chat.selectors.status import request_completed, stored_result_count
 from chat.services.faults import requeue_dropped_job
-from chat.services.maintenance import abort_waiting_for_maintenance, horde_in_maintenance
+from chat.services.maintenance import abort_waiting_for_maintenance
 from chat.services.progress import (
     JOB_LEASE_WRITE_STEP_SECONDS,
     end_progress_after_fault,

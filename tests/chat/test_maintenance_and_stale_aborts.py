@@ -65,6 +65,30 @@ def test_switching_maintenance_off_aborts_nothing(horde, people):
     assert horde.status(request_id).json()["waiting"] == 1
 
 
+def test_the_modes_read_and_switched_as_upstreams_admin_tools_do(horde, people):
+    """Upstream's GET /status/modes (no key needed) and its PUT key `maintenance_mode`; this horde
+    has no invite-only mode, so it reads false."""
+    requester, _, moderator = people
+    request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
+    read = horde.client.get(MODES)
+    assert (read.status_code, read.json()) == (200, {"maintenance_mode": False, "invite_only_mode": False})
+    switched = horde.client.put(MODES, {"maintenance_mode": True}, format="json", HTTP_APIKEY=moderator.key)
+    assert (switched.status_code, switched.json()) == (200, {"maintenance_mode": True})
+    assert horde.client.get(MODES).json() == {"maintenance_mode": True, "invite_only_mode": False}
+    assert horde.status(request_id).json()["done"] is True  # aborted, as the `maintenance` key does
+    refused = horde.client.put(MODES, {"maintenance_mode": False}, format="json", HTTP_APIKEY=requester.key)
+    assert (refused.status_code, refused.json()["rc"]) == (403, "NotModerator")
+    both = horde.client.put(
+        MODES, {"maintenance_mode": False, "maintenance": True}, format="json", HTTP_APIKEY=moderator.key
+    )
+    assert (both.status_code, both.json()["rc"]) == (400, "BadRequest")
+    for body in ({"maintenance_mode": []}, {"maintenance": {}}, {"maintenance_mode": 1}, {"invite_only_mode": True}):
+        odd = horde.client.put(MODES, body, format="json", HTTP_APIKEY=moderator.key)
+        assert (odd.status_code, odd.json()["rc"]) == (400, "BadRequest"), body
+    _switch(horde, moderator.key, False)
+    assert horde.client.get(MODES).json()["maintenance_mode"] is False
+
+
 def test_the_sweep_aborts_what_still_waits_in_maintenance(horde, people, settings):
     requester, _, _ = people
     request_id = horde.text_async(requester.key, models=[MODEL]).json()["id"]
