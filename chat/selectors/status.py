@@ -65,8 +65,8 @@ def stored_result_count(request_id: UUID) -> int:
 
 def request_is_done(*, faulted: bool, cancelled: bool, n: int, waiting: int, processing: int, finished: int) -> bool:
     """The one rule for done: faulted, or nothing waiting or processing and either every requested
-    result stored or the rest cancelled (docs/adr/0003-text-cancel-and-done.md). The text status
-    body shows a faulted request as not done (upstream's text status), see request_status."""
+    result stored or the rest cancelled (docs/adr/0003-text-cancel-and-done.md), for text and chat
+    alike, as upstream's is_completed() (docs/adr/0006, amended)."""
     return faulted or (waiting == 0 and processing == 0 and (finished >= n or cancelled))
 
 
