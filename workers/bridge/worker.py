@@ -68,6 +68,11 @@ def _cut_at_length(response: dict[str, Any]) -> bool:
     return choice.get("finish_reason") == "length"
 
 
+class _StoppedStarting(BaseException):
+    """A second signal while the bridge starts: the call under way is left (a backend loading a model
+    may answer the probe minutes later), and run() ends. No job is held yet."""
+
+
 class Backoff:
     """Exponential backoff with jitter: 1, 2, 4 ... `cap` seconds."""
 
@@ -213,6 +218,7 @@ class Bridge:
         # Set by run() as it closes the clients; a thread still serving a job then leaves it to its lease.
         self.closed = threading.Event()
         self.pop_wait = config.pop_wait  # 0 once the horde refused the key
+        self._starting = False  # run() is in start(): a second signal ends it there (_StoppedStarting)
         # The backend's context read again while serving (Ollama reloads models, ADR 0081): when it
         # was last read, why it should be read before the next pop ("fault" loads the model first,
         # "length" reads only), and the jobs served since the last read.
@@ -346,6 +352,10 @@ class Bridge:
     def _on_signal(self, signum: int, _frame: Any) -> None:
         name = signal.Signals(signum).name
         if self.stop_deadline is not None:
+            if self._starting:  # the first one waits for the call under way, which may take minutes
+                self.log(f"{name} again: stopping now")
+                self.request_stop(immediately=True)
+                raise _StoppedStarting(name)
             self.log(f"{name} again: faulting held jobs now")
             self.request_stop(immediately=True)
             return
@@ -361,11 +371,18 @@ class Bridge:
         if install_signals and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._on_signal)
             signal.signal(signal.SIGTERM, self._on_signal)
+        self._starting = True
         try:
             self.start()
+            self._starting = False
         except SystemExit as error:
             self.log(str(error))
             return 2
+        except _StoppedStarting:
+            self._starting = False
+            self.log("stopped while starting")
+            self.close_clients()
+            return 0
         threads = [
             threading.Thread(target=self._thread_loop, name=f"bridge-{i}", daemon=True)
             for i in range(self.threads)
