@@ -125,7 +125,7 @@ class Stats:
     started: float = field(default_factory=time.monotonic)
     ok: int = 0
     faulted: int = 0
-    dropped: int = 0  # lease lapsed, duplicate, or the horde unreachable until too late
+    dropped: int = 0  # lease lapsed, or the horde unreachable until too late
     tokens: int = 0
     generation_seconds: float = 0.0
     kudos: float = 0.0
@@ -747,12 +747,15 @@ class Bridge:
         if not claimed and not held.claim("job"):
             return None  # the main thread faulted it at stop
         backoff = Backoff(cap=10.0)
+        faulting = body.get("state") == "faulted"
+        unanswered = False  # an attempt went out and its answer was lost: the horde may have stored it
         while True:
             try:
                 answer = self.horde.submit(body)
                 reward = answer.get("reward", 0) if isinstance(answer, dict) else 0
                 return "ok", reward if isinstance(reward, int | float) else 0
             except HordeUnavailable as error:
+                unanswered = True
                 if time.monotonic() > held.lease_end + SUBMIT_GRACE_AFTER_LEASE:
                     self._record_dropped(held, f"the horde stayed unreachable past the lease ({error})")
                     return None
@@ -760,6 +763,12 @@ class Bridge:
                 self.log(f"job {held.id[:8]}: submit failed ({error}); retrying in {delay:.0f} s")
                 time.sleep(delay)
             except HordeRefused as error:
+                # A job's outcome is sent once (HeldJob.claim), so a reply found stored is this one, sent
+                # before and its answer lost (the client sends a request a dropped connection left
+                # unanswered again at once); a fault found faulted after a lost answer, likewise.
+                if (error.rc == "DuplicateGen" and not faulting) or (error.rc == "AbortedGen" and faulting and unanswered):
+                    self.log(f"job {held.id[:8]}: stored by a submit whose answer was lost ({error.rc})")
+                    return "ok", 0
                 if error.rc == "AbortedGen":
                     self._record_dropped(held, "the horde aborted the job before the submit: its lease lapsed or its request was cancelled (AbortedGen)")
                     return None
