@@ -766,8 +766,12 @@ class Bridge:
                 # A job's outcome is sent once (HeldJob.claim), so a reply found stored is this one, sent
                 # before and its answer lost (the client sends a request a dropped connection left
                 # unanswered again at once); a fault found faulted after a lost answer, likewise.
-                if (error.rc == "DuplicateGen" and not faulting) or (error.rc == "AbortedGen" and faulting and unanswered):
-                    self.log(f"job {held.id[:8]}: stored by a submit whose answer was lost ({error.rc})")
+                if error.rc == "DuplicateGen" and not faulting:
+                    self.log(f"job {held.id[:8]}: the reply was stored by a submit whose answer was lost (DuplicateGen)")
+                    return "ok", 0
+                if error.rc == "AbortedGen" and faulting and unanswered:
+                    self.log(f"job {held.id[:8]}: already faulted, by the fault sent before, whose answer was lost "
+                             "(or at its lease's end)")
                     return "ok", 0
                 if error.rc == "AbortedGen":
                     self._record_dropped(held, "the horde aborted the job before the submit: its lease lapsed or its request was cancelled (AbortedGen)")
