@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--lease-margin", type=float, default=d.lease_margin, help="give a job up this long before its lease ends (BRIDGE_LEASE_MARGIN)")
     add("--stop-grace", type=float, default=d.stop_grace, help="on SIGINT/SIGTERM, seconds to finish held jobs (BRIDGE_STOP_GRACE)")
-    add("--backend-timeout", type=float, default=d.backend_timeout, help="(BRIDGE_BACKEND_TIMEOUT)")
+    add("--backend-timeout", type=float, default=d.backend_timeout,
+        help="seconds any one read from the backend may wait, more than 0 (BRIDGE_BACKEND_TIMEOUT)")
     add(
         "--progress-interval",
         type=float,
