@@ -42,7 +42,10 @@ stream: true is answered as llama-server streams it: SSE `data: {chat.completion
 a call's first delta carrying its id, name and first arguments piece, `chunk_delay` apart, a
 final chunk with finish_reason, the usage chunk under stream_options.include_usage, `timings` on
 the last of them, then `data: [DONE]`), chunked over HTTP/1.1; a client that closes
-the stream stops the generation (`streams` records what each stream sent). Every request body is
+the stream stops the generation (`streams` records what each stream sent). A generation that
+fails in its slot (`stream_fail_after` chunks in, or before any) ends its stream with
+`data: {"error": ...}`, or with `sse_error_event` as builds until late 2025 did: `error: {...}`, then
+`data: [DONE]`. Every request body is
 kept in `requests`, and the client address it came from in `peers`.
 """
 
@@ -165,6 +168,11 @@ class FakeLlamaCpp:
         self._state = threading.Lock()
         self.chunk_chars = 4
         self.chunk_delay = 0.0
+        # A streamed generation that fails in its slot after this many chunks past the role one.
+        self.stream_fail_after: int | None = None
+        # llama-server builds until late 2025 streamed a slot's failure as an SSE `error:` event (field
+        # "error", not "data"), then `data: [DONE]`, as its stream always ended.
+        self.sse_error_event = False
         self.streams: list[StreamRecord] = []
         self.stream_ended = threading.Event()  # set when a stream finished or its client went away
         self._server: ThreadingHTTPServer | None = None
@@ -210,6 +218,13 @@ class FakeLlamaCpp:
                     # llama-server streams it: 200, then an SSE error event and no [DONE].
                     fake.errors.append((self.path, error.status, str(error)))
                     events = [error.body]
+                if fake.stream_fail_after is not None:
+                    # The shared cache overflows mid-reply: the slot fails after the first chunks.
+                    error = FakeError(500, "Context size has been exceeded.", "server_error")
+                    fake.errors.append((self.path, error.status, str(error)))
+                    events = [*events[: 1 + fake.stream_fail_after], error.body]
+                if fake.sse_error_event and events and isinstance(events[-1], dict) and "error" in events[-1]:
+                    events = [*events[:-1], SSEError(events[-1]["error"]), "[DONE]"]
                 record = StreamRecord(total=len(events))
                 fake.streams.append(record)
                 self.send_response(200)
@@ -219,7 +234,10 @@ class FakeLlamaCpp:
                 self.end_headers()
                 try:
                     for event in events:
-                        data = f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n".encode()
+                        if isinstance(event, SSEError):
+                            data = f"error: {json.dumps(event.error)}\n\n".encode()
+                        else:
+                            data = f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n".encode()
                         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
                         self.wfile.flush()
                         record.sent += 1
@@ -512,6 +530,13 @@ def grammar_schema(response_format: Any) -> dict[str, Any] | None:
     else:
         return None
     return schema if isinstance(schema, dict) and schema else None
+
+
+@dataclass
+class SSEError:
+    """An `error: {...}` line of the stream (llama-server builds until late 2025)."""
+
+    error: dict[str, Any]
 
 
 @dataclass

@@ -17,6 +17,7 @@ from contract.chat_declaration import CHAT_WORKER_FAULT_MESSAGES, ChatFaultReaso
 from tests.bridge.conftest import running_bridge
 from tests.bridge.fake_backend import DEFAULT_REPLY, FakeLlamaCpp, RouteServer, fake_tokenize
 from workers.bridge.backends import (
+    BackendError,
     GenerationStopped,
     OpenAIBackend,
     apply_overrides,
@@ -551,4 +552,22 @@ def test_a_stream_read_to_its_end_keeps_the_connection_and_a_stopped_one_is_clos
         fake.chunk_delay = 0.0
         assert backend.chat(body, timeout=10)["choices"][0]["message"]["content"] == DEFAULT_REPLY
         assert len(set(fake.peers)) == 2  # the half-read stream's connection was not used again
+        backend.close()
+
+
+@pytest.mark.parametrize("sse_error_event", [False, True])
+def test_a_stream_that_fails_mid_reply_is_the_backends_error_not_a_reply(sse_error_event):
+    """The shared cache overflows after the first chunks. llama-server since late 2025 streams
+    `data: {"error": ...}` and ends; before, an SSE `error: {...}` event, then `data: [DONE]`, which
+    read as a finished stream submitted the reply cut where it failed as a complete one."""
+    with llama_server() as fake:
+        fake.stream_fail_after = 3
+        fake.sse_error_event = sse_error_event
+        backend = OpenAIBackend(fake.url, timeout=10)
+        body = {"model": fake.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}
+        streamed = _Deltas()
+        with pytest.raises(BackendError, match="Context size has been exceeded") as raised:
+            backend.chat(body, timeout=10, progress=streamed)
+        assert raised.value.fault_reason == ChatFaultReason.GENERATION_ERROR
+        assert "".join(streamed.content) == DEFAULT_REPLY[:12]  # the three chunks before the failure were relayed
         backend.close()

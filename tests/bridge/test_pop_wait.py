@@ -31,11 +31,15 @@ EMPTY_POP = {
 
 
 class OtherHorde:
-    """Answers every pop empty at once; `strict` refuses a body with a key it does not know."""
+    """Answers every pop empty at once; `strict` refuses a body with a key it does not know. The
+    first `garbled` answers to find_user and to pop are 200 with an HTML page, as a proxy or a
+    load balancer in front of a horde may answer while it restarts."""
 
-    def __init__(self, *, strict: bool):
+    def __init__(self, *, strict: bool, garbled: int = 0):
         self.strict = strict
+        self.garbled = {"GET": garbled, "POST": garbled}
         self.pops: list[tuple[float, dict[str, Any]]] = []
+        self.user_reads = 0
         horde = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -50,12 +54,28 @@ class OtherHorde:
                 self.end_headers()
                 self.wfile.write(raw)
 
+            def _garbled(self, method: str) -> bool:
+                if not horde.garbled[method]:
+                    return False
+                horde.garbled[method] -= 1
+                raw = b"<html><body>Please wait</body></html>"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+                return True
+
             def do_GET(self):  # noqa: N802
-                self._answer(200, {"username": "other#1", "id": 1})
+                horde.user_reads += 1
+                if not self._garbled("GET"):
+                    self._answer(200, {"username": "other#1", "id": 1})
 
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 horde.pops.append((time.monotonic(), body))
+                if self._garbled("POST"):
+                    return
                 if horde.strict and "wait" in body:
                     self._answer(
                         400,
@@ -125,6 +145,19 @@ def test_a_horde_that_refuses_the_wait_is_popped_without_it(strict):
     assert ["wait" in body for body in bodies[:3]] == [False, True, False]
     assert all("wait" not in body for body in bodies[2:])
     assert bridge.pop_wait == 0 and bridge.fatal is None
+
+
+def test_an_answer_that_is_not_a_json_object_is_retried_as_an_unavailable_horde():
+    """A 200 whose body is not a JSON object (a proxy's page) neither ends the start nor the
+    thread that popped: both are retried as when the horde cannot be reached."""
+    horde = OtherHorde(strict=False, garbled=1)
+    try:
+        bridge = run_for(horde, 3.5)
+    finally:
+        horde.close()
+    assert horde.user_reads == 2  # the page, then the user
+    assert len(horde.pops) >= 2, horde.pops  # the page, then popping again after the backoff
+    assert bridge.fatal is None
 
 
 def test_pop_wait_setting():

@@ -109,6 +109,16 @@ def test_a_key_that_starts_with_a_dash_is_the_flags_value():
         (["--api-key", "k", "--threads", "0"], "--threads"),
         # The horde refuses a pop declaring more (upstream's bound): refused before the first pop.
         (["--api-key", "k", "--threads", "51"], "--threads is 1 to 50"),
+        # A URL without its scheme was a traceback from the client, not a usage error.
+        (["--api-key", "k", "--horde-url", "aihorde.net"], "--horde-url is an http:// or https:// URL"),
+        (["--api-key", "k", "--backend", "localhost:8080/v1"], "--backend is `scripted` or an http:// or https:// URL"),
+        # 0 is no "no timeout": every backend read would fail at once, the backend "not ready" for ever.
+        (["--api-key", "k", "--backend-timeout", "0"], "--backend-timeout is more than 0"),
+        (["--api-key", "k", "--backend-timeout", "nan"], "--backend-timeout is more than 0"),
+        # 0 or less: with a horde that answers pops at once, a pop loop without a pause.
+        (["--api-key", "k", "--pop-interval", "0"], "--pop-interval is more than 0"),
+        (["--api-key", "k", "--lease-margin", "-5"], "--lease-margin is 0 or more"),
+        (["--api-key", "k", "--stop-grace", "-1"], "--stop-grace is 0 or more"),
     ],
 )
 def test_config_refusals(argv, message):

@@ -803,6 +803,16 @@ class ChatStreamReader:
 
     def feed_line(self, line: str) -> tuple[str, str]:
         """One line of the stream; the (content, reasoning) it adds to the reply as posted."""
+        if line.startswith("error:"):
+            # llama-server builds of 2024-2025 stream a failed slot as an `error: {...}` field, then
+            # `data: [DONE]`: the reply stopped where the generation failed, and is no reply.
+            text = line[len("error:"):].strip()
+            try:
+                error: Any = json.loads(text)
+            except ValueError:
+                error = text
+            status = error["code"] if isinstance(error, dict) and isinstance(error.get("code"), int) else 500
+            raise classify_backend_error(status, json.dumps(error) if not isinstance(error, str) else error)
         if not line.startswith("data:"):
             return "", ""  # blank separators, `event:`, `: keep-alive` comments
         data = line[len("data:"):].strip()

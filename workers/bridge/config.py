@@ -6,6 +6,7 @@ import argparse
 import os
 import socket
 import sys
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -157,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--lease-margin", type=float, default=d.lease_margin, help="give a job up this long before its lease ends (BRIDGE_LEASE_MARGIN)")
     add("--stop-grace", type=float, default=d.stop_grace, help="on SIGINT/SIGTERM, seconds to finish held jobs (BRIDGE_STOP_GRACE)")
-    add("--backend-timeout", type=float, default=d.backend_timeout, help="(BRIDGE_BACKEND_TIMEOUT)")
+    add("--backend-timeout", type=float, default=d.backend_timeout,
+        help="seconds any one read from the backend may wait, more than 0 (BRIDGE_BACKEND_TIMEOUT)")
     add(
         "--progress-interval",
         type=float,
@@ -277,9 +279,27 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
     return config
 
 
+def _is_http_url(url: str) -> bool:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
 def validate(config: BridgeConfig) -> None:
     if not config.api_key:
         raise ConfigError("a worker needs its owner's API key: --api-key or BRIDGE_API_KEY")
+    if not _is_http_url(config.horde_url):
+        raise ConfigError(f"--horde-url is an http:// or https:// URL, not {config.horde_url!r}")
+    if not config.is_scripted and not _is_http_url(config.backend):
+        raise ConfigError(f"--backend is `scripted` or an http:// or https:// URL, not {config.backend!r}")
+    # `not x > 0` also refuses nan. A 0 timeout is no "no timeout": every backend read would fail at once.
+    if not config.backend_timeout > 0:
+        raise ConfigError("--backend-timeout is more than 0 seconds")
+    if not config.pop_interval > 0:
+        raise ConfigError("--pop-interval is more than 0 seconds")
+    if not config.lease_margin >= 0:
+        raise ConfigError("--lease-margin is 0 or more seconds")
+    if not config.stop_grace >= 0:
+        raise ConfigError("--stop-grace is 0 or more seconds")
     if config.backend_kind not in BACKEND_KINDS:
         raise ConfigError(f"--backend-kind is one of {', '.join(BACKEND_KINDS)}")
     if not 1 <= config.threads <= TEXT_POP_MAX_THREADS:

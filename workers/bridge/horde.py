@@ -98,11 +98,12 @@ class HordeClient:
         return body
 
     def find_user(self) -> dict[str, Any]:
-        return self._call("GET", "find_user", timeout=POP_TIMEOUT)
+        return _an_object("find_user", self._call("GET", "find_user", timeout=POP_TIMEOUT))
 
     def pop(self, body: dict[str, Any]) -> dict[str, Any]:
         # Only a pop that asks to be held may be ended at stop (interrupt_pops): any other is running.
-        return self._call("POST", "generate/text/pop", json=body, timeout=POP_TIMEOUT, interruptible="wait" in body)
+        answer = self._call("POST", "generate/text/pop", json=body, timeout=POP_TIMEOUT, interruptible="wait" in body)
+        return _an_object("the pop", answer)
 
     def submit(self, body: dict[str, Any]) -> dict[str, Any]:
         return self._call("POST", "generate/text/submit", json=body, timeout=SUBMIT_TIMEOUT)
@@ -127,6 +128,14 @@ class HordeClient:
                 return json_module.loads(body)
         except (OSError, EOFError, zlib.error, http.client.HTTPException, ValueError) as error:
             raise HordeUnavailable(f"messages_url: {error}") from None
+
+
+def _an_object(route: str, answer: Any) -> dict[str, Any]:
+    """The horde answers these with a JSON object; a 2xx with anything else is a proxy's or a load
+    balancer's page in front of it, retried as an unreachable horde rather than read as one."""
+    if not isinstance(answer, dict):
+        raise HordeUnavailable(f"{route} was answered with a body that is not a JSON object")
+    return answer
 
 
 def _json_or_none(data: bytes) -> Any:

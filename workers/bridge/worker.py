@@ -68,6 +68,11 @@ def _cut_at_length(response: dict[str, Any]) -> bool:
     return choice.get("finish_reason") == "length"
 
 
+class _StoppedStarting(BaseException):
+    """A second signal while the bridge starts: the call under way is left (a backend loading a model
+    may answer the probe minutes later), and run() ends. No job is held yet."""
+
+
 class Backoff:
     """Exponential backoff with jitter: 1, 2, 4 ... `cap` seconds."""
 
@@ -120,7 +125,7 @@ class Stats:
     started: float = field(default_factory=time.monotonic)
     ok: int = 0
     faulted: int = 0
-    dropped: int = 0  # lease lapsed, duplicate, or the horde unreachable until too late
+    dropped: int = 0  # lease lapsed, or the horde unreachable until too late
     tokens: int = 0
     generation_seconds: float = 0.0
     kudos: float = 0.0
@@ -213,6 +218,7 @@ class Bridge:
         # Set by run() as it closes the clients; a thread still serving a job then leaves it to its lease.
         self.closed = threading.Event()
         self.pop_wait = config.pop_wait  # 0 once the horde refused the key
+        self._starting = False  # run() is in start(): a second signal ends it there (_StoppedStarting)
         # The backend's context read again while serving (Ollama reloads models, ADR 0081): when it
         # was last read, why it should be read before the next pop ("fault" loads the model first,
         # "length" reads only), and the jobs served since the last read.
@@ -346,6 +352,10 @@ class Bridge:
     def _on_signal(self, signum: int, _frame: Any) -> None:
         name = signal.Signals(signum).name
         if self.stop_deadline is not None:
+            if self._starting:  # the first one waits for the call under way, which may take minutes
+                self.log(f"{name} again: stopping now")
+                self.request_stop(immediately=True)
+                raise _StoppedStarting(name)
             self.log(f"{name} again: faulting held jobs now")
             self.request_stop(immediately=True)
             return
@@ -361,11 +371,18 @@ class Bridge:
         if install_signals and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._on_signal)
             signal.signal(signal.SIGTERM, self._on_signal)
+        self._starting = True
         try:
             self.start()
+            self._starting = False
         except SystemExit as error:
             self.log(str(error))
             return 2
+        except _StoppedStarting:
+            self._starting = False
+            self.log("stopped while starting")
+            self.close_clients()
+            return 0
         threads = [
             threading.Thread(target=self._thread_loop, name=f"bridge-{i}", daemon=True)
             for i in range(self.threads)
@@ -730,12 +747,15 @@ class Bridge:
         if not claimed and not held.claim("job"):
             return None  # the main thread faulted it at stop
         backoff = Backoff(cap=10.0)
+        faulting = body.get("state") == "faulted"
+        unanswered = False  # an attempt went out and its answer was lost: the horde may have stored it
         while True:
             try:
                 answer = self.horde.submit(body)
                 reward = answer.get("reward", 0) if isinstance(answer, dict) else 0
                 return "ok", reward if isinstance(reward, int | float) else 0
             except HordeUnavailable as error:
+                unanswered = True
                 if time.monotonic() > held.lease_end + SUBMIT_GRACE_AFTER_LEASE:
                     self._record_dropped(held, f"the horde stayed unreachable past the lease ({error})")
                     return None
@@ -743,6 +763,16 @@ class Bridge:
                 self.log(f"job {held.id[:8]}: submit failed ({error}); retrying in {delay:.0f} s")
                 time.sleep(delay)
             except HordeRefused as error:
+                # A job's outcome is sent once (HeldJob.claim), so a reply found stored is this one, sent
+                # before and its answer lost (the client sends a request a dropped connection left
+                # unanswered again at once); a fault found faulted after a lost answer, likewise.
+                if error.rc == "DuplicateGen" and not faulting:
+                    self.log(f"job {held.id[:8]}: the reply was stored by a submit whose answer was lost (DuplicateGen)")
+                    return "ok", 0
+                if error.rc == "AbortedGen" and faulting and unanswered:
+                    self.log(f"job {held.id[:8]}: already faulted, by the fault sent before, whose answer was lost "
+                             "(or at its lease's end)")
+                    return "ok", 0
                 if error.rc == "AbortedGen":
                     self._record_dropped(held, "the horde aborted the job before the submit: its lease lapsed or its request was cancelled (AbortedGen)")
                     return None
