@@ -252,7 +252,7 @@ def _get(connection: _PinnedConnection, parts: SplitResult) -> http.client.HTTPR
 def _read_bounded(response: http.client.HTTPResponse, max_bytes: int, deadline: float, total: float) -> bytes:
     """Read at most max_bytes + 1 bytes (one byte more proves the image too large), by then."""
     declared = response.getheader("Content-Length")
-    if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
+    if declared is not None and declared.strip().isascii() and declared.strip().isdigit() and int(declared) > max_bytes:
         raise ImageTooLarge(int(declared), max_bytes)
     body = bytearray()
     while chunk := response.read1(min(_CHUNK_BYTES, max_bytes + 1 - len(body))):

@@ -38,7 +38,7 @@ def parse_front_lease_header(value: str | None) -> int | None:
     if value is None:
         return None
     text = value.strip()
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # isdigit alone takes "²", which int() refuses
         return None
     seconds = int(text)
     return seconds if 1 <= seconds <= FRONT_LEASE_MAX_SECONDS else None

@@ -321,7 +321,7 @@ def retrying_wsgi(app: Any) -> Any:
             )
             return [body["body"]]
         length = environ.get("CONTENT_LENGTH") or ""
-        raw = environ["wsgi.input"].read(int(length)) if length.isdigit() else b""
+        raw = environ["wsgi.input"].read(int(length)) if length.isascii() and length.isdigit() else b""
         for last in (False, True):
             start_request()
             status, headers, exc_info, chunks = run_wsgi_whole(app, {**environ, "wsgi.input": io.BytesIO(raw)})

@@ -150,7 +150,7 @@ JSON_MEDIA_TYPE = "application/json"
 
 def _has_body(request) -> bool:
     length = request.META.get("CONTENT_LENGTH") or ""
-    return (length.isdigit() and int(length) > 0) or "HTTP_TRANSFER_ENCODING" in request.META
+    return (length.isascii() and length.isdigit() and int(length) > 0) or "HTTP_TRANSFER_ENCODING" in request.META
 
 
 def _body_refusal(request) -> JsonResponse | None:
@@ -161,7 +161,7 @@ def _body_refusal(request) -> JsonResponse | None:
     if limit is None or not _has_body(request):
         return None
     length = request.META.get("CONTENT_LENGTH") or ""
-    if length.isdigit() and int(length) > limit:
+    if length.isascii() and length.isdigit() and int(length) > limit:
         return JsonResponse(
             request_too_large_body(limit), status=413
         )

@@ -239,7 +239,7 @@ class PooledWSGI:
         if limit is None:
             return await self._serve_spooled(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > limit:
+        if declared.isascii() and declared.isdigit() and int(declared) > limit:
             return await _send_answer(send, _too_large(limit))
         buffered = await read_body(receive, limit)
         if buffered is None:
@@ -318,7 +318,7 @@ class PooledWSGI:
         no more is read (docs/adr/0069: Twisted has stored what came before it)."""
         limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > limit:
+        if declared.isascii() and declared.isdigit() and int(declared) > limit:
             return await _send_answer(send, _too_large(limit))
         message = await receive()
         if message["type"] != "http.request":

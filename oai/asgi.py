@@ -208,7 +208,7 @@ class FrontASGI:
         settings = state.settings
         limit = settings.max_body_bytes
         declared = headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
+        if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:
             return await _refuse(send, _too_large(limit))
         chunks: list[bytes] = []
         size = 0

@@ -50,10 +50,11 @@ def test_a_submit_with_the_header_takes_a_lease_and_one_without_takes_none(horde
     unleased = text_async(horde.client, requester.key)
     malformed = text_async(horde.client, requester.key, {LEASE_KEY: "soon"})
     too_long = text_async(horde.client, requester.key, {LEASE_KEY: "601"})
+    superscript = text_async(horde.client, requester.key, {LEASE_KEY: "\u00b2"})  # isdigit, not int
     chat = chat_post(horde.client, requester.key, {LEASE_KEY: "30"})
-    assert [r.status_code for r in (leased, unleased, malformed, too_long, chat)] == [202] * 5
+    assert [r.status_code for r in (leased, unleased, malformed, too_long, superscript, chat)] == [202] * 6
     assert lease_of(leased.json()["id"]) is not None
-    assert [lease_of(r.json()["id"]) for r in (unleased, malformed, too_long)] == [None, None, None]
+    assert [lease_of(r.json()["id"]) for r in (unleased, malformed, too_long, superscript)] == [None] * 4
     chat_lease = lease_of(chat.json()["id"])
     assert 25 < (chat_lease - GenerationRequest.objects.get(pk=chat.json()["id"]).created).total_seconds() <= 31
 

@@ -378,6 +378,13 @@ def test_a_declared_length_over_the_limit_is_too_large(server: LocalServer) -> N
     assert too_large.value.size == len(PNG) > 100
 
 
+def test_a_declared_length_of_non_ascii_digits_is_read_as_undeclared(server: LocalServer) -> None:
+    """`Content-Length: ²` (byte 0xb2, a digit to str.isdigit, not to int) was a ValueError."""
+    headers = {"Content-Type": "image/png", "Content-Length": "\u00b2"}
+    server.routes["/cat.png"] = (200, headers, lambda handler: handler.wfile.write(PNG))
+    assert fetch_public_image(server.url("/cat.png"), max_bytes=10_000, allowed_networks=LOOPBACK) == PNG
+
+
 def test_an_undeclared_length_over_the_limit_is_too_large(server: LocalServer) -> None:
     server.routes["/cat.png"] = (200, {"Content-Type": "image/png"}, lambda handler: handler.wfile.write(PNG))
     with pytest.raises(ImageTooLarge) as too_large:
