@@ -13,6 +13,15 @@ def hash_api_key(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
 
 
+def shared_key_id_of(api_key: str) -> uuid.UUID | None:
+    """The shared key id an `apikey` spells, None when it spells none. Python's UUID reads many
+    spellings of one id (any case, braces, a urn, hyphens anywhere), and each names the key."""
+    try:
+        return uuid.UUID(api_key.strip())
+    except (ValueError, AttributeError):
+        return None
+
+
 KUDOS_TRANSFER_IDEMPOTENCY_KEY_MAX_LENGTH = 255
 KUDOS_TRANSFER_DEFAULT_AMOUNT = 100  # upstream's, when a transfer names no amount
 # A transfer straight back to its sender waits this long (upstream's "very recently").

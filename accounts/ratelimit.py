@@ -22,6 +22,7 @@ import redis
 from django.conf import settings
 from django.utils.module_loading import import_string
 
+from accounts.models import shared_key_id_of
 from contract.errors import HordeError
 from contract.rate_limits import PROXIED_FOR_HEADER, PROXY_PASSKEY_HEADER
 from contract.text import ANONYMOUS_API_KEY
@@ -275,7 +276,9 @@ def check_submit_rate_limits(request, *, scope: str, limits_per_ip: list[str]) -
         if key == ANONYMOUS_API_KEY
         else settings.HORDE_API_KEY_RATE_LIMITS
     )
-    digest = hashlib.sha256(key.encode()).hexdigest()
+    # A shared key is counted by its id: each spelling of it would otherwise have its own allowance.
+    shared_key_id = shared_key_id_of(key)
+    digest = hashlib.sha256((str(shared_key_id) if shared_key_id else key).encode()).hexdigest()
     # The address's windows, then the key's, in one round trip: a refusal by the address's limits
     # counts nothing against the key's, as when they were counted one call at a time.
     exceeded = _first_exceeded(

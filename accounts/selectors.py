@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import copy
-import uuid
 from email.utils import formatdate
 
 from django.conf import settings
@@ -9,7 +8,7 @@ from django.core.cache import cache
 from django.db.models import Count
 from django.utils import timezone
 
-from accounts.models import HordeUser, SharedKey, hash_api_key
+from accounts.models import HordeUser, SharedKey, hash_api_key, shared_key_id_of
 from contract.errors import HordeError
 from contract.process_cache import ProcessCache
 from contract.text import USER_ID_DIGITS
@@ -130,9 +129,8 @@ def user_details(user: HordeUser, *, shared_key: SharedKey | None = None, privat
 def shared_key_get(key: str) -> SharedKey | None:
     """The shared key an `apikey` names (its id), with its owner; None when it names none. Never
     cached: its balance and expiry decide each request."""
-    try:
-        key_id = uuid.UUID(key.strip())
-    except (ValueError, AttributeError):
+    key_id = shared_key_id_of(key)
+    if key_id is None:
         return None
     return SharedKey.objects.select_related("user").filter(pk=key_id).first()
 

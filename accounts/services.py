@@ -261,6 +261,10 @@ def kudos_release(*, user_id: int, amount: Decimal) -> None:
 # --- shared keys ----------------------------------------------------------------------------------
 
 
+# Upstream answers an unknown shared key as an invalid key.
+SHARED_KEY_UNKNOWN_MESSAGE = "No user matching sent Shared Key."
+
+
 def _expiry_from_days(days: int) -> Any:
     """The wire's `expiry` (days from now; SHARED_KEY_UNLIMITED: never) as the stored instant."""
     return None if days == SHARED_KEY_UNLIMITED else timezone.now() + timedelta(days=days)
@@ -304,9 +308,12 @@ def shared_key_update(*, key: SharedKey, changes: dict[str, Any]) -> SharedKey:
         key.kudos = Decimal(changes.pop("kudos"))
     for name, value in changes.items():
         setattr(key, name, value)
-    if sent:
-        key.save(update_fields=sent)
-    key.refresh_from_db()  # the answer shows the key as it is now
+    with transaction.atomic():
+        # Written by id, then read back under the write's row lock: a key its owner deleted since
+        # the view read it is the unknown key (a save would fail on the missing row).
+        if sent and not SharedKey.objects.filter(pk=key.pk).update(**{name: getattr(key, name) for name in sent}):
+            raise HordeError("InvalidAPIKey", SHARED_KEY_UNKNOWN_MESSAGE)
+        key.refresh_from_db()  # the answer shows the key as it is now
     return key
 
 

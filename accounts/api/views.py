@@ -188,8 +188,7 @@ class SimpleResponseSerializer(serializers.Serializer):
 def _shared_key_or_401(key_id: str) -> SharedKey:
     key = shared_key_get(key_id)
     if key is None:
-        # Upstream answers an unknown shared key as an invalid key.
-        raise HordeError("InvalidAPIKey", "No user matching sent Shared Key.")
+        raise HordeError("InvalidAPIKey", services.SHARED_KEY_UNKNOWN_MESSAGE)
     return key
 
 

@@ -61,3 +61,16 @@ def test_an_ipv6_client_is_counted_by_its_64_network(horde, make_user, settings)
     assert set(GenerationRequest.objects.values_list("ip_address", flat=True)) == {
         "2001:db8:1:2::1", "2001:db8:1:3::1", "10.0.2.1"
     }
+
+
+def test_a_shared_key_is_counted_as_one_key_however_it_is_spelled(horde, make_user, settings):
+    """A shared key authenticates in every spelling of its UUID (any case, braces, a urn, hyphens
+    anywhere): each spelling must count against the one key's allowance, or a key lent out (the
+    per-key limit is what bounds it across addresses) has as many allowances as spellings."""
+    settings.HORDE_API_KEY_RATE_LIMITS = ["2/hour"]
+    lender = make_user(f"rl-{uuid.uuid4().hex[:6]}", kudos=1000)
+    shared = horde.client.put("/api/v2/sharedkeys", {}, format="json", HTTP_APIKEY=lender.key).json()["id"]
+    spellings = [shared, shared.upper(), "{" + shared + "}", f"urn:uuid:{shared}", shared.replace("-", "")]
+    answers = [_submit(horde, key, f"10.0.3.{n}").status_code for n, key in enumerate(spellings, start=1)]
+    assert answers == [202, 202, 429, 429, 429]
+    assert GenerationRequest.objects.count() == 2

@@ -416,3 +416,55 @@ def test_lending_keys_is_rate_limited_per_address(api, make_user, settings):
     assert [a.status_code for a in answers] == [200, 200, 429]
     assert answers[2].json()["rc"] == "RateLimited" and "Retry-After" in answers[2].headers
     assert SharedKey.objects.count() == 2
+
+
+def _waiting_on_a_lock(count: int) -> bool:
+    """Whether `count` other sessions wait on a lock (the API calls queued behind the test's)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> pg_backend_pid()")
+        return cursor.fetchone()[0] >= count
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_a_change_to_a_key_deleted_meanwhile_is_the_unknown_key_not_a_500(make_user):
+    """The owner's PATCH read the key, then its DELETE (from another tab) removed it before the
+    PATCH wrote: the PATCH answers as for an unknown key, as it would a moment later."""
+    import threading
+    import time
+
+    from django.db import connection, transaction
+
+    lender = make_user("lender", kudos=1000)
+    key_id = lend(APIClient(), lender.key, name="Mutual Aid").json()["id"]
+    answers: dict = {}
+
+    def call(name, method, body=None):
+        try:
+            answers[name] = key_route(APIClient(), method, key_id, lender.key, body)
+        finally:
+            connection.close()
+
+    with transaction.atomic():
+        # Held here, the key's row queues the DELETE, then the PATCH's write (its read is done).
+        list(SharedKey.objects.select_for_update().filter(pk=key_id))
+        threads = [threading.Thread(target=call, args=("delete", "delete"))]
+        threads[0].start()
+        for _ in range(200):
+            if _waiting_on_a_lock(1):
+                break
+            time.sleep(0.025)
+        threads.append(threading.Thread(target=call, args=("patch", "patch", {"name": "Renamed"})))
+        threads[1].start()
+        for _ in range(200):
+            if _waiting_on_a_lock(2):
+                break
+            time.sleep(0.025)
+    for thread in threads:
+        thread.join()
+    assert answers["delete"].status_code == 200
+    assert answers["patch"].status_code == 401, answers["patch"].content
+    assert answers["patch"].json() == {"message": "No user matching sent Shared Key.", "rc": "InvalidAPIKey"}
+    assert not SharedKey.objects.filter(pk=key_id).exists()
