@@ -132,7 +132,9 @@ def test_in_progress_is_sent_once_a_worker_took_the_request_and_a_later_reader_s
             if data["type"] == "response.queued":
                 workers.append(worker.start())
             if data["type"] == "response.in_progress":
-                assert worker.jobs and not worker.submits  # taken, not answered yet
+                # Taken, not answered yet (the pop's answer may reach the worker's thread after
+                # the front saw the job processing).
+                assert wait_for(lambda: worker.jobs, 10) and not worker.submits
                 assert data["sequence_number"] == 2 and data["response"]["status"] == "in_progress"
                 release.set()
     assert [event["type"] for event in live] == [
