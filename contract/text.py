@@ -201,6 +201,10 @@ SLOW_TEXT_WORKER_TOKENS_PER_SECOND = 2
 TEXT_HORDE_TAX = 1
 TEXT_KUDOS_MIN_TOKENS = 20
 
+# Models a text request may name. KoboldAI Lite names every listed model when its user picks
+# none, so this is above any horde's model count (docs/adr/0121).
+MAX_TEXT_REQUEST_MODELS = 1000
+
 # Worker pop limits.
 MAX_BRIDGE_AGENT_LENGTH = 1000
 MAX_WORKER_NAME_LENGTH = 100

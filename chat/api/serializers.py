@@ -29,6 +29,7 @@ from chat.services.pop import PoppedJob, build_job_payload
 from contract.text import (
     GENERATION_STATES,
     MAX_BRIDGE_AGENT_LENGTH,
+    MAX_TEXT_REQUEST_MODELS,
     MAX_WORKER_NAME_LENGTH,
     TEXT_MAX_CONTEXT_LENGTH_DEFAULT,
     TEXT_MAX_LENGTH_DEFAULT,
@@ -121,7 +122,7 @@ class TextAsyncInputSerializer(serializers.Serializer):
     slow_workers = StrictBooleanField(default=True)
     worker_blacklist = StrictBooleanField(default=False)
     models = serializers.ListField(
-        child=StrictCharField(max_length=255), max_length=100, required=False, default=list
+        child=StrictCharField(max_length=255), max_length=MAX_TEXT_REQUEST_MODELS, required=False, default=list
     )
     workers = serializers.ListField(child=WorkerIdField(), max_length=20, required=False, default=list)
     dry_run = StrictBooleanField(default=False)

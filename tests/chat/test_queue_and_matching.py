@@ -9,6 +9,7 @@ import pytest
 from chat.models import GenerationRequest
 from chat.selectors.snapshots import reset_snapshots
 from chat.services.admission import queue_score
+from contract.text import MAX_TEXT_REQUEST_MODELS
 
 MODEL = "Gryphe/MythoMax-L2-13b"
 OTHER = "koboldcpp/Pernicious_Prophecy_70B"
@@ -180,3 +181,17 @@ def test_a_pop_names_at_most_a_hundred_priority_users_and_odd_aliases_are_refuse
     assert twice.status_code == 200 and twice.json()["id"] is None
     softprompts = horde.pop(owner.key, softprompts=["s"] * 101)
     assert softprompts.status_code == 400 and "softprompts" in softprompts.json()["errors"]
+
+
+def test_a_request_may_name_every_model_of_a_large_horde(horde, make_user, owner):
+    """KoboldAI Lite names every listed model when its user picks none, so a request takes the
+    model list of a horde serving far more than 100 text models (docs/adr/0121); past
+    MAX_TEXT_REQUEST_MODELS it is a 400 naming the field."""
+    requester = make_user("lite", kudos=100)
+    listed = [f"org/model-{n}" for n in range(MAX_TEXT_REQUEST_MODELS - 1)] + [MODEL]
+    created = horde.text_async(requester.key, prompt="any model", models=listed)
+    assert created.status_code == 202, created.json()
+    popped = horde.pop(owner.key).json()
+    assert popped["id"] is not None and popped["payload"]["prompt"] == "any model" and popped["model"] == MODEL
+    too_many = horde.text_async(requester.key, models=[*listed, "org/one-more"])
+    assert too_many.status_code == 400 and "models" in too_many.json()["errors"]
