@@ -202,7 +202,7 @@ TEXT_HORDE_TAX = 1
 TEXT_KUDOS_MIN_TOKENS = 20
 
 # Models a text request may name. KoboldAI Lite names every listed model when its user picks
-# none, so this is above any horde's model count (docs/adr/0121).
+# none, so this is above any horde's model count (docs/adr/0124).
 MAX_TEXT_REQUEST_MODELS = 1000
 
 # Worker pop limits.

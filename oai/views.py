@@ -426,6 +426,7 @@ class ResponseInputItemsView(FrontView):
             OpenApiParameter("limit", int, description="1-100, default 20"),
             OpenApiParameter("order", str, enum=["asc", "desc"], description="default desc"),
             OpenApiParameter("after", str, description="the id of the item the page starts after"),
+            OpenApiParameter("before", str, description="the id of the item the page ends before"),
         ],
         responses={
             200: OpenApiResponse(description="list of input items"),
@@ -434,7 +435,7 @@ class ResponseInputItemsView(FrontView):
         },
     )
     async def get(self, request, response_id: str, *args: Any, **kwargs: Any):
-        query = {key: request.query_params[key] for key in ("limit", "order", "after") if key in request.query_params}
+        query = {key: request.query_params[key] for key in ("limit", "order", "after", "before") if key in request.query_params}
         return _response(await app.list_input_items(response_id, request.auth, query))
 
 

@@ -271,7 +271,9 @@ class ResponseEvents:
                     part=output_text_part(text),
                 )
             )
-            item = message_item(item_id, text)
+            # A message still open when the reply ends cut is where it was cut (reply.build_output).
+            cut = INCOMPLETE_REASONS.get(self.finish_reason or "") is not None
+            item = message_item(item_id, text, status="incomplete" if cut else "completed")
         events.append(self._event("response.output_item.done", output_index=index, item=item))
         self.output[index] = item
         self.done_indexes.add(index)
@@ -366,6 +368,9 @@ class ResponseEvents:
         events = [] if in_progress_sent else [self.in_progress(queued)]
         status = finished["status"]
         if status in ("completed", "incomplete"):
+            if status == "incomplete":  # its open message closes cut, as the live stream's did
+                reason = (finished.get("incomplete_details") or {}).get("reason")
+                self.finish_reason = next((chat for chat, cut in INCOMPLETE_REASONS.items() if cut == reason), None)
             for item in finished["output"]:
                 events += self._replay_item(item)
             events += self._close_output()

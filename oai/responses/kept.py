@@ -90,7 +90,7 @@ def stream_query(query: Mapping[str, str]) -> tuple[bool, int | None]:
 def input_items_page(record: Mapping[str, Any], response_id: str, query: Mapping[str, str]) -> dict[str, Any]:
     """One page of the response's own input items (this turn's, not the conversation it continues),
     in OpenAI's list shape: `order` desc (the default, last first) or asc, at most `limit` (1-100,
-    default 20), those after the item `after`."""
+    default 20), those after the item `after` and before the item `before`."""
     suffix = response_id.removeprefix("resp_")
     items = [
         input_item(item, f"{INPUT_ITEM_ID_PREFIXES[item['type']]}_{suffix}in{index}")
@@ -106,13 +106,19 @@ def input_items_page(record: Mapping[str, Any], response_id: str, query: Mapping
         raise _query_error(
             "limit", f"Invalid value for 'limit': '{raw_limit}'; expected an integer from 1 to {INPUT_ITEMS_MAX_LIMIT}."
         )
-    after = query.get("after")
-    if after is not None:
-        ids = [item["id"] for item in items]
-        if after not in ids:
-            raise _query_error("after", f"No input item with id '{after}' in response '{response_id}'.")
-        items = items[ids.index(after) + 1 :]
-    page = items[: int(raw_limit)]
+    ids = [item["id"] for item in items]
+    start, end = 0, len(items)
+    for cursor in ("after", "before"):
+        item_id = query.get(cursor)
+        if item_id is not None and item_id not in ids:
+            raise _query_error(cursor, f"No input item with id '{item_id}' in response '{response_id}'.")
+    if "after" in query:
+        start = ids.index(query["after"]) + 1
+    if "before" in query:
+        end = ids.index(query["before"])
+    items = items[start:end]
+    # `before` pages backwards: the `limit` items nearest to it, in the list's order.
+    page = items[-int(raw_limit) :] if "before" in query and "after" not in query else items[: int(raw_limit)]
     return {
         "object": "list",
         "data": page,

@@ -34,7 +34,9 @@ def output_text_part(text: str) -> dict[str, Any]:
 
 
 def message_item(item_id: str, text: str, *, status: str = "completed") -> dict[str, Any]:
-    content = [output_text_part(text)] if status == "completed" else []
+    """The assistant's message item; `incomplete` when the reply was cut within it (OpenAI's
+    status for a message ended by max_output_tokens), `in_progress` (without content) while open."""
+    content = [output_text_part(text)] if status != "in_progress" else []
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
@@ -74,7 +76,10 @@ def build_output(
     if completion.reasoning:
         output.append(reasoning_item(reasoning_id, completion.reasoning))
     if completion.content or not completion.tool_calls:
-        output.append(message_item(message_id, completion.content or ""))
+        # A cut reply is cut in its last item: the message, unless tool calls follow it (as the
+        # stream closes a message still open at its end; oai.responses.events).
+        cut = completion_status(completion)[0] == "incomplete" and not completion.tool_calls
+        output.append(message_item(message_id, completion.content or "", status="incomplete" if cut else "completed"))
     for i, call in enumerate(completion.tool_calls or ()):
         output.append(function_call_item(f"{call_prefix}_{i}", call, namespaced=namespaced))
     return output

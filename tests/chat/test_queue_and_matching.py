@@ -185,7 +185,7 @@ def test_a_pop_names_at_most_a_hundred_priority_users_and_odd_aliases_are_refuse
 
 def test_a_request_may_name_every_model_of_a_large_horde(horde, make_user, owner):
     """KoboldAI Lite names every listed model when its user picks none, so a request takes the
-    model list of a horde serving far more than 100 text models (docs/adr/0121); past
+    model list of a horde serving far more than 100 text models (docs/adr/0124); past
     MAX_TEXT_REQUEST_MODELS it is a 400 naming the field."""
     requester = make_user("lite", kudos=100)
     listed = [f"org/model-{n}" for n in range(MAX_TEXT_REQUEST_MODELS - 1)] + [MODEL]

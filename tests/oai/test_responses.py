@@ -175,6 +175,8 @@ def test_a_reply_cut_at_its_length_is_incomplete(client, start_worker):
     assert response.status == "incomplete"
     assert response.incomplete_details.reason == "max_output_tokens"
     assert response.output_text == "Once upon a"
+    # The cut message is itself incomplete, as OpenAI marks it.
+    assert [(item.type, item.status) for item in response.output] == [("message", "incomplete")]
 
 
 def test_the_workers_reasoning_is_a_reasoning_item_before_the_message(client, start_worker):

@@ -274,6 +274,8 @@ def test_a_reply_cut_at_its_length_ends_with_response_incomplete(client, start_w
     ]
     incomplete = events[-1].response
     assert incomplete.incomplete_details.reason == "max_output_tokens" and incomplete.output_text == "Once upon a"
+    assert events[-2].item.status == "incomplete" and incomplete.output[0].status == "incomplete"
+    assert incomplete.model_dump() == client.responses.retrieve(created.id).model_dump()
 
 
 def test_a_stopping_front_ends_its_waiting_readers_and_the_request_runs_on(

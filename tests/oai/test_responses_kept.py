@@ -84,12 +84,19 @@ def test_the_input_items_page_by_limit_and_after(front, client, start_worker):
     assert every == [f"Line {i}" for i in range(5)]
     last = client.responses.input_items.list(response.id, limit=2, order="asc", after=page.data[1].id)
     assert [item.content[0].text for item in last.data] == ["Line 2", "Line 3"]
+    # `before` (OpenAI's older cursor, which the current SDK no longer sends): the page just before it.
+    ids = [item.id for item in client.responses.input_items.list(response.id, order="asc", limit=5).data]
+    earlier = _get(front, client.api_key, f"{response.id}/input_items", order="asc", limit=2, before=ids[3]).json()
+    assert [item["content"][0]["text"] for item in earlier["data"]] == ["Line 1", "Line 2"]
+    assert earlier["has_more"] is True and earlier["first_id"] == ids[1]
+    window = _get(front, client.api_key, f"{response.id}/input_items", order="asc", after=ids[0], before=ids[2]).json()
+    assert [item["id"] for item in window["data"]] == [ids[1]] and window["has_more"] is False
 
 
 @pytest.mark.parametrize(
     ("params", "param"),
     [({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
-     ({"after": "msg_none"}, "after"),
+     ({"after": "msg_none"}, "after"), ({"before": "msg_none"}, "before"),
      # A digit str.isdigit takes and int() does not: a 400, not a 500 the SDKs would retry.
      ({"limit": "\u00b2"}, "limit")],
 )
