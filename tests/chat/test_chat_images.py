@@ -270,6 +270,18 @@ def test_a_url_image_is_fetched_and_stored(horde, make_user, vision_owner, image
         assert stored.format == "JPEG" and stored.size == (16, 8)
 
 
+def test_a_url_image_whose_path_is_not_ascii_is_fetched(
+    horde, make_user, vision_owner, image_store, image_host, settings
+):
+    settings.HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS = ["127.0.0.0/8"]
+    host = image_host({"/caf%C3%A9.png": (200, png(16, 8))})
+    requester = make_user("r", kudos=1000)
+    messages = [image_message(host.url("/café.png"))]
+    response = chat_async(horde.client, requester.key, messages=messages, max_tokens=64)
+    assert response.status_code == 202, response.content
+    assert host.requested == ["/caf%C3%A9.png"] and len(stored_files(image_store)) == 1
+
+
 def test_url_images_stop_being_fetched_once_the_running_total_passes_the_cap(
     horde, make_user, vision_owner, image_store, image_host, settings
 ):
