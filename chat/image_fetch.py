@@ -95,7 +95,7 @@ def fetch_public_image(
                 if response.status in REDIRECT_STATUSES and response.getheader("Location"):
                     if hop == CHAT_IMAGE_FETCH_MAX_REDIRECTS:
                         raise ImageUrlInvalid(f"more than {CHAT_IMAGE_FETCH_MAX_REDIRECTS} redirects")
-                    url = urljoin(url, _location(response.getheader("Location", "")))
+                    url = _redirect_target(url, response.getheader("Location", ""))
                     continue
                 if response.status != 200:
                     raise ImageUrlInvalid(f"the image URL answered {response.status} {response.reason}")
@@ -242,6 +242,13 @@ class _PinnedConnection(http.client.HTTPConnection):
 # What a request target keeps as it is when it is percent-encoded (requests' requote_uri keeps the
 # same): the delimiters, and % so that escapes already there are not escaped again.
 _TARGET_SAFE = "!#$%&'()*+,/:;=?@[]~"
+
+
+def _redirect_target(url: str, location: str) -> str:
+    try:
+        return urljoin(url, _location(location))
+    except ValueError as error:  # a bracketed host that does not parse ("http://[::1")
+        raise ImageUrlInvalid(f"malformed redirect: {error}") from error
 
 
 def _location(value: str) -> str:

@@ -310,6 +310,15 @@ def test_a_redirect_to_a_utf8_location_is_followed(server: LocalServer) -> None:
     assert server.seen[-1].path == "/caf%C3%A9.png"
 
 
+@pytest.mark.parametrize("location", ["http://[::1", "//[::1/cat.png", "http://[zz]/cat.png", "http://h:99999/"])
+def test_a_malformed_location_is_invalid(server: LocalServer, location: str) -> None:
+    """400 SourceImageUrlInvalid at the route, not a 500: urljoin raises on a bracketed host that
+    does not parse."""
+    server.routes["/moved"] = (302, {"Location": location}, b"")
+    with pytest.raises(ImageUrlInvalid, match="malformed"):
+        fetch_public_image(server.url("/moved"), max_bytes=10_000, allowed_networks=LOOPBACK)
+
+
 def test_a_redirect_to_a_private_address_is_refused(server: LocalServer) -> None:
     server.routes["/moved"] = (302, {"Location": "http://10.1.2.3/secret"}, b"")
     with pytest.raises(ImageUrlRefused, match="10.1.2.3"):
