@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import SplitResult, urljoin, urlsplit
+from urllib.parse import SplitResult, quote, urljoin, urlsplit
 
 from contract.chat_limits import CHAT_IMAGE_FETCH_TOTAL_SECONDS
 
@@ -95,7 +95,7 @@ def fetch_public_image(
                 if response.status in REDIRECT_STATUSES and response.getheader("Location"):
                     if hop == CHAT_IMAGE_FETCH_MAX_REDIRECTS:
                         raise ImageUrlInvalid(f"more than {CHAT_IMAGE_FETCH_MAX_REDIRECTS} redirects")
-                    url = urljoin(url, response.getheader("Location", ""))
+                    url = _redirect_target(url, response.getheader("Location", ""))
                     continue
                 if response.status != 200:
                     raise ImageUrlInvalid(f"the image URL answered {response.status} {response.reason}")
@@ -239,8 +239,32 @@ class _PinnedConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
+# What a request target keeps as it is when it is percent-encoded (requests' requote_uri keeps the
+# same): the delimiters, and % so that escapes already there are not escaped again.
+_TARGET_SAFE = "!#$%&'()*+,/:;=?@[]~"
+
+
+def _redirect_target(url: str, location: str) -> str:
+    try:
+        return urljoin(url, _location(location))
+    except ValueError as error:  # a bracketed host that does not parse ("http://[::1")
+        raise ImageUrlInvalid(f"malformed redirect: {error}") from error
+
+
+def _location(value: str) -> str:
+    """A Location header as its sender wrote it: http.client reads header bytes as Latin-1, and a
+    server that puts a path outside ASCII there sends it as UTF-8 (as requests reads it)."""
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return value
+
+
 def _get(connection: _PinnedConnection, parts: SplitResult) -> http.client.HTTPResponse:
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    # A path or query outside ASCII (or with spaces) goes on the wire percent-encoded as UTF-8, as
+    # a browser sends it; http.client would refuse it (docs/adr/0121).
+    target = quote(target, safe=_TARGET_SAFE)
     # No Accept-Encoding (http.client would add "identity"): the body is the image bytes.
     connection.putrequest("GET", target, skip_accept_encoding=True)
     connection.putheader("Accept", "image/*")

@@ -16,6 +16,7 @@ import io
 import ipaddress
 import json
 import logging
+import struct
 import threading
 import time
 import warnings
@@ -256,7 +257,10 @@ def normalise_chat_image(data: bytes) -> bytes:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         with _open(data) as opened:
+            turn = _exif_transposition(opened)
             image = _as_rgb_or_rgba(opened)
+    if turn is not None:  # the JPEG is stored without EXIF: its pixels are turned as it is shown
+        image = image.transpose(turn)
     if image.mode == "RGBA":
         flat = Image.new("RGB", image.size, (255, 255, 255))
         flat.paste(image, mask=image.getchannel("A"))
@@ -266,6 +270,31 @@ def normalise_chat_image(data: bytes) -> bytes:
     out = io.BytesIO()
     image.save(out, format="JPEG", quality=CHAT_IMAGE_JPEG_QUALITY)
     return out.getvalue()
+
+
+# EXIF Orientation to the transposition that shows the image upright (Pillow's ImageOps table).
+_EXIF_ORIENTATION = 0x0112
+_EXIF_TRANSPOSITIONS = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def _exif_transposition(image: Image.Image) -> Image.Transpose | None:
+    """How to turn the pixels so the image shows as a browser shows it (a phone's photo is stored
+    on its side with an EXIF Orientation); None for an image without one, or whose EXIF does not
+    read, which is kept as sent (docs/adr/0121). Not ImageOps.exif_transpose: it writes the EXIF
+    back, which fails on a tag the reading tolerated."""
+    try:
+        orientation = image.getexif().get(_EXIF_ORIENTATION)
+    except (*_UNREADABLE, struct.error, KeyError, IndexError, TypeError, EOFError):
+        return None
+    return _EXIF_TRANSPOSITIONS.get(orientation) if isinstance(orientation, int) else None
 
 
 def _as_rgb_or_rgba(image: Image.Image) -> Image.Image:

@@ -242,6 +242,48 @@ def test_a_sixteen_bit_grey_image_keeps_its_greys_and_its_transparent_value_turn
         assert stored.getpixel((0, 0))[0] >= 200  # transparent: white (JPEG blurs the one pixel)
 
 
+def _camera_jpeg(exif: bytes) -> bytes:
+    """A photo as a phone stores it: pixels 40x10 (red left half), shown 10x40 by its EXIF Orientation."""
+    image = Image.new("RGB", (40, 10), (0, 0, 255))
+    image.paste((255, 0, 0), (0, 0, 20, 10))
+    out = io.BytesIO()
+    image.save(out, format="JPEG", quality=95, exif=exif)
+    return out.getvalue()
+
+
+def _orientation_six() -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 degrees clockwise to show
+    return exif.tobytes()
+
+
+# Orientation 6 beside a tag whose type is out of range: readable, but Pillow's own exif_transpose
+# fails writing it back (struct.error); the orientation is still applied.
+_ORIENTATION_SIX_BESIDE_A_BROKEN_TAG = (
+    b"Exif\x00\x00MM\x00*\x00\x00\x00\x08\x00\x02\x01%\x00\x02\x00\x00\x00\x1f\x00\x00\x00&\x01\x12\x00\x03"
+    b"\x00\x00\x00\x01\x00\x06\x00\x00\x00\x00\x00\x00" + b"x" * 30 + b"\x00\x00"
+)
+
+
+@pytest.mark.parametrize(
+    "exif",
+    [pytest.param(_orientation_six(), id="exif"), pytest.param(_ORIENTATION_SIX_BESIDE_A_BROKEN_TAG, id="odd-exif")],
+)
+def test_a_photo_is_stored_upright_as_its_exif_orientation_shows_it(
+    horde, make_user, vision_owner, image_store, exif
+):
+    """The stored JPEG carries no EXIF, so the orientation is applied to its pixels: the worker sees
+    the photo as the requester's browser showed it, not lying on its side."""
+    requester = make_user("r", kudos=1000)
+    url = data_url(_camera_jpeg(exif), "jpeg")
+    response = chat_async(horde.client, requester.key, messages=[image_message(url)], max_tokens=64)
+    assert response.status_code == 202, response.json()
+    with Image.open(image_store / chat_image_key(response.json()["id"], 0)) as stored:
+        assert stored.size == (10, 40)
+        assert stored.getpixel((5, 5))[0] > 200 and stored.getpixel((5, 35))[2] > 200  # red on top
+        assert stored.getexif().get(0x0112) is None
+
+
 def test_an_untrusted_requester_is_held_to_five_mib_in_all_and_a_trusted_one_to_twenty_five(
     horde, make_user, vision_owner, image_store
 ):
@@ -268,6 +310,18 @@ def test_a_url_image_is_fetched_and_stored(horde, make_user, vision_owner, image
     (name,) = stored_files(image_store)
     with Image.open(image_store / name) as stored:
         assert stored.format == "JPEG" and stored.size == (16, 8)
+
+
+def test_a_url_image_whose_path_is_not_ascii_is_fetched(
+    horde, make_user, vision_owner, image_store, image_host, settings
+):
+    settings.HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS = ["127.0.0.0/8"]
+    host = image_host({"/caf%C3%A9.png": (200, png(16, 8))})
+    requester = make_user("r", kudos=1000)
+    messages = [image_message(host.url("/café.png"))]
+    response = chat_async(horde.client, requester.key, messages=messages, max_tokens=64)
+    assert response.status_code == 202, response.content
+    assert host.requested == ["/caf%C3%A9.png"] and len(stored_files(image_store)) == 1
 
 
 def test_url_images_stop_being_fetched_once_the_running_total_passes_the_cap(

@@ -294,6 +294,31 @@ def test_a_relative_location_is_resolved_against_the_current_url(server: LocalSe
     assert server.seen[-1].path == "/images/cat.png"
 
 
+def test_a_path_and_query_outside_ascii_are_sent_percent_encoded_as_utf8(server: LocalServer) -> None:
+    """What a browser (and requests) sends for such a URL: the image is fetched, not a 500."""
+    _image_route(server, "/photos/caf%C3%A9%20au%20lait.png?q=%C3%BC&x=%2F")
+    url = server.url("/photos/café au lait.png?q=ü&x=%2F")
+    assert fetch_public_image(url, max_bytes=10_000, allowed_networks=LOOPBACK) == PNG
+    assert server.seen[-1].path == "/photos/caf%C3%A9%20au%20lait.png?q=%C3%BC&x=%2F"
+
+
+def test_a_redirect_to_a_utf8_location_is_followed(server: LocalServer) -> None:
+    """A Location header's bytes are UTF-8 as servers send them (http.client reads them as Latin-1)."""
+    _image_route(server, "/caf%C3%A9.png")
+    server.routes["/moved"] = (302, {"Location": "/café.png".encode().decode("latin-1")}, b"")
+    assert fetch_public_image(server.url("/moved"), max_bytes=10_000, allowed_networks=LOOPBACK) == PNG
+    assert server.seen[-1].path == "/caf%C3%A9.png"
+
+
+@pytest.mark.parametrize("location", ["http://[::1", "//[::1/cat.png", "http://[zz]/cat.png", "http://h:99999/"])
+def test_a_malformed_location_is_invalid(server: LocalServer, location: str) -> None:
+    """400 SourceImageUrlInvalid at the route, not a 500: urljoin raises on a bracketed host that
+    does not parse."""
+    server.routes["/moved"] = (302, {"Location": location}, b"")
+    with pytest.raises(ImageUrlInvalid, match="malformed"):
+        fetch_public_image(server.url("/moved"), max_bytes=10_000, allowed_networks=LOOPBACK)
+
+
 def test_a_redirect_to_a_private_address_is_refused(server: LocalServer) -> None:
     server.routes["/moved"] = (302, {"Location": "http://10.1.2.3/secret"}, b"")
     with pytest.raises(ImageUrlRefused, match="10.1.2.3"):
