@@ -306,3 +306,84 @@ def test_a_request_the_scribe_cannot_serve(live, make_user, params, skipped):
     assert lite_status(live, created.json()["id"])["is_possible"] is False
     idle = scribe_pop(live, owner.key, "scribe", "~unknown~kai~kai~kai")
     assert idle["id"] is None and idle["skipped"] == skipped
+
+
+def test_every_refusal_the_scribe_meets_on_pop_and_submit_is_json_with_a_message(live, make_user):
+    """An error answer to its pop or submit without a `message` key makes the scribe's process exit
+    (it reads `response.json()["message"]`): each refusal it can meet, with its own headers."""
+    from tests.oai.conftest import _restore_anonymous_user
+
+    _restore_anonymous_user()  # a keyless pop is the anonymous user's, which an earlier flush removed
+    owner, stranger, requester = make_user("scribe-owner"), make_user("stranger"), make_user("lite-user", kudos=50)
+    scribe_pop(live, owner.key, "scribe", "~unknown~kai")
+    lite_request(live, requester.key, "You: Hello\nBot:")
+    job = scribe_pop(live, owner.key, "scribe", "~unknown~kai")
+    assert_scribe_job(job, "You: Hello\nBot:")
+    pop_body = {
+        "name": "scribe", "models": [MODEL], "max_length": 80, "max_context_length": 1024, "priority_usernames": [],
+        "softprompts": [], "bridge_agent": scribe_agent("~unknown~kai"), "threads": 1,
+    }
+    unknown_job = "00000000-0000-0000-0000-000000000000"
+    refusals = {
+        "pop with a key this horde does not know": ("pop", "0123456789abcdefghijkl", pop_body, 401),
+        "pop as a worker name another user owns": ("pop", stranger.key, pop_body, 403),
+        "pop without a key": ("pop", None, pop_body, 403),
+        "submit of a job no worker holds": ("submit", owner.key, {"id": unknown_job, "generation": "x", "seed": 0}, 404),
+        "submit of another's job": ("submit", stranger.key, {"id": job["id"], "generation": "x", "seed": 0}, 403),
+    }
+    for what, (route, key, body, status) in refusals.items():
+        headers = {**REQUESTS_HEADERS, **({"apikey": key} if key else {})}
+        answer = live.request("POST", f"/api/v2/generate/text/{route}", headers=headers, body=body)
+        assert answer.status_code == status, (what, answer.text)
+        assert answer.headers["content-type"] == "application/json", what
+        assert isinstance(answer.json()["message"], str) and answer.json()["message"], (what, answer.text)
+    assert scribe_submit(live, owner.key, {"id": job["id"], "generation": " Hi.", "seed": 0}).status_code == 200
+    # Its submit sent again (its 60 s timeout ran out before the first answer came back).
+    again = scribe_submit(live, owner.key, {"id": job["id"], "generation": " Hi.", "seed": 0})
+    assert again.status_code == 400 and again.json()["rc"] == "DuplicateGen" and again.json()["message"]
+
+
+def test_lites_reads_at_load_are_answered_to_a_page_of_any_origin(live, make_user):
+    """At load Lite reads the text models, the performance, all models and the text workers, and
+    find_user with a saved key, from file:// (origin null): each answered with the header a browser
+    needs to hand the page the answer."""
+    owner, requester = make_user("scribe-owner"), make_user("lite-user", kudos=50)
+    scribe_pop(live, owner.key, "scribe", "~unknown~kai")
+    page = {"Origin": "null", "Client-Agent": "KoboldAiLite:17"}
+    answers = {
+        path: live.request("GET", path, headers=page)
+        for path in (
+            "/api/v2/status/models?type=text", "/api/v2/status/performance", "/api/v2/status/models",
+            "/api/v2/workers?type=text",
+        )
+    }
+    answers["/api/v2/find_user"] = live.request("GET", "/api/v2/find_user", headers={**page, "apikey": requester.key})
+    for path, answer in answers.items():
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*", (path, answer.text)
+    (text_model,) = answers["/api/v2/status/models?type=text"].json()
+    assert (text_model["name"], text_model["count"], text_model["type"]) == (MODEL, 1, "text")
+    assert {"performance", "queued", "eta"} <= text_model.keys()
+    assert answers["/api/v2/status/models"].json() == []  # upstream's default type is image: none here
+    performance = answers["/api/v2/status/performance"].json()
+    assert performance["text_worker_count"] == 1 and performance["queued_text_requests"] == 0
+    (worker,) = answers["/api/v2/workers?type=text"].json()
+    assert (worker["name"], worker["models"], worker["max_length"]) == ("scribe", [MODEL], 80)
+    assert answers["/api/v2/find_user"].json()["username"] == f"lite-user#{requester.user.pk}"
+
+
+def test_at_the_default_rate_limits_the_scribes_pops_and_lites_polls_are_never_refused(live, make_user, settings):
+    """The scribe pops about once a second per thread (several scribes often share one key); Lite
+    polls each request every 500 ms without a key, as every other Lite page does. Neither route
+    counts against the generate routes' limits, restored here to their defaults."""
+    from accounts.ratelimit import reset_local_counts
+
+    settings.HORDE_TEXT_ASYNC_RATE_LIMITS = ["2/second", "90/minute"]
+    settings.HORDE_API_KEY_RATE_LIMITS = ["2/second"]
+    settings.HORDE_ANONYMOUS_KEY_RATE_LIMITS = ["60/second"]
+    reset_local_counts()
+    owner, requester = make_user("scribe-owner"), make_user("lite-user", kudos=50)
+    request_id = lite_request(live, requester.key, "You: Hello\nBot:")
+    for thread in range(6):  # three scribes of two threads each, within a second
+        scribe_pop(live, owner.key, f"scribe-{thread % 3}", "~unknown~kai")
+    for _ in range(10):
+        assert lite_status(live, request_id)["faulted"] is False

@@ -228,6 +228,40 @@ def test_langchain_openai_class_replay(client, start_text_worker):
     assert payload["stop_sequence"] == ["\n\n"] and "rep_pen" not in payload
 
 
+def test_a_text_stream_that_fails_after_its_headers_raises_in_the_sdk_and_in_langchain(
+    front, client, requester, live_horde, worker_owner
+):
+    """The legacy route's stream (LangChain's `OpenAI`, SillyTavern's and Lite's text modes) ends an
+    error after its 200 headers as the chat route does: a `data:` event holding `error`, which the
+    openai SDK raises as APIError (code a string) and LangChain's `OpenAI.stream` lets through, then
+    [DONE]. The scribe checked in but never pops, so the stream's budget runs out."""
+    from langchain_openai import OpenAI
+
+    from tests.oai.conftest import ScribeTextWorker
+
+    front.configure(stream_timeout_seconds=1.0)
+    ScribeTextWorker(live=live_horde, key=worker_owner.key).check_in()
+    with pytest.raises(openai.APIError) as caught:
+        list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, stream=True))
+    assert caught.value.code == "ChatRequestTimeout" and caught.value.type == "timeout_error"
+    llm = OpenAI(base_url=front.live.v1, api_key=requester.key, model=MODEL, max_retries=0, timeout=30, max_tokens=32)
+    with pytest.raises(openai.APIError, match="No worker finished the request within 1 seconds."):
+        list(llm.stream(PROMPT))
+    with httpx.stream(
+        "POST",
+        f"{front.live.v1}/completions",
+        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 32, "stream": True},
+        headers={"Authorization": f"Bearer {requester.key}"},
+        timeout=10,
+    ) as response:
+        assert response.status_code == 200
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) == 2
+    error = json.loads(events[0].removeprefix("data: "))["error"]
+    assert (error["code"], error["type"]) == ("ChatRequestTimeout", "timeout_error")
+    assert wait_for(lambda: all(r.cancelled for r in GenerationRequest.objects.all()), 3)
+
+
 LITE_BODY = {
     # KoboldAI Lite's text mode ("OpenAI Compatible API", "Use ChatCompletions API" unticked): its
     # default settings (max_length 768, temperature 0.75, top_p 0.92, rep_pen 1.05 sent as
