@@ -36,6 +36,7 @@ from oai.waiter import (
     NO_ELIGIBLE_WORKER_RETRY_AFTER_SECONDS,
     POSITIONED_READ_WAIT_SECONDS,
     QUEUE_UNAVAILABLE_RETRY_AFTER_CAP_SECONDS,
+    SDK_RETRY_AFTER_MAX_SECONDS,
     ChatRequestWatcher,
     WaitBudget,
     Wake,
@@ -486,6 +487,8 @@ class ChatRun:
             param="horde.availability_mode",
             type="api_error",
             retry_after=retry_after,
+            # The SDKs ignore a Retry-After over 60 s and retry within a second (docs/adr/0125).
+            should_retry=False if retry_after > SDK_RETRY_AFTER_MAX_SECONDS else None,
             reason=reason,
         )
 

@@ -39,6 +39,8 @@ log = logging.getLogger("oai.waiter")
 POSITIONED_READ_WAIT_SECONDS = 2.0
 QUEUE_UNAVAILABLE_RETRY_AFTER_CAP_SECONDS = 600
 NO_ELIGIBLE_WORKER_RETRY_AFTER_SECONDS = 30
+# The longest Retry-After the OpenAI SDKs honour; past it they retry at once (docs/adr/0125).
+SDK_RETRY_AFTER_MAX_SECONDS = 60
 # A PONG or a subscribe that takes longer means a hung Redis: the connection is dropped and waiting
 # requests poll as without Redis until it is back (docs/adr/0018). The horde's short Redis timeout
 # (HORDE_REDIS_SOCKET_TIMEOUT's default).

@@ -66,8 +66,12 @@ def test_a_wait_over_the_cap_is_refused_with_retry_after_600(
     """2,000 tokens at 1 token/s: 2,000 s, over the 20 s budget; Retry-After is capped at 600."""
     _idle_worker(live_horde, worker_owner, speed=1.0)
     caplog.set_level("INFO", logger="oai.requests")
+    # The SDKs ignore a Retry-After over 60 s and would retry within a second, to be refused again
+    # (docs/adr/0125): x-should-retry: false, so the SDK's default two retries are not sent.
     with pytest.raises(openai.InternalServerError) as caught:
-        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2000, extra_body=FAIL_FAST)
+        client.with_options(max_retries=2).chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=2000, extra_body=FAIL_FAST
+        )
     error = caught.value
     assert (error.status_code, error.code, error.param, error.type) == (
         503,
@@ -78,6 +82,7 @@ def test_a_wait_over_the_cap_is_refused_with_retry_after_600(
     assert QUEUE_UNAVAILABLE_RETRY_AFTER_CAP_SECONDS == 600
     assert error.response.headers["retry-after"] == "600"
     assert error.body["metadata"]["retry_after"] == 600
+    assert error.response.headers["x-should-retry"] == "false"
     assert "1 eligible worker threads, an estimated wait of 2000 s" in error.message
     assert _wait_exceeds_budget_errors(front) == [
         (
@@ -107,6 +112,7 @@ def test_a_wait_under_the_cap_is_its_own_retry_after(front, client, live_horde, 
     assert (error.status_code, error.code) == (503, "queue_unavailable")
     assert error.response.headers["retry-after"] == "50"
     assert error.body["metadata"]["retry_after"] == 50
+    assert "x-should-retry" not in error.response.headers  # 50 s: the SDKs wait it out, then retry
     assert "an estimated wait of 50 s" in error.message
     assert len(_wait_exceeds_budget_errors(front)) == 1
 
