@@ -197,3 +197,20 @@ def test_details_carry_upstreams_kudos_breakdown_and_flag(horde, make_user):
     details = _details(horde, "text")
     assert details["kudos_details"] == {"generated": 12.5} and details["kudos_rewards"] == 12.5
     assert details["flagged"] is False
+
+
+def test_the_owner_is_shown_to_the_workers_owner_and_moderators_only(horde, make_user):
+    """As upstream's details privilege: a worker's owner alias links a volunteer's account to the
+    machine it runs, so only its owner and moderators read it (docs/adr/0126)."""
+    owner, stranger, moderator = make_user("owner"), make_user("stranger"), make_user("mod", moderator=True)
+    horde.pop(owner.key, name="private")
+    worker = Worker.objects.select_related("owner").get(name="private")
+    alias = worker.owner.unique_alias
+    routes = (f"/api/v2/workers/{worker.id}", "/api/v2/workers/name/private", "/api/v2/workers")
+    for route in routes:
+        for key, shown in ((None, False), (stranger.key, False), (owner.key, True), (moderator.key, True)):
+            answer = horde.client.get(route, **({"HTTP_APIKEY": key} if key else {}))
+            assert answer.status_code == 200, (route, answer.content)
+            (details,) = answer.json() if route.endswith("workers") else [answer.json()]
+            assert details.get("owner") == (alias if shown else None), (route, key)
+            assert details["name"] == "private" and details["trusted"] is False

@@ -7,8 +7,9 @@ from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from accounts.api.callers import registered_caller
+from accounts.api.callers import registered_caller, shared_key_of
 from accounts.api.openapi_errors import OBJECT_LIST, refusals
+from accounts.models import HordeUser
 from contract.errors import HordeError
 from workers.models import WORKER_MAINTENANCE_MESSAGE_MAX_LENGTH, Worker
 from workers.selectors import (
@@ -24,6 +25,16 @@ from workers.services import worker_delete, worker_update
 def _first_query_value(request, key: str) -> str:
     values = request.query_params.getlist(key)
     return values[0] if values else ""
+
+
+def _as_seen_by(request, details: dict) -> dict:
+    """A worker's details as the caller may read them: its owner's alias only for that owner and
+    for moderators, as upstream's details privilege (docs/adr/0126). A shared key is not its owner."""
+    user = request.user
+    itself = isinstance(user, HordeUser) and not user.is_anonymous and shared_key_of(request) is None
+    if itself and (user.moderator or details["owner"].rpartition("#")[2] == str(user.pk)):
+        return details
+    return {key: value for key, value in details.items() if key != "owner"}
 
 
 def _worker_or_404(worker_id, *, cached: bool = False) -> Worker:
@@ -48,10 +59,12 @@ class WorkerListView(APIView):
         # value, where QueryDict.get keeps the last.
         name = _first_query_value(request, "name")
         if name:
-            return Response(workers_online_details(name=name))
-        if _first_query_value(request, "type") not in ("", "text"):
-            return Response([])
-        return Response(workers_online_details())
+            listed = workers_online_details(name=name)
+        elif _first_query_value(request, "type") not in ("", "text"):
+            listed = []
+        else:
+            listed = workers_online_details()
+        return Response([_as_seen_by(request, details) for details in listed])
 
 
 class WorkerByNameView(APIView):
@@ -65,7 +78,7 @@ class WorkerByNameView(APIView):
         if worker is None:
             # Upstream's words: its WorkerNotFound names an ID even for a name.
             raise HordeError("WorkerNotFound", f"Worker with ID '{worker_name}' not found.")
-        return Response(worker_details(worker))
+        return Response(_as_seen_by(request, worker_details(worker)))
 
 
 class WorkerDetailView(APIView):
@@ -92,7 +105,7 @@ class WorkerDetailView(APIView):
 
     @extend_schema(responses={200: dict, **refusals(s404=["WorkerNotFound"])})
     def get(self, request, worker_id):
-        return Response(worker_details(_worker_or_404(worker_id, cached=True)))
+        return Response(_as_seen_by(request, worker_details(_worker_or_404(worker_id, cached=True))))
 
     @extend_schema(
         request=UpdateSerializer,
