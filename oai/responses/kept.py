@@ -107,16 +107,14 @@ def input_items_page(record: Mapping[str, Any], response_id: str, query: Mapping
             "limit", f"Invalid value for 'limit': '{raw_limit}'; expected an integer from 1 to {INPUT_ITEMS_MAX_LIMIT}."
         )
     ids = [item["id"] for item in items]
-    start, end = 0, len(items)
+    places: dict[str, int] = {}
     for cursor in ("after", "before"):
         item_id = query.get(cursor)
-        if item_id is not None and item_id not in ids:
-            raise _query_error(cursor, f"No input item with id '{item_id}' in response '{response_id}'.")
-    if "after" in query:
-        start = ids.index(query["after"]) + 1
-    if "before" in query:
-        end = ids.index(query["before"])
-    items = items[start:end]
+        if item_id is not None:
+            if item_id not in ids:
+                raise _query_error(cursor, f"No input item with id '{item_id}' in response '{response_id}'.")
+            places[cursor] = ids.index(item_id)
+    items = items[places.get("after", -1) + 1 : places.get("before", len(items))]
     # `before` pages backwards: the `limit` items nearest to it, in the list's order.
     page = items[-int(raw_limit) :] if "before" in query and "after" not in query else items[: int(raw_limit)]
     return {
