@@ -16,12 +16,14 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+from tests.http_fakes import QuietHandler
 
 
 def _value(any_value: Any) -> Any:
@@ -114,7 +116,7 @@ def otlp_collector(port: int = 0) -> Iterator[Collector]:
     OTEL_EXPORTER_OTLP_ENDPOINT."""
     collector = Collector()
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_POST(self) -> None:  # noqa: N802  (http.server's name)
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             encoding = (self.headers.get("Content-Encoding") or "").lower()
@@ -127,14 +129,7 @@ def otlp_collector(port: int = 0) -> Iterator[Collector]:
                 self.end_headers()
                 return
             answer = collector.receive(self.path, body)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", str(len(answer)))
-            self.end_headers()
-            self.wfile.write(answer)
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (http.server's name)
-            pass
+            self.send_body(200, answer, "application/x-protobuf")
 
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     collector.url = f"http://127.0.0.1:{server.server_address[1]}"

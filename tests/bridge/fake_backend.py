@@ -58,9 +58,10 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
+from tests.http_fakes import QuietHandler, close_server, serve
 from workers.bridge.scripted import minimal_instance
 
 LLAMA_CONTEXT_OVERFLOW = (
@@ -113,11 +114,8 @@ class FakeError(Exception):
 
 
 class QuietServer(ThreadingHTTPServer):
-    daemon_threads = True
-
     def handle_error(self, request, client_address) -> None:
-        # A client that gave up a slow generation (the lease and stop tests) closes its end.
-        pass
+        """No traceback: a client that gave up a slow generation (the lease and stop tests) closes its end."""
 
 
 class FakeLlamaCpp:
@@ -189,22 +187,14 @@ class FakeLlamaCpp:
         fake = self
         self._slots_free = threading.Semaphore(self.total_slots)
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             protocol_version = "HTTP/1.1"  # llama-server streams with chunked transfer encoding
-
-            def log_message(self, *args: Any) -> None:
-                pass
 
             def _send(self, status: int, body: Any) -> None:
                 if status >= 400:
                     error = body.get("error") if isinstance(body, dict) else None
                     fake.errors.append((self.path, status, str((error or {}).get("message"))))
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json; charset=utf-8")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                self.send_json(status, body, "application/json; charset=utf-8")
 
             def _stream(self, body: dict[str, Any]) -> None:
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -300,8 +290,7 @@ class FakeLlamaCpp:
                 except FakeError as error:
                     self._send(error.status, error.body)
 
-        self._server = QuietServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self._server = serve(Handler, QuietServer)
         return self.url
 
     @property
@@ -311,8 +300,7 @@ class FakeLlamaCpp:
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            close_server(self._server)
 
     # -- read-only routes
 
@@ -614,10 +602,7 @@ class RouteServer:
     def start(self) -> str:
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def _answer(self, method: str) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"null")
@@ -626,12 +611,7 @@ class RouteServer:
                 status, payload = (404, {"detail": "Not Found"}) if answer is None else (200, answer)
                 if callable(payload):
                     status, payload = payload(body)
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                self.send_json(status, payload)
 
             def do_GET(self) -> None:
                 self._answer("GET")
@@ -639,11 +619,9 @@ class RouteServer:
             def do_POST(self) -> None:
                 self._answer("POST")
 
-        self._server = QuietServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self._server = serve(Handler, QuietServer)
         return f"http://127.0.0.1:{self._server.server_address[1]}/v1"
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            close_server(self._server)

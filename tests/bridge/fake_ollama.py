@@ -43,10 +43,10 @@ from __future__ import annotations
 import json
 import re
 import threading
-from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from tests.bridge.fake_backend import QuietServer
+from tests.http_fakes import QuietHandler
 
 DEFAULT_REPLY = "Hello from the fake Ollama."
 CONTINUATION = " there lived a dragon."
@@ -107,19 +107,12 @@ class FakeOllama:
     def start(self) -> str:
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
 
             def _send(self, status: int, body: Any) -> None:
                 data = (json.dumps(body) + "\n").encode()  # gin's encoder ends the body with a newline
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json; charset=utf-8")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                self.send_body(status, data, "application/json; charset=utf-8")
 
             def _native_error(self, error: OllamaError) -> None:
                 self._send(error.status, {"error": error.message})

@@ -14,16 +14,17 @@ import ssl
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
 from contract.chat_limits import MAX_CHAT_BODY_BYTES
+from tests.http_fakes import QuietHandler
 from workers.bridge.connections import proxy_for
 from workers.bridge.horde import POP_HELD_AFTER, HordeClient, HordeUnavailable
 
 
-class _Recorder(BaseHTTPRequestHandler):
+class _Recorder(QuietHandler):
     """Answers every request with {"id": null}, records its request line and headers, and with
     `close_after` set closes the connection after answering without saying so (as a proxy or
     server whose idle timeout ended the connection would). With `drop_after` N, a connection's
@@ -35,9 +36,6 @@ class _Recorder(BaseHTTPRequestHandler):
     bodies: list[bytes] = []
     close_after = False
     drop_after: int | None = None
-
-    def log_message(self, *args) -> None:
-        pass
 
     def do_GET(self) -> None:
         """A messages_url: /moved redirects to /messages, which holds the offloaded array."""

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -21,10 +17,10 @@ from tests.bridge.fake_backend import (
     LLAMA_SERVER_ERROR,
     chat_completion,
 )
+from tests.bridge.processes import checked_in_bridge_process, signal_and_wait
 from workers.bridge.scripted import ScriptedBackend
 from workers.models import Worker
 
-ROOT = Path(__file__).resolve().parents[2]
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -268,37 +264,13 @@ def test_threads_serve_jobs_at_once(live_horde, fake_backend):
 # --- stopping -------------------------------------------------------------------------------------
 
 
-def _bridge_process(live_horde, backend_url: str, *args: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "BRIDGE_API_KEY": live_horde.worker_key, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "workers.bridge", "--horde-url", live_horde.url, "--backend", backend_url,
-         "--horde-model", MODEL, "--name", "sigterm-bridge", "--pop-interval", "0.1", *args],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-
-
-def _wait_for_worker(name: str, proc: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 20
-    while not Worker.objects.filter(name=name).exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(proc.communicate()[0])
-        time.sleep(0.1)
-
-
 @pytest.mark.slow
 def test_sigterm_mid_job_finishes_the_held_job(live_horde, fake_backend):
     fake_backend.delay = 2.0
-    proc = _bridge_process(live_horde, fake_backend.url, "--stop-grace", "15")
-    try:
-        _wait_for_worker("sigterm-bridge", proc)
+    with checked_in_bridge_process(live_horde, fake_backend.url, "--stop-grace", "15") as proc:
         request_id = live_horde.chat()
         assert fake_backend.generating.wait(10)
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        output, _ = signal_and_wait(proc, signal.SIGTERM, timeout=20)
     assert proc.returncode == 0, output
     assert "SIGTERM: no more pops; finishing 1 held job(s)" in output
     assert "summary: 1 jobs (1 ok, 0 faulted, 0 dropped)" in output
@@ -309,18 +281,10 @@ def test_sigterm_mid_job_finishes_the_held_job(live_horde, fake_backend):
 @pytest.mark.slow
 def test_sigterm_faults_what_it_cannot_finish_in_the_grace(live_horde, fake_backend):
     fake_backend.delay = 30.0
-    proc = _bridge_process(live_horde, fake_backend.url, "--stop-grace", "0.5")
-    try:
-        _wait_for_worker("sigterm-bridge", proc)
+    with checked_in_bridge_process(live_horde, fake_backend.url, "--stop-grace", "0.5") as proc:
         request_id = live_horde.chat()
         assert fake_backend.generating.wait(10)
-        started = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=15)
-        stopped_after = time.monotonic() - started
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        output, stopped_after = signal_and_wait(proc, signal.SIGTERM, timeout=15)
     assert proc.returncode == 0, output
     assert stopped_after < 5, output
     assert "faulted at stop" in output and "summary: 1 jobs (0 ok, 1 faulted, 0 dropped)" in output

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
+from tests.http_fakes import QuietHandler, close_server, serve
 from workers.bridge.config import BridgeConfig, ConfigError, load_config
 from workers.bridge.scripted import ScriptedBackend
 from workers.bridge.worker import Bridge
@@ -42,34 +42,18 @@ class OtherHorde:
         self.user_reads = 0
         horde = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _answer(self, status: int, body: dict[str, Any]) -> None:
-                raw = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
+        class Handler(QuietHandler):
             def _garbled(self, method: str) -> bool:
                 if not horde.garbled[method]:
                     return False
                 horde.garbled[method] -= 1
-                raw = b"<html><body>Please wait</body></html>"
-                self.send_response(200)
-                self.send_header("Content-Type", "text/html")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+                self.send_body(200, b"<html><body>Please wait</body></html>", "text/html")
                 return True
 
             def do_GET(self):  # noqa: N802
                 horde.user_reads += 1
                 if not self._garbled("GET"):
-                    self._answer(200, {"username": "other#1", "id": 1})
+                    self.send_json(200, {"username": "other#1", "id": 1})
 
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -77,20 +61,18 @@ class OtherHorde:
                 if self._garbled("POST"):
                     return
                 if horde.strict and "wait" in body:
-                    self._answer(
+                    self.send_json(
                         400,
                         {"errors": {"wait": "Additional properties are not allowed"}, "message": "Input payload validation failed"},
                     )
                 else:
-                    self._answer(200, EMPTY_POP)
+                    self.send_json(200, EMPTY_POP)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = serve(Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        close_server(self.server)
 
 
 def run_for(horde: OtherHorde, seconds: float, **overrides: Any) -> Bridge:

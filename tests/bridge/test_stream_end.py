@@ -9,14 +9,15 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
+from tests.http_fakes import QuietHandler
 from workers.bridge.connections import STREAM_END_TIMEOUT, Connections
 
 
-class _Stream(BaseHTTPRequestHandler):
+class _Stream(QuietHandler):
     """An SSE answer: two events and [DONE], then `after_done` comment chunks 0.2 s apart, then the
     terminator. Records each request's client address."""
 
@@ -25,9 +26,6 @@ class _Stream(BaseHTTPRequestHandler):
     chunked = True  # else one body with its Content-Length, as llama.cpp's and vLLM's are not
     peers: list[tuple[str, int]] = []
     ended = threading.Event()
-
-    def log_message(self, *args) -> None:
-        pass
 
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
+from tests.http_fakes import QuietHandler, close_server, serve
 from workers.bridge.config import BridgeConfig
 from workers.bridge.scripted import ScriptedBackend
 from workers.bridge.worker import Bridge
@@ -30,52 +30,38 @@ class LosingHorde:
         self.popped = False
         horde = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             protocol_version = "HTTP/1.1"
 
-            def log_message(self, *args):
-                pass
-
-            def _answer(self, status: int, body: dict[str, Any]) -> None:
-                raw = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
             def do_GET(self):  # noqa: N802
-                self._answer(200, {"username": "losing#1", "id": 1})
+                self.send_json(200, {"username": "losing#1", "id": 1})
 
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path.endswith("/pop"):
                     if horde.popped:
-                        self._answer(200, {"id": None, "ids": [], "payload": {}, "skipped": {}})
+                        self.send_json(200, {"id": None, "ids": [], "payload": {}, "skipped": {}})
                         return
                     horde.popped = True
-                    self._answer(200, {"id": JOB_ID, "ids": [JOB_ID], "model": "scripted", "ttl": 150,
-                                       "payload": {"prompt": "Once upon a time", "max_length": 16}, "skipped": {}})
+                    self.send_json(200, {"id": JOB_ID, "ids": [JOB_ID], "model": "scripted", "ttl": 150,
+                                         "payload": {"prompt": "Once upon a time", "max_length": 16}, "skipped": {}})
                     return
                 horde.submits.append(body)
                 if len(horde.submits) == 1:  # stored; the answer is lost
                     if lose == "close":
                         self.close_connection = True
                     else:
-                        self._answer(504, {"message": "Gateway Timeout"})
+                        self.send_json(504, {"message": "Gateway Timeout"})
                     return
                 faulted = body.get("state") == "faulted"
-                self._answer(400, {"rc": "AbortedGen" if faulted else "DuplicateGen",
-                                   "message": f"Processing Generation with ID {JOB_ID} already submitted."})
+                self.send_json(400, {"rc": "AbortedGen" if faulted else "DuplicateGen",
+                                     "message": f"Processing Generation with ID {JOB_ID} already submitted."})
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self.server = serve(Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        close_server(self.server)
 
 
 class FailingBackend(ScriptedBackend):

@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 from decimal import Decimal
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -28,6 +28,7 @@ from contract.chat_limits import MAX_CHAT_IMAGE_TOTAL_BYTES_UNTRUSTED, MIN_CHAT_
 from contract.text import FAULTED_GENERATIONS_LIMIT
 from tests.chat.chat_route_helpers import chat_async, chat_worker
 from tests.chat.pop_helpers import ALL_GUARANTEES, chat_pop
+from tests.http_fakes import QuietHandler
 
 VISION = ["vision", *ALL_GUARANTEES]
 
@@ -87,7 +88,7 @@ class ImageHost:
         self.requested: list[str] = []  # the paths asked for, in order
         requested = self.requested
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self):  # noqa: N802
                 requested.append(self.path)
                 status, body = routes_.get(self.path, (404, b"missing"))
@@ -97,9 +98,6 @@ class ImageHost:
                 self.end_headers()
                 time.sleep(delay)  # a slow host: the body comes within the read timeout, late
                 self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)

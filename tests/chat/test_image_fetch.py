@@ -32,6 +32,7 @@ from chat.image_fetch import (
     ImageUrlRefused,
     fetch_public_image,
 )
+from tests.http_fakes import QuietHandler
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
 LOOPBACK = [ipaddress.ip_network("127.0.0.0/8")]
@@ -72,7 +73,7 @@ class _Server6(_Server):
 
 
 def _handler(state: LocalServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             state.seen.append(Seen(self.path, {k.lower(): v for k, v in self.headers.items()}))
             status, headers, body = state.routes.get(self.path, (404, {}, b"not found"))
@@ -86,9 +87,6 @@ def _handler(state: LocalServer) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass
 
     return Handler
 

@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -30,6 +29,7 @@ from tests.hordesite.test_web_restart import (
     WebProcess,
     web_env,
 )
+from tests.http_fakes import QuietHandler, close_server, serve
 from tests.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -51,7 +51,7 @@ class DripHost:
         self.lock = threading.Lock()
         host = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self):  # noqa: N802
                 with host.lock:
                     host.connections += 1
@@ -68,19 +68,13 @@ class DripHost:
                 except OSError:
                     pass
 
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = serve(Handler)
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.server.server_port}{path}"
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        close_server(self.server)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 
 from tests.bridge.conftest import LiveHorde as BridgeHorde
 from tests.bridge.conftest import running_bridge
-from tests.bridge.test_live import _bridge_process, _wait_for_worker
+from tests.bridge.processes import checked_in_bridge_process, signal_and_wait
 from workers.bridge.scripted import ScriptedBackend
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -68,17 +68,9 @@ def test_an_idle_bridge_process_stops_on_a_signal_at_once(live_horde, make_user,
     owner = make_user(f"lp-sig-{uuid.uuid4().hex[:6]}", trusted=True)
     requester = make_user(f"lp-sig-req-{uuid.uuid4().hex[:6]}", kudos=10_000)
     horde = BridgeHorde(live_horde.url, owner.key, requester.key)
-    proc = _bridge_process(horde, "scripted", "--pop-wait", "10", "--stop-grace", "20")
-    try:
-        _wait_for_worker("sigterm-bridge", proc)
+    with checked_in_bridge_process(horde, "scripted", "--pop-wait", "10", "--stop-grace", "20") as proc:
         time.sleep(1.0)  # past the check-in pop: the next one is held
-        started = time.monotonic()
-        proc.send_signal(stop)
-        output, _ = proc.communicate(timeout=20)
-        stopped_in = time.monotonic() - started
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        output, stopped_in = signal_and_wait(proc, stop, timeout=20)
     assert proc.returncode == 0, output
     assert f"{stop.name}: stopping" in output and "horde unreachable" not in output
     assert stopped_in < 3.0, (stopped_in, output)

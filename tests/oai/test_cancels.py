@@ -13,11 +13,12 @@ import asyncio
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import httpx
 import pytest
 
+from tests.http_fakes import QuietHandler
 from tests.oai.conftest import MODEL, HordeTestWorker, wait_for
 from tests.ports import free_port
 
@@ -27,7 +28,7 @@ USER = [{"role": "user", "content": "Hello?"}]
 HOP_HEADERS = {"host", "content-length", "connection", "accept-encoding", "transfer-encoding"}
 
 
-class FaultyNetwork(BaseHTTPRequestHandler):
+class FaultyNetwork(QuietHandler):
     """Forwards to the horde (mode forward), or: answers 502 as a load balancer whose upstream is
     down (bad_gateway), its own 404 page as a gateway without the route (not_found_page) or its JSON 404 (not_found_json), closes the connection without an answer (reset), sends a status line
     without a status code, as a broken middlebox might (garbled), answers after `delay`
@@ -84,9 +85,6 @@ class FaultyNetwork(BaseHTTPRequestHandler):
         self.close_connection = True
 
     do_GET = do_POST = do_DELETE = _handle  # noqa: N815
-
-    def log_message(self, *args):
-        pass
 
 
 @pytest.fixture

@@ -13,13 +13,13 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from tests.http_fakes import QuietHandler, close_server, serve
 from tests.oai.conftest import MODEL, OTHER_MODEL, HordeTestWorker, text_reply, wait_for
 from tests.ports import free_port
 
@@ -113,7 +113,7 @@ def test_stream_disconnect_while_streaming_through_the_sdk(front, requester, liv
 # --- operation key and lost-submit recovery ------------------------------------------------------
 
 
-class _LosingProxy(BaseHTTPRequestHandler):
+class _LosingProxy(QuietHandler):
     """Forwards a chat submit to the real horde, then drops the connection without an answer."""
 
     target = ""
@@ -131,15 +131,11 @@ class _LosingProxy(BaseHTTPRequestHandler):
         self.close_connection = True
         self.connection.shutdown(socket.SHUT_RDWR)
 
-    def log_message(self, *args):
-        pass
-
 
 def test_lost_submit_is_recovered_with_its_operation_key(front, client, start_worker, live_horde):
     _LosingProxy.target = f"{live_horde.url}/api/v2"
     _LosingProxy.seen = []
-    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _LosingProxy)
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    proxy = serve(_LosingProxy)
     try:
         front.configure(
             native_roots=[f"http://127.0.0.1:{proxy.server_address[1]}/api/v2", f"{live_horde.url}/api/v2"]
@@ -148,7 +144,7 @@ def test_lost_submit_is_recovered_with_its_operation_key(front, client, start_wo
         completion = client.chat.completions.create(model=MODEL, messages=USER)
         assert completion.choices[0].message.content
     finally:
-        proxy.shutdown()
+        close_server(proxy)
     requests = _requests()
     assert len(requests) == 1  # the re-sent submit found the first one's claim: one request, one charge
     assert str(requests[0].operation_key) == _LosingProxy.seen[0]["horde"]["operation_key"]
@@ -156,7 +152,7 @@ def test_lost_submit_is_recovered_with_its_operation_key(front, client, start_wo
     assert ({"horde.existing_claim": True}, 1) in front.metrics()["horde.oai.submit.recoveries"]
 
 
-class _GatewayTimeoutProxy(BaseHTTPRequestHandler):
+class _GatewayTimeoutProxy(QuietHandler):
     """A gateway in front of the horde that gives up on a slow upstream: it forwards a chat submit to
     the real horde, which queues the request, then answers 504 with its own HTML page, as nginx does."""
 
@@ -175,18 +171,9 @@ class _GatewayTimeoutProxy(BaseHTTPRequestHandler):
         )
         _GatewayTimeoutProxy.seen.append(json.loads(body))
         if len(_GatewayTimeoutProxy.seen) > _GatewayTimeoutProxy.pages:
-            self.send_response(answer.status_code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(answer.content)))
-            self.end_headers()
-            self.wfile.write(answer.content)
+            self.send_body(answer.status_code, answer.content, "application/json")
             return
-        page = b"<html><body><h1>504 Gateway Time-out</h1></body></html>"
-        self.send_response(504)
-        self.send_header("Content-Type", "text/html")
-        self.send_header("Content-Length", str(len(page)))
-        self.end_headers()
-        self.wfile.write(page)
+        self.send_body(504, b"<html><body><h1>504 Gateway Time-out</h1></body></html>", "text/html")
 
     def _forward(self) -> None:
         """Status reads and cancels pass through."""
@@ -194,16 +181,9 @@ class _GatewayTimeoutProxy(BaseHTTPRequestHandler):
         answer = httpx.request(
             self.command, self.target + self.path.removeprefix("/api/v2"), headers=headers, timeout=10
         )
-        self.send_response(answer.status_code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(answer.content)))
-        self.end_headers()
-        self.wfile.write(answer.content)
+        self.send_body(answer.status_code, answer.content, "application/json")
 
     do_GET = do_DELETE = _forward  # noqa: N815
-
-    def log_message(self, *args):
-        pass
 
 
 def test_a_gateways_error_page_for_the_submit_is_a_lost_answer_and_recovered(front, client, start_worker, live_horde):
@@ -213,8 +193,7 @@ def test_a_gateways_error_page_for_the_submit_is_a_lost_answer_and_recovered(fro
     _GatewayTimeoutProxy.target = f"{live_horde.url}/api/v2"
     _GatewayTimeoutProxy.seen = []
     _GatewayTimeoutProxy.pages = 1_000_000
-    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _GatewayTimeoutProxy)
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    proxy = serve(_GatewayTimeoutProxy)
     try:
         front.configure(
             native_roots=[f"http://127.0.0.1:{proxy.server_address[1]}/api/v2", f"{live_horde.url}/api/v2"]
@@ -223,7 +202,7 @@ def test_a_gateways_error_page_for_the_submit_is_a_lost_answer_and_recovered(fro
         completion = client.chat.completions.create(model=MODEL, messages=USER)
         assert completion.choices[0].message.content
     finally:
-        proxy.shutdown()
+        close_server(proxy)
     requests = _requests()
     assert len(requests) == 1  # one request, one charge
     assert str(requests[0].operation_key) == _GatewayTimeoutProxy.seen[0]["horde"]["operation_key"]
@@ -241,8 +220,7 @@ def test_a_given_up_submit_whose_search_meets_a_gateways_page_is_searched_again(
     _GatewayTimeoutProxy.target = f"{live_horde.url}/api/v2"
     _GatewayTimeoutProxy.seen = []
     _GatewayTimeoutProxy.pages = 3  # the submit, its re-send and the first look-up
-    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _GatewayTimeoutProxy)
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    proxy = serve(_GatewayTimeoutProxy)
     try:
         front.configure(
             native_roots=[f"http://127.0.0.1:{proxy.server_address[1]}/api/v2"], cancel_retry_seconds=0.3
@@ -255,11 +233,11 @@ def test_a_given_up_submit_whose_search_meets_a_gateways_page_is_searched_again(
         (request,) = _requests()
         assert wait_for(lambda: _requests()[0].cancelled, 5), "the request the first submit created was left queued"
     finally:
-        proxy.shutdown()
+        close_server(proxy)
     assert {body["horde"]["operation_key"] for body in _GatewayTimeoutProxy.seen} == {str(request.operation_key)}
 
 
-class _GatewayNotFoundProxy(BaseHTTPRequestHandler):
+class _GatewayNotFoundProxy(QuietHandler):
     """A gateway in front of the horde that answers its first status reads with its own 404 page (a
     route it has not loaded yet), then passes everything through."""
 
@@ -274,11 +252,7 @@ class _GatewayNotFoundProxy(BaseHTTPRequestHandler):
             type(self).reads += 1
             if type(self).reads <= type(self).pages:
                 page, content_type = type(self).page
-                self.send_response(404)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(page)))
-                self.end_headers()
-                self.wfile.write(page)
+                self.send_body(404, page, content_type)
                 return
         headers = {
             k: v for k, v in self.headers.items() if k.lower() in ("apikey", "client-agent", "content-type")
@@ -286,16 +260,9 @@ class _GatewayNotFoundProxy(BaseHTTPRequestHandler):
         answer = httpx.request(
             self.command, self.target + self.path.removeprefix("/api/v2"), content=body, headers=headers, timeout=10
         )
-        self.send_response(answer.status_code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(answer.content)))
-        self.end_headers()
-        self.wfile.write(answer.content)
+        self.send_body(answer.status_code, answer.content, "application/json")
 
     do_GET = do_POST = do_DELETE = _forward  # noqa: N815
-
-    def log_message(self, *args):
-        pass
 
 
 @pytest.mark.parametrize(
@@ -313,15 +280,14 @@ def test_a_gateways_404_page_for_a_status_read_is_not_the_request_gone(front, cl
     _GatewayNotFoundProxy.target = f"{live_horde.url}/api/v2"
     _GatewayNotFoundProxy.pages = 2
     _GatewayNotFoundProxy.reads = 0
-    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _GatewayNotFoundProxy)
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    proxy = serve(_GatewayNotFoundProxy)
     try:
         front.configure(native_roots=[f"http://127.0.0.1:{proxy.server_address[1]}/api/v2"])
         start_worker(delay=0.5)
         completion = client.chat.completions.create(model=MODEL, messages=USER)
         assert completion.choices[0].message.content
     finally:
-        proxy.shutdown()
+        close_server(proxy)
     assert _GatewayNotFoundProxy.reads > 2
     (request,) = _requests()
     assert completion.id == f"chatcmpl-{request.id}"

@@ -11,6 +11,7 @@ import openai
 import pytest
 from PIL import Image
 
+from tests.http_fakes import QuietHandler
 from tests.oai.conftest import MODEL
 
 
@@ -78,24 +79,17 @@ def test_a_slow_image_url_is_waited_for_not_sent_again(front, client, start_work
     submit again (which would fetch, encode and store every image a second time)."""
     import threading
     import time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from http.server import ThreadingHTTPServer
 
     picture = io.BytesIO()
     Image.new("RGB", (12, 12), (200, 0, 0)).save(picture, format="PNG")
     fetches: list[float] = []
 
-    class SlowHost(BaseHTTPRequestHandler):
+    class SlowHost(QuietHandler):
         def do_GET(self):  # noqa: N802
             fetches.append(time.monotonic())
             time.sleep(1.5)
-            self.send_response(200)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(picture.getvalue())))
-            self.end_headers()
-            self.wfile.write(picture.getvalue())
-
-        def log_message(self, *args):
-            pass
+            self.send_body(200, picture.getvalue(), "image/png")
 
     host = ThreadingHTTPServer(("127.0.0.1", 0), SlowHost)
     threading.Thread(target=host.serve_forever, daemon=True).start()

@@ -22,6 +22,16 @@ pytestmark = pytest.mark.slow
 PROMPT = "Once upon a time"
 
 
+def _post_completion(front, requester, body: dict) -> httpx.Response:
+    """POST /v1/completions with the requester's key, as a plain HTTP client sends it (no SDK, no retries)."""
+    return httpx.post(
+        f"{front.live.v1}/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {requester.key}"},
+        timeout=20,
+    )
+
+
 def test_whole_completion_through_the_openai_client(client, start_text_worker):
     worker = start_text_worker()
     completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=64)
@@ -358,12 +368,7 @@ REFUSALS = [
 @pytest.mark.parametrize(("keys", "exception", "param", "code"), REFUSALS)
 def test_refusals(front, requester, keys, exception, param, code):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 32, **keys}
-    response = httpx.post(
-        f"{front.live.v1}/completions",
-        json=body,
-        headers={"Authorization": f"Bearer {requester.key}"},
-        timeout=20,
-    )
+    response = _post_completion(front, requester, body)
     error = response.json()["error"]
     assert set(error) >= {"message", "type", "param", "code"}
     assert error["param"] == param, error
@@ -381,12 +386,7 @@ def test_refusals(front, requester, keys, exception, param, code):
 def test_a_token_id_prompt_is_refused_as_token_ids(front, requester, prompt):
     """OpenAI's prompt may be token ids (int[] or int[][], as lm-evaluation-harness sends them): one
     prompt of three tokens is refused as token ids, not as three prompts nor as a wrong type."""
-    response = httpx.post(
-        f"{front.live.v1}/completions",
-        json={"model": MODEL, "prompt": prompt, "max_tokens": 32},
-        headers={"Authorization": f"Bearer {requester.key}"},
-        timeout=20,
-    )
+    response = _post_completion(front, requester, {"model": MODEL, "prompt": prompt, "max_tokens": 32})
     assert response.status_code == 400
     assert response.json()["error"] == {
         "message": "Token id prompts are not supported by the AI Horde: send text.",
@@ -728,12 +728,7 @@ def test_standalone_front_serves_completions_and_404s_unknown_paths(
 
 
 def test_max_tokens_above_the_text_bound_is_refused_in_openai_words(front, requester):
-    response = httpx.post(
-        f"{front.live.v1}/completions",
-        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 100_000},
-        headers={"Authorization": f"Bearer {requester.key}"},
-        timeout=20,
-    )
+    response = _post_completion(front, requester, {"model": MODEL, "prompt": PROMPT, "max_tokens": 100_000})
     assert response.status_code == 400
     assert response.json()["error"] == {
         "message": "Invalid 'max_tokens': integer above maximum value. Expected a value <= 4096, but got 100000 instead.",
