@@ -126,9 +126,10 @@ def serve_web(daphne_args: list[str]) -> int:
     # here with its message, the mounted front's (/v1/) included, which its first request would
     # otherwise read and answer 500 to every /v1/ request (hordesite/asgi.py reads them again).
     try:
+        # Before the settings, which load the .env file into the environment: it does not set this.
+        switch_interval_ms = gil_switch_interval_ms()
         processes = settings.HORDE_WEB_PROCESSES
         load_settings()
-        switch_interval_ms = gil_switch_interval_ms()
     except ImproperlyConfigured as exc:
         print(f"[web] {exc}", file=sys.stderr, flush=True)
         return 2
