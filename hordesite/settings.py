@@ -251,6 +251,11 @@ CELERY_BEAT_SCHEDULE = {
 # --- Storage --------------------------------------------------------------------------------
 STORAGE_BACKEND = env.str("STORAGE_BACKEND", default="local")
 MEDIA_ROOT = env.str("MEDIA_ROOT", default=str(VAR_DIR / "media"))
+# Fail closed: a misspelt backend must not keep a deployment's chat objects on the local disk.
+if STORAGE_BACKEND not in ("local", "s3"):
+    raise ImproperlyConfigured(f"STORAGE_BACKEND must be local or s3, not {STORAGE_BACKEND!r}")
+if STORAGE_BACKEND == "s3" and not env.str("AWS_STORAGE_BUCKET_NAME", default=""):
+    raise ImproperlyConfigured("STORAGE_BACKEND=s3 needs AWS_STORAGE_BUCKET_NAME")
 if STORAGE_BACKEND == "s3":
     _default_storage: dict[str, Any] = {
         "BACKEND": "storages.backends.s3.S3Storage",

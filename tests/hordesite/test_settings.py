@@ -332,3 +332,17 @@ def test_the_launcher_refuses_a_switch_interval_it_cannot_use(clone):
         assert (started.returncode, started.stderr.strip().splitlines()[-1]) == (
             2, f"[web] HORDE_GIL_SWITCH_INTERVAL_MS {message} (milliseconds)"
         )
+
+
+def test_a_storage_backend_it_does_not_know_or_a_bucket_left_out_does_not_start(clone):
+    """`STORAGE_BACKEND=S3` (or any other spelling) ran on the local folder without a word, so a
+    deployment meant for a bucket kept its chat images on the web host's disk; `s3` without a bucket
+    started with nowhere to store them."""
+    assert _refusal(clone, STORAGE_BACKEND="S3") == (
+        "django.core.exceptions.ImproperlyConfigured: STORAGE_BACKEND must be local or s3, not 'S3'"
+    )
+    assert _refusal(clone, STORAGE_BACKEND="s3") == (
+        "django.core.exceptions.ImproperlyConfigured: STORAGE_BACKEND=s3 needs AWS_STORAGE_BUCKET_NAME"
+    )
+    assert _settings(clone, STORAGE_BACKEND="local")
+    assert _settings(clone, STORAGE_BACKEND="s3", AWS_STORAGE_BUCKET_NAME="media")
