@@ -107,6 +107,13 @@ TEMPLATES = [
 # Empty counts as unset, as DEPLOYED reads it (a blank line in .env is not a URL).
 _database_url = env.str("DATABASE_URL", default="") or f"sqlite:///{VAR_DIR / 'horde.sqlite3'}"
 DATABASES = {"default": environ.Env.db_url_config(_database_url)}
+# The horde runs on PostgreSQL or SQLite; a URL django-environ cannot place (a typo, another
+# database) stops here rather than with a KeyError or a missing driver. The URL is not echoed: it
+# may hold a password.
+if DATABASES["default"].get("ENGINE") not in ("django.db.backends.sqlite3", "django.db.backends.postgresql"):
+    raise ImproperlyConfigured(
+        "DATABASE_URL is not a PostgreSQL or SQLite URL: postgres://USER:PASSWORD@HOST:5432/NAME or sqlite:///ABSOLUTE/PATH"
+    )
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # WAL and a busy timeout let the web process and the Celery worker share the file.
     DATABASES["default"]["OPTIONS"] = {

@@ -346,3 +346,16 @@ def test_a_storage_backend_it_does_not_know_or_a_bucket_left_out_does_not_start(
     )
     assert _settings(clone, STORAGE_BACKEND="local")
     assert _settings(clone, STORAGE_BACKEND="s3", AWS_STORAGE_BUCKET_NAME="media")
+
+
+def test_a_database_url_that_is_not_postgres_or_sqlite_does_not_start(clone):
+    """A typo (`postgres//...`, no colon) stopped the settings with a bare KeyError: 'ENGINE', and a
+    MySQL URL with "Did you install mysqlclient?": the message names the variable and what it takes,
+    without echoing the URL (it may hold a password)."""
+    expected = (
+        "django.core.exceptions.ImproperlyConfigured: DATABASE_URL is not a PostgreSQL or SQLite URL: "
+        "postgres://USER:PASSWORD@HOST:5432/NAME or sqlite:///ABSOLUTE/PATH"
+    )
+    for url in ("postgres//horde:secret@db.invalid/horde", "mysql://horde:secret@db.invalid/horde", "horde"):
+        assert _refusal(clone, DATABASE_URL=url, DEBUG="true") == expected
+    assert _settings(clone, DATABASE_URL="postgresql://horde:secret@db.invalid:5432/horde", DEBUG="true")
