@@ -28,7 +28,13 @@ from hordesite.db_guard import install_statement_counter, retrying_wsgi  # noqa:
 from hordesite.wsgi_pool import PooledWSGI  # noqa: E402
 from oai.asgi import FrontASGI, front_django_handler  # noqa: E402
 from oai.horde_client import IN_PROCESS_PROXY_PASSKEY, mount_native_app  # noqa: E402
+from oai.settings import load_settings  # noqa: E402
 from oai.waiter import in_process_signals  # noqa: E402
+
+# The mounted front's variables are read at the process's start, as `python -m oai` reads them: one
+# it cannot use stops the process (ImproperlyConfigured) instead of answering every /v1/ request 500
+# when its first request reads them (oai.state.get_front_state reads them again, alike).
+load_settings()
 
 # The native API as every caller reaches it: Django's WSGI handler, a request that lost its
 # database connection before any statement completed run once more (hordesite/db_guard.py).

@@ -24,6 +24,8 @@ from contract.text import (
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = BASE_DIR / "var"
 
+# A number outside its bounds (env.int's `minimum`, env.float's `minimum` or `above`) stops the
+# process at its start with the variable's name, as a number that cannot be read does (contract/env.py).
 env = SettingsEnv()
 env_file = BASE_DIR / ".env"
 if env_file.exists():
@@ -105,6 +107,13 @@ TEMPLATES = [
 # Empty counts as unset, as DEPLOYED reads it (a blank line in .env is not a URL).
 _database_url = env.str("DATABASE_URL", default="") or f"sqlite:///{VAR_DIR / 'horde.sqlite3'}"
 DATABASES = {"default": environ.Env.db_url_config(_database_url)}
+# The horde runs on PostgreSQL or SQLite; a URL django-environ cannot place (a typo, another
+# database) stops here rather than with a KeyError or a missing driver. The URL is not echoed: it
+# may hold a password.
+if DATABASES["default"].get("ENGINE") not in ("django.db.backends.sqlite3", "django.db.backends.postgresql"):
+    raise ImproperlyConfigured(
+        "DATABASE_URL is not a PostgreSQL or SQLite URL: postgres://USER:PASSWORD@HOST:5432/NAME or sqlite:///ABSOLUTE/PATH"
+    )
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # WAL and a busy timeout let the web process and the Celery worker share the file.
     DATABASES["default"]["OPTIONS"] = {
@@ -116,10 +125,16 @@ elif DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql"):
     # Under ASGI every request runs its view on a fresh thread, and Django connections are per
     # thread: a pool (psycopg_pool) hands each a warm connection instead of a new one per request.
     DATABASES["default"]["CONN_MAX_AGE"] = 0
+    _pool_min_size = env.int("DATABASE_POOL_MIN_SIZE", default=2, minimum=0)
+    _pool_max_size = env.int("DATABASE_POOL_MAX_SIZE", default=20, minimum=1)
+    if _pool_max_size < _pool_min_size:  # psycopg_pool would refuse it at the first request's connection
+        raise ImproperlyConfigured(
+            f"DATABASE_POOL_MAX_SIZE must be at least DATABASE_POOL_MIN_SIZE ({_pool_min_size}), not {_pool_max_size}"
+        )
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
-        "min_size": env.int("DATABASE_POOL_MIN_SIZE", default=2),
-        "max_size": env.int("DATABASE_POOL_MAX_SIZE", default=20),
-        "timeout": env.int("DATABASE_POOL_TIMEOUT", default=10),
+        "min_size": _pool_min_size,
+        "max_size": _pool_max_size,
+        "timeout": env.int("DATABASE_POOL_TIMEOUT", default=10, minimum=1),
     }
     # Server settings for the horde's sessions, sent at connect (`-c name=value`).
     session_settings = []
@@ -206,17 +221,17 @@ CELERY_BEAT_SCHEDULE_FILENAME = env.str("CELERY_BEAT_SCHEDULE_FILENAME", default
 # A popped job's lease (the pop's `ttl`), a request's time to live, and how often beat runs the
 # sweeps that fault lapsed leases and delete expired requests. /healthz answers 503 when a sweep
 # has not finished for HORDE_SWEEP_LATE_SECONDS (default: three intervals).
-HORDE_TEXT_JOB_LEASE_SECONDS = env.int("HORDE_TEXT_JOB_LEASE_SECONDS", default=TEXT_JOB_LEASE_SECONDS)
-HORDE_TEXT_REQUEST_TTL_SECONDS = env.int("HORDE_TEXT_REQUEST_TTL_SECONDS", default=TEXT_REQUEST_TTL_SECONDS)
-HORDE_SWEEP_INTERVAL_SECONDS = env.float("HORDE_SWEEP_INTERVAL_SECONDS", default=STALE_GENERATION_SWEEP_SECONDS)
-HORDE_SWEEP_LATE_SECONDS = env.float("HORDE_SWEEP_LATE_SECONDS", default=3 * HORDE_SWEEP_INTERVAL_SECONDS)
+HORDE_TEXT_JOB_LEASE_SECONDS = env.int("HORDE_TEXT_JOB_LEASE_SECONDS", default=TEXT_JOB_LEASE_SECONDS, minimum=1)
+HORDE_TEXT_REQUEST_TTL_SECONDS = env.int("HORDE_TEXT_REQUEST_TTL_SECONDS", default=TEXT_REQUEST_TTL_SECONDS, minimum=1)
+HORDE_SWEEP_INTERVAL_SECONDS = env.float("HORDE_SWEEP_INTERVAL_SECONDS", default=STALE_GENERATION_SWEEP_SECONDS, above=0)
+HORDE_SWEEP_LATE_SECONDS = env.float("HORDE_SWEEP_LATE_SECONDS", default=3 * HORDE_SWEEP_INTERVAL_SECONDS, above=0)
 # More dropped jobs (faulted or lapsed) than this within an hour put a worker into maintenance,
 # where it serves only its owner's requests (upstream's rule; 0: never; docs/adr/0083).
 HORDE_WORKER_DROPPED_JOBS_PER_HOUR = env.int("HORDE_WORKER_DROPPED_JOBS_PER_HOUR", default=ABORTED_JOBS_PER_HOUR_LIMIT)
 if HORDE_WORKER_DROPPED_JOBS_PER_HOUR < 0:  # fail closed: a typo must not turn the switch off
     raise ImproperlyConfigured("HORDE_WORKER_DROPPED_JOBS_PER_HOUR must be 0 (off) or more")
 # Stored chat objects whose request row is gone are deleted this often (chat.tasks.delete_orphaned_chat_objects).
-HORDE_CHAT_ORPHAN_SWEEP_SECONDS = env.float("HORDE_CHAT_ORPHAN_SWEEP_SECONDS", default=3600.0)
+HORDE_CHAT_ORPHAN_SWEEP_SECONDS = env.float("HORDE_CHAT_ORPHAN_SWEEP_SECONDS", default=3600.0, above=0)
 _FRONT_LEASE_SWEEP_SECONDS = min(10.0, HORDE_SWEEP_INTERVAL_SECONDS)
 
 
@@ -243,6 +258,11 @@ CELERY_BEAT_SCHEDULE = {
 # --- Storage --------------------------------------------------------------------------------
 STORAGE_BACKEND = env.str("STORAGE_BACKEND", default="local")
 MEDIA_ROOT = env.str("MEDIA_ROOT", default=str(VAR_DIR / "media"))
+# Fail closed: a misspelt backend must not keep a deployment's chat objects on the local disk.
+if STORAGE_BACKEND not in ("local", "s3"):
+    raise ImproperlyConfigured(f"STORAGE_BACKEND must be local or s3, not {STORAGE_BACKEND!r}")
+if STORAGE_BACKEND == "s3" and not env.str("AWS_STORAGE_BUCKET_NAME", default=""):
+    raise ImproperlyConfigured("STORAGE_BACKEND=s3 needs AWS_STORAGE_BUCKET_NAME")
 if STORAGE_BACKEND == "s3":
     _default_storage: dict[str, Any] = {
         "BACKEND": "storages.backends.s3.S3Storage",
@@ -304,7 +324,7 @@ for _network in HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS:  # fail closed: a typo 
 # pass HORDE_CHAT_MESSAGES_OFFLOAD_BYTES is also stored as one JSON object, which a worker that
 # declares messages_url fetches instead of receiving the messages in its pop.
 HORDE_CHAT_MESSAGES_OFFLOAD_ENABLED = env.bool("HORDE_CHAT_MESSAGES_OFFLOAD_ENABLED", default=False)
-HORDE_CHAT_MESSAGES_OFFLOAD_BYTES = env.int("HORDE_CHAT_MESSAGES_OFFLOAD_BYTES", default=262144)
+HORDE_CHAT_MESSAGES_OFFLOAD_BYTES = env.int("HORDE_CHAT_MESSAGES_OFFLOAD_BYTES", default=262144, minimum=0)
 HORDE_CHAT_MESSAGES_OFFLOAD_GZIP = env.bool("HORDE_CHAT_MESSAGES_OFFLOAD_GZIP", default=False)
 STATIC_URL = "static/"
 STATIC_ROOT = str(VAR_DIR / "static")
@@ -364,23 +384,23 @@ HORDE_TEXT_ASYNC_RATE_LIMITS = env.list("HORDE_TEXT_ASYNC_RATE_LIMITS", default=
 # Creating shared keys (PUT /api/v2/sharedkeys), per client address; upstream's 5 a minute.
 HORDE_SHARED_KEY_CREATE_RATE_LIMITS = env.list("HORDE_SHARED_KEY_CREATE_RATE_LIMITS", default=["5/minute"])
 HORDE_KUDOS_TRANSFER_RATE_LIMITS = env.list("HORDE_KUDOS_TRANSFER_RATE_LIMITS", default=["1/second"])
-HORDE_DEFAULT_CONCURRENCY = env.int("HORDE_DEFAULT_CONCURRENCY", default=30)
-HORDE_TEXT_FREE_OUTPUT_FLOOR = env.int("HORDE_TEXT_FREE_OUTPUT_FLOOR", default=512)
+HORDE_DEFAULT_CONCURRENCY = env.int("HORDE_DEFAULT_CONCURRENCY", default=30, minimum=0)
+HORDE_TEXT_FREE_OUTPUT_FLOOR = env.int("HORDE_TEXT_FREE_OUTPUT_FLOOR", default=512, minimum=0)
 # The free output allowance (chat_requests.md): the ceiling while the queue ahead of a request on
 # its eligible workers clears within WAIT_FULL seconds, the floor from WAIT_FLOOR, linear between.
-HORDE_TEXT_FREE_OUTPUT_CEILING = env.int("HORDE_TEXT_FREE_OUTPUT_CEILING", default=4096)
-HORDE_TEXT_FREE_OUTPUT_WAIT_FULL_SECONDS = env.float("HORDE_TEXT_FREE_OUTPUT_WAIT_FULL_SECONDS", default=60)
-HORDE_TEXT_FREE_OUTPUT_WAIT_FLOOR_SECONDS = env.float("HORDE_TEXT_FREE_OUTPUT_WAIT_FLOOR_SECONDS", default=300)
+HORDE_TEXT_FREE_OUTPUT_CEILING = env.int("HORDE_TEXT_FREE_OUTPUT_CEILING", default=4096, minimum=0)
+HORDE_TEXT_FREE_OUTPUT_WAIT_FULL_SECONDS = env.float("HORDE_TEXT_FREE_OUTPUT_WAIT_FULL_SECONDS", default=60, minimum=0)
+HORDE_TEXT_FREE_OUTPUT_WAIT_FLOOR_SECONDS = env.float("HORDE_TEXT_FREE_OUTPUT_WAIT_FLOOR_SECONDS", default=300, minimum=0)
 HORDE_UPFRONT_KUDOS_ON_WORKERLIST = env.bool("HORDE_UPFRONT_KUDOS_ON_WORKERLIST", default=False)
 HORDE_ALLOW_ANONYMOUS = env.bool("HORDE_ALLOW_ANONYMOUS", default=True)
 # Seconds a process reuses the user row it read for an API key (0: read it on every request).
-HORDE_API_KEY_CACHE_SECONDS = env.float("HORDE_API_KEY_CACHE_SECONDS", default=5.0)
+HORDE_API_KEY_CACHE_SECONDS = env.float("HORDE_API_KEY_CACHE_SECONDS", default=5.0, minimum=0)
 # Seconds a process reuses the worker row its pop read (0: read it on every pop).
-HORDE_WORKER_CACHE_SECONDS = env.float("HORDE_WORKER_CACHE_SECONDS", default=5.0)
+HORDE_WORKER_CACHE_SECONDS = env.float("HORDE_WORKER_CACHE_SECONDS", default=5.0, minimum=0)
 # A worker's empty pop is answered from memory until the queue grows (chat/services/pop_cache.py).
-HORDE_EMPTY_POP_CACHE_SECONDS = env.float("HORDE_EMPTY_POP_CACHE_SECONDS", default=10.0)
+HORDE_EMPTY_POP_CACHE_SECONDS = env.float("HORDE_EMPTY_POP_CACHE_SECONDS", default=10.0, minimum=0)
 # Threads of the web process serving the native API through Django's WSGI handler (hordesite/wsgi_pool.py).
-HORDE_WEB_THREADS = env.int("HORDE_WEB_THREADS", default=4)
+HORDE_WEB_THREADS = env.int("HORDE_WEB_THREADS", default=4, minimum=1)
 # Chat requests of a process that load their images at once (fetch URL images, check and re-encode
 # every image: each holds a thread, a fetch up to its bound of 15 s); another is answered 503
 # ChatImagesBusy, so image work cannot take every thread (docs/adr/0092). Default: half the
@@ -400,9 +420,9 @@ if HORDE_WEB_PROCESSES > 1 and not (IS_POSTGRES and REDIS_URL):
         "share the queue's signals, wakes and rate limits through them"
     )
 # A long-polling pop (`wait`) re-checks the queue this often besides the queue's signal (chat/services/pop_wait.py).
-HORDE_POP_WAIT_RECHECK_SECONDS = env.float("HORDE_POP_WAIT_RECHECK_SECONDS", default=1.0)
+HORDE_POP_WAIT_RECHECK_SECONDS = env.float("HORDE_POP_WAIT_RECHECK_SECONDS", default=1.0, above=0)
 # Proxy hops whose X-Forwarded-For may be trusted for the client address (0: use the socket peer).
-HORDE_TRUSTED_PROXY_COUNT = env.int("HORDE_TRUSTED_PROXY_COUNT", default=0)
+HORDE_TRUSTED_PROXY_COUNT = env.int("HORDE_TRUSTED_PROXY_COUNT", default=0, minimum=0)
 
 # --- Chat requests --------------------------------------------------------------------------
 HORDE_CHAT_ADMISSION_ENABLED = env.bool("HORDE_CHAT_ADMISSION_ENABLED", default=True)
@@ -429,9 +449,9 @@ HORDE_ANONYMOUS_KEY_RATE_LIMITS = env.list("HORDE_ANONYMOUS_KEY_RATE_LIMITS", de
 # Every Redis call on a request path waits at most these seconds, and a timeout or lost connection
 # marks that Redis unavailable in the process for HORDE_REDIS_UNAVAILABLE_SECONDS: its calls then
 # fail at once into the no-Redis fallbacks (hordesite/redis_guard.py).
-HORDE_REDIS_SOCKET_TIMEOUT = env.float("HORDE_REDIS_SOCKET_TIMEOUT", default=0.5)
-HORDE_REDIS_CONNECT_TIMEOUT = env.float("HORDE_REDIS_CONNECT_TIMEOUT", default=0.5)
-HORDE_REDIS_UNAVAILABLE_SECONDS = env.float("HORDE_REDIS_UNAVAILABLE_SECONDS", default=5.0)
+HORDE_REDIS_SOCKET_TIMEOUT = env.float("HORDE_REDIS_SOCKET_TIMEOUT", default=0.5, above=0)
+HORDE_REDIS_CONNECT_TIMEOUT = env.float("HORDE_REDIS_CONNECT_TIMEOUT", default=0.5, above=0)
+HORDE_REDIS_UNAVAILABLE_SECONDS = env.float("HORDE_REDIS_UNAVAILABLE_SECONDS", default=5.0, minimum=0)
 # What the project's own Redis clients are built with: redis.ConnectionPool.from_url(url, **...).
 HORDE_REDIS_POOL_CLASS = "hordesite.redis_guard.GuardedConnectionPool"
 HORDE_REDIS_POOL_KWARGS = {
@@ -452,6 +472,6 @@ if REDIS_URL:
 # DatabaseUnavailable with Retry-After, and for HORDE_DATABASE_UNAVAILABLE_SECONDS after a failed
 # probe every request does so at once (hordesite/db_guard.py).
 HORDE_DATABASE_CONNECT_TIMEOUT = env.int("DATABASE_CONNECT_TIMEOUT", default=2)
-HORDE_DATABASE_UNAVAILABLE_SECONDS = env.float("HORDE_DATABASE_UNAVAILABLE_SECONDS", default=2.0)
+HORDE_DATABASE_UNAVAILABLE_SECONDS = env.float("HORDE_DATABASE_UNAVAILABLE_SECONDS", default=2.0, minimum=0)
 if IS_POSTGRES:
     DATABASES["default"]["OPTIONS"].setdefault("connect_timeout", max(2, HORDE_DATABASE_CONNECT_TIMEOUT))

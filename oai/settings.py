@@ -14,7 +14,7 @@ import environ
 from contract.chat_limits import MAX_CHAT_BODY_BYTES
 from contract.chat_signal import CHAT_SIGNAL_DB
 from contract.env import SettingsEnv
-from contract.front_lease import FRONT_LEASE_RENEW_SECONDS, FRONT_LEASE_TTL_SECONDS
+from contract.front_lease import FRONT_LEASE_MAX_SECONDS, FRONT_LEASE_RENEW_SECONDS, FRONT_LEASE_TTL_SECONDS
 
 
 def _reader(env: Mapping[str, str]) -> environ.Env:
@@ -193,45 +193,51 @@ def load_settings(env: Mapping[str, str] | None = None) -> FrontSettings:
     if redis_url is None:  # unset: the horde's own Redis, where the completion signal is published
         redis_url = read.str("HORDE_CHAT_SIGNAL_REDIS_URL", default="") or read.str("REDIS_URL", default="")
     for name in SECONDS_ABOVE_ZERO:  # a zero would spin a loop: a waiter, a stream's keepalive, the retries
-        if read.float(name, default=1.0) <= 0:
+        if not read.float(name, default=1.0) > 0:  # nan too
             raise environ.ImproperlyConfigured(f"{name} must be a number of seconds above 0")
+    # The horde takes a lease of 1 to FRONT_LEASE_MAX_SECONDS and ignores any other (no lease at all).
+    front_lease_seconds = read.int("HORDE_OAI_FRONT_LEASE_SECONDS", default=FRONT_LEASE_TTL_SECONDS)
+    if not 0 <= front_lease_seconds <= FRONT_LEASE_MAX_SECONDS:
+        raise environ.ImproperlyConfigured(
+            f"HORDE_OAI_FRONT_LEASE_SECONDS must be 0 (no lease) to {FRONT_LEASE_MAX_SECONDS}, not {front_lease_seconds}"
+        )
     return FrontSettings(
         # Empty: the default root, as unset.
         native_roots=(
             _roots(read.list("HORDE_OAI_NATIVE_ROOTS", default=[])) or [f"http://127.0.0.1:{port}/api/v2"]
         ),
         native_timeout_seconds=read.float("HORDE_OAI_NATIVE_TIMEOUT_SECONDS", default=10.0),
-        native_max_connections=read.int("HORDE_OAI_NATIVE_MAX_CONNECTIONS", default=200),
+        native_max_connections=read.int("HORDE_OAI_NATIVE_MAX_CONNECTIONS", default=200, minimum=1),
         native_in_process=read.bool(
             "HORDE_OAI_NATIVE_IN_PROCESS", default=env.get("HORDE_OAI_NATIVE_ROOTS") in (None, "")
         ),
         redis_url=redis_url or None,
-        stream_redis_db=read.int("HORDE_OAI_STREAM_REDIS_DB", default=CHAT_SIGNAL_DB),
-        nonstream_timeout_seconds=read.float("HORDE_OAI_NONSTREAM_TIMEOUT_SECONDS", default=300.0),
-        stream_timeout_seconds=read.float("HORDE_OAI_STREAM_TIMEOUT_SECONDS", default=600.0),
-        fail_fast_grace_seconds=read.float("HORDE_OAI_FAIL_FAST_GRACE_SECONDS", default=20.0),
+        stream_redis_db=read.int("HORDE_OAI_STREAM_REDIS_DB", default=CHAT_SIGNAL_DB, minimum=0),
+        nonstream_timeout_seconds=read.float("HORDE_OAI_NONSTREAM_TIMEOUT_SECONDS", default=300.0, above=0),
+        stream_timeout_seconds=read.float("HORDE_OAI_STREAM_TIMEOUT_SECONDS", default=600.0, above=0),
+        fail_fast_grace_seconds=read.float("HORDE_OAI_FAIL_FAST_GRACE_SECONDS", default=20.0, minimum=0),
         signal_recheck_seconds=read.float("HORDE_OAI_SIGNAL_RECHECK_SECONDS", default=5.0),
         poll_seconds=read.float("HORDE_OAI_POLL_SECONDS", default=1.0),
         signal_ping_seconds=read.float("HORDE_OAI_SIGNAL_PING_SECONDS", default=5.0),
         keepalive_seconds=read.float("HORDE_OAI_KEEPALIVE_SECONDS", default=10.0),
         relay_with_tools=read.bool("HORDE_OAI_RELAY_WITH_TOOLS", default=False),
-        response_items_seconds=read.int("HORDE_OAI_RESPONSE_ITEMS_SECONDS", default=21_600),
+        response_items_seconds=read.int("HORDE_OAI_RESPONSE_ITEMS_SECONDS", default=21_600, minimum=0),
         cancel_timeout_seconds=read.float("HORDE_OAI_CANCEL_TIMEOUT_SECONDS", default=1.5),
         cancel_retry_seconds=read.float("HORDE_OAI_CANCEL_RETRY_SECONDS", default=30.0),
-        cancel_max_connections=read.int("HORDE_OAI_CANCEL_MAX_CONNECTIONS", default=20),
-        front_lease_seconds=read.int("HORDE_OAI_FRONT_LEASE_SECONDS", default=FRONT_LEASE_TTL_SECONDS),
+        cancel_max_connections=read.int("HORDE_OAI_CANCEL_MAX_CONNECTIONS", default=20, minimum=1),
+        front_lease_seconds=front_lease_seconds,
         front_lease_renew_seconds=read.float(
             "HORDE_OAI_FRONT_LEASE_RENEW_SECONDS", default=FRONT_LEASE_RENEW_SECONDS
         ),
-        max_body_bytes=read.int("HORDE_OAI_MAX_BODY_BYTES", default=MAX_CHAT_BODY_BYTES),
-        body_read_timeout_seconds=read.float("HORDE_OAI_BODY_READ_TIMEOUT_SECONDS", default=30.0),
-        max_inflight=read.int("HORDE_OAI_MAX_INFLIGHT", default=2000),
-        max_inflight_per_source=read.int("HORDE_OAI_MAX_INFLIGHT_PER_SOURCE", default=50),
-        trusted_proxy_count=read.int("HORDE_OAI_TRUSTED_PROXY_COUNT", default=0),
+        max_body_bytes=read.int("HORDE_OAI_MAX_BODY_BYTES", default=MAX_CHAT_BODY_BYTES, minimum=1),
+        body_read_timeout_seconds=read.float("HORDE_OAI_BODY_READ_TIMEOUT_SECONDS", default=30.0, above=0),
+        max_inflight=read.int("HORDE_OAI_MAX_INFLIGHT", default=2000, minimum=1),
+        max_inflight_per_source=read.int("HORDE_OAI_MAX_INFLIGHT_PER_SOURCE", default=50, minimum=1),
+        trusted_proxy_count=read.int("HORDE_OAI_TRUSTED_PROXY_COUNT", default=0, minimum=0),
         allow_anonymous=read.bool("HORDE_OAI_ALLOW_ANONYMOUS", default=True),
         # Rate limits.
         proxy_passkey=read.str("HORDE_OAI_PROXY_PASSKEY", default="").strip(),
-        rate_limit_wait_seconds=read.float("HORDE_OAI_RATE_LIMIT_WAIT_SECONDS", default=5.0),
+        rate_limit_wait_seconds=read.float("HORDE_OAI_RATE_LIMIT_WAIT_SECONDS", default=5.0, minimum=0),
         host=read.str("HORDE_OAI_HOST", default="") or "127.0.0.1",
         port=read.int("HORDE_OAI_PORT", default=8001),
         telemetry=load_telemetry_settings(env),

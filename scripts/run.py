@@ -90,8 +90,25 @@ def demo_worker_enabled() -> bool:
 
 # The web process's thread switch interval, in ms (Python's default is 5): its threads mostly wait
 # on sockets and run briefly between waits, and a thread whose answer arrived should not wait 5 ms
-# for the interpreter (docs/deployment.md).
-GIL_SWITCH_INTERVAL_MS = float(os.environ.get("HORDE_GIL_SWITCH_INTERVAL_MS") or 1.0)
+# for the interpreter (docs/deployment.md). HORDE_GIL_SWITCH_INTERVAL_MS, read by serve_web.
+DEFAULT_GIL_SWITCH_INTERVAL_MS = 1.0
+
+
+def gil_switch_interval_ms() -> float:
+    """HORDE_GIL_SWITCH_INTERVAL_MS (unset or empty: the default), a number of milliseconds above 0;
+    anything else is an ImproperlyConfigured naming it."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    raw = os.environ.get("HORDE_GIL_SWITCH_INTERVAL_MS", "").strip()
+    if not raw:
+        return DEFAULT_GIL_SWITCH_INTERVAL_MS
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"HORDE_GIL_SWITCH_INTERVAL_MS {raw!r} is not a number (milliseconds)") from None
+    if not value > 0:  # also nan; sys.setswitchinterval refuses 0 and less
+        raise ImproperlyConfigured(f"HORDE_GIL_SWITCH_INTERVAL_MS must be above 0, not {raw} (milliseconds)")
+    return value
 
 
 def serve_web(daphne_args: list[str]) -> int:
@@ -100,31 +117,39 @@ def serve_web(daphne_args: list[str]) -> int:
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hordesite.settings")
     listen, rest = _split_listen_args(daphne_args)
-    if listen.file_descriptor is None:
-        from django.conf import settings
-        from django.core.exceptions import ImproperlyConfigured
+    from django.conf import settings
+    from django.core.exceptions import ImproperlyConfigured
 
-        try:
-            processes = settings.HORDE_WEB_PROCESSES
-        except ImproperlyConfigured as exc:
-            print(f"[web] {exc}", file=sys.stderr, flush=True)
+    from oai.settings import load_settings
+
+    # Every setting the web process runs on is read before it serves: one it cannot use stops it
+    # here with its message, the mounted front's (/v1/) included, which its first request would
+    # otherwise read and answer 500 to every /v1/ request (hordesite/asgi.py reads them again).
+    try:
+        # Before the settings, which load the .env file into the environment: it does not set this.
+        switch_interval_ms = gil_switch_interval_ms()
+        processes = settings.HORDE_WEB_PROCESSES
+        load_settings()
+    except ImproperlyConfigured as exc:
+        print(f"[web] {exc}", file=sys.stderr, flush=True)
+        return 2
+    # A process the supervisor started on its socket (--fd) serves it alone.
+    if listen.file_descriptor is None and processes > 1:
+        if listen.host is None or listen.port is None or listen.unix_socket or listen.endpoint:
+            print("[web] HORDE_WEB_PROCESSES above 1 serves one TCP port: give -b HOST -p PORT "
+                  "(no -u, --fd or -e)", file=sys.stderr, flush=True)
             return 2
-        if processes > 1:
-            if listen.host is None or listen.port is None or listen.unix_socket or listen.endpoint:
-                print("[web] HORDE_WEB_PROCESSES above 1 serves one TCP port: give -b HOST -p PORT "
-                      "(no -u, --fd or -e)", file=sys.stderr, flush=True)
-                return 2
-            return supervise_web(processes, listen.host, listen.port, rest)
-    return serve_daphne(daphne_args)
+        return supervise_web(processes, listen.host, listen.port, rest)
+    return serve_daphne(daphne_args, switch_interval_ms)
 
 
-def serve_daphne(daphne_args: list[str]) -> int:
+def serve_daphne(daphne_args: list[str], switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS) -> int:
     """daphne in this process with the web process's tweaks: the thread switch interval,
     gc.freeze() once the application is loaded, so the collector's full passes stop walking every
     module, model and URL pattern the process keeps for its lifetime, daphne's server class
     (hordesite/web_server.py, docs/adr/0043), and the process's telemetry, flushed when daphne
     stops (hordesite/telemetry.py). The rest is daphne's own command line (`daphne --help`)."""
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_MS / 1000)
+    sys.setswitchinterval(switch_interval_ms / 1000)
     import hordesite.asgi  # noqa: F401  (loaded before the freeze; daphne finds it imported)
     from hordesite.telemetry import start_web_telemetry, stop_telemetry
 

@@ -4,14 +4,18 @@ variables by the same rules as the OpenAI front."""
 from __future__ import annotations
 
 import json
+import runpy
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 from oai.settings import SECONDS_ABOVE_ZERO, load_settings
-from tests.hordesite.clone import clean_env, clone_like_copy, run_python
+from tests.hordesite.clone import ROOT, clean_env, clone_like_copy, run_python
+from tests.ports import free_port
 
 DEPLOYED_DATABASE = "postgres://horde:secret@db.invalid:5432/horde"
+# The web process's launcher, as `make run` and the systemd unit start it.
+LAUNCH = ["scripts/run.py", "web"]
 STRONG_KEY = "k" * 10 + "3xq9-VzL2_pW8mRt5yN0aB7cD4eF6gH1jK!sU@oI#"
 
 SHOW_SETTINGS = (
@@ -119,7 +123,7 @@ def test_the_front_refuses_an_interval_that_would_spin_its_loop(name):
     """A keepalive, poll or retry interval of 0 or less would send keepalives or reads as fast as
     the process runs, and a native call's or a cancel's bound of 0 would send it with no time to
     answer: the front does not start on it."""
-    for value in ("0", "-1"):
+    for value in ("0", "-1", "nan"):
         with pytest.raises(ImproperlyConfigured, match=rf"^{name} must be a number of seconds above 0$"):
             load_settings({name: value})
     assert load_settings({name: "0.05"})
@@ -224,3 +228,134 @@ def test_a_bucket_presigns_chat_objects_in_sigv4_for_their_own_bucket(clone, mes
         query = parse_qs(url.query)
         assert query["X-Amz-Algorithm"] == ["AWS4-HMAC-SHA256"] and query["X-Amz-Expires"] == [seconds]
         assert query["X-Amz-Credential"][0].startswith("test-access-key/") and "/auto/s3/" in query["X-Amz-Credential"][0]
+
+
+# A number the horde cannot run on stops it at its start, naming the variable and its bound, instead
+# of starting a process that then fails or hangs its requests (0 threads: the native API never
+# answers; -1 proxy hops: every request with X-Forwarded-For answers 500; a 0 sweep interval: beat
+# sends sweeps as fast as it runs). Each: (variable, a value refused, its message, a value taken).
+HORDE_BOUNDS = [
+    ("HORDE_WEB_THREADS", "0", "must be at least 1, not 0", "1"),
+    ("HORDE_TRUSTED_PROXY_COUNT", "-1", "must be at least 0, not -1", "0"),
+    ("HORDE_TEXT_JOB_LEASE_SECONDS", "0", "must be at least 1, not 0", "1"),
+    ("HORDE_TEXT_REQUEST_TTL_SECONDS", "-5", "must be at least 1, not -5", "1"),
+    ("HORDE_SWEEP_INTERVAL_SECONDS", "0", "must be above 0, not 0", "0.5"),
+    ("HORDE_SWEEP_LATE_SECONDS", "-60", "must be above 0, not -60", "1"),
+    ("HORDE_CHAT_ORPHAN_SWEEP_SECONDS", "0", "must be above 0, not 0", "60"),
+    ("HORDE_POP_WAIT_RECHECK_SECONDS", "0", "must be above 0, not 0", "0.1"),
+    ("HORDE_REDIS_SOCKET_TIMEOUT", "0", "must be above 0, not 0", "0.1"),
+    ("HORDE_REDIS_CONNECT_TIMEOUT", "nan", "must be above 0, not nan", "0.1"),
+    ("HORDE_REDIS_UNAVAILABLE_SECONDS", "-1", "must be at least 0, not -1", "0"),
+    ("HORDE_DATABASE_UNAVAILABLE_SECONDS", "-1", "must be at least 0, not -1", "0"),
+    ("HORDE_API_KEY_CACHE_SECONDS", "-1", "must be at least 0, not -1", "0"),
+    ("HORDE_WORKER_CACHE_SECONDS", "-1", "must be at least 0, not -1", "0"),
+    ("HORDE_EMPTY_POP_CACHE_SECONDS", "-1", "must be at least 0, not -1", "0"),
+    ("HORDE_DEFAULT_CONCURRENCY", "-1", "must be at least 0, not -1", "0"),
+    ("HORDE_TEXT_FREE_OUTPUT_FLOOR", "-1", "must be at least 0, not -1", "0"),
+    ("HORDE_TEXT_FREE_OUTPUT_CEILING", "-1", "must be at least 0, not -1", "0"),
+    ("HORDE_TEXT_FREE_OUTPUT_WAIT_FULL_SECONDS", "-1", "must be at least 0, not -1", "0"),
+    ("HORDE_TEXT_FREE_OUTPUT_WAIT_FLOOR_SECONDS", "-1", "must be at least 0, not -1", "0"),
+    ("HORDE_CHAT_MESSAGES_OFFLOAD_BYTES", "-1", "must be at least 0, not -1", "0"),
+    ("DATABASE_POOL_MIN_SIZE", "-1", "must be at least 0, not -1", "0"),
+    ("DATABASE_POOL_MAX_SIZE", "0", "must be at least 1, not 0", "2"),
+    ("DATABASE_POOL_MAX_SIZE", "1", "must be at least DATABASE_POOL_MIN_SIZE (2), not 1", "2"),
+    ("DATABASE_POOL_TIMEOUT", "0", "must be at least 1, not 0", "1"),
+]
+
+
+@pytest.mark.parametrize(("name", "refused", "message", "taken"), HORDE_BOUNDS)
+def test_a_number_outside_its_bounds_does_not_start_the_horde(monkeypatch, name, refused, message, taken):
+    """The settings module as a process runs it, on a deployment's PostgreSQL URL (the pool's
+    variables are read for PostgreSQL only)."""
+    for variable, value in {"DATABASE_URL": DEPLOYED_DATABASE, "SECRET_KEY": STRONG_KEY, "ALLOWED_HOSTS": "horde.example"}.items():
+        monkeypatch.setenv(variable, value)
+    monkeypatch.setenv(name, refused)
+    with pytest.raises(ImproperlyConfigured) as refusal:
+        runpy.run_path(str(ROOT / "hordesite" / "settings.py"))
+    assert str(refusal.value) == f"{name} {message}"
+    monkeypatch.setenv(name, taken)
+    runpy.run_path(str(ROOT / "hordesite" / "settings.py"))
+
+
+# The front's: (variable, a value refused, its message, a value taken).
+FRONT_BOUNDS = [
+    ("HORDE_OAI_NATIVE_MAX_CONNECTIONS", "0", "must be at least 1, not 0", "1"),
+    ("HORDE_OAI_CANCEL_MAX_CONNECTIONS", "0", "must be at least 1, not 0", "1"),
+    ("HORDE_OAI_MAX_INFLIGHT", "0", "must be at least 1, not 0", "1"),
+    ("HORDE_OAI_MAX_INFLIGHT_PER_SOURCE", "-1", "must be at least 1, not -1", "1"),
+    ("HORDE_OAI_MAX_BODY_BYTES", "0", "must be at least 1, not 0", "1"),
+    ("HORDE_OAI_STREAM_REDIS_DB", "-1", "must be at least 0, not -1", "0"),
+    ("HORDE_OAI_NONSTREAM_TIMEOUT_SECONDS", "0", "must be above 0, not 0", "0.5"),
+    ("HORDE_OAI_STREAM_TIMEOUT_SECONDS", "-1", "must be above 0, not -1", "0.5"),
+    ("HORDE_OAI_BODY_READ_TIMEOUT_SECONDS", "0", "must be above 0, not 0", "0.5"),
+    ("HORDE_OAI_FAIL_FAST_GRACE_SECONDS", "-1", "must be at least 0, not -1", "0"),
+    ("HORDE_OAI_RESPONSE_ITEMS_SECONDS", "-1", "must be at least 0, not -1", "0"),
+    ("HORDE_OAI_FRONT_LEASE_SECONDS", "-1", "must be 0 (no lease) to 600, not -1", "0"),
+    ("HORDE_OAI_FRONT_LEASE_SECONDS", "601", "must be 0 (no lease) to 600, not 601", "600"),
+    ("HORDE_OAI_TRUSTED_PROXY_COUNT", "-1", "must be at least 0, not -1", "0"),
+    ("HORDE_OAI_RATE_LIMIT_WAIT_SECONDS", "-1", "must be at least 0, not -1", "0"),
+]
+
+
+@pytest.mark.parametrize(("name", "refused", "message", "taken"), FRONT_BOUNDS)
+def test_a_number_outside_its_bounds_does_not_start_the_front(name, refused, message, taken):
+    with pytest.raises(ImproperlyConfigured) as refusal:
+        load_settings({name: refused})
+    assert str(refusal.value) == f"{name} {message}"
+    assert load_settings({name: taken})
+
+
+def test_the_web_process_does_not_start_on_a_front_value_it_cannot_use(clone):
+    """The front mounted at /v1/ reads its variables when the web process starts, as `python -m oai`
+    does: one it cannot use stops the launcher with the message (exit 2), and plain daphne's import of
+    the application, rather than a process that answers every /v1/ request 500."""
+    for name, value, message in (
+        ("HORDE_OAI_POLL_SECONDS", "one", "HORDE_OAI_POLL_SECONDS='one' cannot be read: could not convert string to float: 'one'"),
+        ("HORDE_OAI_MAX_INFLIGHT", "0", "HORDE_OAI_MAX_INFLIGHT must be at least 1, not 0"),
+    ):
+        env = clean_env(**{name: value})
+        started = run_python(
+            clone, env, *LAUNCH, "-b", "127.0.0.1", "-p", str(free_port()), "hordesite.asgi:application", timeout=60
+        )
+        assert (started.returncode, started.stderr.strip().splitlines()[-1]) == (2, f"[web] {message}")
+        imported = run_python(clone, env, "-c", "import hordesite.asgi")
+        assert imported.returncode != 0
+        assert imported.stderr.strip().splitlines()[-1] == f"django.core.exceptions.ImproperlyConfigured: {message}"
+
+
+def test_the_launcher_refuses_a_switch_interval_it_cannot_use(clone):
+    for value, message in (("fast", "'fast' is not a number"), ("0", "must be above 0, not 0")):
+        started = run_python(
+            clone, clean_env(HORDE_GIL_SWITCH_INTERVAL_MS=value),
+            *LAUNCH, "-b", "127.0.0.1", "-p", str(free_port()), "hordesite.asgi:application", timeout=60,
+        )
+        assert (started.returncode, started.stderr.strip().splitlines()[-1]) == (
+            2, f"[web] HORDE_GIL_SWITCH_INTERVAL_MS {message} (milliseconds)"
+        )
+
+
+def test_a_storage_backend_it_does_not_know_or_a_bucket_left_out_does_not_start(clone):
+    """`STORAGE_BACKEND=S3` (or any other spelling) ran on the local folder without a word, so a
+    deployment meant for a bucket kept its chat images on the web host's disk; `s3` without a bucket
+    started with nowhere to store them."""
+    assert _refusal(clone, STORAGE_BACKEND="S3") == (
+        "django.core.exceptions.ImproperlyConfigured: STORAGE_BACKEND must be local or s3, not 'S3'"
+    )
+    assert _refusal(clone, STORAGE_BACKEND="s3") == (
+        "django.core.exceptions.ImproperlyConfigured: STORAGE_BACKEND=s3 needs AWS_STORAGE_BUCKET_NAME"
+    )
+    assert _settings(clone, STORAGE_BACKEND="local")
+    assert _settings(clone, STORAGE_BACKEND="s3", AWS_STORAGE_BUCKET_NAME="media")
+
+
+def test_a_database_url_that_is_not_postgres_or_sqlite_does_not_start(clone):
+    """A typo (`postgres//...`, no colon) stopped the settings with a bare KeyError: 'ENGINE', and a
+    MySQL URL with "Did you install mysqlclient?": the message names the variable and what it takes,
+    without echoing the URL (it may hold a password)."""
+    expected = (
+        "django.core.exceptions.ImproperlyConfigured: DATABASE_URL is not a PostgreSQL or SQLite URL: "
+        "postgres://USER:PASSWORD@HOST:5432/NAME or sqlite:///ABSOLUTE/PATH"
+    )
+    for url in ("postgres//horde:secret@db.invalid/horde", "mysql://horde:secret@db.invalid/horde", "horde"):
+        assert _refusal(clone, DATABASE_URL=url, DEBUG="true") == expected
+    assert _settings(clone, DATABASE_URL="postgresql://horde:secret@db.invalid:5432/horde", DEBUG="true")
