@@ -88,6 +88,15 @@ def eventually(check: Callable[[], bool], seconds: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+class _LogLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def back_in_the_queue(request_id: str) -> bool:
     return (
         GenerationRequest.objects.get(pk=request_id).jobs_waiting == 1
@@ -174,9 +183,12 @@ def test_a_pop_whose_worker_left_before_a_thread_took_it_is_not_run(live_horde, 
     assert not Worker.objects.filter(name=late).exists()
 
 
-def test_a_pop_still_running_when_daphne_ends_its_request_gives_its_job_back(live_horde, people):
+def test_a_pop_still_running_when_daphne_ends_its_request_gives_its_job_back(live_horde, people, caplog):
     """daphne cancels the request of a client gone longer than its application_close_timeout (10 s),
     here at once: the pop behind the lock runs on, and its job goes back when it is done."""
+    caplog.set_level(logging.INFO, logger="hordesite.wsgi_pool")
+    gave_back = _LogLines()  # the logger does not propagate to caplog's handler
+    logging.getLogger("hordesite.wsgi_pool").addHandler(gave_back)
     owner, requester = people
     name = f"wg-cancel-{uuid.uuid4().hex[:6]}"
     plain_pop(live_horde.url, owner.key, pop_body(name))  # registered
@@ -212,7 +224,10 @@ def test_a_pop_still_running_when_daphne_ends_its_request_gives_its_job_back(liv
         holder.rollback()  # the lock goes: the pop commits, its answer goes nowhere
         deadline = time.monotonic() + 30  # returns at once when back; a loaded box is slow
         while time.monotonic() < deadline:
-            if await asyncio.to_thread(back_in_the_queue_from_a_thread, request_id):
+            # The give-back's log line first: until the pop's commit lands, the queue reads as before
+            # the pop took the job (a loaded box once read it so, and closed the layer too early).
+            given_back = any("gave back 1 job(s)" in line for line in gave_back.lines)
+            if given_back and await asyncio.to_thread(back_in_the_queue_from_a_thread, request_id):
                 return True
             await asyncio.sleep(0.05)
         return False
@@ -222,5 +237,6 @@ def test_a_pop_still_running_when_daphne_ends_its_request_gives_its_job_back(liv
             assert asyncio.run(scenario(holder))
     finally:
         layer.close()
+        logging.getLogger("hordesite.wsgi_pool").removeHandler(gave_back)
     assert sent == []
     assert_taken_by_another_worker(live_horde.url, owner.key, request_id)
