@@ -4,18 +4,39 @@ build shared by threads, one reset for every cache."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
+from contract import process_cache
 from contract.process_cache import ProcessCache, reset_process_caches
 
 
-def test_a_value_is_kept_for_its_ttl_and_then_missed():
+class Clock:
+    """The caches' monotonic clock, moved by the test alone: a loaded box that pauses the test
+    between two reads does not outrun a 50 ms ttl."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    moved = Clock()
+    monkeypatch.setattr(process_cache, "monotonic", moved)
+    return moved
+
+
+def test_a_value_is_kept_for_its_ttl_and_then_missed(clock):
     cache = ProcessCache("t", ttl=0.05, max_entries=4)
     cache.set("a", 1)
     assert cache.get("a") == 1
-    time.sleep(0.06)
+    clock.advance(0.06)
     assert cache.get("a") is None
 
 
@@ -39,15 +60,15 @@ def test_past_max_entries_the_oldest_stored_goes():
     assert len(cache) == 2
 
 
-def test_replace_keeps_the_expiry_and_adds_nothing():
+def test_replace_keeps_the_expiry_and_adds_nothing(clock):
     cache = ProcessCache("t", ttl=0.05, max_entries=4)
     cache.replace("a", 1)
     assert cache.get("a") is None and len(cache) == 0
     cache.set("a", 1)
-    time.sleep(0.03)
+    clock.advance(0.03)
     cache.replace("a", 2)
     assert cache.get("a") == 2
-    time.sleep(0.03)
+    clock.advance(0.03)
     assert cache.get("a") is None  # expired on the first store's clock
 
 
@@ -62,13 +83,13 @@ def test_forget_and_clear():
     assert len(cache) == 0
 
 
-def test_get_or_build_builds_once_and_keeps_an_expired_value_while_another_thread_builds():
+def test_get_or_build_builds_once_and_keeps_an_expired_value_while_another_thread_builds(clock):
     cache = ProcessCache("t", ttl=0.05, max_entries=1)
     builds = []
     assert cache.get_or_build("v1", lambda: builds.append(1) or "one") == "one"
     assert cache.get_or_build("v1", lambda: builds.append(2) or "two") == "one"
     assert builds == [1]
-    time.sleep(0.06)
+    clock.advance(0.06)
     started, release = threading.Event(), threading.Event()
 
     def slow_build():
@@ -103,13 +124,13 @@ def test_max_entries_must_be_positive():
         ProcessCache("t", ttl=1, max_entries=0)
 
 
-def test_a_new_key_drops_the_expired_entries_so_memory_follows_the_keys_in_use():
+def test_a_new_key_drops_the_expired_entries_so_memory_follows_the_keys_in_use(clock):
     """A long-running process sees far more keys (API keys, workers) than are in use within a ttl:
     expired entries go as new keys arrive, not only past max_entries."""
     cache = ProcessCache("t", ttl=0.05, max_entries=100_000)
     for i in range(1000):
         cache.set(f"once-{i}", i)
-    time.sleep(0.06)
+    clock.advance(0.06)
     cache.set("now", 1)
     assert len(cache) == 1 and cache.get("now") == 1
     cache.set("again", 2)  # not expired: kept

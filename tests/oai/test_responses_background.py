@@ -67,6 +67,14 @@ def _idle_worker(live_horde, worker_owner, **kwargs: Any) -> HordeTestWorker:
     return worker
 
 
+def _kept_finished(front, key: str, response_id: str) -> bool:
+    """Whether the front keeps the response's finished record (a read or its watcher kept it)."""
+    from oai.responses.background import pending
+
+    record = front.live.run(front.state().response_items.record(key, response_id))
+    return record is not None and not pending(record)
+
+
 def _poll(client, response_id: str, until: tuple[str, ...], seconds: float = 15) -> Any:
     deadline = time.monotonic() + seconds
     while True:
@@ -220,7 +228,8 @@ def test_a_request_the_horde_deleted_unread_is_kept_by_the_front_that_sent_it(fr
     start_worker()
     created = client.responses.create(model=MODEL, input="Hi", background=True)
     assert wait_for(lambda: _charges() == 1, 10)
-    time.sleep(1.5)  # the watcher's next read (signal_recheck_seconds 0.5 in these tests)
+    # The watcher keeps it at its read after the completion signal, which a loaded box can delay.
+    assert wait_for(lambda: _kept_finished(front, requester.key, created.id), 10)
     GenerationRequest.objects.all().delete()
     done = client.responses.retrieve(created.id)
     assert done.status == "completed" and done.output_text == "Hello from the horde."
@@ -395,8 +404,8 @@ def test_a_reply_finished_while_the_cancel_was_on_its_way_is_answered_as_it_fini
     def before_cancel() -> None:
         release.set()
         wait_for(lambda: worker.submits, 5)
-        if kept_first:
-            time.sleep(0.5)  # the watcher's read after the completion signal (or its recheck)
+        if kept_first:  # the watcher's read after the completion signal, which a loaded box can delay
+            wait_for(lambda: _kept_finished(front, client.api_key, created.id), 10)
 
     _LateCancelGateway.target = f"{live_horde.url}/api/v2"
     _LateCancelGateway.before_cancel = before_cancel
