@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from functools import lru_cache
 from pathlib import Path
+from time import monotonic
 
 import httpx
 from django.conf import settings
@@ -14,24 +14,49 @@ from django.conf import settings
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
 
+# After a failed read the reference is empty (every model unknown) this long, then read again: a
+# URL that failed once at start would otherwise price every model at 1B for the process's life.
+REFERENCE_RETRY_SECONDS = 60.0
 
-@lru_cache(maxsize=1)
+# The reference read, and when to read it again after a failure (None: it was read).
+_read: tuple[dict[str, dict], float | None] | None = None
+
+
+def _load(source: str) -> dict[str, dict] | None:
+    """The reference at `source` (a path or an http(s) URL), None when it cannot be read."""
+    try:
+        if source.startswith(("http://", "https://")):
+            response = httpx.get(source, timeout=10)
+            response.raise_for_status()  # an error answer's body is not the reference
+            data = response.json()
+        else:
+            data = json.loads(Path(source).read_text())
+    except (OSError, ValueError, httpx.HTTPError):
+        log.exception("text model reference unreadable at %s; every model counts as unknown for now", source)
+        return None
+    if not isinstance(data, dict):
+        log.error("text model reference at %s is not a JSON object; every model counts as unknown for now", source)
+        return None
+    return data
+
+
 def _reference() -> dict[str, dict]:
-    source = settings.HORDE_TEXT_MODEL_REFERENCE
+    global _read
+    read = _read
+    if read is not None and (read[1] is None or monotonic() < read[1]):
+        return read[0]
     with _lock:
-        try:
-            if source.startswith(("http://", "https://")):
-                data = httpx.get(source, timeout=10).json()
-            else:
-                data = json.loads(Path(source).read_text())
-        except (OSError, ValueError, httpx.HTTPError):
-            log.exception("text model reference unreadable at %s; every model counts as unknown", source)
-            return {}
-    return data if isinstance(data, dict) else {}
+        if _read is not read:  # read meanwhile by another thread
+            return _reference()
+        data = _load(settings.HORDE_TEXT_MODEL_REFERENCE)
+        _read = (data, None) if data is not None else ({}, monotonic() + REFERENCE_RETRY_SECONDS)
+        return _read[0]
 
 
 def reload_reference() -> None:
-    _reference.cache_clear()
+    global _read
+    with _lock:
+        _read = None
 
 
 def is_known_text_model(model_name: str) -> bool:
