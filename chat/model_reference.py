@@ -46,11 +46,11 @@ def _reference() -> dict[str, dict]:
     if read is not None and (read[1] is None or monotonic() < read[1]):
         return read[0]
     with _lock:
-        if _read is not read:  # read meanwhile by another thread
-            return _reference()
-        data = _load(settings.HORDE_TEXT_MODEL_REFERENCE)
-        _read = (data, None) if data is not None else ({}, monotonic() + REFERENCE_RETRY_SECONDS)
-        return _read[0]
+        current = _read
+        if current is read or current is None:  # not read meanwhile by another thread
+            data = _load(settings.HORDE_TEXT_MODEL_REFERENCE)
+            current = _read = (data, None) if data is not None else ({}, monotonic() + REFERENCE_RETRY_SECONDS)
+    return current[0]
 
 
 def reload_reference() -> None:
