@@ -4,7 +4,9 @@ chat_requests.md, "Images": every hop (the URL and each redirect) resolves its h
 when any resolved address is not public, and connects to the checked address itself, sending the
 URL's host as the Host header and, over https, as the TLS server name. Resolving only once closes
 the DNS-rebinding gap: a name that answers a public address to the check and a private one to the
-connection never gets that second question.
+connection never gets that second question. A name with several addresses (AAAA and A, or several
+A) is connected to at each of them in DNS order until one connects, as browsers, curl and requests
+do: every one was checked, and a single one that is not public refuses the whole name (ADR 0129).
 
 Standard library only (socket, ssl, http.client): a third-party client resolves the name itself
 when it connects, which is exactly the second lookup this module must not make.
@@ -80,9 +82,9 @@ def fetch_public_image(
         parts = _parse(url)
         host = _ascii_host(parts)
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        family, sockaddr = _resolve_public(host, port, resolve, allowed_networks)
+        addresses = _resolve_public(host, port, resolve, allowed_networks)
         tls = (ssl_context or ssl.create_default_context()) if parts.scheme == "https" else None
-        connection = _PinnedConnection(host, port, family, sockaddr, timeout, tls)
+        connection = _PinnedConnection(host, port, addresses, timeout, tls, deadline=deadline)
         # The per-read timeout restarts with every byte: the watchdog bounds the whole hop.
         watchdog = threading.Timer(max(deadline - time.monotonic(), 0.0), connection.abort)
         watchdog.daemon = True
@@ -148,10 +150,13 @@ def _ascii_host(parts: SplitResult) -> str:
     return encoded
 
 
+Address = tuple[int, tuple[Any, ...]]  # (family, sockaddr): one checked answer to connect to
+
+
 def _resolve_public(
     host: str, port: int, resolve: Resolver, allowed_networks: Sequence[IPNetwork]
-) -> tuple[int, tuple[Any, ...]]:
-    """Resolve once; refuse when any answer is not public. Returns the first answer to connect to."""
+) -> list[Address]:
+    """Resolve once; refuse when any answer is not public. Returns every answer, in DNS order."""
     try:
         answers = list(resolve(host, port, type=socket.SOCK_STREAM))
     except (OSError, UnicodeError) as error:
@@ -165,8 +170,7 @@ def _resolve_public(
             # Not the address itself: the horde's resolver may know internal names, and a refusal
             # that named their addresses would map the horde's network for anyone (docs/adr/0092).
             raise ImageUrlRefused(f"the host {host!r} resolves to an address that is not public")
-    family, _type, _proto, _canonname, sockaddr = answers[0]
-    return family, sockaddr
+    return [(family, sockaddr) for family, _type, _proto, _canonname, sockaddr in answers]
 
 
 def _checked_form(address: IPAddress) -> IPAddress:
@@ -195,7 +199,7 @@ def _is_internal(address: IPAddress) -> bool:
 
 
 class _PinnedConnection(http.client.HTTPConnection):
-    """An HTTP(S) connection to an address already checked: the name is never resolved again.
+    """An HTTP(S) connection to addresses already checked: the name is never resolved again.
 
     `host` stays the URL's host, so http.client writes it into the Host header, and the TLS
     handshake sends it as the server name and verifies the certificate against it.
@@ -205,14 +209,15 @@ class _PinnedConnection(http.client.HTTPConnection):
         self,
         host: str,
         port: int,
-        family: int,
-        sockaddr: tuple[Any, ...],
+        addresses: Sequence[Address],
         timeout: float,
         tls: ssl.SSLContext | None,
+        *,
+        deadline: float,
     ) -> None:
         super().__init__(host, port, timeout=timeout)
-        self._family = family
-        self._sockaddr = sockaddr
+        self._addresses = addresses
+        self._deadline = deadline
         self._tls = tls
         self._raw: socket.socket | None = None
         # The Host header leaves out the port only when it is the scheme's default.
@@ -226,17 +231,49 @@ class _PinnedConnection(http.client.HTTPConnection):
                 raw.shutdown(socket.SHUT_RDWR)
 
     def connect(self) -> None:
-        sock = socket.socket(self._family, socket.SOCK_STREAM)
-        self._raw = sock
+        sock = self._connect_first()
         try:
-            sock.settimeout(self.timeout)  # covers the connect, the handshake and every read
-            sock.connect(self._sockaddr)
+            sock.settimeout(self.timeout)  # covers the handshake and every read
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=self.host)
         except BaseException:
             sock.close()
             raise
         self.sock = sock
+
+    def _connect_first(self) -> socket.socket:
+        """A socket connected to the first address, in DNS order, that accepts the connection.
+
+        Each attempt is bounded by the connect timeout and by what is left of the whole fetch, so
+        the addresses together never take longer than one fetch may. Only the connect falls back:
+        once one address answered, its TLS or HTTP failure is the fetch's (as in browsers and curl).
+        All dead: the last address's error, which for a single address is the error it always gave.
+        """
+        failure: OSError | None = None
+        for family, sockaddr in self._addresses:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                # Inside the try: a host without IPv6 refuses the socket itself, and that address
+                # is as dead as one that does not answer.
+                sock = socket.socket(family, socket.SOCK_STREAM)
+            except OSError as error:
+                failure = error
+                continue
+            self._raw = sock
+            try:
+                sock.settimeout(min(self.timeout, left) if self.timeout is not None else left)
+                sock.connect(sockaddr)
+            except OSError as error:
+                sock.close()
+                failure = error
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+        raise failure or TimeoutError("timed out")
 
 
 # What a request target keeps as it is when it is percent-encoded (requests' requote_uri keeps the

@@ -92,9 +92,9 @@ def _handler(state: LocalServer) -> type[BaseHTTPRequestHandler]:
 
 
 @contextmanager
-def _serve(host: str, tls: ssl.SSLContext | None = None) -> Iterator[LocalServer]:
+def _serve(host: str, tls: ssl.SSLContext | None = None, port: int = 0) -> Iterator[LocalServer]:
     state = LocalServer(host=host, port=0, routes={})
-    server = (_Server6 if ":" in host else _Server)((host, 0), _handler(state))
+    server = (_Server6 if ":" in host else _Server)((host, port), _handler(state))
     if tls is not None:
         tls.sni_callback = lambda sock, name, context: state.server_names.append(name)
         # Handshake in the handler's thread, not in accept(): a refused certificate stays there.
@@ -253,6 +253,163 @@ def test_every_hop_resolves_its_host_exactly_once(server: LocalServer) -> None:
         f"images.test:{server.port}",
         f"cdn.test:{server.port}",
     ]
+
+
+# --- a name with several addresses: each checked one is tried in turn ---
+# A URL carries one port, so every address a test name resolves to is that port on another
+# loopback address: a live server on one, a dead address (below) on the others.
+
+
+def _refusing(host: str, port: int = 0) -> socket.socket:
+    """A dead address whose connect is refused at once: bound, not listening (the port stays held)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.bind((host, port))
+    return sock
+
+
+@contextmanager
+def _blackholed(host: str, port: int = 0) -> Iterator[socket.socket]:
+    """A dead address whose connect times out, as a firewall that drops packets: a listener whose
+    accept queue is full, so the kernel drops every further handshake."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.bind((host, port))
+    listener.listen(0)
+    filler = socket.create_connection(listener.getsockname()[:2], timeout=1)
+    try:
+        yield listener
+    finally:
+        filler.close()
+        listener.close()
+
+
+@contextmanager
+def _live_beside(dead: socket.socket) -> Iterator[LocalServer]:
+    """A live server on 127.0.0.1 at the port of `dead` (an address other than 127.0.0.1)."""
+    with _serve("127.0.0.1", port=dead.getsockname()[1]) as live:
+        _image_route(live)
+        yield live
+
+
+def _nobody_connected(listener: socket.socket) -> bool:
+    listener.setblocking(False)
+    try:
+        connection, _ = listener.accept()
+    except BlockingIOError:
+        return True
+    connection.close()
+    return False
+
+
+def test_a_dead_ipv6_address_falls_back_to_the_live_ipv4_one() -> None:
+    """The common case browsers, curl and requests get through: the AAAA answer refuses, the A works."""
+    with _refusing("::1") as dead, _live_beside(dead) as live:
+        dns = FakeDns({"images.test": [["::1", "127.0.0.1"]]})
+        allowed = [*LOOPBACK, ipaddress.ip_network("::1/128")]
+        url = live.url("/cat.png", host="images.test")
+        assert fetch_public_image(url, max_bytes=10_000, resolve=dns, allowed_networks=allowed) == PNG
+        assert dns.calls == ["images.test"]  # the fallback does not ask DNS again
+        assert [seen.headers["host"] for seen in live.seen] == [f"images.test:{live.port}"]
+
+
+def test_an_address_that_does_not_answer_falls_back_after_the_connect_timeout() -> None:
+    with _blackholed("127.0.0.2") as dead, _live_beside(dead) as live:
+        dns = FakeDns({"images.test": [["127.0.0.2", "127.0.0.1"]]})
+        url = live.url("/cat.png", host="images.test")
+        started = time.monotonic()
+        fetched = fetch_public_image(url, max_bytes=10_000, resolve=dns, allowed_networks=LOOPBACK, timeout=0.3)
+        assert fetched == PNG
+        assert 0.3 <= time.monotonic() - started < 2.0
+        assert len(live.seen) == 1
+
+
+def test_addresses_are_tried_in_the_order_dns_gave_them() -> None:
+    with _refusing("127.0.0.2") as dead, _live_beside(dead) as live:
+        port = live.port
+        with _serve("127.0.0.3", port=port) as second:
+            _image_route(second)
+            dns = FakeDns({"images.test": [["127.0.0.2", "127.0.0.3", "127.0.0.1"]]})
+            url = live.url("/cat.png", host="images.test")
+            assert fetch_public_image(url, max_bytes=10_000, resolve=dns, allowed_networks=LOOPBACK) == PNG
+            assert len(second.seen) == 1 and live.seen == []
+
+
+def test_a_redirect_hop_falls_back_to_its_next_address_too() -> None:
+    with _refusing("::1") as dead, _live_beside(dead) as live:
+        live.routes["/moved"] = (302, {"Location": live.url("/cat.png", host="cdn.test")}, b"")
+        dns = FakeDns({"images.test": [["127.0.0.1"]], "cdn.test": [["::1", "127.0.0.1"]]})
+        allowed = [*LOOPBACK, ipaddress.ip_network("::1/128")]
+        url = live.url("/moved", host="images.test")
+        assert fetch_public_image(url, max_bytes=10_000, resolve=dns, allowed_networks=allowed) == PNG
+        assert [seen.path for seen in live.seen] == ["/moved", "/cat.png"]
+        assert dns.calls == ["images.test", "cdn.test"]
+
+
+def test_https_after_a_fallback_still_verifies_the_url_host(pki: Pki) -> None:
+    with _refusing("::1") as dead:
+        port = dead.getsockname()[1]
+        with _serve("127.0.0.1", tls=pki.server_context("images.test"), port=port) as live:
+            _image_route(live)
+            dns = FakeDns({"images.test": [["::1", "127.0.0.1"]]})
+            allowed = [*LOOPBACK, ipaddress.ip_network("::1/128")]
+            url = live.url("/cat.png", host="images.test", scheme="https")
+            fetched = fetch_public_image(
+                url, max_bytes=10_000, resolve=dns, allowed_networks=allowed, ssl_context=pki.client_context()
+            )
+            assert fetched == PNG
+            assert live.server_names == ["images.test"]
+
+
+def test_when_every_address_is_dead_the_error_is_that_of_one_dead_address() -> None:
+    """What the client reads (400 SourceImageUrlInvalid, "fetching 'images.test' failed: ...") is
+    the same for a name with one dead address and a name with several."""
+    with _refusing("127.0.0.2") as dead:
+        port = dead.getsockname()[1]
+        with _refusing("127.0.0.3", port), _refusing("::1", port):
+            allowed = [*LOOPBACK, ipaddress.ip_network("::1/128")]
+            url = f"http://images.test:{port}/cat.png"
+            errors = []
+            for addresses in (["127.0.0.2"], ["::1", "127.0.0.2", "127.0.0.3"]):
+                dns = FakeDns({"images.test": [addresses]})
+                with pytest.raises(ImageUrlInvalid) as failed:
+                    fetch_public_image(url, max_bytes=10_000, resolve=dns, allowed_networks=allowed)
+                errors.append(str(failed.value))
+    assert errors[0] == errors[1] == "fetching 'images.test' failed: [Errno 111] Connection refused"
+
+
+def test_addresses_that_do_not_answer_stay_within_the_whole_fetch_bound() -> None:
+    """Three addresses that would each take the connect timeout (2.4 s in all): the whole fetch
+    still ends at its bound, with the message a fetch past its bound always gives."""
+    with _blackholed("127.0.0.2") as dead:
+        port = dead.getsockname()[1]
+        with _blackholed("127.0.0.3", port), _blackholed("127.0.0.4", port):
+            dns = FakeDns({"images.test": [["127.0.0.2", "127.0.0.3", "127.0.0.4"]]})
+            started = time.monotonic()
+            with pytest.raises(ImageUrlInvalid, match="^the image took longer than 1 seconds to arrive$"):
+                fetch_public_image(
+                    f"http://images.test:{port}/cat.png",
+                    max_bytes=10_000,
+                    resolve=dns,
+                    allowed_networks=LOOPBACK,
+                    timeout=0.8,
+                    total_timeout=1.0,
+                )
+            assert time.monotonic() - started < 2.0
+
+
+@pytest.mark.parametrize("order", ["refused first", "refused last"])
+def test_a_refused_address_beside_allowed_ones_refuses_the_name_and_is_never_connected_to(order: str) -> None:
+    """The guard is not a filter the fallback steps around: a name with any address that is not
+    public is refused whole (chat_requests.md, docs/adr/0129), and nothing is connected to."""
+    with _refusing("127.0.0.2") as dead:
+        port = dead.getsockname()[1]
+        with socket.create_server(("127.0.0.3", port)) as refused_but_live:
+            addresses = ["127.0.0.3", "127.0.0.2"] if order == "refused first" else ["127.0.0.2", "127.0.0.3"]
+            dns = FakeDns({"images.test": [addresses]})
+            only_two = [ipaddress.ip_network("127.0.0.2/32")]  # 127.0.0.3 stays refused
+            url = f"http://images.test:{port}/cat.png"
+            with pytest.raises(ImageUrlRefused, match="'images.test' resolves to an address that is not public"):
+                fetch_public_image(url, max_bytes=10_000, resolve=dns, allowed_networks=only_two)
+            assert _nobody_connected(refused_but_live)
 
 
 # --- answers ---
