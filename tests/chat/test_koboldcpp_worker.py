@@ -51,6 +51,10 @@ def kcpp_headers(key: str) -> dict[str, str]:
     }
 
 
+# koboldcpp 1.76's sampler_order_max and stop_token_max: the lengths of its two arrays.
+SAMPLER_ORDER_MAX, STOP_TOKEN_MAX = 7, 32
+
+
 class KoboldCppInputs(ctypes.Structure):
     """The fields koboldcpp's generate() fills from a horde payload, with their C types."""
 
@@ -59,8 +63,9 @@ class KoboldCppInputs(ctypes.Structure):
         ("temperature", ctypes.c_float), ("top_k", ctypes.c_int), ("top_a", ctypes.c_float),
         ("top_p", ctypes.c_float), ("min_p", ctypes.c_float), ("typical_p", ctypes.c_float),
         ("tfs", ctypes.c_float), ("rep_pen", ctypes.c_float), ("rep_pen_range", ctypes.c_int),
-        ("rep_pen_slope", ctypes.c_float), ("mirostat", ctypes.c_int), ("sampler_order", ctypes.c_int * 8),
-        ("stop_sequence", ctypes.c_char_p * 24), ("dynatemp_range", ctypes.c_float),
+        ("rep_pen_slope", ctypes.c_float), ("mirostat", ctypes.c_int),
+        ("sampler_order", ctypes.c_int * SAMPLER_ORDER_MAX), ("sampler_len", ctypes.c_int),
+        ("stop_sequence", ctypes.c_char_p * STOP_TOKEN_MAX), ("dynatemp_range", ctypes.c_float),
         ("dynatemp_exponent", ctypes.c_float), ("smoothing_factor", ctypes.c_float),
     ]
 
@@ -82,9 +87,15 @@ def koboldcpp_generate_inputs(payload: dict) -> KoboldCppInputs:
     inputs.prompt = payload.get("prompt", "").encode("UTF-8")
     for key, (field, default) in PAYLOAD_FIELDS.items():
         setattr(inputs, field, payload.get(key, default))
-    for n, sampler in enumerate(payload.get("sampler_order", [6, 0, 1, 3, 4, 2, 5])):
-        inputs.sampler_order[n] = sampler
-    for n, stop in enumerate(payload.get("stop_sequence", [])):
+    # An order longer than its array is left out (its defaults apply); stops past it are dropped.
+    order = payload.get("sampler_order", [6, 0, 1, 3, 4, 2, 5])
+    if order and 0 < len(order) <= SAMPLER_ORDER_MAX:
+        for n, sampler in enumerate(order):
+            inputs.sampler_order[n] = sampler
+        inputs.sampler_len = len(order)
+    stops = payload.get("stop_sequence") or []
+    for n in range(STOP_TOKEN_MAX):
+        stop = stops[n] if n < len(stops) else None
         inputs.stop_sequence[n] = b"" if stop is None else stop.encode("UTF-8")
     return inputs
 
@@ -382,3 +393,100 @@ def test_a_wrong_key_is_answered_with_a_json_body_it_prints(live, key, code, rc)
     )
     assert refused.status_code == code and refused.headers["content-type"] == "application/json"
     assert refused.json()["rc"] == rc and refused.json()["message"]
+
+
+# --- The newest koboldcpp stored: the mirror's HEAD is tag v1.76 itself (2da346a5, 2024-10-11), and
+# the unreleased branch after it (concedo_experimental 94a5a27b, 2024-10-24, KcppVersion "1.77") has
+# make_url_request and run_horde_worker byte for byte as 1.76. The exchange is the one above; what
+# follows are the parts of it the run did not reach. --------------------------------------------------
+
+
+def test_its_next_pop_can_reach_the_horde_before_its_submit(live, make_user):
+    """run_horde_worker (1.76): the submit goes out on its own thread (submit_completed_generation)
+    and the loop pops again 0.1 s later, so the next pop may arrive first, and two submit threads
+    may finish in either order. Here the two jobs of one `n: 2` request: both popped, then submitted
+    last first; each is paid, and the request is done with both texts, charged once for each."""
+    owner, requester = make_user("kcpp-owner", trusted=True), make_user("requester", kudos=1000)
+    request_id = ask(live, requester.key, {"n": 2, "max_length": 40, "max_context_length": 1024})
+    first = run_pop(live, owner.key)
+    second = run_pop(live, owner.key)  # sent while the first job's submit is still on its way
+    assert None not in (first["id"], second["id"]) and first["id"] != second["id"]
+    for job in (first, second):
+        assert job["payload"] == {"prompt": PROMPT, "n": 1, "max_length": 40, "max_context_length": 1024}
+        assert (job["ids"], job["model"], job["ttl"]) == ([job["id"]], RUN_MODEL, 150)
+    assert status(live, request_id)["processing"] == 2
+
+    rewards = []
+    for job, text in ((second, " second"), (first, GENERATION)):
+        submitted = run_submit(live, owner.key, job["id"], text)
+        assert submitted.status_code == 200, submitted.text
+        rewards.append(Decimal(str(submitted.json()["reward"])))
+    assert all(reward > 0 for reward in rewards)
+
+    done = status(live, request_id)
+    assert (done["done"], done["finished"], done["processing"], done["faulted"]) == (True, 2, 0, False)
+    assert sorted(g["text"] for g in done["generations"]) == sorted([GENERATION, " second"])
+    assert owner.refresh().kudos == sum(rewards)
+    assert requester.refresh().kudos == Decimal("1000") - sum(rewards) - 1
+    assert Decimal(str(done["kudos"])) == sum(rewards) + 1
+
+
+def test_an_empty_generation_is_taken_as_it_submits_it(live, make_user):
+    """koboldcpp submits `current_generation["results"][0]["text"]` whatever it holds: "" when the
+    model's first token ends the text (generate() answers status 1 with no text). The submit is a
+    200 with a numeric `reward` (it prints it with :.0f), and the requester sees the empty text."""
+    owner, requester = make_user("kcpp-owner", trusted=True), make_user("requester", kudos=1000)
+    request_id = ask(live, requester.key, {"max_length": 40, "max_context_length": 1024})
+    job = run_pop(live, owner.key)
+
+    submitted = run_submit(live, owner.key, job["id"], "")
+    assert submitted.status_code == 200 and submitted.headers["content-type"] == "application/json"
+    assert submitted.content == b'{"reward":0.65}'  # counted as the 20 tokens a text counts at least
+
+    done = status(live, request_id)
+    assert (done["done"], done["faulted"]) == (True, False)
+    assert [g["text"] for g in done["generations"]] == [""]
+    assert owner.refresh().kudos == Decimal("0.65")
+    assert requester.refresh().kudos == Decimal("1000") - Decimal("1.65")
+
+
+def test_a_payload_past_its_arrays_is_generated_not_failed(live, make_user):
+    """The horde takes up to 128 distinct stop sequences and a sampler order of more than 7; koboldcpp
+    1.76's generate() has room for 32 stops and 7 samplers. It copies the first 32 stops, leaves a
+    longer order out for its default one, and generates: the job is served, not lost to an error
+    of its own generate (which the horde would see as a job never submitted)."""
+    owner, requester = make_user("kcpp-owner", trusted=True), make_user("requester", kudos=1000)
+    stops = [f"\nName{n}:" for n in range(40)]
+    order = [6, 0, 1, 3, 4, 2, 5, 7]
+    request_id = ask(live, requester.key, {
+        "max_length": 40, "max_context_length": 1024, "stop_sequence": stops, "sampler_order": order,
+    })
+    job = run_pop(live, owner.key)
+    assert (job["payload"]["stop_sequence"], job["payload"]["sampler_order"]) == (stops, order)
+
+    inputs = koboldcpp_generate_inputs({**job["payload"], "genkey": "HORDEREQ_123"})
+    assert [inputs.stop_sequence[n] for n in range(STOP_TOKEN_MAX)] == [stop.encode() for stop in stops[:32]]
+    assert inputs.sampler_len == 0  # its own default order applies
+
+    assert run_submit(live, owner.key, job["id"]).status_code == 200
+    assert [g["text"] for g in status(live, request_id)["generations"]] == [GENERATION]
+
+
+def test_its_loop_at_a_fast_models_pace_is_never_refused(live, make_user, settings):
+    """With jobs waiting and a fast model, run_horde_worker pops again 0.1 s after each job (no
+    sleep but time.sleep(0.1)): several pops and submits a second under the same key. Under the
+    default limits (2 a second per key) pops and submits count against none (only the generate
+    routes do), so none is a 429 that it would count as an error towards its pause."""
+    settings.HORDE_API_KEY_RATE_LIMITS = ["2/second"]
+    settings.HORDE_TEXT_ASYNC_RATE_LIMITS = ["2/second", "90/minute"]
+    owner, requester = make_user("kcpp-owner", trusted=True), make_user("requester", kudos=1000)
+    request_id = ask(live, requester.key, {"n": 4, "max_length": 40, "max_context_length": 1024})
+    served = []
+    for _ in range(4):
+        job = run_pop(live, owner.key)
+        assert job["id"] is not None
+        assert run_submit(live, owner.key, job["id"]).status_code == 200
+        served.append(job["id"])
+    assert run_pop(live, owner.key) == IDLE_ANSWER
+    done = status(live, request_id)
+    assert (done["done"], done["finished"], len(set(served))) == (True, 4, 4)
