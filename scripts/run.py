@@ -11,7 +11,8 @@ Runs, from the project root and with the interpreter that runs this script (the 
           unless HORDE_DEMO_WORKER is "0"; it serves the model DEMO_MODEL ("scripted") with the key of
           the trusted user "demo-worker", made once with `manage.py horde_user create` and kept in
           var/demo-worker.key (when the database no longer knows that key, the owner of the worker
-          "demo-worker" gets a new one with `manage.py worker_owner_key`, or a user is made again)
+          "demo-worker" gets a new one with `manage.py worker_owner_key`, or a user is made again);
+          started once the web process answers (WEB_READY_SECONDS at most)
 
 Ctrl-C (SIGINT) or SIGTERM stops the children with SIGTERM (their graceful shutdown), the demo
 worker first, so that the jobs it holds are submitted while the web process still runs (up to
@@ -32,6 +33,7 @@ import contextlib
 import ctypes
 import functools
 import gc
+import http.client
 import os
 import signal
 import socket
@@ -297,6 +299,28 @@ def supervise_web(processes: int, host: str, port: int, daphne_args: list[str]) 
     return status
 
 
+# How long the launcher waits for the web process's first answer before it starts the demo worker
+# anyway (which then retries on its own).
+WEB_READY_SECONDS = 60.0
+
+
+def wait_until_serving(port: str, web: subprocess.Popen[bytes], stopping: Callable[[], bool]) -> bool:
+    """True once the web process answers an HTTP request on `port` (any status: /healthz may say
+    the sweeps have not run yet); False if it exits, the launcher is stopping, or WEB_READY_SECONDS pass."""
+    deadline = time.monotonic() + WEB_READY_SECONDS
+    while web.poll() is None and not stopping() and time.monotonic() < deadline:
+        connection = http.client.HTTPConnection("127.0.0.1", int(port), timeout=2)
+        try:
+            connection.request("GET", "/healthz")
+            connection.getresponse().read()
+            return True
+        except (OSError, http.client.HTTPException):
+            time.sleep(0.1)
+        finally:
+            connection.close()
+    return False
+
+
 def commands(port: str) -> dict[str, list[str]]:
     cmds = {
         "web": [sys.executable, str(Path(__file__).resolve()), "web", "-b", "127.0.0.1", "-p", port,
@@ -394,12 +418,24 @@ def main() -> int:
             envs["demo"] = {**os.environ, "BRIDGE_API_KEY": key}
 
     children: dict[str, subprocess.Popen[bytes]] = {}
-    for name, cmd in cmds.items():
-        print(f"[run] {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+
+    def start(name: str) -> None:
+        print(f"[run] {name}: {' '.join(cmds[name])}", file=sys.stderr, flush=True)
         children[name] = subprocess.Popen(
-            cmd, cwd=ROOT, process_group=0, env=envs.get(name), preexec_fn=functools.partial(_stop_with_parent, os.getpid()),
+            cmds[name], cwd=ROOT, process_group=0, env=envs.get(name),
+            preexec_fn=functools.partial(_stop_with_parent, os.getpid()),
         )
-    print(f"[run] serving on http://127.0.0.1:{port}/ (Ctrl-C stops)", file=sys.stderr, flush=True)
+
+    for name in [name for name in cmds if name != "demo"]:
+        start(name)
+    # The demo worker starts once the web process answers: started with it, its first calls met a
+    # port not served yet ("horde unreachable" at every start) and its backoff delayed its pops.
+    if wait_until_serving(port, children["web"], lambda: stopping):
+        print(f"[run] serving on http://127.0.0.1:{port}/ (Ctrl-C stops)", file=sys.stderr, flush=True)
+    elif not stopping and children["web"].poll() is None:
+        print(f"[run] the web process does not answer after {WEB_READY_SECONDS:.0f} s", file=sys.stderr, flush=True)
+    if "demo" in cmds and not stopping and children["web"].poll() is None:
+        start("demo")
     if "demo" in children:
         print(
             f"[run] demo worker serves the model {DEMO_MODEL!r} (scripted answers; HORDE_DEMO_WORKER=0 turns it off)",

@@ -37,6 +37,7 @@ class MakeRun:
     key: str  # a requester's
     env: dict[str, str]  # the processes' environment (their database, the demo worker's key file)
     demo_key_file: Path
+    log: Path  # what the launcher and its children printed
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def make_run(tmp_path_factory) -> Iterator[MakeRun]:
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.5)
-        yield MakeRun(url, key, env, Path(env["HORDE_DEMO_WORKER_KEY_FILE"]))
+        yield MakeRun(url, key, env, Path(env["HORDE_DEMO_WORKER_KEY_FILE"]), log_path)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -94,6 +95,15 @@ def make_run(tmp_path_factory) -> Iterator[MakeRun]:
         log.close()
     assert proc.returncode == 0, log_path.read_text()
     assert "[bridge] summary:" in log_path.read_text()
+
+
+def test_the_demo_worker_starts_once_the_web_process_answers(make_run):
+    """A newcomer's first `make run` shows no failure: the demo worker is started after the web
+    process answers, so its first calls never meet a port that is not served yet."""
+    printed = make_run.log.read_text()
+    assert "[bridge]" in printed
+    assert "horde unreachable" not in printed, printed
+    assert printed.index("[run] serving on") < printed.index(" -m workers.bridge ")
 
 
 def test_make_run_demo_worker_answers_a_native_chat_request(make_run):

@@ -147,8 +147,11 @@ def test_the_launchers_processes_stop_when_the_launcher_is_killed(tmp_path):
             except OSError:
                 assert time.monotonic() < deadline, "the web process did not listen"
                 time.sleep(0.2)
-        children = _children(launcher.pid)
-        assert len(children) == 3, children  # web, Celery, the demo worker
+        # Web, Celery and the demo worker, which starts once the web process answers.
+        while len(children := _children(launcher.pid)) < 3:
+            assert launcher.poll() is None and time.monotonic() < deadline, (children, log.read_text())
+            time.sleep(0.2)
+        assert len(children) == 3, children
         launcher.kill()
         launcher.wait()
         deadline = time.monotonic() + 45  # their graceful shutdown, on a loaded 2-core box
