@@ -119,6 +119,9 @@ def test_a_key_that_starts_with_a_dash_is_the_flags_value():
         (["--api-key", "k", "--pop-interval", "0"], "--pop-interval is more than 0"),
         (["--api-key", "k", "--lease-margin", "-5"], "--lease-margin is 0 or more"),
         (["--api-key", "k", "--stop-grace", "-1"], "--stop-grace is 0 or more"),
+        # 0 served jobs for ever (read as no bound), a negative count stopped after the first job.
+        (["--api-key", "k", "--max-jobs", "0"], "--max-jobs is at least 1"),
+        (["--api-key", "k", "--max-jobs", "-1"], "--max-jobs is at least 1"),
     ],
 )
 def test_config_refusals(argv, message):

@@ -312,6 +312,8 @@ def validate(config: BridgeConfig) -> None:
         raise ConfigError("--max-context-length is at least 80")
     if config.context_check_interval < 0:
         raise ConfigError("--context-check-interval is 0 or more seconds")
+    if config.max_jobs is not None and config.max_jobs < 1:
+        raise ConfigError("--max-jobs is at least 1")
     if not 0 <= config.progress_interval <= 60:
         raise ConfigError("--progress-interval is 0 to 60 seconds")
     if not config.chat_jobs and not config.text_jobs:
