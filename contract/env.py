@@ -28,6 +28,12 @@ class SettingsEnv(environ.Env):
             name = f"{self.prefix}{var}"
             raise environ.ImproperlyConfigured(f"{name}={self.ENVIRON.get(name)!r} cannot be read: {error}") from None
 
+    def list(self, var: str, cast: Any = None, default: Any = environ.Env.NOTSET) -> builtins.list[Any]:
+        """Comma-separated, each entry trimmed and blank ones dropped: `a, b` names "b", not " b" (a
+        host Django never matches), and " " names nothing."""
+        values = super().list(var, cast=cast, default=default)
+        return [value.strip() if isinstance(value, str) else value for value in values if not isinstance(value, str) or value.strip()]
+
     def int(self, var: str, default: Any = environ.Env.NOTSET, *, minimum: builtins.int | None = None) -> builtins.int:
         value: builtins.int = super().int(var, default=default)
         if minimum is not None and value < minimum:

@@ -46,6 +46,10 @@ if DEPLOYED:
     if SECRET_KEY == DEV_SECRET_KEY:
         raise ImproperlyConfigured("SECRET_KEY is the public development key: set a long random value")
     ALLOWED_HOSTS = env.list("ALLOWED_HOSTS")
+    if not ALLOWED_HOSTS:  # blank entries only: every request would be 400 DisallowedHost
+        raise ImproperlyConfigured(
+            "ALLOWED_HOSTS names no host: list the names the horde is reached at, separated by commas"
+        )
     # The admin is the one cookie user (the API authenticates by header).
     SESSION_COOKIE_SECURE = env.bool("SESSION_COOKIE_SECURE", default=True)
     CSRF_COOKIE_SECURE = env.bool("CSRF_COOKIE_SECURE", default=True)
@@ -312,9 +316,7 @@ STORAGES = {
 HORDE_PUBLIC_URL = env.str("HORDE_PUBLIC_URL", default="")
 # Networks an image URL may point into although they are private (CIDRs, comma separated): an
 # operator's own image host. Empty: every private, loopback and link-local address is refused.
-HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS = [
-    network.strip() for network in env.list("HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS", default=[]) if network.strip()
-]
+HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS = env.list("HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS", default=[])
 for _network in HORDE_CHAT_IMAGE_FETCH_ALLOWED_NETWORKS:  # fail closed: a typo must not 500 every image fetch
     try:
         ipaddress.ip_network(_network, strict=False)

@@ -66,6 +66,17 @@ def test_a_deployment_without_secret_key_or_allowed_hosts_does_not_start(clone):
         SECRET_KEY="dev-only-insecure-secret-key-change-me-in-production",
     )
     assert "SECRET_KEY is the public development key" in public_key
+    # Blank entries name no host: Django would answer every request 400 (DisallowedHost).
+    for blank in (" ", ",", " , "):
+        assert _refusal(clone, DATABASE_URL=DEPLOYED_DATABASE, SECRET_KEY=STRONG_KEY, ALLOWED_HOSTS=blank) == (
+            "django.core.exceptions.ImproperlyConfigured: ALLOWED_HOSTS names no host: list the names the horde "
+            "is reached at, separated by commas"
+        )
+
+
+def test_the_hosts_a_deployment_names_are_read_trimmed(clone):
+    shown = _settings(clone, DATABASE_URL=DEPLOYED_DATABASE, SECRET_KEY=STRONG_KEY, ALLOWED_HOSTS=" horde.example , ")
+    assert shown["hosts"] == ["horde.example"]
 
 
 def test_a_deployment_uses_what_it_names_with_secure_cookies(clone):
