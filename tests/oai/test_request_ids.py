@@ -225,3 +225,53 @@ def test_the_finished_lines_opentelemetry_record_has_the_request_id(front, clien
     attributes = exported.log_record.attributes
     assert attributes["x_request_id"] == completion._request_id
     assert attributes["request_id"] == completion.id.removeprefix("chatcmpl-")
+
+
+@pytest.fixture
+def own_redis():
+    """A redis-server of this test on a free loopback port, stopped at the end."""
+    import shutil
+    import subprocess
+    import time
+
+    import redis
+
+    from tests.ports import free_port
+
+    server = shutil.which("redis-server")
+    assert server, "redis-server is not installed"
+    port = free_port()
+    process = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/1"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis.from_url(url, socket_timeout=0.2).ping()
+            break
+        except redis.RedisError:
+            assert time.monotonic() < deadline, "own redis-server did not start"
+            time.sleep(0.05)
+    try:
+        yield process, url
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def test_the_processs_own_tasks_started_by_a_request_log_without_its_id(front, client, start_worker, own_redis, caplog):
+    """The completion-signal listener (and the other tasks of the process a first request starts)
+    serve every request after it: their lines name none."""
+    process, url = own_redis
+    front.configure(redis_url=url)
+    start_worker()
+    caplog.set_level("INFO")
+    completion = client.chat.completions.create(model=MODEL, messages=USER)
+    process.terminate()
+    process.wait(10)
+    lost = wait_for(lambda: [r for r in caplog.records if r.name == "oai.waiter" and "connection lost" in r.getMessage()])
+    assert lost, [r.getMessage() for r in caplog.records if r.name.startswith("oai")]
+    assert all(getattr(r, "x_request_id", None) is None for r in lost), completion._request_id
