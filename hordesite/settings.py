@@ -368,7 +368,13 @@ USE_TZ = True
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s [%(process)d] %(levelname)s %(name)s %(message)s"}},
+    # A line logged while a /v1/ request is served ends with its x_request_id (oai.request_ids).
+    "formatters": {
+        "plain": {
+            "class": "oai.request_ids.RequestIdFormatter",
+            "format": "%(asctime)s [%(process)d] %(levelname)s %(name)s %(message)s",
+        }
+    },
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
     # A 4xx warning names the path; a shared key's id in it is a credential (hordesite/log_redaction.py).

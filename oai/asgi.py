@@ -8,7 +8,9 @@ waiting view:
   body_read_timeout_seconds is 408 RequestBodyTimeout (Django would spool any body, however slow);
 - the size of each POST body received whole (horde.oai.request.body_bytes);
 - CORS: browser preflights are answered here, and every answer carries
-  Access-Control-Allow-Origin: * and exposes Retry-After and x-should-retry;
+  Access-Control-Allow-Origin: * and exposes Retry-After, x-should-retry and x-request-id;
+- the request's id (oai.request_ids): every answer, refusals and streams included, carries
+  x-request-id, and the request's log records carry it (docs/adr/0128);
 - disconnect: an `asyncio.Event` in scope["oai.disconnected"] is set the moment the server reports
   http.disconnect, so the view's wait (streamed or not) notices it and cancels the horde request,
   whichever thread or task Django runs the view on;
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import weakref
 from collections.abc import Awaitable, Callable
@@ -27,17 +30,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from contract.errors import request_too_large_message
+from oai import request_ids
 from oai.errors import ChatFrontError
 
 if TYPE_CHECKING:
     from django.http import HttpRequest, HttpResponseBase
+
+log = logging.getLogger("oai")
 
 ALLOWED_HEADERS = (
     "authorization, content-type, apikey, client-agent, x-stainless-retry-count, x-stainless-lang, "
     "x-stainless-package-version, x-stainless-os, x-stainless-arch, x-stainless-runtime, "
     "x-stainless-runtime-version, x-stainless-timeout, openai-organization, openai-project, http-referer, x-title"
 )
-EXPOSED_HEADERS = "Retry-After, x-should-retry"
+EXPOSED_HEADERS = "Retry-After, x-should-retry, x-request-id"
 # DELETE: a kept response (DELETE /v1/responses/{id}, ADR 0103), not a CORS-safelisted method.
 ALLOWED_METHODS = "GET, POST, DELETE, OPTIONS"
 
@@ -110,10 +116,12 @@ async def _send_json(
     await send({"type": "http.response.body", "body": payload})
 
 
-async def _refuse(send: Any, error: ChatFrontError) -> None:
+async def _refuse(send: Any, error: ChatFrontError, path: str) -> None:
     from oai.state import get_front_state
 
     (await get_front_state()).metrics.refused(error.status, error.code)
+    # Logged as Django logs the answers of the views (django.request), which it never reaches.
+    log.warning("%s %s: %s", error.status, error.code, path.encode("unicode_escape").decode("ascii"))
     await _send_json(send, error.status, error.body(), error.headers())
 
 
@@ -172,6 +180,7 @@ class FrontASGI:
         # The front's requests being served (their ASGI tasks), for the drain at a stop.
         self.requests: set[asyncio.Task] = set()
         _FRONTS.add(self)
+        request_ids.install_log_records()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -200,6 +209,8 @@ class FrontASGI:
     async def _handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         headers = {k.decode("latin1").lower(): v.decode("latin1") for k, v in scope.get("headers", [])}
         method = scope.get("method", "GET")
+        path = scope.get("path", "")
+        send = _answering(send, request_ids.begin(headers).request_id)
         if is_preflight(method, headers.get("access-control-request-method")):
             return await self._preflight(send, headers)
         from oai.state import get_front_state
@@ -209,7 +220,7 @@ class FrontASGI:
         limit = settings.max_body_bytes
         declared = headers.get("content-length")
         if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:
-            return await _refuse(send, _too_large(limit))
+            return await _refuse(send, _too_large(limit), path)
         chunks: list[bytes] = []
         size = 0
         try:
@@ -221,7 +232,7 @@ class FrontASGI:
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > limit:
-                        return await _refuse(send, _too_large(limit))
+                        return await _refuse(send, _too_large(limit), path)
                     chunks.append(chunk)
                     if not message.get("more_body", False):
                         break
@@ -234,6 +245,7 @@ class FrontASGI:
                     f"The request body did not arrive within {settings.body_read_timeout_seconds:g} seconds.",
                     type="invalid_request_error",
                 ),
+                path,
             )
         body = b"".join(chunks)
         if method == "POST":  # every body received whole, whatever the answer (a refusal included)
@@ -252,15 +264,7 @@ class FrontASGI:
                 disconnected.set()
             return message
 
-        async def send_with_cors(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                names = {name.lower() for name, _ in message.get("headers", [])}
-                extra = [(k, v) for k, v in _cors_headers() if k not in names]
-                if extra:
-                    message = {**message, "headers": [*message.get("headers", []), *extra]}
-            await send(message)
-
-        await self.front_app(scope, replay_receive, send_with_cors)
+        await self.front_app(scope, replay_receive, send)
 
     async def _preflight(self, send: Any, headers: dict[str, str]) -> None:
         requested = headers.get("access-control-request-headers", "").strip()
@@ -271,6 +275,22 @@ class FrontASGI:
         raw.append((b"content-length", b"0"))
         await send({"type": "http.response.start", "status": FRONT_CORS.preflight_status, "headers": raw})
         await send({"type": "http.response.body", "body": b""})
+
+
+def _answering(send: Any, request_id: str) -> Any:
+    """`send`, whose answer carries the CORS headers and the request's x-request-id: the one place
+    every answer of the front passes, Django's (whole, streamed, refused) and this layer's."""
+    stamped = [*_cors_headers(), (request_ids.REQUEST_ID_HEADER.encode(), request_id.encode())]
+
+    async def send_answer(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            names = {name.lower() for name, _ in message.get("headers", [])}
+            extra = [(k, v) for k, v in stamped if k not in names]
+            if extra:
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+        await send(message)
+
+    return send_answer
 
 
 # Every front layer of the process, for the drain at a stop.

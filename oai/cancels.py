@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import logging
 import time
 from dataclasses import dataclass, field
@@ -56,7 +57,10 @@ class Cancels:
 
     def ensure_retries(self) -> None:
         if self._retry_task is None:
-            self._retry_task = asyncio.create_task(self._retry_loop(), name="oai-cancel-retry")
+            # A context of its own: it retries every request's cancels, not the one that started it (docs/adr/0128).
+            self._retry_task = asyncio.create_task(
+                self._retry_loop(), name="oai-cancel-retry", context=contextvars.Context()
+            )
 
     def stop_retries(self) -> None:
         if self._retry_task:

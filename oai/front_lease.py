@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -74,7 +75,8 @@ class FrontLeaseRenewer:
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="oai-front-lease")
+            # A context of its own: it serves every request, not the one that started it (docs/adr/0128).
+            self._task = asyncio.create_task(self._run(), name="oai-front-lease", context=contextvars.Context())
 
     async def close(self) -> None:
         await cancel_and_wait(self._task)

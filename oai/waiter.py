@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import json
 import logging
 import time
@@ -105,7 +106,9 @@ class CompletionSignalListener:
 
     async def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="oai-completion-signal")
+            # A context of its own, as the delta reader's: it serves every request after the first
+            # that started it, so its lines and spans are none of that request's (docs/adr/0128).
+            self._task = asyncio.create_task(self._run(), name="oai-completion-signal", context=contextvars.Context())
 
     async def ensure_started(self) -> None:
         """Started with the first wait; the first connection gets a moment, so that the first
