@@ -81,17 +81,22 @@ def install_log_records() -> None:
 
 
 class RequestIdFormatter(logging.Formatter):
-    """The console's lines: a record made while a request was served ends with
-    ` x_request_id=req_…` (and ` client_request_id="…"`, quoted), so one grep finds the request
-    (before a traceback, which follows the message)."""
+    """The console's lines: a record made while a request was served carries
+    `x_request_id=req_…` (and ` client_request_id="…"`, quoted) just before its message, so one
+    grep finds the request and the message still ends the line (the spec's finished line ends
+    with its first_read_ values)."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        line = super().formatMessage(record)
         request_id = getattr(record, "x_request_id", None)
         if request_id is None:
-            return line
-        line += f" x_request_id={request_id}"
+            return super().formatMessage(record)
+        tag = f"x_request_id={request_id}"
         client_id = getattr(record, "client_request_id", None)
         if client_id is not None:
-            line += f" client_request_id={json.dumps(client_id)}"
-        return line
+            tag += f" client_request_id={json.dumps(client_id)}"
+        message = record.message
+        record.message = f"{tag} {message}"
+        try:
+            return super().formatMessage(record)
+        finally:
+            record.message = message
