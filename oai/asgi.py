@@ -257,8 +257,10 @@ class FrontASGI:
         async def replay_receive() -> dict[str, Any]:
             nonlocal replayed
             if not replayed:
+                # Django is handed no body: the front's views read scope["oai.body"], and Django
+                # would spool a large one to a temporary file on the event loop (docs/adr/0127).
                 replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
+                return {"type": "http.request", "body": b"", "more_body": False}
             message = await receive()
             if message["type"] == "http.disconnect":
                 disconnected.set()

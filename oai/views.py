@@ -235,6 +235,8 @@ async def _completions_answer(serve: Any, request) -> HttpResponse | StreamingHt
     """One completions request handed to `serve` (app.chat_completions or app.text_completions):
     the JSON answer, or the event stream."""
     django_request = request._request
+    # The body as the front's ASGI layer read it (oai.asgi), which hands Django none; a Django
+    # served without that layer has it itself.
     raw = django_request.scope.get("oai.body") if hasattr(django_request, "scope") else None
     if raw is None:
         raw = django_request.read()
