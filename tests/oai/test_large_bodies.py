@@ -98,23 +98,29 @@ def test_a_large_body_is_parsed_without_stalling_the_event_loop(front, requester
     raw = images_chat_body()
     warm(front, requester.key)
 
-    loop_stall.reset()
-    response = post(front, "/chat/completions", raw, requester.key)
-    assert response.status_code == 503, response.text[:300]
-    assert response.json()["error"] == AT_CAPACITY  # screened as valid, then refused at admission
-    while_served = loop_stall.longest
-
     async def inline() -> float:
         started = time.perf_counter()
         screen_request(parse_body(raw))
         return time.perf_counter() - started
 
-    inline_seconds = front.live.run(inline(), timeout=30)  # the loop is held for all of it
-
-    # Inline, the loop waits for the whole parse; off it, at most for the longest step that holds
-    # the interpreter (the JSON decoder's one call over the body).
-    assert inline_seconds > 0.05, inline_seconds
-    assert while_served < inline_seconds / 3, (while_served, inline_seconds)
+    # The least of up to three tries: a loaded box can hold the loop's thread off its core for a
+    # moment in any one of them, while a body parsed on the loop stalls it in every one.
+    tries = []
+    for _ in range(3):
+        loop_stall.reset()
+        response = post(front, "/chat/completions", raw, requester.key)
+        assert response.status_code == 503, response.text[:300]
+        assert response.json()["error"] == AT_CAPACITY  # screened as valid, then refused at admission
+        while_served = loop_stall.longest
+        inline_seconds = front.live.run(inline(), timeout=30)  # the loop is held for all of it
+        tries.append((while_served, inline_seconds))
+        # Inline, the loop waits for the whole parse; off it, at most for the longest step that
+        # holds the interpreter (the JSON decoder's one call over the body).
+        assert inline_seconds > 0.05, inline_seconds
+        if while_served < inline_seconds / 3:
+            break
+    else:
+        raise AssertionError(f"the loop stalled for a third or more of the inline parse each time: {tries}")
 
 
 def test_a_large_text_prompt_and_responses_input_are_screened_as_a_small_one(front, requester):
