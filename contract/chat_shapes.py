@@ -913,9 +913,15 @@ def _check_images(body: Mapping[str, Any], count: int) -> None:
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def _has_lone_surrogate(text: str) -> bool:
+    # isascii() reads a flag CPython keeps on the string: an ASCII string (a data URL's megabytes of
+    # base64, most keys and texts) is never scanned.
+    return not text.isascii() and _LONE_SURROGATE.search(text) is not None
+
+
 def _shown_key(key: str) -> str:
     """A key as a path shows it: its lone surrogates escaped, so the message stays valid UTF-8."""
-    return key.encode("utf-8", "backslashreplace").decode("utf-8") if _LONE_SURROGATE.search(key) else key
+    return key.encode("utf-8", "backslashreplace").decode("utf-8") if _has_lone_surrogate(key) else key
 
 
 def lone_surrogate_path(value: Any, path: str = "") -> str | None:
@@ -923,12 +929,12 @@ def lone_surrogate_path(value: Any, path: str = "") -> str | None:
     escape parses to one, and no UTF-8 text (the database, the worker, the reply) can carry it.
     A key in the path shows its surrogates escaped; "" is the body itself."""
     if isinstance(value, str):
-        return path if _LONE_SURROGATE.search(value) else None
+        return path if _has_lone_surrogate(value) else None
     if isinstance(value, Mapping):
         for key, item in value.items():
             shown = _shown_key(key) if isinstance(key, str) else str(key)
             child = f"{path}.{shown}" if path else shown
-            if isinstance(key, str) and _LONE_SURROGATE.search(key):
+            if isinstance(key, str) and _has_lone_surrogate(key):
                 return child
             found = lone_surrogate_path(item, child)
             if found is not None:
