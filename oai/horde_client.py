@@ -269,13 +269,17 @@ class HordeClient:
                 self.metrics.native(call_type, "unreachable", time.perf_counter() - started)
                 raise NativeUnreachable("no native call slot became free in time") from None
         try:
-            body = b"" if json is None else _json_bytes(json)
-            environ = self._environ(method, path, body, self._headers(headers))
+            sent_headers = self._headers(headers)
+
+            def call() -> tuple[int, list[tuple[str, str]], bytes]:
+                # The body is encoded on the pool's thread too: tens of MiB of images are ~50 ms of
+                # json.dumps, which on the loop would stall every other stream (docs/adr/0127).
+                body = b"" if json is None else _json_bytes(json)
+                return _call_wsgi(self.app, self._environ(method, path, body, sent_headers))
+
             loop = asyncio.get_running_loop()
             try:
-                status, response_headers, content = await within(
-                    loop.run_in_executor(self._executor(), _call_wsgi, self.app, environ), budget
-                )
+                status, response_headers, content = await within(loop.run_in_executor(self._executor(), call), budget)
             except TimeoutError as error:
                 self.metrics.native(call_type, "unreachable", time.perf_counter() - started)
                 raise SubmitAnswerLost("in-process native call: timeout", timed_out=_is_timeout(error)) from None

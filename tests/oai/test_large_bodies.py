@@ -50,6 +50,15 @@ def images_chat_body(images: int = 5) -> bytes:
     return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": parts}]}).encode()
 
 
+def many_parts_chat_body() -> bytes:
+    """A valid chat body whose screening is long (about 2 MiB: 1,024 messages of 40 short text
+    parts each, not ASCII): its parse and screening cost the loop about half a second inline,
+    while no one step of it holds the interpreter for more than a few tens of ms."""
+    content = [{"type": "text", "text": "héllo wörld"} for _ in range(40)]
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": content} for i in range(1024)]
+    return json.dumps({"model": MODEL, "messages": messages}).encode()
+
+
 class LoopStall:
     """The longest the live server's event loop left a 1 ms sleep waiting past its time."""
 
@@ -95,7 +104,7 @@ def post(front, path: str, raw: bytes, key: str, **kwargs) -> httpx.Response:
 
 def test_a_large_body_is_parsed_without_stalling_the_event_loop(front, requester, loop_stall):
     front.configure(max_inflight=0)
-    raw = images_chat_body()
+    raw = many_parts_chat_body()
     warm(front, requester.key)
 
     async def inline() -> float:
@@ -114,13 +123,14 @@ def test_a_large_body_is_parsed_without_stalling_the_event_loop(front, requester
         while_served = loop_stall.longest
         inline_seconds = front.live.run(inline(), timeout=30)  # the loop is held for all of it
         tries.append((while_served, inline_seconds))
-        # Inline, the loop waits for the whole parse; off it, at most for the longest step that
-        # holds the interpreter (the JSON decoder's one call over the body).
+        # Inline, the loop waits for the whole parse (a stall of 0.8-1.2 times it, measured); off it,
+        # at most for the longest step that holds the interpreter (the JSON decoder's or pydantic's
+        # one call over the body: 0.1-0.25 times it).
         assert inline_seconds > 0.05, inline_seconds
-        if while_served < inline_seconds / 3:
+        if while_served < inline_seconds / 2:
             break
     else:
-        raise AssertionError(f"the loop stalled for a third or more of the inline parse each time: {tries}")
+        raise AssertionError(f"the loop stalled for half the inline parse or more each time: {tries}")
 
 
 def test_a_large_text_prompt_and_responses_input_are_screened_as_a_small_one(front, requester):
