@@ -210,7 +210,20 @@ def test_a_recreated_stream_does_not_produce_ids_below_the_last_read(redis_sync)
     assert [e.content for e in _entries(subscription)] == ["a", "b"]
 
 
-def test_a_registration_during_a_blocked_read_unblocks_it_on_the_same_connection(redis_sync):
+def test_a_registration_during_a_blocked_read_unblocks_it_on_the_same_connection(redis_sync, monkeypatch):
+    """The reader's reads block for 10 s here (250 ms as shipped, and abandoned after 30 s, not 5): only
+    the unblock can end the first one early, and a loaded box cannot let it run out before the
+    unblock comes."""
+    from oai import deltas
+
+    block_seconds = 10
+    monkeypatch.setattr(deltas, "DELTA_READ_TIMEOUT_SECONDS", 30.0)
+    monkeypatch.setattr(
+        deltas,
+        "_XREAD_HEAD",
+        deltas._bulk(b"XREAD") + deltas._bulk(b"BLOCK") + deltas._bulk(b"%d" % (block_seconds * 1000))
+        + deltas._bulk(b"STREAMS"),
+    )
     name = f"test-delta-unblock-{uuid.uuid4().hex[:8]}"
 
     def reader_connections() -> list[int]:
@@ -219,13 +232,13 @@ def test_a_registration_during_a_blocked_read_unblocks_it_on_the_same_connection
     async def scenario():
         reader = DeltaStreamReader(settings.REDIS_URL, db=STREAM_DB, client_name=name)
         reader.register(str(uuid.uuid4()))
-        await asyncio.sleep(0.1)  # blocked in XREAD
+        await _until(lambda: [c for c in redis_sync.client_list() if c.get("name") == name and "b" in c["flags"]], 5)
         before = reader_connections()
         request = str(uuid.uuid4())
         subscription = reader.register(request)
         await asyncio.sleep(0.02)
         redis_sync.xadd(chat_progress_stream_key(request), {"gen": "g", "seq": 1, "content": "a"})
-        waited = await _until(lambda: subscription.batches, 2)
+        waited = await _until(lambda: subscription.batches, block_seconds)
         after = reader_connections()
         unblocks = reader.unblocks
         await reader.close()
@@ -234,7 +247,7 @@ def test_a_registration_during_a_blocked_read_unblocks_it_on_the_same_connection
     before, after, unblocks, waited = asyncio.run(scenario())
     assert len(before) == 1 and after == before  # the read was ended, its connection kept
     assert unblocks == 1
-    assert waited < DELTA_READ_BLOCK_MILLISECONDS / 1000 / 2
+    assert waited < block_seconds / 2
 
 
 def test_a_reply_split_over_reads_is_parsed_whole():
