@@ -205,7 +205,7 @@ def test_the_wait_ends_with_the_empty_pop_and_its_skipped_counts(live_horde, peo
     assert waited.status_code == 200
     assert waited.json() == at_once.json()
     assert waited.json()["id"] is None and waited.json()["skipped"] == {"models": 1}
-    # Held its second, and ended by it: not by the bound (20 s) nor by the re-check (a minute away).
+    # Held for its one second and ended by it: not by the bound (20 s) nor by the re-check (a minute away).
     assert 1.0 <= pop.answered - pop.started < TEXT_POP_WAIT_MAX_SECONDS / 2
 
 
