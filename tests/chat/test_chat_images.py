@@ -359,7 +359,9 @@ def test_the_image_urls_of_a_request_share_one_fetch_bound(make_user, image_host
     started = time.monotonic()
     with pytest.raises(ChatRefusal) as refused:
         load_chat_images(parts=parts, user=make_user("r").user, fetch_seconds=1.0)
-    assert time.monotonic() - started < 1.5
+    # The bound ended the fetching: the third image was never asked for (all three take 1.8 s).
+    assert host.requested == ["/a.png", "/b.png"]
+    assert time.monotonic() - started < 5
     assert (refused.value.rc, refused.value.param) == ("SourceImageUrlInvalid", "messages[0].content[2]")
     assert refused.value.message.endswith(
         "The image URL could not be fetched: the request's image URLs took longer than 1 seconds in all."

@@ -142,11 +142,13 @@ def test_a_request_the_horde_no_longer_holds_is_already_gone_and_not_retried(fro
 
 
 def test_an_answer_slower_than_the_cancel_timeout_is_timed_out(front, network):
-    """The horde's answer takes 2 s over a 0.3 s cancel timeout (httpx says "timed out")."""
+    """The horde's answer takes 10 s over a 0.3 s cancel timeout (httpx says "timed out"): the cancel
+    ends long before the answer would have come."""
     network.mode = "slow"
+    network.delay = 10.0
     started = time.monotonic()
     assert _cancel(front, str(uuid.uuid4())) == ["timed_out"]
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < network.delay / 2
     assert _outcomes(front) == {"timed_out": 1}
 
 
@@ -172,7 +174,8 @@ def test_an_in_process_cancel_held_past_its_timeout_is_timed_out(front, live_hor
         GenerationRequest.objects.select_for_update().get(pk=request_id)
         started = time.monotonic()
         assert _cancel(front, request_id) == ["timed_out"]
-        assert time.monotonic() - started < 1.5
+        # One that ignored its timeout would wait on the row, held until it ends: to _cancel's 20 s.
+        assert time.monotonic() - started < 10
     assert wait_for(lambda: _outcomes(front).get("acknowledged") == 1, 5), _outcomes(front)
     assert GenerationRequest.objects.get(pk=request_id).cancelled is True
 
@@ -208,7 +211,7 @@ def test_a_gateways_404_page_is_failed_and_sent_again_not_already_gone(
     assert _cancel(front, request_id) == ["failed"]
     network.mode = "forward"
     assert wait_for(lambda: GenerationRequest.objects.get(pk=request_id).cancelled, 5)
-    assert wait_for(lambda: _outcomes(front).get("acknowledged") == 1, 2), _outcomes(front)
+    assert wait_for(lambda: _outcomes(front).get("acknowledged") == 1, 10), _outcomes(front)
 
 
 def test_an_unreachable_horde_is_failed(front, live_horde):
@@ -266,7 +269,7 @@ def test_a_failed_cancel_of_a_client_gone_is_sent_again_until_the_horde_answers(
     assert _requests()[0].cancelled is False
     network.mode = "forward"
     assert wait_for(lambda: _requests()[0].cancelled, 5)
-    assert wait_for(lambda: _outcomes(front).get("acknowledged") == 1, 2), _outcomes(front)
+    assert wait_for(lambda: _outcomes(front).get("acknowledged") == 1, 10), _outcomes(front)
     sent = len(_deletes(network))
     time.sleep(1.0)  # over two retry periods
     assert len(_deletes(network)) == sent
@@ -305,7 +308,7 @@ def test_the_oldest_failed_cancels_are_dropped_over_the_cap(front, network, monk
     for request_id in ids:  # one after another: the oldest is the first
         assert _cancel(front, request_id) == ["failed"]
     network.seen.clear()
-    assert wait_for(lambda: len(_deletes(network)) >= 3, 3)
+    assert wait_for(lambda: len(_deletes(network)) >= 3, 10)
     time.sleep(0.2)
     assert _deletes(network)[:3] == ids[1:]
     assert ids[0] not in _deletes(network)

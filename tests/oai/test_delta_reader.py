@@ -112,19 +112,44 @@ def test_one_read_serves_every_stream_from_its_start_and_records_a_root_span(red
     assert 0 <= first_span.attributes["horde.first_entry_lag_seconds"] < 5
 
 
-def test_a_new_registration_is_read_without_waiting_for_the_block(redis_sync):
+@pytest.fixture
+def long_reads(monkeypatch) -> int:
+    """The reader's reads block for 10 s (DELTA_READ_BLOCK_MILLISECONDS, 250 ms as shipped) and are
+    abandoned after 30 s, not 5: only an unblock can end one early, and a loaded box cannot let it
+    run out before the unblock comes. The block's seconds."""
+    from oai import deltas
+
+    block_seconds = 10
+    monkeypatch.setattr(deltas, "DELTA_READ_TIMEOUT_SECONDS", 30.0)
+    monkeypatch.setattr(
+        deltas,
+        "_XREAD_HEAD",
+        deltas._bulk(b"XREAD") + deltas._bulk(b"BLOCK") + deltas._bulk(b"%d" % (block_seconds * 1000))
+        + deltas._bulk(b"STREAMS"),
+    )
+    return block_seconds
+
+
+async def _blocked(redis_sync, name: str) -> None:
+    """Until the reader named `name` is blocked in its XREAD (CLIENT LIST's flag b)."""
+    await _until(lambda: [c for c in redis_sync.client_list() if c.get("name") == name and "b" in c["flags"]], 5)
+
+
+def test_a_new_registration_is_read_without_waiting_for_the_block(redis_sync, long_reads):
+    name = f"test-delta-new-{uuid.uuid4().hex[:8]}"
+
     async def scenario():
-        reader = DeltaStreamReader(settings.REDIS_URL, db=STREAM_DB)
+        reader = DeltaStreamReader(settings.REDIS_URL, db=STREAM_DB, client_name=name)
         reader.register(str(uuid.uuid4()))  # the reader now blocks on this stream
-        await asyncio.sleep(0.05)
+        await _blocked(redis_sync, name)
         request = str(uuid.uuid4())
         redis_sync.xadd(chat_progress_stream_key(request), {"gen": "g", "seq": 1, "content": "a"})
         subscription = reader.register(request)
-        waited = await _until(lambda: subscription.batches, 2)
+        waited = await _until(lambda: subscription.batches, long_reads)
         await reader.close()
         return waited
 
-    assert asyncio.run(scenario()) < DELTA_READ_BLOCK_MILLISECONDS / 1000 / 2
+    assert asyncio.run(scenario()) < long_reads / 2
 
 
 def test_a_failed_read_is_made_again_after_two_seconds_without_skipping(redis_sync):
@@ -210,7 +235,8 @@ def test_a_recreated_stream_does_not_produce_ids_below_the_last_read(redis_sync)
     assert [e.content for e in _entries(subscription)] == ["a", "b"]
 
 
-def test_a_registration_during_a_blocked_read_unblocks_it_on_the_same_connection(redis_sync):
+def test_a_registration_during_a_blocked_read_unblocks_it_on_the_same_connection(redis_sync, long_reads):
+    block_seconds = long_reads
     name = f"test-delta-unblock-{uuid.uuid4().hex[:8]}"
 
     def reader_connections() -> list[int]:
@@ -219,13 +245,13 @@ def test_a_registration_during_a_blocked_read_unblocks_it_on_the_same_connection
     async def scenario():
         reader = DeltaStreamReader(settings.REDIS_URL, db=STREAM_DB, client_name=name)
         reader.register(str(uuid.uuid4()))
-        await asyncio.sleep(0.1)  # blocked in XREAD
+        await _blocked(redis_sync, name)
         before = reader_connections()
         request = str(uuid.uuid4())
         subscription = reader.register(request)
         await asyncio.sleep(0.02)
         redis_sync.xadd(chat_progress_stream_key(request), {"gen": "g", "seq": 1, "content": "a"})
-        waited = await _until(lambda: subscription.batches, 2)
+        waited = await _until(lambda: subscription.batches, block_seconds)
         after = reader_connections()
         unblocks = reader.unblocks
         await reader.close()
@@ -234,7 +260,7 @@ def test_a_registration_during_a_blocked_read_unblocks_it_on_the_same_connection
     before, after, unblocks, waited = asyncio.run(scenario())
     assert len(before) == 1 and after == before  # the read was ended, its connection kept
     assert unblocks == 1
-    assert waited < DELTA_READ_BLOCK_MILLISECONDS / 1000 / 2
+    assert waited < block_seconds / 2
 
 
 def test_a_reply_split_over_reads_is_parsed_whole():

@@ -262,7 +262,8 @@ def test_a_stop_waits_at_most_its_bound_for_a_collector_that_does_not_take_the_l
         _record_one_of_each()
         started = time.monotonic()
         shutdown_telemetry()
-        assert time.monotonic() - started < 2 + 1.0
+        # One bound for the whole stop: not two of them one after another (one per exporter).
+        assert time.monotonic() - started < 2 * 2
 
 
 def test_the_stop_bound_is_read_and_must_be_positive():
