@@ -732,6 +732,7 @@ class DrillResult:
     calls: list[Call] = field(default_factory=list)
     worker_errors: dict = field(default_factory=dict)
     seconds: float = 0.0
+    redis_data_lost_at: list[float] = field(default_factory=list)  # epoch: Redis killed, its data gone
 
 
 class Drills:
@@ -778,7 +779,9 @@ class Drills:
             load.read_background()
             # On shared services only this drill's calls are its own; the ledger checks cover all.
             tags = {call.tag for call in load.calls} if self.short else None
-            result.reconciliation = reconcile(horde.query(), load.calls, only_tags=tags)
+            result.reconciliation = reconcile(
+                horde.query(), load.calls, only_tags=tags, redis_data_lost_at=result.redis_data_lost_at
+            )
             result.calls = list(load.calls)
             result.faults += [f"{fault}: {load.recovery(since)}" for fault, since in result.recoveries]
             outcomes = Counter(f"{call.kind} {call.outcome}" for call in load.calls)
@@ -876,6 +879,7 @@ class Drills:
     def redis(self, horde: Horde, load: Load, result: DrillResult) -> None:
         down = self.s(30, 6)
         horde.redis.signal(signal.SIGKILL)
+        result.redis_data_lost_at.append(time.time())
         log(f"redis killed, down {down:.0f} s")
         time.sleep(down)
         horde.redis.start()
@@ -1044,6 +1048,9 @@ def print_report(results: list[DrillResult], args: argparse.Namespace, total: fl
         if rec.lost_after_read:
             print(f"- background responses whose end the client read, their kept record then lost with Redis's "
                   f"data (a limit, docs/adr/0107): {len(rec.lost_after_read)}")
+        if rec.lost_before_read:
+            print(f"- background responses whose reply finished before Redis lost its data, their client not having "
+                  f"read it: paid for and unreadable (a limit, docs/adr/0107): {len(rec.lost_before_read)}")
         finals = Counter(call.final_status for call in result.calls if call.kind == "bg" and call.ids)
         if finals:
             print("- background responses created, read by GET after the load: "

@@ -95,6 +95,8 @@ def _settle_background(call: Call, requests: dict, generations: dict, result: Re
     row = requests.get(rid)
     status = call.final_status
     finished = sum(generations[rid][s] for s in FINISHED) if row else 0
+    if status == "404" and rid in result.lost_before_read:
+        return  # a limit, counted where it was found (reconcile)
     if status == "404" and call.outcome in ("answered", "cancelled", "faulted"):
         # Its client read how it ended, then Redis lost the kept record (restarted without its data:
         # kept responses live in Redis, ADR 0101); nothing was run or charged for nobody.
@@ -135,6 +137,9 @@ class Reconciliation:
     # A limit, not a finding: a background response whose end its client read, its kept record then
     # lost with Redis's data (docs/adr/0107).
     lost_after_read: list[str] = field(default_factory=list)
+    # A limit too: a background response whose reply finished before Redis lost its data, its client
+    # not having read it yet: paid for and unreadable (docs/adr/0107).
+    lost_before_read: list[str] = field(default_factory=list)
     # A limit: a background create answered 503 because Redis failed between its check and its
     # record's keep, whose job a worker popped in that moment, paid at the front's cancel (ADR 0107);
     # since ADR 0110 only where the horde grants the front no undelivered cancel (no known passkey).
@@ -166,10 +171,16 @@ class Reconciliation:
 
 
 def reconcile(
-    query: Callable[[str], Iterable[tuple]], calls: Iterable[Call], *, only_tags: set[str] | None = None
+    query: Callable[[str], Iterable[tuple]],
+    calls: Iterable[Call],
+    *,
+    only_tags: set[str] | None = None,
+    redis_data_lost_at: Iterable[float] = (),
 ) -> Reconciliation:
     """`only_tags`: count only the requests of these calls (drills sharing one database); the
-    ledger, balance and hold checks read every row either way."""
+    ledger, balance and hold checks read every row either way. `redis_data_lost_at`: when the
+    drill's Redis lost its data (killed without persistence), epoch seconds."""
+    redis_data_lost_at = list(redis_data_lost_at)
     calls = list(calls)
     result = Reconciliation()
     by_tag = {call.tag: call for call in calls}
@@ -192,12 +203,16 @@ def reconcile(
     generations = defaultdict(Counter)  # request -> state counts
     replies: dict[str, list[str]] = defaultdict(list)  # request -> its finished generations' texts
     popped: dict[str, list[float]] = defaultdict(list)  # request -> its paid generations' pops (epoch)
-    for request_id, state, message, text, created, kudos in query(
-        "SELECT request_id, state, CAST(message AS TEXT), text, created, kudos FROM horde_generations"
+    last_finished: dict[str, float] = {}  # request -> its last finished generation's end (epoch)
+    for request_id, state, message, text, created, kudos, finished_at in query(
+        "SELECT request_id, state, CAST(message AS TEXT), text, created, kudos, finished_at FROM horde_generations"
     ):
         generations[_uuid(request_id)][state] += 1
         if state in FINISHED:
             replies[_uuid(request_id)].append(_reply_text(message, text))
+            if finished_at is not None:
+                ended = _epoch(finished_at)
+                last_finished[_uuid(request_id)] = max(ended, last_finished.get(_uuid(request_id), ended))
         if kudos and _kudos(kudos) > 0:
             popped[_uuid(request_id)].append(_epoch(created))
     ledger_sum: dict[int, Decimal] = defaultdict(Decimal)
@@ -258,6 +273,11 @@ def reconcile(
                 # Redis failed between the create's check and its record's keep (ADR 0107): the
                 # front's cancel, the native one, pays the job a worker popped in between.
                 result.unkept_paid.append(rid)
+            elif not answered and own is not None and own.kind == "bg" and own.final_status == "404" \
+                    and rid in last_finished and any(last_finished[rid] <= lost for lost in redis_data_lost_at):
+                # Its reply finished (and was kept) before Redis lost its data, its client not having
+                # read it yet: paid for and unreadable, a limit of a Redis without persistence (ADR 0107).
+                result.lost_before_read.append(rid)
             elif not answered:
                 result.charged_for_nothing.append(rid)
                 seen = [f"{by_tag[t].kind} call, client {by_tag[t].outcome}" for t in row["tags"] if t in by_tag]

@@ -177,6 +177,14 @@ def test_reconciliation_of_responses_calls(horde, make_user):
     assert result.lost_after_read == [read_id]
     assert result.background_unsettled == [f"{never_read_id}: the GET after the load read 404"]
     assert result.charged_for_nothing == [never_read_id]
+    # Its reply finished before Redis lost its data (killed without persistence): a limit too (ADR
+    # 0107), paid for and unreadable; a loss of Redis's data before the reply finished is no excuse.
+    calls = [misread, held_at_cancel, left, unsettled, read_then_lost, never_read]
+    result = reconcile(_query, calls, redis_data_lost_at=[time.time()])
+    assert result.lost_before_read == [never_read_id]
+    assert result.charged_for_nothing == [] and result.background_unsettled == [] and result.clean
+    result = reconcile(_query, calls, redis_data_lost_at=[time.time() - 3600])
+    assert result.lost_before_read == [] and result.charged_for_nothing == [never_read_id]
 
     # A background create answered 503 as Redis failed between its check and its record's keep, its
     # job popped in that moment and paid at the front's cancel: a limit (docs/adr/0107).
