@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import signal
 import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -25,6 +28,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from django.conf import settings as django_settings
 
 from oai.settings import FrontSettings
@@ -483,3 +487,32 @@ def streaming_worker(live_horde, worker_owner):
     worker.shape.check_in()
     yield worker
     worker.close()
+
+
+@pytest.fixture
+def own_redis():
+    """A redis-server of this test on a free loopback port (a test may stop it with SIGSTOP); resumed
+    and stopped at the end."""
+    server = shutil.which("redis-server")
+    assert server, "redis-server is not installed"
+    port = free_port()
+    process = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/1"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis.from_url(url, socket_timeout=0.2).ping()
+            break
+        except redis.RedisError:
+            assert time.monotonic() < deadline, "own redis-server did not start"
+            time.sleep(0.05)
+    try:
+        yield process, url
+    finally:
+        process.send_signal(signal.SIGCONT)  # a no-op once the test has stopped it for good
+        process.terminate()
+        process.wait(10)

@@ -754,7 +754,7 @@ def test_finished_request_log_line(front, client, start_worker, caplog):
 
 def test_the_finished_line_is_an_opentelemetry_log_record_with_its_fields(front, client, start_worker):
     """configure_telemetry's bridge: the line goes to OpenTelemetry logs with the record's extra as
-    attributes, which a log backend can query (status_code, code, served_model...)."""
+    attributes, which a log backend can query (status_code, code, served_model, x_request_id...)."""
     import logging
 
     from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler
@@ -783,6 +783,7 @@ def test_the_finished_line_is_an_opentelemetry_log_record_with_its_fields(front,
     record = exported.log_record
     assert LINE.match(str(record.body)), record.body
     assert record.attributes["request_id"] == completion.id.removeprefix("chatcmpl-")
+    assert record.attributes["x_request_id"] == completion._request_id  # ADR 0128
     assert record.attributes["status_code"] == 200 and record.attributes["code"] == "ok"
     assert record.attributes["served_model"] == MODEL and record.attributes["streamed"] is False
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 import signal
-import subprocess
 import time
 import uuid
 
@@ -23,41 +21,12 @@ import redis
 from django.conf import settings as django_settings
 
 from tests.oai.conftest import MODEL, _restore_anonymous_user
-from tests.ports import free_port
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis_only]
 
 # A call may wait out one Redis timeout; the margin is for a loaded two-core machine.
 MARGIN_SECONDS = 0.6
 BRIDGE = "KoboldCppEmbedWorker:2:https://github.com/LostRuins/koboldcpp"
-
-
-@pytest.fixture
-def own_redis():
-    """A redis-server of this test on a free loopback port; resumed and stopped at the end."""
-    server = shutil.which("redis-server")
-    assert server, "redis-server is not installed"
-    port = free_port()
-    process = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/1"
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            redis.Redis.from_url(url, socket_timeout=0.2).ping()
-            break
-        except redis.RedisError:
-            assert time.monotonic() < deadline, "own redis-server did not start"
-            time.sleep(0.05)
-    try:
-        yield process, url
-    finally:
-        os.kill(process.pid, signal.SIGCONT)
-        process.terminate()
-        process.wait(10)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 from contract.chat_progress import PROGRESS_ROUTE
 from oai.deltas import DELTA_READ_TIMEOUT_SECONDS
 from oai.waiter import SIGNAL_BUSY_PING_SECONDS, SIGNAL_COMMAND_TIMEOUT_SECONDS
-from tests.oai.test_redis_hung_live import own_redis, pointed_at  # noqa: F401  (fixtures)
+from tests.oai.test_redis_hung_live import pointed_at  # noqa: F401  (a fixture)
 from tests.oai.test_relay import _outcomes, _stream
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis_only]

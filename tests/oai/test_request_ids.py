@@ -203,66 +203,6 @@ def test_a_client_request_id_of_512_characters_is_logged(front, requester, caplo
     assert "x-request-id" in answer.headers and answer.headers.get("x-client-request-id") is None
 
 
-def test_the_finished_lines_opentelemetry_record_has_the_request_id(front, client, start_worker):
-    """The log bridge sends the record's x_request_id as an attribute, beside the horde's request_id."""
-    from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler
-    from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor
-
-    exporter = InMemoryLogRecordExporter()
-    provider = LoggerProvider()
-    provider.add_log_record_processor(SimpleLogRecordProcessor(exporter))
-    request_log = logging.getLogger("oai.requests")
-    level = request_log.level
-    request_log.setLevel(logging.INFO)
-    handler = LoggingHandler(logger_provider=provider)
-    request_log.addHandler(handler)
-    try:
-        start_worker()
-        completion = client.chat.completions.create(model=MODEL, messages=USER)
-    finally:
-        request_log.removeHandler(handler)
-        request_log.setLevel(level)
-    (exported,) = exporter.get_finished_logs()
-    attributes = exported.log_record.attributes
-    assert attributes["x_request_id"] == completion._request_id
-    assert attributes["request_id"] == completion.id.removeprefix("chatcmpl-")
-
-
-@pytest.fixture
-def own_redis():
-    """A redis-server of this test on a free loopback port, stopped at the end."""
-    import shutil
-    import subprocess
-    import time
-
-    import redis
-
-    from tests.ports import free_port
-
-    server = shutil.which("redis-server")
-    assert server, "redis-server is not installed"
-    port = free_port()
-    process = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/1"
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            redis.Redis.from_url(url, socket_timeout=0.2).ping()
-            break
-        except redis.RedisError:
-            assert time.monotonic() < deadline, "own redis-server did not start"
-            time.sleep(0.05)
-    try:
-        yield process, url
-    finally:
-        process.terminate()
-        process.wait(10)
-
-
 def test_the_processs_own_tasks_started_by_a_request_log_without_its_id(front, client, start_worker, own_redis, caplog):
     """The completion-signal listener (and the other tasks of the process a first request starts)
     serve every request after it: their lines name none."""
