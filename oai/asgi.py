@@ -97,6 +97,8 @@ def _cors_headers() -> list[tuple[bytes, bytes]]:
 
 
 _tracer: Any = None
+# OpenTelemetry's HTTP conventions: a response header as a string array, named by its lowercase name.
+SPAN_REQUEST_ID_ATTRIBUTE = f"http.response.header.{request_ids.REQUEST_ID_HEADER}"
 
 
 def set_tracer(tracer: Any) -> None:
@@ -203,8 +205,14 @@ class FrontASGI:
         path = scope.get("path", "")
         if _tracer is None:
             return await self._handle(scope, receive, send)
-        with _tracer.start_as_current_span(server_span_name(scope.get("method", "GET"), path), kind=_server_kind()):
-            return await self._handle(scope, receive, send)
+        with _tracer.start_as_current_span(server_span_name(scope.get("method", "GET"), path), kind=_server_kind()) as span:
+            try:
+                return await self._handle(scope, receive, send)
+            finally:
+                # The id the answer carried, so that an id a user quotes finds its trace (ADR 0128).
+                ids = request_ids.current()
+                if ids is not None:
+                    span.set_attribute(SPAN_REQUEST_ID_ATTRIBUTE, [ids.request_id])
 
     async def _handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         headers = {k.decode("latin1").lower(): v.decode("latin1") for k, v in scope.get("headers", [])}

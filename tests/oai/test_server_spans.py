@@ -42,3 +42,20 @@ def test_server_spans_are_named_by_route_or_by_method_alone(live_horde, exporter
             break
         time.sleep(0.05)
     assert names == expected
+
+
+def test_a_server_span_carries_the_answers_x_request_id(live_horde, exporter):
+    """The id a user quotes from an answer (docs/adr/0128) finds its trace: the server span has it as
+    OpenTelemetry's response header attribute."""
+    answers = [
+        httpx.get(f"{live_horde.v1}/models", timeout=10),
+        httpx.post(f"{live_horde.v1}/chat/completions", json={}, timeout=10),
+    ]
+    expected = [(answer.headers["x-request-id"],) for answer in answers]
+    deadline = time.monotonic() + 5
+    while True:
+        spans = [span for span in exporter.get_finished_spans() if span.kind.name == "SERVER"]
+        if len(spans) == len(expected) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert [span.attributes.get("http.response.header.x-request-id") for span in spans] == expected
