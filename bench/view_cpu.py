@@ -51,6 +51,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile", default="", help="cProfile sort key (tottime, cumulative); off by default")
     p.add_argument("--only", default="pop", help="with --profile: the kind profiled (heartbeat, pop, submit, status, done, create)")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--callers", default="", help="with --profile: also print the callers of the functions matching this")
     return p.parse_args()
 
 
@@ -190,7 +191,10 @@ def main() -> None:
             print(f"{kind:10s} n={len(values):4d}  median {median * 1000:.2f} ms  {median / heartbeat:.2f}x heartbeat")
     if args.profile:
         out = io.StringIO()
-        pstats.Stats(profile, stream=out).sort_stats(args.profile).print_stats(args.top)
+        stats = pstats.Stats(profile, stream=out).sort_stats(args.profile)
+        stats.print_stats(args.top)
+        if args.callers:
+            stats.print_callers(args.callers)
         print(out.getvalue())
 
 

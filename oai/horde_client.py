@@ -213,7 +213,10 @@ class HordeClient:
         started = time.perf_counter()
         kwargs: dict[str, Any] = {"headers": self._headers(headers)}
         if json is not None:
-            kwargs["json"] = json
+            # Encoded off the loop, as in process: a body of images is tens of ms of json.dumps, which
+            # on the loop would stall every other stream (docs/adr/0127). Once for every root tried.
+            kwargs["content"] = await asyncio.to_thread(_json_bytes, json)
+            kwargs["headers"]["content-type"] = "application/json"
         if timeout is not None:
             kwargs["timeout"] = timeout
         for step in range(count):

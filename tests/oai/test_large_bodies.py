@@ -99,6 +99,29 @@ async def _thread_name() -> str:
     return threading.current_thread().name
 
 
+@pytest.mark.parametrize("native", ["in_process", "http"])
+def test_the_native_submits_json_is_encoded_off_the_event_loop(front, client, start_worker, monkeypatch, native):
+    """The front's native submit body (the client's images and all) is encoded on a thread, mounted
+    in process or calling the horde over HTTP, never on the loop."""
+    from oai import horde_client
+
+    if native == "http":
+        front.configure(native_roots=[f"{front.live.url}/api/v2"])
+    start_worker()
+    threads: list[str] = []
+    encode = horde_client._json_bytes
+
+    def encode_recording_its_thread(value):
+        threads.append(threading.current_thread().name)
+        return encode(value)
+
+    monkeypatch.setattr(horde_client, "_json_bytes", encode_recording_its_thread)
+    loop_thread = front.live.run(_thread_name(), timeout=10)
+    completion = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert completion.choices[0].finish_reason == "stop"
+    assert threads and loop_thread not in threads, (threads, loop_thread)
+
+
 def test_a_large_text_prompt_and_responses_input_are_screened_as_a_small_one(front, requester):
     front.configure(max_inflight=0)
     prompt = json.dumps({"model": MODEL, "prompt": "Once upon a time " * (2 * MIB // 17)}).encode()
