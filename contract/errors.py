@@ -75,6 +75,21 @@ def request_too_large_message(limit: int) -> str:
     return f"The request body is over {limit} bytes."
 
 
+def unsupported_content_encoding(value: str | None) -> str | None:
+    """A request's Content-Encoding that the horde does not decode (none does: it reads bodies as
+    sent), or None for none or identity."""
+    codings = [coding.strip() for coding in (value or "").split(",") if coding.strip()]
+    if all(coding.lower() == "identity" for coding in codings):
+        return None
+    return value.strip()[:100] if value else None
+
+
+def unsupported_content_encoding_message(encoding: str) -> str:
+    """The 415 message for a compressed body, native and front alike (RFC 9110 15.5.16: the answer
+    names the coding it would take in Accept-Encoding)."""
+    return f"The request body's Content-Encoding {encoding!r} is not supported: send it uncompressed."
+
+
 # SQLSTATEs of a statement PostgreSQL rolled back for a concurrent transaction's sake:
 # deadlock_detected, serialization_failure and lock_not_available. The horde takes its locks in one
 # order (docs/adr/0068-one-lock-order.md); one met anyway costs a retry, never a 500 or a sweep.

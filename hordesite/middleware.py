@@ -15,7 +15,11 @@ from django.http import HttpResponse, JsonResponse
 from rest_framework.exceptions import UnsupportedMediaType
 from rest_framework.utils.mediatypes import media_type_matches
 
-from contract.errors import request_too_large_body
+from contract.errors import (
+    request_too_large_body,
+    unsupported_content_encoding,
+    unsupported_content_encoding_message,
+)
 from hordesite.body_limits import body_limit
 from oai.asgi import FRONT_PATH_PREFIX, CorsPolicy, cors_headers, is_preflight, preflight_headers
 from oai.errors import HOST_NOT_SERVED_MESSAGE, IN_PROCESS_ENVIRON_KEY
@@ -154,8 +158,8 @@ def _has_body(request) -> bool:
 
 
 def _body_refusal(request) -> JsonResponse | None:
-    """413 for a declared length over the route's bound, 415 for a body that is not JSON (as DRF's
-    JSON parser decides it): the same for the routes DRF parses and the one that reads its own body
+    """413 for a declared length over the route's bound, 415 for a compressed body or one that is not
+    JSON (as DRF's JSON parser decides it): the same for the routes DRF parses and the one that reads its own body
     (chat/async), on ASGI and WSGI alike. A body-less request is left to the view."""
     limit = body_limit(request.method, request.path)
     if limit is None or not _has_body(request):
@@ -164,6 +168,13 @@ def _body_refusal(request) -> JsonResponse | None:
     if length.isascii() and length.isdigit() and int(length) > limit:
         return JsonResponse(
             request_too_large_body(limit), status=413
+        )
+    encoding = unsupported_content_encoding(request.META.get("HTTP_CONTENT_ENCODING"))
+    if encoding is not None:
+        return JsonResponse(
+            {"message": unsupported_content_encoding_message(encoding), "rc": "BadRequest"},
+            status=415,
+            headers={"Accept-Encoding": "identity"},
         )
     content_type = request.META.get("CONTENT_TYPE", "")
     if not media_type_matches(JSON_MEDIA_TYPE, content_type):

@@ -29,7 +29,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from contract.errors import request_too_large_message
+from contract.errors import (
+    request_too_large_message,
+    unsupported_content_encoding,
+    unsupported_content_encoding_message,
+)
 from oai import request_ids
 from oai.errors import ChatFrontError
 
@@ -118,13 +122,13 @@ async def _send_json(
     await send({"type": "http.response.body", "body": payload})
 
 
-async def _refuse(send: Any, error: ChatFrontError, path: str) -> None:
+async def _refuse(send: Any, error: ChatFrontError, path: str, headers: dict[str, str] | None = None) -> None:
     from oai.state import get_front_state
 
     (await get_front_state()).metrics.refused(error.status, error.code)
     # Logged as Django logs the answers of the views (django.request), which it never reaches.
     log.warning("%s %s: %s", error.status, error.code, path.encode("unicode_escape").decode("ascii"))
-    await _send_json(send, error.status, error.body(), error.headers())
+    await _send_json(send, error.status, error.body(), {**error.headers(), **(headers or {})})
 
 
 def front_django_handler() -> Any:
@@ -229,6 +233,9 @@ class FrontASGI:
         declared = headers.get("content-length")
         if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:
             return await _refuse(send, _too_large(limit), path)
+        encoding = unsupported_content_encoding(headers.get("content-encoding")) if method == "POST" else None
+        if encoding is not None:
+            return await _refuse(send, _compressed(encoding), path, {"Accept-Encoding": "identity"})
         chunks: list[bytes] = []
         size = 0
         try:
@@ -327,6 +334,16 @@ def _too_large(limit: int) -> ChatFrontError:
         413,
         "RequestTooLarge",
         request_too_large_message(limit),
+        type="invalid_request_error",
+        should_retry=False,
+    )
+
+
+def _compressed(encoding: str) -> ChatFrontError:
+    return ChatFrontError(
+        415,
+        "UnsupportedContentEncoding",
+        unsupported_content_encoding_message(encoding),
         type="invalid_request_error",
         should_retry=False,
     )

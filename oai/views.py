@@ -127,7 +127,7 @@ _ERROR = inline_serializer(
     },
 )
 # The statuses a completions request can answer with an OpenAI error body.
-_COMPLETION_ERRORS = dict.fromkeys((400, 401, 404, 408, 413, 429, 502, 503), _ERROR)
+_COMPLETION_ERRORS = dict.fromkeys((400, 401, 404, 408, 413, 415, 429, 502, 503), _ERROR)
 
 
 class AnswerAsTheBodyAsks(DefaultContentNegotiation):

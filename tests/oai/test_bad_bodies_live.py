@@ -143,3 +143,45 @@ def test_json_with_a_charset_still_reaches_the_route(live_horde, headers, method
     response = httpx.request(method, live_horde.url + path, content=b'{"x": 1}', headers=sent, timeout=10)
     # The route's own answer for a wrong body: a refusal, never the media type or a 5xx.
     assert response.status_code not in (413, 415) and response.status_code < 500, response.text[:300]
+
+
+def gzipped_chat_body() -> bytes:
+    import gzip
+
+    return gzip.compress(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode())
+
+
+@pytest.mark.parametrize(("method", "path"), NATIVE_JSON_ROUTES)
+@pytest.mark.parametrize("encoding", ["gzip", "deflate, gzip", "br"])
+def test_a_compressed_body_is_415_naming_its_encoding_on_every_native_route(live_horde, headers, method, path, encoding):
+    """Not the JSON parser's complaint about byte 0x8b: the body's encoding is named, with the one the
+    horde takes (RFC 9110's Accept-Encoding on a 415)."""
+    sent = {"Content-Type": "application/json", "Content-Encoding": encoding, **headers("keyed", path)}
+    response = httpx.request(method, live_horde.url + path, content=gzipped_chat_body(), headers=sent, timeout=10)
+    body = assert_native_error(response, 415)
+    assert body == {
+        "message": f"The request body's Content-Encoding {encoding!r} is not supported: send it uncompressed.",
+        "rc": "BadRequest",
+    }
+    assert response.headers["accept-encoding"] == "identity"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_a_compressed_body_to_the_front_is_415_naming_its_encoding(live_horde, front, headers, path):
+    sent = {"Content-Type": "application/json", "Content-Encoding": "gzip", **headers("keyed", path)}
+    response = httpx.post(live_horde.url + path, content=gzipped_chat_body(), headers=sent, timeout=10)
+    assert assert_front_error(response, 415) == {
+        "message": "The request body's Content-Encoding 'gzip' is not supported: send it uncompressed.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "UnsupportedContentEncoding",
+    }
+    assert response.headers["accept-encoding"] == "identity"
+    assert response.headers["x-should-retry"] == "false" and response.headers["x-request-id"].startswith("req_")
+
+
+@pytest.mark.parametrize("path", ["/api/v2/generate/text/pop", "/v1/chat/completions"])
+def test_an_identity_content_encoding_is_a_body_as_any_other(live_horde, front, headers, path):
+    sent = {"Content-Type": "application/json", "Content-Encoding": "identity", **headers("keyed", path)}
+    response = httpx.post(live_horde.url + path, content=b'{"x": 1}', headers=sent, timeout=10)
+    assert response.status_code == 400, response.text[:300]  # the route's own refusal of the body
