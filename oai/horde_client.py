@@ -41,6 +41,7 @@ from contract.aio import within
 from contract.chat_limits import CHAT_IMAGE_FETCH_TOTAL_SECONDS
 from contract.front_lease import FRONT_ID_HEADER, FRONT_UNDELIVERED_HEADER, FRONT_UNDELIVERED_VALUE
 from contract.rate_limits import PROXIED_FOR_HEADER, PROXY_PASSKEY_HEADER
+from oai import request_ids
 from oai.errors import IN_PROCESS_ENVIRON_KEY
 from oai.metrics import FrontMetrics
 from oai.settings import FrontSettings
@@ -273,12 +274,14 @@ class HordeClient:
                 raise NativeUnreachable("no native call slot became free in time") from None
         try:
             sent_headers = self._headers(headers)
+            ids = request_ids.current()
 
             def call() -> tuple[int, list[tuple[str, str]], bytes]:
                 # The body is encoded on the pool's thread too: tens of MiB of images are ~50 ms of
                 # json.dumps, which on the loop would stall every other stream (docs/adr/0127).
                 body = b"" if json is None else _json_bytes(json)
-                return _call_wsgi(self.app, self._environ(method, path, body, sent_headers))
+                with request_ids.serving(ids):  # the native API's lines name the front's request
+                    return _call_wsgi(self.app, self._environ(method, path, body, sent_headers))
 
             loop = asyncio.get_running_loop()
             try:

@@ -7,10 +7,12 @@ most 512 characters (OpenAI's bound). The client's id is logged, never used as t
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import json
 import logging
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -51,6 +53,18 @@ def begin(headers: dict[str, str]) -> RequestIds:
 
 def current() -> RequestIds | None:
     return _current.get()
+
+
+@contextlib.contextmanager
+def serving(ids: RequestIds | None) -> Iterator[None]:
+    """`ids` current on this thread for the block, then whatever was before: for work a request hands
+    to a thread of a pool, which runs in the thread's own context, not a copy of the request's (the
+    front's in-process native calls, whose Django state must stay the thread's)."""
+    token = _current.set(ids)
+    try:
+        yield
+    finally:
+        _current.reset(token)
 
 
 # --- the log records -----------------------------------------------------------------------------

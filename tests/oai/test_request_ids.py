@@ -216,3 +216,32 @@ def test_the_processs_own_tasks_started_by_a_request_log_without_its_id(front, c
     lost = wait_for(lambda: [r for r in caplog.records if r.name == "oai.waiter" and "connection lost" in r.getMessage()])
     assert lost, [r.getMessage() for r in caplog.records if r.name.startswith("oai")]
     assert all(getattr(r, "x_request_id", None) is None for r in lost), completion._request_id
+
+
+def test_the_native_apis_lines_of_an_in_process_call_carry_the_front_requests_id(front, caplog):
+    """The mounted front calls the native API on a thread of its own: Django's warning of the native
+    401 (an unknown key's check) names the front request that made the call, and the thread's next
+    call, for another request, names that one."""
+    caplog.set_level("INFO")
+    answers = [
+        httpx.post(
+            f"{front.live.v1}/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+            headers={"Authorization": f"Bearer not-a-key-{n}"},
+        )
+        for n in range(2)
+    ]
+    assert [answer.status_code for answer in answers] == [401, 401]
+    for answer in answers:
+        request_id = _request_id(answer)
+        native = wait_for(
+            lambda request_id=request_id: [
+                r
+                for r in caplog.records
+                if r.name == "django.request"
+                and r.getMessage().startswith("Unauthorized: /api/v2/")
+                and getattr(r, "x_request_id", None) == request_id
+            ]
+        )
+        assert len(native) == 1, [(r.getMessage(), getattr(r, "x_request_id", None)) for r in caplog.records]
+        assert native[0].threadName.startswith("oai-native")
