@@ -312,9 +312,10 @@ def _get(connection: _PinnedConnection, parts: SplitResult) -> http.client.HTTPR
 
 def _read_bounded(response: http.client.HTTPResponse, max_bytes: int, deadline: float, total: float) -> bytes:
     """Read at most max_bytes + 1 bytes (one byte more proves the image too large), by then."""
-    declared = response.getheader("Content-Length")
-    if declared is not None and declared.strip().isascii() and declared.strip().isdigit() and int(declared) > max_bytes:
-        raise ImageTooLarge(int(declared), max_bytes)
+    declared_text = (response.getheader("Content-Length") or "").strip()
+    declared = int(declared_text) if declared_text.isascii() and declared_text.isdigit() else None
+    if declared is not None and declared > max_bytes:
+        raise ImageTooLarge(declared, max_bytes)
     body = bytearray()
     while chunk := response.read1(min(_CHUNK_BYTES, max_bytes + 1 - len(body))):
         body += chunk
@@ -324,4 +325,6 @@ def _read_bounded(response: http.client.HTTPResponse, max_bytes: int, deadline: 
             raise ImageTooLarge(len(body), max_bytes)
     if time.monotonic() >= deadline:  # ended by the watchdog, not by the server
         raise ImageUrlInvalid(f"the image took longer than {total:g} seconds to arrive")
+    if declared is not None and len(body) < declared:  # read1 ends at the close, short or not
+        raise ImageUrlInvalid(f"the image host closed the connection after {len(body)} of its {declared} bytes")
     return bytes(body)

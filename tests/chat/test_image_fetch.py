@@ -593,6 +593,16 @@ def test_a_body_of_exactly_the_limit_is_fetched(server: LocalServer) -> None:
     assert fetch_public_image(server.url("/cat.png"), max_bytes=len(PNG), allowed_networks=LOOPBACK) == PNG
 
 
+def test_a_body_cut_short_of_its_declared_length_is_invalid_not_an_image_to_decode(server: LocalServer) -> None:
+    """The host closed the connection early: the fetch failed, which the requester is told, rather
+    than "could not be read as an image" of the bytes that came."""
+    headers = {"Content-Type": "image/png", "Content-Length": str(len(PNG))}
+    server.routes["/cat.png"] = (200, headers, lambda handler: handler.wfile.write(PNG[:20]))
+    with pytest.raises(ImageUrlInvalid) as invalid:
+        fetch_public_image(server.url("/cat.png"), max_bytes=10_000, allowed_networks=LOOPBACK)
+    assert str(invalid.value) == f"the image host closed the connection after 20 of its {len(PNG)} bytes"
+
+
 # --- malformed URLs ---
 
 

@@ -44,11 +44,13 @@ GENEROUS_LIMITS = {
 
 class DripHost:
     """An image host on 127.0.0.1 that sends its headers, then a byte every 0.2 s until the client
-    goes away (or 30 s): each fetch of it lasts the horde's whole fetch bound."""
+    goes away, the test releases it (it then closes the connection short of its Content-Length) or
+    30 s pass: unreleased, each fetch of it lasts the horde's whole fetch bound."""
 
     def __init__(self) -> None:
         self.connections = 0
         self.lock = threading.Lock()
+        self.released = threading.Event()
         host = self
 
         class Handler(QuietHandler):
@@ -61,12 +63,13 @@ class DripHost:
                 self.end_headers()
                 end = time.monotonic() + 30
                 try:
-                    while time.monotonic() < end:
+                    while time.monotonic() < end and not host.released.is_set():
                         self.wfile.write(b"\x89")
                         self.wfile.flush()
-                        time.sleep(0.2)
+                        host.released.wait(0.2)
                 except OSError:
                     pass
+                self.close_connection = True
 
         self.server = serve(Handler)
 
@@ -149,6 +152,7 @@ def test_slow_image_urls_do_not_take_every_web_thread(web_factory, drip_host):
         started = time.monotonic()
         _vision_worker(client, owner)  # a worker's pop
         pop_seconds = time.monotonic() - started
+        drip_host.released.set()  # measured: the fetches need not wait out their bound
         answers = [f.result() for f in sent]
 
     assert heartbeat.status_code == 200
@@ -274,6 +278,7 @@ def test_data_url_images_wait_for_an_image_slot_too(web_factory, drip_host):
         started = time.monotonic()
         busy = _chat_with_image(client, requester, _png_data_url(3072))
         busy_seconds = time.monotonic() - started
+        drip_host.released.set()
         slow.result()
 
     assert busy.status_code == 503 and busy.json()["rc"] == "ChatImagesBusy", busy.text
