@@ -330,23 +330,16 @@ async def drain_fronts(deadline: float) -> None:
 
 
 def _too_large(limit: int) -> ChatFrontError:
-    return ChatFrontError(
-        413,
-        "RequestTooLarge",
-        request_too_large_message(limit),
-        type="invalid_request_error",
-        should_retry=False,
-    )
+    return _body_refused(413, "RequestTooLarge", request_too_large_message(limit))
 
 
 def _compressed(encoding: str) -> ChatFrontError:
-    return ChatFrontError(
-        415,
-        "UnsupportedContentEncoding",
-        unsupported_content_encoding_message(encoding),
-        type="invalid_request_error",
-        should_retry=False,
-    )
+    return _body_refused(415, "UnsupportedContentEncoding", unsupported_content_encoding_message(encoding))
+
+
+def _body_refused(status: int, code: str, message: str) -> ChatFrontError:
+    """A body the layer refuses before reading it whole: the same again would be refused again."""
+    return ChatFrontError(status, code, message, type="invalid_request_error", should_retry=False)
 
 
 # The front's routes; a span of any other path is named by its method alone, as OpenTelemetry's
