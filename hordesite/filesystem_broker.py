@@ -7,7 +7,8 @@ worker polls, so on the embedded default this stopped the worker now and then. H
 written under a name the reader skips and renamed into place once complete (a rename within one
 folder is atomic). A new exchange table kombu creates empty and then fills under its lock: a
 publisher that reads it in between reads it again (get_table). Everything else is kombu's, through
-the extension points of its virtual transport (Channel._put, Channel.get_table, Transport.Channel)."""
+the extension points of its virtual transport (Channel._put, Channel.get_table, Transport.Channel,
+Transport.default_connection_params)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,9 @@ class Channel(filesystem.Channel):
 
 class Transport(filesystem.Transport):
     Channel = Channel
+
+    @property
+    def default_connection_params(self) -> dict:
+        # Folders, not a host: with the virtual transport's default host, kombu logged "No hostname
+        # was supplied. Reverting to default 'localhost'" at every start of the worker and beat.
+        return {}

@@ -57,3 +57,20 @@ def test_a_reader_polling_while_a_writer_publishes_reads_every_message_whole(tmp
     assert not reader.is_alive()
     assert not failures, failures[0]
     assert sorted(received) == list(range(MESSAGES))
+
+
+def test_a_connection_to_the_folders_warns_of_no_missing_hostname(tmp_path, caplog):
+    """kombu's filesystem transport asked for a host it never uses, so every start of the embedded
+    default's worker and beat logged "No hostname was supplied. Reverting to default 'localhost'"."""
+    folder = tmp_path / "broker"
+    folder.mkdir()
+    options = {"data_folder_in": str(folder), "data_folder_out": str(folder), "store_processed": False}
+    caplog.set_level("WARNING", logger="kombu")
+    with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as conn:
+        queue = conn.SimpleQueue("sweeps")
+        queue.put({"n": 1})
+        assert queue.get(timeout=5).payload == {"n": 1}
+        queue.close()
+        conn.clone().release()  # as Celery's worker and beat do at start
+        assert conn.info()["hostname"] is None
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("kombu")] == []
