@@ -27,12 +27,13 @@ NATIVE_FIELD_PARAMETERS = {
     "validated_backends": "horde.validated_backends",
     "slow_workers": "horde.slow_workers",
 }
-# The native text route's refusals of its params (upstream's rcs), by the OpenAI param they come from.
+# The native text route's refusals of its fields (upstream's rcs), by the OpenAI param they come from.
 NATIVE_RC_PARAMETERS = {
     "TokenOverflow": "max_tokens",
     "MissingFullSamplerOrder": "sampler_order",
     "TooManyStopSequences": "stop",
     "ExcessiveStopSequence": "stop",
+    "MissingPrompt": "prompt",
 }
 # A native field path: its name, then any index suffix ("stop_sequence[0]").
 NATIVE_FIELD_PATTERN = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P<rest>.*)$")
