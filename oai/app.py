@@ -222,6 +222,8 @@ async def _completions(
             body = build_completion(completion)
         return JsonAnswer(200, body, {})
     except ChatFrontError as error:
+        if isinstance(request, ResponsesRequest):
+            error = request.responses_error(error)
         trace.fail(error)
         metrics.error(error.status, error.code, request.stream, error.reason)
         return _json_error(error, run.request_id)

@@ -27,12 +27,16 @@ NATIVE_FIELD_PARAMETERS = {
     "validated_backends": "horde.validated_backends",
     "slow_workers": "horde.slow_workers",
 }
-# The native text route's refusals of its params (upstream's rcs), by the OpenAI param they come from.
+# The native routes' refusals whose message does not start with the field's path (upstream's text
+# rcs, the chat route's context refusal), by the OpenAI param they come from.
 NATIVE_RC_PARAMETERS = {
     "TokenOverflow": "max_tokens",
     "MissingFullSamplerOrder": "sampler_order",
     "TooManyStopSequences": "stop",
     "ExcessiveStopSequence": "stop",
+    "MissingPrompt": "prompt",
+    # No context holds the messages kept (the latest user message on): OpenAI's context_length_exceeded names them.
+    "PromptExceedsContext": "messages",
 }
 # A native field path: its name, then any index suffix ("stop_sequence[0]").
 NATIVE_FIELD_PATTERN = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P<rest>.*)$")

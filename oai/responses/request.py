@@ -21,6 +21,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import PrivateAttr
+
 from oai.errors import ChatFrontError
 from oai.responses.references import PreparedBody
 from oai.schema import ChatCompletionRequest, screen_request
@@ -134,6 +136,15 @@ class ResponsesRequest(ChatCompletionRequest):
     namespaced: dict[str, tuple[str, str]] = {}
     # Answered at once as queued, and read later (oai.responses.background).
     background: bool = False
+    # The Responses path of each chat message and tool: the horde's refusals at submit (an unreadable
+    # image, an input no context holds) name the chat body's paths.
+    _translation: _Translation | None = PrivateAttr(default=None)
+
+    def responses_error(self, error: ChatFrontError) -> ChatFrontError:
+        """`error` of the chat route (its submit or its wait) naming what the client sent."""
+        if self._translation is not None:
+            _name_responses_paths(error, self._translation)
+        return error
 
 
 class _Translation:
@@ -718,13 +729,9 @@ def screen_responses_request(prepared: PreparedBody, *, keeps_items: bool = Fals
     try:
         request = screen_request(chat)
     except ChatFrontError as error:
-        param = translation.responses_param(error.param)
-        if param != error.param and error.param:
-            error.message = error.message.replace(error.param, param or "")
-            error.param = param
-        error.message = _responses_names(error.message)
+        _name_responses_paths(error, translation)
         raise
-    return ResponsesRequest(
+    screened = ResponsesRequest(
         **dict(request),
         echo=_echo(raw_body, request, keeps_items=keeps_items),
         turn_input=turn_input(raw_body),
@@ -732,3 +739,14 @@ def screen_responses_request(prepared: PreparedBody, *, keeps_items: bool = Fals
         namespaced=translation.namespaced,
         background=raw_body.get("background") is True,
     )
+    screened._translation = translation
+    return screened
+
+
+def _name_responses_paths(error: ChatFrontError, translation: _Translation) -> None:
+    """The chat route's param and names in `error` as the Responses body's."""
+    param = translation.responses_param(error.param)
+    if param != error.param and error.param:
+        error.message = error.message.replace(error.param, param or "")
+        error.param = param
+    error.message = _responses_names(error.message)

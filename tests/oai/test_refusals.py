@@ -275,6 +275,15 @@ def test_unknown_model_from_the_horde(client, start_worker):
     assert caught.value.param == "models[1]"
 
 
+def test_messages_too_long_for_every_context_name_the_messages(client, start_worker):
+    """The horde's PromptExceedsContext (no truncation makes the latest message fit) names the
+    messages, as OpenAI's context_length_exceeded does, not null."""
+    start_worker()  # max_context_length 8192
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 10_000}])
+    assert (caught.value.param, caught.value.code) == ("messages", "PromptExceedsContext"), caught.value.body
+
+
 @pytest.mark.parametrize(
     "body",
     [

@@ -318,6 +318,31 @@ def test_a_bad_message_in_a_history_names_its_input_item(client, start_worker):
     assert caught.value.body["param"].startswith("input[1]"), caught.value.body
 
 
+def test_refusals_the_horde_makes_at_submit_name_the_responses_path(client, start_worker):
+    """The native route refuses an unreadable image and an input no context holds when the request
+    is submitted, naming the chat body's path; the client sent input items, so that is the path."""
+    start_worker(image_transports=["url"])
+    unreadable = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+    cases = [
+        (
+            {
+                "instructions": "Describe images.",
+                "input": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "user", "content": [{"type": "input_text", "text": "This:"}, unreadable]},
+                ],
+            },
+            "input[1].content[1].image_url",
+            "SourceImageUnreadable",
+        ),
+        ({"input": "word " * 10_000}, "input", "PromptExceedsContext"),
+    ]
+    for extra, param, code in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.post("/responses", body={"model": MODEL, **extra}, cast_to=httpx.Response)
+        assert (caught.value.body["param"], caught.value.body["code"]) == (param, code), caught.value.body
+
+
 def test_an_unknown_model_is_openais_404(client, start_worker):
     start_worker()
     with pytest.raises(openai.NotFoundError) as caught:

@@ -359,6 +359,9 @@ REFUSALS = [
     ({"stop": "x" * 2001}, openai.BadRequestError, "stop", "ExcessiveStopSequence"),
     ({"max_tokens": 200, "horde": {"max_context_length": 100}}, openai.BadRequestError, "max_tokens", "TokenOverflow"),
     ({"sampler_order": [6, 0, 1]}, openai.BadRequestError, "sampler_order", "MissingFullSamplerOrder"),
+    # Upstream refuses a blank prompt (OpenAI serves one): the param is the prompt, not null.
+    ({"prompt": ""}, openai.BadRequestError, "prompt", "MissingPrompt"),
+    ({"prompt": [""]}, openai.BadRequestError, "prompt", "MissingPrompt"),
     ({"top_p": 0}, openai.BadRequestError, "top_p", "BadRequest"),
     ({"horde": {"only": ["scribe-1"]}}, openai.BadRequestError, "horde.only[0]", "BadRequest"),
     ({"horde": {"max_context_length": 10}}, openai.BadRequestError, "horde.max_context_length", "BadRequest"),
