@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from django.conf import settings
 
 from chat.models import GenerationRequest
-from chat.selectors.queue import capable_chat_worker_online, worker_may_take
+from chat.selectors.queue import capable_chat_workers_online, worker_may_take
 from chat.selectors.snapshots import (
     EligibleSet,
     QueuedShape,
@@ -67,7 +67,7 @@ def eligible_workers(request: GenerationRequest, listed_worker_ids: Iterable) ->
         candidates = online.text_candidates(request.requested_models or (), any_model=request.any_model)
     if online.in_maintenance and request.user_id in online.in_maintenance:
         candidates = [*candidates, *online.in_maintenance[request.user_id]]
-    capable = functools.cache(lambda: capable_chat_worker_online(request, listed))  # once per pass
+    capable = functools.cache(lambda: capable_chat_workers_online(request, listed))  # once per pass
     return [worker for worker in candidates if worker_may_take(worker, request, listed, capable_online=capable)]
 
 

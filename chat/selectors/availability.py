@@ -21,7 +21,7 @@ from django.core.cache import cache
 
 from chat.models import Generation, GenerationRequest, RequestWorker
 from chat.selectors.queue import (
-    capable_chat_worker_online,
+    capable_chat_workers_online,
     chat_capacity_refusal,
     chat_declaration_gap,
     text_eligibility_shape,
@@ -131,7 +131,7 @@ def _chat_pass(request: GenerationRequest, online: OnlineWorkers) -> _Pass:
     if not workers:
         return _Pass(eligible_worker_threads=0, gap=None)
     listed = _listed_worker_ids(request)
-    capable = functools.cache(lambda: capable_chat_worker_online(request, listed))  # one query a pass
+    capable = functools.cache(lambda: capable_chat_workers_online(request, listed))  # one query a pass
     threads = 0
     eligible: list[Any] = []
     gaps: list[ChatServiceGap] = []

@@ -350,12 +350,14 @@ def _passing_restrictions(side, listed: Q) -> Q:
 
 def chat_capacity_clause(worker: WorkerView) -> Q:
     """The chat requests the worker's lease capacity admits: those within it, and those over it
-    that no capable worker online could take (ADR 0041: a model served only by slower workers stays
-    served)."""
+    that no capable worker online but itself could take (ADR 0041: a model served only by slower
+    workers stays served; the pop's copy of the worker can predate a measured speed that makes its
+    own row capable)."""
     if worker.chat_capacity is None:
         return Q()
     capable = (
         _with_lease_tokens(worker.lease_seconds)
+        .exclude(pk=worker.id)
         .filter(
             _capable_chat_workers(
                 OuterRef,
@@ -522,15 +524,18 @@ def chat_declaration_gap(worker: Worker, request: GenerationRequest, *, with_siz
     )
 
 
-def capable_chat_worker_online(request: GenerationRequest, listed_worker_ids: set | frozenset = frozenset()) -> bool:
-    """Whether a worker able to finish the chat request within its lease is online (one query; the
-    same answer for every worker a pass tests)."""
+def capable_chat_workers_online(
+    request: GenerationRequest, listed_worker_ids: set | frozenset = frozenset()
+) -> frozenset[UUID]:
+    """Up to two online workers able to finish the chat request within their lease (one query; the
+    same answer for every worker a pass tests): two, so that each worker can tell whether one other
+    than itself is online."""
     capable = (
         _with_lease_tokens(settings.HORDE_TEXT_JOB_LEASE_SECONDS)
         .filter(_capable_chat_workers(lambda name: Value(getattr(request, name)), Q(pk__in=listed_worker_ids)))
         .filter(chat_model_id__in=list(request.requested_models or ()))
     )
-    return capable.exists()
+    return frozenset(capable.values_list("pk", flat=True)[:2])
 
 
 def chat_capacity_refusal(
@@ -538,15 +543,17 @@ def chat_capacity_refusal(
     request: GenerationRequest,
     listed_worker_ids: set | frozenset = frozenset(),
     *,
-    capable_online: Callable[[], bool] | None = None,
+    capable_online: Callable[[], frozenset[UUID]] | None = None,
 ) -> str | None:
     """"lease_speed" when the worker's lease capacity is below the chat request's max_length and a
-    capable worker is online (the Python twin of chat_capacity_clause; one query, only then).
-    `capable_online`: a pass's memo of capable_chat_worker_online, asked only when needed."""
+    capable worker other than itself is online (the Python twin of chat_capacity_clause; one query,
+    only then). Not itself: a process's copy of the worker can predate a measured speed that makes
+    its row capable, and it must not lose the request to itself. `capable_online`: a pass's memo of
+    capable_chat_workers_online, asked only when needed."""
     if not request.is_chat or text_worker_lease_capacity(worker.speed) >= request.max_length:
         return None
-    online = capable_online() if capable_online else capable_chat_worker_online(request, listed_worker_ids)
-    return "lease_speed" if online else None
+    capable = capable_online() if capable_online else capable_chat_workers_online(request, listed_worker_ids)
+    return "lease_speed" if capable - {worker.pk} else None
 
 
 def text_eligibility_shape(request: GenerationRequest) -> tuple | None:
@@ -566,7 +573,11 @@ def text_eligibility_shape(request: GenerationRequest) -> tuple | None:
 
 
 def worker_may_take(
-    worker: Worker, request: GenerationRequest, listed_worker_ids: set, *, capable_online: Callable[[], bool] | None = None
+    worker: Worker,
+    request: GenerationRequest,
+    listed_worker_ids: set,
+    *,
+    capable_online: Callable[[], frozenset[UUID]] | None = None,
 ) -> bool:
     """Python twin of eligibility_filter, for availability over the online workers."""
     if not worker_passes_restrictions(worker, request, listed_worker_ids):

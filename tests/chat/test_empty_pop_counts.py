@@ -87,11 +87,12 @@ def test_one_statement_serves_every_worker_of_a_shape_with_its_own_id(horde, mak
     assert empty_pop_counts(named).takeable == 1
     assert _counts_statement.cache_info().currsize == 1
     # A chat worker's capacity is bound per call as well.
-    assert chat_pop(horde, owner.key, name="chat").status_code == 200
+    for name in ("chat", "other-chat"):
+        assert chat_pop(horde, owner.key, name=name).status_code == 200
     chat = WorkerView.of(Worker.objects.select_related("owner").get(name="chat"))
     queue_chat(requester.user, max_length=1024)
-    # Under capacity, the request goes to it only while no capable worker is online, and the
-    # registered worker (unmeasured: capacity 1200) is one.
+    # Under capacity, the request goes to it only while no capable worker but itself is online,
+    # and the other registered worker (unmeasured: capacity 1200) is one.
     slow, fast = dataclasses.replace(chat, chat_capacity=600), dataclasses.replace(chat, chat_capacity=2000)
     assert (empty_pop_counts(fast).takeable, empty_pop_counts(slow).takeable) == (1, 0)
     assert _counts_through_the_orm(slow)["horde_takeable"] == 0

@@ -275,3 +275,31 @@ def test_a_worker_whose_speed_moved_pops_with_its_new_capacity_on_the_same_compi
     assert job["id"] and Generation.objects.get(pk=job["id"]).request_id == request.pk
     # Two workers, two speeds, one declaration: the statement was compiled once.
     assert _pop_statement.cache_info().currsize == 1
+
+
+# Chat limits that admit 2,048 tokens, above an unmeasured worker's capacity (1,200).
+LONG = {"max_context_length": 8192, "max_length": 4096}
+
+
+def test_a_worker_read_before_its_speed_was_measured_is_not_refused_in_favour_of_itself(horde, make_user):
+    """A process's copy of a worker (its pop's row, the status's online workers) can predate its
+    first measured speed by a few seconds: with that copy's capacity below the request's length, the
+    capable worker the rule finds online is the worker itself, and it must not lose the job to
+    itself. Another capable worker online still takes precedence."""
+    requester, owner, other_owner = make_user("r", kudos=1000), make_user("w"), make_user("o")
+    worker = _register(horde, owner.key, "measured", speed=None, limits=LONG)  # this process's copy: 1200
+    request = queue_chat(requester.user, max_length=2048)
+    # Its first jobs are measured by a submit in another process: the row now says 900 tokens/s.
+    Worker.objects.filter(pk=worker.pk).update(speed=900.0)
+    stale = worker  # read before the measurement, as the snapshot and the pop's row cache hold it
+    assert text_worker_lease_capacity(stale.speed) < request.max_length
+    assert chat_capacity_refusal(stale, request) is None
+    assert chat_request_availability(request, created=True).eligible_worker_threads == 1
+    job = chat_pop(horde, owner.key, name="measured", limits=LONG).json()  # its cached row says 1200 too
+    assert job["id"] and Generation.objects.get(pk=job["id"]).request_id == request.pk
+
+    # With another capable worker online, the copy's capacity still yields to it.
+    other = _register(horde, other_owner.key, "other", speed=900.0, limits=LONG)
+    second = queue_chat(requester.user, max_length=2048)
+    assert chat_capacity_refusal(stale, second) == "lease_speed"
+    assert chat_capacity_refusal(other, second) is None

@@ -878,3 +878,20 @@ def test_front_at_capacity_names_the_cap_reached():
     assert front_at_capacity(limiter, "c").message == (
         "This AI Horde front is at its in-flight request limit; try again shortly."
     )
+
+
+def test_a_workers_first_measured_speed_does_not_leave_it_refused_its_own_long_request(front, requester, start_worker):
+    """A fresh worker's first reply measures its speed; the process's copies of it (the online
+    workers the status reads, the row its pop reads) still hold it unmeasured for a few seconds, at a
+    capacity of 1,200 tokens. A request for 2,048 right after was 503 no_eligible_worker: the capable
+    worker the rule found online was that worker itself."""
+    start_worker()  # its chat limits admit 2,048 tokens
+    auth = {"Authorization": f"Bearer {requester.key}"}
+    for max_tokens in (50, 2048):
+        answer = httpx.post(
+            f"{front.live.v1}/chat/completions",
+            json={"model": MODEL, "messages": USER, "max_tokens": max_tokens},
+            headers=auth,
+            timeout=30,
+        )
+        assert answer.status_code == 200, (max_tokens, answer.text)
