@@ -64,10 +64,16 @@ def test_a_connection_to_the_folders_warns_of_no_missing_hostname(tmp_path, capl
     default's worker and beat logged "No hostname was supplied. Reverting to default 'localhost'"."""
     folder = tmp_path / "broker"
     folder.mkdir()
-    options = {"data_folder_in": str(folder), "data_folder_out": str(folder), "store_processed": False}
+    options = {
+        "data_folder_in": str(folder),
+        "data_folder_out": str(folder),
+        "control_folder": str(tmp_path / "control"),
+        "store_processed": False,
+    }
     caplog.set_level("WARNING", logger="kombu")
     with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as conn:
-        queue = conn.SimpleQueue("sweeps")
+        # A queue of its own: kombu keeps the bindings it made process-wide (see above).
+        queue = conn.SimpleQueue("hostname-probe")
         queue.put({"n": 1})
         assert queue.get(timeout=5).payload == {"n": 1}
         queue.close()
