@@ -33,6 +33,7 @@ from workers.bridge.backends import (
     Backend,
     BackendDown,
     BackendError,
+    BackendRefused,
     Capabilities,
     GenerationStopped,
     ProgressSink,
@@ -267,6 +268,8 @@ class Bridge:
             try:
                 caps = self.backend.probe(self.config.model)
                 break
+            except BackendRefused as error:
+                raise SystemExit(str(error)) from None
             except BackendError as error:
                 delay = backoff.next()
                 self.log(f"backend not ready ({error}); retrying in {delay:.0f} s")
