@@ -1,6 +1,7 @@
-"""A backend the volunteer configured wrong, met at start (ADR 0131): a `--model` the backend does
-not serve, a key it refuses, an address that answers no model list. The bridge says what is wrong
-before it pops, instead of taking jobs and faulting every one of them."""
+"""A backend that cannot serve (ADR 0131). Configured wrong, met at start: a `--model` the backend
+does not serve, a key it refuses, an address that answers no model list; the bridge says what is
+wrong before it pops, instead of taking jobs and faulting every one of them. Failing job after job
+while it runs: the bridge pauses its pops, so the requests are not faulted at the pace of its pops."""
 
 from __future__ import annotations
 
@@ -11,10 +12,19 @@ from contextlib import contextmanager
 
 import pytest
 
-from tests.bridge.conftest import LiveHorde, LogBuffer, bridge_config
-from tests.bridge.fake_backend import FakeLlamaCpp, RouteServer
+from chat.models import Generation
+from contract.chat_declaration import CHAT_WORKER_FAULT_MESSAGES, ChatFaultReason
+from tests.bridge.conftest import LiveHorde, LogBuffer, bridge_config, running_bridge
+from tests.bridge.fake_backend import (
+    DEFAULT_REPLY,
+    LLAMA_CONTEXT_OVERFLOW,
+    LLAMA_SERVER_ERROR,
+    FakeLlamaCpp,
+    RouteServer,
+)
 from tests.bridge.fake_ollama import FakeOllama
 from workers.bridge.backends import BackendDown, BackendError, BackendRefused, OpenAIBackend
+from workers.bridge.scripted import ScriptedBackend
 from workers.bridge.worker import Bridge
 from workers.models import Worker
 
@@ -158,3 +168,53 @@ def test_a_proxy_s_error_page_is_one_log_line_naming_it_and_the_backend_is_down(
         with pytest.raises(BackendDown) as down:
             backend.chat({"model": "Qwen/Qwen3-8B", "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
     assert str(down.value) == "backend answered 502: an HTML page: 502 Bad Gateway"
+
+
+# --- a backend that fails every job ------------------------------------------------------------------
+
+
+def _faulted(request_id: str) -> int:
+    return Generation.objects.filter(request_id=request_id, state=Generation.State.FAULTED).count()
+
+
+def test_a_backend_failing_job_after_job_pauses_the_pops_before_the_request_is_lost(live_horde, fake_backend):
+    # A backend that answers every generation 500 (its model no longer fits, its engine died):
+    # the request is handed out again after each fault, and faulted for good past its retries.
+    fake_backend.fail_with = LLAMA_SERVER_ERROR
+    with running_bridge(live_horde, fake_backend.url) as (bridge, out):
+        request_id = live_horde.chat()
+        _until(lambda: "no pops for" in out.text(), out)
+        status = live_horde.chat_status(request_id)
+        bridge.request_stop(immediately=True)  # within the pause
+    assert not status["faulted"] and _faulted(request_id) == 2  # one retry left, for another worker
+    assert len(fake_backend.chat_requests()) == 2
+    assert "the backend failed 2 jobs in a row (last: backend answered 500: " in out.text()
+    assert "llama_decode failed" in out.text()
+
+
+def test_after_the_pause_a_backend_that_recovered_serves_the_request(live_horde, fake_backend):
+    fake_backend.fail_with = LLAMA_SERVER_ERROR
+    with running_bridge(live_horde, fake_backend.url) as (_bridge, out):
+        request_id = live_horde.chat()
+        _until(lambda: "no pops for" in out.text(), out)
+        fake_backend.fail_with = None
+        status = live_horde.wait(request_id, timeout=20)
+    assert status["done"] and not status["faulted"] and _faulted(request_id) == 2
+    assert status["generations"][0]["message"]["content"] == DEFAULT_REPLY
+
+
+def test_a_job_the_backend_refuses_for_its_prompt_is_no_failure_of_the_backend(live_horde, fake_backend):
+    # 400 exceed_context_size_error: this request's prompt, not a failing backend.
+    fake_backend.fail_with = LLAMA_CONTEXT_OVERFLOW
+    with running_bridge(live_horde, fake_backend.url) as (_bridge, out):
+        status = live_horde.wait(live_horde.chat(), until=lambda s: s["faulted"])
+    assert status["fault_reason"] == CHAT_WORKER_FAULT_MESSAGES[ChatFaultReason.PROMPT_OVERFLOW]
+    assert "no pops for" not in out.text()
+
+
+def test_the_scripted_backend_s_error_directive_does_not_pause_the_demo_worker(live_horde):
+    with running_bridge(live_horde, ScriptedBackend()) as (_bridge, out):
+        request_id = live_horde.chat(messages=[{"role": "user", "content": "Hi [scripted:error]"}])
+        status = live_horde.wait(request_id, until=lambda s: s["faulted"])
+    assert _faulted(request_id) == 3 and "no pops for" not in out.text()
+    assert status["fault_reason"] == CHAT_WORKER_FAULT_MESSAGES[ChatFaultReason.GENERATION_ERROR]

@@ -28,10 +28,20 @@ DEFAULT_CONTEXT = 4096
 class BackendError(Exception):
     """A job the backend could not answer; `fault_reason` is what the faulted submit carries."""
 
-    def __init__(self, message: str, fault_reason: str = ChatFaultReason.GENERATION_ERROR, *, status: int | None = None):
+    def __init__(
+        self,
+        message: str,
+        fault_reason: str = ChatFaultReason.GENERATION_ERROR,
+        *,
+        status: int | None = None,
+        load: bool = False,
+    ):
         super().__init__(message)
         self.fault_reason = str(fault_reason)
         self.status = status
+        # The jobs run at once did not fit together (llama.cpp's shared KV cache): the backend
+        # works, so this is no failure of it that pausing the pops would help (ADR 0131).
+        self.load = load
 
 
 class BackendDown(BackendError):
@@ -200,6 +210,7 @@ def classify_backend_error(status: int, text: str) -> BackendError:
             f"{message} (the KV cache the slots share was full: run fewer --threads or a larger -c)",
             ChatFaultReason.GENERATION_ERROR,
             status=status,
+            load=True,
         )
     if _OVERFLOW.search(text):
         return BackendError(message, ChatFaultReason.PROMPT_OVERFLOW, status=status)
