@@ -129,7 +129,10 @@ def test_a_backend_refusing_the_key_is_named_at_start_and_the_bridge_exits(live_
     with route_server({("GET", "/v1/models"): lambda _body: VLLM_UNAUTHORIZED}) as url:
         with pytest.raises(BackendRefused) as refused:
             OpenAIBackend(url, timeout=10).probe(None)
-        assert "401" in str(refused.value) and "--backend-key" in str(refused.value)
+        assert "401" in str(refused.value) and "pass the backend's API key with --backend-key" in str(refused.value)
+        with pytest.raises(BackendRefused) as refused:
+            OpenAIBackend(url, api_key="not-the-key", timeout=10).probe(None)
+        assert "the key given with --backend-key (BRIDGE_BACKEND_KEY) is not one it takes" in str(refused.value)
         with started_bridge(live_horde, url) as (bridge, out, result):
             _until(lambda: bool(result), out)
     assert result == [2]

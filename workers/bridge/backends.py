@@ -337,6 +337,7 @@ class OpenAIBackend:
         headers = {"Accept": "application/json", "Content-Type": "application/json", "User-Agent": BRIDGE_AGENT}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
+        self._keyed = bool(api_key)
         self._http = Connections(self.base, headers=headers)
 
     def close(self) -> None:
@@ -569,10 +570,9 @@ class OpenAIBackend:
             raise BackendDown(f"no model list at {url}: {'timed out' if error.timed_out else error}") from None
         text = answer_text(data.decode("utf-8", "replace"), 200)
         if status in (401, 403):
-            raise BackendRefused(
-                f"the backend refused the bridge's key: GET {url} answered {status} {text}; pass the "
-                "backend's API key with --backend-key (BRIDGE_BACKEND_KEY)"
-            )
+            fix = ("the key given with --backend-key (BRIDGE_BACKEND_KEY) is not one it takes" if self._keyed
+                   else "pass the backend's API key with --backend-key (BRIDGE_BACKEND_KEY)")
+            raise BackendRefused(f"the backend refused the bridge: GET {url} answered {status} {text}; {fix}")
         if status != 200:
             raise BackendDown(f"no model list at {url}: it answered {status} {text}")
         try:
