@@ -592,7 +592,8 @@ def chat_completion(
 
 class RouteServer:
     """A local server answering fixed JSON by method and path (another backend's helper routes:
-    vLLM's /tokenize, koboldcpp's /api/extra/tokencount); a callable answer gets the body."""
+    vLLM's /tokenize, koboldcpp's /api/extra/tokencount); a callable answer gets the body and
+    gives (status, answer); an answer that is a str is sent as an HTML page."""
 
     def __init__(self, routes: dict[tuple[str, str], Any]):
         self.routes = routes
@@ -611,6 +612,9 @@ class RouteServer:
                 status, payload = (404, {"detail": "Not Found"}) if answer is None else (200, answer)
                 if callable(payload):
                     status, payload = payload(body)
+                if isinstance(payload, str):  # a page that is not JSON (a proxy's or a web UI's HTML)
+                    self.send_body(status, payload.encode(), "text/html; charset=utf-8")
+                    return
                 self.send_json(status, payload)
 
             def do_GET(self) -> None:

@@ -28,14 +28,28 @@ DEFAULT_CONTEXT = 4096
 class BackendError(Exception):
     """A job the backend could not answer; `fault_reason` is what the faulted submit carries."""
 
-    def __init__(self, message: str, fault_reason: str = ChatFaultReason.GENERATION_ERROR, *, status: int | None = None):
+    def __init__(
+        self,
+        message: str,
+        fault_reason: str = ChatFaultReason.GENERATION_ERROR,
+        *,
+        status: int | None = None,
+        load: bool = False,
+    ):
         super().__init__(message)
         self.fault_reason = str(fault_reason)
         self.status = status
+        # The jobs run at once did not fit together (llama.cpp's shared KV cache): the backend
+        # works, so this is no failure of it that pausing the pops would help (ADR 0131).
+        self.load = load
 
 
 class BackendDown(BackendError):
     """The backend cannot be reached (or timed out): fault the job, and pop no more until it is back."""
+
+
+class BackendRefused(Exception):
+    """The backend refuses the bridge itself (its key): no retry can help, the bridge does not start."""
 
 
 class GenerationStopped(Exception):
@@ -151,6 +165,11 @@ KIND_EXTRA_SAMPLING: dict[str, dict[str, str]] = {
 }
 
 
+# Servers that run one model and answer any model name with it: a --model they do not list is
+# a name, not an error.
+SERVES_ITS_ONE_MODEL = frozenset({"llamacpp", "koboldcpp"})
+
+
 # --- errors -------------------------------------------------------------------------------------
 
 _OVERFLOW = re.compile(
@@ -169,14 +188,29 @@ _GRAMMAR = re.compile(
 _KV_CACHE_FULL = re.compile(r"context size has been exceeded", re.IGNORECASE)
 
 
+_HTML_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
+_HTML_TAG = re.compile(r"<[^>]+>")
+
+
+def answer_text(text: str, limit: int = 300) -> str:
+    """A backend's answer body for a log line: one line, short; an HTML page (a proxy's 502, a web
+    UI's 404) by its title, not its markup."""
+    head = text.lstrip()[:200].lower()
+    if head.startswith(("<!doctype html", "<html")) or "<html" in head:
+        title = _HTML_TITLE.search(text)
+        text = f"an HTML page: {title.group(1) if title else _HTML_TAG.sub(' ', text)}"
+    return " ".join(text.split())[:limit]
+
+
 def classify_backend_error(status: int, text: str) -> BackendError:
     """The fault a backend's error answer means for the job."""
-    message = f"backend answered {status}: {text[:300]}"
+    message = f"backend answered {status}: {answer_text(text)}"
     if _KV_CACHE_FULL.search(text) and status >= 500:
         return BackendError(
             f"{message} (the KV cache the slots share was full: run fewer --threads or a larger -c)",
             ChatFaultReason.GENERATION_ERROR,
             status=status,
+            load=True,
         )
     if _OVERFLOW.search(text):
         return BackendError(message, ChatFaultReason.PROMPT_OVERFLOW, status=status)
@@ -303,6 +337,7 @@ class OpenAIBackend:
         headers = {"Accept": "application/json", "Content-Type": "application/json", "User-Agent": BRIDGE_AGENT}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
+        self._keyed = bool(api_key)
         self._http = Connections(self.base, headers=headers)
 
     def close(self) -> None:
@@ -474,9 +509,7 @@ class OpenAIBackend:
 
     def probe(self, model: str | None) -> Capabilities:
         """Ask the server what it serves; raise BackendDown when it does not answer."""
-        listing = self._get_json(f"{self.base}/models")
-        if not isinstance(listing, dict):
-            raise BackendDown(f"no model list at {self.base}/models")
+        listing = self._model_list()
         entries = [e for e in listing.get("data") or [] if isinstance(e, dict) and isinstance(e.get("id"), str)]
         ids = [e["id"] for e in entries]
         given = model
@@ -486,13 +519,24 @@ class OpenAIBackend:
             model = ids[0]
         entry = next((e for e in entries if e["id"] == model), {})
         props = self._get_json(f"{self.root}/props")
-        kind = self.kind if self.kind != "auto" else self._detect_kind(entry, props)
+        # A --model it does not list: its kind is read from the models it does list.
+        kind = self.kind if self.kind != "auto" else self._detect_kind(entry or (entries[0] if entries else {}), props)
+        listed = model in ids or (kind == "ollama" and ollama_model_name(model) in {ollama_model_name(i) for i in ids})
+        if not listed and kind not in SERVES_ITS_ONE_MODEL:
+            # The server picks the model by name: every job would be answered 404 and faulted.
+            raise BackendError(
+                f"the backend does not serve the model {model!r} (--model): {self.base}/models lists "
+                f"{', '.join(repr(i) for i in ids[:10]) or 'none'}; pass one of them"
+                + (", or pull it (ollama pull)" if kind == "ollama" else "")
+            )
         if kind == "ollama" and given is None:
             model = self._ollama_text_model(ids)
             entry = next((e for e in entries if e["id"] == model), {})
         self.detected_kind, self.model = kind, model
         caps = Capabilities(kind=kind, model=model, context=None, features=set(KIND_FEATURES.get(kind, set())))
         caps.notes.append(f"kind {kind}" + (" (detected)" if self.kind == "auto" else ""))
+        if not listed:
+            caps.notes.append(f"model {model!r} is not listed ({', '.join(ids)}): the server answers with its one model whatever the name")
         if model != ids[0] and given is None:
             caps.notes.append(f"model {model}: the newest listed that generates text (/api/show capabilities)")
         caps.context = self._context(kind, entry, props, caps.notes)
@@ -515,6 +559,31 @@ class OpenAIBackend:
         # The bridge fetches an offloaded messages array itself, whatever the backend.
         caps.image_transports.add(ChatImageTransport.MESSAGES_URL)
         return caps
+
+    def _model_list(self) -> dict[str, Any]:
+        """GET /models; unanswered or refused, why: BackendRefused for a refused key (no retry can
+        help), BackendDown for the rest (not up yet, or --backend is not an OpenAI base URL)."""
+        url = f"{self.base}/models"
+        try:
+            status, data = self._exchange("GET", url, None, 10.0)
+        except Unreachable as error:
+            raise BackendDown(f"no model list at {url}: {'timed out' if error.timed_out else error}") from None
+        text = answer_text(data.decode("utf-8", "replace"), 200)
+        if status in (401, 403):
+            fix = ("the key given with --backend-key (BRIDGE_BACKEND_KEY) is not one it takes" if self._keyed
+                   else "pass the backend's API key with --backend-key (BRIDGE_BACKEND_KEY)")
+            raise BackendRefused(f"the backend refused the bridge: GET {url} answered {status} {text}; {fix}")
+        if status != 200:
+            raise BackendDown(f"no model list at {url}: it answered {status} {text}")
+        try:
+            listing = json.loads(data)
+        except ValueError:
+            listing = None
+        if not isinstance(listing, dict):
+            raise BackendDown(
+                f"no model list at {url}: it answered 200 with {text!r}; --backend is the server's OpenAI base URL"
+            )
+        return listing
 
     def _detect_kind(self, entry: dict[str, Any], props: Any) -> str:
         owned_by = str(entry.get("owned_by") or "").lower()

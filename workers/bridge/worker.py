@@ -33,6 +33,7 @@ from workers.bridge.backends import (
     Backend,
     BackendDown,
     BackendError,
+    BackendRefused,
     Capabilities,
     GenerationStopped,
     ProgressSink,
@@ -60,6 +61,13 @@ from workers.bridge.progress import ProgressPoster
 # The horde's stale sweep runs every 60 s: a submit up to then after the lease may still land.
 SUBMIT_GRACE_AFTER_LEASE = 60.0
 REPLY_REFUSAL_RCS = frozenset({"ChatSubmitInvalid", "ChatSubmitNonconformant", "ChatModelMismatch"})
+# A backend that fails job after job (a model that no longer fits in memory, a dead engine whose
+# model list still answers) would fault requests at the pace of the pops, each one's retries
+# included: after this many generation errors in a row no pop goes out for a while (doubling up
+# to the cap while it keeps failing), so other workers take the requests (ADR 0131).
+BACKEND_FAILURES_BEFORE_PAUSE = 2
+BACKEND_FAILING_PAUSE_SECONDS = 5.0
+BACKEND_FAILING_PAUSE_CAP_SECONDS = 300.0
 
 
 def _cut_at_length(response: dict[str, Any]) -> bool:
@@ -226,6 +234,10 @@ class Bridge:
         self._context_reread: str | None = None
         self._jobs_since_context_read = 0
         self._context_lock = threading.Lock()
+        # Generation errors in a row, and no pops before `_pause_until` once they are too many.
+        self._failures = 0
+        self._failing_backoff = Backoff(BACKEND_FAILING_PAUSE_SECONDS, BACKEND_FAILING_PAUSE_CAP_SECONDS)
+        self._pause_until = 0.0
 
     def _progress_poster(self, held: HeldJob, payload: dict[str, Any]) -> ProgressSink:
         return ProgressPoster(
@@ -267,6 +279,8 @@ class Bridge:
             try:
                 caps = self.backend.probe(self.config.model)
                 break
+            except BackendRefused as error:
+                raise SystemExit(str(error)) from None
             except BackendError as error:
                 delay = backoff.next()
                 self.log(f"backend not ready ({error}); retrying in {delay:.0f} s")
@@ -434,6 +448,9 @@ class Bridge:
         backoff = Backoff()
         in_maintenance = False
         while not self.stop_event.is_set():
+            if (paused := self._pause_until - time.monotonic()) > 0:
+                self.stop_event.wait(paused)
+                continue
             if not self._wait_for_backend():
                 continue
             self._read_context_again()
@@ -569,6 +586,26 @@ class Bridge:
                 self.stop_event.wait(delay)
         return False
 
+    def _backend_answered(self) -> None:
+        with self._lock:
+            self._failures = 0
+            self._failing_backoff.reset()
+
+    def _backend_failed(self, error: BackendError) -> None:
+        """A job the backend failed (generation_error): past BACKEND_FAILURES_BEFORE_PAUSE in a
+        row, pause the pops. The scripted backend's errors are its requests' directives."""
+        if self.config.is_scripted:
+            return
+        with self._lock:
+            self._failures += 1
+            failures = self._failures
+            if failures < BACKEND_FAILURES_BEFORE_PAUSE:
+                return
+            delay = self._failing_backoff.next()
+            self._pause_until = max(self._pause_until, time.monotonic() + delay)
+        self.log(f"the backend failed {failures} jobs in a row (last: {error}): no pops for {delay:.0f} s, "
+                 "so other workers take the requests")
+
     def _backend_down(self, error: BackendError) -> None:
         if self._backend_ok.is_set():
             self._backend_ok.clear()
@@ -613,6 +650,7 @@ class Bridge:
             return None, 0.0
         try:
             response = call(remaining)
+            self._backend_answered()
             if _cut_at_length(response):
                 self._read_context_soon("length")  # maybe cut by a context smaller than declared
             return response, time.monotonic() - started
@@ -632,6 +670,10 @@ class Bridge:
                 if isinstance(error, BackendDown):
                     self._backend_down(error)
                 self._fault(held, error.fault_reason, str(error))
+                if error.fault_reason == ChatFaultReason.GENERATION_ERROR and not error.load:
+                    self._backend_failed(error)
+                else:  # the backend refused this request (its prompt, its grammar) or this load: it works
+                    self._backend_answered()
             return None, elapsed
 
     def _serve_chat(self, job: dict[str, Any], held: HeldJob) -> None:
