@@ -22,7 +22,7 @@ from tests.bridge.fake_backend import (
     FakeLlamaCpp,
     RouteServer,
 )
-from tests.bridge.fake_ollama import FakeOllama
+from tests.bridge.test_ollama import ollama
 from workers.bridge.backends import BackendDown, BackendError, BackendRefused, OpenAIBackend
 from workers.bridge.scripted import ScriptedBackend
 from workers.bridge.worker import Bridge
@@ -42,16 +42,6 @@ def route_server(routes) -> Iterator[str]:
         yield url
     finally:
         server.stop()
-
-
-@contextmanager
-def ollama(**options) -> Iterator[FakeOllama]:
-    fake = FakeOllama(**options)
-    fake.start()
-    try:
-        yield fake
-    finally:
-        fake.stop()
 
 
 def _until(condition, out: LogBuffer, timeout: float = 15.0) -> None:

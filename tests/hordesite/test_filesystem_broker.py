@@ -14,16 +14,21 @@ TRANSPORT = "hordesite.filesystem_broker:Transport"
 MESSAGES = 300
 
 
-def test_a_reader_polling_while_a_writer_publishes_reads_every_message_whole(tmp_path):
-    transport = TRANSPORT
+def _folders(tmp_path) -> dict:
+    """The transport's options: its folders under the test's own."""
     folder = tmp_path / "broker"
     folder.mkdir()
-    options = {
+    return {
         "data_folder_in": str(folder),
         "data_folder_out": str(folder),
         "control_folder": str(tmp_path / "control"),
         "store_processed": False,
     }
+
+
+def test_a_reader_polling_while_a_writer_publishes_reads_every_message_whole(tmp_path):
+    transport = TRANSPORT
+    options = _folders(tmp_path)
     payload = "x" * 50_000  # a long write: a wide window for a reader to see a file unfinished
     received: list[int] = []
     failures: list[BaseException] = []
@@ -62,14 +67,7 @@ def test_a_reader_polling_while_a_writer_publishes_reads_every_message_whole(tmp
 def test_a_connection_to_the_folders_warns_of_no_missing_hostname(tmp_path, caplog):
     """kombu's filesystem transport asked for a host it never uses, so every start of the embedded
     default's worker and beat logged "No hostname was supplied. Reverting to default 'localhost'"."""
-    folder = tmp_path / "broker"
-    folder.mkdir()
-    options = {
-        "data_folder_in": str(folder),
-        "data_folder_out": str(folder),
-        "control_folder": str(tmp_path / "control"),
-        "store_processed": False,
-    }
+    options = _folders(tmp_path)
     caplog.set_level("WARNING", logger="kombu")
     with Connection("filesystem://", transport=TRANSPORT, transport_options=options) as conn:
         # A queue of its own: kombu keeps the bindings it made process-wide (see above).
