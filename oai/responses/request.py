@@ -641,7 +641,8 @@ MESSAGE_NAMES = (
 )
 
 
-# The chat route's tool history rules (contract.chat_policy), in the Responses API's items.
+# The chat route's tool history rules (contract.chat_policy), in the Responses API's items. A call id
+# is the client's string, line breaks included (DOTALL).
 TOOL_HISTORY_MESSAGES = (
     (
         re.compile(
@@ -656,11 +657,11 @@ TOOL_HISTORY_MESSAGES = (
         "a function_call_output item must follow the function_call item with its call_id.",
     ),
     (
-        re.compile(r"'tool_call_id' of '(.*)' not found in 'tool_calls' of previous message\."),
+        re.compile(r"'tool_call_id' of '(.*)' not found in 'tool_calls' of previous message\.", re.DOTALL),
         r"'call_id' of '\1' not found in the function_call items before it.",
     ),
     (
-        re.compile(r"the tool call id '(.*)' is repeated in 'tool_calls'\."),
+        re.compile(r"the tool call id '(.*)' is repeated in 'tool_calls'\.", re.DOTALL),
         r"the call_id '\1' is repeated in the function_call items.",
     ),
 )

@@ -270,6 +270,28 @@ def _image_part(url: str) -> dict[str, Any]:
             },
             "input[0]",
         ),
+        # call ids holding a line break are renamed as any other (hypothesis found '\n' in CI)
+        (
+            {
+                "model": "m",
+                "input": [
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "a\nb", "output": "r"},
+                ],
+            },
+            "input[1].call_id",
+        ),
+        (
+            {
+                "model": "m",
+                "input": [
+                    {"type": "function_call", "call_id": "\n", "name": "f", "arguments": "{}"},
+                    {"type": "function_call", "call_id": "\n", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "\n", "output": "r"},
+                ],
+            },
+            "input[0]",
+        ),
         # an input_image's image_url is the URL itself, and its detail is the part's own
         ({"model": "m", "input": [{"role": "user", "content": [_image_part("ftp://x")]}]}, "input[0].content[0].image_url"),
         (
